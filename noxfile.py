@@ -1,0 +1,84 @@
+"""Table of contents of the project: each session is one command of the sglang_image package.
+
+    nox -s build                 build the default flavor's image (nox -s build -- --help)
+    nox -s tests                 run the test suite (starts its own Docker engine if needed)
+    nox -l                       list everything
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+
+ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+
+
+def _install(session: nox.Session, *groups: str) -> None:
+    session.install("-e", ".", *(r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)))
+
+
+def _run(session: nox.Session, *command: str) -> None:
+    session.run("python", "-m", "sglang_image", *command, *session.posargs)
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """Build the image of a flavor from pinned, hash-checked wheels (-- --flavor F --tag T --no-cache)."""
+    _install(session)
+    _run(session, "build")
+
+
+@nox.session(default=False)
+def smoke(session: nox.Session) -> None:
+    """Start the server in the built image with a threshold and prove the output (-- --image T --threshold N)."""
+    _install(session)
+    _run(session, "smoke")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite: real wheels, a real Docker engine (started when none answers), no GPU."""
+    _install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(default=False)
+def patches(session: nox.Session) -> None:
+    """Apply every flavor's patch series to its real wheels with zero fuzz (-- edit|export F, rebase FROM TO)."""
+    _install(session)
+    _run(session, "patches")
+
+
+@nox.session(default=False)
+def lock(session: nox.Session) -> None:
+    """Regenerate the hash-pinned lock of a flavor (-- FLAVOR) with uv pip compile --generate-hashes."""
+    _install(session)
+    session.install("uv")
+    _run(session, "lock")
+
+
+@nox.session(default=False)
+def publish(session: nox.Session) -> None:
+    """Push the built image with its SBOM and labels to a registry (-- --registry HOST:PORT)."""
+    _install(session)
+    _run(session, "publish")
+
+
+@nox.session(name="gpu-e2e", default=False)
+def gpu_e2e(session: nox.Session) -> None:
+    """Prepare the wheel bundle for the GPU machine and print the command that runs the GPU checks there."""
+    _install(session)
+    _run(session, "gpu-e2e")
+
+
+@nox.session(default=False)
+def lint(session: nox.Session) -> None:
+    """ruff and mypy --strict over the package and this file."""
+    _install(session, "lint")
+    session.run("ruff", "check", "src", "tests", "noxfile.py", "smoke")
+    session.run("mypy")

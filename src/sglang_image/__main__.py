@@ -1,0 +1,5 @@
+import sys
+
+from sglang_image.cli import main
+
+sys.exit(main())

@@ -1,0 +1,103 @@
+"""Command line behind the nox sessions: `python -m sglang_image COMMAND ...`.
+
+noxfile.py stays a table of contents; each session calls one command here.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+
+from sglang_image import lock, patch, patchwork, pins
+from sglang_image.errors import SglangImageError
+
+console = Console(highlight=False)
+
+
+def check_all_series(flavor_names: Sequence[str]) -> int:
+    """Applies every flavor's series to its real, hash-checked wheels; one line per patch."""
+    failures = 0
+    for name in flavor_names:
+        flavor = pins.load_flavor(name)
+        with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+            patch.prepare_tree(flavor, Path(tmp), patched=False)
+            results = patch.apply_series(flavor.series(), Path(tmp), keep_going=True)
+        console.print(f"[bold]{name}[/]: {len(results)} patches on "
+                      f"{', '.join(flavor.patch_targets)} (zero fuzz)")
+        for r in results:
+            if r.ok:
+                console.print(f"  [green]applied[/] {r.name}  ({', '.join(r.files)})")
+            else:
+                failures += 1
+                console.print(f"  [red]FAILED[/]  {r.message}")
+    return 1 if failures else 0
+
+
+def cmd_patches(args: argparse.Namespace) -> int:
+    words = list(args.words)
+    action = words.pop(0) if words and words[0] in ("check", "edit", "export", "rebase") else "check"
+    args.flavors = words
+    if action == "check":
+        return check_all_series(args.flavors or pins.flavor_names())
+    if action == "edit":
+        flavor = pins.load_flavor(args.flavors[0] if args.flavors else None)
+        repo = patchwork.edit(flavor)
+        console.print(f"work tree: {repo}\n  one commit per patch after the tag 'upstream'; amend, "
+                      f"add or reorder commits (git rebase -i upstream), then:\n"
+                      f"  nox -s patches -- export {flavor.name}")
+        return 0
+    if action == "export":
+        flavor = pins.load_flavor(args.flavors[0] if args.flavors else None)
+        for e in patchwork.export(flavor):
+            note = " (new: fill in its DEP-3 header)" if e.header_added else ""
+            console.print(f"  {'written' if e.changed else 'same   '} {e.name}{note}")
+        return check_all_series([flavor.name])
+    if action == "rebase":
+        if len(args.flavors) != 2:
+            raise SystemExit("usage: nox -s patches -- rebase FROM_FLAVOR TO_FLAVOR")
+        source, target = (pins.load_flavor(n) for n in args.flavors)
+        repo, outcomes = patchwork.rebase(source, target)
+        for o in outcomes:
+            mark = "[green]carried[/]" if o.carried else "[red]needs hand work[/]"
+            console.print(f"  {mark} {o.name}: {o.detail}")
+        console.print(f"work tree: {repo} (carried patches are commits after 'upstream').\n"
+                      f"Redo the others by hand there, then: nox -s patches -- export {target.name}")
+        return 0 if all(o.carried for o in outcomes) else 1
+    raise SystemExit(f"unknown action {action!r}: check, edit, export or rebase")
+
+
+def cmd_lock(args: argparse.Namespace) -> int:
+    for name in args.flavors or pins.flavor_names():
+        flavor = pins.load_flavor(name)
+        path = lock.regenerate(flavor)
+        entries = lock.read_lock(path)
+        unverified = [e.requirement for e in entries if not e.verified]
+        console.print(f"{name}: {len(entries)} packages -> {path.relative_to(pins.REPO_ROOT)}"
+                      + (f" [yellow](incomplete: {', '.join(unverified)})[/]" if unverified else ""))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_image")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("patches", help="check, edit, export or rebase the patch series")
+    p.add_argument("words", nargs="*", metavar="[ACTION] FLAVOR",
+                   help="check (default) [FLAVOR...] | edit FLAVOR | export FLAVOR | rebase FROM TO")
+    p.set_defaults(func=cmd_patches)
+    p = sub.add_parser("lock", help="regenerate the hash-pinned lock of flavors")
+    p.add_argument("flavors", nargs="*")
+    p.set_defaults(func=cmd_lock)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SglangImageError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

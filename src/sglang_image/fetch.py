@@ -1,0 +1,120 @@
+"""Download the flavor's wheels by hash into a wheelhouse (cached), for its Python and platform.
+
+pip does the downloading (it knows the index protocol, platform tags and mirrors configured on the
+machine); we pass the lock's hashes so pip refuses a wrong file, and check every wheel's sha256
+again ourselves so the error names the wheel and the fix whatever pip printed.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from sglang_image.errors import FetchError, HashMismatchError
+from sglang_image.lock import LockEntry, normalize, read_lock
+from sglang_image.pins import REPO_ROOT, Flavor
+
+WHEEL_CACHE = Path(os.environ.get("SGLANG_IMAGE_CACHE", REPO_ROOT / ".cache")) / "wheels"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def wheel_distribution(path: Path) -> str:
+    return normalize(path.name.split("-", 1)[0])
+
+
+def _pip_download(entries: list[LockEntry], flavor: Flavor, dest: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        req = Path(tmp) / "requirements.txt"
+        req.write_text("".join(
+            f"{e.requirement} " + " ".join(f"--hash=sha256:{h}" for h in e.hashes) + "\n"
+            for e in entries))
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes",
+               "--only-binary=:all:", "--implementation", "cp",
+               "--python-version", flavor.python_version, "--progress-bar", "off",
+               "-d", str(dest), "-r", str(req)]
+        for platform in flavor.platforms:
+            if platform != "any":
+                cmd += ["--platform", platform]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return
+    text = proc.stdout + proc.stderr
+    if "DO NOT MATCH THE HASHES" in text:
+        lines = [ln.strip() for ln in text.splitlines() if "Expected sha256" in ln or "Got" in ln
+                 or "==" in ln and "from" in ln]
+        raise HashMismatchError(
+            f"a wheel of {flavor.name} does not match its hash in {flavor.lock_path.name}:\n  "
+            + "\n  ".join(lines[-6:]) + "\nEither the index serves a different file (stop and "
+            "investigate) or the lock is wrong: regenerate it with nox -s lock -- " + flavor.name)
+    raise FetchError(f"pip download failed for {flavor.name}:\n{text.strip()[-2500:]}\n"
+                     "Check the network to the package index, or the lock: nox -s lock -- "
+                     + flavor.name)
+
+
+def verify_wheel(path: Path, entry: LockEntry, lock_name: str) -> None:
+    actual = sha256_of(path)
+    if actual not in entry.hashes:
+        raise HashMismatchError(
+            f"{path.name}: sha256 {actual} is not one of the {len(entry.hashes)} hashes that "
+            f"{lock_name} pins for {entry.requirement}. Delete the file and fetch again; if it "
+            f"persists, the index serves another file than the lock was made from.")
+
+
+def fetch_wheels(flavor: Flavor, dest: Path, only: Iterable[str] | None = None,
+                 cache: Path = WHEEL_CACHE) -> list[Path]:
+    """Returns the wheels of the lock (or of the `only` distributions) placed in `dest`."""
+    entries = read_lock(flavor.lock_path)
+    if only is not None:
+        wanted = {normalize(n) for n in only}
+        entries = [e for e in entries if e.name in wanted]
+        found = {e.name for e in entries}
+        if wanted - found:
+            raise FetchError(f"{sorted(wanted - found)} not in {flavor.lock_path.name}")
+    unverified = [e.requirement for e in entries if not e.verified]
+    if unverified:
+        raise FetchError(f"{unverified}: no verified hash in {flavor.lock_path.name} (incomplete "
+                         f"lock); complete it on a machine with internet: nox -s lock -- {flavor.name}")
+    cache.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    by_name = {e.name: e for e in entries}
+
+    def cached() -> dict[str, Path]:
+        have: dict[str, Path] = {}
+        for wheel in cache.glob("*.whl"):
+            entry = by_name.get(wheel_distribution(wheel))
+            if entry and wheel.name.split("-")[1] == entry.version.replace("-", "_"):
+                have[entry.name] = wheel
+        return have
+
+    missing = [e for e in entries if e.name not in cached()]
+    if missing:
+        _pip_download(missing, flavor, cache)
+    have = cached()
+    result = []
+    for entry in entries:
+        wheel = have.get(entry.name)
+        if wheel is None:
+            raise FetchError(f"pip reported success but no wheel of {entry.requirement} is in {cache}")
+        verify_wheel(wheel, entry, flavor.lock_path.name)
+        target = dest / wheel.name
+        if target.resolve() != wheel.resolve():
+            if target.exists():
+                target.unlink()
+            try:
+                os.link(wheel, target)
+            except OSError:
+                shutil.copy2(wheel, target)
+        result.append(target)
+    return result

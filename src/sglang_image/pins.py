@@ -1,0 +1,121 @@
+"""Flavors: one TOML file of pins per SGLang release (images/flavors/<name>.toml).
+
+A flavor is data. This module only reads and checks it; nothing here knows a version number.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sglang_image.errors import PinError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FLAVOR_DIR = REPO_ROOT / "images" / "flavors"
+PATCH_ROOT = REPO_ROOT / "patches"
+DEFAULT_FLAVOR = "sglang-0.5.17"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseImage:
+    name: str
+    digest: str
+    digest_verified: bool
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.digest}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flavor:
+    name: str
+    sglang_version: str
+    torch_version: str
+    kernel_package: str
+    kernel_version: str
+    flashinfer_version: str
+    transformers_version: str
+    python_version: str
+    base_image: BaseImage
+    cuda_arch_list: str
+    platforms: tuple[str, ...]
+    requirements: tuple[str, ...]
+    indexes: tuple[str, ...]
+    find_links: tuple[str, ...]
+    patch_targets: tuple[str, ...]
+    toml_path: Path
+    lock_path: Path
+    patch_dir: Path
+
+    def series(self) -> list[Path]:
+        """The patch files in the order of patches/<flavor>/series."""
+        from sglang_image.patch import read_series
+
+        return read_series(self.patch_dir)
+
+    def lock_inputs_digest(self) -> str:
+        """Hash of what the lock is resolved from: a lock whose header differs is stale."""
+        inputs = {"python": self.python_version, "platforms": self.platforms,
+                  "requirements": self.requirements, "indexes": self.indexes,
+                  "find_links": self.find_links}
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def flavor_names() -> list[str]:
+    return sorted(p.stem for p in FLAVOR_DIR.glob("*.toml"))
+
+
+def _require(table: dict[str, Any], key: str, where: str) -> Any:
+    if key not in table:
+        raise PinError(f"{where}: missing key '{key}'")
+    return table[key]
+
+
+def load_flavor(name: str | None = None, flavor_dir: Path = FLAVOR_DIR) -> Flavor:
+    name = name or DEFAULT_FLAVOR
+    path = flavor_dir / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(p.stem for p in sorted(flavor_dir.glob("*.toml"))) or "none"
+        raise PinError(f"unknown flavor '{name}': {path} does not exist (known flavors: {known})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise PinError(f"{path}: not valid TOML: {exc}") from exc
+    where = str(path.relative_to(flavor_dir.parent.parent)) if flavor_dir == FLAVOR_DIR else str(path)
+    stack = _require(data, "stack", where)
+    base = _require(data, "base_image", where)
+    build = _require(data, "build", where)
+    lock = _require(data, "lock", where)
+    digest = str(_require(base, "digest", f"{where} [base_image]"))
+    if not digest.startswith("sha256:") or len(digest) != 71:
+        raise PinError(f"{where} [base_image]: digest must be 'sha256:' and 64 hex digits, "
+                       f"got {digest!r} (a tag alone is not a pin)")
+    requirements = tuple(str(r) for r in _require(lock, "requirements", f"{where} [lock]"))
+    unpinned = [r for r in requirements if "==" not in r]
+    if unpinned:
+        raise PinError(f"{where} [lock]: every requirement must be pinned with '==': {unpinned}")
+    return Flavor(
+        name=name,
+        sglang_version=str(_require(stack, "sglang", where)),
+        torch_version=str(_require(stack, "torch", where)),
+        kernel_package=str(_require(stack, "kernel_package", where)),
+        kernel_version=str(_require(stack, "kernel", where)),
+        flashinfer_version=str(_require(stack, "flashinfer", where)),
+        transformers_version=str(_require(stack, "transformers", where)),
+        python_version=str(_require(stack, "python", where)),
+        base_image=BaseImage(name=str(_require(base, "name", where)), digest=digest,
+                             digest_verified=bool(base.get("digest_verified", False))),
+        cuda_arch_list=str(_require(build, "cuda_arch_list", where)),
+        platforms=tuple(_require(build, "platforms", where)),
+        requirements=requirements,
+        indexes=tuple(lock.get("indexes", ())),
+        find_links=tuple(lock.get("find_links", ())),
+        patch_targets=tuple(data.get("patch", {}).get("targets", ("sglang",))),
+        toml_path=path,
+        lock_path=path.with_suffix(".lock"),
+        patch_dir=PATCH_ROOT / name,
+    )

@@ -1,0 +1,86 @@
+"""Flavors as data, their locks, and the hash-checked fetch (real downloads from PyPI)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from sglang_image import fetch, lock, pins
+from sglang_image.errors import HashMismatchError, LockError, PinError
+
+SIX = "six==1.16.0"
+SIX_SHA256 = "8abb2f1d86890a2dfb989f9a77cfcfd3e47c2a354b01111771326f8aa26e0254"
+
+
+@pytest.mark.parametrize("name", pins.flavor_names())
+def test_flavor_loads_and_lock_is_fresh(name: str) -> None:
+    flavor = pins.load_flavor(name)
+    assert flavor.base_image.digest.startswith("sha256:")
+    assert f"sglang=={flavor.sglang_version}" in flavor.requirements
+    lock.check_fresh(flavor)  # fails when the toml changed after the lock was made
+    entries = {e.name: e for e in lock.read_lock(flavor.lock_path)}
+    assert entries["sglang"].version == flavor.sglang_version
+    assert entries["flashinfer-python"].version == flavor.flashinfer_version
+    assert entries["transformers"].version == flavor.transformers_version
+    assert entries[flavor.kernel_package].version == flavor.kernel_version
+    assert entries["torch"].version == flavor.torch_version
+
+
+def test_default_flavor_lock_is_complete() -> None:
+    entries = lock.require_complete(pins.load_flavor())
+    assert len(entries) > 150 and all(e.hashes for e in entries)
+
+
+def test_old_flavor_lock_marks_unreachable_wheels() -> None:
+    flavor = pins.load_flavor("sglang-0.5.9")
+    unverified = {e.requirement for e in lock.read_lock(flavor.lock_path) if not e.verified}
+    assert unverified == {"torch==2.9.1+cu130", "sgl-kernel==0.3.21+cu130"}
+    with pytest.raises(LockError, match=r"nox -s lock -- sglang-0\.5\.9"):
+        lock.require_complete(flavor)
+
+
+def test_unknown_flavor_and_unpinned_base(tmp_path: Path) -> None:
+    with pytest.raises(PinError, match="known flavors: sglang-0.5.17"):
+        pins.load_flavor("sglang-9.9.9")
+    text = pins.load_flavor().toml_path.read_text()
+    bad = text.replace('digest = "sha256:', 'digest = "latest-', 1)
+    (tmp_path / "x.toml").write_text(bad)
+    with pytest.raises(PinError, match="a tag alone is not a pin"):
+        pins.load_flavor("x", flavor_dir=tmp_path)
+
+
+def _flavor_with_lock(tmp_path: Path, line: str) -> pins.Flavor:
+    lock_path = tmp_path / "demo.lock"
+    lock_path.write_text(line + "\n")
+    return dataclasses.replace(pins.load_flavor(), lock_path=lock_path)
+
+
+@pytest.mark.network
+def test_fetch_checks_hash_and_caches(tmp_path: Path) -> None:
+    flavor = _flavor_with_lock(tmp_path, f"{SIX} --hash=sha256:{SIX_SHA256}")
+    cache = tmp_path / "cache"
+    [wheel] = fetch.fetch_wheels(flavor, tmp_path / "house", cache=cache)
+    assert fetch.sha256_of(wheel) == SIX_SHA256
+    mtime = next(cache.glob("*.whl")).stat().st_mtime_ns
+    fetch.fetch_wheels(flavor, tmp_path / "house2", cache=cache)  # from the cache
+    assert next(cache.glob("*.whl")).stat().st_mtime_ns == mtime
+
+
+@pytest.mark.network
+def test_fetch_refuses_a_wheel_whose_hash_differs(tmp_path: Path) -> None:
+    wrong = "0" * 64
+    flavor = _flavor_with_lock(tmp_path, f"{SIX} --hash=sha256:{wrong}")
+    with pytest.raises(HashMismatchError) as err:
+        fetch.fetch_wheels(flavor, tmp_path / "house", cache=tmp_path / "cache")
+    assert "six" in str(err.value) and "nox -s lock" in str(err.value)
+    assert not list((tmp_path / "house").glob("*.whl"))
+
+
+def test_a_corrupted_cached_wheel_is_refused(tmp_path: Path) -> None:
+    flavor = _flavor_with_lock(tmp_path, f"{SIX} --hash=sha256:{SIX_SHA256}")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "six-1.16.0-py2.py3-none-any.whl").write_bytes(b"not the wheel")
+    with pytest.raises(HashMismatchError, match="six-1.16.0-py2.py3-none-any.whl"):
+        fetch.fetch_wheels(flavor, tmp_path / "house", cache=cache)
