@@ -15,7 +15,7 @@ from rich.console import Console
 from sglang_image import lock, patch, patchwork, pins
 from sglang_image.errors import SglangImageError
 
-console = Console(highlight=False)
+console = Console(highlight=False, soft_wrap=True)
 
 
 def check_all_series(flavor_names: Sequence[str]) -> int:
