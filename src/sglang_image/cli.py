@@ -5,9 +5,10 @@ noxfile.py stays a table of contents; each session calls one command here.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -81,6 +82,22 @@ def cmd_lock(args: argparse.Namespace) -> int:
     return 0
 
 
+STAGE_COMMANDS = [
+    ("build", "build", "build a flavor's image through the Docker engine"),
+    ("smoke", "smoke", "smoke-test the built image (full with a GPU, PARTIAL without)"),
+    ("publish", "publish", "push the image, its SBOM and labels to a registry"),
+    ("gpu-e2e", "gpu", "build the GPU machine's wheel bundle and print the device command"),
+]
+
+
+def _stage(module: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        stage = importlib.import_module(f"sglang_image.{module}")
+        return int(stage.main(args.rest))
+
+    return run
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_image")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("lock", help="regenerate the hash-pinned lock of flavors")
     p.add_argument("flavors", nargs="*")
     p.set_defaults(func=cmd_lock)
+    # Stages with their own argument parsers: everything after the command goes to them.
+    for command, module, help_text in STAGE_COMMANDS:
+        p = sub.add_parser(command, help=help_text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_stage(module))
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
