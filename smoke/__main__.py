@@ -1,0 +1,32 @@
+"""python -m smoke {models,run,bench,e2e,comm,partial} ... (see each module's docstring)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from smoke import bench, comm, e2e, models, partial, runner
+
+    ap = argparse.ArgumentParser(prog="python -m smoke", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, mod, help_ in (("models", models, "generate the tiny/1B-shaped models offline"),
+                             ("run", runner, "smoke checks against servers started here"),
+                             ("bench", bench, "throughput: plain / EAGLE-3 / EAGLE-3 + threshold"),
+                             ("e2e", e2e, "the whole GPU run: install, patch, models, smoke, bench"),
+                             ("comm", comm, "2-GPU all-reduce proof: e2e's install,patch,models,comm"),
+                             ("partial", partial, "image checks that need no GPU (PARTIAL)")):
+        p = sub.add_parser(name, help=help_, description=mod.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(main=mod.main)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return int(a.main(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Output tokens/s at several concurrencies for plain, always-on EAGLE-3 and EAGLE-3 with the dynamic
+disable threshold (CUDA graphs on), on the 1B-shaped generated models.
+
+    python -m smoke bench --models DIR --out DIR [--threshold 16] [--concurrency 1,8,256]
+
+Every configuration gets the same prompts (greedy, ignore_eos, fixed lengths), so the EAGLE-3
+outputs are also compared with the plain ones (a mismatch is a failure: the plain step under CUDA
+graphs must not change results). Prints a table with the ratio to plain.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smoke import client
+from smoke.client import Prompt
+from smoke.runner import Deadline, SmokeFailure, check_log_clean, spec_state
+from smoke.server import Server, ServerConfig, log_tail
+
+CONFIGS = ("plain", "eagle3", "eagle3_thr")
+
+
+@dataclass
+class BenchOptions:
+    models: Path
+    out: Path
+    threshold: int = 16
+    concurrency: tuple[int, ...] = (1, 8, 256)
+    output_len: int = 256
+    port: int = 30000
+    mem_fraction: float = 0.3
+    configs: tuple[str, ...] = CONFIGS
+    deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
+    min_server_s: float = 150
+    min_measure_s: float = 75
+    health_timeout: float = 420
+
+
+def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
+    rnd = random.Random(seed * 1000 + concurrency)
+    n = max(3, 2 * concurrency) if concurrency < 64 else concurrency  # one full wave at high load
+    return [Prompt(f"c{concurrency}-{i}", tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, 64))),
+                   output_len) for i in range(n)]
+
+
+def server_config(name: str, opts: BenchOptions) -> ServerConfig:
+    max_bs = max(opts.concurrency)
+    cfg = ServerConfig(name, opts.models / "target", cuda_graph=True, cuda_graph_max_bs=max_bs,
+                       max_running=max_bs, mem_fraction=opts.mem_fraction, enable_metrics=True)
+    if name != "plain":
+        cfg.draft = opts.models / "draft"
+    if name == "eagle3_thr":
+        cfg.threshold = opts.threshold
+    return cfg
+
+
+def measure(base: str, prompts: list[Prompt], concurrency: int, timeout: float = 240) -> dict[str, Any]:
+    t0 = time.time()
+    res = client.run_concurrent(base, prompts, concurrency, timeout)
+    wall = time.time() - t0
+    errors = [r for r in res if r.error]
+    toks = sum(len(r.output_ids or []) for r in res)
+    lens = [r.meta["spec_accept_length"] for r in res if "spec_accept_length" in r.meta]
+    return {"requests": len(res), "errors": len(errors), "first_error": errors[0].error if errors else None,
+            "output_tokens": toks, "seconds": round(wall, 3), "tok_per_s": round(toks / wall, 1),
+            "accept_length": round(sum(lens) / len(lens), 3) if lens else None,
+            "outputs": {r.key: r.output_ids for r in res}}
+
+
+def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
+    cfg = server_config(name, opts)
+    log = opts.out / f"server_bench_{name}.log"
+    rep: dict[str, Any] = {"name": name, "results": {}}
+    srv = Server(cfg, opts.port, log)
+    try:
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
+        rep["start_s"] = round(srv.start_seconds, 1)
+        if opts.deadline.left() < opts.min_measure_s:
+            rep["skipped"] = True
+            raise SmokeFailure(f"deadline: only {opts.deadline.left():.0f}s left after the start")
+        # warm-up at the largest concurrency (lazy JIT/autotune outside the measurement)
+        client.run_concurrent(srv.base, [Prompt(f"w{i}", (5 + i, 6, 7, 8), 16)
+                                         for i in range(max(opts.concurrency))], max(opts.concurrency),
+                              max(10.0, min(240, opts.deadline.left() - 25)))
+        for c in opts.concurrency:
+            rep["results"][str(c)] = measure(srv.base, workload(vocab, c, opts.output_len, 0), c,
+                                             max(10.0, min(240, opts.deadline.left() - 25)))
+        if cfg.threshold is not None:
+            rep["spec_disable"] = spec_state(client.server_info(srv.base))
+        check_log_clean(log.read_text(errors="replace"))
+        rep["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - SmokeFailure, HTTPFailure or an unexpected answer
+        rep["ok"] = False
+        rep["cause"] = getattr(exc, "cause", f"{type(exc).__name__}: {exc}")
+        rep["log_tail"] = log_tail(log, 30)
+    finally:
+        srv.stop()
+    return rep
+
+
+def compare(reps: dict[str, dict[str, Any]]) -> list[str]:
+    """Output mismatches of each EAGLE config against plain (same prompts, greedy)."""
+    problems = []
+    plain = reps.get("plain", {}).get("results", {})
+    for name, rep in reps.items():
+        if name == "plain":
+            continue
+        for c, r in rep.get("results", {}).items():
+            ref = plain.get(c, {}).get("outputs", {})
+            bad = [k for k, v in r.get("outputs", {}).items() if k in ref and ref[k] != v]
+            if bad:
+                problems.append(f"{name} c={c}: {len(bad)} output(s) differ from plain (e.g. {bad[0]})")
+            if r.get("errors"):
+                problems.append(f"{name} c={c}: {r['errors']} request error(s): {r['first_error']}")
+    return problems
+
+
+def table(reps: dict[str, dict[str, Any]], concurrency: tuple[int, ...]) -> str:
+    plain = reps.get("plain", {}).get("results", {})
+    head = f"{'config':12s}" + "".join(f"{'c=' + str(c):>26s}" for c in concurrency)
+    lines = ["output tokens/s (ratio to plain) [accept length]", head]
+    for name in CONFIGS:
+        rep = reps.get(name)
+        if rep is None:
+            continue
+        cells = []
+        for c in concurrency:
+            r = rep.get("results", {}).get(str(c))
+            if not r:
+                cells.append(f"{'-':>26s}")
+                continue
+            p = plain.get(str(c), {}).get("tok_per_s")
+            ratio = f"{r['tok_per_s'] / p:.2f}x" if p else "  -  "
+            al = f"[{r['accept_length']:.2f}]" if r.get("accept_length") else ""
+            cells.append(f"{r['tok_per_s']:>10.0f} ({ratio}) {al:>7s}")
+        lines.append(f"{name:12s}" + "".join(f"{x:>26s}" for x in cells))
+    return "\n".join(lines)
+
+
+def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    state = state if state is not None else {}
+    opts.out.mkdir(parents=True, exist_ok=True)
+    expected = json.loads((opts.models / "expected.json").read_text())
+    vocab = int(expected["vocab_size"])
+    done = state.setdefault("configs", {})
+    reps: dict[str, dict[str, Any]] = {}
+    skipped = []
+    for name in opts.configs:
+        if name in done:
+            reps[name] = done[name]
+            continue
+        if opts.deadline.left() < opts.min_server_s:
+            skipped.append(f"{name} (deadline)")
+            continue
+        rep = run_config(name, opts, vocab)
+        if rep.get("skipped"):
+            skipped.append(f"{name} (deadline after its start)")
+            continue
+        reps[name] = rep
+        if rep.get("ok"):
+            done[name] = rep
+    failures = [f"{n}: {r.get('cause')}\n{r.get('log_tail')}" for n, r in reps.items() if not r.get("ok")]
+    failures += compare(reps)
+    out = {"threshold": opts.threshold, "concurrency": list(opts.concurrency),
+           "designed_accept_length": expected.get("designed_accept_length"),
+           "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept")},
+           "table": table(reps, opts.concurrency), "skipped": skipped, "failures": failures,
+           "configs": {n: {k: v for k, v in r.items() if k != "results"} | {
+               "results": {c: {k: v for k, v in x.items() if k != "outputs"}
+                           for c, x in r.get("results", {}).items()}} for n, r in reps.items()}}
+    big = str(max(opts.concurrency))
+    try:
+        thr = reps["eagle3_thr"]["results"][big]["tok_per_s"]
+        pl = reps["plain"]["results"][big]["tok_per_s"]
+        out["thr_vs_plain_at_max"] = round(thr / pl, 3)
+        out["goal_0.97_met"] = thr / pl >= 0.97
+    except KeyError:
+        pass
+    return out
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--models", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--threshold", type=int, default=16)
+    ap.add_argument("--concurrency", default="1,8,256")
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--mem-fraction", type=float, default=0.3)
+    ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
+
+
+def options(a: argparse.Namespace) -> BenchOptions:
+    conc = tuple(int(x) for x in a.concurrency.split(",") if x.strip())
+    configs = tuple(x.strip() for x in a.configs.split(",") if x.strip())
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or not conc or min(conc) < 1:
+        raise SystemExit(f"bad --configs {bad} or --concurrency {a.concurrency}")
+    return BenchOptions(models=a.models, out=a.out, threshold=a.threshold, concurrency=conc,
+                        output_len=a.output_len, configs=configs, port=a.port,
+                        mem_fraction=a.mem_fraction, deadline=Deadline(time.time() + a.deadline))
+
+
+def main(a: argparse.Namespace) -> int:
+    opts = options(a)
+    out = run_bench(opts)
+    (opts.out / "bench.json").write_text(json.dumps(out, indent=1))
+    print(out["table"])
+    for f in out["failures"]:
+        print("BENCH FAILED:", f)
+    return 1 if out["failures"] or out["skipped"] else 0

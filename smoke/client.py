@@ -1,0 +1,132 @@
+"""Standard-library HTTP client for an sglang server (no requests/aiohttp: runs anywhere)."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+
+class HTTPFailure(Exception):
+    pass
+
+
+def _open(req: urllib.request.Request | str, timeout: float) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        body = exc.read()[:2000].decode("utf-8", "replace")
+        raise HTTPFailure(f"HTTP {exc.code} from {getattr(req, 'full_url', req)}: {body}") from exc
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+        raise HTTPFailure(f"{getattr(req, 'full_url', req)}: {exc}") from exc
+
+
+def get_text(url: str, timeout: float = 30) -> str:
+    return _open(url, timeout)[1].decode("utf-8", "replace")
+
+
+def get_json(url: str, timeout: float = 30) -> Any:
+    return json.loads(get_text(url, timeout))
+
+
+def post_json(url: str, payload: Any, timeout: float = 600) -> Any:
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return json.loads(_open(req, timeout)[1].decode())
+
+
+def healthy(base: str) -> bool:
+    try:
+        return _open(base + "/health", 5)[0] == 200
+    except HTTPFailure:
+        return False
+
+
+@dataclass(frozen=True)
+class Prompt:
+    key: str
+    input_ids: tuple[int, ...]
+    max_new_tokens: int
+
+
+@dataclass
+class Result:
+    key: str
+    output_ids: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def generate(base: str, p: Prompt, timeout: float = 600) -> Result:
+    t0 = time.time()
+    payload = {"input_ids": list(p.input_ids),
+               "sampling_params": {"temperature": 0, "max_new_tokens": p.max_new_tokens,
+                                   "ignore_eos": True}}
+    try:
+        r = post_json(base + "/generate", payload, timeout)
+    except HTTPFailure as exc:
+        return Result(p.key, error=str(exc), seconds=time.time() - t0)
+    ids = r.get("output_ids")
+    if ids is None:
+        return Result(p.key, error=f"no output_ids in response: {str(r)[:300]}", seconds=time.time() - t0)
+    return Result(p.key, list(ids), r.get("meta_info") or {}, None, time.time() - t0)
+
+
+def run_concurrent(base: str, prompts: Sequence[Prompt], concurrency: int,
+                   timeout: float = 600) -> list[Result]:
+    """Sends all prompts with at most `concurrency` in flight; results in prompt order."""
+    if concurrency <= 1:
+        return [generate(base, p, timeout) for p in prompts]
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(lambda p: generate(base, p, timeout), prompts))
+
+
+def in_background(fn: Callable[[], Any]) -> Any:
+    """Starts fn in a thread; returns the future (call .result())."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    fut = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return fut
+
+
+def server_info(base: str) -> dict[str, Any]:
+    return get_json(base + "/get_server_info")
+
+
+def load(base: str) -> dict[str, Any]:
+    """DP rank 0 of /v1/loads (num_running_reqs, num_used_tokens, max_total_num_tokens, ...)."""
+    d = get_json(base + "/v1/loads?include=core")
+    return d["loads"][0]
+
+
+def metrics(base: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels}: value}; {} when metrics are off."""
+    try:
+        text = get_text(base + "/metrics")
+    except HTTPFailure:
+        return {}
+    return parse_prometheus(text)
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric(values: dict[str, float], name: str) -> float | None:
+    """Sum of every sample of metric `name` (any labels)."""
+    hits = [v for k, v in values.items() if k == name or k.startswith(name + "{")]
+    return sum(hits) if hits else None

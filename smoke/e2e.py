@@ -1,0 +1,378 @@
+"""The whole GPU run as one resumable driver (for the device machine: no Docker, no internet).
+
+    python3 -m smoke e2e --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
+                         [--phases all|install,patch,models,smoke,bench,comm] [--fresh]
+
+Phases, each skipped when the state dir says it is done (a warm machine keeps /tmp between calls,
+so the same command a second time resumes where the deadline stopped the first):
+  install  unpack .gpu/wheels.tar.xz, pip install --no-index --no-deps --target SITE, IPython stub
+  patch    PYTHONPATH=src python -m sglang_image.patch apply --series-dir patches/<flavor>
+           --site-packages SITE --manifest STATE/patches.json (on a fresh SITE only: never twice)
+  check    imports the server chain; `launch_server --help` must show the threshold flag
+  models   tiny smoke models and the 1B-shaped bench models (--device cuda: seconds)
+  smoke    plain reference server, EAGLE-3 + threshold (overlap on, CUDA graphs) and
+           (--disable-overlap-schedule, no CUDA graphs) with every check of smoke.runner
+  bench    plain / always-on EAGLE-3 / EAGLE-3 + threshold at concurrency 1, 8, 256 (CUDA graphs)
+  comm     TP=2/TP=1 runs of a tiny Qwen3 with torch symm mem / FlashInfer allreduce fusion (smoke.comm;
+           needs 2 GPUs; `python3 -m smoke comm` = this driver with install,patch,models,comm)
+The models phase builds only the models of the selected phases (all when none of smoke/bench/comm is).
+No server is started with less than ~150 s left before the deadline; what is done is written to
+OUT (report.json, summary.txt, e2e.log, logs.tar.gz: at most 8 files come back).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+from smoke import bench as bench_mod
+from smoke import comm as comm_mod
+from smoke import runner
+from smoke.runner import Deadline
+
+PHASES = ("install", "patch", "check", "models", "smoke", "bench", "comm")
+RUN_PHASES = ("smoke", "bench", "comm")  # marked done in the state once complete
+# model dir -> (`smoke models` args, the phase that needs it)
+MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], "smoke"),
+          "1b": (["--size", "1b", "--draft", "chain"], "bench"),
+          "qwen3": (["--arch", "qwen3", "--size", "tp2"], "comm")}
+REPO = Path(__file__).resolve().parents[1]
+FLAG = "--speculative-disable-batch-threshold"
+
+
+class E2E:
+    def __init__(self, a: argparse.Namespace):
+        self.a = a
+        self.t0 = time.time()
+        self.deadline = Deadline(self.t0 + a.deadline)
+        self.state_dir: Path = a.state
+        self.out: Path = a.out
+        self.logs = self.state_dir / "logs"
+        self.site = self.state_dir / "site"
+        self.models = self.state_dir / "models"
+        for d in (self.state_dir, self.out, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.state_file = self.state_dir / "state.json"
+        if a.fresh and self.state_file.exists():
+            self.state_file.unlink()
+        self.state: dict[str, Any] = (json.loads(self.state_file.read_text())
+                                      if self.state_file.exists() else {})
+        self.failures: list[str] = []
+        self.log_file = open(self.out / "e2e.log", "a")
+        self.phases = PHASES if a.phases == "all" else tuple(a.phases.split(","))
+
+    # ------------------------------------------------------------------ helpers
+    def log(self, msg: str) -> None:
+        line = f"[e2e {time.strftime('%H:%M:%S')} +{time.time() - self.t0:5.0f}s] {msg}"
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def save(self) -> None:
+        self.state_file.write_text(json.dumps(self.state, indent=1))
+
+    def env(self) -> None:
+        """Environment for this process and every server it starts."""
+        jit = self.state_dir / "jit"
+        os.environ.update({
+            "PYTHONPATH": os.pathsep.join([str(self.site), str(self.state_dir / "stubs")]
+                                          + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+            "SMOKE_SERVER_PIDFILE": str(self.state_dir / "servers.pid"),
+            "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "FLASHINFER_WORKSPACE_BASE": str(jit), "TVM_FFI_CACHE_DIR": str(jit / "tvm-ffi"),
+            "TRITON_CACHE_DIR": str(jit / "triton"),
+            "CUDA_HOME": os.environ.get("CUDA_HOME", "/usr/local/cuda"),
+            **comm_mod.NO_MULTICAST_ENV,  # NVLink multicast is off on the lent machines
+        })
+        os.environ["PATH"] = f"{os.environ['CUDA_HOME']}/bin:{os.environ.get('PATH', '')}"
+        for p in (str(self.site), str(self.state_dir / "stubs")):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+
+    def sh(self, cmd: list[str], log_name: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        self.log("$ " + " ".join(cmd))
+        p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+        (self.logs / log_name).open("a").write(f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
+        return p
+
+    # ------------------------------------------------------------------ phases
+    def series_digest(self) -> str:
+        d = REPO / "patches" / self.a.flavor
+        h = hashlib.sha256()
+        for p in sorted(d.glob("*")) if d.is_dir() else []:
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+        return h.hexdigest()
+
+    def phase_install(self) -> None:
+        tarball = self.a.bundle / "wheels.tar.xz"
+        digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
+        key = f"{digest}:{self.series_digest()}"
+        if self.state.get("install") == key and (self.site / ".installed").exists():
+            self.log("install: site already holds this bundle and series")
+            return
+        # a new bundle or a new series: start from a clean site (patches never applied twice)
+        for k in ("patch", "check", "comm", "comm_done", "comm_report"):
+            self.state.pop(k, None)
+        shutil.rmtree(self.site, ignore_errors=True)
+        stage = self.state_dir / "bundle"
+        shutil.rmtree(stage, ignore_errors=True)
+        with tarfile.open(tarball) as tar:
+            tar.extractall(stage, filter="data")
+        wheels = sorted(str(p) for p in (stage / "wheels").glob("*.whl"))
+        p = self.sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                     "--no-compile", "--disable-pip-version-check", "--target", str(self.site), *wheels],
+                    "setup.log")
+        if p.returncode != 0:
+            raise RuntimeError(f"pip install failed: {p.stderr[-1500:]}")
+        shutil.rmtree(self.state_dir / "stubs", ignore_errors=True)
+        shutil.copytree(stage / "stubs", self.state_dir / "stubs")
+        shutil.rmtree(stage)
+        (self.site / ".installed").write_text(key)
+        self.state["install"] = key
+        self.log(f"install: {len(wheels)} wheels into {self.site}")
+
+    def phase_patch(self) -> None:
+        if self.state.get("patch"):
+            self.log("patch: already applied to this site")
+            return
+        series_dir = REPO / "patches" / self.a.flavor
+        manifest = self.state_dir / "patches.json"
+        env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+        p = self.sh([sys.executable, "-m", "sglang_image.patch", "apply", "--series-dir", str(series_dir),
+                     "--site-packages", str(self.site), "--manifest", str(manifest)], "setup.log", env=env)
+        self.log(p.stdout.strip() or p.stderr.strip()[-800:])
+        if p.returncode != 0:
+            raise RuntimeError(f"patch series did not apply: {p.stderr.strip()[-1500:]}")
+        self.state["patch"] = json.loads(manifest.read_text()) if manifest.exists() else []
+        shutil.copy(manifest, self.out / "patches.json") if manifest.exists() else None
+
+    def phase_check(self) -> None:
+        if self.state.get("check"):
+            self.log("check: done for this site")
+            return
+        code = ("import importlib.metadata as md, torch, sys\n"
+                "print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(0))\n"
+                "for p in ['sglang','sglang-kernel','flashinfer-python','transformers','tokenizers']:\n"
+                "    print(' ', p, md.version(p))\n"
+                "import sglang.srt.entrypoints.http_server\nprint('import chain OK')\n")
+        p = self.sh([sys.executable, "-c", code], "setup.log")
+        self.log(p.stdout.strip()[-800:])
+        if p.returncode != 0:
+            raise RuntimeError(f"the sglang import chain fails: {p.stderr.strip()[-1500:]}")
+        h = self.sh([sys.executable, "-m", "sglang.launch_server", "--help"], "setup.log")
+        if FLAG not in h.stdout:
+            raise RuntimeError(f"`launch_server --help` does not show {FLAG} (patch not applied?)")
+        self.state["check"] = True
+
+    def phase_models(self) -> None:
+        # in a subprocess: the driver must not keep GPU memory while the servers run
+        phases = set(self.phases)
+        wanted = [n for n, (_, ph) in MODELS.items() if ph in phases] or list(MODELS)
+        for name in wanted:
+            args = list(MODELS[name][0])
+            if name == "1b":
+                args += ["--draft-accept", str(self.a.bench_draft_accept)]
+            d = self.models / name
+            if (d / "expected.json").exists() and self.state.get(f"models_{name}") == args:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            p = self.sh([sys.executable, "-m", "smoke", "models", str(d), "--device", "cuda", *args],
+                        "setup.log", cwd=str(REPO))
+            if p.returncode != 0:
+                raise RuntimeError(f"models {name}: {p.stderr.strip()[-1500:]}")
+            self.state[f"models_{name}"] = args
+            self.save()
+            self.log(f"models {name}: {p.stdout.strip().splitlines()[-1]}")
+
+    def phase_smoke(self) -> None:
+        st = self.state.setdefault("smoke", {})
+        opts = runner.SmokeOptions(models=self.models / "tiny", out=self.logs, threshold=self.a.threshold,
+                                   deadline=self.deadline, mem_fraction=0.15)
+        rep = runner.run_smoke(opts, st)
+        self.state["smoke_report"] = rep
+        self.log("\n" + runner.summarize(rep))
+        if rep.get("skipped"):
+            raise Deadline_(f"smoke: skipped {rep['skipped']}")
+
+    def phase_bench(self) -> None:
+        st = self.state.setdefault("bench", {})
+        opts = bench_mod.BenchOptions(
+            models=self.models / "1b", out=self.logs, threshold=self.a.bench_threshold,
+            deadline=self.deadline, configs=tuple(self.a.bench_configs.split(",")),
+            concurrency=tuple(int(c) for c in self.a.bench_concurrency.split(",")))
+        rep = bench_mod.run_bench(opts, st)
+        self.state["bench_report"] = rep
+        self.log("\n" + rep["table"])
+        if "thr_vs_plain_at_max" in rep:
+            self.log(f"threshold vs plain at c={max(opts.concurrency)}: {rep['thr_vs_plain_at_max']}x "
+                     f"(goal >= 0.97: {'met' if rep['goal_0.97_met'] else 'NOT met'})")
+        if rep.get("skipped"):
+            raise Deadline_(f"bench: skipped {rep['skipped']}")
+
+    def phase_comm(self) -> None:
+        st = self.state.setdefault("comm", {})
+        opts = comm_mod.CommOptions(model=self.models / "qwen3", out=self.logs, deadline=self.deadline,
+                                    runs=tuple(self.a.comm_runs.split(",")))
+
+        def progress(rep: dict[str, Any]) -> None:  # OUT is current after every server
+            self.state["comm_report"] = rep
+            self.save()
+            self.finish([])
+
+        rep = comm_mod.run_comm(opts, st, progress)
+        self.state["comm_report"] = rep
+        self.log("\n" + comm_mod.summarize(rep))
+        if rep.get("skipped"):
+            raise Deadline_(f"comm: skipped {rep['skipped']}")
+
+    # ------------------------------------------------------------------ driver
+    def kill_leftover_servers(self) -> None:
+        """Servers of an earlier call killed mid-run (setsid: they outlive it) still hold the port."""
+        pidfile = self.state_dir / "servers.pid"
+        if not pidfile.exists():
+            return
+        for line in pidfile.read_text().split():
+            pgid = int(line)
+            try:
+                cmd = Path(f"/proc/{pgid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"sglang.launch_server" in cmd:
+                self.log(f"killing the leftover server process group {pgid}")
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        pidfile.unlink()
+        time.sleep(2)
+
+    def run(self) -> int:
+        phases = self.phases
+        self.env()
+        self.kill_leftover_servers()
+        steps: dict[str, Callable[[], None]] = {
+            "install": self.phase_install, "patch": self.phase_patch, "check": self.phase_check,
+            "models": self.phase_models, "smoke": self.phase_smoke, "bench": self.phase_bench,
+            "comm": self.phase_comm}
+        incomplete = []
+        for ph in phases:
+            if ph in RUN_PHASES and self.state.get(f"{ph}_done"):
+                self.log(f"{ph}: done in an earlier call")
+                continue
+            self.log(f"== {ph} ({self.deadline.left():.0f}s left)")
+            try:
+                steps[ph]()
+                if ph in RUN_PHASES:
+                    self.state[f"{ph}_done"] = True
+            except Deadline_ as exc:
+                incomplete.append(str(exc))
+                self.log(f"{ph}: stopped by the deadline: {exc}")
+            except Exception as exc:  # one phase failing must not lose what the others can tell
+                self.failures.append(f"{ph}: {exc}")
+                self.log(f"{ph}: FAILED: {exc}\n{traceback.format_exc()[-1500:]}")
+                if ph == "install":
+                    break
+            finally:
+                self.save()
+                self.finish(incomplete)  # OUT always holds the latest state, even if killed later
+        self.finish(incomplete)
+        if incomplete:
+            self.log("INCOMPLETE: run the same command again on the warm machine to resume: "
+                     + "; ".join(incomplete))
+            return 3
+        failures = self.all_failures()
+        self.log("RESULT: " + ("PASS" if not failures else "FAIL"))
+        for f in failures:
+            self.log("  FAILED " + f[:2000])
+        return 1 if failures else 0
+
+    def all_failures(self) -> list[str]:
+        """This call's phase failures + the checks' failures of every call (kept in the state)."""
+        out = list(self.failures)
+        smoke = self.state.get("smoke_report") or {}
+        out += [f"smoke {f['variant']}: {f['cause']}" for f in smoke.get("failures", [])]
+        bench = self.state.get("bench_report") or {}
+        out += [f"bench: {f.splitlines()[0]}" for f in bench.get("failures", [])]
+        comm = self.state.get("comm_report") or {}
+        out += [f"{f['variant']}: {f['cause']}" for f in comm.get("failures", [])]
+        return out
+
+    def finish(self, incomplete: list[str]) -> None:
+        report = {"elapsed_s": round(time.time() - self.t0, 1), "failures": self.all_failures(),
+                  "incomplete": incomplete, "patches": self.state.get("patch"),
+                  "smoke": self.state.get("smoke_report"), "bench": self.state.get("bench_report"),
+                  "comm": self.state.get("comm_report")}
+        (self.out / "report.json").write_text(json.dumps(report, indent=1))
+        parts = []
+        if report["smoke"]:
+            parts.append(runner.summarize(report["smoke"]))
+        if report["bench"]:
+            parts.append(report["bench"]["table"])
+        if report["comm"]:
+            parts.append(comm_mod.summarize(report["comm"]))
+        if report["failures"] or incomplete:
+            parts.append("\n".join([f"FAILED {f[:300]}" for f in report["failures"]]
+                                   + [f"INCOMPLETE {i}" for i in incomplete]))
+        (self.out / "summary.txt").write_text("\n\n".join(parts) + "\n")
+        buf = self.out / "logs.tar.gz"
+        with tarfile.open(buf, "w:gz") as tar:
+            for p in sorted(self.logs.glob("*")):
+                if p.is_file():
+                    # keep each log's last 4 MiB: the whole bundle must stay under 16 MiB
+                    data = p.read_bytes()[-4 * 2**20:]
+                    ti = tarfile.TarInfo(p.name)
+                    ti.size = len(data)
+                    tar.addfile(ti, io.BytesIO(data))
+            for name in MODELS:
+                e = self.models / name / "expected.json"
+                if e.exists():
+                    tar.add(e, arcname=f"expected_{name}.json")
+
+
+class Deadline_(Exception):
+    """A phase stopped before its end because the call's deadline was near."""
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--bundle", type=Path, default=Path(".gpu"))
+    ap.add_argument("--state", type=Path, default=Path("/tmp/smoke-state"))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    ap.add_argument("--deadline", type=float, default=560, help="seconds from the start")
+    ap.add_argument("--phases", default="all", help=f"'all' or a comma list of {','.join(PHASES)}")
+    ap.add_argument("--flavor", default="sglang-0.5.17")
+    ap.add_argument("--threshold", type=int, default=4, help="smoke threshold N")
+    ap.add_argument("--bench-threshold", type=int, default=16)
+    ap.add_argument("--bench-draft-accept", type=float, default=0.85,
+                    help="chain draft of the 1B-shaped models: designed accept length ~3.2 (3 steps)")
+    ap.add_argument("--bench-configs", default=",".join(bench_mod.CONFIGS))
+    ap.add_argument("--bench-concurrency", default="1,8,256")
+    ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
+                    help="comm phase: comma list of runs, in this order")
+    ap.add_argument("--fresh", action="store_true", help="forget the state of earlier calls")
+
+
+def main(a: argparse.Namespace) -> int:
+    if a.phases != "all":
+        bad = [p for p in a.phases.split(",") if p not in PHASES]
+        if bad:
+            raise SystemExit(f"--phases: unknown {bad}; choose from {','.join(PHASES)}")
+    bad = [r for r in a.comm_runs.split(",") if r not in comm_mod.RUN_NAMES]
+    if bad:
+        raise SystemExit(f"--comm-runs: unknown {bad}; choose from {','.join(comm_mod.RUN_NAMES)}")
+    bad = [c for c in a.bench_configs.split(",") if c not in bench_mod.CONFIGS]
+    if bad or not all(c.strip().isdigit() for c in a.bench_concurrency.split(",")):
+        raise SystemExit(f"--bench-configs {bad} / --bench-concurrency {a.bench_concurrency}: invalid")
+    return E2E(a).run()

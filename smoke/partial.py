@@ -1,0 +1,81 @@
+"""PARTIAL check of an image without a GPU (the full smoke needs one):
+
+    python -m smoke partial --expect-series FILE [--manifest /opt/sglang-image/patches.json]
+
+  1. imports that need no GPU driver (torch, transformers, sglang, sglang.srt.server_args)
+  2. `python -m sglang.launch_server --help` shows --speculative-disable-batch-threshold
+  3. the image's patch manifest equals the repo's patches/<flavor>/series (names, order, sha256);
+     FILE is [{"name", "sha256"}] computed from the repo by the caller
+  4. `pip check`
+Prints one JSON object {"partial": true, "checks": [{"name", "ok", "detail"}], "ok"}; exit 1 on failure.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+MANIFEST = Path("/opt/sglang-image/patches.json")
+FLAG = "--speculative-disable-batch-threshold"
+IMPORTS = ("torch", "transformers", "sglang", "sglang.srt.server_args")
+
+
+def compare_manifest(manifest: list[dict[str, Any]], expected: list[dict[str, Any]]) -> str | None:
+    """None when the image's manifest matches the series, else what differs."""
+    got = [(m.get("name"), m.get("sha256")) for m in manifest]
+    want = [(e["name"], e["sha256"]) for e in expected]
+    if got == want:
+        return None
+    names_got, names_want = [g[0] for g in got], [w[0] for w in want]
+    if names_got != names_want:
+        return f"patches in the image {names_got} != series {names_want}"
+    diff = [w[0] for g, w in zip(got, want) if g[1] != w[1]]
+    return f"sha256 differs for {diff} (the image was built from other patch files)"
+
+
+def help_shows_flag(help_text: str) -> bool:
+    return FLAG in help_text
+
+
+def run_checks(expected: list[dict[str, Any]], manifest_path: Path = MANIFEST) -> dict[str, Any]:
+    checks = []
+
+    def add(name: str, ok: bool, detail: str = "") -> None:
+        checks.append({"name": name, "ok": ok, "detail": detail[-1500:]})
+
+    for mod in IMPORTS:
+        try:
+            m = importlib.import_module(mod)
+            add(f"import {mod}", True, getattr(m, "__version__", ""))
+        except Exception as exc:  # noqa: BLE001 - report any import failure
+            add(f"import {mod}", False, f"{type(exc).__name__}: {exc}")
+    p = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"],
+                       capture_output=True, text=True, timeout=300)
+    add(f"launch_server --help shows {FLAG}", p.returncode == 0 and help_shows_flag(p.stdout),
+        "" if help_shows_flag(p.stdout) else (p.stderr or p.stdout)[-1500:] or "flag not in --help")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        problem = compare_manifest(manifest, expected)
+        add(f"patch manifest {manifest_path} matches the series", problem is None, problem or "")
+    except (OSError, ValueError) as exc:
+        add(f"patch manifest {manifest_path} matches the series", False, str(exc))
+    p = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True,
+                       timeout=300)
+    add("pip check", p.returncode == 0, (p.stdout + p.stderr).strip())
+    return {"partial": True, "checks": checks, "ok": all(c["ok"] for c in checks),
+            "note": "PARTIAL: no GPU here; the full smoke (servers, EAGLE-3, threshold) needs one"}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--expect-series", type=Path, required=True)
+    ap.add_argument("--manifest", type=Path, default=MANIFEST)
+
+
+def main(a: argparse.Namespace) -> int:
+    rep = run_checks(json.loads(a.expect_series.read_text()), a.manifest)
+    print(json.dumps(rep))
+    return 0 if rep["ok"] else 1

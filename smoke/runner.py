@@ -1,0 +1,520 @@
+"""The smoke runner: plain reference outputs, then EAGLE-3 servers with the dynamic speculation
+disable threshold, checked from the outside (log line, outputs, server-info counters, accept length,
+KV pool, errors).
+
+    python -m smoke run --models DIR --out DIR [--threshold 4] [--variants overlap,sync] ...
+
+Every check is a function below that raises SmokeFailure(cause); `run_smoke` collects the failures of
+every server variant (one GPU call should tell as much as it can), prints a short report, writes
+report.json, and exits non-zero with each cause and the tail of the server log that goes with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from smoke import client
+from smoke.client import Prompt, Result
+from smoke.server import Server, ServerConfig, log_tail
+
+START_LINE = "Dynamic speculation disable enabled: threshold={n}"
+MODE_CHANGE = "Speculation mode ->"
+REQUEST_TIMEOUT_S = 180  # a tiny-model request takes seconds; a hang must not outlive the deadline
+# Lines that mean the server is broken even if every request came back.
+BAD_LOG_PATTERNS = (
+    re.compile(r"^Traceback \(most recent call last\)", re.M),
+    re.compile(r"memory leak detected", re.I),
+    re.compile(r"KV double free|use-after-free", re.I),
+    re.compile(r"CUDA error|illegal memory access", re.I),
+)
+
+
+class SmokeFailure(Exception):
+    """A check failed: `cause` says which and why; `log` is the server log to show the tail of."""
+
+    def __init__(self, cause: str, *, log: Path | None = None):
+        super().__init__(cause)
+        self.cause = cause
+        self.log = log
+
+    def render(self, lines: int = 40) -> str:
+        out = f"SMOKE FAILED: {self.cause}"
+        if self.log is not None:
+            out += f"\n--- tail of {self.log} ---\n{log_tail(self.log, lines)}"
+        return out
+
+
+# ----------------------------------------------------------------------------- checks (pure)
+def check_start_log(log_text: str, threshold: int) -> None:
+    want = START_LINE.format(n=threshold)
+    for line in log_text.splitlines():
+        if want in line:
+            # exact: the number must not continue (threshold=4 must not match threshold=40)
+            rest = line.split(want, 1)[1]
+            if not rest[:1].isdigit():
+                return
+    raise SmokeFailure(f"start log line missing: expected a line containing {want!r} "
+                       "(is the dynamic-speculation-disable patch applied and the flag passed?)")
+
+
+def check_log_clean(log_text: str) -> None:
+    for pat in BAD_LOG_PATTERNS:
+        m = pat.search(log_text)
+        if m:
+            start = log_text.rfind("\n", 0, m.start()) + 1
+            end = log_text.find("\n", m.end())
+            line = log_text[start: end if end >= 0 else None]
+            raise SmokeFailure(f"server log shows an error: {line.strip()[:300]!r}")
+
+
+def check_no_errors(results: Iterable[Result], phase: str) -> None:
+    errs = [r for r in results if r.error]
+    if errs:
+        raise SmokeFailure(f"{phase}: {len(errs)} request(s) failed, first ({errs[0].key}): "
+                           f"{errs[0].error[:400]}")
+
+
+def check_outputs(reference: dict[str, list[int]], results: Iterable[Result], phase: str) -> None:
+    """Greedy outputs must equal the plain server's token for token."""
+    bad = []
+    for r in results:
+        if r.error:
+            continue
+        ref = reference.get(r.key)
+        if ref is None:
+            raise SmokeFailure(f"{phase}: no reference output for prompt {r.key}")
+        if r.output_ids != ref:
+            got = r.output_ids or []
+            at = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+            bad.append(f"{r.key}: first difference at token {at}: got {got[at:at + 5]} "
+                       f"expected {ref[at:at + 5]} (lengths {len(got)}/{len(ref)})")
+    if bad:
+        raise SmokeFailure(f"{phase}: output mismatch vs the plain server in {len(bad)} request(s); "
+                           + "; ".join(bad[:3]))
+
+
+def check_hf_reference(expected: dict[str, Any], output_ids: list[int] | None) -> None:
+    if output_ids != expected["greedy_ids"]:
+        raise SmokeFailure("plain server output differs from the HF transformers reference in "
+                           f"expected.json: got {output_ids} expected {expected['greedy_ids']}")
+
+
+def spec_state(info: dict[str, Any]) -> dict[str, Any]:
+    """internal_states[0]["speculative_disable"] of /get_server_info (the patch's contract)."""
+    states = info.get("internal_states") or []
+    if not states or not isinstance(states[0], dict) or "speculative_disable" not in states[0]:
+        raise SmokeFailure("/get_server_info has no internal_states[0]['speculative_disable'] "
+                           "(is the dynamic-speculation-disable patch applied?)")
+    st = states[0]["speculative_disable"]
+    missing = [k for k in ("threshold", "mode", "speculative_steps", "plain_steps", "mode_changes")
+               if k not in st]
+    if missing:
+        raise SmokeFailure(f"speculative_disable state lacks {missing}: {st}")
+    return st
+
+
+def check_threshold_state(st: dict[str, Any], threshold: int) -> None:
+    if st["threshold"] != threshold:
+        raise SmokeFailure(f"server-info threshold is {st['threshold']}, expected {threshold}")
+
+
+def check_mode(st: dict[str, Any], mode: str, phase: str) -> None:
+    if st["mode"] != mode:
+        raise SmokeFailure(f"{phase}: mode is {st['mode']!r}, expected {mode!r} ({st})")
+
+
+def check_switched(st: dict[str, Any], phase: str, *, min_changes: int = 2) -> None:
+    problems = []
+    if st["plain_steps"] <= 0:
+        problems.append("plain_steps == 0 (speculation never turned off above the threshold)")
+    if st["speculative_steps"] <= 0:
+        problems.append("speculative_steps == 0")
+    if st["mode_changes"] < min_changes:
+        problems.append(f"mode_changes {st['mode_changes']} < {min_changes}")
+    if problems:
+        raise SmokeFailure(f"{phase}: the mode did not switch as expected: " + "; ".join(problems)
+                           + f" ({st})")
+
+
+def check_delta(before: dict[str, Any], after: dict[str, Any], key: str, phase: str,
+                *, positive: bool) -> int:
+    d = int(after[key]) - int(before[key])
+    if positive and d <= 0:
+        raise SmokeFailure(f"{phase}: {key} did not grow ({before[key]} -> {after[key]})")
+    if not positive and d != 0:
+        raise SmokeFailure(f"{phase}: {key} grew by {d} but should not have")
+    return d
+
+
+def accept_stats(results: Iterable[Result]) -> dict[str, Any]:
+    """Mean of the per-request meta_info spec_* fields (requests without them: no speculative step)."""
+    lens = [r.meta["spec_accept_length"] for r in results if "spec_accept_length" in r.meta]
+    rates = [r.meta["spec_accept_rate"] for r in results if "spec_accept_rate" in r.meta]
+    verify = [r.meta.get("spec_verify_ct", 0) for r in results]
+    toks = [r.meta.get("completion_tokens", len(r.output_ids or [])) for r in results]
+    return {"accept_length": sum(lens) / len(lens) if lens else None,
+            "accept_rate": sum(rates) / len(rates) if rates else None,
+            "requests_with_spec": len(lens), "requests": len(verify),
+            "verify_ct": sum(verify), "completion_tokens": sum(toks)}
+
+
+def check_accept_recovers(before: dict[str, Any], after: dict[str, Any], *,
+                          min_before: float = 1.2, ratio: float = 0.9) -> None:
+    b, a = before.get("accept_length"), after.get("accept_length")
+    if b is None or b < min_before:
+        raise SmokeFailure(f"accept length below the threshold is {b} (< {min_before}): the draft "
+                           "is not accepted at low load, so the test says nothing")
+    if a is None or a < ratio * b:
+        raise SmokeFailure(f"accept length after the disabled phase is {a}, below {ratio} x {b:.2f} "
+                           "measured before it (draft state not restored after re-enabling?)")
+
+
+def check_kv_back(baseline: dict[str, Any], final: dict[str, Any]) -> None:
+    if final.get("num_running_reqs", 0) != 0:
+        raise SmokeFailure(f"requests still running after the load ended: {final}")
+    if final["num_used_tokens"] != baseline["num_used_tokens"]:
+        raise SmokeFailure(f"KV pool not back to its initial size: {final['num_used_tokens']} tokens "
+                           f"in use after the load vs {baseline['num_used_tokens']} before "
+                           f"(of {final.get('max_total_num_tokens')})")
+
+
+# ----------------------------------------------------------------------------- prompts
+def make_prompts(expected: dict[str, Any], threshold: int, seed: int = 0) -> dict[str, list[Prompt]]:
+    rnd = random.Random(seed)
+    vocab = int(expected["vocab_size"])
+    n = 0
+
+    def mk(k: int, new: Sequence[int]) -> list[Prompt]:
+        nonlocal n
+        out = []
+        for _ in range(k):
+            ids = tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(4, 40)))
+            out.append(Prompt(f"p{n:03d}", ids, rnd.choice(list(new))))
+            n += 1
+        return out
+
+    hf = Prompt("hf", tuple(expected["prompt_ids"]), len(expected["greedy_ids"]))
+    sets = {
+        "below": [hf] + mk(3, [48, 64]),
+        "at": mk(threshold, [32, 48]),
+        "above": mk(8 * threshold, [32, 48, 64]),
+        "ramp_long": mk(2, [1024]),  # long enough to run through all three bursts
+    }
+    for i in range(3):
+        sets[f"ramp_burst{i}"] = mk(4 * threshold, [24, 32])
+    sets["after"] = mk(2, [48, 64]) + sets["above"][:2]  # two prefixes first seen while disabled
+    return sets
+
+
+def unique_prompts(sets: dict[str, list[Prompt]]) -> list[Prompt]:
+    seen: dict[str, Prompt] = {}
+    for ps in sets.values():
+        for p in ps:
+            seen.setdefault(p.key, p)
+    return list(seen.values())
+
+
+# ----------------------------------------------------------------------------- scenario
+@dataclass
+class Variant:
+    name: str
+    overlap: bool
+    cuda_graph: bool
+
+
+VARIANTS = {"overlap": Variant("eagle_overlap", True, True),
+            "sync": Variant("eagle_sync", False, False)}
+
+
+@dataclass
+class Deadline:
+    at: float
+
+    def left(self) -> float:
+        return self.at - time.time()
+
+
+@dataclass
+class SmokeOptions:
+    models: Path
+    out: Path
+    threshold: int = 4
+    variants: tuple[str, ...] = ("overlap", "sync")
+    port: int = 30000
+    mem_fraction: float = 0.15
+    deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
+    health_timeout: float = 480
+    min_server_s: float = 150  # do not start a server with less time than this left
+    cuda_graph: bool = True
+
+    def request_timeout(self) -> float:
+        """A hung request must not outlive the deadline (the call's logs would be lost)."""
+        return max(10.0, min(REQUEST_TIMEOUT_S, self.deadline.left() - 25))
+
+
+def wait_idle(base: str, baseline: dict[str, Any], timeout: float = 30) -> dict[str, Any]:
+    t0, last = time.time(), client.load(base)
+    while time.time() - t0 < timeout:
+        last = client.load(base)
+        if last.get("num_running_reqs", 0) == 0 and last.get("num_waiting_reqs", 0) == 0 \
+                and last["num_used_tokens"] == baseline["num_used_tokens"]:
+            return last
+        time.sleep(0.5)
+    return last
+
+
+def record_references(opts: SmokeOptions, expected: dict[str, Any], prompts: list[Prompt],
+                      state: dict[str, Any]) -> dict[str, list[int]]:
+    cfg = ServerConfig("plain", opts.models / "target", cuda_graph=False,
+                       mem_fraction=opts.mem_fraction, enable_metrics=False)
+    log = opts.out / "server_plain.log"
+    with Server(cfg, opts.port, log) as srv:
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
+        state["plain_start_s"] = round(srv.start_seconds, 1)
+        res = client.run_concurrent(srv.base, prompts, 8, opts.request_timeout())
+        try:
+            check_no_errors(res, "plain reference")
+        except SmokeFailure as exc:
+            exc.log = log
+            raise
+        refs = {r.key: r.output_ids for r in res if r.output_ids is not None}
+        try:
+            check_log_clean(log.read_text(errors="replace"))
+        except SmokeFailure as exc:
+            exc.log = log
+            raise
+        try:  # a failure, but the EAGLE-3 servers are still compared with this server's outputs
+            check_hf_reference(expected, refs.get("hf"))
+        except SmokeFailure as exc:
+            state["hf_mismatch"] = exc.cause
+    return refs
+
+
+def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
+                refs: dict[str, list[int]]) -> dict[str, Any]:
+    """One EAGLE-3 server with the threshold: every check, in order. Returns the variant's report."""
+    n = opts.threshold
+    cfg = ServerConfig(v.name, opts.models / "target", draft=draft, threshold=n, overlap=v.overlap,
+                       cuda_graph=v.cuda_graph and opts.cuda_graph, cuda_graph_max_bs=max(64, 4 * n),
+                       max_running=max(64, 4 * n), mem_fraction=opts.mem_fraction,
+                       )  # leaks: sglang logs "memory leak detected" at idle; check_log_clean fails on it
+    log = opts.out / f"server_{v.name}.log"
+    rep: dict[str, Any] = {"name": v.name, "overlap": v.overlap, "cuda_graph": cfg.cuda_graph,
+                           "threshold": n, "phases": {}}
+    srv = Server(cfg, opts.port, log)
+    try:
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
+        rep["start_s"] = round(srv.start_seconds, 1)
+        base = srv.base
+        check_start_log(log.read_text(errors="replace"), n)
+        st0 = spec_state(client.server_info(base))
+        check_threshold_state(st0, n)
+        check_mode(st0, "speculative", "after start")
+        baseline = wait_idle(base, client.load(base))
+        rep["kv_baseline"] = {k: baseline.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
+        m0 = client.metrics(base)
+        rep["kv_available_tokens_start"] = client.metric(m0, "sglang:kv_available_tokens")
+        all_results: list[Result] = []
+
+        def phase(name: str, results: list[Result], st_before: dict[str, Any]) -> dict[str, Any]:
+            all_results.extend(results)
+            check_no_errors(results, name)
+            check_outputs(refs, results, name)
+            st = spec_state(client.server_info(base))
+            rep["phases"][name] = {"requests": len(results), **accept_stats(results),
+                                   "spec_disable": st,
+                                   "d_plain_steps": st["plain_steps"] - st_before["plain_steps"],
+                                   "d_speculative_steps": st["speculative_steps"] - st_before["speculative_steps"],
+                                   "d_mode_changes": st["mode_changes"] - st_before["mode_changes"]}
+            return st
+
+        # 1) below the threshold, one at a time: speculative only
+        st1 = phase("below", client.run_concurrent(base, sets["below"], 1, opts.request_timeout()), st0)
+        check_delta(st0, st1, "speculative_steps", "below", positive=True)
+        check_delta(st0, st1, "plain_steps", "below", positive=False)
+        # 2) exactly N at once (the boundary; outputs only)
+        st2 = phase("at", client.run_concurrent(base, sets["at"], n, opts.request_timeout()), st1)
+        # 3) 8N at once (32 with N=4): speculation must turn off
+        st3 = phase("above", client.run_concurrent(base, sets["above"], 8 * n, opts.request_timeout()), st2)
+        check_delta(st2, st3, "plain_steps", "above", positive=True)
+        wait_idle(base, baseline)
+        # 4) below again: speculation back on, accept length as before
+        st4 = phase("after", client.run_concurrent(base, sets["after"], 1, opts.request_timeout()), st3)
+        check_delta(st3, st4, "speculative_steps", "after", positive=True)
+        check_delta(st3, st4, "plain_steps", "after", positive=False)
+        check_mode(st4, "speculative", "after")
+        check_accept_recovers(rep["phases"]["below"], rep["phases"]["after"])
+        # 5) ramp: long requests keep running while bursts of 4N come and go (switches mid-request)
+        longs = client.in_background(lambda: client.run_concurrent(base, sets["ramp_long"], 2, opts.request_timeout()))
+        ramp: list[Result] = []
+        for i in range(3):
+            time.sleep(0.3)
+            ramp += client.run_concurrent(base, sets[f"ramp_burst{i}"], 4 * n, opts.request_timeout())
+        ramp += longs.result()
+        st5 = phase("ramp", ramp, st4)
+        if st5["mode_changes"] - st4["mode_changes"] < 2:
+            raise SmokeFailure(f"ramp: only {st5['mode_changes'] - st4['mode_changes']} mode change(s) "
+                               f"while the load crossed the threshold 6 times ({st5})")
+        check_switched(st5, "end of load")
+        # 6) the load is over: pool back to its initial state, no error in the log, metrics exported
+        final = wait_idle(base, baseline)
+        rep["kv_final"] = {k: final.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
+        check_kv_back(baseline, final)
+        client.get_text(base + "/flush_cache")
+        after_flush = wait_idle(base, baseline)
+        check_kv_back(baseline, after_flush)
+        m1 = client.metrics(base)
+        rep["metrics"] = {k: client.metric(m1, k) for k in (
+            "sglang:spec_disable_plain_mode", "sglang:spec_disable_speculative_steps_total",
+            "sglang:spec_disable_plain_steps_total", "sglang:kv_available_tokens",
+            "sglang:kv_used_tokens")}
+        for k in ("sglang:spec_disable_plain_mode", "sglang:spec_disable_speculative_steps_total",
+                  "sglang:spec_disable_plain_steps_total"):
+            if rep["metrics"][k] is None:
+                raise SmokeFailure(f"Prometheus metric {k} missing from /metrics (--enable-metrics is on)")
+        if not srv.alive():
+            raise SmokeFailure("server process died during the test")
+        text = log.read_text(errors="replace")
+        check_log_clean(text)
+        rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE in line)
+        info = client.server_info(base)
+        rep["avg_spec_accept_length"] = (info.get("internal_states") or [{}])[0].get("avg_spec_accept_length")
+        rep["spec_disable_final"] = spec_state(info)
+        rep["errors"] = sum(1 for r in all_results if r.error)
+        rep["ok"] = True
+    except SmokeFailure as exc:
+        record_failure(rep, exc, log)
+    except client.HTTPFailure as exc:
+        record_failure(rep, SmokeFailure(f"HTTP failure talking to the server: {exc}"), log)
+    except Exception as exc:  # noqa: BLE001 - an unexpected answer must still give cause + log
+        import traceback
+
+        record_failure(rep, SmokeFailure(f"runner error: {type(exc).__name__}: {exc}\n"
+                                         f"{traceback.format_exc()[-1200:]}"), log)
+    finally:
+        srv.stop()
+    return rep
+
+
+def record_failure(rep: dict[str, Any], exc: SmokeFailure, log: Path) -> dict[str, Any]:
+    """A variant's report after a failed check: the cause and the tail of its server log."""
+    exc.log = exc.log or log
+    rep["ok"] = False
+    rep["cause"] = exc.cause
+    rep["log_tail"] = log_tail(exc.log, 40)
+    return rep
+
+
+def collect_failures(report: dict[str, Any]) -> dict[str, Any]:
+    for name, rep in report["variants"].items():
+        if not rep.get("ok"):
+            report["failures"].append({"variant": name, "cause": rep.get("cause"),
+                                       "log_tail": rep.get("log_tail")})
+    return report
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    return 1 if report.get("failures") or report.get("skipped") else 0
+
+
+def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """refs (plain server) -> each EAGLE-3 variant. `state` (a dict kept between device calls) lets a
+    later call skip what an earlier one finished."""
+    state = state if state is not None else {}
+    opts.out.mkdir(parents=True, exist_ok=True)
+    expected = json.loads((opts.models / "expected.json").read_text())
+    sets = make_prompts(expected, opts.threshold)
+    report: dict[str, Any] = {"threshold": opts.threshold, "models": str(opts.models),
+                              "designed_accept_length": expected.get("designed_accept_length"),
+                              "variants": {}, "failures": []}
+    refs = state.get("refs")
+    if refs is None:
+        if opts.deadline.left() < opts.min_server_s:
+            report["skipped"] = ["plain (deadline)"] + [VARIANTS[v].name for v in opts.variants]
+            return report
+        try:
+            refs = record_references(opts, expected, unique_prompts(sets), state)
+        except (SmokeFailure, client.HTTPFailure) as exc:
+            f = exc if isinstance(exc, SmokeFailure) else SmokeFailure(str(exc))
+            f.log = f.log or opts.out / "server_plain.log"
+            report["failures"].append({"variant": "plain", "cause": f.cause, "log_tail": log_tail(f.log)})
+            return report
+        state["refs"] = refs
+    if state.get("hf_mismatch"):
+        report["failures"].append({"variant": "plain", "cause": state["hf_mismatch"],
+                                   "log_tail": "(plain server: see server_plain.log)"})
+    done = state.setdefault("variants", {})
+    for key in opts.variants:
+        v = VARIANTS[key]
+        if v.name in done:
+            report["variants"][v.name] = done[v.name]
+            continue
+        if opts.deadline.left() < opts.min_server_s:
+            report.setdefault("skipped", []).append(f"{v.name} (deadline)")
+            continue
+        rep = run_variant(opts, v, opts.models / "draft", sets, refs)
+        report["variants"][v.name] = rep
+        if rep.get("ok"):
+            done[v.name] = rep
+    return collect_failures(report)
+
+
+def summarize(report: dict[str, Any]) -> str:
+    lines = [f"smoke: threshold={report['threshold']} designed accept length "
+             f"{report.get('designed_accept_length')}"]
+    for name, rep in report.get("variants", {}).items():
+        status = "PASS" if rep.get("ok") else "FAIL"
+        lines.append(f"  {name:14s} {status}  start {rep.get('start_s')}s  overlap={rep.get('overlap')} "
+                     f"cuda_graph={rep.get('cuda_graph')}")
+        for ph, d in rep.get("phases", {}).items():
+            al = d.get("accept_length")
+            lines.append(f"    {ph:6s} reqs {d['requests']:3d}  accept_len "
+                         f"{'-' if al is None else f'{al:.2f}'}  d_spec {d['d_speculative_steps']:5d}  "
+                         f"d_plain {d['d_plain_steps']:5d}  d_changes {d['d_mode_changes']}")
+        if rep.get("spec_disable_final"):
+            lines.append(f"    final {rep['spec_disable_final']}  kv {rep.get('kv_baseline')} -> "
+                         f"{rep.get('kv_final')}")
+    for s in report.get("skipped", []):
+        lines.append(f"  SKIPPED {s}")
+    for f in report.get("failures", []):
+        lines.append(f"SMOKE FAILED [{f['variant']}]: {f['cause']}\n--- server log tail ---\n"
+                     f"{f.get('log_tail')}")
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--models", type=Path, required=True, help="dir from `python -m smoke models`")
+    ap.add_argument("--out", type=Path, required=True, help="logs and report.json go here")
+    ap.add_argument("--threshold", type=int, default=4)
+    ap.add_argument("--variants", default="overlap,sync",
+                    help="comma list of: overlap (CUDA graphs on), sync (--disable-overlap-schedule)")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--mem-fraction", type=float, default=0.15)
+    ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
+
+
+def options(a: argparse.Namespace) -> SmokeOptions:
+    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    if a.threshold < 1:
+        raise SystemExit("--threshold must be >= 1")
+    return SmokeOptions(models=a.models, out=a.out, threshold=a.threshold, variants=variants,
+                        port=a.port, mem_fraction=a.mem_fraction, cuda_graph=not a.no_cuda_graph,
+                        deadline=Deadline(time.time() + a.deadline))
+
+
+def main(a: argparse.Namespace) -> int:
+    opts = options(a)
+    report = run_smoke(opts)
+    (opts.out / "report.json").write_text(json.dumps(report, indent=1))
+    print(summarize(report))
+    return exit_code(report)

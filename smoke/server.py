@@ -1,0 +1,143 @@
+"""Start and stop `python -m sglang.launch_server` in its own process group."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from smoke import client
+
+# Flags every smoke/bench server gets: seen working on the H200 with the slimmed bundle
+# (no FA3 kernels -> triton attention; pytorch sampling and no grammar avoid more JIT compilation).
+BASE_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
+              "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info")
+EAGLE_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
+
+
+@dataclass
+class ServerConfig:
+    name: str
+    model: Path
+    draft: Path | None = None          # EAGLE-3 when set
+    threshold: int | None = None       # --speculative-disable-batch-threshold
+    overlap: bool = True               # False -> --disable-overlap-schedule
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = 64
+    max_running: int = 64
+    mem_fraction: float = 0.15
+    enable_metrics: bool = True
+    extra: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def argv(self, port: int) -> list[str]:
+        a = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
+             "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", str(self.mem_fraction),
+             "--max-running-requests", str(self.max_running), *BASE_FLAGS]
+        if self.cuda_graph:
+            a += ["--cuda-graph-max-bs", str(self.cuda_graph_max_bs)]
+        else:
+            a += ["--disable-cuda-graph"]
+        if self.draft is not None:
+            a += [*EAGLE_FLAGS, "--speculative-draft-model-path", str(self.draft)]
+        if self.threshold is not None:
+            a += ["--speculative-disable-batch-threshold", str(self.threshold)]
+        if not self.overlap:
+            a += ["--disable-overlap-schedule"]
+        if self.enable_metrics:
+            a += ["--enable-metrics"]
+        return a + list(self.extra)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+class Server:
+    """A server process in its own session (setsid): stopping kills the whole group."""
+
+    def __init__(self, cfg: ServerConfig, port: int, log_path: Path):
+        self.cfg, self.port, self.log_path = cfg, port, log_path
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start_seconds = 0.0
+
+    def start(self, timeout: float) -> None:
+        from smoke.runner import SmokeFailure  # local: runner imports this module
+
+        for _ in range(30):
+            if port_free(self.port):
+                break
+            time.sleep(1)
+        else:
+            raise SmokeFailure(f"{self.cfg.name}: port {self.port} is still in use before the start")
+        env = dict(os.environ, **self.cfg.env)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        log.write(("$ " + " ".join(self.cfg.argv(self.port)) + "\n").encode())
+        log.flush()
+        t0 = time.time()
+        self.proc = subprocess.Popen(self.cfg.argv(self.port), stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        log.close()
+        pidfile = os.environ.get("SMOKE_SERVER_PIDFILE")
+        if pidfile:  # lets a later run kill this group if this one is killed before stop()
+            with open(pidfile, "a") as fh:
+                fh.write(f"{self.proc.pid}\n")
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise SmokeFailure(f"{self.cfg.name}: server exited with code {self.proc.returncode} "
+                                   "before it became healthy", log=self.log_path)
+            if client.healthy(self.base):
+                self.start_seconds = time.time() - t0
+                return
+            time.sleep(2)
+        raise SmokeFailure(f"{self.cfg.name}: not healthy after {timeout:.0f}s", log=self.log_path)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        for _ in range(30):
+            if port_free(self.port):
+                break
+            time.sleep(1)
+        self.proc = None
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def log_tail(path: Path | None, lines: int = 40, width: int = 400) -> str:
+    if path is None or not Path(path).is_file():
+        return "(no server log)"
+    text = Path(path).read_text(errors="replace").splitlines()
+    return "\n".join(line[:width] for line in text[-lines:])

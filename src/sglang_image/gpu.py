@@ -1,0 +1,325 @@
+"""Prepare the GPU end-to-end run (`nox -s gpu-e2e`) and print the device command.
+
+The GPU machine has Python 3.12 + torch 2.11.0 (cu130) but no sglang stack, no registry and no
+Docker. Every wheel it lacks travels in the working tree (64 MiB per call, repository included), so
+this module downloads them from PyPI here, slims the big ones (dropping shared objects the smoke
+never loads), and packs them into `.gpu/wheels.tar.xz` (an ignored folder, carried with the call).
+
+On the GPU machine `python3 -m smoke e2e --bundle .gpu ...` installs them with
+`pip install --no-index --no-deps --target /tmp/site`, applies patches/<flavor>/series on top,
+builds the tiny models and runs the smoke checks and the benchmark (see smoke/e2e.py).
+
+Versions come from the flavor's lock (images/flavors/<flavor>.lock) when it exists, so the GPU run
+tests the same wheels as the image; otherwise from GPU_BUNDLE_FALLBACK below (the versions seen
+working on the H200 with sglang 0.5.17).
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import fnmatch
+import hashlib
+import io
+import json
+import lzma
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sglang_image.errors import FetchError, SglangImageError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUNDLE_DIR = REPO_ROOT / ".gpu"
+DOWNLOAD_CACHE = REPO_ROOT / ".cache" / "gpu-wheels"
+DEFAULT_FLAVOR = "sglang-0.5.17"
+MAX_TREE_BYTES = 64 * 1024 * 1024
+DEVICE_TIMEOUT_S = 600
+# What the GPU machine lacks for `python -m sglang.launch_server` with EAGLE-3 and CUDA graphs.
+# (name, fallback version). The lock's version wins when the lock lists the name.
+GPU_BUNDLE_FALLBACK: tuple[tuple[str, str], ...] = (
+    ("sglang", "0.5.17"), ("sglang-kernel", "0.4.5"), ("flashinfer-python", "0.6.15.post1"),
+    ("apache-tvm-ffi", "0.1.11"), ("transformers", "5.12.1"), ("tokenizers", "0.22.2"),
+    ("xgrammar", "0.2.1"), ("fastapi", "0.165.0"), ("starlette", "1.10.0"), ("uvicorn", "0.54.0"),
+    ("python-multipart", "0.0.34"), ("opentelemetry-api", "1.45.2"), ("pydantic", "2.14.4"),
+    ("pydantic-core", "2.50.5"), ("annotated-types", "0.8.0"), ("typing-inspection", "0.4.5"),
+    ("typing-extensions", "4.16.0"), ("pyzmq", "27.3.0"), ("orjson", "3.13.0"),
+    ("msgspec", "0.23.0"), ("pybase64", "1.5.1"), ("setproctitle", "1.3.8"),
+    ("partial-json-parser", "0.2.1.1.post7"), ("zstandard", "0.25.0"), ("watchfiles", "1.3.0"),
+    ("dill", "0.4.1"), ("openai", "2.6.1"), ("distro", "1.9.0"), ("jiter", "0.19.0"),
+    ("sniffio", "1.3.1"), ("torch-memory-saver", "0.0.10"), ("compressed-tensors", "0.20.1"),
+    ("loguru", "0.7.3"), ("gguf", "0.19.0"), ("jsonschema", "4.26.0"),
+    ("jsonschema-specifications", "2025.9.1"), ("referencing", "0.37.0"), ("rpds-py", "2026.9.1"),
+    ("soundfile", "0.13.1"), ("cffi", "2.1.1"), ("pycparser", "3.12"),
+    # imported by the EAGLE draft CUDA-graph capture (dsa_backend -> deep_gemm at module level)
+    ("sgl-deep-gemm", "0.1.5.post1"),
+)
+PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+             "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")
+
+
+@dataclass(frozen=True)
+class Slim:
+    """How one wheel is slimmed: glob patterns of files to drop, strip debug info from .so files."""
+
+    drop: tuple[str, ...] = ()
+    strip_debug: bool = False
+
+
+# Keys: normalized distribution names. Only files the smoke never loads are dropped: the FA3/FlashMLA/
+# SM100 kernels (the GPU is SM90 and the smoke uses --attention-backend triton), sglang's gRPC/
+# multimodal/server native cores (not used by `launch_server` for a Llama text model).
+SLIMMING: dict[str, Slim] = {
+    "sglang": Slim(drop=("sglang/srt/server/_core*.so", "sglang/srt/grpc/_core*.so",
+                         "sglang/srt/multimodal/_core*.so", "sglang/multimodal_gen/*")),
+    "sglang-kernel": Slim(drop=("sgl_kernel/flash_ops.abi3.so", "sgl_kernel/sm100/*",
+                                "sgl_kernel/flashmla_ops.abi3.so", "sgl_kernel/infllm_ops*.so")),
+    "xgrammar": Slim(drop=("xgrammar/lib/*",), strip_debug=True),
+    "zstandard": Slim(strip_debug=True), "pybase64": Slim(strip_debug=True),
+    "setproctitle": Slim(strip_debug=True), "torch-memory-saver": Slim(strip_debug=True),
+}
+
+# sglang/utils.py imports IPython at module level (only print_highlight uses it); the GPU machine has
+# no IPython. A stub module keeps sglang's files pristine, so the patch series applies to upstream text.
+IPYTHON_STUB = {
+    "IPython/__init__.py": '"""Stub for the GPU smoke run: sglang imports IPython.display at module level."""\n',
+    "IPython/display.py": "HTML = None\ndisplay = None\n",
+}
+
+
+def normalize(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+@dataclass
+class BundleReport:
+    path: Path
+    size: int
+    wheels: list[tuple[str, int]] = field(default_factory=list)
+    source: str = ""
+
+
+def _lock_versions(flavor_name: str) -> tuple[dict[str, tuple[str, tuple[str, ...]]], str]:
+    """{normalized name: (version, hashes)} from the flavor's lock, or ({}, reason) without one."""
+    lock_path = REPO_ROOT / "images" / "flavors" / f"{flavor_name}.lock"
+    if not lock_path.is_file():
+        return {}, f"no lock at {lock_path.relative_to(REPO_ROOT)}: fallback pins"
+    try:
+        from sglang_image.lock import read_lock
+    except ImportError as exc:  # pragma: no cover - the lead's module is part of the package
+        return {}, f"cannot read the lock ({exc}): fallback pins"
+    entries = read_lock(lock_path)
+    return ({normalize(e.name): (e.version, tuple(e.hashes)) for e in entries},
+            f"versions from {lock_path.relative_to(REPO_ROOT)}")
+
+
+def bundle_requirements(flavor_name: str = DEFAULT_FLAVOR) -> tuple[list[str], str]:
+    """Requirement lines (with --hash when the lock has them) for the bundle, and their source."""
+    locked, source = _lock_versions(flavor_name)
+    lines = []
+    for name, fallback in GPU_BUNDLE_FALLBACK:
+        version, hashes = locked.get(normalize(name), (fallback, ()))
+        line = f"{name}=={version}"
+        if hashes:
+            line += " " + " ".join(f"--hash=sha256:{h}" for h in hashes)
+        lines.append(line)
+    return lines, source
+
+
+def download(requirements: list[str], dest: Path) -> list[Path]:
+    dest.mkdir(parents=True, exist_ok=True)
+    hashed = all("--hash=" in r for r in requirements)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as fh:
+        fh.write("\n".join(requirements) + "\n")
+        req_file = fh.name
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp", "--disable-pip-version-check",
+           "-d", str(dest), "-r", req_file]
+    for p in PLATFORMS:
+        cmd += ["--platform", p]
+    if hashed:
+        cmd.append("--require-hashes")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    os.unlink(req_file)
+    if proc.returncode != 0:
+        raise FetchError("pip download of the GPU bundle failed: " + proc.stderr.strip()[-2000:]
+                         + f"\nfix: check network access to PyPI, then rerun: {shlex.join(cmd)}")
+    wanted = {normalize(r.split("==")[0]): r.split("==")[1].split()[0] for r in requirements}
+    found = []
+    for whl in sorted(dest.glob("*.whl")):
+        dist, version = whl.name.split("-")[:2]
+        if wanted.get(normalize(dist)) == version:
+            found.append(whl)
+    missing = set(wanted) - {normalize(w.name.split("-")[0]) for w in found}
+    if missing:
+        raise FetchError(f"GPU bundle: no wheel downloaded for {sorted(missing)}")
+    return found
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def _strip(data: bytes) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        so = Path(tmp, "x.so")
+        so.write_bytes(data)
+        sections = subprocess.run(["readelf", "-S", str(so)], capture_output=True, text=True).stdout
+        if ".debug_" not in sections:
+            return data
+        subprocess.run(["strip", "--strip-debug", str(so)], check=True)
+        return so.read_bytes()
+
+
+def repack(wheel: Path, out_dir: Path, slim: Slim) -> Path:
+    """Same file name, files dropped/stripped, RECORD regenerated, entries STORED (xz packs better)."""
+    out = out_dir / wheel.name
+    with zipfile.ZipFile(wheel) as zin:
+        record = next(n for n in zin.namelist() if n.endswith(".dist-info/RECORD"))
+        entries = []
+        for info in zin.infolist():
+            name = info.filename
+            if name == record or name.endswith("/"):
+                continue
+            if any(fnmatch.fnmatch(name, g) for g in slim.drop):
+                continue
+            data = zin.read(name)
+            if slim.strip_debug and data[:4] == b"\x7fELF":
+                data = _strip(data)
+            entries.append((info, data))
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for info, data in entries:
+        writer.writerow([info.filename, _record_hash(data), len(data)])
+    writer.writerow([record, "", ""])
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zout:
+        for info, data in entries:
+            zi = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            zi.external_attr = info.external_attr
+            zout.writestr(zi, data)
+        zi = zipfile.ZipInfo(record, date_time=(2026, 1, 1, 0, 0, 0))
+        zout.writestr(zi, buf.getvalue())
+    return out
+
+
+def bundle_key(requirements: list[str]) -> str:
+    """Changes when a pin, a hash, the slimming or the stub changes: the bundle is then rebuilt."""
+    text = json.dumps([requirements, sorted((k, v.drop, v.strip_debug) for k, v in SLIMMING.items()),
+                       IPYTHON_STUB], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DIR,
+                 cache: Path = DOWNLOAD_CACHE, force: bool = False) -> BundleReport:
+    requirements, source = bundle_requirements(flavor_name)
+    key = bundle_key(requirements)
+    tar_path = bundle_dir / "wheels.tar.xz"
+    meta_path = bundle_dir / "bundle.json"
+    if not force and tar_path.is_file() and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("key") == key and meta.get("sha256") == hashlib.sha256(tar_path.read_bytes()).hexdigest():
+            return BundleReport(tar_path, tar_path.stat().st_size,
+                                [(w["name"], w["stored_size"]) for w in meta["wheels"]],
+                                meta["source"] + " (cached bundle)")
+    wheels = download(requirements, cache)
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = Path(tmp, "wheels")
+        stage.mkdir()
+        for whl in wheels:
+            repack(whl, stage, SLIMMING.get(normalize(whl.name.split("-")[0]), Slim()))
+        for rel, text in IPYTHON_STUB.items():
+            p = Path(tmp, "stubs", rel)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        tmp_tar = tar_path.with_suffix(".tmp")
+        with lzma.open(tmp_tar, "wb", preset=9 | lzma.PRESET_EXTREME) as xz:
+            with tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for p in sorted(Path(tmp).rglob("*")):
+                    if p.is_file():
+                        ti = tar.gettarinfo(str(p), arcname=str(p.relative_to(tmp)))
+                        ti.uid = ti.gid = 0
+                        ti.uname = ti.gname = ""
+                        ti.mtime = 1767225600  # 2026-01-01
+                        with open(p, "rb") as fh:
+                            tar.addfile(ti, fh)
+        tmp_tar.replace(tar_path)
+        sizes = [(w.name, w.stat().st_size) for w in sorted(stage.glob("*.whl"))]
+    digest = hashlib.sha256(tar_path.read_bytes()).hexdigest()
+    manifest = {"flavor": flavor_name, "source": source, "key": key, "sha256": digest,
+                "size": tar_path.stat().st_size, "requirements": [r.split()[0] for r in requirements],
+                "wheels": [{"name": n, "stored_size": s} for n, s in sizes]}
+    (bundle_dir / "bundle.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return BundleReport(tar_path, tar_path.stat().st_size, sizes, source)
+
+
+def tree_bytes(root: Path = REPO_ROOT) -> int:
+    """Bytes that would travel without carry: tracked + untracked-not-ignored files."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    total = 0
+    for rel in out.decode().split("\0"):
+        p = root / rel
+        if rel and p.is_file():
+            total += p.stat().st_size
+    return total
+
+
+def device_command(*, phases: str = "all", deadline_s: int = 560) -> str:
+    """The shell command for the device `run` tool (at most 2000 characters)."""
+    cmd = ("export PYTHONUNBUFFERED=1; mkdir -p /tmp/smoke-state; "
+           f"python3 -m smoke e2e --bundle .gpu --state /tmp/smoke-state --out \"$OUT\" "
+           f"--deadline {deadline_s} --phases {phases}")
+    assert len(cmd) <= 2000
+    return cmd
+
+
+def run_arguments(*, phases: str = "all") -> dict[str, object]:
+    return {"command": device_command(phases=phases), "carry": [".gpu"], "timeout_s": DEVICE_TIMEOUT_S,
+            "kind": "nvidia-h200"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_image.gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flavor", default=DEFAULT_FLAVOR)
+    ap.add_argument("--skip-build", action="store_true", help="only print the device command")
+    ap.add_argument("--force", action="store_true", help="rebuild the bundle even if it is current")
+    a = ap.parse_args(argv)
+    try:
+        if not a.skip_build:
+            rep = build_bundle(a.flavor, force=a.force)
+            print(f"bundle: {rep.path.relative_to(REPO_ROOT)} {rep.size / 2**20:.1f} MiB "
+                  f"({len(rep.wheels)} wheels; {rep.source})")
+        bundle = BUNDLE_DIR / "wheels.tar.xz"
+        if not bundle.is_file():
+            raise SglangImageError(f"{bundle} missing; build it with: nox -s gpu-e2e")
+        carried = sum(p.stat().st_size for p in BUNDLE_DIR.rglob("*") if p.is_file())
+        tree = tree_bytes()
+        total = carried + tree
+        print(f"travels: repo {tree / 2**20:.1f} MiB + .gpu {carried / 2**20:.1f} MiB = "
+              f"{total / 2**20:.1f} MiB of 64 MiB")
+        if total > MAX_TREE_BYTES:
+            raise SglangImageError(f"{total} bytes would travel, over the 64 MiB limit; "
+                                   "remove large untracked files or slim the bundle")
+    except SglangImageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print("\nDevice run (the lead calls the `run` tool; the same arguments twice if the first call's"
+          " deadline leaves phases undone - the second call resumes on the warm machine):")
+    print(json.dumps(run_arguments(), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

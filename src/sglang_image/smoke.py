@@ -1,0 +1,178 @@
+"""`nox -s smoke`: run the smoke runner (smoke/, mounted read-only) inside the built image.
+
+With a GPU (the engine can pass one: `docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])`):
+  python -m smoke models /tmp/models --device cuda && python -m smoke run --models /tmp/models --out /out
+  (plain reference server, EAGLE-3 + --speculative-disable-batch-threshold with overlap on and off,
+  every check; logs and report.json land in the host's out dir).
+Without a GPU: a clearly labelled PARTIAL check (python -m smoke partial): imports,
+`launch_server --help` shows the threshold flag, /opt/sglang-image/patches.json matches
+patches/<flavor>/series, `pip check` — and it says that the full smoke needs a GPU.
+The container has no network (network_mode="none"): nothing is downloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_image.errors import DockerUnavailableError, SglangImageError, SmokeError
+from sglang_image.pins import REPO_ROOT, load_flavor
+
+MOUNT = "/opt/sglang-smoke"
+OUT_MOUNT = "/out"
+FULL_TIMEOUT_S = 3600
+PARTIAL_TIMEOUT_S = 900
+
+
+@dataclass
+class SmokeResult:
+    mode: str  # "full" or "partial"
+    ok: bool
+    exit_code: int
+    out_dir: Path
+    report: dict[str, Any] = field(default_factory=dict)
+    log_tail: str = ""
+
+
+def expected_series(flavor_name: str | None = None) -> list[dict[str, str]]:
+    """[{"name", "sha256"}] of patches/<flavor>/series, in order: what the image's manifest must say."""
+    flavor = load_flavor(flavor_name)
+    return [{"name": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+            for p in flavor.series()]
+
+
+def default_image(flavor_name: str | None = None) -> str:
+    """The tag `nox -s build` gives the flavor's image."""
+    from sglang_image.build import default_tag
+
+    return default_tag(load_flavor(flavor_name))
+
+
+def host_has_gpu() -> bool:
+    """nvidia-smi lists a GPU on this host (the engine then gets a DeviceRequest for all of them)."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    p = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return p.returncode == 0 and "GPU" in p.stdout
+
+
+def full_command(threshold: int = 4) -> list[str]:
+    script = ("set -e; python3 -m smoke models /tmp/models --device cuda; "
+              f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT} --threshold {threshold}")
+    return ["bash", "-c", script]
+
+
+def partial_command() -> list[str]:
+    return ["python3", "-m", "smoke", "partial", "--expect-series", f"{OUT_MOUNT}/expected-series.json"]
+
+
+def container_kwargs(*, gpu: bool, out_dir: Path) -> dict[str, Any]:
+    """Arguments of client.containers.run besides image and command (pure: unit-tested)."""
+    import docker.types
+
+    kw: dict[str, Any] = {
+        "volumes": {str(REPO_ROOT / "smoke"): {"bind": f"{MOUNT}/smoke", "mode": "ro"},
+                    str(out_dir): {"bind": OUT_MOUNT, "mode": "rw"}},
+        "working_dir": MOUNT,
+        "environment": {"PYTHONPATH": MOUNT, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+                        "TRANSFORMERS_OFFLINE": "1"},
+        "network_mode": "none",
+        "shm_size": "8g",
+        "detach": True,
+    }
+    if gpu:
+        kw["device_requests"] = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]
+    return kw
+
+
+def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
+              out_dir: Path | None = None, threshold: int = 4) -> SmokeResult:
+    from sglang_image.docker_engine import connect
+
+    import docker.errors
+
+    gpu = host_has_gpu() if gpu is None else gpu
+    out_dir = (out_dir or REPO_ROOT / "out" / "smoke").resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "expected-series.json").write_text(json.dumps(expected_series(flavor), indent=1))
+    engine = connect()
+    cmd = full_command(threshold) if gpu else partial_command()
+    try:
+        container = engine.client.containers.run(image, cmd, **container_kwargs(gpu=gpu, out_dir=out_dir))
+    except docker.errors.ImageNotFound as exc:
+        raise SmokeError(f"image {image} not found: {exc}; build it first: nox -s build") from exc
+    except docker.errors.APIError as exc:
+        hint = (" (no GPU support in this engine? install the NVIDIA container toolkit, or run "
+                "without a GPU for the PARTIAL check)") if gpu else ""
+        raise SmokeError(f"could not start the smoke container from {image}: {exc}{hint}") from exc
+    try:
+        status = container.wait(timeout=FULL_TIMEOUT_S if gpu else PARTIAL_TIMEOUT_S)
+        code = int(status.get("StatusCode", 1))
+        logs = container.logs().decode("utf-8", "replace")
+    finally:
+        try:
+            container.remove(force=True)
+        except docker.errors.APIError:
+            pass
+    (out_dir / ("smoke-full.log" if gpu else "smoke-partial.log")).write_text(logs)
+    tail = "\n".join(logs.splitlines()[-60:])
+    if gpu:
+        rp = out_dir / "report.json"
+        report = json.loads(rp.read_text()) if rp.is_file() else {}
+        return SmokeResult("full", code == 0, code, out_dir, report, tail)
+    report = {}
+    for line in reversed(logs.splitlines()):
+        if line.startswith("{") and '"partial"' in line:
+            report = json.loads(line)
+            break
+    (out_dir / "partial.json").write_text(json.dumps(report, indent=1))
+    return SmokeResult("partial", code == 0 and bool(report.get("ok")), code, out_dir, report, tail)
+
+
+def describe(res: SmokeResult) -> str:
+    if res.mode == "partial":
+        lines = ["PARTIAL smoke (no GPU on this host): image checks only - the full smoke "
+                 "(servers, EAGLE-3, dynamic speculation disable) needs a GPU: nox -s smoke on a GPU "
+                 "host, or nox -s gpu-e2e for the GPU machine"]
+        for c in res.report.get("checks", []):
+            lines.append(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}"
+                         + ("" if c["ok"] else f": {c['detail'][:500]}"))
+        if not res.report:
+            lines.append("  no report from the container; its log tail:\n" + res.log_tail)
+        return "\n".join(lines)
+    return (f"FULL smoke: {'PASS' if res.ok else 'FAIL'} (exit {res.exit_code}); report and logs in "
+            f"{res.out_dir}\n{res.log_tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sglang_image.smoke", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("image_pos", nargs="?", metavar="IMAGE", help="image reference (or --image)")
+    ap.add_argument("--image", default=None, help="default: the build's tag of the flavor")
+    ap.add_argument("--flavor", default=None)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--gpu", dest="gpu", action="store_true", default=None)
+    g.add_argument("--no-gpu", dest="gpu", action="store_false")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--threshold", type=int, default=4)
+    a = ap.parse_args(argv)
+    try:
+        image = a.image or a.image_pos or default_image(a.flavor)
+        res = run_smoke(image, flavor=a.flavor, gpu=a.gpu, out_dir=a.out, threshold=a.threshold)
+    except (SglangImageError, DockerUnavailableError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(describe(res))
+    if not res.ok:
+        return SmokeError.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

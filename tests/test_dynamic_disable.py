@@ -1,0 +1,595 @@
+"""CPU tests of the dynamic-speculation-disable patch, run against the real (patched) 0.5.17 wheel.
+
+Each check runs in its own interpreter inside the unpacked tree (run_in_tree) and prints one JSON
+line; the assertions happen here. The unpatched tree is used to prove the checks can fail.
+"""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+FLAVOR = "sglang-0.5.17"
+ENV = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
+
+# The CPU test venv lacks a few server-only packages that eagle_worker_v2 / scheduler import at
+# module level (uvicorn, fastapi). Stub them only when missing; nothing here calls into them.
+PRELUDE = textwrap.dedent(
+    """
+    import importlib.util, json, sys, types
+    for _name in ("uvicorn", "fastapi", "fastapi.responses"):
+        try:
+            _found = importlib.util.find_spec(_name) is not None
+        except ModuleNotFoundError:
+            _found = False
+        if not _found:
+            class _Stub(types.ModuleType):
+                def __getattr__(self, k):
+                    if k.startswith("__"):
+                        raise AttributeError(k)
+                    return type(k, (), {})
+            sys.modules[_name] = _Stub(_name)
+    def emit(obj):
+        print("RESULT " + json.dumps(obj))
+    """
+)
+
+# A ServerArgs skeleton without __post_init__ (which would load a model config): every dataclass
+# field at its argparse value, then the patch's start-time check.
+SERVER_ARGS_HELPERS = textwrap.dedent(
+    """
+    import argparse, dataclasses
+    from sglang.srt.server_args import ServerArgs
+
+    def parse(argv):
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        return parser, parser.parse_args(["--model-path", "m", *argv])
+
+    def checked(argv, **overrides):
+        _, ns = parse(argv)
+        sa = object.__new__(ServerArgs)
+        for f in dataclasses.fields(ServerArgs):
+            setattr(sa, f.name, getattr(ns, f.name, None))
+        sa._resolved_overrides = []
+        if sa.speculative_algorithm is not None and sa.speculative_eagle_topk is None:
+            sa.speculative_eagle_topk = 1   # what _handle_eagle_family resolves for EAGLE3
+        for k, v in overrides.items():
+            setattr(sa, k, v)
+        sa._check_speculative_disable()
+        return sa.speculative_disable_batch_threshold, sa.speculative_disable_hysteresis
+    """
+)
+
+
+def _run(run_in_tree, tree, body: str, env: dict | None = None, helpers: str = ""):
+    proc = run_in_tree(tree, PRELUDE + helpers + textwrap.dedent(body), env=env, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def patched(sglang_tree):
+    return sglang_tree(FLAVOR, patched=True)
+
+
+@pytest.fixture(scope="module")
+def pristine(sglang_tree):
+    return sglang_tree(FLAVOR, patched=False)
+
+
+# --------------------------------------------------------------------------- flags and env
+
+
+def test_flags_parse_as_ints_with_help(run_in_tree, patched):
+    out = _run(run_in_tree, patched, helpers=SERVER_ARGS_HELPERS, body="""
+        parser, ns = parse(["--speculative-algorithm", "EAGLE3",
+                            "--speculative-disable-batch-threshold", "32",
+                            "--speculative-disable-hysteresis", "3"])
+        _, default = parse([])
+        emit({"n": ns.speculative_disable_batch_threshold, "h": ns.speculative_disable_hysteresis,
+              "default": [default.speculative_disable_batch_threshold,
+                          default.speculative_disable_hysteresis],
+              "help": parser.format_help()})
+    """)
+    assert out["n"] == 32 and out["h"] == 3
+    assert out["default"] == [None, None]
+    assert "--speculative-disable-batch-threshold" in out["help"]
+    assert "--speculative-disable-hysteresis" in out["help"]
+    assert ENV in out["help"].replace("\n", "").replace(" ", "")
+
+
+@pytest.mark.parametrize(
+    "argv, env, expected",
+    [
+        ([], {}, [0, 0]),                                                   # off by default
+        ([], {ENV: "64"}, [64, 8]),                                         # env used, default H = N // 8
+        (["--speculative-disable-batch-threshold", "16"], {ENV: "64"}, [16, 2]),  # flag wins
+        (["--speculative-disable-batch-threshold", "0"], {ENV: "64"}, [0, 0]),    # explicit 0 wins too
+        (["--speculative-disable-batch-threshold", "8",
+          "--speculative-disable-hysteresis", "0"], {}, [8, 0]),
+        (["--speculative-disable-batch-threshold", "1"], {}, [1, 0]),      # H default stays < N
+    ],
+)
+def test_threshold_resolution(run_in_tree, patched, argv, env, expected):
+    out = _run(run_in_tree, patched, helpers=SERVER_ARGS_HELPERS, body=f"""
+        import os
+        os.environ.pop({ENV!r}, None)
+        os.environ.update({env!r})
+        emit(list(checked(["--speculative-algorithm", "EAGLE3", *{argv!r}])))
+    """)
+    assert out == expected
+
+
+@pytest.mark.parametrize(
+    "argv, env, overrides, must_contain",
+    [
+        (["--speculative-algorithm", "EAGLE3", "--speculative-disable-batch-threshold", "-1"], {}, {},
+         ["--speculative-disable-batch-threshold", ">= 0"]),
+        (["--speculative-algorithm", "EAGLE3"], {ENV: "lots"}, {},
+         [ENV, "--speculative-disable-batch-threshold", "integer"]),
+        (["--speculative-algorithm", "EAGLE3"], {ENV: "-5"}, {},
+         [ENV, ">= 0"]),
+        (["--speculative-disable-batch-threshold", "8"], {}, {},
+         ["--speculative-disable-batch-threshold", "--speculative-algorithm"]),
+        (["--speculative-algorithm", "EAGLE3", "--speculative-disable-batch-threshold", "8",
+          "--speculative-disable-hysteresis", "8"], {}, {},
+         ["--speculative-disable-hysteresis", "smaller"]),
+        (["--speculative-algorithm", "EAGLE3", "--speculative-disable-batch-threshold", "8",
+          "--speculative-disable-hysteresis", "-1"], {}, {},
+         ["--speculative-disable-hysteresis", ">= 0"]),
+        (["--speculative-algorithm", "EAGLE3", "--speculative-disable-batch-threshold", "8"], {},
+         {"enable_dp_attention": True}, ["--speculative-disable-batch-threshold", "--enable-dp-attention"]),
+        (["--speculative-algorithm", "EAGLE3", "--speculative-disable-batch-threshold", "8"], {},
+         {"speculative_adaptive": True}, ["--speculative-disable-batch-threshold", "--speculative-adaptive"]),
+        (["--speculative-algorithm", "EAGLE3", "--speculative-disable-batch-threshold", "8"], {},
+         {"speculative_eagle_topk": 4}, ["--speculative-disable-batch-threshold", "--speculative-eagle-topk"]),
+    ],
+    ids=["negative-flag", "env-not-int", "env-negative", "no-spec-algorithm", "hysteresis-ge-threshold",
+         "negative-hysteresis", "dp-attention", "adaptive", "topk"],
+)
+def test_bad_input_fails_naming_the_flag(run_in_tree, patched, argv, env, overrides, must_contain):
+    out = _run(run_in_tree, patched, helpers=SERVER_ARGS_HELPERS, body=f"""
+        import os
+        os.environ.pop({ENV!r}, None)
+        os.environ.update({env!r})
+        try:
+            checked({argv!r}, **{overrides!r})
+            emit({{"error": None}})
+        except ValueError as e:
+            emit({{"error": str(e)}})
+    """)
+    assert out["error"] is not None, "expected a ValueError at start"
+    for needle in must_contain:
+        assert needle in out["error"], (needle, out["error"])
+
+
+# --------------------------------------------------------------------------- controller
+
+
+def test_controller_hysteresis_and_counters(run_in_tree, patched):
+    out = _run(run_in_tree, patched, """
+        from sglang.srt.speculative.spec_disable import SpecDisableController
+        logs, now = [], [0.0]
+        c = SpecDisableController(32, 4, log_fn=logs.append, clock=lambda: now[0], log_interval_s=5.0)
+        trace = {}
+        # ramp up 1..40 then down 40..1
+        ramp = list(range(1, 41)) + list(range(40, 0, -1))
+        trace["ramp"] = [c.step(b) for b in ramp]
+        snap_after_ramp = c.snapshot()
+        # hovering around N (31..33) once plain: must stay plain
+        trace["hover"] = [c.step(b) for b in [33, 32, 31, 33, 30, 29, 33, 31, 28]]
+        snap_hover = c.snapshot()
+        # a non-eligible step runs speculative without changing the mode
+        c.step(40)
+        trace["ineligible"] = c.step(40, eligible=False)
+        trace["mode_after_ineligible"] = c.mode
+        # many flips inside the log interval -> only the first is logged
+        n_logs_before = len(logs)
+        for b in [40, 1, 40, 1, 40]:
+            c.step(b)
+        burst_logs = len(logs) - n_logs_before
+        now[0] = 100.0
+        c.step(1)
+        emit({"trace": trace, "snap_after_ramp": snap_after_ramp, "snap_hover": snap_hover,
+              "burst_logs": burst_logs, "last_log": logs[-1], "first_log": logs[0],
+              "deltas": c.take_metric_deltas(), "deltas2": c.take_metric_deltas(),
+              "final": c.snapshot(), "next_mode_pure": [c.next_mode(33), c.mode]})
+    """)
+    ramp = out["trace"]["ramp"]
+    up, down = ramp[:40], ramp[40:]
+    assert up == [b > 32 for b in range(1, 41)]                        # plain strictly above N
+    assert down == [b > 28 for b in range(40, 0, -1)]                  # back only at <= N - H
+    assert out["snap_after_ramp"] == {"threshold": 32, "hysteresis": 4, "mode": "speculative",
+                                      "speculative_steps": 32 + 28, "plain_steps": 8 + 12,
+                                      "mode_changes": 2}
+    # hover 33 -> plain; 32,31,33,30,29,33,31 stay plain; 28 -> speculative
+    assert out["trace"]["hover"] == [True] * 8 + [False]
+    assert out["snap_hover"]["mode_changes"] == 4
+    assert out["trace"]["ineligible"] is False and out["trace"]["mode_after_ineligible"] == "plain"
+    assert out["first_log"].startswith("Speculation mode -> plain")
+    assert out["burst_logs"] <= 1
+    assert "Speculation mode -> speculative" in out["last_log"] and "not logged" in out["last_log"]
+    mode, d_spec, d_plain = out["deltas"]
+    assert mode == 0 and d_spec == out["final"]["speculative_steps"] and d_plain == out["final"]["plain_steps"]
+    assert out["deltas2"] == [0, 0, 0]
+    assert set(out["final"]) == {"threshold", "hysteresis", "mode", "speculative_steps",
+                                 "plain_steps", "mode_changes"}
+    assert out["next_mode_pure"] == ["plain", "speculative"]
+
+
+def test_spec_disable_module_has_no_torch_import(run_in_tree, patched):
+    out = _run(run_in_tree, patched, """
+        import sglang.srt.speculative.spec_disable as m
+        emit({"torch": "torch" in sys.modules, "start": m.start_log_line(64)})
+    """)
+    # importing the sglang package itself may pull torch; the module's own source must not
+    src = (patched / "sglang/srt/speculative/spec_disable.py").read_text()
+    assert "import torch" not in src
+    assert out["start"] == "Dynamic speculation disable enabled: threshold=64"
+
+
+# --------------------------------------------------------------------------- worker (CPU tensors)
+
+
+def test_plain_step_result_layout(run_in_tree, patched):
+    out = _run(run_in_tree, patched, """
+        import torch
+        from sglang.srt.speculative import eagle_worker_v2 as ew
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.managers.utils import GenerationBatchResult
+        from sglang.srt.managers.overlap_utils import RelayPayload
+
+        bs, hidden = 3, 12
+        logits = LogitsProcessorOutput(next_token_logits=torch.randn(bs, 50),
+                                       hidden_states=torch.randn(bs, hidden))
+        logits.next_token_logprobs = torch.tensor([-0.1, -0.2, -0.3])
+        target = GenerationBatchResult(logits_output=logits, can_run_cuda_graph=True)
+        target.next_token_ids = torch.tensor([7, 8, 9])
+        seq_lens = torch.tensor([10, 20, 30])
+        res = ew.build_plain_step_result(target, seq_lens, keep_alive="fb")
+        # what _resolve_spec_v2_tokens does with it
+        stride, ids, acc = res.speculative_num_draft_tokens, res.next_token_ids.tolist(), res.accept_lens.tolist()
+        per_req = [ids[i * stride: i * stride + acc[i]] for i in range(bs)]
+        # what the FutureMap relay reads after the draft extend filled the extras
+        nd = res.next_draft_input
+        nd.topk_p, nd.topk_index, nd.hidden_states = torch.ones(bs, 1), torch.zeros(bs, 1, dtype=torch.long), torch.zeros(bs, hidden)
+        payload = RelayPayload.from_draft_input(nd)
+        emit({"stride": stride, "per_req": per_req, "accept_dtype": str(res.accept_lens.dtype),
+              "new_seq_lens": res.new_seq_lens.tolist(), "bonus": nd.bonus_tokens.tolist(),
+              "logprobs": res.logits_output.next_token_logprobs.tolist(),
+              "hidden_rows": res.logits_output.hidden_states.shape[0],
+              "plain": res.spec_plain_step, "keep": res.extra_keep_alive_refs,
+              "cg": res.can_run_cuda_graph,
+              "payload": [payload.bonus_tokens.tolist(), list(payload.topk_p.shape),
+                          list(payload.hidden_states.shape)],
+              "default_flag": GenerationBatchResult(logits_output=None, can_run_cuda_graph=False).spec_plain_step})
+    """)
+    assert out["stride"] == 1
+    assert out["per_req"] == [[7], [8], [9]]
+    assert out["accept_dtype"] == "torch.int32"
+    assert out["new_seq_lens"] == [11, 21, 31]
+    assert out["bonus"] == [7, 8, 9]
+    assert [len(row) for row in out["logprobs"]] == [1, 1, 1]           # spec layout [bs, accept]
+    assert [row[0] for row in out["logprobs"]] == pytest.approx([-0.1, -0.2, -0.3])
+    assert out["hidden_rows"] == 3
+    assert out["plain"] is True and out["default_flag"] is False
+    assert out["keep"] == ["fb"] and out["cg"] is True
+    assert out["payload"] == [[7, 8, 9], [3, 1], [3, 12]]
+
+
+def test_plain_graph_runner_captures_decode_not_verify(run_in_tree, patched):
+    out = _run(run_in_tree, patched, """
+        from sglang.srt.speculative import eagle_worker_v2 as ew
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+        seen = {}
+        def fake_capture(self):
+            seen["mode"] = self.capture_forward_mode.name
+            seen["hidden"] = self.capture_hidden_mode.name
+            seen["ragged"] = self.ragged_verify_mode
+        ew.DecodeCudaGraphRunner.capture = fake_capture
+        r = object.__new__(ew._PlainDecodeCudaGraphRunner)
+        r.capture_forward_mode = ForwardMode.TARGET_VERIFY   # what the base __init__ sets for a spec runner
+        r.capture_hidden_mode = CaptureHiddenMode.NULL
+        r.ragged_verify_mode = True
+        r.capture()
+        emit({**seen, "spec_info": r.get_spec_info(8),
+              "subclass": issubclass(ew._PlainDecodeCudaGraphRunner, ew.DecodeCudaGraphRunner)})
+    """)
+    assert out == {"mode": "DECODE", "hidden": "FULL", "ragged": False, "spec_info": None, "subclass": True}
+
+
+WORKER_FAKES = """
+import torch
+from types import SimpleNamespace as NS
+from sglang.srt.speculative import eagle_worker_v2 as ew
+from sglang.srt.speculative.spec_disable import SpecDisableController
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.managers.utils import GenerationBatchResult
+
+class SpecPathTaken(Exception):
+    pass
+
+def make_worker(threshold, hysteresis):
+    w = object.__new__(ew.EAGLEWorkerV2)
+    w.adaptive_controller = None
+    w.speculative_num_steps = 3
+    w.spec_disable = SpecDisableController(threshold, hysteresis, log_fn=lambda m: None)
+    def _spec_ctx(*a, **k):
+        raise SpecPathTaken()
+    w._draft_worker = NS(draft_tp_context=_spec_ctx, draft_runner=NS(tp_group=None))
+    return w
+
+def make_batch(bs, **kw):
+    b = NS(forward_mode=ForwardMode.DECODE, is_extend_in_batch=False,
+           seq_lens=torch.arange(10, 10 + bs), spec_info=NS(bonus_tokens=torch.arange(100, 100 + bs)),
+           has_grammar=False, sampling_info=NS(penalizer_orchestrator=NS(is_required=False)),
+           req_pool_indices=torch.arange(bs), seq_lens_cpu=None)
+    b.__dict__.update(kw)
+    return b
+"""
+
+
+def test_decision_routes_steps(run_in_tree, patched):
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        res = []
+        w = make_worker(4, 1)
+        w._forward_plain_decode = lambda batch, on_publish=None: "plain"
+        def route(batch):
+            try:
+                return w.forward_batch_generation(batch)
+            except SpecPathTaken:
+                return "spec"
+        for bs in [2, 4, 5, 4, 3, 6]:
+            res.append(route(make_batch(bs)))
+        grammar = route(make_batch(8, has_grammar=True))
+        penalty = route(make_batch(8, sampling_info=NS(penalizer_orchestrator=NS(is_required=True))))
+        idle = route(make_batch(8, forward_mode=ForwardMode.IDLE))
+        emit({"res": res, "grammar": grammar, "penalty": penalty, "idle": idle,
+              "snap": w.spec_disable.snapshot()})
+    """)
+    assert out["res"] == ["spec", "spec", "plain", "plain", "spec", "plain"]
+    assert out["grammar"] == "spec" and out["penalty"] == "spec" and out["idle"] == "spec"
+    assert out["snap"]["mode"] == "plain" and out["snap"]["plain_steps"] == 3
+
+
+def test_plain_step_on_cpu_with_fakes(run_in_tree, patched):
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        bs, hidden = 3, 6
+        w = make_worker(1, 0)
+        events = []
+        spec_backend, spec_graph = object(), object()
+        plain_backend, plain_graph = object(), object()
+        mr = NS(attn_backend=spec_backend, decode_cuda_graph_runner=spec_graph)
+        def target_forward(batch, forward_batch=None):
+            events.append(("target", mr.attn_backend is plain_backend,
+                           mr.decode_cuda_graph_runner is plain_graph, forward_batch.seq_lens.tolist(),
+                           forward_batch.positions.tolist(), forward_batch.input_ids.tolist(),
+                           forward_batch.out_cache_loc.tolist(), forward_batch.forward_mode.name,
+                           forward_batch.spec_info is None))
+            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5), hidden_states=torch.ones(bs, hidden))
+            r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
+            r.next_token_ids = torch.tensor([5, 6, 7])
+            return r
+        w._target_worker = NS(model_runner=mr, forward_batch_generation=target_forward)
+        req_to_token = torch.arange(4 * 64).reshape(4, 64)
+        w.req_to_token_pool = NS(req_to_token=req_to_token)
+        def fake_init_new(batch, model_runner, capture_hidden_mode=None, return_hidden_states_before_norm=False):
+            return NS(seq_lens=batch.seq_lens, positions=batch.seq_lens - 1, input_ids=batch.input_ids,
+                      out_cache_loc=batch.out_cache_loc, forward_mode=batch.forward_mode,
+                      spec_info=batch.spec_info, seq_lens_cpu=None, seq_lens_sum=None, orig_seq_lens=None)
+        ew.ForwardBatch.init_new = staticmethod(fake_init_new)
+        dw = NS(speculative_num_draft_tokens=4, draft_extend_attn_backend="spec-de", cuda_graph_runner_for_draft_extend="spec-deg",
+                draft_runner=NS(tp_group=None, attn_backend="spec-dr"), draft_tp_context=lambda g: ew.empty_context())
+        def draft_extend(batch, result):
+            events.append(("draft_extend", dw.speculative_num_draft_tokens, dw.draft_extend_attn_backend,
+                           dw.draft_runner.attn_backend, dw.cuda_graph_runner_for_draft_extend,
+                           result.accept_lens.tolist(), result.next_token_ids.tolist(),
+                           batch.out_cache_loc.tolist(), batch.seq_lens.tolist()))
+        dw._draft_extend_for_decode = draft_extend
+        w._draft_worker = dw
+        w._plain_state = ew._PlainStepState(plain_backend, plain_graph, "plain-de", "plain-dr", "plain-deg")
+        batch = make_batch(bs, req_pool_indices=torch.tensor([2, 0, 3]))
+        published = []
+        res = w.forward_batch_generation(batch, on_publish=lambda sl: (published.append(sl.tolist()), events.append(("publish",))))
+        emit({"events": events, "published": published,
+              "restored": [mr.attn_backend is spec_backend, mr.decode_cuda_graph_runner is spec_graph,
+                           dw.speculative_num_draft_tokens, dw.draft_extend_attn_backend,
+                           dw.draft_runner.attn_backend, dw.cuda_graph_runner_for_draft_extend],
+              "stride": res.speculative_num_draft_tokens, "plain": res.spec_plain_step,
+              "expected_loc": [int(req_to_token[2, 10]), int(req_to_token[0, 11]), int(req_to_token[3, 12])]})
+    """)
+    target, publish, extend = out["events"]
+    assert target[0] == "target" and target[1] is True and target[2] is True  # plain backend + DECODE graph
+    assert target[3] == [11, 12, 13]            # forward sees post-write length
+    assert target[4] == [10, 11, 12]            # bonus token fed at position seq_lens
+    assert target[5] == [100, 101, 102]         # input = previous bonus tokens
+    assert target[6] == out["expected_loc"]     # KV slot req_to_token[req, seq_len]
+    assert target[7] == "DECODE" and target[8] is True
+    assert publish == ["publish"] and out["published"] == [[11, 12, 13]]  # published before draft extend
+    assert extend[0] == "draft_extend"
+    assert extend[1:5] == [1, "plain-de", "plain-dr", "plain-deg"]      # 1-token draft-extend state
+    assert extend[5] == [1, 1, 1] and extend[6] == [5, 6, 7]
+    assert extend[7] == out["expected_loc"]     # draft KV written at the same slot
+    assert extend[8] == [10, 11, 12]            # ScheduleBatch keeps the spec-v2 convention
+    assert out["restored"] == [True, True, 4, "spec-de", "spec-dr", "spec-deg"]
+    assert out["stride"] == 1 and out["plain"] is True
+
+
+# --------------------------------------------------------------------------- observability
+
+
+def test_prometheus_metrics_and_internal_state_hook(run_in_tree, patched):
+    out = _run(run_in_tree, patched, r"""
+        import os, tempfile
+        from prometheus_client import generate_latest, REGISTRY
+        from sglang.srt.observability.metrics_collector import SchedulerMetricsCollector
+        from sglang.srt.speculative.spec_disable import SpecDisableController
+        from prometheus_client import Counter, Gauge
+        # The full collector needs a whole ServerArgs; build only the patch's metrics, from the
+        # collector's own __init__ source, on a bare instance, then call its real method.
+        import inspect, re
+        src_init = inspect.getsource(SchedulerMetricsCollector.__init__)
+        c = object.__new__(SchedulerMetricsCollector)
+        c.labels = {"model_name": "m"}
+        labels = c.labels
+        for attr in ("spec_disable_plain_mode", "spec_disable_speculative_steps_total",
+                     "spec_disable_plain_steps_total"):
+            block = re.search(r"self\." + attr + r" = (Gauge|Counter)\((.*?)\n        \)", src_init, re.S)
+            kwargs = eval("dict(" + block.group(2) + ")")
+            setattr(c, attr, (Gauge if block.group(1) == "Gauge" else Counter)(**kwargs))
+        ctl = SpecDisableController(2, 0)
+        for b in [1, 3, 3]:
+            ctl.step(b)
+        c.observe_spec_disable(*ctl.take_metric_deltas())
+        text = generate_latest(REGISTRY).decode()
+        lines = [l for l in text.splitlines() if l.startswith("sglang:spec_disable")]
+        src = open("sglang/srt/managers/scheduler.py").read()
+        emit({"lines": lines, "hook": 'ret["speculative_disable"] = spec_disable.snapshot()' in src})
+    """)
+    lines = out["lines"]
+    assert any(l.startswith("sglang:spec_disable_plain_mode{") and l.endswith(" 1.0") for l in lines), lines
+    assert any(l.startswith("sglang:spec_disable_plain_steps_total{") and l.endswith(" 2.0") for l in lines), lines
+    assert any(l.startswith("sglang:spec_disable_speculative_steps_total{") and l.endswith(" 1.0") for l in lines), lines
+    assert out["hook"]
+
+
+def test_patched_modules_import_and_compile(run_in_tree, patched):
+    out = _run(run_in_tree, patched, """
+        import importlib, py_compile
+        files = ["sglang/srt/speculative/spec_disable.py", "sglang/srt/speculative/eagle_worker_v2.py",
+                 "sglang/srt/server_args.py", "sglang/srt/managers/scheduler.py", "sglang/srt/managers/utils.py",
+                 "sglang/srt/managers/scheduler_components/batch_result_processor.py",
+                 "sglang/srt/observability/metrics_collector.py"]
+        import tempfile
+        for f in files:
+            py_compile.compile(f, cfile=tempfile.mktemp(), doraise=True)
+        for m in ["sglang.srt.speculative.eagle_worker_v2", "sglang.srt.managers.scheduler",
+                  "sglang.srt.server_args"]:
+            importlib.import_module(m)
+        emit({"ok": True})
+    """)
+    assert out == {"ok": True}
+
+
+# --------------------------------------------------------------------------- the checks can fail
+
+
+def test_unpatched_tree_lacks_the_flag(run_in_tree, pristine):
+    out = _run(run_in_tree, pristine, """
+        import argparse, importlib.util
+        from sglang.srt.server_args import ServerArgs
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        try:
+            parser.parse_args(["--model-path", "m", "--speculative-disable-batch-threshold", "8"])
+            parsed = True
+        except SystemExit:
+            parsed = False
+        emit({"parsed": parsed, "help": "--speculative-disable-batch-threshold" in parser.format_help(),
+              "module": importlib.util.find_spec("sglang.srt.speculative.spec_disable") is not None})
+    """)
+    assert out == {"parsed": False, "help": False, "module": False}
+
+
+# --------------------------------------------------------------------------- regressions found on the GPU
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """Tiny Llama target + EAGLE-3 draft (smoke generator, CPU, a few seconds)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("tiny_models")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "smoke", "models", str(out), "--device", "cpu", "--size", "tiny", "--draft", "first"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "target", out / "draft"
+
+
+REAL_SERVER_ARGS = """
+import os
+from sglang.srt.server_args import ServerArgs
+kw = dict(
+    model_path={target!r}, device="cpu", speculative_algorithm="EAGLE3",
+    speculative_draft_model_path={draft!r}, speculative_num_steps=3, speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
+if {flag!r} is not None:
+    kw["speculative_disable_batch_threshold"] = {flag!r}
+sa = ServerArgs(**kw)
+sa.check_server_args()   # 0.5.17: a plain field assignment here raises 'assigned after resolution'
+sa.check_server_args()   # idempotent: resolving again gives the same values
+emit([sa.speculative_disable_batch_threshold, sa.speculative_disable_hysteresis])
+"""
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "expected"),
+    [(4, None, [4, 1]), (None, "16", [16, 2]), (8, "16", [8, 1])],
+    ids=["flag", "env", "flag-wins"],
+)
+def test_real_server_args_check_resolves_without_assignment(run_in_tree, patched, tiny_models, flag, env, expected):
+    """Regression: the resolved threshold/hysteresis are written back via ServerArgs.override();
+    a bare assignment after resolution raises AttributeError on 0.5.17 (seen at GPU start)."""
+    target, draft = tiny_models
+    body = REAL_SERVER_ARGS.format(target=str(target), draft=str(draft), flag=flag)
+    assert _run(run_in_tree, patched, body, env={ENV: env} if env is not None else None) == expected
+
+
+METRICS_REPORTER = """
+import time
+from types import SimpleNamespace as NS
+from sglang.srt.managers.scheduler_components import metrics_reporter as mr
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+mr.get_spec = lambda: NS(speculative_num_draft_tokens=4, speculative_num_steps=3)
+rep = object.__new__(mr.SchedulerMetricsReporter)
+batch = NS(reqs=[object()] * 32, forward_iter=None, dp_cooperation_info=None, batch_size=lambda: 32)
+rep.scheduler = NS(
+    running_batch=batch, spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE3"),
+    pool_stats_observer=NS(get_pool_stats=lambda: NS(get_decode_usage_msg_parts=lambda: ["token usage: 0.10"])),
+    forward_ct=7, waiting_queue=[], disaggregation_mode=DisaggregationMode.NULL,
+    server_args=NS(language_only=False, encoder_transfer_backend=None),
+    enable_priority_scheduling=False, draft_worker=None,
+    kv_events_publisher=NS(publish_kv_events=lambda: None),
+)
+rep.current_scheduler_metrics_enabled = False
+rep.enable_mfu_metrics = False
+rep.is_stats_logging_rank = True
+rep.forward_ct_decode = 40
+rep.decode_log_interval = 40
+rep.last_decode_stats_tic = time.perf_counter() - 1.0
+rep.num_generated_tokens = 32 * 40
+rep.step_time_dict = {{}}
+rep._graph_backend_label = "cuda graph"
+# Every step of the interval was plain: no speculative forward was counted.
+rep.spec_num_accept_tokens = rep.spec_num_forward_ct = 0
+rep.spec_num_cap_tokens = rep.spec_num_block_accept_tokens = 0
+rep.spec_total_num_accept_tokens = rep.spec_total_num_forward_ct = 0
+logged = []
+mr.logger.info = lambda msg, *a: logged.append(msg % a if a else msg)
+rep.report_decode_stats(can_run_cuda_graph=True, running_batch=batch)
+emit(logged)
+"""
+
+
+def test_metrics_reporter_interval_of_plain_steps_only(run_in_tree, patched):
+    """Regression: report_decode_stats divided by spec_num_forward_ct, which is 0 when every step
+    of the logging interval was a plain step (ZeroDivisionError in the scheduler loop on the GPU)."""
+    logged = _run(run_in_tree, patched, METRICS_REPORTER.format())
+    assert len(logged) == 1 and "accept len: 0.00" in logged[0], logged
+
+
+def test_metrics_reporter_regression_check_can_fail(run_in_tree, pristine):
+    proc = run_in_tree(pristine, PRELUDE + textwrap.dedent(METRICS_REPORTER.format()), timeout=900)
+    assert proc.returncode != 0 and "ZeroDivisionError" in proc.stderr, proc.stderr[-3000:]

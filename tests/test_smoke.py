@@ -1,0 +1,328 @@
+"""The smoke runner's checks, the model generator and the argument parsing (CPU, no server).
+
+The checks run on real text and real outputs: a server log in sglang 0.5.17's format, the greedy
+continuation of a model generated here. Nothing pretends to be an sglang server.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from smoke import client, models, partial, runner  # noqa: E402
+from smoke.__main__ import build_parser  # noqa: E402
+
+# A server log as sglang 0.5.17 writes it (launch of an EAGLE-3 server), without the patch's line.
+SERVER_LOG = """\
+$ python3 -m sglang.launch_server --model-path /tmp/smoke-state/models/tiny/target --host 127.0.0.1 --port 30000 --speculative-algorithm EAGLE3 --speculative-disable-batch-threshold 4
+[2026-11-30 08:40:02] server_args=ServerArgs(model_path='/tmp/smoke-state/models/tiny/target', tokenizer_path='/tmp/smoke-state/models/tiny/target', attention_backend='triton', sampling_backend='pytorch', grammar_backend='none', speculative_algorithm='EAGLE3', speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4, ...)
+[2026-11-30 08:40:09] Load weight begin. avail mem=138.72 GB
+[2026-11-30 08:40:09] Load weight end. elapsed=0.05 s, type=LlamaForCausalLM, dtype=torch.bfloat16, avail mem=138.70 GB, mem usage=0.02 GB.
+[2026-11-30 08:40:10] KV Cache is allocated. #tokens: 1966080, K size: 3.75 GB, V size: 3.75 GB
+[2026-11-30 08:40:10] Memory pool end. avail mem=130.96 GB
+[2026-11-30 08:40:14] Capture cuda graph begin. This can take up to several minutes. avail mem=130.90 GB
+[2026-11-30 08:40:31] Capture cuda graph end. Time elapsed: 17.02 s. mem usage=0.11 GB. avail mem=130.79 GB.
+[2026-11-30 08:40:33] max_total_num_tokens=1966080, chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=64, context_len=4096, available_gpu_mem=130.79 GB
+[2026-11-30 08:40:34] INFO:     Started server process [41233]
+[2026-11-30 08:40:34] INFO:     Waiting for application startup.
+[2026-11-30 08:40:34] INFO:     Application startup complete.
+[2026-11-30 08:40:34] INFO:     Uvicorn running on http://127.0.0.1:30000 (Press CTRL+C to quit)
+[2026-11-30 08:40:35] INFO:     127.0.0.1:51220 - "GET /health HTTP/1.1" 200 OK
+[2026-11-30 08:40:36] Prefill batch, #new-seq: 1, #new-token: 9, #cached-token: 0, token usage: 0.00, #running-req: 0, #queue-req: 0,
+[2026-11-30 08:40:36] The server is fired up and ready to roll!
+"""
+PATCH_LINE = "[2026-11-30 08:40:10] Dynamic speculation disable enabled: threshold=4 (hysteresis=1)\n"
+
+
+# ----------------------------------------------------------------------------- models (real, CPU)
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for draft in ("first", "chain"):
+        d = tmp_path_factory.mktemp(f"models-{draft}")
+        models.build(d, size="tiny", draft=draft, accept=1.0, corpus_bytes=200_000, gen_len=24)
+        out[draft] = d
+    return out
+
+
+def test_models_load_with_transformers_and_give_the_recorded_continuation(tiny_models):
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    d = tiny_models["first"]
+    exp = json.loads((d / "expected.json").read_text())
+    tok = AutoTokenizer.from_pretrained(d / "target")
+    assert tok(exp["prompt"], add_special_tokens=False)["input_ids"] == exp["prompt_ids"]
+    model = LlamaForCausalLM.from_pretrained(d / "target", dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([exp["prompt_ids"]]), max_new_tokens=len(exp["greedy_ids"]),
+                         do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
+    assert out[0, len(exp["prompt_ids"]):].tolist() == exp["greedy_ids"]
+    # the greedy choice does not depend on kernel rounding: a wide top-1/top-2 gap everywhere
+    assert exp["min_top1_top2_margin"] > 3.0
+    assert exp["steps_following_designed_chain"] == len(exp["greedy_ids"])
+
+
+def test_draft_files_are_in_the_eagle3_format_sglang_loads(tiny_models):
+    from safetensors.torch import load_file
+
+    for draft, d in tiny_models.items():
+        cfg = json.loads((d / "draft" / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == 1024
+        assert cfg["target_hidden_size"] == cfg["hidden_size"]
+        assert len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == 3
+        w = load_file(d / "draft" / "model.safetensors")
+        exp = json.loads((d / "expected.json").read_text())
+        assert (w["d2t"] + __import__("torch").arange(1024)).tolist() == exp["hot_ids"]
+        assert int(w["t2d"].sum()) == 1024
+        assert w["fc.weight"].shape == (cfg["hidden_size"], 3 * cfg["hidden_size"])
+        assert w["lm_head.weight"].shape == (1024, cfg["hidden_size"])
+        assert {k for k in w if k.startswith("midlayer.")} >= {
+            "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight",
+            "midlayer.mlp.down_proj.weight"}
+
+
+@pytest.mark.parametrize("draft,want", [("first", 2.0), ("chain", 4.0)])
+def test_draft_acceptance_is_the_designed_one(tiny_models, draft, want):
+    exp = json.loads((tiny_models[draft] / "expected.json").read_text())
+    assert exp["designed_accept_length"] == pytest.approx(want)
+    emu = models.emulate_draft(tiny_models[draft], rounds=5)
+    assert emu["accept_length"] == pytest.approx(want)
+    # speculative decoding reproduces the target's greedy output
+    n = len(exp["prompt_ids"])
+    got = emu["tokens"][n:]
+    k = min(len(got), len(exp["greedy_ids"]))
+    assert got[:k] == exp["greedy_ids"][:k]
+
+
+def test_designed_accept_length_counts_consecutive_good_tokens():
+    chain = list(range(100))
+    assert models.designed_accept_length(chain, set(chain), 3) == 4.0
+    assert models.designed_accept_length(chain, set(), 3) == 1.0
+    assert models.designed_accept_length(chain, None, 3) == 2.0
+    # good on even tokens: every round starts on an even token, accepts it, stops at the odd one
+    assert models.designed_accept_length(chain, {x for x in chain if x % 2 == 0}, 3) == 2.0
+    # good on all but every 4th: runs of 3 then a miss
+    assert models.designed_accept_length(chain, {x for x in chain if x % 4 != 3}, 3) == 4.0
+
+
+# ----------------------------------------------------------------------------- failure paths
+def test_missing_log_line_fails_with_cause_and_log_tail(tmp_path):
+    log = tmp_path / "server_eagle_overlap.log"
+    log.write_text(SERVER_LOG)
+    rep: dict = {"name": "eagle_overlap", "phases": {}}
+    with pytest.raises(runner.SmokeFailure) as ei:
+        runner.check_start_log(log.read_text(), 4)
+    assert "Dynamic speculation disable enabled: threshold=4" in ei.value.cause
+    runner.record_failure(rep, ei.value, log)
+    report = runner.collect_failures({"threshold": 4, "variants": {"eagle_overlap": rep},
+                                      "failures": []})
+    text = runner.summarize(report)
+    assert "SMOKE FAILED [eagle_overlap]: start log line missing" in text
+    assert "The server is fired up and ready to roll!" in text  # the log's tail is shown
+    assert runner.exit_code(report) == 1
+    assert "tail of" in ei.value.render() and "Uvicorn running" in ei.value.render()
+
+
+def test_start_log_line_found_and_exact():
+    runner.check_start_log(SERVER_LOG + PATCH_LINE, 4)
+    with pytest.raises(runner.SmokeFailure):
+        runner.check_start_log(SERVER_LOG + PATCH_LINE.replace("threshold=4", "threshold=40"), 4)
+    with pytest.raises(runner.SmokeFailure):
+        runner.check_start_log(SERVER_LOG + PATCH_LINE, 8)
+
+
+def test_output_mismatch_fails_with_cause_and_log_tail(tiny_models, tmp_path):
+    exp = json.loads((tiny_models["first"] / "expected.json").read_text())
+    ref = {"hf": exp["greedy_ids"]}
+    same = client.Result("hf", list(exp["greedy_ids"]))
+    runner.check_outputs(ref, [same], "below")
+    runner.check_hf_reference(exp, same.output_ids)
+    wrong = list(exp["greedy_ids"])
+    wrong[7] = (wrong[7] + 1) % exp["vocab_size"]
+    log = tmp_path / "server_eagle_sync.log"
+    log.write_text(SERVER_LOG + PATCH_LINE)
+    rep: dict = {"name": "eagle_sync", "phases": {}}
+    with pytest.raises(runner.SmokeFailure) as ei:
+        runner.check_outputs(ref, [client.Result("hf", wrong)], "above")
+    assert "above: output mismatch" in ei.value.cause and "first difference at token 7" in ei.value.cause
+    runner.record_failure(rep, ei.value, log)
+    report = runner.collect_failures({"threshold": 4, "variants": {"eagle_sync": rep}, "failures": []})
+    text = runner.summarize(report)
+    assert "SMOKE FAILED [eagle_sync]: above: output mismatch" in text
+    assert "Dynamic speculation disable enabled" in text
+    assert runner.exit_code(report) == 1
+    with pytest.raises(runner.SmokeFailure, match="HF transformers reference"):
+        runner.check_hf_reference(exp, wrong)
+
+
+def test_request_errors_and_bad_log_lines_fail():
+    with pytest.raises(runner.SmokeFailure, match="1 request"):
+        runner.check_no_errors([client.Result("p1", error="HTTP 500 from /generate: boom")], "ramp")
+    bad = SERVER_LOG + ("[2026-11-30 08:41:00] Scheduler hit an exception: Traceback (most recent call last):\n"
+                        "Traceback (most recent call last):\n  File \"scheduler.py\", line 1\n")
+    with pytest.raises(runner.SmokeFailure, match="Traceback"):
+        runner.check_log_clean(bad)
+    with pytest.raises(runner.SmokeFailure, match="memory leak"):
+        runner.check_log_clean(SERVER_LOG + "[2026-11-30 08:41:00] pool memory leak detected! full: 12\n")
+    runner.check_log_clean(SERVER_LOG + PATCH_LINE)
+
+
+def test_server_info_counters():
+    st = {"threshold": 4, "hysteresis": 1, "mode": "speculative", "speculative_steps": 120,
+          "plain_steps": 40, "mode_changes": 4}
+    info = {"internal_states": [{"speculative_disable": st, "avg_spec_accept_length": 2.0}]}
+    assert runner.spec_state(info) == st
+    runner.check_threshold_state(st, 4)
+    runner.check_switched(st, "end")
+    with pytest.raises(runner.SmokeFailure, match="patch applied"):
+        runner.spec_state({"internal_states": [{"avg_spec_accept_length": 2.0}]})
+    with pytest.raises(runner.SmokeFailure, match="plain_steps == 0"):
+        runner.check_switched(dict(st, plain_steps=0, mode_changes=0), "end")
+    with pytest.raises(runner.SmokeFailure, match="did not grow"):
+        runner.check_delta(st, st, "plain_steps", "above", positive=True)
+    with pytest.raises(runner.SmokeFailure, match="should not"):
+        runner.check_delta(st, dict(st, plain_steps=41), "plain_steps", "below", positive=False)
+
+
+def test_accept_length_and_kv_checks():
+    before = runner.accept_stats([client.Result("a", [1] * 48, {"spec_accept_length": 2.0,
+                                                                  "spec_accept_rate": 0.33,
+                                                                  "spec_verify_ct": 24})])
+    assert before["accept_length"] == 2.0
+    runner.check_accept_recovers(before, {"accept_length": 1.95})
+    with pytest.raises(runner.SmokeFailure, match="after the disabled phase"):
+        runner.check_accept_recovers(before, {"accept_length": 1.2})
+    with pytest.raises(runner.SmokeFailure, match="not accepted at low load"):
+        runner.check_accept_recovers({"accept_length": 1.0}, {"accept_length": 1.0})
+    base = {"num_used_tokens": 0, "max_total_num_tokens": 100000, "num_running_reqs": 0}
+    runner.check_kv_back(base, dict(base))
+    with pytest.raises(runner.SmokeFailure, match="KV pool not back"):
+        runner.check_kv_back(base, dict(base, num_used_tokens=37))
+
+
+def test_prometheus_parsing():
+    text = ("# HELP sglang:spec_disable_plain_mode 1 while speculation is off\n"
+            "# TYPE sglang:spec_disable_plain_mode gauge\n"
+            'sglang:spec_disable_plain_mode{model_name="target",engine_type="unified",tp_rank="0"} 0.0\n'
+            'sglang:spec_disable_plain_steps_total{model_name="target",tp_rank="0"} 57.0\n'
+            'sglang:kv_available_tokens{model_name="target"} 1966080.0\n')
+    m = client.parse_prometheus(text)
+    assert client.metric(m, "sglang:spec_disable_plain_steps_total") == 57.0
+    assert client.metric(m, "sglang:spec_disable_plain_mode") == 0.0
+    assert client.metric(m, "sglang:spec_disable_speculative_steps_total") is None
+
+
+def test_prompts_cover_below_at_above_and_ramp():
+    exp = {"vocab_size": 3072, "prompt_ids": [1, 2, 3], "greedy_ids": [4] * 32}
+    sets = runner.make_prompts(exp, 4)
+    assert len(sets["below"]) == 4 and sets["below"][0].key == "hf"
+    assert len(sets["at"]) == 4 and len(sets["above"]) == 32  # 1, 4 and 32 concurrent requests with N=4
+    assert all(len(sets[f"ramp_burst{i}"]) == 16 for i in range(3))
+    keys = [p.key for p in runner.unique_prompts(sets)]
+    assert len(keys) == len(set(keys))
+    assert runner.make_prompts(exp, 4) == sets  # deterministic
+
+
+# ----------------------------------------------------------------------------- arguments
+def test_argument_parsing(tmp_path):
+    ap = build_parser()
+    a = ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "8", "--variants", "sync"])
+    opts = runner.options(a)
+    assert opts.threshold == 8 and opts.variants == ("sync",) and opts.cuda_graph
+    with pytest.raises(SystemExit):
+        runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--variants", "bogus"]))
+    with pytest.raises(SystemExit):
+        runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "0"]))
+    a = ap.parse_args(["models", str(tmp_path), "--size", "1b", "--draft", "chain",
+                       "--draft-accept", "0.7", "--device", "cuda"])
+    assert (a.size, a.draft, a.draft_accept, a.device) == ("1b", "chain", 0.7, "cuda")
+    with pytest.raises(SystemExit):
+        ap.parse_args(["models", str(tmp_path), "--size", "70b"])
+    from smoke import bench
+
+    b = bench.options(ap.parse_args(["bench", "--models", "m", "--out", "o", "--concurrency", "1,8,256"]))
+    assert b.concurrency == (1, 8, 256) and b.configs == bench.CONFIGS
+    with pytest.raises(SystemExit):
+        bench.options(ap.parse_args(["bench", "--models", "m", "--out", "o", "--configs", "x"]))
+    e = ap.parse_args(["e2e", "--bundle", ".gpu", "--phases", "smoke,bench", "--out", "o"])
+    assert e.deadline == 560 and e.phases == "smoke,bench"
+    from smoke import e2e
+
+    with pytest.raises(SystemExit):
+        e2e.main(ap.parse_args(["e2e", "--phases", "smoke,nope", "--out", str(tmp_path)]))
+
+
+def test_bench_table_and_comparison():
+    from smoke import bench
+
+    def res(tps, outs, al=None):
+        return {"tok_per_s": tps, "accept_length": al, "errors": 0, "first_error": None, "outputs": outs}
+
+    reps = {"plain": {"results": {"256": res(20000.0, {"a": [1, 2]})}},
+            "eagle3": {"results": {"256": res(10400.0, {"a": [1, 2]}, 2.9)}},
+            "eagle3_thr": {"results": {"256": res(19600.0, {"a": [1, 3]})}}}
+    t = bench.table(reps, (256,))
+    assert "0.52x" in t and "0.98x" in t
+    problems = bench.compare(reps)
+    assert problems == ["eagle3_thr c=256: 1 output(s) differ from plain (e.g. a)"]
+
+
+# ----------------------------------------------------------------------------- partial + nox side
+def test_partial_manifest_comparison():
+    want = [{"name": "a.patch", "sha256": "1" * 64}, {"name": "b.patch", "sha256": "2" * 64}]
+    assert partial.compare_manifest([dict(w, files=["x"]) for w in want], want) is None
+    assert "!=" in partial.compare_manifest(want[::-1], want)
+    assert "sha256 differs for ['b.patch']" in partial.compare_manifest(
+        [want[0], dict(want[1], sha256="3" * 64)], want)
+    assert partial.help_shows_flag("  --speculative-disable-batch-threshold SPECULATIVE_DISABLE_...")
+
+
+def test_nox_side_container_and_device_command(tmp_path):
+    pytest.importorskip("docker")
+    from sglang_image import gpu, smoke
+
+    kw = smoke.container_kwargs(gpu=True, out_dir=tmp_path)
+    req = kw["device_requests"][0]
+    assert req["Count"] == -1 and req["Capabilities"] == [["gpu"]]
+    assert kw["network_mode"] == "none"
+    assert "device_requests" not in smoke.container_kwargs(gpu=False, out_dir=tmp_path)
+    series = smoke.expected_series("sglang-0.5.17")
+    names = [line.split("#")[0].strip() for line in
+             (REPO / "patches" / "sglang-0.5.17" / "series").read_text().splitlines()]
+    assert [s["name"] for s in series] == [n for n in names if n]
+    args = gpu.run_arguments()
+    assert args["carry"] == [".gpu"] and args["timeout_s"] == 600
+    assert len(args["command"]) <= 2000 and "python3 -m smoke e2e" in args["command"]
+    lines, _ = gpu.bundle_requirements()
+    assert any(line.startswith("sglang==0.5.17") for line in lines)
+    assert any(line.startswith("sgl-deep-gemm==") for line in lines)
+
+
+def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_path):
+    """The no-GPU image check, run on the real sglang 0.5.17 wheel with the series applied."""
+    from sglang_image import smoke
+
+    tree = sglang_tree("sglang-0.5.17", True)
+    expected = smoke.expected_series("sglang-0.5.17")
+    manifest = tmp_path / "patches.json"
+    manifest.write_text(json.dumps([dict(e, files=[]) for e in expected]))
+    code = ("import json, sys; from pathlib import Path; sys.path.append(%r)\n"
+            "from smoke import partial\n"
+            "print(json.dumps(partial.run_checks(json.loads(%r), Path(%r))))"
+            % (str(REPO), json.dumps(expected), str(manifest)))
+    p = run_in_tree(tree, code, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rep = json.loads(p.stdout.strip().splitlines()[-1])
+    checks = {c["name"]: c for c in rep["checks"]}
+    assert rep["partial"] is True and "needs one" in rep["note"]
+    assert checks["import sglang.srt.server_args"]["ok"], checks["import sglang.srt.server_args"]
+    assert checks["launch_server --help shows --speculative-disable-batch-threshold"]["ok"]
+    assert checks[f"patch manifest {manifest} matches the series"]["ok"]
+    # (a manifest from other patch files: test_partial_manifest_comparison)
