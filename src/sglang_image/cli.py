@@ -111,9 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Stages with their own argument parsers: everything after the command goes to them.
     for command, module, help_text in STAGE_COMMANDS:
         p = sub.add_parser(command, help=help_text, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=_stage(module))
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in {c for c, _, _ in STAGE_COMMANDS}:
+        args = argparse.Namespace(func=_stage(dict((c, m) for c, m, _ in STAGE_COMMANDS)[argv[0]]),
+                                  rest=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         return int(args.func(args))
     except SglangImageError as exc:

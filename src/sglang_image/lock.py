@@ -103,17 +103,18 @@ def _compile(flavor: Flavor, requirements: list[str], extra_indexes: list[str],
     platform = next(p for p in flavor.platforms if p.startswith("manylinux"))
     tag = "x86_64-" + platform.replace("_x86_64", "")
     with tempfile.TemporaryDirectory() as tmp:
-        req = Path(tmp) / "requirements.in"
+        req = Path(tmp) / "flavor-requirements.in"
         req.write_text("\n".join(requirements) + "\n")
         out = Path(tmp) / "lock.txt"
-        cmd = [_uv(), "pip", "compile", str(req), "--python-version", flavor.python_version,
+        # Relative paths, run from the temp dir: the lock's "# via -r ..." lines stay stable.
+        cmd = [_uv(), "pip", "compile", req.name, "--python-version", flavor.python_version,
                "--python-platform", tag, "--generate-hashes", "--no-header",
-               "--index-url", PYPI, "--index-strategy", "unsafe-best-match", "-o", str(out)]
+               "--index-url", PYPI, "--index-strategy", "unsafe-best-match", "-o", out.name]
         for index in extra_indexes:
             cmd += ["--extra-index-url", index]
         for link in find_links:
             cmd += ["--find-links", link]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         if proc.returncode != 0:
             raise LockError(f"uv pip compile failed for {flavor.name}:\n{proc.stderr.strip()[-3000:]}")
         return out.read_text()

