@@ -128,12 +128,10 @@ def test_support_0517_olmo2_attention_backend(sglang_tree, run_in_tree):
     assert old["deepgemm_off_sm120_in_source/12.0"] and new["deepgemm_off_sm120_in_source/12.0"]
 
 
-SUPPORT_059 = """
-import sglang.srt.layers.deep_gemm_wrapper.configurer as dg
+# ServerArgs with its field defaults and without __post_init__ (which would load a model).
+FRESH_ARGS = """
 from sglang.srt.server_args import ServerArgs
 import dataclasses
-# fake: deep_gemm is a GPU-only package; the gate only checks that it imports.
-sys.modules["deep_gemm"] = types.ModuleType("deep_gemm")
 
 def fresh_args(**kw):
     sa = object.__new__(ServerArgs)  # skip __post_init__ (it would load a model)
@@ -146,6 +144,13 @@ def fresh_args(**kw):
     for k, v in kw.items():
         setattr(sa, k, v)
     return sa
+"""
+
+SUPPORT_059 = """
+import sglang.srt.layers.deep_gemm_wrapper.configurer as dg
+# fake: deep_gemm is a GPU-only package; the gate only checks that it imports.
+sys.modules["deep_gemm"] = types.ModuleType("deep_gemm")
+""" + FRESH_ARGS + """
 
 def adjust(hf, **kw):
     sa = fresh_args(**kw)
@@ -301,19 +306,11 @@ def test_fusion_0517_gate_backend_preflight_warning(sglang_tree, run_in_tree):
 
 FUSION_059 = """
 import sglang.srt.layers.communicator as comm_mod
-from sglang.srt.server_args import ServerArgs
-import dataclasses
+""" + FRESH_ARGS + """
+_plain_fresh_args = fresh_args
 
 def fresh_args(**kw):
-    sa = object.__new__(ServerArgs)  # skip __post_init__ (it would load a model)
-    for f in dataclasses.fields(ServerArgs):
-        if f.default is not dataclasses.MISSING:
-            setattr(sa, f.name, f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            setattr(sa, f.name, f.default_factory())
-    sa.model_path = "dummy-model"
-    for k, v in kw.items():
-        setattr(sa, k, v)
+    sa = _plain_fresh_args(**kw)
     sa.get_model_config = lambda: NS(hf_config=NS(architectures=["Qwen3MoeForCausalLM"]))
     return sa
 
