@@ -1,0 +1,34 @@
+"""`nox -s smoke` without a GPU: the PARTIAL check, inside the image the tests build (real engine)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sglang_image import smoke
+from sglang_image.build import BuildResult
+
+pytestmark = pytest.mark.docker
+
+
+def test_partial_smoke_passes_on_the_light_image(light_image: BuildResult, tmp_path: Path) -> None:
+    res = smoke.run_smoke(light_image.tags[0], gpu=False, out_dir=tmp_path)
+    assert res.mode == "partial" and res.report.get("light") is True, res.log_tail
+    assert res.ok, smoke.describe(res)
+    checks = {c["name"]: c for c in res.report["checks"]}
+    manifest = next(c for n, c in checks.items() if n.startswith("patch manifest"))
+    assert manifest["ok"] and not manifest["skipped"]
+    assert checks["patched files present and compiling"]["ok"]
+    # what the light image cannot show is said, not faked
+    assert checks["pip check"]["skipped"]
+    assert "PARTIAL" in smoke.describe(res) and "[skip]" in smoke.describe(res)
+
+
+def test_partial_smoke_fails_when_the_image_has_other_patches(
+        light_image: BuildResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = smoke.expected_series()
+    tampered = [dict(real[0], sha256="0" * 64), *real[1:]]
+    monkeypatch.setattr(smoke, "expected_series", lambda flavor=None: tampered)
+    res = smoke.run_smoke(light_image.tags[0], gpu=False, out_dir=tmp_path)
+    assert not res.ok
+    assert f"sha256 differs for ['{real[0]['name']}']" in smoke.describe(res)
