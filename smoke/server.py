@@ -107,22 +107,17 @@ class Server:
         if self.proc is None:
             return
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        # TERM gives the server time to shut down; KILL then takes what is left of the group
+        # (scheduler and detokenizer children).
+        for sig, grace_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
         for _ in range(30):
             if port_free(self.port):
                 break

@@ -15,7 +15,7 @@ from sglang_image import patch, pins
 REPO_ROOT = pins.REPO_ROOT
 TREE_CACHE = REPO_ROOT / ".cache" / "trees"
 
-pytest_plugins = ["tests.conftest_docker"] if (Path(__file__).parent / "conftest_docker.py").exists() else []
+pytest_plugins = ["tests.conftest_docker"]
 
 
 def _series_key(flavor: pins.Flavor) -> str:

@@ -109,13 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("flavors", nargs="*")
     p.set_defaults(func=cmd_lock)
     # Stages with their own argument parsers: everything after the command goes to them.
-    for command, module, help_text in STAGE_COMMANDS:
-        p = sub.add_parser(command, help=help_text, add_help=False)
-        p.set_defaults(func=_stage(module))
+    # (Listed here for --help; dispatched before argparse, which would eat their options.)
+    for command, _, help_text in STAGE_COMMANDS:
+        sub.add_parser(command, help=help_text, add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in {c for c, _, _ in STAGE_COMMANDS}:
-        args = argparse.Namespace(func=_stage(dict((c, m) for c, m, _ in STAGE_COMMANDS)[argv[0]]),
-                                  rest=argv[1:])
+    stages = {command: module for command, module, _ in STAGE_COMMANDS}
+    if argv and argv[0] in stages:
+        args = argparse.Namespace(func=_stage(stages[argv[0]]), rest=argv[1:])
     else:
         args = parser.parse_args(argv)
     try:

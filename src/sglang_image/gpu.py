@@ -9,9 +9,8 @@ On the GPU machine `python3 -m smoke e2e --bundle .gpu ...` installs them with
 `pip install --no-index --no-deps --target /tmp/site`, applies patches/<flavor>/series on top,
 builds the tiny models and runs the smoke checks and the benchmark (see smoke/e2e.py).
 
-Versions come from the flavor's lock (images/flavors/<flavor>.lock) when it exists, so the GPU run
-tests the same wheels as the image; otherwise from GPU_BUNDLE_FALLBACK below (the versions seen
-working on the H200 with sglang 0.5.17).
+Versions and hashes come from the flavor's lock (images/flavors/<flavor>.lock) and the wheels from
+the same hash-checked fetch as the image build, so the GPU run tests the image's wheels.
 """
 from __future__ import annotations
 
@@ -23,8 +22,6 @@ import hashlib
 import io
 import json
 import lzma
-import os
-import shlex
 import subprocess
 import sys
 import tarfile
@@ -34,35 +31,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_image.errors import FetchError, SglangImageError
+from sglang_image.fetch import WHEEL_CACHE, fetch_wheels
+from sglang_image.lock import normalize, read_lock
+from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, load_flavor
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BUNDLE_DIR = REPO_ROOT / ".gpu"
-DOWNLOAD_CACHE = REPO_ROOT / ".cache" / "gpu-wheels"
-DEFAULT_FLAVOR = "sglang-0.5.17"
 MAX_TREE_BYTES = 64 * 1024 * 1024
 DEVICE_TIMEOUT_S = 600
-# What the GPU machine lacks for `python -m sglang.launch_server` with EAGLE-3 and CUDA graphs.
-# (name, fallback version). The lock's version wins when the lock lists the name.
-GPU_BUNDLE_FALLBACK: tuple[tuple[str, str], ...] = (
-    ("sglang", "0.5.17"), ("sglang-kernel", "0.4.5"), ("flashinfer-python", "0.6.15.post1"),
-    ("apache-tvm-ffi", "0.1.11"), ("transformers", "5.12.1"), ("tokenizers", "0.22.2"),
-    ("xgrammar", "0.2.1"), ("fastapi", "0.165.0"), ("starlette", "1.10.0"), ("uvicorn", "0.54.0"),
-    ("python-multipart", "0.0.34"), ("opentelemetry-api", "1.45.2"), ("pydantic", "2.14.4"),
-    ("pydantic-core", "2.50.5"), ("annotated-types", "0.8.0"), ("typing-inspection", "0.4.5"),
-    ("typing-extensions", "4.16.0"), ("pyzmq", "27.3.0"), ("orjson", "3.13.0"),
-    ("msgspec", "0.23.0"), ("pybase64", "1.5.1"), ("setproctitle", "1.3.8"),
-    ("partial-json-parser", "0.2.1.1.post7"), ("zstandard", "0.25.0"), ("watchfiles", "1.3.0"),
-    ("dill", "0.4.1"), ("openai", "2.6.1"), ("distro", "1.9.0"), ("jiter", "0.19.0"),
-    ("sniffio", "1.3.1"), ("torch-memory-saver", "0.0.10"), ("compressed-tensors", "0.20.1"),
-    ("loguru", "0.7.3"), ("gguf", "0.19.0"), ("jsonschema", "4.26.0"),
-    ("jsonschema-specifications", "2025.9.1"), ("referencing", "0.37.0"), ("rpds-py", "2026.9.1"),
-    ("soundfile", "0.13.1"), ("cffi", "2.1.1"), ("pycparser", "3.12"),
-    # imported by the EAGLE draft CUDA-graph capture (dsa_backend -> deep_gemm at module level)
-    ("sgl-deep-gemm", "0.1.5.post1"),
+# What the GPU machine lacks for `python -m sglang.launch_server` with EAGLE-3 and CUDA graphs
+# (sgl-deep-gemm: the EAGLE draft CUDA-graph capture imports deep_gemm at module level).
+# Versions: the flavor's lock.
+GPU_BUNDLE: tuple[str, ...] = (
+    "sglang", "sglang-kernel", "flashinfer-python", "apache-tvm-ffi", "transformers", "tokenizers",
+    "xgrammar", "fastapi", "starlette", "uvicorn", "python-multipart", "opentelemetry-api",
+    "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
+    "pyzmq", "orjson", "msgspec", "pybase64", "setproctitle", "partial-json-parser", "zstandard",
+    "watchfiles", "dill", "openai", "distro", "jiter", "sniffio", "torch-memory-saver",
+    "compressed-tensors", "loguru", "gguf", "jsonschema", "jsonschema-specifications",
+    "referencing", "rpds-py", "soundfile", "cffi", "pycparser", "sgl-deep-gemm",
 )
-PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
-             "manylinux_2_26_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")
 
 
 @dataclass(frozen=True)
@@ -94,10 +81,6 @@ IPYTHON_STUB = {
 }
 
 
-def normalize(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
 @dataclass
 class BundleReport:
     path: Path
@@ -106,61 +89,15 @@ class BundleReport:
     source: str = ""
 
 
-def _lock_versions(flavor_name: str) -> tuple[dict[str, tuple[str, tuple[str, ...]]], str]:
-    """{normalized name: (version, hashes)} from the flavor's lock, or ({}, reason) without one."""
-    lock_path = REPO_ROOT / "images" / "flavors" / f"{flavor_name}.lock"
-    if not lock_path.is_file():
-        return {}, f"no lock at {lock_path.relative_to(REPO_ROOT)}: fallback pins"
-    try:
-        from sglang_image.lock import read_lock
-    except ImportError as exc:  # pragma: no cover - the lead's module is part of the package
-        return {}, f"cannot read the lock ({exc}): fallback pins"
-    entries = read_lock(lock_path)
-    return ({normalize(e.name): (e.version, tuple(e.hashes)) for e in entries},
-            f"versions from {lock_path.relative_to(REPO_ROOT)}")
-
-
 def bundle_requirements(flavor_name: str = DEFAULT_FLAVOR) -> tuple[list[str], str]:
-    """Requirement lines (with --hash when the lock has them) for the bundle, and their source."""
-    locked, source = _lock_versions(flavor_name)
-    lines = []
-    for name, fallback in GPU_BUNDLE_FALLBACK:
-        version, hashes = locked.get(normalize(name), (fallback, ()))
-        line = f"{name}=={version}"
-        if hashes:
-            line += " " + " ".join(f"--hash=sha256:{h}" for h in hashes)
-        lines.append(line)
-    return lines, source
-
-
-def download(requirements: list[str], dest: Path) -> list[Path]:
-    dest.mkdir(parents=True, exist_ok=True)
-    hashed = all("--hash=" in r for r in requirements)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as fh:
-        fh.write("\n".join(requirements) + "\n")
-        req_file = fh.name
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp", "--disable-pip-version-check",
-           "-d", str(dest), "-r", req_file]
-    for p in PLATFORMS:
-        cmd += ["--platform", p]
-    if hashed:
-        cmd.append("--require-hashes")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    os.unlink(req_file)
-    if proc.returncode != 0:
-        raise FetchError("pip download of the GPU bundle failed: " + proc.stderr.strip()[-2000:]
-                         + f"\nfix: check network access to PyPI, then rerun: {shlex.join(cmd)}")
-    wanted = {normalize(r.split("==")[0]): r.split("==")[1].split()[0] for r in requirements}
-    found = []
-    for whl in sorted(dest.glob("*.whl")):
-        dist, version = whl.name.split("-")[:2]
-        if wanted.get(normalize(dist)) == version:
-            found.append(whl)
-    missing = set(wanted) - {normalize(w.name.split("-")[0]) for w in found}
+    """`name==version` of each bundled wheel, from the flavor's lock, and where they came from."""
+    flavor = load_flavor(flavor_name)
+    locked = {e.name: e.version for e in read_lock(flavor.lock_path)}
+    missing = [n for n in GPU_BUNDLE if normalize(n) not in locked]
     if missing:
-        raise FetchError(f"GPU bundle: no wheel downloaded for {sorted(missing)}")
-    return found
+        raise FetchError(f"GPU bundle: {missing} not in {flavor.lock_path.name}")
+    return ([f"{n}=={locked[normalize(n)]}" for n in GPU_BUNDLE],
+            f"versions from {flavor.lock_path.relative_to(REPO_ROOT)}")
 
 
 def _record_hash(data: bytes) -> str:
@@ -217,7 +154,7 @@ def bundle_key(requirements: list[str]) -> str:
 
 
 def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DIR,
-                 cache: Path = DOWNLOAD_CACHE, force: bool = False) -> BundleReport:
+                 cache: Path = WHEEL_CACHE, force: bool = False) -> BundleReport:
     requirements, source = bundle_requirements(flavor_name)
     key = bundle_key(requirements)
     tar_path = bundle_dir / "wheels.tar.xz"
@@ -228,9 +165,10 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
             return BundleReport(tar_path, tar_path.stat().st_size,
                                 [(w["name"], w["stored_size"]) for w in meta["wheels"]],
                                 meta["source"] + " (cached bundle)")
-    wheels = download(requirements, cache)
     bundle_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
+        wheels = fetch_wheels(load_flavor(flavor_name), Path(tmp, "fetched"), only=GPU_BUNDLE,
+                              cache=cache)
         stage = Path(tmp, "wheels")
         stage.mkdir()
         for whl in wheels:
@@ -243,7 +181,7 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
         with lzma.open(tmp_tar, "wb", preset=9 | lzma.PRESET_EXTREME) as xz:
             with tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar:
                 for p in sorted(Path(tmp).rglob("*")):
-                    if p.is_file():
+                    if p.is_file() and p.parent.name != "fetched":
                         ti = tar.gettarinfo(str(p), arcname=str(p.relative_to(tmp)))
                         ti.uid = ti.gid = 0
                         ti.uname = ti.gname = ""
