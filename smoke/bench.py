@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smoke import client
+from smoke import client, profile
 from smoke.client import Prompt
 from smoke.runner import Deadline, SmokeFailure, check_log_clean, spec_state
 from smoke.server import Server, ServerConfig, log_tail
@@ -39,11 +41,13 @@ class BenchOptions:
     min_server_s: float = 150
     min_measure_s: float = 75
     health_timeout: float = 420
+    profile_steps: int = 0  # >0: torch-profile that many steps at full load (plain and eagle3_thr)
 
 
 def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
     rnd = random.Random(seed * 1000 + concurrency)
-    n = max(3, 2 * concurrency) if concurrency < 64 else concurrency  # one full wave at high load
+    # three full waves at high load: the server log then holds enough full-batch intervals
+    n = max(3, 2 * concurrency) if concurrency < 64 else 3 * concurrency
     return [Prompt(f"c{concurrency}-{i}", tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, 64))),
                    output_len) for i in range(n)]
 
@@ -72,6 +76,21 @@ def measure(base: str, prompts: list[Prompt], concurrency: int, timeout: float =
             "outputs": {r.key: r.output_ids for r in res}}
 
 
+_DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?(\w[\w ]*): (True|False), "
+                          r"gen throughput \(token/s\): ([\d.]+)")
+
+
+def server_decode_stats(log_text: str, running: int) -> dict[str, Any] | None:
+    """The server's own decode-log view at (nearly) full load: median gen throughput and how many
+    of those intervals ran under a CUDA graph. Independent of client-side ramp up/down."""
+    rows = [(float(tput), flag == "True") for run, _, flag, tput in _DECODE_LINE.findall(log_text)
+            if int(run) >= 0.9 * running]
+    if not rows:
+        return None
+    return {"lines": len(rows), "median_tok_per_s": round(statistics.median(t for t, _ in rows), 1),
+            "cuda_graph_lines": sum(g for _, g in rows)}
+
+
 def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
     cfg = server_config(name, opts)
     log = opts.out / f"server_bench_{name}.log"
@@ -83,16 +102,22 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
         if opts.deadline.left() < opts.min_measure_s:
             rep["skipped"] = True
             raise SmokeFailure(f"deadline: only {opts.deadline.left():.0f}s left after the start")
-        # warm-up at the largest concurrency (lazy JIT/autotune outside the measurement)
-        client.run_concurrent(srv.base, [Prompt(f"w{i}", (5 + i, 6, 7, 8), 16)
-                                         for i in range(max(opts.concurrency))], max(opts.concurrency),
-                              max(10.0, min(240, opts.deadline.left() - 25)))
+        # warm-up at every concurrency (lazy JIT/autotune per batch shape and per mode, outside
+        # the measurement: with a threshold, small batches speculate and large ones do not)
+        for c in opts.concurrency:
+            client.run_concurrent(srv.base, [Prompt(f"w{c}-{i}", (5 + i % 50, 6, 7, 8), 32)
+                                             for i in range(max(2, c))], c,
+                                  max(10.0, min(240, opts.deadline.left() - 25)))
         for c in opts.concurrency:
             rep["results"][str(c)] = measure(srv.base, workload(vocab, c, opts.output_len, 0), c,
                                              max(10.0, min(240, opts.deadline.left() - 25)))
+        if opts.profile_steps > 0 and name in ("plain", "eagle3_thr"):
+            rep["profile"] = profile_full_load(srv.base, opts, vocab, name)
         if cfg.threshold is not None:
             rep["spec_disable"] = spec_state(client.server_info(srv.base))
-        check_log_clean(log.read_text(errors="replace"))
+        log_text = log.read_text(errors="replace")
+        rep["server_decode_at_max"] = server_decode_stats(log_text, max(opts.concurrency))
+        check_log_clean(log_text)
         rep["ok"] = True
     except Exception as exc:  # noqa: BLE001 - SmokeFailure, HTTPFailure or an unexpected answer
         rep["ok"] = False
@@ -101,6 +126,28 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
     finally:
         srv.stop()
     return rep
+
+
+def profile_full_load(base: str, opts: BenchOptions, vocab: int, name: str) -> dict[str, Any]:
+    """Profile `profile_steps` decode steps in the middle of a full-load run (not measured)."""
+    c = max(opts.concurrency)
+    load = client.in_background(lambda: client.run_concurrent(
+        base, workload(vocab, c, opts.output_len, 1), c, max(10.0, min(240, opts.deadline.left() - 25))))
+    time.sleep(1.0)  # past the first prefill wave, into full-batch decode
+    out_dir = opts.out / f"profile_{name}"
+    try:  # a diagnostic: its failure is reported, it does not fail the bench
+        try:
+            profile.start(base, out_dir, opts.profile_steps)
+        finally:
+            load.result()
+        trace = profile.wait_for_trace(out_dir)
+        if trace is None:
+            return {"error": f"no trace under {out_dir}"}
+        summary = profile.summarize(trace, opts.profile_steps)
+        trace.unlink()  # tens of MB; the summary is what travels back
+        return summary
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def compare(reps: dict[str, dict[str, Any]]) -> list[str]:
@@ -139,6 +186,15 @@ def table(reps: dict[str, dict[str, Any]], concurrency: tuple[int, ...]) -> str:
             al = f"[{r['accept_length']:.2f}]" if r.get("accept_length") else ""
             cells.append(f"{r['tok_per_s']:>10.0f} ({ratio}) {al:>7s}")
         lines.append(f"{name:12s}" + "".join(f"{x:>26s}" for x in cells))
+    for name in CONFIGS:
+        srv = (reps.get(name) or {}).get("server_decode_at_max")
+        if srv:
+            lines.append(f"server log, {name} at c={max(concurrency)}: median {srv['median_tok_per_s']:.0f} "
+                         f"tok/s over {srv['lines']} decode lines ({srv['cuda_graph_lines']} under a graph)")
+    for name in CONFIGS:
+        prof = (reps.get(name) or {}).get("profile")
+        if prof:
+            lines.append(profile.render(name, prof))
     return "\n".join(lines)
 
 
@@ -194,6 +250,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--mem-fraction", type=float, default=0.3)
     ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="torch-profile this many full-load decode steps (plain and eagle3_thr)")
 
 
 def options(a: argparse.Namespace) -> BenchOptions:
@@ -204,7 +262,8 @@ def options(a: argparse.Namespace) -> BenchOptions:
         raise SystemExit(f"bad --configs {bad} or --concurrency {a.concurrency}")
     return BenchOptions(models=a.models, out=a.out, threshold=a.threshold, concurrency=conc,
                         output_len=a.output_len, configs=configs, port=a.port,
-                        mem_fraction=a.mem_fraction, deadline=Deadline(time.time() + a.deadline))
+                        mem_fraction=a.mem_fraction, deadline=Deadline(time.time() + a.deadline),
+                        profile_steps=a.profile_steps)
 
 
 def main(a: argparse.Namespace) -> int:

@@ -33,10 +33,15 @@ def get_json(url: str, timeout: float = 30) -> Any:
     return json.loads(get_text(url, timeout))
 
 
-def post_json(url: str, payload: Any, timeout: float = 600) -> Any:
+def post(url: str, payload: Any, timeout: float = 600) -> str:
+    """POST a JSON body; the answer as text (some endpoints answer plain text)."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
-    return json.loads(_open(req, timeout)[1].decode())
+    return _open(req, timeout)[1].decode("utf-8", "replace")
+
+
+def post_json(url: str, payload: Any, timeout: float = 600) -> Any:
+    return json.loads(post(url, payload, timeout))
 
 
 def healthy(base: str) -> bool:
@@ -62,11 +67,14 @@ class Result:
     seconds: float = 0.0
 
 
-def generate(base: str, p: Prompt, timeout: float = 600) -> Result:
+def generate(base: str, p: Prompt, timeout: float = 600, rid: str | None = None) -> Result:
+    """Greedy generation; `rid` names the request so that /abort_request can stop it."""
     t0 = time.time()
-    payload = {"input_ids": list(p.input_ids),
-               "sampling_params": {"temperature": 0, "max_new_tokens": p.max_new_tokens,
-                                   "ignore_eos": True}}
+    payload: dict[str, Any] = {"input_ids": list(p.input_ids),
+                               "sampling_params": {"temperature": 0, "max_new_tokens": p.max_new_tokens,
+                                                   "ignore_eos": True}}
+    if rid is not None:
+        payload["rid"] = rid
     try:
         r = post_json(base + "/generate", payload, timeout)
     except HTTPFailure as exc:
@@ -92,6 +100,10 @@ def in_background(fn: Callable[[], Any]) -> Any:
     fut = pool.submit(fn)
     pool.shutdown(wait=False)
     return fut
+
+
+def abort(base: str, rid: str) -> None:
+    post(base + "/abort_request", {"rid": rid}, timeout=30)
 
 
 def server_info(base: str) -> dict[str, Any]:

@@ -200,7 +200,8 @@ class E2E:
     def phase_smoke(self) -> None:
         st = self.state.setdefault("smoke", {})
         opts = runner.SmokeOptions(models=self.models / "tiny", out=self.logs, threshold=self.a.threshold,
-                                   deadline=self.deadline, mem_fraction=0.15)
+                                   deadline=self.deadline, mem_fraction=0.15,
+                                   variants=tuple(self.a.smoke_variants.split(",")))
         rep = runner.run_smoke(opts, st)
         self.state["smoke_report"] = rep
         self.log("\n" + runner.summarize(rep))
@@ -212,7 +213,8 @@ class E2E:
         opts = bench_mod.BenchOptions(
             models=self.models / "1b", out=self.logs, threshold=self.a.bench_threshold,
             deadline=self.deadline, configs=tuple(self.a.bench_configs.split(",")),
-            concurrency=tuple(int(c) for c in self.a.bench_concurrency.split(",")))
+            concurrency=tuple(int(c) for c in self.a.bench_concurrency.split(",")),
+            profile_steps=self.a.bench_profile_steps)
         rep = bench_mod.run_bench(opts, st)
         self.state["bench_report"] = rep
         self.log("\n" + rep["table"])
@@ -354,11 +356,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--phases", default="all", help=f"'all' or a comma list of {','.join(PHASES)}")
     ap.add_argument("--flavor", default="sglang-0.5.17")
     ap.add_argument("--threshold", type=int, default=4, help="smoke threshold N")
+    ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
     ap.add_argument("--bench-threshold", type=int, default=16)
     ap.add_argument("--bench-draft-accept", type=float, default=0.85,
                     help="chain draft of the 1B-shaped models: designed accept length ~3.2 (3 steps)")
     ap.add_argument("--bench-configs", default=",".join(bench_mod.CONFIGS))
     ap.add_argument("--bench-concurrency", default="1,8,256")
+    ap.add_argument("--bench-profile-steps", type=int, default=0,
+                    help="torch-profile this many full-load decode steps per server (0 = off)")
     ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
                     help="comm phase: comma list of runs, in this order")
     ap.add_argument("--fresh", action="store_true", help="forget the state of earlier calls")
@@ -369,6 +374,9 @@ def main(a: argparse.Namespace) -> int:
         bad = [p for p in a.phases.split(",") if p not in PHASES]
         if bad:
             raise SystemExit(f"--phases: unknown {bad}; choose from {','.join(PHASES)}")
+    bad = [v for v in a.smoke_variants.split(",") if v not in runner.VARIANTS]
+    if bad:
+        raise SystemExit(f"--smoke-variants: unknown {bad}; choose from {','.join(runner.VARIANTS)}")
     bad = [r for r in a.comm_runs.split(",") if r not in comm_mod.RUN_NAMES]
     if bad:
         raise SystemExit(f"--comm-runs: unknown {bad}; choose from {','.join(comm_mod.RUN_NAMES)}")

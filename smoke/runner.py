@@ -175,6 +175,29 @@ def check_accept_recovers(before: dict[str, Any], after: dict[str, Any], *,
                            "measured before it (draft state not restored after re-enabling?)")
 
 
+def check_aborted(reference: dict[str, list[int]], results: Iterable[Result], aborted: set[str],
+                  phase: str) -> dict[str, int]:
+    """Requests not aborted must equal the plain server's output; aborted ones may end early or
+    fail, but what they returned must be a prefix of it. Returns how many were cut short."""
+    cut = 0
+    for r in results:
+        ref = reference.get(r.key)
+        if ref is None:
+            raise SmokeFailure(f"{phase}: no reference output for prompt {r.key}")
+        if r.key not in aborted:
+            if r.error:
+                raise SmokeFailure(f"{phase}: request {r.key} (not aborted) failed: {r.error[:300]}")
+            if r.output_ids != ref:
+                check_outputs(reference, [r], phase)
+            continue
+        got = r.output_ids or []
+        if got != ref[:len(got)]:
+            raise SmokeFailure(f"{phase}: aborted request {r.key} returned tokens that are not a prefix "
+                               f"of the plain output (lengths {len(got)}/{len(ref)})")
+        cut += int(r.error is not None or len(got) < len(ref))
+    return {"aborted_cut_short": cut, "aborted_sent": len(aborted)}
+
+
 def check_kv_back(baseline: dict[str, Any], final: dict[str, Any]) -> None:
     if final.get("num_running_reqs", 0) != 0:
         raise SmokeFailure(f"requests still running after the load ended: {final}")
@@ -209,6 +232,11 @@ def make_prompts(expected: dict[str, Any], threshold: int, seed: int = 0) -> dic
     for i in range(3):
         sets[f"ramp_burst{i}"] = mk(4 * threshold, [24, 32])
     sets["after"] = mk(2, [48, 64]) + sets["above"][:2]  # two prefixes first seen while disabled
+    # aborts: 8N long requests (plain mode), every other one aborted mid-generation; then one
+    # long request alone (speculative mode) aborted, and a short one after it
+    sets["abort_plain"] = mk(8 * threshold, [384])
+    sets["abort_spec"] = mk(1, [1024])
+    sets["abort_after"] = mk(2, [48])
     return sets
 
 
@@ -362,7 +390,10 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
             raise SmokeFailure(f"ramp: only {st5['mode_changes'] - st4['mode_changes']} mode change(s) "
                                f"while the load crossed the threshold 6 times ({st5})")
         check_switched(st5, "end of load")
-        # 6) the load is over: pool back to its initial state, no error in the log, metrics exported
+        # 6) aborts mid-generation, in plain mode and in speculative mode; the pool must still empty
+        st6 = abort_phase(base, sets, refs, rep, opts, st5)
+        check_delta(st5, st6, "plain_steps", "abort", positive=True)
+        # 7) the load is over: pool back to its initial state, no error in the log, metrics exported
         final = wait_idle(base, baseline)
         rep["kv_final"] = {k: final.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
         check_kv_back(baseline, final)
@@ -400,6 +431,44 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
     finally:
         srv.stop()
     return rep
+
+
+def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[int]], rep: dict[str, Any],
+                opts: SmokeOptions, st_before: dict[str, Any]) -> dict[str, Any]:
+    tag = f"{int(time.time() * 1000)}"  # rids unique across calls on the same server
+
+    def start(ps: list[Prompt]) -> list[Any]:
+        return [client.in_background(lambda p=p: client.generate(base, p, opts.request_timeout(),
+                                                                 rid=f"smoke-{tag}-{p.key}")) for p in ps]
+
+    plain_set, spec_set = sets["abort_plain"], sets["abort_spec"]
+    futs = start(plain_set)
+    time.sleep(0.5)  # the batch is above the threshold by now: plain steps
+    aborted = {p.key for p in plain_set[::2]}
+    for key in sorted(aborted):
+        client.abort(base, f"smoke-{tag}-{key}")
+    results = [f.result() for f in futs]
+    counts = check_aborted(refs, results, aborted, "abort (plain mode)")
+    wait_idle(base, client.load(base))
+    spec_fut = start(spec_set)
+    time.sleep(0.5)  # alone: speculative steps
+    client.abort(base, f"smoke-{tag}-{spec_set[0].key}")
+    spec_res = [f.result() for f in spec_fut]
+    spec_counts = check_aborted(refs, spec_res, {spec_set[0].key}, "abort (speculative mode)")
+    after = client.run_concurrent(base, sets["abort_after"], 1, opts.request_timeout())
+    check_no_errors(after, "after the aborts")
+    check_outputs(refs, after, "after the aborts")
+    st = spec_state(client.server_info(base))
+    rep["phases"]["abort"] = {"requests": len(results) + len(spec_res) + len(after),
+                              "plain_mode": counts, "speculative_mode": spec_counts,
+                              **accept_stats(after), "spec_disable": st,
+                              "d_plain_steps": st["plain_steps"] - st_before["plain_steps"],
+                              "d_speculative_steps": st["speculative_steps"] - st_before["speculative_steps"],
+                              "d_mode_changes": st["mode_changes"] - st_before["mode_changes"]}
+    if counts["aborted_cut_short"] == 0:
+        raise SmokeFailure(f"abort: none of the {len(aborted)} aborted requests was cut short (aborts "
+                           "arrived after they finished: the phase proved nothing)")
+    return st
 
 
 def record_failure(rep: dict[str, Any], exc: SmokeFailure, log: Path) -> dict[str, Any]:
@@ -476,7 +545,10 @@ def summarize(report: dict[str, Any]) -> str:
             al = d.get("accept_length")
             lines.append(f"    {ph:6s} reqs {d['requests']:3d}  accept_len "
                          f"{'-' if al is None else f'{al:.2f}'}  d_spec {d['d_speculative_steps']:5d}  "
-                         f"d_plain {d['d_plain_steps']:5d}  d_changes {d['d_mode_changes']}")
+                         f"d_plain {d['d_plain_steps']:5d}  d_changes {d['d_mode_changes']}"
+                         + (f"  cut short {d['plain_mode']['aborted_cut_short']}/{d['plain_mode']['aborted_sent']}"
+                            f" (plain) {d['speculative_mode']['aborted_cut_short']}/1 (spec)"
+                            if "plain_mode" in d else ""))
         if rep.get("spec_disable_final"):
             lines.append(f"    final {rep['spec_disable_final']}  kv {rep.get('kv_baseline')} -> "
                          f"{rep.get('kv_final')}")

@@ -204,3 +204,15 @@ def test_command_line(tmp_path):
     a = build_parser().parse_args(["comm", "--comm-runs", "tp2_ref,nope", "--out", str(tmp_path / "o")])
     with pytest.raises(SystemExit, match="nope"):
         a.main(a)
+
+
+def test_reference_is_tp2_ref_or_on_one_gpu_tp1_ref():
+    by_name = {r.name: r for r in comm.RUNS}
+    outs = {"a": [1, 2]}
+    one_gpu = {"tp1_ref": {"ok": True, "outputs": outs}}
+    assert comm.reference_for(by_name["tp1_fusion"], one_gpu) == ("tp1_ref", outs)
+    assert comm.reference_for(by_name["tp1_ref"], one_gpu) == ("tp2_ref", None)  # never itself
+    both = {"tp2_ref": {"ok": True, "outputs": {"a": [3]}}, **one_gpu}
+    assert comm.reference_for(by_name["tp1_fusion"], both) == ("tp2_ref", {"a": [3]})
+    failed = {"tp1_ref": {"ok": False, "outputs": outs}}
+    assert comm.reference_for(by_name["tp1_fusion"], failed) == ("tp2_ref", None)

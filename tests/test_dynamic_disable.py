@@ -301,6 +301,54 @@ def test_plain_graph_runner_captures_decode_not_verify(run_in_tree, patched):
     assert out == {"mode": "DECODE", "hidden": "FULL", "ragged": False, "spec_info": None, "subclass": True}
 
 
+def test_plain_draft_extend_graph_accepts_one_token_steps(run_in_tree, patched):
+    """The upstream draft-extend runner takes its width from server_args (the speculative width,
+    4 here), so its graph rejects a 1-token plain step; the plain state's runner is pinned to 1 and
+    is the class the plain capture builds (upstream's whitelist picks it from module globals)."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        import contextlib
+        def runner(cls):
+            r = object.__new__(cls)
+            r.captured_req_width = 4          # what the base __init__ assigns from server_args
+            r.require_mlp_tp_gather = r.disable_padding = r.require_mlp_sync = False
+            r.max_bs = 256
+            return r
+        one_token = NS(spec_info=NS(num_tokens_per_req=1), seq_lens=torch.zeros(200))
+        base, plain = runner(ew.EAGLEDraftExtendCudaGraphRunner), runner(ew._PlainDraftExtendCudaGraphRunner)
+
+        # _build_plain_state with fakes: which class is in the module globals while it captures?
+        seen = {}
+        class Stop(Exception):
+            pass
+        def capture():
+            seen["class_during_capture"] = ew.EAGLEDraftExtendCudaGraphRunner.__name__
+        def stop(**kw):
+            raise Stop()
+        for name in ("speculative_moe_backend_context", "speculative_moe_a2a_backend_context"):
+            setattr(ew, name, contextlib.nullcontext)
+        w = object.__new__(ew.EAGLEWorkerV2)
+        w._draft_worker = NS(draft_tp_context=lambda group: contextlib.nullcontext(),
+                             draft_runner=NS(tp_group=None, attn_backend=None),
+                             init_attention_backend=lambda: None, _capture_cuda_graphs=capture,
+                             draft_extend_attn_backend=None, cuda_graph_runner_for_draft_extend=None)
+        w._override_worker_state = lambda *a, **k: contextlib.nullcontext()
+        w._target_worker = NS(model_runner=NS(init_new_workspace=False, _get_attention_backend=stop))
+        try:
+            w._build_plain_state()
+        except Stop:
+            pass
+        emit({"base": base.can_run_graph(one_token), "plain": plain.can_run_graph(one_token),
+              "width": plain.captured_req_width, **seen,
+              "class_after": ew.EAGLEDraftExtendCudaGraphRunner.__name__,
+              "looked_up_by_name": "EAGLEDraftExtendCudaGraphRunner"
+              in ew.EagleDraftWorker._capture_cuda_graphs.__code__.co_names})
+    """)
+    assert out["base"] is False, "upstream runner accepts 1-token steps now: the pinned class may be droppable"
+    assert out == {"base": False, "plain": True, "width": 1,
+                   "class_during_capture": "_PlainDraftExtendCudaGraphRunner",
+                   "class_after": "EAGLEDraftExtendCudaGraphRunner", "looked_up_by_name": True}
+
+
 WORKER_FAKES = """
 import torch
 from types import SimpleNamespace as NS

@@ -326,3 +326,55 @@ def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_p
     assert checks["launch_server --help shows --speculative-disable-batch-threshold"]["ok"]
     assert checks[f"patch manifest {manifest} matches the series"]["ok"]
     # (a manifest from other patch files: test_partial_manifest_comparison)
+
+
+def test_bench_reads_the_servers_full_load_decode_lines():
+    from smoke import bench
+
+    log = "\n".join([
+        "[2026-11-30 10:54:32] Decode batch, #running-req: 256, #token: 30353, token usage: 0.02, accept len: 0.00, "
+        "accept rate: 0.00, cuda graph: True, gen throughput (token/s): 50479.88, #queue-req: 0",
+        "[2026-11-30 10:54:33] Decode batch, #running-req: 240, #token: 40593, token usage: 0.03, "
+        "cuda graph: False, gen throughput (token/s): 40000.00, #queue-req: 0",
+        "[2026-11-30 10:54:33] Decode batch, #running-req: 98, #token: 28058, token usage: 0.02, "
+        "cuda graph: True, gen throughput (token/s): 18156.17, #queue-req: 0",
+    ])
+    assert bench.server_decode_stats(log, 256) == {"lines": 2, "median_tok_per_s": 45239.9, "cuda_graph_lines": 1}
+    assert bench.server_decode_stats(log, 512) is None
+
+
+def test_profile_summary_of_a_real_torch_trace(tmp_path):
+    """A real torch-profiler chrome trace (CPU, with Python stacks), summarised per step."""
+    torch = pytest.importorskip("torch")
+    from smoke import profile
+
+    def step(x):
+        return (x @ x).relu().sum()
+
+    x = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        for _ in range(4):
+            step(x)
+    trace = tmp_path / "t.trace.json"
+    prof.export_chrome_trace(str(trace))
+    s = profile.summarize(trace, steps=4, top=500)  # pytest frames sit above step() in the stack
+    assert s["steps"] == 4 and s["wall_ms_per_step"] > 0 and s["gpu_busy_ms_per_step"] == 0
+    assert set(s["per_step"]) == {"kernel_launches", "graph_launches", "memcpy", "syncs"}
+    assert any("step" in name for name, _ in s["top_python_ms_per_step"]), s["top_python_ms_per_step"]
+    assert "ms/step wall" in profile.render("plain", s)
+
+
+def test_abort_check_wants_exact_survivors_and_prefix_aborted():
+    from smoke.client import Result
+
+    refs = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": [9, 9, 9, 9]}
+    ok = [Result("a", [1, 2]), Result("b", [5, 6, 7, 8]), Result("c", None, error="HTTP 400 aborted")]
+    assert runner.check_aborted(refs, ok, {"a", "c"}, "abort") == {"aborted_cut_short": 2, "aborted_sent": 2}
+    with pytest.raises(runner.SmokeFailure, match="not a prefix"):
+        runner.check_aborted(refs, [Result("a", [1, 3])], {"a"}, "abort")
+    with pytest.raises(runner.SmokeFailure, match="output mismatch"):
+        runner.check_aborted(refs, [Result("b", [5, 6])], {"a"}, "abort")  # b was not aborted
+    with pytest.raises(runner.SmokeFailure, match="not aborted"):
+        runner.check_aborted(refs, [Result("b", None, error="boom")], set(), "abort")
+    sets = runner.make_prompts({"vocab_size": 3072, "prompt_ids": [1], "greedy_ids": [4]}, 4)
+    assert len(sets["abort_plain"]) == 32 and len(sets["abort_spec"]) == 1

@@ -1,0 +1,101 @@
+"""Where a decode step's time goes: a torch-profiler window of N steps at full load, summarised.
+
+Used by the bench (`--profile-steps N`) on the plain server and on the threshold server in plain
+mode, so the two are compared step for step: wall time per step, GPU busy time per step, and how
+many kernel launches, graph launches, copies and host syncs each step issues (a CUDA-graph step
+should be a handful of launches; hundreds mean eager work on the host's critical path). The top
+Python functions by inclusive time show where the host spends it.
+
+The profiler adds overhead (with_stack), so compare the two servers, not absolute numbers.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from smoke import client
+
+LAUNCHES = {
+    "kernel_launches": ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"),
+    "graph_launches": ("cudaGraphLaunch", "cuGraphLaunch"),
+    "memcpy": ("cudaMemcpyAsync", "cudaMemcpy"),
+    "syncs": ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize"),
+}
+
+
+def start(base: str, out_dir: Path, steps: int) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    client.post(base + "/start_profile", {  # answers "Start profiling." as text
+        "output_dir": str(out_dir), "num_steps": steps, "activities": ["CPU", "GPU"],
+        "with_stack": True, "record_shapes": False}, timeout=60)
+
+
+def wait_for_trace(out_dir: Path, timeout: float = 90) -> Path | None:
+    end = time.time() + timeout
+    while time.time() < end:
+        found = sorted(out_dir.rglob("*.json.gz")) + sorted(out_dir.rglob("*.json"))
+        if found:
+            size = found[0].stat().st_size
+            time.sleep(2)  # still being written?
+            if found[0].stat().st_size == size:
+                return found[0]
+        time.sleep(1)
+    return None
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total / 1000.0
+
+
+def summarize(trace: Path, steps: int, top: int = 25) -> dict[str, Any]:
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "python_function")]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not host:
+        return {"trace": trace.name, "error": "no host events in the trace"}
+    t0 = min(e["ts"] for e in host)
+    t1 = max(e["ts"] + e["dur"] for e in host)
+    per = max(steps, 1)
+    counts = Counter(e["name"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver"))
+    kern, kern_n = Counter(), Counter()
+    for e in gpu:
+        kern[e["name"][:90]] += e["dur"]
+        kern_n[e["name"][:90]] += 1
+    py = Counter()
+    for e in events:
+        if e.get("cat") == "python_function":
+            py[e["name"]] += e["dur"]
+    return {
+        "trace": trace.name, "steps": steps,
+        "wall_ms_per_step": round((t1 - t0) / 1000.0 / per, 3),
+        "gpu_busy_ms_per_step": round(_union_ms([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / per, 3),
+        "per_step": {k: round(sum(counts[n] for n in names) / per, 1) for k, names in LAUNCHES.items()},
+        "top_gpu_ms_per_step": [(name, round(us / 1000.0 / per, 3), kern_n[name]) for name, us in kern.most_common(12)],
+        "top_python_ms_per_step": [(name[-110:], round(us / 1000.0 / per, 3)) for name, us in py.most_common(top)],
+    }
+
+
+def render(name: str, s: dict[str, Any]) -> str:
+    if "error" in s:
+        return f"profile {name}: {s['error']}"
+    lines = [f"profile {name}: {s['wall_ms_per_step']} ms/step wall, {s['gpu_busy_ms_per_step']} ms/step GPU busy; "
+             + ", ".join(f"{k} {v}/step" for k, v in s["per_step"].items())]
+    lines += [f"  gpu {ms:8.3f} ms  x{n:<5d} {k}" for k, ms, n in s.get("top_gpu_ms_per_step", [])]
+    lines += [f"    {ms:8.3f} ms  {fn}" for fn, ms in s["top_python_ms_per_step"]]
+    return "\n".join(lines)
