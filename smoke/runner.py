@@ -391,7 +391,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
                                f"while the load crossed the threshold 6 times ({st5})")
         check_switched(st5, "end of load")
         # 6) aborts mid-generation, in plain mode and in speculative mode; the pool must still empty
-        st6 = abort_phase(base, sets, refs, rep, opts, st5)
+        st6 = abort_phase(base, sets, refs, rep, opts, st5, baseline)
         check_delta(st5, st6, "plain_steps", "abort", positive=True)
         # 7) the load is over: pool back to its initial state, no error in the log, metrics exported
         final = wait_idle(base, baseline)
@@ -434,7 +434,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
 
 
 def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[int]], rep: dict[str, Any],
-                opts: SmokeOptions, st_before: dict[str, Any]) -> dict[str, Any]:
+                opts: SmokeOptions, st_before: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
     tag = f"{int(time.time() * 1000)}"  # rids unique across calls on the same server
 
     def start(ps: list[Prompt]) -> list[Any]:
@@ -449,7 +449,7 @@ def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[i
         client.abort(base, f"smoke-{tag}-{key}")
     results = [f.result() for f in futs]
     counts = check_aborted(refs, results, aborted, "abort (plain mode)")
-    wait_idle(base, client.load(base))
+    wait_idle(base, baseline)  # aborted requests leave the batch before the next load starts
     spec_fut = start(spec_set)
     time.sleep(0.5)  # alone: speculative steps
     client.abort(base, f"smoke-{tag}-{spec_set[0].key}")
