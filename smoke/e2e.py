@@ -33,8 +33,9 @@ import sys
 import tarfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from smoke import bench as bench_mod
 from smoke import comm as comm_mod
@@ -69,15 +70,15 @@ class E2E:
         self.state: dict[str, Any] = (json.loads(self.state_file.read_text())
                                       if self.state_file.exists() else {})
         self.failures: list[str] = []
-        self.log_file = open(self.out / "e2e.log", "a")
+        self.log_path = self.out / "e2e.log"
         self.phases = PHASES if a.phases == "all" else tuple(a.phases.split(","))
 
     # ------------------------------------------------------------------ helpers
     def log(self, msg: str) -> None:
         line = f"[e2e {time.strftime('%H:%M:%S')} +{time.time() - self.t0:5.0f}s] {msg}"
         print(line, flush=True)
-        self.log_file.write(line + "\n")
-        self.log_file.flush()
+        with self.log_path.open("a") as f:
+            f.write(line + "\n")
 
     def save(self) -> None:
         self.state_file.write_text(json.dumps(self.state, indent=1))
@@ -104,8 +105,9 @@ class E2E:
 
     def sh(self, cmd: list[str], log_name: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         self.log("$ " + " ".join(cmd))
-        p = subprocess.run(cmd, capture_output=True, text=True, **kw)
-        (self.logs / log_name).open("a").write(f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, **kw)
+        with (self.logs / log_name).open("a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}\n")
         return p
 
     # ------------------------------------------------------------------ phases
@@ -282,7 +284,7 @@ class E2E:
             except Deadline_ as exc:
                 incomplete.append(str(exc))
                 self.log(f"{ph}: stopped by the deadline: {exc}")
-            except Exception as exc:  # one phase failing must not lose what the others can tell
+            except Exception as exc:  # noqa: BLE001 - one failing phase must not lose the others
                 self.failures.append(f"{ph}: {exc}")
                 self.log(f"{ph}: FAILED: {exc}\n{traceback.format_exc()[-1500:]}")
                 if ph == "install":

@@ -81,7 +81,7 @@ def corpus(max_bytes: int) -> list[str]:
     out, total = [], 0
     for p in sorted(files):
         try:
-            s = open(p, encoding="utf-8").read()
+            s = Path(p).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
         out.append(s)
@@ -92,7 +92,8 @@ def corpus(max_bytes: int) -> list[str]:
         import keyword
 
         rnd = random.Random(0)
-        words = keyword.kwlist + "the of and to in is that for it as with was on be by".split()
+        words = keyword.kwlist + ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as",
+                                  "with", "was", "on", "be", "by"]
         out = [" ".join(rnd.choice(words) for _ in range(200_000))]
     return out
 
@@ -355,13 +356,13 @@ def build(out_dir: Path, *, size: str = "tiny", draft: str = "first", accept: fl
     V = len(tok)
     special = {tok.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD)}
     head_dim = sz.hidden // sz.heads
-    common = dict(vocab_size=V, hidden_size=sz.hidden, intermediate_size=sz.intermediate,
-                  num_attention_heads=sz.heads, head_dim=head_dim, hidden_act="silu",
-                  max_position_embeddings=4096, rms_norm_eps=1e-5,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                  attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                  pad_token_id=tok.pad_token_id)
+    common = {"vocab_size": V, "hidden_size": sz.hidden, "intermediate_size": sz.intermediate,
+              "num_attention_heads": sz.heads, "head_dim": head_dim, "hidden_act": "silu",
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+              "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+              "pad_token_id": tok.pad_token_id}
     if arch == "qwen3":
         qcommon = {k: v for k, v in common.items() if k != "mlp_bias"}
         cfg = Qwen3Config(num_hidden_layers=sz.layers, num_key_value_heads=sz.kv_heads,

@@ -15,9 +15,10 @@ import json
 import random
 import re
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from smoke import client
 from smoke.client import Prompt, Result
@@ -28,10 +29,10 @@ MODE_CHANGE = "Speculation mode ->"
 REQUEST_TIMEOUT_S = 180  # a tiny-model request takes seconds; a hang must not outlive the deadline
 # Lines that mean the server is broken even if every request came back.
 BAD_LOG_PATTERNS = (
-    re.compile(r"^Traceback \(most recent call last\)", re.M),
-    re.compile(r"memory leak detected", re.I),
-    re.compile(r"KV double free|use-after-free", re.I),
-    re.compile(r"CUDA error|illegal memory access", re.I),
+    re.compile(r"^Traceback \(most recent call last\)", re.MULTILINE),
+    re.compile(r"memory leak detected", re.IGNORECASE),
+    re.compile(r"KV double free|use-after-free", re.IGNORECASE),
+    re.compile(r"CUDA error|illegal memory access", re.IGNORECASE),
 )
 
 
@@ -535,8 +536,8 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
 
 
 def summarize(report: dict[str, Any]) -> str:
-    lines = [f"smoke: threshold={report['threshold']} designed accept length "
-             f"{report.get('designed_accept_length')}"]
+    lines = [(f"smoke: threshold={report['threshold']} designed accept length "
+              f"{report.get('designed_accept_length')}")]
     for name, rep in report.get("variants", {}).items():
         status = "PASS" if rep.get("ok") else "FAIL"
         lines.append(f"  {name:14s} {status}  start {rep.get('start_s')}s  overlap={rep.get('overlap')} "

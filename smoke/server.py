@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from smoke import client
 
@@ -79,13 +80,12 @@ class Server:
             raise SmokeFailure(f"{self.cfg.name}: port {self.port} is still in use before the start")
         env = dict(os.environ, **self.cfg.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        log.write(("$ " + " ".join(self.cfg.argv(self.port)) + "\n").encode())
-        log.flush()
-        t0 = time.time()
-        self.proc = subprocess.Popen(self.cfg.argv(self.port), stdout=log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            log.write(("$ " + " ".join(self.cfg.argv(self.port)) + "\n").encode())
+            log.flush()
+            t0 = time.time()
+            self.proc = subprocess.Popen(self.cfg.argv(self.port), stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
         pidfile = os.environ.get("SMOKE_SERVER_PIDFILE")
         if pidfile:  # lets a later run kill this group if this one is killed before stop()
             with open(pidfile, "a") as fh:
@@ -124,7 +124,7 @@ class Server:
             time.sleep(1)
         self.proc = None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -60,7 +60,7 @@ def run_in_tree() -> Callable[..., subprocess.CompletedProcess[str]]:
             timeout: int = 600) -> subprocess.CompletedProcess[str]:
         full_env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
-        return subprocess.run([sys.executable, "-c", code], cwd=tree, env=full_env,
+        return subprocess.run([sys.executable, "-c", code], cwd=tree, env=full_env, check=False,
                               capture_output=True, text=True, timeout=timeout)
 
     return run

@@ -374,7 +374,7 @@ def test_flashinfer_jit_trtllm_comm_sm120(sglang_tree, run_in_tree, flavor):
 
 
 HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce_fusion.cuh"
-CLAMP_RE = re.compile(r"(  int max_cluster_size = 8;.*?\n  int cluster_size;\n.*?\n  }\n)", re.S)
+CLAMP_RE = re.compile(r"(  int max_cluster_size = 8;.*?\n  int cluster_size;\n.*?\n  }\n)", re.DOTALL)
 HARNESS = """
 #include <cstdio>
 int main() {

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from smoke import client, models, partial, runner  # noqa: E402
-from smoke.__main__ import build_parser  # noqa: E402
+from smoke import client, models, partial, runner
+from smoke.__main__ import build_parser
 
 # A server log as sglang 0.5.17 writes it (launch of an EAGLE-3 server), without the patch's line.
 SERVER_LOG = """\
@@ -71,7 +71,7 @@ def test_models_load_with_transformers_and_give_the_recorded_continuation(tiny_m
 def test_draft_files_are_in_the_eagle3_format_sglang_loads(tiny_models):
     from safetensors.torch import load_file
 
-    for draft, d in tiny_models.items():
+    for d in tiny_models.values():
         cfg = json.loads((d / "draft" / "config.json").read_text())
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
         assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == 1024
@@ -313,10 +313,10 @@ def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_p
     expected = smoke.expected_series("sglang-0.5.17")
     manifest = tmp_path / "patches.json"
     manifest.write_text(json.dumps([dict(e, files=[]) for e in expected]))
-    code = ("import json, sys; from pathlib import Path; sys.path.append(%r)\n"
+    repo, series, man = str(REPO), json.dumps(expected), str(manifest)
+    code = (f"import json, sys; from pathlib import Path; sys.path.append({repo!r})\n"
             "from smoke import partial\n"
-            "print(json.dumps(partial.run_checks(json.loads(%r), Path(%r))))"
-            % (str(REPO), json.dumps(expected), str(manifest)))
+            f"print(json.dumps(partial.run_checks(json.loads({series!r}), Path({man!r}))))")
     p = run_in_tree(tree, code, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
@@ -331,14 +331,15 @@ def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_p
 def test_bench_reads_the_servers_full_load_decode_lines():
     from smoke import bench
 
-    log = "\n".join([
-        "[2026-11-30 10:54:32] Decode batch, #running-req: 256, #token: 30353, token usage: 0.02, accept len: 0.00, "
-        "accept rate: 0.00, cuda graph: True, gen throughput (token/s): 50479.88, #queue-req: 0",
-        "[2026-11-30 10:54:33] Decode batch, #running-req: 240, #token: 40593, token usage: 0.03, "
-        "cuda graph: False, gen throughput (token/s): 40000.00, #queue-req: 0",
-        "[2026-11-30 10:54:33] Decode batch, #running-req: 98, #token: 28058, token usage: 0.02, "
-        "cuda graph: True, gen throughput (token/s): 18156.17, #queue-req: 0",
-    ])
+    lines = [
+        ("[2026-11-30 10:54:32] Decode batch, #running-req: 256, #token: 30353, token usage: 0.02, accept len: 0.00, "
+         "accept rate: 0.00, cuda graph: True, gen throughput (token/s): 50479.88, #queue-req: 0"),
+        ("[2026-11-30 10:54:33] Decode batch, #running-req: 240, #token: 40593, token usage: 0.03, "
+         "cuda graph: False, gen throughput (token/s): 40000.00, #queue-req: 0"),
+        ("[2026-11-30 10:54:33] Decode batch, #running-req: 98, #token: 28058, token usage: 0.02, "
+         "cuda graph: True, gen throughput (token/s): 18156.17, #queue-req: 0"),
+    ]
+    log = "\n".join(lines)
     assert bench.server_decode_stats(log, 256) == {"lines": 2, "median_tok_per_s": 45239.9, "cuda_graph_lines": 1}
     assert bench.server_decode_stats(log, 512) is None
 

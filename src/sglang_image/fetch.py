@@ -47,7 +47,7 @@ def _pip_download(entries: list[LockEntry], flavor: Flavor, dest: Path) -> None:
         for platform in flavor.platforms:
             if platform != "any":
                 cmd += ["--platform", platform]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode == 0:
         return
     text = proc.stdout + proc.stderr

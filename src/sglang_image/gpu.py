@@ -108,7 +108,8 @@ def _strip(data: bytes) -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         so = Path(tmp, "x.so")
         so.write_bytes(data)
-        sections = subprocess.run(["readelf", "-S", str(so)], capture_output=True, text=True).stdout
+        sections = subprocess.run(["readelf", "-S", str(so)], check=False, capture_output=True,
+                                  text=True).stdout
         if ".debug_" not in sections:
             return data
         subprocess.run(["strip", "--strip-debug", str(so)], check=True)
@@ -178,16 +179,16 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(text)
         tmp_tar = tar_path.with_suffix(".tmp")
-        with lzma.open(tmp_tar, "wb", preset=9 | lzma.PRESET_EXTREME) as xz:
-            with tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for p in sorted(Path(tmp).rglob("*")):
-                    if p.is_file() and p.parent.name != "fetched":
-                        ti = tar.gettarinfo(str(p), arcname=str(p.relative_to(tmp)))
-                        ti.uid = ti.gid = 0
-                        ti.uname = ti.gname = ""
-                        ti.mtime = 1767225600  # 2026-01-01
-                        with open(p, "rb") as fh:
-                            tar.addfile(ti, fh)
+        with (lzma.open(tmp_tar, "wb", preset=9 | lzma.PRESET_EXTREME) as xz,
+              tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar):
+            for p in sorted(Path(tmp).rglob("*")):
+                if p.is_file() and p.parent.name != "fetched":
+                    ti = tar.gettarinfo(str(p), arcname=str(p.relative_to(tmp)))
+                    ti.uid = ti.gid = 0
+                    ti.uname = ti.gname = ""
+                    ti.mtime = 1767225600  # 2026-01-01
+                    with open(p, "rb") as fh:
+                        tar.addfile(ti, fh)
         tmp_tar.replace(tar_path)
         sizes = [(w.name, w.stat().st_size) for w in sorted(stage.glob("*.whl"))]
     digest = hashlib.sha256(tar_path.read_bytes()).hexdigest()

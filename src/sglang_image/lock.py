@@ -114,7 +114,7 @@ def _compile(flavor: Flavor, requirements: list[str], extra_indexes: list[str],
             cmd += ["--extra-index-url", index]
         for link in find_links:
             cmd += ["--find-links", link]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tmp)
         if proc.returncode != 0:
             raise LockError(f"uv pip compile failed for {flavor.name}:\n{proc.stderr.strip()[-3000:]}")
         return out.read_text()

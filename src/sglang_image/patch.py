@@ -16,9 +16,10 @@ import re
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from sglang_image.errors import PatchApplyError, SglangImageError
 
@@ -75,7 +76,7 @@ def parse_patch(text: str, name: str = "<patch>") -> list[FilePatch]:
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.startswith("GIT binary patch") or line.startswith("Binary files "):
+        if line.startswith(("GIT binary patch", "Binary files ")):
             raise PatchApplyError(f"{name}: binary patches are not supported ({line.strip()})")
         if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
             current = FilePatch(_strip_prefix(line[4:]), _strip_prefix(lines[i + 1][4:]))
@@ -143,7 +144,7 @@ def _find(haystack: list[str], needle: list[str], expected: int, start: int) -> 
     if not needle:
         return min(max(expected, start), len(haystack))
     limit = len(haystack) - len(needle)
-    for distance in range(0, len(haystack) + 1):
+    for distance in range(len(haystack) + 1):
         for pos in (expected - distance, expected + distance) if distance else (expected,):
             if start <= pos <= limit and haystack[pos:pos + len(needle)] == needle:
                 return pos

@@ -20,14 +20,14 @@ from sglang_image.patch import apply_patch, prepare_tree
 from sglang_image.pins import REPO_ROOT, Flavor
 
 WORK_ROOT = REPO_ROOT / ".cache" / "patchwork"
-_DIFF_START = re.compile(r"^(diff --git |--- (a/|/dev/null))", re.M)
+_DIFF_START = re.compile(r"^(diff --git |--- (a/|/dev/null))", re.MULTILINE)
 _IDENTITY = ["-c", "user.name=sglang-image", "-c", "user.email=maintainers@sglang-image.invalid",
              "-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
 
 
 def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(["git", "-C", str(repo), *_IDENTITY, *args], capture_output=True,
-                          text=True)
+    proc = subprocess.run(["git", "-C", str(repo), *_IDENTITY, *args], check=False,
+                          capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise PatchApplyError(f"git {' '.join(args)} failed in {repo}:\n{proc.stderr.strip()}")
     return proc
@@ -118,7 +118,7 @@ def export(flavor: Flavor, repo: Path | None = None) -> list[ExportedPatch]:
     series = flavor.patch_dir / "series"
     comments = [ln for ln in series.read_text().splitlines() if ln.startswith("#")] if series.is_file() else []
     series.write_text("\n".join([*comments, *names]) + "\n")
-    for stale in sorted(set(p.name for p in flavor.patch_dir.glob("*.patch")) - set(names)):
+    for stale in sorted({p.name for p in flavor.patch_dir.glob("*.patch")} - set(names)):
         (flavor.patch_dir / stale).unlink()
     return exported
 

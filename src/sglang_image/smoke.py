@@ -58,7 +58,7 @@ def host_has_gpu() -> bool:
     """nvidia-smi lists a GPU on this host (the engine then gets a DeviceRequest for all of them)."""
     if shutil.which("nvidia-smi") is None:
         return False
-    p = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    p = subprocess.run(["nvidia-smi", "-L"], check=False, capture_output=True, text=True)
     return p.returncode == 0 and "GPU" in p.stdout
 
 
@@ -94,9 +94,9 @@ def container_kwargs(*, gpu: bool, out_dir: Path) -> dict[str, Any]:
 
 def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
               out_dir: Path | None = None, threshold: int = 4) -> SmokeResult:
-    from sglang_image.docker_engine import connect
-
     import docker.errors
+
+    from sglang_image.docker_engine import connect
 
     gpu = host_has_gpu() if gpu is None else gpu
     out_dir = (out_dir or REPO_ROOT / "out" / "smoke").resolve()
@@ -146,9 +146,9 @@ def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
 
 def describe(res: SmokeResult) -> str:
     if res.mode == "partial":
-        lines = ["PARTIAL smoke (no GPU on this host): image checks only - the full smoke "
-                 "(servers, EAGLE-3, dynamic speculation disable) needs a GPU: nox -s smoke on a GPU "
-                 "host, or nox -s gpu-e2e for the GPU machine"]
+        lines = [("PARTIAL smoke (no GPU on this host): image checks only - the full smoke "
+                  "(servers, EAGLE-3, dynamic speculation disable) needs a GPU: nox -s smoke on a "
+                  "GPU host, or nox -s gpu-e2e for the GPU machine")]
         for c in res.report.get("checks", []):
             mark = "skip" if c.get("skipped") else ("ok" if c["ok"] else "FAIL")
             lines.append(f"  [{mark}] {c['name']}" + ("" if c["ok"] and not c.get("skipped")
