@@ -61,7 +61,38 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1000.0
 
 
-def summarize(trace: Path, steps: int, top: int = 25) -> dict[str, Any]:
+def _gpu_gaps(gpu: list[dict[str, Any]], min_us: float) -> list[tuple[float, float]]:
+    """Intervals where no kernel/copy ran, between the first and last GPU event."""
+    gaps, end = [], None
+    for s, e in sorted((ev["ts"], ev["ts"] + ev["dur"]) for ev in gpu):
+        if end is not None and s - end >= min_us:
+            gaps.append((end, s))
+        end = e if end is None else max(end, e)
+    return gaps
+
+
+def _host_during_gaps(events: list[dict[str, Any]], gaps: list[tuple[float, float]]) -> Counter[str]:
+    """For each GPU-idle gap, the innermost Python frame of the launching thread at the gap's middle,
+    weighted by the gap's length: what the host was busy with while the GPU waited."""
+    launches = LAUNCHES["kernel_launches"] + LAUNCHES["graph_launches"]
+    by_thread = Counter((e.get("pid"), e.get("tid")) for e in events if e.get("name") in launches)
+    if not by_thread or not gaps:
+        return Counter()
+    thread = by_thread.most_common(1)[0][0]
+    frames = [e for e in events if e.get("cat") == "python_function" and (e.get("pid"), e.get("tid")) == thread]
+    out: Counter[str] = Counter()
+    for s, e in gaps:
+        mid = (s + e) / 2
+        covering = [f for f in frames if f["ts"] <= mid <= f["ts"] + f["dur"]]
+        name = min(covering, key=lambda f: f["dur"])["name"] if covering else "(no Python frame)"
+        out[name] += e - s
+    return out
+
+
+STEP_MARKER = "): run_batch"  # sglang's Scheduler.run_batch: one call per scheduled batch
+
+
+def summarize(trace: Path, steps: int, top: int = 25, gap_us: float = 20.0) -> dict[str, Any]:
     opener = gzip.open if trace.suffix == ".gz" else open
     with opener(trace, "rt") as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
@@ -71,7 +102,11 @@ def summarize(trace: Path, steps: int, top: int = 25) -> dict[str, Any]:
         return {"trace": trace.name, "error": "no host events in the trace"}
     t0 = min(e["ts"] for e in host)
     t1 = max(e["ts"] + e["dur"] for e in host)
-    per = max(steps, 1)
+    # sglang's own step count can differ from the window's; count the batches seen when stacks exist
+    seen = sum(1 for e in events if e.get("cat") == "python_function" and e["name"].endswith(STEP_MARKER))
+    per = max(seen or steps, 1)
+    gaps = _gpu_gaps(gpu, gap_us)
+    idle = _host_during_gaps(events, gaps)
     counts = Counter(e["name"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver"))
     kern, kern_n = Counter(), Counter()
     for e in gpu:
@@ -82,7 +117,11 @@ def summarize(trace: Path, steps: int, top: int = 25) -> dict[str, Any]:
         if e.get("cat") == "python_function":
             py[e["name"]] += e["dur"]
     return {
-        "trace": trace.name, "steps": steps,
+        "trace": trace.name, "steps": per, "steps_requested": steps, "steps_seen": seen,
+        "gpu_idle_gaps_per_step": round(len(gaps) / per, 1),
+        "gpu_idle_ms_per_step": round(sum(e - s for s, e in gaps) / 1000.0 / per, 3),
+        "host_during_gpu_idle_ms_per_step": [(name[-110:], round(us / 1000.0 / per, 3))
+                                             for name, us in idle.most_common(10)],
         "wall_ms_per_step": round((t1 - t0) / 1000.0 / per, 3),
         "gpu_busy_ms_per_step": round(_union_ms([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / per, 3),
         "per_step": {k: round(sum(counts[n] for n in names) / per, 1) for k, names in LAUNCHES.items()},
@@ -94,8 +133,10 @@ def summarize(trace: Path, steps: int, top: int = 25) -> dict[str, Any]:
 def render(name: str, s: dict[str, Any]) -> str:
     if "error" in s:
         return f"profile {name}: {s['error']}"
-    lines = [f"profile {name}: {s['wall_ms_per_step']} ms/step wall, {s['gpu_busy_ms_per_step']} ms/step GPU busy; "
-             + ", ".join(f"{k} {v}/step" for k, v in s["per_step"].items())]
+    lines = [f"profile {name}: {s['steps']} steps, {s['wall_ms_per_step']} ms/step wall, "
+             f"{s['gpu_busy_ms_per_step']} ms/step GPU busy, {s.get('gpu_idle_ms_per_step')} ms/step GPU idle "
+             f"in gaps >= 20 us; " + ", ".join(f"{k} {v}/step" for k, v in s["per_step"].items())]
+    lines += [f"  idle {ms:8.3f} ms  {fn}" for fn, ms in s.get("host_during_gpu_idle_ms_per_step", [])]
     lines += [f"  gpu {ms:8.3f} ms  x{n:<5d} {k}" for k, ms, n in s.get("top_gpu_ms_per_step", [])]
     lines += [f"    {ms:8.3f} ms  {fn}" for fn, ms in s["top_python_ms_per_step"]]
     return "\n".join(lines)

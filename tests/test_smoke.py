@@ -379,3 +379,26 @@ def test_abort_check_wants_exact_survivors_and_prefix_aborted():
         runner.check_aborted(refs, [Result("b", None, error="boom")], set(), "abort")
     sets = runner.make_prompts({"vocab_size": 3072, "prompt_ids": [1], "greedy_ids": [4]}, 4)
     assert len(sets["abort_plain"]) == 32 and len(sets["abort_spec"]) == 1
+
+
+def test_profile_counts_steps_and_names_the_host_work_during_gpu_idle(tmp_path):
+    """A synthetic trace: two batches, each a kernel launch then host work with the GPU idle."""
+    from smoke import profile
+
+    def x(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    events = []
+    for k, t in enumerate((0, 1000)):
+        events += [x("python_function", "sglang/srt/managers/scheduler.py(3527): run_batch", t, 900),
+                   x("cuda_runtime", "cudaGraphLaunch", t + 10, 5),
+                   x("kernel", "decode", t + 20, 300, tid=7),
+                   x("python_function", "scheduler.py(3813): process_batch_result", t + 400, 500),
+                   x("python_function", "eagle_utils.py(879): eagle_prepare_for_decode", t + 400, 450),
+                   x("python_function", "threading.py(359): wait", t, 1000, tid=2)]  # another thread
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    s = profile.summarize(trace, steps=30)
+    assert s["steps"] == 2 and s["steps_seen"] == 2 and s["steps_requested"] == 30
+    assert s["gpu_busy_ms_per_step"] == 0.3 and s["gpu_idle_gaps_per_step"] == 0.5
+    assert s["host_during_gpu_idle_ms_per_step"][0][0].endswith("eagle_prepare_for_decode")
