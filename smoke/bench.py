@@ -46,8 +46,9 @@ class BenchOptions:
 
 def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
     rnd = random.Random(seed * 1000 + concurrency)
-    # three full waves at high load: the server log then holds enough full-batch intervals
-    n = max(3, 2 * concurrency) if concurrency < 64 else 3 * concurrency
+    # a few seconds of traffic per cell (a cell of ~1 s was mostly ramp-up and noise), and three full
+    # waves at high load so that the server log holds enough full-batch intervals
+    n = 16 * concurrency if concurrency < 64 else 3 * concurrency
     return [Prompt(f"c{concurrency}-{i}", tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, 64))),
                    output_len) for i in range(n)]
 

@@ -402,3 +402,11 @@ def test_profile_counts_steps_and_names_the_host_work_during_gpu_idle(tmp_path):
     assert s["steps"] == 2 and s["steps_seen"] == 2 and s["steps_requested"] == 30
     assert s["gpu_busy_ms_per_step"] == 0.3 and s["gpu_idle_gaps_per_step"] == 0.5
     assert s["host_during_gpu_idle_ms_per_step"][0][0].endswith("eagle_prepare_for_decode")
+
+
+def test_bench_workload_sizes_are_deterministic_and_seconds_long():
+    from smoke import bench
+
+    assert [len(bench.workload(3000, c, 256, 0)) for c in (1, 8, 256)] == [16, 128, 768]
+    assert bench.workload(3000, 8, 256, 0) == bench.workload(3000, 8, 256, 0)  # same prompts for every config
+    assert bench.workload(3000, 8, 256, 0) != bench.workload(3000, 8, 256, 1)  # the profile load differs
