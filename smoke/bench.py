@@ -1,5 +1,5 @@
-"""Output tokens/s at several concurrencies for plain, always-on EAGLE-3 and EAGLE-3 with the dynamic
-disable threshold (CUDA graphs on), on the 1B-shaped generated models.
+"""Output tokens/s at several concurrencies for plain, always-on EAGLE-3, upstream's adaptive EAGLE-3 and
+EAGLE-3 with the dynamic disable threshold (CUDA graphs on), on the 1B-shaped generated models.
 
     python -m smoke bench --models DIR --out DIR [--threshold 16] [--concurrency 1,8,256]
 
@@ -24,7 +24,9 @@ from smoke.client import Prompt
 from smoke.runner import Deadline, SmokeFailure, check_log_clean, spec_state
 from smoke.server import Server, ServerConfig, log_tail
 
-CONFIGS = ("plain", "eagle3", "eagle3_thr")
+# eagle3_adaptive: upstream's own way to stop drafting (--speculative-adaptive; its default config has
+# a 0-step tier from batch size 64), the reference ours has to beat at high load
+CONFIGS = ("plain", "eagle3", "eagle3_adaptive", "eagle3_thr")
 
 
 @dataclass
@@ -61,6 +63,8 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
         cfg.draft = opts.models / "draft"
     if name == "eagle3_thr":
         cfg.threshold = opts.threshold
+    if name == "eagle3_adaptive":
+        cfg.extra = (*cfg.extra, "--speculative-adaptive")
     return cfg
 
 

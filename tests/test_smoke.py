@@ -410,3 +410,15 @@ def test_bench_workload_sizes_are_deterministic_and_seconds_long():
     assert [len(bench.workload(3000, c, 256, 0)) for c in (1, 8, 256)] == [16, 128, 768]
     assert bench.workload(3000, 8, 256, 0) == bench.workload(3000, 8, 256, 0)  # same prompts for every config
     assert bench.workload(3000, 8, 256, 0) != bench.workload(3000, 8, 256, 1)  # the profile load differs
+
+
+def test_bench_configs_map_to_server_flags(tmp_path):
+    from smoke import bench
+
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, threshold=16, concurrency=(1, 256))
+    argv = {name: bench.server_config(name, opts).argv(30000) for name in bench.CONFIGS}
+    assert "--speculative-algorithm" not in argv["plain"]
+    assert "--speculative-adaptive" in argv["eagle3_adaptive"] and "--speculative-adaptive" not in argv["eagle3"]
+    thr = argv["eagle3_thr"]
+    assert thr[thr.index("--speculative-disable-batch-threshold") + 1] == "16"
+    assert "--speculative-adaptive" not in thr  # the patch refuses the two together
