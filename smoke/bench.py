@@ -112,10 +112,10 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
         for c in opts.concurrency:
             client.run_concurrent(srv.base, [Prompt(f"w{c}-{i}", (5 + i % 50, 6, 7, 8), 32)
                                              for i in range(max(2, c))], c,
-                                  max(10.0, min(240, opts.deadline.left() - 25)))
+                                  opts.deadline.request_timeout(240))
         for c in opts.concurrency:
             rep["results"][str(c)] = measure(srv.base, workload(vocab, c, opts.output_len, 0), c,
-                                             max(10.0, min(240, opts.deadline.left() - 25)))
+                                             opts.deadline.request_timeout(240))
         if opts.profile_steps > 0 and name in ("plain", "eagle3_thr"):
             rep["profile"] = profile_full_load(srv.base, opts, vocab, name)
         if cfg.threshold is not None:
@@ -137,7 +137,7 @@ def profile_full_load(base: str, opts: BenchOptions, vocab: int, name: str) -> d
     """Profile `profile_steps` decode steps in the middle of a full-load run (not measured)."""
     c = max(opts.concurrency)
     load = client.in_background(lambda: client.run_concurrent(
-        base, workload(vocab, c, opts.output_len, 1), c, max(10.0, min(240, opts.deadline.left() - 25))))
+        base, workload(vocab, c, opts.output_len, 1), c, opts.deadline.request_timeout(240)))
     time.sleep(1.0)  # past the first prefill wave, into full-batch decode
     out_dir = opts.out / f"profile_{name}"
     try:  # a diagnostic: its failure is reported, it does not fail the bench

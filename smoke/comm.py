@@ -147,7 +147,7 @@ def run_one(opts: CommOptions, run: CommRun, prompts: list[Prompt], expected: di
             raise
         rep["start_s"] = round(srv.start_seconds, 1)
         t0 = time.time()
-        timeout_req = max(10.0, min(180.0, opts.deadline.left() - 25))
+        timeout_req = opts.deadline.request_timeout(180.0)
         res = client.run_concurrent(srv.base, prompts, 8, timeout_req)
         rep["requests_s"] = round(time.time() - t0, 1)
         check_no_errors(res, run.name)

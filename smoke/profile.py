@@ -14,6 +14,7 @@ import gzip
 import json
 import time
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -47,28 +48,15 @@ def wait_for_trace(out_dir: Path, timeout: float = 90) -> Path | None:
     return None
 
 
-def _union_ms(intervals: list[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total / 1000.0
-
-
-def _gpu_gaps(gpu: list[dict[str, Any]], min_us: float) -> list[tuple[float, float]]:
-    """Intervals where no kernel/copy ran, between the first and last GPU event."""
-    gaps, end = [], None
+def _busy_intervals(gpu: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """The GPU events' union as disjoint, sorted (start, end) intervals (us)."""
+    merged: list[tuple[float, float]] = []
     for s, e in sorted((ev["ts"], ev["ts"] + ev["dur"]) for ev in gpu):
-        if end is not None and s - end >= min_us:
-            gaps.append((end, s))
-        end = e if end is None else max(end, e)
-    return gaps
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
 
 
 def _host_during_gaps(events: list[dict[str, Any]], gaps: list[tuple[float, float]]) -> Counter[str]:
@@ -105,7 +93,9 @@ def summarize(trace: Path, steps: int, top: int = 25, gap_us: float = 20.0) -> d
     # sglang's own step count can differ from the window's; count the batches seen when stacks exist
     seen = sum(1 for e in events if e.get("cat") == "python_function" and e["name"].endswith(STEP_MARKER))
     per = max(seen or steps, 1)
-    gaps = _gpu_gaps(gpu, gap_us)
+    busy = _busy_intervals(gpu)
+    # GPU idle between consecutive busy intervals (only gaps long enough to be the host's doing)
+    gaps = [(e0, s1) for (_, e0), (s1, _) in pairwise(busy) if s1 - e0 >= gap_us]
     idle = _host_during_gaps(events, gaps)
     counts = Counter(e["name"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver"))
     kern, kern_n = Counter(), Counter()
@@ -123,7 +113,7 @@ def summarize(trace: Path, steps: int, top: int = 25, gap_us: float = 20.0) -> d
         "host_during_gpu_idle_ms_per_step": [(name[-110:], round(us / 1000.0 / per, 3))
                                              for name, us in idle.most_common(10)],
         "wall_ms_per_step": round((t1 - t0) / 1000.0 / per, 3),
-        "gpu_busy_ms_per_step": round(_union_ms([(e["ts"], e["ts"] + e["dur"]) for e in gpu]) / per, 3),
+        "gpu_busy_ms_per_step": round(sum(e - s for s, e in busy) / 1000.0 / per, 3),
         "per_step": {k: round(sum(counts[n] for n in names) / per, 1) for k, names in LAUNCHES.items()},
         "top_gpu_ms_per_step": [(name, round(us / 1000.0 / per, 3), kern_n[name]) for name, us in kern.most_common(12)],
         "top_python_ms_per_step": [(name[-110:], round(us / 1000.0 / per, 3)) for name, us in py.most_common(top)],

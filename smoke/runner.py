@@ -153,6 +153,14 @@ def check_delta(before: dict[str, Any], after: dict[str, Any], key: str, phase: 
     return d
 
 
+def spec_deltas(st: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """A phase's record of the server's speculation state: the state after it and what changed."""
+    return {"spec_disable": st,
+            "d_plain_steps": st["plain_steps"] - before["plain_steps"],
+            "d_speculative_steps": st["speculative_steps"] - before["speculative_steps"],
+            "d_mode_changes": st["mode_changes"] - before["mode_changes"]}
+
+
 def accept_stats(results: Iterable[Result]) -> dict[str, Any]:
     """Mean of the per-request meta_info spec_* fields (requests without them: no speculative step)."""
     lens = [r.meta["spec_accept_length"] for r in results if "spec_accept_length" in r.meta]
@@ -268,6 +276,10 @@ class Deadline:
     def left(self) -> float:
         return self.at - time.time()
 
+    def request_timeout(self, cap: float) -> float:
+        """A hung request must not outlive the deadline (the call's logs would be lost)."""
+        return max(10.0, min(cap, self.left() - 25))
+
 
 @dataclass
 class SmokeOptions:
@@ -283,8 +295,7 @@ class SmokeOptions:
     cuda_graph: bool = True
 
     def request_timeout(self) -> float:
-        """A hung request must not outlive the deadline (the call's logs would be lost)."""
-        return max(10.0, min(REQUEST_TIMEOUT_S, self.deadline.left() - 25))
+        return self.deadline.request_timeout(REQUEST_TIMEOUT_S)
 
 
 def wait_idle(base: str, baseline: dict[str, Any], timeout: float = 30) -> dict[str, Any]:
@@ -357,10 +368,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
             check_outputs(refs, results, name)
             st = spec_state(client.server_info(base))
             rep["phases"][name] = {"requests": len(results), **accept_stats(results),
-                                   "spec_disable": st,
-                                   "d_plain_steps": st["plain_steps"] - st_before["plain_steps"],
-                                   "d_speculative_steps": st["speculative_steps"] - st_before["speculative_steps"],
-                                   "d_mode_changes": st["mode_changes"] - st_before["mode_changes"]}
+                                   **spec_deltas(st, st_before)}
             return st
 
         # 1) below the threshold, one at a time: speculative only
@@ -462,10 +470,7 @@ def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[i
     st = spec_state(client.server_info(base))
     rep["phases"]["abort"] = {"requests": len(results) + len(spec_res) + len(after),
                               "plain_mode": counts, "speculative_mode": spec_counts,
-                              **accept_stats(after), "spec_disable": st,
-                              "d_plain_steps": st["plain_steps"] - st_before["plain_steps"],
-                              "d_speculative_steps": st["speculative_steps"] - st_before["speculative_steps"],
-                              "d_mode_changes": st["mode_changes"] - st_before["mode_changes"]}
+                              **accept_stats(after), **spec_deltas(st, st_before)}
     if counts["aborted_cut_short"] == 0:
         raise SmokeFailure(f"abort: none of the {len(aborted)} aborted requests was cut short (aborts "
                            "arrived after they finished: the phase proved nothing)")

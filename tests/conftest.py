@@ -51,6 +51,18 @@ def sglang_tree() -> Callable[[str, bool], Path]:
     return make
 
 
+@pytest.fixture(scope="module")
+def patched(request: pytest.FixtureRequest, sglang_tree: Callable[[str, bool], Path]) -> Path:
+    """The test module's FLAVOR, unpacked with its series applied."""
+    return sglang_tree(request.module.FLAVOR, True)
+
+
+@pytest.fixture(scope="module")
+def pristine(request: pytest.FixtureRequest, sglang_tree: Callable[[str, bool], Path]) -> Path:
+    """The test module's FLAVOR, unpacked as the wheel ships it (proves a check can fail)."""
+    return sglang_tree(request.module.FLAVOR, False)
+
+
 @pytest.fixture(scope="session")
 def run_in_tree() -> Callable[..., subprocess.CompletedProcess[str]]:
     """run_in_tree(tree, code, env=None, timeout=600): `python -c code` with the tree first on

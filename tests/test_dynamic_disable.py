@@ -5,10 +5,11 @@ line; the assertions happen here. The unpatched tree is used to prove the checks
 """
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
+
+from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.17"
 ENV = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
@@ -64,20 +65,7 @@ SERVER_ARGS_HELPERS = textwrap.dedent(
 
 
 def _run(run_in_tree, tree, body: str, env: dict | None = None, helpers: str = ""):
-    proc = run_in_tree(tree, PRELUDE + helpers + textwrap.dedent(body), env=env, timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-@pytest.fixture(scope="module")
-def patched(sglang_tree):
-    return sglang_tree(FLAVOR, patched=True)
-
-
-@pytest.fixture(scope="module")
-def pristine(sglang_tree):
-    return sglang_tree(FLAVOR, patched=False)
+    return probe_result(run_in_tree(tree, PRELUDE + helpers + textwrap.dedent(body), env=env, timeout=900))
 
 
 # --------------------------------------------------------------------------- flags and env

@@ -14,10 +14,9 @@ Not covered here (needs a GPU): the real forward passes, CUDA graphs, attention 
 """
 from __future__ import annotations
 
-import json
 import textwrap
 
-import pytest
+from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.9"
 
@@ -65,22 +64,7 @@ PRELUDE = textwrap.dedent(
 def _run(run_in_tree, tree, body: str, env: dict | None = None) -> dict:
     code = PRELUDE + textwrap.dedent(body) + "\ndone()\n"
     base_env = {"SGLANG_ENABLE_SPEC_V2": "", "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD": ""}
-    proc = run_in_tree(tree, code, env={**base_env, **(env or {})})
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT=")]
-    assert proc.returncode == 0 and lines, (
-        f"probe failed rc={proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    )
-    return json.loads(lines[-1][len("RESULT="):])
-
-
-@pytest.fixture(scope="module")
-def patched(sglang_tree):
-    return sglang_tree(FLAVOR, patched=True)
-
-
-@pytest.fixture(scope="module")
-def pristine(sglang_tree):
-    return sglang_tree(FLAVOR, patched=False)
+    return probe_result(run_in_tree(tree, code, env={**base_env, **(env or {})}), marker="RESULT=")
 
 
 # ServerArgs without __post_init__ (which needs a model and a device): all dataclass defaults,

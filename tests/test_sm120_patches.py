@@ -18,7 +18,6 @@ Fakes (kept minimal; all live inside the probe's subprocess):
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -26,6 +25,8 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from tests.probe import probe_result
 
 FLAVORS = ["sglang-0.5.17", "sglang-0.5.9"]
 CAPS = ["12.0", "10.0", "9.0"]
@@ -85,12 +86,8 @@ EPILOGUE = '\nprint("RESULT " + json.dumps(OUT, default=str))\n'
 def probe(sglang_tree, run_in_tree, flavor: str, patched: bool, body: str,
           imports: str = "") -> dict:
     code = PRELUDE.format(imports=imports) + textwrap.dedent(body) + EPILOGUE
-    proc = run_in_tree(sglang_tree(flavor, patched), code, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"probe failed ({flavor}, patched={patched}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return json.loads(lines[-1][len("RESULT "):])
+    return probe_result(run_in_tree(sglang_tree(flavor, patched), code, timeout=600),
+                        what=f"probe ({flavor}, patched={patched})")
 
 
 def both(sglang_tree, run_in_tree, flavor, body, imports=""):
