@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smoke import client, profile
+from smoke import client, profile, pyspy
 from smoke.client import Prompt
 from smoke.runner import Deadline, SmokeFailure, check_log_clean, spec_state
 from smoke.server import Server, ServerConfig, log_tail
@@ -44,6 +44,8 @@ class BenchOptions:
     min_measure_s: float = 75
     health_timeout: float = 420
     profile_steps: int = 0  # >0: torch-profile that many steps at full load (plain and eagle3_thr)
+    pyspy_seconds: float = 0  # >0: py-spy the scheduler that long at full load (plain and eagle3_thr)
+    pyspy_dirs: tuple[Path, ...] = ()  # where to look for the py-spy binary besides PATH
 
 
 def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
@@ -118,10 +120,15 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
                                              opts.deadline.request_timeout(240))
         if opts.profile_steps > 0 and name in ("plain", "eagle3_thr"):
             rep["profile"] = profile_full_load(srv.base, opts, vocab, name)
+        if opts.pyspy_seconds > 0 and name in ("plain", "eagle3_thr"):
+            rep["pyspy_raw"] = pyspy_full_load(srv, opts, vocab, name)
         if cfg.threshold is not None:
             rep["spec_disable"] = spec_state(client.server_info(srv.base))
         log_text = log.read_text(errors="replace")
         rep["server_decode_at_max"] = server_decode_stats(log_text, max(opts.concurrency))
+        if "pyspy_raw" in rep:
+            rep["pyspy"] = summarize_pyspy(rep.pop("pyspy_raw"), rep["server_decode_at_max"],
+                                           max(opts.concurrency))
         check_log_clean(log_text)
         rep["ok"] = True
     except Exception as exc:  # noqa: BLE001 - SmokeFailure, HTTPFailure or an unexpected answer
@@ -153,6 +160,33 @@ def profile_full_load(base: str, opts: BenchOptions, vocab: int, name: str) -> d
         return summary
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def pyspy_full_load(srv: Server, opts: BenchOptions, vocab: int, name: str) -> dict[str, Any]:
+    """Sample the scheduler with py-spy for `pyspy_seconds` in the middle of a full-load run (not
+    measured). Returns the raw stacks (or why not); summarized once the step time is known."""
+    exe = pyspy.binary(opts.pyspy_dirs)
+    pid = pyspy.scheduler_pid(srv.proc.pid) if srv.proc is not None else None
+    if exe is None or pid is None:
+        return {"error": "no py-spy binary" if exe is None else "no scheduler process found"}
+    c = max(opts.concurrency)
+    load = client.in_background(lambda: client.run_concurrent(
+        srv.base, workload(vocab, c, opts.output_len, 2), c, opts.deadline.request_timeout(240)))
+    try:  # a diagnostic: its failure is reported, it does not fail the bench
+        time.sleep(1.5)  # past the first prefill wave, into full-batch decode
+        out = pyspy.record(exe, pid, opts.pyspy_seconds, opts.out / f"pyspy_{name}.txt")
+        return {"raw": out.read_text()}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        load.result()
+
+
+def summarize_pyspy(raw: dict[str, Any], decode: dict[str, Any] | None, batch: int) -> dict[str, Any]:
+    if "error" in raw:
+        return raw
+    step_ms = 1000.0 * batch / decode["median_tok_per_s"] if decode else None
+    return pyspy.summarize(raw["raw"], step_ms)
 
 
 def compare(reps: dict[str, dict[str, Any]]) -> list[str]:
@@ -200,6 +234,10 @@ def table(reps: dict[str, dict[str, Any]], concurrency: tuple[int, ...]) -> str:
         prof = (reps.get(name) or {}).get("profile")
         if prof:
             lines.append(profile.render(name, prof))
+    for name in CONFIGS:
+        spy = (reps.get(name) or {}).get("pyspy")
+        if spy:
+            lines.append(pyspy.render(name, spy))
     return "\n".join(lines)
 
 
@@ -257,6 +295,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="torch-profile this many full-load decode steps (plain and eagle3_thr)")
+    ap.add_argument("--pyspy-seconds", type=float, default=0,
+                    help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
 
 
 def options(a: argparse.Namespace) -> BenchOptions:
@@ -268,7 +308,7 @@ def options(a: argparse.Namespace) -> BenchOptions:
     return BenchOptions(models=a.models, out=a.out, threshold=a.threshold, concurrency=conc,
                         output_len=a.output_len, configs=configs, port=a.port,
                         mem_fraction=a.mem_fraction, deadline=Deadline(time.time() + a.deadline),
-                        profile_steps=a.profile_steps)
+                        profile_steps=a.profile_steps, pyspy_seconds=a.pyspy_seconds)
 
 
 def main(a: argparse.Namespace) -> int:

@@ -216,7 +216,8 @@ class E2E:
             models=self.models / "1b", out=self.logs, threshold=self.a.bench_threshold,
             deadline=self.deadline, configs=tuple(self.a.bench_configs.split(",")),
             concurrency=tuple(int(c) for c in self.a.bench_concurrency.split(",")),
-            profile_steps=self.a.bench_profile_steps)
+            profile_steps=self.a.bench_profile_steps, pyspy_seconds=self.a.bench_pyspy_seconds,
+            pyspy_dirs=(self.site / "bin",))
         rep = bench_mod.run_bench(opts, st)
         self.state["bench_report"] = rep
         self.log("\n" + rep["table"])
@@ -366,6 +367,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bench-concurrency", default="1,8,256")
     ap.add_argument("--bench-profile-steps", type=int, default=0,
                     help="torch-profile this many full-load decode steps per server (0 = off)")
+    ap.add_argument("--bench-pyspy-seconds", type=float, default=0,
+                    help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
     ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
                     help="comm phase: comma list of runs, in this order")
     ap.add_argument("--fresh", action="store_true", help="forget the state of earlier calls")

@@ -428,6 +428,7 @@ def test_plain_step_on_cpu_with_fakes(run_in_tree, patched):
         dw._draft_extend_for_decode = draft_extend
         w._draft_worker = dw
         w._plain_state = ew._PlainStepState(plain_backend, plain_graph, "plain-de", "plain-dr", "plain-deg")
+        w._plain_draft_decode_eligible = lambda out: False   # the fallback: upstream's 1-token draft extend
         batch = make_batch(bs, req_pool_indices=torch.tensor([2, 0, 3]))
         published = []
         res = w.forward_batch_generation(batch, on_publish=lambda sl: (published.append(sl.tolist()), events.append(("publish",))))
@@ -453,6 +454,158 @@ def test_plain_step_on_cpu_with_fakes(run_in_tree, patched):
     assert extend[8] == [10, 11, 12]            # ScheduleBatch keeps the spec-v2 convention
     assert out["restored"] == [True, True, 4, "spec-de", "spec-dr", "spec-deg"]
     assert out["stride"] == 1 and out["plain"] is True
+
+
+def test_plain_publish_lets_the_next_resolve_skip_the_wait(run_in_tree, patched):
+    """FutureMap: after a plain step's publish with host lengths, resolving a batch of those rows
+    takes the host values (no D2H wait); any other publish forgets them; rows outside the plain
+    batch fall back to the device copy."""
+    out = _run(run_in_tree, patched, body="""
+        import torch
+        from types import SimpleNamespace as NS
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        class Algo:
+            def is_some(self):
+                return True
+
+        fm = FutureMap(torch.device("cpu"), Algo(), NS(req_to_token=torch.zeros(16, 8, dtype=torch.int32)))
+        d2h = []
+        def batch(rows):
+            b = NS(spec_info=NS(future_indices=torch.tensor(rows)), req_pool_indices_cpu=torch.tensor(rows),
+                   seq_lens=None, seq_lens_cpu=None, seq_lens_sum=None)
+            return b
+        real_cpu = torch.Tensor.cpu
+        def counting_cpu(self, *a, **k):
+            d2h.append(1)
+            return real_cpu(self, *a, **k)
+        torch.Tensor.cpu = counting_cpu
+        rows, lens = torch.tensor([3, 5, 7]), torch.tensor([10, 20, 30])
+        fm.publish(rows, lens + 1, host_seq_lens=(rows, lens + 1))
+        b1 = batch([7, 3]); fm.resolve_seq_lens_cpu(b1)            # subset of the plain rows
+        d2h_plain = len(d2h)
+        b2 = batch([3, 9]); fm.resolve_seq_lens_cpu(b2)            # row 9 not published by it
+        d2h_mixed = len(d2h) - d2h_plain
+        fm.publish(rows, torch.tensor([50, 60, 70]))                # an ordinary (speculative) publish
+        b3 = batch([3, 7]); fm.resolve_seq_lens_cpu(b3)
+        emit({"b1": [b1.seq_lens.tolist(), b1.seq_lens_cpu.tolist(), b1.seq_lens_sum], "d2h_plain": d2h_plain,
+              "d2h_mixed": d2h_mixed, "b3": [b3.seq_lens.tolist(), b3.seq_lens_cpu.tolist()],
+              "forgotten": fm._host_published_rows is None})
+    """)
+    assert out["b1"] == [[31, 11], [31, 11], 42] and out["d2h_plain"] == 0
+    assert out["d2h_mixed"] >= 1
+    assert out["b3"] == [[50, 70], [50, 70]] and out["forgotten"] is True
+
+
+def test_plain_step_publishes_host_lengths(run_in_tree, patched):
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        b = make_batch(3, req_pool_indices_cpu=torch.tensor([2, 0, 3]), seq_lens_cpu=torch.tensor([10, 11, 12]))
+        rows, lens = ew._host_seq_lens_kwargs(b)["host_seq_lens"]
+        emit({"rows": rows.tolist(), "lens": lens.tolist(),
+              "without_cpu_mirror": ew._host_seq_lens_kwargs(make_batch(3))})
+    """)
+    assert out == {"rows": [2, 0, 3], "lens": [11, 12, 13], "without_cpu_mirror": {}}
+
+
+def test_plain_step_draft_decode_on_cpu_with_fakes(run_in_tree, patched):
+    """The draft's step after a plain target step: a DECODE forward of the draft model at the same
+    KV slot, position and lengths, fed the target's hidden states; its top-1 and hidden state become
+    the next draft input; the draft runner's backend and graph are restored."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        bs, hidden = 3, 6
+        w = make_worker(1, 0)
+        events = []
+        mr = NS(attn_backend="spec-target", decode_cuda_graph_runner="spec-graph")
+        target_hidden = torch.arange(bs * hidden, dtype=torch.float32).reshape(bs, hidden)
+        def target_forward(batch, forward_batch=None):
+            events.append(("target",))
+            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5), hidden_states=target_hidden)
+            r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
+            r.next_token_ids = torch.tensor([5, 6, 7])
+            return r
+        w._target_worker = NS(model_runner=mr, forward_batch_generation=target_forward)
+        req_to_token = torch.arange(4 * 64).reshape(4, 64)
+        w.req_to_token_pool = NS(req_to_token=req_to_token)
+        def fake_init_new(batch, model_runner, capture_hidden_mode=None, return_hidden_states_before_norm=False):
+            return NS(seq_lens=batch.seq_lens, positions=batch.seq_lens - 1, input_ids=batch.input_ids,
+                      out_cache_loc=batch.out_cache_loc, forward_mode=batch.forward_mode,
+                      spec_info=batch.spec_info, seq_lens_cpu=None, seq_lens_sum=None, orig_seq_lens=None,
+                      capture_hidden_mode=capture_hidden_mode)
+        ew.ForwardBatch.init_new = staticmethod(fake_init_new)
+        draft_logits = torch.tensor([[0., 9, 0, 0], [0, 0, 0, 9], [9, 0, 0, 0]])
+        draft_hidden = torch.full((bs, 4), 7.0)
+        draft_runner = NS(tp_group=None, attn_backend="spec-dr", decode_cuda_graph_runner="draft-graph")
+        def draft_forward(fb):
+            events.append(("draft_decode", draft_runner.attn_backend, draft_runner.decode_cuda_graph_runner,
+                           fb.forward_mode.name, fb.input_ids.tolist(), fb.positions.tolist(), fb.seq_lens.tolist(),
+                           fb.out_cache_loc.tolist(), bool(torch.equal(fb.spec_info.hidden_states, target_hidden)),
+                           fb.capture_hidden_mode.name))
+            return NS(logits_output=LogitsProcessorOutput(next_token_logits=draft_logits, hidden_states=draft_hidden))
+        draft_runner.forward = draft_forward
+        def no_extend(batch, result):
+            raise AssertionError("upstream draft extend must not run")
+        w._draft_worker = NS(draft_runner=draft_runner, draft_tp_context=lambda g: ew.empty_context(),
+                             _draft_extend_for_decode=no_extend)
+        w._plain_state = ew._PlainStepState("plain-target", "plain-graph", "plain-de", "plain-dr", "plain-deg")
+        w._plain_draft_decode_eligible = lambda out: True
+        for name in ("speculative_moe_backend_context", "speculative_moe_a2a_backend_context"):
+            setattr(ew, name, ew.empty_context)
+        batch = make_batch(bs, req_pool_indices=torch.tensor([2, 0, 3]))
+        res = w.forward_batch_generation(batch, on_publish=lambda sl, **kw: events.append(("publish",)))
+        nd = res.next_draft_input
+        emit({"events": events, "topk_index": nd.topk_index.tolist(), "topk_p": nd.topk_p.tolist(),
+              "hidden": bool(torch.equal(nd.hidden_states, draft_hidden)), "bonus": nd.bonus_tokens.tolist(),
+              "restored": [draft_runner.attn_backend, draft_runner.decode_cuda_graph_runner],
+              "expected_loc": [int(req_to_token[2, 10]), int(req_to_token[0, 11]), int(req_to_token[3, 12])]})
+    """)
+    target, publish, draft = out["events"]
+    assert target == ["target"] and publish == ["publish"]
+    assert draft[:4] == ["draft_decode", "plain-dr", None, "DECODE"]   # plain-state backend, eager
+    assert draft[4] == [5, 6, 7]                # the tokens the target just produced
+    assert draft[5] == [10, 11, 12] and draft[6] == [11, 12, 13]        # same position / lengths as the target
+    assert draft[7] == out["expected_loc"] and draft[8] is True and draft[9] == "LAST"
+    assert out["topk_index"] == [[1], [3], [0]] and out["topk_p"] == [[1.0], [1.0], [1.0]]
+    assert out["hidden"] is True and out["bonus"] == [5, 6, 7]
+    assert out["restored"] == ["spec-dr", "draft-graph"]
+
+
+def test_plain_draft_decode_only_for_greedy_chains(run_in_tree, patched):
+    """The DECODE-mode draft step produces a top-1 proposal: a tree (topk > 1), rejection sampling
+    or a missing target hidden state keeps upstream's draft extend."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        def eligible(topk, hidden=True, rejection=False):
+            w = make_worker(1, 0)
+            w.topk = topk
+            w._draft_worker = NS(seed_dsa_topk_from_draft_extend=False)
+            ew.get_spec = lambda: NS(speculative_use_rejection_sampling=rejection)
+            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(2, 5),
+                                       hidden_states=torch.zeros(2, 4) if hidden else None)
+            return w._plain_draft_decode_eligible(GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True))
+        emit({"chain": eligible(1), "tree": eligible(4), "no_hidden": eligible(1, hidden=False),
+              "rejection": eligible(1, rejection=True)})
+    """)
+    assert out == {"chain": True, "tree": False, "no_hidden": False, "rejection": False}
+
+
+def test_spec_decode_alloc_records_allocated_lengths(run_in_tree, patched):
+    """spec-decode-alloc-host-loop.patch: the per-request loop now reads one tolist(); the recorded
+    lengths are unchanged (max of the old and the next length, per request, as ints)."""
+    out = _run(run_in_tree, patched, """
+        import inspect
+        from types import SimpleNamespace as NS
+        import torch
+        from sglang.srt.mem_cache import allocation
+        reqs = [NS(kv=NS(kv_allocated_len=n)) for n in (10, 40, 7)]
+        nxt = torch.tensor([16, 32, 8], dtype=torch.int32)
+        allocation.alloc_for_spec_decode(None, None, reqs=reqs, req_pool_indices=None, cur_kv_lens=None,
+                                         cur_kv_lens_cpu=None, nxt_kv_lens=None, nxt_kv_lens_cpu=nxt,
+                                         num_needed_tokens=0)
+        src = inspect.getsource(allocation.alloc_for_spec_decode)
+        emit({"lens": [r.kv.kv_allocated_len for r in reqs],
+              "types": sorted({type(r.kv.kv_allocated_len).__name__ for r in reqs}),
+              "per_element": "int(nxt_kv_lens_cpu[i])" in src})
+    """)
+    assert out == {"lens": [16, 40, 8], "types": ["int"], "per_element": False}
 
 
 # --------------------------------------------------------------------------- observability

@@ -84,3 +84,17 @@ def test_a_corrupted_cached_wheel_is_refused(tmp_path: Path) -> None:
     (cache / "six-1.16.0-py2.py3-none-any.whl").write_bytes(b"not the wheel")
     with pytest.raises(HashMismatchError, match="six-1.16.0-py2.py3-none-any.whl"):
         fetch.fetch_wheels(flavor, tmp_path / "house", cache=cache)
+
+
+@pytest.mark.network
+def test_gpu_bundle_diagnostics_are_hash_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """py-spy travels in the GPU bundle: fetched from PyPI once, verified against its pin on every use."""
+    from sglang_image import gpu
+
+    cache = tmp_path / "cache"
+    [wheel] = gpu.fetch_diagnostics(pins.load_flavor(), tmp_path / "out", cache=cache)
+    assert wheel.name.startswith("py_spy-0.4.3-") and fetch.sha256_of(wheel) in gpu.DIAGNOSTIC_WHEELS[0].hashes
+    tampered = dataclasses.replace(gpu.DIAGNOSTIC_WHEELS[0], hashes=("0" * 64,))
+    monkeypatch.setattr(gpu, "DIAGNOSTIC_WHEELS", (tampered,))
+    with pytest.raises(HashMismatchError, match="py_spy-0.4.3-.*DIAGNOSTIC_WHEELS"):
+        gpu.fetch_diagnostics(pins.load_flavor(), tmp_path / "out2", cache=cache)  # the cached wheel

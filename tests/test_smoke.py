@@ -422,3 +422,68 @@ def test_bench_configs_map_to_server_flags(tmp_path):
     thr = argv["eagle3_thr"]
     assert thr[thr.index("--speculative-disable-batch-threshold") + 1] == "16"
     assert "--speculative-adaptive" not in thr  # the patch refuses the two together
+
+
+def test_pyspy_summary_of_a_real_scheduler_sample():
+    """py-spy's raw output from the H200 run (threshold server in plain mode at 256 requests, the 80
+    heaviest stacks): only the scheduler thread counts, shares are of its samples, ms from step time."""
+    from smoke import bench, pyspy
+
+    raw = (REPO / "tests/data/pyspy_scheduler_plain_mode.txt").read_text()
+    s = bench.summarize_pyspy({"raw": raw}, {"median_tok_per_s": 256_000 / 4.0}, 256)
+    assert s["step_ms"] == pytest.approx(4.0)
+    incl = {f: pct for f, pct, _ in s["inclusive_pct"]}
+    assert incl["Scheduler.event_loop_overlap (scheduler.py)"] == 100.0
+    assert 10 < incl["EAGLEWorkerV2._forward_plain_decode (eagle_worker_v2.py)"] < 100
+    assert not any("watchdog" in f or "Timer.check" in f for f in incl)  # other threads left out
+    assert all(row[2] == pytest.approx(row[1] * 4.0 / 100, abs=1e-3) for row in s["inclusive_pct"])
+    assert sum(pct for _, pct, _ in s["self_pct"]) <= 100.0
+    text = pyspy.render("eagle3_thr", s)
+    assert text.startswith("py-spy eagle3_thr:") and "ms/step (server log)" in text
+    assert bench.summarize_pyspy({"error": "no py-spy binary"}, None, 256) == {"error": "no py-spy binary"}
+    assert pyspy.summarize("thread (1): MainThread;other (x.py:1) 5\n")["error"].startswith("no sample")
+
+
+def test_pyspy_finds_the_scheduler_process_and_samples_it(tmp_path):
+    """A real process titled like sglang's scheduler, below a parent, sampled by the real py-spy."""
+    import subprocess
+    import textwrap
+    import time
+
+    from smoke import pyspy
+
+    exe = pyspy.binary((Path(sys.executable).parent,))
+    assert exe is not None, "py-spy is a test dependency (pyproject: test)"
+    loop = textwrap.dedent("""
+        import time
+        def busy():
+            s = 0
+            for i in range(30000):
+                s += i
+        def event_loop_overlap():
+            end = time.time() + 20
+            while time.time() < end:
+                busy()
+                time.sleep(0.001)
+        event_loop_overlap()
+    """)
+    # like a server: a parent whose child renamed itself (sglang uses setproctitle)
+    parent = subprocess.Popen(["bash", "-c", f"exec -a sglang::scheduler_TP0 {sys.executable} -c '{loop}' & wait"])
+    try:
+        pid = None
+        for _ in range(50):
+            pid = pyspy.scheduler_pid(parent.pid)
+            if pid:
+                break
+            time.sleep(0.1)
+        assert pid is not None and pid != parent.pid
+        raw = pyspy.record(exe, pid, 1, tmp_path / "raw.txt", rate=200).read_text()
+        s = pyspy.summarize(raw, step_ms=2.0)
+        incl = {f: pct for f, pct, _ in s["inclusive_pct"]}
+        assert incl["event_loop_overlap (<string>)"] == 100.0
+        assert incl["busy (<string>)"] > 20   # the busy loop, not only the sleep (--idle keeps both)
+    finally:
+        for p in pyspy.descendants(parent.pid):
+            subprocess.run(["kill", "-9", str(p)], check=False)
+        parent.kill()
+        parent.wait()

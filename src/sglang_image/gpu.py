@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import lzma
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -31,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_image.errors import FetchError, SglangImageError
-from sglang_image.fetch import WHEEL_CACHE, fetch_wheels
-from sglang_image.lock import normalize, read_lock
-from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, load_flavor
+from sglang_image.fetch import WHEEL_CACHE, _pip_download, fetch_wheels, verify_wheel
+from sglang_image.lock import LockEntry, normalize, read_lock
+from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, Flavor, load_flavor
 
 BUNDLE_DIR = REPO_ROOT / ".gpu"
 MAX_TREE_BYTES = 64 * 1024 * 1024
@@ -49,6 +50,14 @@ GPU_BUNDLE: tuple[str, ...] = (
     "watchfiles", "dill", "openai", "distro", "jiter", "sniffio", "torch-memory-saver",
     "compressed-tensors", "loguru", "gguf", "jsonschema", "jsonschema-specifications",
     "referencing", "rpds-py", "soundfile", "cffi", "pycparser", "sgl-deep-gemm",
+)
+
+# Diagnostics that travel with the bundle but are not in the image: py-spy samples the scheduler's
+# stacks from outside (the bench's --pyspy-seconds), so host time is seen without profiler overhead.
+# Pinned here, hash-checked like the lock's wheels (py-spy is a static binary: no dependencies).
+DIAGNOSTIC_WHEELS: tuple[LockEntry, ...] = (
+    LockEntry("py-spy", "0.4.3", ("8a4277225f470d394a85cca0cdd944bef87f0097b6f20150a6dd3ac2e92806b8",),
+              verified=True, note="manylinux x86_64 wheel; binary lands in SITE/bin/py-spy"),
 )
 
 
@@ -147,10 +156,31 @@ def repack(wheel: Path, out_dir: Path, slim: Slim) -> Path:
     return out
 
 
+def fetch_diagnostics(flavor: Flavor, dest: Path, cache: Path = WHEEL_CACHE) -> list[Path]:
+    """The DIAGNOSTIC_WHEELS, downloaded once into the wheel cache and hash-checked on every use."""
+    cache.mkdir(parents=True, exist_ok=True)
+    out = []
+    for entry in DIAGNOSTIC_WHEELS:
+        prefix = f"{entry.name.replace('-', '_')}-{entry.version}-"
+        found = sorted(cache.glob(prefix + "*.whl"))
+        if not found:
+            _pip_download([entry], flavor, cache)
+            found = sorted(cache.glob(prefix + "*.whl"))
+        if not found:
+            raise FetchError(f"pip reported success but no wheel of {entry.requirement} is in {cache}")
+        verify_wheel(found[0], entry, "sglang_image/gpu.py DIAGNOSTIC_WHEELS")
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / found[0].name
+        shutil.copy2(found[0], target)
+        out.append(target)
+    return out
+
+
 def bundle_key(requirements: list[str]) -> str:
     """Changes when a pin, a hash, the slimming or the stub changes: the bundle is then rebuilt."""
     text = json.dumps([requirements, sorted((k, v.drop, v.strip_debug) for k, v in SLIMMING.items()),
-                       IPYTHON_STUB], sort_keys=True)
+                       IPYTHON_STUB, [(e.requirement, e.hashes) for e in DIAGNOSTIC_WHEELS]],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -168,8 +198,9 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
                                 meta["source"] + " (cached bundle)")
     bundle_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        wheels = fetch_wheels(load_flavor(flavor_name), Path(tmp, "fetched"), only=GPU_BUNDLE,
-                              cache=cache)
+        flavor = load_flavor(flavor_name)
+        wheels = fetch_wheels(flavor, Path(tmp, "fetched"), only=GPU_BUNDLE, cache=cache)
+        wheels += fetch_diagnostics(flavor, Path(tmp, "fetched"), cache)
         stage = Path(tmp, "wheels")
         stage.mkdir()
         for whl in wheels:

@@ -1,0 +1,131 @@
+"""Where the scheduler's host time goes, without the profiler's overhead: py-spy samples.
+
+The torch profiler (smoke.profile) records every Python call when `with_stack` is on, which slows
+the host several times over; a step that is GPU-bound unprofiled becomes host-bound under it. py-spy
+reads the scheduler's stacks from outside at a fixed rate (`--nonblocking`: the process is never
+paused), so the shares it reports are those of the unprofiled server. `--idle` keeps samples where
+the thread waits (a CUDA sync, a lock): a blocked host is exactly what we look for.
+
+Used by the bench (`--pyspy-seconds S`) on the plain and threshold servers at full load: the share
+of the scheduler thread's samples in each function (inclusive and self), and ms per step when the
+step time is known (from the server log's throughput at that batch size).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+SCHEDULER_TITLE = "sglang::scheduler"
+MAIN_LOOP = "event_loop"        # event_loop_normal / event_loop_overlap: the scheduler thread
+_LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
+_FRAME_LINE_NO = re.compile(r":\d+\)$")
+
+
+def binary(extra_dirs: tuple[Path, ...] = ()) -> str | None:
+    for d in extra_dirs:
+        p = d / "py-spy"
+        if p.is_file() and os.access(p, os.X_OK):
+            return str(p)
+    return shutil.which("py-spy")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc/*/stat parent links)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may contain spaces and parentheses
+        parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def scheduler_pid(server_pid: int) -> int | None:
+    for p in descendants(server_pid):
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmdline.startswith(SCHEDULER_TITLE):
+            return p
+    return None
+
+
+def record(exe: str, pid: int, seconds: float, out: Path, rate: int = 1000) -> Path:
+    cmd = [exe, "record", "--pid", str(pid), "--rate", str(rate), "--duration", str(int(seconds)),
+           "--format", "raw", "--output", str(out), "--nonblocking", "--idle", "--threads"]
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=seconds + 60)
+    if p.returncode != 0 or not out.exists():
+        raise RuntimeError(f"py-spy failed ({p.returncode}): {(p.stderr or p.stdout)[-400:]}")
+    return out
+
+
+def parse(raw: str) -> list[tuple[list[str], int]]:
+    stacks = []
+    for line in raw.splitlines():
+        m = _LINE.match(line.strip())
+        if m:
+            stacks.append((m["stack"].split(";"), int(m["count"])))
+    return stacks
+
+
+def _func(frame: str) -> str:
+    """'name (path/to/file.py:123)' -> 'name (path/to/file.py)': one entry per function."""
+    frame = _FRAME_LINE_NO.sub(")", frame)
+    return re.sub(r"\(.*?(sglang/|torch/|site-packages/)", r"(\1", frame)
+
+
+def summarize(raw: str, step_ms: float | None = None, top: int = 30) -> dict[str, Any]:
+    """Shares of the scheduler thread's samples by function, inclusive and self."""
+    stacks = parse(raw)
+    by_thread: Counter[str] = Counter()
+    for frames, n in stacks:
+        if any(MAIN_LOOP in f for f in frames[1:]):
+            by_thread[frames[0]] += n
+    if not by_thread:
+        return {"error": "no sample of the scheduler loop"}
+    thread = by_thread.most_common(1)[0][0]
+    total = by_thread[thread]
+    inclusive: Counter[str] = Counter()
+    leaf: Counter[str] = Counter()
+    for frames, n in stacks:
+        if frames[0] != thread:
+            continue
+        funcs = [_func(f) for f in frames[1:]]
+        for f in set(funcs):
+            inclusive[f] += n
+        if funcs:
+            leaf[funcs[-1]] += n
+
+    def rows(c: Counter[str]) -> list[list[Any]]:
+        return [[f, round(100.0 * n / total, 2)] + ([round(step_ms * n / total, 3)] if step_ms else [])
+                for f, n in c.most_common(top)]
+    return {"samples": total, "step_ms": step_ms, "inclusive_pct": rows(inclusive), "self_pct": rows(leaf)}
+
+
+def render(name: str, s: dict[str, Any]) -> str:
+    if "error" in s:
+        return f"py-spy {name}: {s['error']}"
+    unit = f", ~{s['step_ms']:.2f} ms/step (server log)" if s.get("step_ms") else ""
+    lines = [(f"py-spy {name}: {s['samples']} samples of the scheduler thread{unit}; % of samples "
+              f"(ms/step) inclusive, then self")]
+    for kind in ("inclusive_pct", "self_pct"):
+        for row in s[kind]:
+            ms = f" {row[2]:7.3f} ms" if len(row) > 2 else ""
+            lines.append(f"  {kind[:4]} {row[1]:6.2f}%{ms}  {row[0]}")
+    return "\n".join(lines)
