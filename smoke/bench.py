@@ -24,8 +24,17 @@ from smoke.client import Prompt
 from smoke.runner import Deadline, SmokeFailure, check_log_clean, spec_state
 from smoke.server import Server, ServerConfig, log_tail
 
-# eagle3_adaptive: upstream's own way to stop drafting (--speculative-adaptive; its default config has
-# a 0-step tier from batch size 64), the reference ours has to beat at high load
+# eagle3_adaptive: upstream's own way to stop drafting (--speculative-adaptive), the reference ours has
+# to beat at high load. Its default config (sglang/srt/speculative/adaptive_spec_params.py) minus the
+# 7-step tier of batch 1: that tier's draft-extend graph capture crashed the server at start on the
+# H200 (illegal memory access, triton attention, graphs up to batch 256; docs/gpu-runs/2026-11-30,
+# run 13). The 0-step tier from batch 64 that matters at high load is unchanged.
+ADAPTIVE_CONFIG = {
+    "1": {"candidate_steps": [1, 3], "up_hysteresis": 0.0, "down_hysteresis": -0.25, "ceiling_coeff": 0},
+    "8": {"candidate_steps": [0, 1, 3], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
+    "32": {"candidate_steps": [0, 1], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
+    "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
+}
 CONFIGS = ("plain", "eagle3", "eagle3_adaptive", "eagle3_thr")
 
 
@@ -66,7 +75,8 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     if name == "eagle3_thr":
         cfg.threshold = opts.threshold
     if name == "eagle3_adaptive":
-        cfg.extra = (*cfg.extra, "--speculative-adaptive")
+        cfg.extra = (*cfg.extra, "--speculative-adaptive", "--speculative-adaptive-config",
+                     str(opts.out / "adaptive_config.json"))
     return cfg
 
 
@@ -102,6 +112,8 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
     cfg = server_config(name, opts)
     log = opts.out / f"server_bench_{name}.log"
     rep: dict[str, Any] = {"name": name, "results": {}}
+    if name == "eagle3_adaptive":
+        (opts.out / "adaptive_config.json").write_text(json.dumps(ADAPTIVE_CONFIG, indent=1))
     srv = Server(cfg, opts.port, log)
     try:
         srv.start(min(opts.health_timeout, opts.deadline.left() - 45))

@@ -47,6 +47,7 @@ RUN_PHASES = ("smoke", "bench", "comm")  # marked done in the state once complet
 # model dir -> (`smoke models` args, the phase that needs it)
 MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], "smoke"),
           "1b": (["--size", "1b", "--draft", "chain"], "bench"),
+          "8b": (["--size", "8b", "--draft", "chain"], "bench"),
           "qwen3": (["--arch", "qwen3", "--size", "tp2"], "comm")}
 REPO = Path(__file__).resolve().parents[1]
 FLAG = "--speculative-disable-batch-threshold"
@@ -183,9 +184,11 @@ class E2E:
         # in a subprocess: the driver must not keep GPU memory while the servers run
         phases = set(self.phases)
         wanted = [n for n, (_, ph) in MODELS.items() if ph in phases] or list(MODELS)
+        # the bench runs on one model size (--bench-size)
+        wanted = [n for n in wanted if MODELS[n][1] != "bench" or n == self.a.bench_size]
         for name in wanted:
             args = list(MODELS[name][0])
-            if name == "1b":
+            if MODELS[name][1] == "bench":
                 args += ["--draft-accept", str(self.a.bench_draft_accept)]
             d = self.models / name
             if (d / "expected.json").exists() and self.state.get(f"models_{name}") == args:
@@ -213,7 +216,7 @@ class E2E:
     def phase_bench(self) -> None:
         st = self.state.setdefault("bench", {})
         opts = bench_mod.BenchOptions(
-            models=self.models / "1b", out=self.logs, threshold=self.a.bench_threshold,
+            models=self.models / self.a.bench_size, out=self.logs, threshold=self.a.bench_threshold,
             deadline=self.deadline, configs=tuple(self.a.bench_configs.split(",")),
             concurrency=tuple(int(c) for c in self.a.bench_concurrency.split(",")),
             profile_steps=self.a.bench_profile_steps, pyspy_seconds=self.a.bench_pyspy_seconds,
@@ -363,6 +366,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bench-threshold", type=int, default=16)
     ap.add_argument("--bench-draft-accept", type=float, default=0.85,
                     help="chain draft of the 1B-shaped models: designed accept length ~3.2 (3 steps)")
+    ap.add_argument("--bench-size", default="1b", choices=[n for n, (_, ph) in MODELS.items() if ph == "bench"],
+                    help="bench model shape: 1b (host-bound at 256 requests on an H200) or 8b (GPU-bound)")
     ap.add_argument("--bench-configs", default=",".join(bench_mod.CONFIGS))
     ap.add_argument("--bench-concurrency", default="1,8,256")
     ap.add_argument("--bench-profile-steps", type=int, default=0,

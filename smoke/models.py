@@ -1,6 +1,6 @@
 """Tiny models, generated offline: tokenizer + Llama target + EAGLE-3 draft (sglang 0.5.17 format).
 
-    python -m smoke models OUT_DIR [--size tiny|1b|tp2] [--draft first|chain] [--draft-accept Q]
+    python -m smoke models OUT_DIR [--size tiny|1b|8b|tp2] [--draft first|chain] [--draft-accept Q]
                                    [--device cpu|cuda|auto] [--seed 0] [--arch llama|qwen3]
 
 --arch qwen3 (for `smoke comm`): OUT_DIR/target is a Qwen3ForCausalLM (q_norm/k_norm per head, sglang
@@ -61,8 +61,11 @@ class Size:
 
 SIZES = {
     "tiny": Size(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512),
-    # "1B-shaped": ~1.1e9 parameters in the target (16 x 2048 layers); built on the GPU in seconds
+    # "1B-shaped": ~1.0e9 parameters in the target (16 x 2048 layers); built on the GPU in seconds
     "1b": Size(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192),
+    # "8B-shaped" (Llama-3-8B's layer shapes, small vocab): GPU-bound at 256 requests on an H200, where
+    # the 1B shape is bound by the scheduler's host time; ~16 GB of bf16 weights
+    "8b": Size(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
     # TP=2 splits heads and kv heads evenly (head_dim 64: triton attention's well-trodden size)
     "tp2": Size(hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1024),
 }

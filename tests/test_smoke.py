@@ -112,6 +112,25 @@ def test_designed_accept_length_counts_consecutive_good_tokens():
     assert models.designed_accept_length(chain, {x for x in chain if x % 4 != 3}, 3) == 4.0
 
 
+def test_bench_model_shapes():
+    """1b: ~1.0e9 target parameters (host-bound on an H200 at 256 requests); 8b: Llama-3-8B's layer
+    shapes (~7e9 with the small vocab). The chain draft needs heads x head_dim == hidden."""
+    def params(sz):
+        head_dim = sz.hidden // sz.heads
+        attn = sz.hidden * head_dim * (2 * sz.heads + 2 * sz.kv_heads)
+        return sz.layers * (attn + 3 * sz.hidden * sz.intermediate) + 2 * sz.vocab * sz.hidden
+    assert 0.95e9 < params(models.SIZES["1b"]) < 1.05e9
+    assert 6.9e9 < params(models.SIZES["8b"]) < 7.1e9
+    for name in ("1b", "8b"):
+        sz = models.SIZES[name]
+        assert sz.hidden % sz.heads == 0 and sz.layers - 2 > sz.layers // 2 - 1 > 0  # three aux layers
+    ap = build_parser()
+    assert ap.parse_args(["e2e", "--bench-size", "8b"]).bench_size == "8b"
+    assert ap.parse_args(["e2e"]).bench_size == "1b"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["e2e", "--bench-size", "tiny"])
+
+
 # ----------------------------------------------------------------------------- failure paths
 def test_missing_log_line_fails_with_cause_and_log_tail(tmp_path):
     log = tmp_path / "server_eagle_overlap.log"
@@ -419,6 +438,11 @@ def test_bench_configs_map_to_server_flags(tmp_path):
     argv = {name: bench.server_config(name, opts).argv(30000) for name in bench.CONFIGS}
     assert "--speculative-algorithm" not in argv["plain"]
     assert "--speculative-adaptive" in argv["eagle3_adaptive"] and "--speculative-adaptive" not in argv["eagle3"]
+    ad = argv["eagle3_adaptive"]
+    assert ad[ad.index("--speculative-adaptive-config") + 1] == str(tmp_path / "adaptive_config.json")
+    # upstream's default tiers, without the 7-step one that crashed at start on the H200
+    assert max(max(e["candidate_steps"]) for e in bench.ADAPTIVE_CONFIG.values()) == 3
+    assert bench.ADAPTIVE_CONFIG["64"]["candidate_steps"] == [0]
     thr = argv["eagle3_thr"]
     assert thr[thr.index("--speculative-disable-batch-threshold") + 1] == "16"
     assert "--speculative-adaptive" not in thr  # the patch refuses the two together
