@@ -570,21 +570,28 @@ def test_plain_step_draft_decode_on_cpu_with_fakes(run_in_tree, patched):
 
 
 def test_plain_draft_decode_only_for_greedy_chains(run_in_tree, patched):
-    """The DECODE-mode draft step produces a top-1 proposal: a tree (topk > 1), rejection sampling
+    """The DECODE-mode draft step produces a top-1 proposal: a tree (topk > 1), rejection sampling,
+    an attention backend not known to build decode metadata from seq_lens under a draft spec_info,
     or a missing target hidden state keeps upstream's draft extend."""
     out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
-        def eligible(topk, hidden=True, rejection=False):
+        def eligible(topk, hidden=True, rejection=False, backend=ew.TritonAttnBackend):
             w = make_worker(1, 0)
             w.topk = topk
             w._draft_worker = NS(seed_dsa_topk_from_draft_extend=False)
+            w._plain_state = NS(draft_runner_attn_backend=object.__new__(backend))
             ew.get_spec = lambda: NS(speculative_use_rejection_sampling=rejection)
             lo = LogitsProcessorOutput(next_token_logits=torch.zeros(2, 5),
                                        hidden_states=torch.zeros(2, 4) if hidden else None)
             return w._plain_draft_decode_eligible(GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True))
+        class OtherBackend:
+            pass
         emit({"chain": eligible(1), "tree": eligible(4), "no_hidden": eligible(1, hidden=False),
-              "rejection": eligible(1, rejection=True)})
+              "rejection": eligible(1, rejection=True),
+              "flashinfer": eligible(1, backend=ew.FlashInferAttnBackend),
+              "other_backend": eligible(1, backend=OtherBackend)})
     """)
-    assert out == {"chain": True, "tree": False, "no_hidden": False, "rejection": False}
+    assert out == {"chain": True, "tree": False, "no_hidden": False, "rejection": False,
+                   "flashinfer": True, "other_backend": False}
 
 
 def test_spec_decode_alloc_records_allocated_lengths(run_in_tree, patched):
