@@ -34,7 +34,7 @@ def wheel_distribution(path: Path) -> str:
     return normalize(path.name.split("-", 1)[0])
 
 
-def _pip_download(entries: list[LockEntry], flavor: Flavor, dest: Path) -> None:
+def pip_download(entries: list[LockEntry], flavor: Flavor, dest: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         req = Path(tmp) / "requirements.txt"
         req.write_text("".join(
@@ -100,7 +100,7 @@ def fetch_wheels(flavor: Flavor, dest: Path, only: Iterable[str] | None = None,
 
     missing = [e for e in entries if e.name not in cached()]
     if missing:
-        _pip_download(missing, flavor, cache)
+        pip_download(missing, flavor, cache)
     have = cached()
     result = []
     for entry in entries:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_image.errors import FetchError, SglangImageError
-from sglang_image.fetch import WHEEL_CACHE, _pip_download, fetch_wheels, verify_wheel
+from sglang_image.fetch import WHEEL_CACHE, fetch_wheels, pip_download, verify_wheel
 from sglang_image.lock import LockEntry, normalize, read_lock
 from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, Flavor, load_flavor
 
@@ -164,7 +164,7 @@ def fetch_diagnostics(flavor: Flavor, dest: Path, cache: Path = WHEEL_CACHE) -> 
         prefix = f"{entry.name.replace('-', '_')}-{entry.version}-"
         found = sorted(cache.glob(prefix + "*.whl"))
         if not found:
-            _pip_download([entry], flavor, cache)
+            pip_download([entry], flavor, cache)
             found = sorted(cache.glob(prefix + "*.whl"))
         if not found:
             raise FetchError(f"pip reported success but no wheel of {entry.requirement} is in {cache}")
