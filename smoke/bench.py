@@ -13,6 +13,7 @@ import argparse
 import json
 import random
 import re
+import shlex
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class BenchOptions:
     profile_steps: int = 0  # >0: torch-profile that many steps at full load (plain and eagle3_thr)
     pyspy_seconds: float = 0  # >0: py-spy the scheduler that long at full load (plain and eagle3_thr)
     pyspy_dirs: tuple[Path, ...] = ()  # where to look for the py-spy binary besides PATH
+    server_args: tuple[str, ...] = ()  # appended to every bench server's flags (e.g. --gc-threshold)
 
 
 def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
@@ -77,6 +79,7 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     if name == "eagle3_adaptive":
         cfg.extra = (*cfg.extra, "--speculative-adaptive", "--speculative-adaptive-config",
                      str(opts.out / "adaptive_config.json"))
+    cfg.extra = (*cfg.extra, *opts.server_args)
     return cfg
 
 
@@ -309,6 +312,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="torch-profile this many full-load decode steps (plain and eagle3_thr)")
     ap.add_argument("--pyspy-seconds", type=float, default=0,
                     help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
+    ap.add_argument("--server-args", default="",
+                    help="extra flags for every bench server, one shell-quoted string")
 
 
 def options(a: argparse.Namespace) -> BenchOptions:
@@ -320,7 +325,8 @@ def options(a: argparse.Namespace) -> BenchOptions:
     return BenchOptions(models=a.models, out=a.out, threshold=a.threshold, concurrency=conc,
                         output_len=a.output_len, configs=configs, port=a.port,
                         mem_fraction=a.mem_fraction, deadline=Deadline(time.time() + a.deadline),
-                        profile_steps=a.profile_steps, pyspy_seconds=a.pyspy_seconds)
+                        profile_steps=a.profile_steps, pyspy_seconds=a.pyspy_seconds,
+                        server_args=tuple(shlex.split(a.server_args)))
 
 
 def main(a: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -220,7 +221,7 @@ class E2E:
             deadline=self.deadline, configs=tuple(self.a.bench_configs.split(",")),
             concurrency=tuple(int(c) for c in self.a.bench_concurrency.split(",")),
             profile_steps=self.a.bench_profile_steps, pyspy_seconds=self.a.bench_pyspy_seconds,
-            pyspy_dirs=(self.site / "bin",))
+            pyspy_dirs=(self.site / "bin",), server_args=tuple(shlex.split(self.a.bench_server_args)))
         rep = bench_mod.run_bench(opts, st)
         self.state["bench_report"] = rep
         self.log("\n" + rep["table"])
@@ -374,6 +375,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="torch-profile this many full-load decode steps per server (0 = off)")
     ap.add_argument("--bench-pyspy-seconds", type=float, default=0,
                     help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
+    ap.add_argument("--bench-server-args", default="",
+                    help="extra flags for every bench server, one shell-quoted string (e.g. '--gc-threshold 50000')")
     ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
                     help="comm phase: comma list of runs, in this order")
     ap.add_argument("--fresh", action="store_true", help="forget the state of earlier calls")

@@ -443,6 +443,11 @@ def test_bench_configs_map_to_server_flags(tmp_path):
     # upstream's default tiers, without the 7-step one that crashed at start on the H200
     assert max(max(e["candidate_steps"]) for e in bench.ADAPTIVE_CONFIG.values()) == 3
     assert bench.ADAPTIVE_CONFIG["64"]["candidate_steps"] == [0]
+    extra = bench.BenchOptions(models=tmp_path, out=tmp_path, server_args=("--gc-threshold", "50000"))
+    for name in bench.CONFIGS:  # the same extra flags on every server, last
+        assert bench.server_config(name, extra).argv(30000)[-2:] == ["--gc-threshold", "50000"]
+    a = build_parser().parse_args(["bench", "--models", "m", "--out", "o", "--server-args", "--gc-threshold 7 8"])
+    assert bench.options(a).server_args == ("--gc-threshold", "7", "8")
     thr = argv["eagle3_thr"]
     assert thr[thr.index("--speculative-disable-batch-threshold") + 1] == "16"
     assert "--speculative-adaptive" not in thr  # the patch refuses the two together
