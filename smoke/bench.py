@@ -16,6 +16,7 @@ import re
 import shlex
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,18 +156,31 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
     return rep
 
 
-def profile_full_load(base: str, opts: BenchOptions, vocab: int, name: str) -> dict[str, Any]:
-    """Profile `profile_steps` decode steps in the middle of a full-load run (not measured)."""
+def during_full_load(base: str, opts: BenchOptions, vocab: int, seed: int, settle_s: float,
+                     action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run `action` `settle_s` into a full-load run (not measured; past the first prefill wave, into
+    full-batch decode) and wait for the load. A diagnostic: its failure is reported, not raised."""
     c = max(opts.concurrency)
     load = client.in_background(lambda: client.run_concurrent(
-        base, workload(vocab, c, opts.output_len, 1), c, opts.deadline.request_timeout(240)))
-    time.sleep(1.0)  # past the first prefill wave, into full-batch decode
-    out_dir = opts.out / f"profile_{name}"
-    try:  # a diagnostic: its failure is reported, it does not fail the bench
+        base, workload(vocab, c, opts.output_len, seed), c, opts.deadline.request_timeout(240)))
+    try:
         try:
-            profile.start(base, out_dir, opts.profile_steps)
+            time.sleep(settle_s)
+            return action()
         finally:
             load.result()
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def profile_full_load(base: str, opts: BenchOptions, vocab: int, name: str) -> dict[str, Any]:
+    """Profile `profile_steps` decode steps in the middle of a full-load run."""
+    out_dir = opts.out / f"profile_{name}"
+    started = during_full_load(base, opts, vocab, 1, 1.0,
+                               lambda: profile.start(base, out_dir, opts.profile_steps) or {})
+    if "error" in started:
+        return started
+    try:
         trace = profile.wait_for_trace(out_dir)
         if trace is None:
             return {"error": f"no trace under {out_dir}"}
@@ -178,23 +192,14 @@ def profile_full_load(base: str, opts: BenchOptions, vocab: int, name: str) -> d
 
 
 def pyspy_full_load(srv: Server, opts: BenchOptions, vocab: int, name: str) -> dict[str, Any]:
-    """Sample the scheduler with py-spy for `pyspy_seconds` in the middle of a full-load run (not
-    measured). Returns the raw stacks (or why not); summarized once the step time is known."""
+    """Sample the scheduler with py-spy for `pyspy_seconds` in the middle of a full-load run. Returns
+    the raw stacks (or why not); summarized once the step time is known."""
     exe = pyspy.binary(opts.pyspy_dirs)
     pid = pyspy.scheduler_pid(srv.proc.pid) if srv.proc is not None else None
     if exe is None or pid is None:
         return {"error": "no py-spy binary" if exe is None else "no scheduler process found"}
-    c = max(opts.concurrency)
-    load = client.in_background(lambda: client.run_concurrent(
-        srv.base, workload(vocab, c, opts.output_len, 2), c, opts.deadline.request_timeout(240)))
-    try:  # a diagnostic: its failure is reported, it does not fail the bench
-        time.sleep(1.5)  # past the first prefill wave, into full-batch decode
-        out = pyspy.record(exe, pid, opts.pyspy_seconds, opts.out / f"pyspy_{name}.txt")
-        return {"raw": out.read_text()}
-    except Exception as exc:  # noqa: BLE001
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        load.result()
+    return during_full_load(srv.base, opts, vocab, 2, 1.5, lambda: {"raw": pyspy.record(
+        exe, pid, opts.pyspy_seconds, opts.out / f"pyspy_{name}.txt").read_text()})
 
 
 def summarize_pyspy(raw: dict[str, Any], decode: dict[str, Any] | None, batch: int) -> dict[str, Any]:
@@ -298,35 +303,48 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[s
     return out
 
 
+def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """What to measure and how: shared by `smoke bench` and `smoke e2e` (there as --bench-*)."""
+    p = "--" + prefix
+    ap.add_argument(p + "threshold", type=int, default=16)
+    ap.add_argument(p + "concurrency", default="1,8,256")
+    ap.add_argument(p + "configs", default=",".join(CONFIGS))
+    ap.add_argument(p + "profile-steps", type=int, default=0,
+                    help="torch-profile this many full-load decode steps (plain and eagle3_thr; 0 = off)")
+    ap.add_argument(p + "pyspy-seconds", type=float, default=0,
+                    help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
+    ap.add_argument(p + "server-args", default="",
+                    help="extra flags for every bench server, one shell-quoted string (e.g. '--gc-threshold 50000')")
+
+
+def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
+    """BenchOptions fields from add_tuning_arguments' flags; a bad value exits naming the flag."""
+    def get(name: str) -> Any:
+        return getattr(a, (prefix + name).replace("-", "_"))
+    conc = [x.strip() for x in get("concurrency").split(",") if x.strip()]
+    configs = tuple(x.strip() for x in get("configs").split(",") if x.strip())
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad or not conc or not all(x.isdigit() and int(x) >= 1 for x in conc):
+        raise SystemExit(f"--{prefix}configs {bad} / --{prefix}concurrency {get('concurrency')}: invalid")
+    return {"threshold": get("threshold"), "concurrency": tuple(int(x) for x in conc), "configs": configs,
+            "profile_steps": get("profile-steps"), "pyspy_seconds": get("pyspy-seconds"),
+            "server_args": tuple(shlex.split(get("server-args")))}
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--threshold", type=int, default=16)
-    ap.add_argument("--concurrency", default="1,8,256")
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--mem-fraction", type=float, default=0.3)
     ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
-    ap.add_argument("--profile-steps", type=int, default=0,
-                    help="torch-profile this many full-load decode steps (plain and eagle3_thr)")
-    ap.add_argument("--pyspy-seconds", type=float, default=0,
-                    help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
-    ap.add_argument("--server-args", default="",
-                    help="extra flags for every bench server, one shell-quoted string")
+    add_tuning_arguments(ap)
 
 
 def options(a: argparse.Namespace) -> BenchOptions:
-    conc = tuple(int(x) for x in a.concurrency.split(",") if x.strip())
-    configs = tuple(x.strip() for x in a.configs.split(",") if x.strip())
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad or not conc or min(conc) < 1:
-        raise SystemExit(f"bad --configs {bad} or --concurrency {a.concurrency}")
-    return BenchOptions(models=a.models, out=a.out, threshold=a.threshold, concurrency=conc,
-                        output_len=a.output_len, configs=configs, port=a.port,
+    return BenchOptions(models=a.models, out=a.out, output_len=a.output_len, port=a.port,
                         mem_fraction=a.mem_fraction, deadline=Deadline(time.time() + a.deadline),
-                        profile_steps=a.profile_steps, pyspy_seconds=a.pyspy_seconds,
-                        server_args=tuple(shlex.split(a.server_args)))
+                        **tuning_options(a))
 
 
 def main(a: argparse.Namespace) -> int:

@@ -26,7 +26,6 @@ import hashlib
 import io
 import json
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -217,11 +216,8 @@ class E2E:
     def phase_bench(self) -> None:
         st = self.state.setdefault("bench", {})
         opts = bench_mod.BenchOptions(
-            models=self.models / self.a.bench_size, out=self.logs, threshold=self.a.bench_threshold,
-            deadline=self.deadline, configs=tuple(self.a.bench_configs.split(",")),
-            concurrency=tuple(int(c) for c in self.a.bench_concurrency.split(",")),
-            profile_steps=self.a.bench_profile_steps, pyspy_seconds=self.a.bench_pyspy_seconds,
-            pyspy_dirs=(self.site / "bin",), server_args=tuple(shlex.split(self.a.bench_server_args)))
+            models=self.models / self.a.bench_size, out=self.logs, deadline=self.deadline,
+            pyspy_dirs=(self.site / "bin",), **bench_mod.tuning_options(self.a, "bench-"))
         rep = bench_mod.run_bench(opts, st)
         self.state["bench_report"] = rep
         self.log("\n" + rep["table"])
@@ -364,19 +360,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--flavor", default="sglang-0.5.17")
     ap.add_argument("--threshold", type=int, default=4, help="smoke threshold N")
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
-    ap.add_argument("--bench-threshold", type=int, default=16)
     ap.add_argument("--bench-draft-accept", type=float, default=0.85,
                     help="chain draft of the 1B-shaped models: designed accept length ~3.2 (3 steps)")
     ap.add_argument("--bench-size", default="1b", choices=[n for n, (_, ph) in MODELS.items() if ph == "bench"],
                     help="bench model shape: 1b (host-bound at 256 requests on an H200) or 8b (GPU-bound)")
-    ap.add_argument("--bench-configs", default=",".join(bench_mod.CONFIGS))
-    ap.add_argument("--bench-concurrency", default="1,8,256")
-    ap.add_argument("--bench-profile-steps", type=int, default=0,
-                    help="torch-profile this many full-load decode steps per server (0 = off)")
-    ap.add_argument("--bench-pyspy-seconds", type=float, default=0,
-                    help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
-    ap.add_argument("--bench-server-args", default="",
-                    help="extra flags for every bench server, one shell-quoted string (e.g. '--gc-threshold 50000')")
+    bench_mod.add_tuning_arguments(ap, "bench-")
     ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
                     help="comm phase: comma list of runs, in this order")
     ap.add_argument("--fresh", action="store_true", help="forget the state of earlier calls")
@@ -393,7 +381,5 @@ def main(a: argparse.Namespace) -> int:
     bad = [r for r in a.comm_runs.split(",") if r not in comm_mod.RUN_NAMES]
     if bad:
         raise SystemExit(f"--comm-runs: unknown {bad}; choose from {','.join(comm_mod.RUN_NAMES)}")
-    bad = [c for c in a.bench_configs.split(",") if c not in bench_mod.CONFIGS]
-    if bad or not all(c.strip().isdigit() for c in a.bench_concurrency.split(",")):
-        raise SystemExit(f"--bench-configs {bad} / --bench-concurrency {a.bench_concurrency}: invalid")
+    bench_mod.tuning_options(a, "bench-")  # exits naming a bad --bench-* value before any work
     return E2E(a).run()

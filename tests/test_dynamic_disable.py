@@ -366,6 +366,25 @@ def make_batch(bs, **kw):
            req_pool_indices=torch.arange(bs), seq_lens_cpu=None)
     b.__dict__.update(kw)
     return b
+
+def target_result(bs, hidden_states):
+    # what the target worker returns for a plain step: tokens 5, 6, 7 and its hidden states
+    lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5), hidden_states=hidden_states)
+    r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
+    r.next_token_ids = torch.tensor([5, 6, 7])
+    return r
+
+def fake_forward_batch_init_new(batch, model_runner, capture_hidden_mode=None,
+                                return_hidden_states_before_norm=False):
+    return NS(seq_lens=batch.seq_lens, positions=batch.seq_lens - 1, input_ids=batch.input_ids,
+              out_cache_loc=batch.out_cache_loc, forward_mode=batch.forward_mode,
+              spec_info=batch.spec_info, seq_lens_cpu=None, seq_lens_sum=None, orig_seq_lens=None,
+              capture_hidden_mode=capture_hidden_mode)
+
+def give_req_to_token(w):
+    req_to_token = torch.arange(4 * 64).reshape(4, 64)
+    w.req_to_token_pool = NS(req_to_token=req_to_token)
+    return req_to_token
 """
 
 
@@ -406,18 +425,10 @@ def test_plain_step_on_cpu_with_fakes(run_in_tree, patched):
                            forward_batch.positions.tolist(), forward_batch.input_ids.tolist(),
                            forward_batch.out_cache_loc.tolist(), forward_batch.forward_mode.name,
                            forward_batch.spec_info is None))
-            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5), hidden_states=torch.ones(bs, hidden))
-            r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
-            r.next_token_ids = torch.tensor([5, 6, 7])
-            return r
+            return target_result(bs, torch.ones(bs, hidden))
         w._target_worker = NS(model_runner=mr, forward_batch_generation=target_forward)
-        req_to_token = torch.arange(4 * 64).reshape(4, 64)
-        w.req_to_token_pool = NS(req_to_token=req_to_token)
-        def fake_init_new(batch, model_runner, capture_hidden_mode=None, return_hidden_states_before_norm=False):
-            return NS(seq_lens=batch.seq_lens, positions=batch.seq_lens - 1, input_ids=batch.input_ids,
-                      out_cache_loc=batch.out_cache_loc, forward_mode=batch.forward_mode,
-                      spec_info=batch.spec_info, seq_lens_cpu=None, seq_lens_sum=None, orig_seq_lens=None)
-        ew.ForwardBatch.init_new = staticmethod(fake_init_new)
+        req_to_token = give_req_to_token(w)
+        ew.ForwardBatch.init_new = staticmethod(fake_forward_batch_init_new)
         dw = NS(speculative_num_draft_tokens=4, draft_extend_attn_backend="spec-de", cuda_graph_runner_for_draft_extend="spec-deg",
                 draft_runner=NS(tp_group=None, attn_backend="spec-dr"), draft_tp_context=lambda g: ew.empty_context())
         def draft_extend(batch, result):
@@ -519,19 +530,10 @@ def test_plain_step_draft_decode_on_cpu_with_fakes(run_in_tree, patched):
         target_hidden = torch.arange(bs * hidden, dtype=torch.float32).reshape(bs, hidden)
         def target_forward(batch, forward_batch=None):
             events.append(("target",))
-            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5), hidden_states=target_hidden)
-            r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
-            r.next_token_ids = torch.tensor([5, 6, 7])
-            return r
+            return target_result(bs, target_hidden)
         w._target_worker = NS(model_runner=mr, forward_batch_generation=target_forward)
-        req_to_token = torch.arange(4 * 64).reshape(4, 64)
-        w.req_to_token_pool = NS(req_to_token=req_to_token)
-        def fake_init_new(batch, model_runner, capture_hidden_mode=None, return_hidden_states_before_norm=False):
-            return NS(seq_lens=batch.seq_lens, positions=batch.seq_lens - 1, input_ids=batch.input_ids,
-                      out_cache_loc=batch.out_cache_loc, forward_mode=batch.forward_mode,
-                      spec_info=batch.spec_info, seq_lens_cpu=None, seq_lens_sum=None, orig_seq_lens=None,
-                      capture_hidden_mode=capture_hidden_mode)
-        ew.ForwardBatch.init_new = staticmethod(fake_init_new)
+        req_to_token = give_req_to_token(w)
+        ew.ForwardBatch.init_new = staticmethod(fake_forward_batch_init_new)
         draft_logits = torch.tensor([[0., 9, 0, 0], [0, 0, 0, 9], [9, 0, 0, 0]])
         draft_hidden = torch.full((bs, 4), 7.0)
         draft_runner = NS(tp_group=None, attn_backend="spec-dr", decode_cuda_graph_runner="draft-graph")

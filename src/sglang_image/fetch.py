@@ -34,7 +34,7 @@ def wheel_distribution(path: Path) -> str:
     return normalize(path.name.split("-", 1)[0])
 
 
-def pip_download(entries: list[LockEntry], flavor: Flavor, dest: Path) -> None:
+def _pip_download(entries: list[LockEntry], flavor: Flavor, dest: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         req = Path(tmp) / "requirements.txt"
         req.write_text("".join(
@@ -86,6 +86,13 @@ def fetch_wheels(flavor: Flavor, dest: Path, only: Iterable[str] | None = None,
     if unverified:
         raise FetchError(f"{unverified}: no verified hash in {flavor.lock_path.name} (incomplete "
                          f"lock); complete it on a machine with internet: nox -s lock -- {flavor.name}")
+    return fetch_entries(entries, flavor, dest, cache, flavor.lock_path.name)
+
+
+def fetch_entries(entries: list[LockEntry], flavor: Flavor, dest: Path, cache: Path,
+                  pinned_in: str) -> list[Path]:
+    """Pinned wheels placed in `dest`: downloaded once into `cache` (for the flavor's Python and
+    platforms) and checked against their hashes on every use; `pinned_in` names where the pins live."""
     cache.mkdir(parents=True, exist_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
     by_name = {e.name: e for e in entries}
@@ -100,14 +107,14 @@ def fetch_wheels(flavor: Flavor, dest: Path, only: Iterable[str] | None = None,
 
     missing = [e for e in entries if e.name not in cached()]
     if missing:
-        pip_download(missing, flavor, cache)
+        _pip_download(missing, flavor, cache)
     have = cached()
     result = []
     for entry in entries:
         wheel = have.get(entry.name)
         if wheel is None:
             raise FetchError(f"pip reported success but no wheel of {entry.requirement} is in {cache}")
-        verify_wheel(wheel, entry, flavor.lock_path.name)
+        verify_wheel(wheel, entry, pinned_in)
         target = dest / wheel.name
         if target.resolve() != wheel.resolve():
             if target.exists():

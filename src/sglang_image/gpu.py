@@ -22,7 +22,6 @@ import hashlib
 import io
 import json
 import lzma
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -32,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sglang_image.errors import FetchError, SglangImageError
-from sglang_image.fetch import WHEEL_CACHE, fetch_wheels, pip_download, verify_wheel
+from sglang_image.fetch import WHEEL_CACHE, fetch_entries, fetch_wheels
 from sglang_image.lock import LockEntry, normalize, read_lock
 from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, Flavor, load_flavor
 
@@ -158,22 +157,7 @@ def repack(wheel: Path, out_dir: Path, slim: Slim) -> Path:
 
 def fetch_diagnostics(flavor: Flavor, dest: Path, cache: Path = WHEEL_CACHE) -> list[Path]:
     """The DIAGNOSTIC_WHEELS, downloaded once into the wheel cache and hash-checked on every use."""
-    cache.mkdir(parents=True, exist_ok=True)
-    out = []
-    for entry in DIAGNOSTIC_WHEELS:
-        prefix = f"{entry.name.replace('-', '_')}-{entry.version}-"
-        found = sorted(cache.glob(prefix + "*.whl"))
-        if not found:
-            pip_download([entry], flavor, cache)
-            found = sorted(cache.glob(prefix + "*.whl"))
-        if not found:
-            raise FetchError(f"pip reported success but no wheel of {entry.requirement} is in {cache}")
-        verify_wheel(found[0], entry, "sglang_image/gpu.py DIAGNOSTIC_WHEELS")
-        dest.mkdir(parents=True, exist_ok=True)
-        target = dest / found[0].name
-        shutil.copy2(found[0], target)
-        out.append(target)
-    return out
+    return fetch_entries(list(DIAGNOSTIC_WHEELS), flavor, dest, cache, "sglang_image/gpu.py DIAGNOSTIC_WHEELS")
 
 
 def bundle_key(requirements: list[str]) -> str:
