@@ -596,6 +596,87 @@ def test_plain_draft_decode_only_for_greedy_chains(run_in_tree, patched):
                    "flashinfer": True, "other_backend": False}
 
 
+def test_draft_decode_graph_metadata_sees_no_spec_info(run_in_tree, patched):
+    """The graph's attention backend builds DECODE metadata without the spec_info (which carries the
+    target's hidden states for the draft model); the spec_info is back afterwards, also on failure."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        seen = []
+        class Backend:
+            page_size = 7
+            def init_forward_metadata_out_graph(self, fb, in_capture=False):
+                seen.append((fb.spec_info, in_capture))
+                if in_capture == "boom":
+                    raise RuntimeError("boom")
+        view = ew._MetadataWithoutSpecInfo(Backend())
+        fb = NS(spec_info="hidden-carrier")
+        view.init_forward_metadata_out_graph(fb, in_capture=True)
+        after = fb.spec_info
+        try:
+            view.init_forward_metadata_out_graph(fb, in_capture="boom")
+        except RuntimeError:
+            pass
+        emit({"seen": seen, "after": after, "after_error": fb.spec_info, "passthrough": view.page_size})
+    """)
+    assert out == {"seen": [[None, True], [None, "boom"]], "after": "hidden-carrier",
+                   "after_error": "hidden-carrier", "passthrough": 7}
+
+
+def test_draft_decode_graph_captures_decode_at_one_token(run_in_tree, patched):
+    """The runner is upstream's draft-extend runner at 1 token/req, captured in DECODE mode with the
+    spec_info-free metadata view (upstream's capture loop is replaced by a recorder here)."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+        recorded = {}
+        def fake_capture(self):
+            recorded.update(mode=self.forward_mode.name, capture_mode=self.capture_forward_mode.name,
+                            view=type(self.attn_backend).__name__,
+                            same=self.attn_backend is self.draft_extend_attn_backend,
+                            inner=self.attn_backend._backend, width=self.captured_req_width)
+        DecodeCudaGraphRunner.capture = fake_capture
+        r = object.__new__(ew._PlainDraftDecodeCudaGraphRunner)
+        r.forward_mode = r.capture_forward_mode = ew.ForwardMode.DRAFT_EXTEND_V2
+        r.draft_extend_attn_backend = r.attn_backend = "triton-backend"
+        r.captured_req_width = 4          # what the base __init__ assigns: ignored
+        r.capture()
+        emit(recorded)
+    """)
+    assert out == {"mode": "DECODE", "capture_mode": "DECODE", "view": "_MetadataWithoutSpecInfo",
+                   "same": True, "inner": "triton-backend", "width": 1}
+
+
+def test_draft_decode_graph_replays_when_it_can(run_in_tree, patched):
+    """The plain step's draft forward replays the graph with a draft-extend spec_info (target hidden
+    states, width 1); without a graph, or when the graph cannot take the batch, it runs eagerly with
+    the eager spec_info put back."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        hidden = torch.ones(3, 6)
+        lo = LogitsProcessorOutput(next_token_logits=torch.zeros(3, 5), hidden_states=hidden)
+        result = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
+        calls = []
+        class Graph:
+            def __init__(self, ok):
+                self.ok = ok
+            def can_run_graph(self, fb):
+                calls.append(("can_run", type(fb.spec_info).__name__, fb.spec_info.num_tokens_per_req,
+                              bool(torch.equal(fb.spec_info.hidden_states, hidden))))
+                return self.ok
+            def execute(self, fb):
+                calls.append(("execute",))
+                return "graph-output"
+        def run(graph):
+            w = make_worker(1, 0)
+            w._plain_state = NS(draft_decode_graph=graph)
+            fb = NS(spec_info="eager-spec-info")
+            got = w._plain_draft_decode_graph(fb, result)
+            return [got, fb.spec_info if got is None else type(fb.spec_info).__name__]
+        emit({"none": run(None), "cannot": run(Graph(False)), "can": run(Graph(True)), "calls": calls})
+    """)
+    assert out["none"] == [None, "eager-spec-info"]
+    assert out["cannot"] == [None, "eager-spec-info"]
+    assert out["can"] == ["graph-output", "EagleDraftExtendInput"]
+    assert out["calls"] == [["can_run", "EagleDraftExtendInput", 1, True]] * 2 + [["execute"]]
+
+
 def test_spec_decode_alloc_records_allocated_lengths(run_in_tree, patched):
     """spec-decode-alloc-host-loop.patch: the per-request loop now reads one tolist(); the recorded
     lengths are unchanged (max of the old and the next length, per request, as ints)."""
