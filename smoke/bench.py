@@ -1,11 +1,17 @@
 """Output tokens/s at several concurrencies for plain, always-on EAGLE-3, upstream's adaptive EAGLE-3 and
 EAGLE-3 with the dynamic disable threshold (CUDA graphs on), on the 1B-shaped generated models.
 
-    python -m smoke bench --models DIR --out DIR [--threshold 16] [--concurrency 1,8,256]
+    python -m smoke bench --models DIR --out DIR [--threshold 16] [--concurrency 1,8,256] [--ab-rounds N]
 
 Every configuration gets the same prompts (greedy, ignore_eos, fixed lengths), so the EAGLE-3
 outputs are also compared with the plain ones (a mismatch is a failure: the plain step under CUDA
 graphs must not change results). Prints a table with the ratio to plain.
+
+--ab-rounds N (A/B mode) measures the highest concurrency only, with every configuration's server up
+at once and the load sent to one at a time, N rounds, the order reversed every other round. On the
+H200 the host's speed drifts by up to 1.6x within minutes (docs/gpu-runs/2026-11-30), and one server
+measured after another turns that drift into the ratio; interleaved rounds give each ratio from
+measurements seconds apart, and their spread says how far to trust it.
 """
 from __future__ import annotations
 
@@ -58,6 +64,7 @@ class BenchOptions:
     pyspy_seconds: float = 0  # >0: py-spy the scheduler that long at full load (plain and eagle3_thr)
     pyspy_dirs: tuple[Path, ...] = ()  # where to look for the py-spy binary besides PATH
     server_args: tuple[str, ...] = ()  # appended to every bench server's flags (e.g. --gc-threshold)
+    ab_rounds: int = 0  # >0: A/B mode (see the module docstring)
 
 
 def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
@@ -261,11 +268,143 @@ def table(reps: dict[str, dict[str, Any]], concurrency: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
+def ab_ratios(rounds: list[dict[str, dict[str, Any]]], name: str, key: str) -> list[float]:
+    """Per-round ratio of `name` to plain for one measure ('tok_per_s': client, 'server_tok_per_s': the
+    server log's median over that round's full-load lines); rounds missing either side are left out."""
+    out = []
+    for r in rounds:
+        a, b = r.get(name, {}).get(key), r.get("plain", {}).get(key)
+        if a and b:
+            out.append(a / b)
+    return out
+
+
+def ab_table(ab: dict[str, Any]) -> str:
+    rounds, names = ab["rounds"], ab["configs"]
+    others = [n for n in names if n != "plain"]
+    lines = [(f"A/B at c={ab['concurrency']}: {len(rounds)} round(s), all servers up, the load on one at a time "
+              "(order reversed every other round); output tok/s client | server log"),
+             f"{'round':6s}" + "".join(f"{n:>28s}" for n in names)]
+    for i, r in enumerate(rounds, 1):
+        cells = []
+        for n in names:
+            m = r.get(n, {})
+            cells.append(f"{m.get('tok_per_s') or 0:>10.0f} | {m.get('server_tok_per_s') or 0:>8.0f}")
+        lines.append(f"{i:<6d}" + "".join(f"{c:>28s}" for c in cells))
+    for n in others:
+        for key, label in (("tok_per_s", "client"), ("server_tok_per_s", "server log")):
+            x = ab_ratios(rounds, n, key)
+            if x:
+                lines.append(f"{n} / plain ({label}): median {statistics.median(x):.3f}x, "
+                             f"min {min(x):.3f}x, max {max(x):.3f}x over {len(x)} round(s)")
+    return "\n".join(lines)
+
+
+def ab_mismatches(outputs: list[dict[str, dict[str, list[int] | None]]]) -> list[str]:
+    """Each round's outputs of every config against plain's of the same round (same prompts, greedy)."""
+    problems = []
+    for k, outs in enumerate(outputs, 1):
+        ref = outs.get("plain", {})
+        for name, got in outs.items():
+            # a failed request (None) is counted among the errors, not here
+            bad = [key for key, v in got.items()
+                   if name != "plain" and v is not None and ref.get(key) is not None and ref[key] != v]
+            if bad:
+                problems.append(f"round {k} {name}: {len(bad)} output(s) differ from plain (e.g. {bad[0]})")
+    return problems
+
+
+def flush_cache(base: str) -> bool:
+    """Empty the radix cache before a round: without it the earlier rounds' prompts fill the KV pool
+    and every step of the next round evicts (0.7 ms/step of RadixCache.evict on the H200), by how
+    much depending on each server's pool size."""
+    try:
+        client.post(base + "/flush_cache?timeout=10", {}, 30)
+        return True
+    except client.HTTPFailure:
+        return False
+
+
+def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
+    """A/B mode: see the module docstring. Returns {"ok", "rounds", "configs", ...}."""
+    names = list(opts.configs)
+    c = max(opts.concurrency)
+    ab: dict[str, Any] = {"concurrency": c, "configs": names, "rounds": [], "start_s": {}, "pyspy": {}}
+    servers: dict[str, Server] = {}
+    outputs: list[dict[str, dict[str, list[int] | None]]] = []
+    if "eagle3_adaptive" in names:
+        (opts.out / "adaptive_config.json").write_text(json.dumps(ADAPTIVE_CONFIG, indent=1))
+    try:
+        # one after another: each server sizes its KV pool from the memory left free at its start
+        for i, name in enumerate(names):
+            cfg = server_config(name, opts)
+            cfg.extra = (*cfg.extra, "--sleep-on-idle")  # an idle server must not spin a core meanwhile
+            srv = servers[name] = Server(cfg, opts.port + i, opts.out / f"server_ab_{name}.log")
+            srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
+            ab["start_s"][name] = round(srv.start_seconds, 1)
+        for name, srv in servers.items():  # warm-up (JIT, autotune) in both modes, outside the rounds
+            for w in sorted({1, c}):
+                client.run_concurrent(srv.base, [Prompt(f"w{w}-{i}", (5 + i % 50, 6, 7, 8), 32)
+                                                 for i in range(max(2, w))], w, opts.deadline.request_timeout(240))
+        round_s = 0.0
+        for k in range(opts.ab_rounds):
+            # a round must end with time left for py-spy and the servers' stop
+            if opts.deadline.left() < 2 * round_s + 90 + (20 if opts.pyspy_seconds else 0):
+                ab["stopped_early"] = f"deadline: {k} of {opts.ab_rounds} rounds"
+                break
+            t0 = time.time()
+            prompts = workload(vocab, c, opts.output_len, 100 + k)
+            row: dict[str, dict[str, Any]] = {}
+            outs: dict[str, dict[str, list[int] | None]] = {}
+            for name in (names if k % 2 == 0 else names[::-1]):
+                srv = servers[name]
+                flushed = flush_cache(srv.base)
+                start = srv.log_path.stat().st_size
+                m = measure(srv.base, prompts, c, opts.deadline.request_timeout(240))
+                with open(srv.log_path, "rb") as fh:
+                    fh.seek(start)
+                    window = fh.read().decode(errors="replace")
+                dec = server_decode_stats(window, c)
+                outs[name] = m.pop("outputs")
+                row[name] = m | {"server_tok_per_s": dec["median_tok_per_s"] if dec else None,
+                                 "server_lines": dec["lines"] if dec else 0, "cache_flushed": flushed}
+            ab["rounds"].append(row)
+            outputs.append(outs)
+            round_s = time.time() - t0
+        if opts.pyspy_seconds > 0:
+            for name in ("plain", "eagle3_thr"):
+                if name in servers:
+                    raw = pyspy_full_load(servers[name], opts, vocab, name)
+                    srv_tps = [r[name]["server_tok_per_s"] for r in ab["rounds"] if r[name].get("server_tok_per_s")]
+                    dec = {"median_tok_per_s": statistics.median(srv_tps)} if srv_tps else None
+                    ab["pyspy"][name] = summarize_pyspy(raw, dec, c)
+        if "eagle3_thr" in servers:
+            ab["spec_disable"] = spec_state(client.server_info(servers["eagle3_thr"].base))
+        for srv in servers.values():
+            check_log_clean(srv.log_path.read_text(errors="replace"))
+        ab["ok"] = bool(ab["rounds"])
+        if not ab["rounds"]:
+            ab["cause"] = "no round measured before the deadline"
+    except Exception as exc:  # noqa: BLE001 - SmokeFailure, HTTPFailure or an unexpected answer
+        ab["ok"] = False
+        ab["cause"] = getattr(exc, "cause", f"{type(exc).__name__}: {exc}")
+        ab["log_tail"] = "\n".join(f"-- {n}\n{log_tail(s.log_path, 20)}" for n, s in servers.items())
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    ab["mismatches"] = ab_mismatches(outputs)
+    ab["errors"] = [f"round {k + 1} {n}: {m['errors']} request error(s): {m['first_error']}"
+                    for k, r in enumerate(ab["rounds"]) for n, m in r.items() if m.get("errors")]
+    return ab
+
+
 def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[str, Any]:
     state = state if state is not None else {}
     opts.out.mkdir(parents=True, exist_ok=True)
     expected = json.loads((opts.models / "expected.json").read_text())
     vocab = int(expected["vocab_size"])
+    if opts.ab_rounds > 0:
+        return run_bench_ab(opts, state, expected, vocab)
     done = state.setdefault("configs", {})
     reps: dict[str, dict[str, Any]] = {}
     skipped = []
@@ -303,6 +442,26 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[s
     return out
 
 
+def run_bench_ab(opts: BenchOptions, state: dict[str, Any], expected: dict[str, Any], vocab: int) -> dict[str, Any]:
+    ab = state.get("ab") or run_ab(opts, vocab)
+    if ab.get("ok"):
+        state["ab"] = ab  # a resumed call reuses it
+    failures = ([] if ab.get("ok") else [f"A/B: {ab.get('cause')}\n{ab.get('log_tail', '')}"])
+    failures += ab["mismatches"] + ab["errors"]
+    parts = [ab_table(ab)] if ab["rounds"] else []
+    parts += [pyspy.render(n, spy) for n, spy in ab.get("pyspy", {}).items() if spy]
+    out = {"mode": "ab", "threshold": opts.threshold, "concurrency": [ab["concurrency"]],
+           "designed_accept_length": expected.get("designed_accept_length"),
+           "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept")},
+           "table": "\n".join(parts) or "A/B: no round measured", "skipped": [], "failures": failures,
+           "ab": ab}
+    thr = ab_ratios(ab["rounds"], "eagle3_thr", "tok_per_s")
+    if thr:
+        out["thr_vs_plain_at_max"] = round(statistics.median(thr), 3)
+        out["goal_0.97_met"] = statistics.median(thr) >= 0.97
+    return out
+
+
 def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     """What to measure and how: shared by `smoke bench` and `smoke e2e` (there as --bench-*)."""
     p = "--" + prefix
@@ -315,6 +474,11 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
     ap.add_argument(p + "server-args", default="",
                     help="extra flags for every bench server, one shell-quoted string (e.g. '--gc-threshold 50000')")
+    ap.add_argument(p + "ab-rounds", type=int, default=0,
+                    help="A/B mode: all configs' servers up at once, the highest concurrency on each in turn, "
+                         "this many rounds (0 = off: one server after another, every concurrency)")
+    ap.add_argument(p + "mem-fraction", type=float, default=0.3,
+                    help="--mem-fraction-static of each bench server (A/B: of the memory free at its start)")
 
 
 def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
@@ -326,9 +490,15 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     bad = [c for c in configs if c not in CONFIGS]
     if bad or not conc or not all(x.isdigit() and int(x) >= 1 for x in conc):
         raise SystemExit(f"--{prefix}configs {bad} / --{prefix}concurrency {get('concurrency')}: invalid")
+    if get("ab-rounds") < 0 or (get("ab-rounds") and ("plain" not in configs or len(configs) < 2)):
+        raise SystemExit(f"--{prefix}ab-rounds {get('ab-rounds')}: needs >= 0 and, when on, 'plain' and at "
+                         f"least one other config in --{prefix}configs (got {','.join(configs)})")
+    if not 0 < get("mem-fraction") < 1:
+        raise SystemExit(f"--{prefix}mem-fraction {get('mem-fraction')}: must be between 0 and 1")
     return {"threshold": get("threshold"), "concurrency": tuple(int(x) for x in conc), "configs": configs,
             "profile_steps": get("profile-steps"), "pyspy_seconds": get("pyspy-seconds"),
-            "server_args": tuple(shlex.split(get("server-args")))}
+            "server_args": tuple(shlex.split(get("server-args"))), "ab_rounds": get("ab-rounds"),
+            "mem_fraction": get("mem-fraction")}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -336,14 +506,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--mem-fraction", type=float, default=0.3)
     ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
     add_tuning_arguments(ap)
 
 
 def options(a: argparse.Namespace) -> BenchOptions:
     return BenchOptions(models=a.models, out=a.out, output_len=a.output_len, port=a.port,
-                        mem_fraction=a.mem_fraction, deadline=Deadline(time.time() + a.deadline),
+                        deadline=Deadline(time.time() + a.deadline),
                         **tuning_options(a))
 
 

@@ -213,13 +213,18 @@ class E2E:
         if rep.get("skipped"):
             raise Deadline_(f"smoke: skipped {rep['skipped']}")
 
+    @property
+    def bench_key(self) -> str:
+        """One bench per model size and mode: a later call with another --bench-size runs its own."""
+        return self.a.bench_size + ("-ab" if self.a.bench_ab_rounds else "")
+
     def phase_bench(self) -> None:
-        st = self.state.setdefault("bench", {})
+        st = self.state.setdefault("bench_runs", {}).setdefault(self.bench_key, {})
         opts = bench_mod.BenchOptions(
             models=self.models / self.a.bench_size, out=self.logs, deadline=self.deadline,
             pyspy_dirs=(self.site / "bin",), **bench_mod.tuning_options(self.a, "bench-"))
         rep = bench_mod.run_bench(opts, st)
-        self.state["bench_report"] = rep
+        self.state.setdefault("bench_reports", {})[self.bench_key] = rep
         self.log("\n" + rep["table"])
         if "thr_vs_plain_at_max" in rep:
             self.log(f"threshold vs plain at c={max(opts.concurrency)}: {rep['thr_vs_plain_at_max']}x "
@@ -274,14 +279,15 @@ class E2E:
             "comm": self.phase_comm}
         incomplete = []
         for ph in phases:
-            if ph in RUN_PHASES and self.state.get(f"{ph}_done"):
+            done_key = f"{ph}_done" + (f"_{self.bench_key}" if ph == "bench" else "")
+            if ph in RUN_PHASES and self.state.get(done_key):
                 self.log(f"{ph}: done in an earlier call")
                 continue
             self.log(f"== {ph} ({self.deadline.left():.0f}s left)")
             try:
                 steps[ph]()
                 if ph in RUN_PHASES:
-                    self.state[f"{ph}_done"] = True
+                    self.state[done_key] = True
             except Deadline_ as exc:
                 incomplete.append(str(exc))
                 self.log(f"{ph}: stopped by the deadline: {exc}")
@@ -309,8 +315,8 @@ class E2E:
         out = list(self.failures)
         smoke = self.state.get("smoke_report") or {}
         out += [f"smoke {f['variant']}: {f['cause']}" for f in smoke.get("failures", [])]
-        bench = self.state.get("bench_report") or {}
-        out += [f"bench: {f.splitlines()[0]}" for f in bench.get("failures", [])]
+        for key, bench in self.state.get("bench_reports", {}).items():
+            out += [f"bench {key}: {f.splitlines()[0]}" for f in bench.get("failures", [])]
         comm = self.state.get("comm_report") or {}
         out += [f"{f['variant']}: {f['cause']}" for f in comm.get("failures", [])]
         return out
@@ -318,14 +324,14 @@ class E2E:
     def finish(self, incomplete: list[str]) -> None:
         report = {"elapsed_s": round(time.time() - self.t0, 1), "failures": self.all_failures(),
                   "incomplete": incomplete, "patches": self.state.get("patch"),
-                  "smoke": self.state.get("smoke_report"), "bench": self.state.get("bench_report"),
+                  "smoke": self.state.get("smoke_report"), "bench": self.state.get("bench_reports") or None,
                   "comm": self.state.get("comm_report")}
         (self.out / "report.json").write_text(json.dumps(report, indent=1))
         parts = []
         if report["smoke"]:
             parts.append(runner.summarize(report["smoke"]))
-        if report["bench"]:
-            parts.append(report["bench"]["table"])
+        for key, bench in (report["bench"] or {}).items():
+            parts.append(f"bench {key}:\n{bench['table']}")
         if report["comm"]:
             parts.append(comm_mod.summarize(report["comm"]))
         if report["failures"] or incomplete:

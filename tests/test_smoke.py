@@ -5,6 +5,7 @@ continuation of a model generated here. Nothing pretends to be an sglang server.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -516,3 +517,34 @@ def test_pyspy_finds_the_scheduler_process_and_samples_it(tmp_path):
             subprocess.run(["kill", "-9", str(p)], check=False)
         parent.kill()
         parent.wait()
+
+
+def test_bench_ab_ratios_table_and_mismatches():
+    from smoke import bench
+
+    rounds = [{"plain": {"tok_per_s": 100.0, "server_tok_per_s": 200.0},
+               "eagle3_thr": {"tok_per_s": 90.0, "server_tok_per_s": 150.0}},
+              {"plain": {"tok_per_s": 50.0, "server_tok_per_s": None},
+               "eagle3_thr": {"tok_per_s": 49.0, "server_tok_per_s": 120.0}}]
+    assert bench.ab_ratios(rounds, "eagle3_thr", "tok_per_s") == [0.9, 0.98]
+    assert bench.ab_ratios(rounds, "eagle3_thr", "server_tok_per_s") == [0.75]  # round 2: no plain line
+    t = bench.ab_table({"concurrency": 256, "configs": ["plain", "eagle3_thr"], "rounds": rounds})
+    assert "eagle3_thr / plain (client): median 0.940x, min 0.900x, max 0.980x over 2 round(s)" in t
+    assert "eagle3_thr / plain (server log): median 0.750x" in t
+    outs = [{"plain": {"a": [1], "b": [2]}, "eagle3_thr": {"a": [1], "b": [3]}},
+            {"plain": {"a": [1]}, "eagle3_thr": {"a": [1]}}]
+    assert bench.ab_mismatches(outs) == ["round 1 eagle3_thr: 1 output(s) differ from plain (e.g. b)"]
+
+
+def test_bench_ab_options_need_plain_and_another_config():
+    from smoke import bench
+
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    base = ["--models", "m", "--out", "o"]
+    o = bench.options(ap.parse_args(base + ["--ab-rounds", "3", "--configs", "plain,eagle3_thr"]))
+    assert o.ab_rounds == 3 and o.mem_fraction == 0.3
+    for bad in (["--ab-rounds", "3", "--configs", "eagle3,eagle3_thr"], ["--ab-rounds", "3", "--configs", "plain"],
+                ["--ab-rounds", "-1"], ["--mem-fraction", "1.5"]):
+        with pytest.raises(SystemExit, match="ab-rounds|mem-fraction"):
+            bench.options(ap.parse_args(base + bad))
