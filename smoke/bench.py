@@ -7,8 +7,8 @@ Every configuration gets the same prompts (greedy, ignore_eos, fixed lengths), s
 outputs are also compared with the plain ones (a mismatch is a failure: the plain step under CUDA
 graphs must not change results). Prints a table with the ratio to plain.
 
---ab-rounds N (A/B mode) measures the highest concurrency only, with every configuration's server up
-at once and the load sent to one at a time, N rounds, the order reversed every other round. On the
+--ab-rounds N (A/B mode) measures with every configuration's server up at once and the load (each
+concurrency in turn) sent to one server at a time, N rounds, the order reversed every other round. On the
 H200 the host's speed drifts by up to 1.6x within minutes (docs/gpu-runs/2026-11-30), and one server
 measured after another turns that drift into the ratio; interleaved rounds give each ratio from
 measurements seconds apart, and their spread says how far to trust it.
@@ -280,23 +280,24 @@ def ab_ratios(rounds: list[dict[str, dict[str, Any]]], name: str, key: str) -> l
 
 
 def ab_table(ab: dict[str, Any]) -> str:
-    rounds, names = ab["rounds"], ab["configs"]
+    names = ab["configs"]
     others = [n for n in names if n != "plain"]
-    lines = [(f"A/B at c={ab['concurrency']}: {len(rounds)} round(s), all servers up, the load on one at a time "
-              "(order reversed every other round); output tok/s client | server log"),
-             f"{'round':6s}" + "".join(f"{n:>28s}" for n in names)]
-    for i, r in enumerate(rounds, 1):
-        cells = []
-        for n in names:
-            m = r.get(n, {})
-            cells.append(f"{m.get('tok_per_s') or 0:>10.0f} | {m.get('server_tok_per_s') or 0:>8.0f}")
-        lines.append(f"{i:<6d}" + "".join(f"{c:>28s}" for c in cells))
-    for n in others:
-        for key, label in (("tok_per_s", "client"), ("server_tok_per_s", "server log")):
-            x = ab_ratios(rounds, n, key)
-            if x:
-                lines.append(f"{n} / plain ({label}): median {statistics.median(x):.3f}x, "
-                             f"min {min(x):.3f}x, max {max(x):.3f}x over {len(x)} round(s)")
+    rounds_by_c: dict[str, list[dict[str, dict[str, Any]]]] = ab["rounds"]
+    n_rounds = max((len(r) for r in rounds_by_c.values()), default=0)
+    lines = [(f"A/B: {n_rounds} round(s), all servers up, the load on one at a time (order reversed every "
+              "other round); output tok/s client | server log")]
+    for c, rounds in rounds_by_c.items():
+        lines.append(f"c={c:<4s}" + "".join(f"{n:>28s}" for n in names))
+        for i, r in enumerate(rounds, 1):
+            cells = [f"{r.get(n, {}).get('tok_per_s') or 0:>10.0f} | {r.get(n, {}).get('server_tok_per_s') or 0:>8.0f}"
+                     for n in names]
+            lines.append(f"  {i:<4d}" + "".join(f"{x:>28s}" for x in cells))
+        for n in others:
+            for key, label in (("tok_per_s", "client"), ("server_tok_per_s", "server log")):
+                x = ab_ratios(rounds, n, key)
+                if x:
+                    lines.append(f"  c={c} {n} / plain ({label}): median {statistics.median(x):.3f}x, "
+                                 f"min {min(x):.3f}x, max {max(x):.3f}x over {len(x)} round(s)")
     return "\n".join(lines)
 
 
@@ -325,11 +326,26 @@ def flush_cache(base: str) -> bool:
         return False
 
 
+def measure_window(srv: Server, prompts: list[Prompt], c: int, opts: BenchOptions) -> dict[str, Any]:
+    """`measure`, plus the server log's full-load decode lines written meanwhile; the radix cache is
+    flushed first."""
+    flushed = flush_cache(srv.base)
+    start = srv.log_path.stat().st_size
+    m = measure(srv.base, prompts, c, opts.deadline.request_timeout(240))
+    with open(srv.log_path, "rb") as fh:
+        fh.seek(start)
+        window = fh.read().decode(errors="replace")
+    dec = server_decode_stats(window, c)
+    return m | {"server_tok_per_s": dec["median_tok_per_s"] if dec else None,
+                "server_lines": dec["lines"] if dec else 0, "cache_flushed": flushed}
+
+
 def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
     """A/B mode: see the module docstring. Returns {"ok", "rounds", "configs", ...}."""
     names = list(opts.configs)
-    c = max(opts.concurrency)
-    ab: dict[str, Any] = {"concurrency": c, "configs": names, "rounds": [], "start_s": {}, "pyspy": {}}
+    top = max(opts.concurrency)
+    ab: dict[str, Any] = {"concurrency": list(opts.concurrency), "configs": names, "rounds": {}, "start_s": {},
+                          "pyspy": {}}
     servers: dict[str, Server] = {}
     outputs: list[dict[str, dict[str, list[int] | None]]] = []
     if "eagle3_adaptive" in names:
@@ -343,7 +359,7 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
             srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
             ab["start_s"][name] = round(srv.start_seconds, 1)
         for name, srv in servers.items():  # warm-up (JIT, autotune) in both modes, outside the rounds
-            for w in sorted({1, c}):
+            for w in opts.concurrency:
                 client.run_concurrent(srv.base, [Prompt(f"w{w}-{i}", (5 + i % 50, 6, 7, 8), 32)
                                                  for i in range(max(2, w))], w, opts.deadline.request_timeout(240))
         round_s = 0.0
@@ -353,37 +369,30 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
                 ab["stopped_early"] = f"deadline: {k} of {opts.ab_rounds} rounds"
                 break
             t0 = time.time()
-            prompts = workload(vocab, c, opts.output_len, 100 + k)
-            row: dict[str, dict[str, Any]] = {}
-            outs: dict[str, dict[str, list[int] | None]] = {}
-            for name in (names if k % 2 == 0 else names[::-1]):
-                srv = servers[name]
-                flushed = flush_cache(srv.base)
-                start = srv.log_path.stat().st_size
-                m = measure(srv.base, prompts, c, opts.deadline.request_timeout(240))
-                with open(srv.log_path, "rb") as fh:
-                    fh.seek(start)
-                    window = fh.read().decode(errors="replace")
-                dec = server_decode_stats(window, c)
-                outs[name] = m.pop("outputs")
-                row[name] = m | {"server_tok_per_s": dec["median_tok_per_s"] if dec else None,
-                                 "server_lines": dec["lines"] if dec else 0, "cache_flushed": flushed}
-            ab["rounds"].append(row)
+            outs: dict[str, dict[str, list[int] | None]] = {name: {} for name in names}
+            for conc in opts.concurrency:
+                prompts = workload(vocab, conc, opts.output_len, 100 + k)
+                row: dict[str, dict[str, Any]] = {}
+                for name in (names if k % 2 == 0 else names[::-1]):
+                    row[name] = measure_window(servers[name], prompts, conc, opts)
+                    outs[name].update(row[name].pop("outputs"))
+                ab["rounds"].setdefault(str(conc), []).append(row)
             outputs.append(outs)
             round_s = time.time() - t0
         if opts.pyspy_seconds > 0:
             for name in ("plain", "eagle3_thr"):
                 if name in servers:
                     raw = pyspy_full_load(servers[name], opts, vocab, name)
-                    srv_tps = [r[name]["server_tok_per_s"] for r in ab["rounds"] if r[name].get("server_tok_per_s")]
+                    srv_tps = [r[name]["server_tok_per_s"] for r in ab["rounds"].get(str(top), [])
+                               if r[name].get("server_tok_per_s")]
                     dec = {"median_tok_per_s": statistics.median(srv_tps)} if srv_tps else None
-                    ab["pyspy"][name] = summarize_pyspy(raw, dec, c)
+                    ab["pyspy"][name] = summarize_pyspy(raw, dec, top)
         if "eagle3_thr" in servers:
             ab["spec_disable"] = spec_state(client.server_info(servers["eagle3_thr"].base))
         for srv in servers.values():
             check_log_clean(srv.log_path.read_text(errors="replace"))
-        ab["ok"] = bool(ab["rounds"])
-        if not ab["rounds"]:
+        ab["ok"] = bool(outputs)
+        if not outputs:
             ab["cause"] = "no round measured before the deadline"
     except Exception as exc:  # noqa: BLE001 - SmokeFailure, HTTPFailure or an unexpected answer
         ab["ok"] = False
@@ -393,8 +402,9 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
         for srv in servers.values():
             srv.stop()
     ab["mismatches"] = ab_mismatches(outputs)
-    ab["errors"] = [f"round {k + 1} {n}: {m['errors']} request error(s): {m['first_error']}"
-                    for k, r in enumerate(ab["rounds"]) for n, m in r.items() if m.get("errors")]
+    ab["errors"] = [f"c={c} round {k + 1} {n}: {m['errors']} request error(s): {m['first_error']}"
+                    for c, rounds in ab["rounds"].items() for k, r in enumerate(rounds)
+                    for n, m in r.items() if m.get("errors")]
     return ab
 
 
@@ -450,12 +460,12 @@ def run_bench_ab(opts: BenchOptions, state: dict[str, Any], expected: dict[str, 
     failures += ab["mismatches"] + ab["errors"]
     parts = [ab_table(ab)] if ab["rounds"] else []
     parts += [pyspy.render(n, spy) for n, spy in ab.get("pyspy", {}).items() if spy]
-    out = {"mode": "ab", "threshold": opts.threshold, "concurrency": [ab["concurrency"]],
+    out = {"mode": "ab", "threshold": opts.threshold, "concurrency": ab["concurrency"],
            "designed_accept_length": expected.get("designed_accept_length"),
            "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept")},
            "table": "\n".join(parts) or "A/B: no round measured", "skipped": [], "failures": failures,
            "ab": ab}
-    thr = ab_ratios(ab["rounds"], "eagle3_thr", "tok_per_s")
+    thr = ab_ratios(ab["rounds"].get(str(max(opts.concurrency)), []), "eagle3_thr", "tok_per_s")
     if thr:
         out["thr_vs_plain_at_max"] = round(statistics.median(thr), 3)
         out["goal_0.97_met"] = statistics.median(thr) >= 0.97

@@ -528,9 +528,11 @@ def test_bench_ab_ratios_table_and_mismatches():
                "eagle3_thr": {"tok_per_s": 49.0, "server_tok_per_s": 120.0}}]
     assert bench.ab_ratios(rounds, "eagle3_thr", "tok_per_s") == [0.9, 0.98]
     assert bench.ab_ratios(rounds, "eagle3_thr", "server_tok_per_s") == [0.75]  # round 2: no plain line
-    t = bench.ab_table({"concurrency": 256, "configs": ["plain", "eagle3_thr"], "rounds": rounds})
-    assert "eagle3_thr / plain (client): median 0.940x, min 0.900x, max 0.980x over 2 round(s)" in t
-    assert "eagle3_thr / plain (server log): median 0.750x" in t
+    t = bench.ab_table({"concurrency": [8, 256], "configs": ["plain", "eagle3_thr"],
+                        "rounds": {"8": rounds[:1], "256": rounds}})
+    assert "c=256 eagle3_thr / plain (client): median 0.940x, min 0.900x, max 0.980x over 2 round(s)" in t
+    assert "c=256 eagle3_thr / plain (server log): median 0.750x" in t
+    assert "c=8 eagle3_thr / plain (client): median 0.900x" in t
     outs = [{"plain": {"a": [1], "b": [2]}, "eagle3_thr": {"a": [1], "b": [3]}},
             {"plain": {"a": [1]}, "eagle3_thr": {"a": [1]}}]
     assert bench.ab_mismatches(outs) == ["round 1 eagle3_thr: 1 output(s) differ from plain (e.g. b)"]
