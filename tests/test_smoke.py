@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -550,3 +551,16 @@ def test_bench_ab_options_need_plain_and_another_config():
                 ["--ab-rounds", "-1"], ["--mem-fraction", "1.5"]):
         with pytest.raises(SystemExit, match="ab-rounds|mem-fraction"):
             bench.options(ap.parse_args(base + bad))
+
+
+def test_bench_ab_does_not_start_servers_it_has_no_time_to_measure(tmp_path):
+    from smoke import bench
+    from smoke.runner import Deadline
+
+    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3000}))
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, configs=("plain", "eagle3_thr"), concurrency=(256,),
+                              ab_rounds=3, deadline=Deadline(time.time() + 200))
+    out = bench.run_bench(opts, {})
+    assert out["failures"] == [] and len(out["skipped"]) == 1
+    assert out["skipped"][0].startswith("A/B (deadline: ") and "s left, ~270s needed" in out["skipped"][0]
+    assert not list(tmp_path.glob("server_ab_*.log"))  # no server was started
