@@ -121,12 +121,18 @@ def server_decode_stats(log_text: str, running: int) -> dict[str, Any] | None:
             "cuda_graph_lines": sum(g for _, g in rows)}
 
 
+def warm_up(base: str, opts: BenchOptions) -> None:
+    """Short requests at every concurrency, outside the measurement: lazy JIT/autotune per batch shape
+    and per mode (with a threshold, small batches speculate and large ones do not)."""
+    for c in opts.concurrency:
+        client.run_concurrent(base, [Prompt(f"w{c}-{i}", (5 + i % 50, 6, 7, 8), 32) for i in range(max(2, c))],
+                              c, opts.deadline.request_timeout(240))
+
+
 def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
     cfg = server_config(name, opts)
     log = opts.out / f"server_bench_{name}.log"
     rep: dict[str, Any] = {"name": name, "results": {}}
-    if name == "eagle3_adaptive":
-        (opts.out / "adaptive_config.json").write_text(json.dumps(ADAPTIVE_CONFIG, indent=1))
     srv = Server(cfg, opts.port, log)
     try:
         srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
@@ -134,12 +140,7 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
         if opts.deadline.left() < opts.min_measure_s:
             rep["skipped"] = True
             raise SmokeFailure(f"deadline: only {opts.deadline.left():.0f}s left after the start")
-        # warm-up at every concurrency (lazy JIT/autotune per batch shape and per mode, outside
-        # the measurement: with a threshold, small batches speculate and large ones do not)
-        for c in opts.concurrency:
-            client.run_concurrent(srv.base, [Prompt(f"w{c}-{i}", (5 + i % 50, 6, 7, 8), 32)
-                                             for i in range(max(2, c))], c,
-                                  opts.deadline.request_timeout(240))
+        warm_up(srv.base, opts)
         for c in opts.concurrency:
             rep["results"][str(c)] = measure(srv.base, workload(vocab, c, opts.output_len, 0), c,
                                              opts.deadline.request_timeout(240))
@@ -152,7 +153,8 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
         log_text = log.read_text(errors="replace")
         rep["server_decode_at_max"] = server_decode_stats(log_text, max(opts.concurrency))
         if "pyspy_raw" in rep:
-            rep["pyspy"] = summarize_pyspy(rep.pop("pyspy_raw"), rep["server_decode_at_max"],
+            rep["pyspy"] = summarize_pyspy(rep.pop("pyspy_raw"),
+                                           (rep["server_decode_at_max"] or {}).get("median_tok_per_s"),
                                            max(opts.concurrency))
         check_log_clean(log_text)
         rep["ok"] = True
@@ -211,10 +213,11 @@ def pyspy_full_load(srv: Server, opts: BenchOptions, vocab: int, name: str) -> d
         exe, pid, opts.pyspy_seconds, opts.out / f"pyspy_{name}.txt").read_text()})
 
 
-def summarize_pyspy(raw: dict[str, Any], decode: dict[str, Any] | None, batch: int) -> dict[str, Any]:
+def summarize_pyspy(raw: dict[str, Any], tok_per_s: float | None, batch: int) -> dict[str, Any]:
+    """py-spy's shares, in ms per step where the server's full-load throughput at `batch` is known."""
     if "error" in raw:
         return raw
-    step_ms = 1000.0 * batch / decode["median_tok_per_s"] if decode else None
+    step_ms = 1000.0 * batch / tok_per_s if tok_per_s else None
     return pyspy.summarize(raw["raw"], step_ms)
 
 
@@ -354,8 +357,6 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
     if opts.deadline.left() < need:  # do not start servers that would leave no time to measure
         return ab | {"ok": False, "skipped": True, "mismatches": [], "errors": [],
                      "cause": f"deadline: {opts.deadline.left():.0f}s left, ~{need}s needed"}
-    if "eagle3_adaptive" in names:
-        (opts.out / "adaptive_config.json").write_text(json.dumps(ADAPTIVE_CONFIG, indent=1))
     try:
         # one after another: each server sizes its KV pool from the memory left free at its start
         for i, name in enumerate(names):
@@ -364,10 +365,8 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
             srv = servers[name] = Server(cfg, opts.port + i, opts.out / f"server_ab_{name}.log")
             srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
             ab["start_s"][name] = round(srv.start_seconds, 1)
-        for name, srv in servers.items():  # warm-up (JIT, autotune) in both modes, outside the rounds
-            for w in opts.concurrency:
-                client.run_concurrent(srv.base, [Prompt(f"w{w}-{i}", (5 + i % 50, 6, 7, 8), 32)
-                                                 for i in range(max(2, w))], w, opts.deadline.request_timeout(240))
+        for srv in servers.values():
+            warm_up(srv.base, opts)
         round_s = 0.0
         for k in range(opts.ab_rounds):
             # a round must end with time left for py-spy and the servers' stop
@@ -391,8 +390,7 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
                     raw = pyspy_full_load(servers[name], opts, vocab, name)
                     srv_tps = [r[name]["server_tok_per_s"] for r in ab["rounds"].get(str(top), [])
                                if r[name].get("server_tok_per_s")]
-                    dec = {"median_tok_per_s": statistics.median(srv_tps)} if srv_tps else None
-                    ab["pyspy"][name] = summarize_pyspy(raw, dec, top)
+                    ab["pyspy"][name] = summarize_pyspy(raw, statistics.median(srv_tps) if srv_tps else None, top)
         if "eagle3_thr" in servers:
             ab["spec_disable"] = spec_state(client.server_info(servers["eagle3_thr"].base))
         for srv in servers.values():
@@ -420,6 +418,8 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[s
     opts.out.mkdir(parents=True, exist_ok=True)
     expected = json.loads((opts.models / "expected.json").read_text())
     vocab = int(expected["vocab_size"])
+    if "eagle3_adaptive" in opts.configs:  # server_config points the server at it
+        (opts.out / "adaptive_config.json").write_text(json.dumps(ADAPTIVE_CONFIG, indent=1))
     if opts.ab_rounds > 0:
         return run_bench_ab(opts, state, expected, vocab)
     done = state.setdefault("configs", {})
@@ -493,8 +493,8 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "server-args", default="",
                     help="extra flags for every bench server, one shell-quoted string (e.g. '--gc-threshold 50000')")
     ap.add_argument(p + "ab-rounds", type=int, default=0,
-                    help="A/B mode: all configs' servers up at once, the highest concurrency on each in turn, "
-                         "this many rounds (0 = off: one server after another, every concurrency)")
+                    help="A/B mode: all configs' servers up at once, each concurrency's load on each in turn, "
+                         "this many rounds (0 = off: one server after another)")
     ap.add_argument(p + "mem-fraction", type=float, default=0.3,
                     help="--mem-fraction-static of each bench server (A/B: of the memory free at its start)")
 

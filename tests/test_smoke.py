@@ -461,7 +461,7 @@ def test_pyspy_summary_of_a_real_scheduler_sample():
     from smoke import bench, pyspy
 
     raw = (REPO / "tests/data/pyspy_scheduler_plain_mode.txt").read_text()
-    s = bench.summarize_pyspy({"raw": raw}, {"median_tok_per_s": 256_000 / 4.0}, 256)
+    s = bench.summarize_pyspy({"raw": raw}, 256_000 / 4.0, 256)
     assert s["step_ms"] == pytest.approx(4.0)
     incl = {f: pct for f, pct, _ in s["inclusive_pct"]}
     assert incl["Scheduler.event_loop_overlap (scheduler.py)"] == 100.0
