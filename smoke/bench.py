@@ -29,7 +29,7 @@ from typing import Any
 
 from smoke import client, profile, pyspy
 from smoke.client import Prompt
-from smoke.runner import Deadline, SmokeFailure, check_log_clean, spec_state
+from smoke.runner import Deadline, SmokeFailure, check_log_clean, draft_plain_step, spec_state
 from smoke.server import Server, ServerConfig, log_tail
 
 # eagle3_adaptive: upstream's own way to stop drafting (--speculative-adaptive), the reference ours has
@@ -150,6 +150,7 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
             rep["pyspy_raw"] = pyspy_full_load(srv, opts, vocab, name)
         if cfg.threshold is not None:
             rep["spec_disable"] = spec_state(client.server_info(srv.base))
+            rep["draft_plain_step"] = draft_plain_step(log.read_text(errors="replace"))
         log_text = log.read_text(errors="replace")
         rep["server_decode_at_max"] = server_decode_stats(log_text, max(opts.concurrency))
         if "pyspy_raw" in rep:
@@ -303,6 +304,8 @@ def ab_table(ab: dict[str, Any]) -> str:
                 if x:
                     lines.append(f"  c={c} {n} / plain ({label}): median {statistics.median(x):.3f}x, "
                                  f"min {min(x):.3f}x, max {max(x):.3f}x over {len(x)} round(s)")
+    if ab.get("spec_disable"):
+        lines.append(f"eagle3_thr: {ab['spec_disable']}; draft in plain steps: {ab.get('draft_plain_step')}")
     return "\n".join(lines)
 
 
@@ -393,6 +396,7 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
                     ab["pyspy"][name] = summarize_pyspy(raw, statistics.median(srv_tps) if srv_tps else None, top)
         if "eagle3_thr" in servers:
             ab["spec_disable"] = spec_state(client.server_info(servers["eagle3_thr"].base))
+            ab["draft_plain_step"] = draft_plain_step(servers["eagle3_thr"].log_path.read_text(errors="replace"))
         for srv in servers.values():
             check_log_clean(srv.log_path.read_text(errors="replace"))
         ab["ok"] = bool(outputs)

@@ -115,7 +115,7 @@ def summarize(trace: Path, steps: int, top: int = 25, gap_us: float = 20.0) -> d
         "wall_ms_per_step": round((t1 - t0) / 1000.0 / per, 3),
         "gpu_busy_ms_per_step": round(sum(e - s for s, e in busy) / 1000.0 / per, 3),
         "per_step": {k: round(sum(counts[n] for n in names) / per, 1) for k, names in LAUNCHES.items()},
-        "top_gpu_ms_per_step": [(name, round(us / 1000.0 / per, 3), kern_n[name]) for name, us in kern.most_common(12)],
+        "top_gpu_ms_per_step": [(name, round(us / 1000.0 / per, 3), kern_n[name]) for name, us in kern.most_common(40)],
         "top_python_ms_per_step": [(name[-110:], round(us / 1000.0 / per, 3)) for name, us in py.most_common(top)],
     }
 

@@ -354,6 +354,7 @@ def make_worker(threshold, hysteresis):
     w.adaptive_controller = None
     w.speculative_num_steps = 3
     w.spec_disable = SpecDisableController(threshold, hysteresis, log_fn=lambda m: None)
+    w._draft_tail_stale = False
     def _spec_ctx(*a, **k):
         raise SpecPathTaken()
     w._draft_worker = NS(draft_tp_context=_spec_ctx, draft_runner=NS(tp_group=None))
@@ -569,6 +570,270 @@ def test_plain_step_draft_decode_on_cpu_with_fakes(run_in_tree, patched):
     assert out["topk_index"] == [[1], [3], [0]] and out["topk_p"] == [[1.0], [1.0], [1.0]]
     assert out["hidden"] is True and out["bonus"] == [5, 6, 7]
     assert out["restored"] == ["spec-dr", "draft-graph"]
+
+
+def test_controller_catch_up_step_before_speculation_resumes(run_in_tree, patched):
+    """draft_current=False: a step that would speculate runs plain once more (counted as plain);
+    the mode itself follows the batch size only."""
+    out = _run(run_in_tree, patched, """
+        from sglang.srt.speculative.spec_disable import SpecDisableController
+        c = SpecDisableController(4, 1, log_fn=lambda m: None)
+        steps = [c.step(6, draft_current=False), c.step(3, draft_current=False), c.mode,
+                 c.step(3, draft_current=True), c.step(3, eligible=False, draft_current=False)]
+        emit({"steps": steps, "snap": c.snapshot()})
+    """)
+    assert out["steps"] == [True, True, "speculative", False, False]
+    assert out["snap"]["plain_steps"] == 2 and out["snap"]["speculative_steps"] == 2
+    assert out["snap"]["mode_changes"] == 2
+
+
+# The eagle3 draft model's code (LlamaModel.forward, its decoder layer, LlamaAttention.forward) run
+# for real around small torch leaves (sglang's own layers need a GPU process group to build).
+EAGLE3_LEAVES = """
+import torch
+from torch import nn
+from types import SimpleNamespace as NS
+from sglang.srt.models import llama_eagle3 as m, llama
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+torch.manual_seed(0)
+D, TARGET, HEADS, KV_HEADS, HD, VOCAB = 16, 12, 2, 1, 8, 50
+
+class Norm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(d) + 0.5)
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        return y if residual is None else (y, x)
+
+class Linear2(nn.Module):   # sglang's parallel linears return (out, bias)
+    def __init__(self, i, o):
+        super().__init__()
+        self.lin = nn.Linear(i, o, bias=False)
+    def forward(self, x):
+        return self.lin(x), None
+
+class RecordingAttention:   # in RadixAttention's place: records what would reach the KV cache
+    tp_k_head_num, tp_v_head_num, qk_head_dim, v_head_dim = KV_HEADS, KV_HEADS, HD, HD
+    k_scale = v_scale = None
+    def __init__(self):
+        self.seen = []
+    def __call__(self, q, k, v, forward_batch):
+        self.seen.append((k.reshape(-1, KV_HEADS, HD).clone(), v.reshape(-1, KV_HEADS, HD).clone()))
+        return q
+
+def rope(positions, q, k):  # position-dependent, like the real one
+    return q * (positions[:, None] + 1.0), k * (positions[:, None] + 2.0)
+
+def make_draft(n_layers=1):
+    model = object.__new__(m.LlamaModel)
+    nn.Module.__init__(model)
+    model.embed_tokens = nn.Embedding(VOCAB, D)
+    model.fc = nn.Linear(3 * TARGET, D, bias=False)
+    model.num_aux_hidden_states, model.input_norm, model.fc_norm = 3, None, None
+    model.is_mrope_enabled, model.norm_output = False, False
+    layers = []
+    for i in range(n_layers):
+        layer = object.__new__(m.LlamaDecoderLayer)
+        nn.Module.__init__(layer)
+        layer.is_input_layer = i == 0
+        layer.hidden_norm, layer.input_layernorm, layer.post_attention_layernorm = Norm(D), Norm(D), Norm(D)
+        layer.mlp = nn.Linear(D, D, bias=False)
+        attn = object.__new__(llama.LlamaAttention)
+        nn.Module.__init__(attn)
+        attn.qkv_proj = Linear2(2 * D if i == 0 else D, (HEADS + 2 * KV_HEADS) * HD)
+        attn.o_proj = Linear2(HEADS * HD, D)
+        attn.q_size, attn.kv_size = HEADS * HD, KV_HEADS * HD
+        attn.rotary_emb, attn.attn = rope, RecordingAttention()
+        layer.self_attn = attn
+        layers.append(layer)
+    model.layers = nn.ModuleList(layers)
+    model.norm = Norm(D)
+    return model
+
+class RecordingPool:
+    def __init__(self):
+        self.writes = []
+    def set_kv_buffer(self, layer, loc, k, v, k_scale=None, v_scale=None):
+        self.writes.append((layer, loc.clone(), k.clone(), v.clone(), k_scale, v_scale))
+"""
+
+
+def test_draft_kv_only_write_equals_the_full_forward(run_in_tree, patched):
+    """write_kv_only puts into the draft KV cache exactly the K/V that a full forward of the
+    one-layer EAGLE-3 draft hands to attention, at the given slots; deeper drafts are refused."""
+    out = _run(run_in_tree, patched, helpers=EAGLE3_LEAVES, body="""
+        bs = 4
+        model = make_draft()
+        tokens = torch.tensor([3, 17, 42, 8])
+        positions = torch.tensor([5, 9, 0, 30])
+        target_hidden = torch.randn(bs, 3 * TARGET)
+        with torch.no_grad():
+            fb = NS(forward_mode=ForwardMode.DECODE, mm_input_embeds=None,
+                    spec_info=NS(hidden_states=target_hidden), contains_mm_inputs=lambda: False)
+            model.forward(tokens, positions, fb)
+            k_full, v_full = model.layers[0].self_attn.attn.seen[0]
+            pool, loc = RecordingPool(), torch.tensor([70, 71, 12, 99])
+            model.write_kv_only(tokens, positions, target_hidden, loc, pool)
+            (layer, wloc, k, v, ks, vs), = pool.writes
+            other_pos = RecordingPool()
+            model.write_kv_only(tokens, positions + 1, target_hidden, loc, other_pos)
+        emit({"k_equal": bool(torch.equal(k, k_full)), "v_equal": bool(torch.equal(v, v_full)),
+              "layer": layer is model.layers[0].self_attn.attn, "loc": wloc.tolist(), "scales": [ks, vs],
+              "position_matters": not torch.equal(other_pos.writes[0][2], k),
+              "supports_one_layer": model.supports_kv_only_write(),
+              "supports_two_layers": make_draft(2).supports_kv_only_write()})
+    """)
+    assert out == {"k_equal": True, "v_equal": True, "layer": True, "loc": [70, 71, 12, 99],
+                   "scales": [None, None], "position_matters": True,
+                   "supports_one_layer": True, "supports_two_layers": False}
+
+
+def test_draft_kv_only_write_only_where_it_holds(run_in_tree, patched):
+    """The K/V-only plain step needs a one-layer EAGLE-3 draft, a plain MHA KV pool (not a
+    subclass with its own layout), no decode context parallelism and a greedy chain."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES + EAGLE3_LEAVES, body="""
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolFP4
+        def chosen(n_layers=1, pool_cls=MHATokenToKVPool, dcp=1, topk=1):
+            w = make_worker(4, 0)
+            w.topk = topk
+            inner = make_draft(n_layers)
+            w._draft_worker = NS(seed_dsa_topk_from_draft_extend=False,
+                                 draft_runner=NS(model=NS(model=inner), token_to_kv_pool=object.__new__(pool_cls)))
+            ew.get_spec = lambda: NS(speculative_use_rejection_sampling=False)
+            ew.get_parallel = lambda: NS(attn_dcp_size=dcp)
+            return w._draft_kv_only_model() is inner
+        emit({"one_layer": chosen(), "two_layers": chosen(2), "fp4_pool": chosen(pool_cls=MHATokenToKVPoolFP4),
+              "dcp": chosen(dcp=2), "tree": chosen(topk=4)})
+    """)
+    assert out == {"one_layer": True, "two_layers": False, "fp4_pool": False, "dcp": False, "tree": False}
+
+
+def test_plain_steps_write_draft_kv_only_then_catch_up(run_in_tree, patched):
+    """In plain mode the draft's step writes only its K/V (the target's tokens, the positions and
+    slots of the target's step, its hidden states) and carries the incoming proposal through; the
+    step that would resume speculation runs one full plain step (the draft's DECODE forward) first,
+    then speculation resumes."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        hidden = 6
+        w = make_worker(2, 0)
+        events = []
+        mr = NS(attn_backend="spec-target", decode_cuda_graph_runner="spec-graph")
+        def target_forward(batch, forward_batch=None):
+            bs = forward_batch.seq_lens.shape[0]
+            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5),
+                                       hidden_states=torch.full((bs, hidden), float(bs)))
+            r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
+            r.next_token_ids = torch.arange(5, 5 + bs)
+            events.append(("target", bs))
+            return r
+        w._target_worker = NS(model_runner=mr, forward_batch_generation=target_forward)
+        req_to_token = give_req_to_token(w)
+        ew.ForwardBatch.init_new = staticmethod(fake_forward_batch_init_new)
+        draft_pool = object()
+        class KvOnly:
+            def write_kv_only(self, tokens, positions, target_hidden, loc, pool):
+                events.append(("kv_only", tokens.tolist(), positions.tolist(), target_hidden[:, 0].tolist(),
+                               loc.tolist(), pool is draft_pool))
+        def draft_forward(fb):
+            events.append(("draft_decode", fb.input_ids.tolist()))
+            n = fb.input_ids.shape[0]
+            return NS(logits_output=LogitsProcessorOutput(next_token_logits=torch.eye(n, 4),
+                                                          hidden_states=torch.full((n, 4), 7.0)))
+        draft_runner = NS(tp_group=None, attn_backend="spec-dr", decode_cuda_graph_runner=None,
+                          token_to_kv_pool=draft_pool, forward=draft_forward)
+        def speculate(batch):
+            raise SpecPathTaken()
+        w._draft_worker = NS(draft_runner=draft_runner, draft_tp_context=lambda g: ew.empty_context(),
+                             draft=speculate)
+        w._plain_state = ew._PlainStepState("plain-target", "plain-graph", "plain-de", "plain-dr", "plain-deg",
+                                            draft_kv_only_model=KvOnly())
+        w._plain_draft_decode_eligible = lambda out: True
+        for name in ("speculative_moe_backend_context", "speculative_moe_a2a_backend_context"):
+            setattr(ew, name, ew.empty_context)
+        def batch(bs):
+            incoming = NS(bonus_tokens=torch.arange(100, 100 + bs), topk_p=torch.full((bs, 1), 0.5),
+                          topk_index=torch.arange(bs)[:, None] + 40, hidden_states=torch.full((bs, 4), 3.0))
+            return make_batch(bs, req_pool_indices=torch.arange(bs), spec_info=incoming), incoming
+        results, stale = [], []
+        for bs in (3, 3, 2, 2):
+            b, incoming = batch(bs)
+            try:
+                res = w.forward_batch_generation(b, on_publish=lambda sl, **kw: None)
+                nd = res.next_draft_input
+                results.append({"plain": res.spec_plain_step, "topk_index": nd.topk_index[:, 0].tolist(),
+                                "passed_through": nd.topk_p is incoming.topk_p
+                                and nd.hidden_states is incoming.hidden_states})
+            except SpecPathTaken:
+                results.append("spec")
+            stale.append(w._draft_tail_stale)
+        emit({"events": events, "results": results, "stale": stale, "snap": w.spec_disable.snapshot(),
+              "expected_loc": [int(req_to_token[r, 10 + r]) for r in range(3)]})
+    """)
+    ev = out["events"]
+    assert ev[0] == ["target", 3]
+    assert ev[1] == ["kv_only", [5, 6, 7], [10, 11, 12], [3.0, 3.0, 3.0], out["expected_loc"], True]
+    assert ev[2][0] == "target" and ev[3][0] == "kv_only"
+    assert ev[4] == ["target", 2] and ev[5] == ["draft_decode", [5, 6]]   # the catch-up step: full draft
+    assert len(ev) == 6                                                    # then speculation: no plain step
+    plain1, plain2, catch_up, spec = out["results"]
+    assert plain1 == plain2 == {"plain": True, "topk_index": [40, 41, 42], "passed_through": True}
+    assert catch_up == {"plain": True, "topk_index": [0, 1], "passed_through": False}
+    assert spec == "spec"
+    assert out["stale"] == [True, True, False, False]
+    assert out["snap"]["plain_steps"] == 3 and out["snap"]["speculative_steps"] == 1
+    assert out["snap"]["mode"] == "speculative"
+
+
+def test_prefill_in_plain_mode_writes_draft_kv_only(run_in_tree, patched):
+    """A prefill while the mode is plain writes only the draft's K/V: each request's tokens shifted
+    by one (its last position takes the sampled token), at its own positions and slots, with the
+    target's hidden states; the new requests get placeholder proposals and speculation waits for a
+    catch-up step. In speculative mode upstream's draft extend runs."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        w = make_worker(2, 0)
+        calls = []
+        class KvOnly:
+            def write_kv_only(self, tokens, positions, target_hidden, loc, pool):
+                calls.append([tokens.tolist(), positions.tolist(), target_hidden[:, 0].tolist(), loc.tolist()])
+        draft_runner = NS(tp_group=None, token_to_kv_pool="draft-pool",
+                          spec_algorithm=NS(is_standalone=lambda: False),
+                          model_config=NS(spec_hidden_size=4, dtype=torch.bfloat16))
+        w._draft_worker = NS(draft_runner=draft_runner, draft_tp_context=lambda g: ew.empty_context())
+        w._plain_state = ew._PlainStepState("t", "g", "de", "dr", "deg", draft_kv_only_model=KvOnly())
+        def prefill_batch():
+            return NS(forward_mode=ForwardMode.EXTEND, input_ids=torch.tensor([10, 11, 12, 20, 21]),
+                      extend_lens=[3, 2], prefix_lens=[5, 0], chunked_req_next_prompt_token=None,
+                      seq_lens=torch.tensor([8, 2]), is_extend_in_batch=True,
+                      out_cache_loc=torch.tensor([40, 41, 42, 50, 51]))
+        def result():
+            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(2, 5),
+                                       hidden_states=torch.arange(5, dtype=torch.float32)[:, None].repeat(1, 6))
+            r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
+            r.next_token_ids = torch.tensor([13, 22])
+            return r
+        in_spec_mode = w._prefill_draft_kv_only(prefill_batch(), result())
+        for bs in (3, 3):
+            w.spec_disable.step(bs)
+        r = result()
+        w._target_worker = NS(forward_batch_generation=lambda batch, capture_hidden_mode=None: r)
+        w.speculative_algorithm = NS(is_standalone=lambda: False)
+        # through the worker's entry point (the draft worker has no upstream draft extend to call)
+        in_plain_mode = w.forward_batch_generation(prefill_batch()) is r and len(calls) == 1
+        nd = r.next_draft_input
+        emit({"in_spec_mode": in_spec_mode, "in_plain_mode": in_plain_mode, "calls": calls,
+              "stale": w._draft_tail_stale, "bonus": nd.bonus_tokens.tolist(),
+              "shapes": [list(nd.topk_p.shape), list(nd.topk_index.shape), list(nd.hidden_states.shape)],
+              "hidden_dtype": str(nd.hidden_states.dtype)})
+    """)
+    assert out["in_spec_mode"] is False and out["in_plain_mode"] is True
+    assert out["calls"] == [[[11, 12, 13, 21, 22], [5, 6, 7, 0, 1], [0.0, 1.0, 2.0, 3.0, 4.0],
+                             [40, 41, 42, 50, 51]]]
+    assert out["stale"] is True and out["bonus"] == [13, 22]
+    assert out["shapes"] == [[2, 1], [2, 1], [2, 4]] and out["hidden_dtype"] == "torch.bfloat16"
 
 
 def test_plain_draft_decode_only_for_greedy_chains(run_in_tree, patched):

@@ -210,6 +210,10 @@ def test_server_info_counters():
         runner.check_delta(st, st, "plain_steps", "above", positive=True)
     with pytest.raises(runner.SmokeFailure, match="should not"):
         runner.check_delta(st, dict(st, plain_steps=41), "plain_steps", "below", positive=False)
+    # the catch-up step after a plain phase: one plain step allowed, two are not
+    assert runner.check_delta(st, dict(st, plain_steps=41), "plain_steps", "after", positive=False, at_most=1) == 1
+    with pytest.raises(runner.SmokeFailure, match="more than 1"):
+        runner.check_delta(st, dict(st, plain_steps=42), "plain_steps", "after", positive=False, at_most=1)
 
 
 def test_accept_length_and_kv_checks():
