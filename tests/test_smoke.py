@@ -493,7 +493,7 @@ def test_pyspy_finds_the_scheduler_process_and_samples_it(tmp_path):
         import time
         def busy():
             s = 0
-            for i in range(30000):
+            for i in range(200000):   # ~10 ms: most of each iteration, even on a loaded machine
                 s += i
         def event_loop_overlap():
             end = time.time() + 20
