@@ -148,10 +148,10 @@ def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
             rep["profile"] = profile_full_load(srv.base, opts, vocab, name)
         if opts.pyspy_seconds > 0 and name in ("plain", "eagle3_thr"):
             rep["pyspy_raw"] = pyspy_full_load(srv, opts, vocab, name)
+        log_text = log.read_text(errors="replace")
         if cfg.threshold is not None:
             rep["spec_disable"] = spec_state(client.server_info(srv.base))
-            rep["draft_plain_step"] = draft_plain_step(log.read_text(errors="replace"))
-        log_text = log.read_text(errors="replace")
+            rep["draft_plain_step"] = draft_plain_step(log_text)
         rep["server_decode_at_max"] = server_decode_stats(log_text, max(opts.concurrency))
         if "pyspy_raw" in rep:
             rep["pyspy"] = summarize_pyspy(rep.pop("pyspy_raw"),
@@ -394,11 +394,12 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
                     srv_tps = [r[name]["server_tok_per_s"] for r in ab["rounds"].get(str(top), [])
                                if r[name].get("server_tok_per_s")]
                     ab["pyspy"][name] = summarize_pyspy(raw, statistics.median(srv_tps) if srv_tps else None, top)
+        logs = {name: srv.log_path.read_text(errors="replace") for name, srv in servers.items()}
         if "eagle3_thr" in servers:
             ab["spec_disable"] = spec_state(client.server_info(servers["eagle3_thr"].base))
-            ab["draft_plain_step"] = draft_plain_step(servers["eagle3_thr"].log_path.read_text(errors="replace"))
-        for srv in servers.values():
-            check_log_clean(srv.log_path.read_text(errors="replace"))
+            ab["draft_plain_step"] = draft_plain_step(logs["eagle3_thr"])
+        for log_text in logs.values():
+            check_log_clean(log_text)
         ab["ok"] = bool(outputs)
         if not outputs:
             ab["skipped"] = True
