@@ -12,6 +12,11 @@ concurrency in turn) sent to one server at a time, N rounds, the order reversed 
 H200 the host's speed drifts by up to 1.6x within minutes (docs/gpu-runs/2026-11-30), and one server
 measured after another turns that drift into the ratio; interleaved rounds give each ratio from
 measurements seconds apart, and their spread says how far to trust it.
+
+--device-timer turns on sglang's device timer (CUDA events around each forward pass; the series times the
+draft's K/V-only writes too) and splits every A/B window's GPU time by forward category (prefill, decode,
+draft writes, ...); the rest of the wall time is the GPU waiting for the host or the client. With the
+prefill batches counted from the server log, it says where one server's extra time per round goes.
 """
 from __future__ import annotations
 
@@ -67,6 +72,7 @@ class BenchOptions:
     pyspy_dirs: tuple[Path, ...] = ()  # where to look for the py-spy binary besides PATH
     server_args: tuple[str, ...] = ()  # appended to every bench server's flags (e.g. --gc-threshold)
     ab_rounds: int = 0  # >0: A/B mode (see the module docstring)
+    device_timer: bool = False  # GPU seconds per forward category in each A/B window (module docstring)
 
 
 def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
@@ -90,6 +96,8 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
         cfg.extra = (*cfg.extra, "--speculative-adaptive", "--speculative-adaptive-config",
                      str(opts.out / "adaptive_config.json"))
     cfg.extra = (*cfg.extra, *opts.server_args)
+    if opts.device_timer:
+        cfg.env["SGLANG_ENABLE_METRICS_DEVICE_TIMER"] = "1"
     return cfg
 
 
@@ -108,6 +116,27 @@ def measure(base: str, prompts: list[Prompt], concurrency: int, timeout: float =
 
 _DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?(\w[\w ]*): (True|False), "
                           r"gen throughput \(token/s\): ([\d.]+)")
+
+
+_PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+)")
+FORWARD_SECONDS = "sglang:forward_execution_seconds_total"  # sglang's device timer, per category
+
+
+def prefill_stats(log_text: str) -> dict[str, int]:
+    """Prefill batches in a server-log window and the prompt tokens they computed."""
+    rows = [(int(seqs), int(toks)) for seqs, toks in _PREFILL_LINE.findall(log_text)]
+    return {"batches": len(rows), "seqs": sum(r[0] for r in rows), "tokens": sum(r[1] for r in rows)}
+
+
+def gpu_seconds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """GPU seconds per forward category between two /metrics scrapes ({} with the device timer off)."""
+    out: dict[str, float] = {}
+    for key, value in after.items():
+        if key.startswith(FORWARD_SECONDS + "{"):
+            cat = re.search(r'category="([^"]*)"', key)
+            name = cat.group(1) if cat else "?"
+            out[name] = out.get(name, 0.0) + value - before.get(key, 0.0)
+    return {k: round(v, 4) for k, v in sorted(out.items()) if v > 0}
 
 
 def server_decode_stats(log_text: str, running: int) -> dict[str, Any] | None:
@@ -304,9 +333,31 @@ def ab_table(ab: dict[str, Any]) -> str:
                 if x:
                     lines.append(f"  c={c} {n} / plain ({label}): median {statistics.median(x):.3f}x, "
                                  f"min {min(x):.3f}x, max {max(x):.3f}x over {len(x)} round(s)")
+        lines += time_split(rounds, names)
     if ab.get("spec_disable"):
         lines.append(f"eagle3_thr: {ab['spec_disable']}; draft in plain steps: {ab.get('draft_plain_step')}")
     return "\n".join(lines)
+
+
+def time_split(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> list[str]:
+    """Per config, medians over rounds: wall seconds of the window, GPU seconds per forward category and
+    what is left of the wall (GPU idle: host, HTTP), prefill batches. Empty without the numbers."""
+    lines = []
+    for n in names:
+        windows = [r[n] for r in rounds if n in r]
+        if not windows or not any("gpu_s" in w or "prefill" in w for w in windows):
+            continue
+        med = statistics.median
+        wall = med(w["seconds"] for w in windows)
+        cells = [f"wall {wall:.3f}s"]
+        if any(w.get("gpu_s") for w in windows):
+            cats = sorted({k for w in windows for k in w.get("gpu_s", {})})
+            cells += [f"{k} {med(w.get('gpu_s', {}).get(k, 0.0) for w in windows):.3f}s" for k in cats]
+            cells.append(f"rest {med(w['seconds'] - sum(w.get('gpu_s', {}).values()) for w in windows):.3f}s")
+        if any("prefill" in w for w in windows):
+            cells.append(f"prefill batches {med(w.get('prefill', {}).get('batches', 0) for w in windows):g}")
+        lines.append(f"    {n:<12s} " + ", ".join(cells))
+    return lines
 
 
 def ab_mismatches(outputs: list[dict[str, dict[str, list[int] | None]]]) -> list[str]:
@@ -339,13 +390,16 @@ def measure_window(srv: Server, prompts: list[Prompt], c: int, opts: BenchOption
     flushed first."""
     flushed = flush_cache(srv.base)
     start = srv.log_path.stat().st_size
+    before = client.metrics(srv.base) if opts.device_timer else {}
     m = measure(srv.base, prompts, c, opts.deadline.request_timeout(240))
+    gpu = gpu_seconds(before, client.metrics(srv.base)) if opts.device_timer else {}
     with open(srv.log_path, "rb") as fh:
         fh.seek(start)
         window = fh.read().decode(errors="replace")
     dec = server_decode_stats(window, c)
     return m | {"server_tok_per_s": dec["median_tok_per_s"] if dec else None,
-                "server_lines": dec["lines"] if dec else 0, "cache_flushed": flushed}
+                "server_lines": dec["lines"] if dec else 0, "cache_flushed": flushed,
+                "prefill": prefill_stats(window)} | ({"gpu_s": gpu} if opts.device_timer else {})
 
 
 def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
@@ -502,6 +556,8 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                          "this many rounds (0 = off: one server after another)")
     ap.add_argument(p + "mem-fraction", type=float, default=0.3,
                     help="--mem-fraction-static of each bench server (A/B: of the memory free at its start)")
+    ap.add_argument(p + "device-timer", action="store_true",
+                    help="A/B: GPU seconds per forward category in every window (sglang's device timer)")
 
 
 def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
@@ -521,7 +577,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     return {"threshold": get("threshold"), "concurrency": tuple(int(x) for x in conc), "configs": configs,
             "profile_steps": get("profile-steps"), "pyspy_seconds": get("pyspy-seconds"),
             "server_args": tuple(shlex.split(get("server-args"))), "ab_rounds": get("ab-rounds"),
-            "mem_fraction": get("mem-fraction")}
+            "mem_fraction": get("mem-fraction"), "device_timer": get("device-timer")}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

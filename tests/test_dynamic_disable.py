@@ -744,7 +744,7 @@ def test_plain_steps_write_draft_kv_only_then_catch_up(run_in_tree, patched):
             return NS(logits_output=LogitsProcessorOutput(next_token_logits=torch.eye(n, 4),
                                                           hidden_states=torch.full((n, 4), 7.0)))
         draft_runner = NS(tp_group=None, attn_backend="spec-dr", decode_cuda_graph_runner=None,
-                          token_to_kv_pool=draft_pool, forward=draft_forward)
+                          token_to_kv_pool=draft_pool, forward=draft_forward, device_timer=None)
         def speculate(batch):
             raise SpecPathTaken()
         w._draft_worker = NS(draft_runner=draft_runner, draft_tp_context=lambda g: ew.empty_context(),
@@ -794,13 +794,23 @@ def test_prefill_in_plain_mode_writes_draft_kv_only(run_in_tree, patched):
     target's hidden states; the new requests get placeholder proposals and speculation waits for a
     catch-up step. In speculative mode upstream's draft extend runs."""
     out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        import contextlib
         w = make_worker(2, 0)
-        calls = []
+        calls, timed = [], []
+        class Timer:  # sglang's DeviceTimer interface (its CUDA events need a GPU)
+            inside = None
+            @contextlib.contextmanager
+            def wrap(self, metadata):
+                self.inside = metadata["category"]
+                yield
+                self.inside = None
+        timer = Timer()
         class KvOnly:
             def write_kv_only(self, tokens, positions, target_hidden, loc, pool):
                 calls.append([tokens.tolist(), positions.tolist(), target_hidden[:, 0].tolist(), loc.tolist()])
+                timed.append(timer.inside)
         draft_runner = NS(tp_group=None, token_to_kv_pool="draft-pool",
-                          spec_algorithm=NS(is_standalone=lambda: False),
+                          spec_algorithm=NS(is_standalone=lambda: False), device_timer=timer,
                           model_config=NS(spec_hidden_size=4, dtype=torch.bfloat16))
         w._draft_worker = NS(draft_runner=draft_runner, draft_tp_context=lambda g: ew.empty_context())
         w._plain_state = ew._PlainStepState("t", "g", "de", "dr", "deg", draft_kv_only_model=KvOnly())
@@ -824,7 +834,7 @@ def test_prefill_in_plain_mode_writes_draft_kv_only(run_in_tree, patched):
         # through the worker's entry point (the draft worker has no upstream draft extend to call)
         in_plain_mode = w.forward_batch_generation(prefill_batch()) is r and len(calls) == 1
         nd = r.next_draft_input
-        emit({"in_spec_mode": in_spec_mode, "in_plain_mode": in_plain_mode, "calls": calls,
+        emit({"in_spec_mode": in_spec_mode, "in_plain_mode": in_plain_mode, "calls": calls, "timed": timed,
               "stale": w._draft_tail_stale, "bonus": nd.bonus_tokens.tolist(),
               "shapes": [list(nd.topk_p.shape), list(nd.topk_index.shape), list(nd.hidden_states.shape)],
               "hidden_dtype": str(nd.hidden_states.dtype)})
@@ -834,6 +844,7 @@ def test_prefill_in_plain_mode_writes_draft_kv_only(run_in_tree, patched):
                              [40, 41, 42, 50, 51]]]
     assert out["stale"] is True and out["bonus"] == [13, 22]
     assert out["shapes"] == [[2, 1], [2, 1], [2, 4]] and out["hidden_dtype"] == "torch.bfloat16"
+    assert out["timed"] == ["draft_kv_only"]  # inside the device timer's window (GPU-time split)
 
 
 def test_plain_draft_decode_only_for_greedy_chains(run_in_tree, patched):

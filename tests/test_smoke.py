@@ -543,6 +543,46 @@ def test_bench_ab_ratios_table_and_mismatches():
     assert bench.ab_mismatches(outs) == ["round 1 eagle3_thr: 1 output(s) differ from plain (e.g. b)"]
 
 
+def test_bench_splits_each_window_by_gpu_category_and_counts_prefills(tmp_path):
+    """The device timer's counters (Prometheus text as sglang exports it) become GPU seconds per
+    category per window; the server log's prefill lines are counted; the A/B table shows both."""
+    from smoke import bench, client
+
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, device_timer=True)
+    assert all(bench.server_config(n, opts).env == {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"} for n in bench.CONFIGS)
+    assert bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path)).env == {}
+
+    def scrape(decode: float, extend: float) -> dict[str, float]:
+        return client.parse_prometheus(
+            "# TYPE sglang:forward_execution_seconds_total counter\n"
+            f'sglang:forward_execution_seconds_total{{model_name="t",category="decode"}} {decode}\n'
+            f'sglang:forward_execution_seconds_total{{model_name="t",category="extend"}} {extend}\n'
+            'sglang:num_running_reqs{model_name="t"} 3.0\n')
+    assert bench.gpu_seconds(scrape(1.0, 2.0), scrape(8.5, 2.25)) == {"decode": 7.5, "extend": 0.25}
+    assert bench.gpu_seconds({}, {}) == {}  # timer off: no such counter
+    lines = [
+        ("[2026-11-30 10:54:31] Prefill batch, #new-seq: 40, #new-token: 1920, #cached-token: 0, token usage: 0.00, "
+         "#running-req: 0, #queue-req: 216, #pending-token: 0, cuda graph: False, input throughput (token/s): 0.00"),
+        ("[2026-11-30 10:54:31] Prefill batch, #new-seq: 216, #new-token: 10368, #cached-token: 0, token usage: 0.01, "
+         "#running-req: 40, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 9.00"),
+        ("[2026-11-30 10:54:32] Decode batch, #running-req: 256, #token: 30353, cuda graph: True, "
+         "gen throughput (token/s): 50479.88, #queue-req: 0"),
+    ]
+    log = "\n".join(lines)
+    assert bench.prefill_stats(log) == {"batches": 2, "seqs": 256, "tokens": 12288}
+    rounds = [{"plain": {"tok_per_s": 100.0, "seconds": 10.0, "gpu_s": {"decode": 8.0, "extend": 1.0},
+                         "prefill": {"batches": 6}},
+               "eagle3_thr": {"tok_per_s": 90.0, "seconds": 11.0, "prefill": {"batches": 7},
+                              "gpu_s": {"decode": 8.2, "extend": 1.2, "draft_kv_only": 0.1}}}]
+    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {"256": rounds}})
+    assert "plain        wall 10.000s, decode 8.000s, extend 1.000s, rest 1.000s, prefill batches 6" in t
+    assert ("eagle3_thr   wall 11.000s, decode 8.200s, draft_kv_only 0.100s, extend 1.200s, rest 1.500s, "
+            "prefill batches 7") in t
+    a = build_parser().parse_args(["bench", "--models", "m", "--out", "o", "--device-timer"])
+    assert bench.options(a).device_timer and not bench.options(build_parser().parse_args(
+        ["bench", "--models", "m", "--out", "o"])).device_timer
+
+
 def test_bench_ab_options_need_plain_and_another_config():
     from smoke import bench
 
