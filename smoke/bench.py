@@ -69,6 +69,9 @@ class BenchOptions:
     health_timeout: float = 420
     profile_steps: int = 0  # >0: torch-profile that many steps at full load (plain and eagle3_thr)
     pyspy_seconds: float = 0  # >0: py-spy the scheduler that long at full load (plain and eagle3_thr)
+    # >0 (A/B): py-spy the scheduler that long from the moment a round's load is sent: the admission of
+    # a wave of requests, where the device timer found the threshold server's extra GPU idle time
+    pyspy_admission_seconds: float = 0
     pyspy_dirs: tuple[Path, ...] = ()  # where to look for the py-spy binary besides PATH
     server_args: tuple[str, ...] = ()  # appended to every bench server's flags (e.g. --gc-threshold)
     ab_rounds: int = 0  # >0: A/B mode (see the module docstring)
@@ -232,15 +235,18 @@ def profile_full_load(base: str, opts: BenchOptions, vocab: int, name: str) -> d
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def pyspy_full_load(srv: Server, opts: BenchOptions, vocab: int, name: str) -> dict[str, Any]:
-    """Sample the scheduler with py-spy for `pyspy_seconds` in the middle of a full-load run. Returns
-    the raw stacks (or why not); summarized once the step time is known."""
+def pyspy_full_load(srv: Server, opts: BenchOptions, vocab: int, name: str,
+                    settle_s: float = 1.5, seconds: float | None = None, tag: str = "") -> dict[str, Any]:
+    """Sample the scheduler with py-spy for `pyspy_seconds` (or `seconds`) `settle_s` into a full-load
+    run (1.5 s: the middle; 0: from the moment the load is sent). Returns the raw stacks (or why not);
+    summarized once the step time is known."""
     exe = pyspy.binary(opts.pyspy_dirs)
     pid = pyspy.scheduler_pid(srv.proc.pid) if srv.proc is not None else None
     if exe is None or pid is None:
         return {"error": "no py-spy binary" if exe is None else "no scheduler process found"}
-    return during_full_load(srv.base, opts, vocab, 2, 1.5, lambda: {"raw": pyspy.record(
-        exe, pid, opts.pyspy_seconds, opts.out / f"pyspy_{name}.txt").read_text()})
+    secs = opts.pyspy_seconds if seconds is None else seconds
+    return during_full_load(srv.base, opts, vocab, 2, settle_s, lambda: {"raw": pyspy.record(
+        exe, pid, secs, opts.out / f"pyspy_{name}{tag}.txt").read_text()})
 
 
 def summarize_pyspy(raw: dict[str, Any], tok_per_s: float | None, batch: int) -> dict[str, Any]:
@@ -427,7 +433,8 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
         round_s = 0.0
         for k in range(opts.ab_rounds):
             # a round must end with time left for py-spy and the servers' stop
-            if opts.deadline.left() < 2 * round_s + 90 + (20 if opts.pyspy_seconds else 0):
+            spy_s = (20 if opts.pyspy_seconds else 0) + (20 if opts.pyspy_admission_seconds else 0)
+            if opts.deadline.left() < 2 * round_s + 90 + spy_s:
                 ab["stopped_early"] = f"deadline: {k} of {opts.ab_rounds} rounds"
                 break
             t0 = time.time()
@@ -448,6 +455,14 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
                     srv_tps = [r[name]["server_tok_per_s"] for r in ab["rounds"].get(str(top), [])
                                if r[name].get("server_tok_per_s")]
                     ab["pyspy"][name] = summarize_pyspy(raw, statistics.median(srv_tps) if srv_tps else None, top)
+        if opts.pyspy_admission_seconds > 0:
+            ab["pyspy_admission"] = {}
+            for name in ("plain", "eagle3_thr"):
+                if name in servers:
+                    flush_cache(servers[name].base)  # as before a measured round
+                    raw = pyspy_full_load(servers[name], opts, vocab, name, settle_s=0.0,
+                                          seconds=opts.pyspy_admission_seconds, tag="_admission")
+                    ab["pyspy_admission"][name] = summarize_pyspy(raw, None, top)  # shares only: no step
         logs = {name: srv.log_path.read_text(errors="replace") for name, srv in servers.items()}
         if "eagle3_thr" in servers:
             ab["spec_disable"] = spec_state(client.server_info(servers["eagle3_thr"].base))
@@ -527,6 +542,9 @@ def run_bench_ab(opts: BenchOptions, state: dict[str, Any], expected: dict[str, 
     failures += ab["mismatches"] + ab["errors"]
     parts = [ab_table(ab)] if ab["rounds"] else []
     parts += [pyspy.render(n, spy) for n, spy in ab.get("pyspy", {}).items() if spy]
+    parts += [pyspy.render(f"{n} (the first {opts.pyspy_admission_seconds:g} s of a round: admission; "
+                           "Poller.poll = the scheduler idle)", spy)
+              for n, spy in ab.get("pyspy_admission", {}).items() if spy]
     out = {"mode": "ab", "threshold": opts.threshold, "concurrency": ab["concurrency"],
            "designed_accept_length": expected.get("designed_accept_length"),
            "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept")},
@@ -549,6 +567,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="torch-profile this many full-load decode steps (plain and eagle3_thr; 0 = off)")
     ap.add_argument(p + "pyspy-seconds", type=float, default=0,
                     help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
+    ap.add_argument(p + "pyspy-admission-seconds", type=float, default=0,
+                    help="A/B: py-spy the scheduler this long from the moment a round's load is sent "
+                         "(a wave of requests being admitted; plain and eagle3_thr)")
     ap.add_argument(p + "server-args", default="",
                     help="extra flags for every bench server, one shell-quoted string (e.g. '--gc-threshold 50000')")
     ap.add_argument(p + "ab-rounds", type=int, default=0,
@@ -574,8 +595,12 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
                          f"least one other config in --{prefix}configs (got {','.join(configs)})")
     if not 0 < get("mem-fraction") < 1:
         raise SystemExit(f"--{prefix}mem-fraction {get('mem-fraction')}: must be between 0 and 1")
+    if get("pyspy-admission-seconds") < 0 or (get("pyspy-admission-seconds") and not get("ab-rounds")):
+        raise SystemExit(f"--{prefix}pyspy-admission-seconds {get('pyspy-admission-seconds')}: needs >= 0 and, "
+                         f"when on, A/B mode (--{prefix}ab-rounds N)")
     return {"threshold": get("threshold"), "concurrency": tuple(int(x) for x in conc), "configs": configs,
             "profile_steps": get("profile-steps"), "pyspy_seconds": get("pyspy-seconds"),
+            "pyspy_admission_seconds": get("pyspy-admission-seconds"),
             "server_args": tuple(shlex.split(get("server-args"))), "ab_rounds": get("ab-rounds"),
             "mem_fraction": get("mem-fraction"), "device_timer": get("device-timer")}
 

@@ -592,9 +592,12 @@ def test_bench_ab_options_need_plain_and_another_config():
     o = bench.options(ap.parse_args(base + ["--ab-rounds", "3", "--configs", "plain,eagle3_thr"]))
     assert o.ab_rounds == 3 and o.mem_fraction == 0.3
     for bad in (["--ab-rounds", "3", "--configs", "eagle3,eagle3_thr"], ["--ab-rounds", "3", "--configs", "plain"],
-                ["--ab-rounds", "-1"], ["--mem-fraction", "1.5"]):
-        with pytest.raises(SystemExit, match="ab-rounds|mem-fraction"):
+                ["--ab-rounds", "-1"], ["--mem-fraction", "1.5"], ["--pyspy-admission-seconds", "2"],
+                ["--ab-rounds", "3", "--pyspy-admission-seconds", "-1"]):
+        with pytest.raises(SystemExit, match="ab-rounds|mem-fraction|pyspy-admission-seconds"):
             bench.options(ap.parse_args(base + bad))
+    o = bench.options(ap.parse_args(base + ["--ab-rounds", "2", "--pyspy-admission-seconds", "1.5"]))
+    assert o.pyspy_admission_seconds == 1.5 and o.pyspy_seconds == 0
 
 
 def test_bench_ab_does_not_start_servers_it_has_no_time_to_measure(tmp_path):
