@@ -76,6 +76,10 @@ class BenchOptions:
     server_args: tuple[str, ...] = ()  # appended to every bench server's flags (e.g. --gc-threshold)
     ab_rounds: int = 0  # >0: A/B mode (see the module docstring)
     device_timer: bool = False  # GPU seconds per forward category in each A/B window (module docstring)
+    # >0: --max-total-tokens of every bench server. A/B servers size their KV pools from the memory free
+    # at their start, so a later one gets a smaller pool; where a round's tokens exceed it, only that
+    # server evicts radix-cache entries (8B: plain 348k tokens, the threshold server 148k, a round 233k)
+    max_total_tokens: int = 0
 
 
 def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
@@ -101,7 +105,31 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     cfg.extra = (*cfg.extra, *opts.server_args)
     if opts.device_timer:
         cfg.env["SGLANG_ENABLE_METRICS_DEVICE_TIMER"] = "1"
+    if opts.max_total_tokens:
+        cfg.extra = (*cfg.extra, "--max-total-tokens", str(opts.max_total_tokens))
     return cfg
+
+
+def kv_pool_tokens(base: str) -> int:
+    """The server's KV pool size in tokens (0 when it does not say)."""
+    try:
+        return int(client.load(base).get("max_total_num_tokens") or 0)
+    except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
+        return 0
+
+
+def pool_caveat(pools: dict[str, int], round_tokens: int) -> str | None:
+    """Why an A/B ratio may not be the patch's: the servers' KV pools differ by over 10% and a round
+    writes more tokens than the smaller one holds, so that server alone evicts radix-cache entries."""
+    if len(pools) < 2 or min(pools.values()) <= 0:
+        return None
+    small = min(pools.values())
+    if max(pools.values()) <= 1.1 * small or round_tokens <= small:
+        return None
+    sizes = ", ".join(f"{n} {t}" for n, t in pools.items())
+    return (f"unequal KV pools ({sizes} tokens) and a round writes ~{round_tokens}: the smaller pool evicts "
+            "radix-cache entries, the larger may not, and the ratio carries that; give every server the same "
+            "pool with --max-total-tokens")
 
 
 def measure(base: str, prompts: list[Prompt], concurrency: int, timeout: float = 240) -> dict[str, Any]:
@@ -342,6 +370,11 @@ def ab_table(ab: dict[str, Any]) -> str:
         lines += time_split(rounds, names)
     if ab.get("spec_disable"):
         lines.append(f"eagle3_thr: {ab['spec_disable']}; draft in plain steps: {ab.get('draft_plain_step')}")
+    if ab.get("kv_pool_tokens"):
+        lines.append("KV pool (tokens): " + ", ".join(f"{n} {t}" for n, t in ab["kv_pool_tokens"].items())
+                     + f"; a round writes ~{ab.get('round_tokens')}")
+    if ab.get("pool_caveat"):
+        lines.append(f"CAVEAT: {ab['pool_caveat']}")
     return "\n".join(lines)
 
 
@@ -428,6 +461,11 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
             srv = servers[name] = Server(cfg, opts.port + i, opts.out / f"server_ab_{name}.log")
             srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
             ab["start_s"][name] = round(srv.start_seconds, 1)
+            ab.setdefault("kv_pool_tokens", {})[name] = kv_pool_tokens(srv.base)
+        demand = max(sum(len(p.input_ids) + p.max_new_tokens for p in workload(vocab, c, opts.output_len, 100))
+                     for c in opts.concurrency)
+        ab["round_tokens"] = demand
+        ab["pool_caveat"] = pool_caveat(ab["kv_pool_tokens"], demand)
         for srv in servers.values():
             warm_up(srv.base, opts)
         round_s = 0.0
@@ -577,6 +615,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                          "this many rounds (0 = off: one server after another)")
     ap.add_argument(p + "mem-fraction", type=float, default=0.3,
                     help="--mem-fraction-static of each bench server (A/B: of the memory free at its start)")
+    ap.add_argument(p + "max-total-tokens", type=int, default=0,
+                    help="--max-total-tokens of every bench server (A/B: the same KV pool for all; 0 = sglang's "
+                         "own sizing, which gives a server started later a smaller pool)")
     ap.add_argument(p + "device-timer", action="store_true",
                     help="A/B: GPU seconds per forward category in every window (sglang's device timer)")
 
@@ -595,6 +636,8 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
                          f"least one other config in --{prefix}configs (got {','.join(configs)})")
     if not 0 < get("mem-fraction") < 1:
         raise SystemExit(f"--{prefix}mem-fraction {get('mem-fraction')}: must be between 0 and 1")
+    if get("max-total-tokens") < 0:
+        raise SystemExit(f"--{prefix}max-total-tokens {get('max-total-tokens')}: must be >= 0 (0 = sglang's sizing)")
     if get("pyspy-admission-seconds") < 0 or (get("pyspy-admission-seconds") and not get("ab-rounds")):
         raise SystemExit(f"--{prefix}pyspy-admission-seconds {get('pyspy-admission-seconds')}: needs >= 0 and, "
                          f"when on, A/B mode (--{prefix}ab-rounds N)")
@@ -602,7 +645,8 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             "profile_steps": get("profile-steps"), "pyspy_seconds": get("pyspy-seconds"),
             "pyspy_admission_seconds": get("pyspy-admission-seconds"),
             "server_args": tuple(shlex.split(get("server-args"))), "ab_rounds": get("ab-rounds"),
-            "mem_fraction": get("mem-fraction"), "device_timer": get("device-timer")}
+            "mem_fraction": get("mem-fraction"), "device_timer": get("device-timer"),
+            "max_total_tokens": get("max-total-tokens")}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -583,6 +583,35 @@ def test_bench_splits_each_window_by_gpu_category_and_counts_prefills(tmp_path):
         ["bench", "--models", "m", "--out", "o"])).device_timer
 
 
+def test_bench_ab_flags_unequal_kv_pools_and_can_equalise_them(tmp_path):
+    """A/B servers size their pools from the memory free at their start: run 23's 8B pools (plain
+    348253, threshold 147880 tokens) against a round of ~233k tokens is flagged; equal pools, or a
+    round that fits the smaller one, are not. --max-total-tokens reaches every server."""
+    from smoke import bench
+
+    caveat = bench.pool_caveat({"plain": 348253, "eagle3_thr": 147880}, 233000)
+    assert caveat is not None and "eagle3_thr 147880" in caveat and "--max-total-tokens" in caveat
+    assert bench.pool_caveat({"plain": 348253, "eagle3_thr": 147880}, 120000) is None  # fits both
+    assert bench.pool_caveat({"plain": 150000, "eagle3_thr": 147880}, 233000) is None  # equal: both evict
+    assert bench.pool_caveat({"plain": 348253, "eagle3_thr": 0}, 233000) is None       # size unknown
+    assert bench.pool_caveat({"plain": 348253}, 233000) is None
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, max_total_tokens=140000)
+    for name in bench.CONFIGS:
+        argv = bench.server_config(name, opts).argv(30000)
+        assert argv[argv.index("--max-total-tokens") + 1] == "140000"
+    assert "--max-total-tokens" not in bench.server_config("plain", bench.BenchOptions(tmp_path, tmp_path)).argv(1)
+    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {},
+                        "kv_pool_tokens": {"plain": 348253, "eagle3_thr": 147880}, "round_tokens": 233000,
+                        "pool_caveat": caveat})
+    assert "KV pool (tokens): plain 348253, eagle3_thr 147880; a round writes ~233000" in t
+    assert "CAVEAT: unequal KV pools" in t
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    assert bench.options(ap.parse_args(["--models", "m", "--out", "o", "--max-total-tokens", "9"])).max_total_tokens == 9
+    with pytest.raises(SystemExit, match="max-total-tokens"):
+        bench.options(ap.parse_args(["--models", "m", "--out", "o", "--max-total-tokens", "-1"]))
+
+
 def test_bench_ab_options_need_plain_and_another_config():
     from smoke import bench
 
