@@ -28,7 +28,7 @@ import shlex
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,19 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     if opts.max_total_tokens:
         cfg.extra = (*cfg.extra, "--max-total-tokens", str(opts.max_total_tokens))
     return cfg
+
+
+def equalise_kv_pools(pools: dict[str, int], round_tokens: int, restart: Callable[[str, int], int]) -> int | None:
+    """Where `pool_caveat` applies, restart each server whose pool is over 10% above the smallest with
+    that smallest size as --max-total-tokens (it held more at its first start, so it gets exactly that)
+    and update `pools`. Returns the size used, or None when nothing needed it."""
+    if pool_caveat(pools, round_tokens) is None:
+        return None
+    cap = min(pools.values())
+    for name, tokens in list(pools.items()):
+        if tokens > 1.1 * cap:
+            pools[name] = restart(name, cap)
+    return cap
 
 
 def kv_pool_tokens(base: str) -> int:
@@ -370,6 +383,9 @@ def ab_table(ab: dict[str, Any]) -> str:
         lines += time_split(rounds, names)
     if ab.get("spec_disable"):
         lines.append(f"eagle3_thr: {ab['spec_disable']}; draft in plain steps: {ab.get('draft_plain_step')}")
+    if ab.get("kv_pools_equalised_to"):
+        lines.append(f"KV pools equalised: servers with a larger pool restarted with --max-total-tokens "
+                     f"{ab['kv_pools_equalised_to']}")
     if ab.get("kv_pool_tokens"):
         lines.append("KV pool (tokens): " + ", ".join(f"{n} {t}" for n, t in ab["kv_pool_tokens"].items())
                      + f"; a round writes ~{ab.get('round_tokens')}")
@@ -453,19 +469,34 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
     if opts.deadline.left() < need:  # do not start servers that would leave no time to measure
         return ab | {"ok": False, "skipped": True, "mismatches": [], "errors": [],
                      "cause": f"deadline: {opts.deadline.left():.0f}s left, ~{need}s needed"}
+    ab["kv_pool_tokens"] = {}
+
+    def start(name: str, o: BenchOptions) -> None:
+        cfg = server_config(name, o)
+        cfg.extra = (*cfg.extra, "--sleep-on-idle")  # an idle server must not spin a core meanwhile
+        srv = servers[name] = Server(cfg, opts.port + names.index(name), opts.out / f"server_ab_{name}.log")
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
+        ab["start_s"][name] = round(srv.start_seconds, 1)
+        ab["kv_pool_tokens"][name] = kv_pool_tokens(srv.base)
+
+    def restart(name: str, cap: int) -> int:
+        servers[name].stop()
+        start(name, replace(opts, max_total_tokens=cap))
+        return int(ab["kv_pool_tokens"][name])
+
     try:
         # one after another: each server sizes its KV pool from the memory left free at its start
-        for i, name in enumerate(names):
-            cfg = server_config(name, opts)
-            cfg.extra = (*cfg.extra, "--sleep-on-idle")  # an idle server must not spin a core meanwhile
-            srv = servers[name] = Server(cfg, opts.port + i, opts.out / f"server_ab_{name}.log")
-            srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
-            ab["start_s"][name] = round(srv.start_seconds, 1)
-            ab.setdefault("kv_pool_tokens", {})[name] = kv_pool_tokens(srv.base)
+        for name in names:
+            start(name, opts)
         demand = max(sum(len(p.input_ids) + p.max_new_tokens for p in workload(vocab, c, opts.output_len, 100))
                      for c in opts.concurrency)
         ab["round_tokens"] = demand
         ab["pool_caveat"] = pool_caveat(ab["kv_pool_tokens"], demand)
+        # unequal pools that a round overflows: the later servers alone would evict (pool_caveat); give
+        # every server the smallest pool unless the user chose one or the deadline has no room for it
+        if ab["pool_caveat"] and not opts.max_total_tokens and opts.deadline.left() >= need:
+            ab["kv_pools_equalised_to"] = equalise_kv_pools(ab["kv_pool_tokens"], demand, restart)
+            ab["pool_caveat"] = pool_caveat(ab["kv_pool_tokens"], demand)
         for srv in servers.values():
             warm_up(srv.base, opts)
         round_s = 0.0

@@ -55,6 +55,26 @@ class ServerConfig:
         return a + list(self.extra)
 
 
+def group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs; zombies (no memory left, reaped by whoever
+    adopted them) do not count."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: any member, zombie or not
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
 def port_free(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
@@ -118,6 +138,12 @@ class Server:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 pass
+        # the scheduler children hold the GPU memory: a server started next (an A/B restart) sizes
+        # its KV pool from what is free, so wait until the whole group is gone
+        for _ in range(60):
+            if not group_running(pgid):
+                break
+            time.sleep(0.5)
         for _ in range(30):
             if port_free(self.port):
                 break

@@ -586,7 +586,8 @@ def test_bench_splits_each_window_by_gpu_category_and_counts_prefills(tmp_path):
 def test_bench_ab_flags_unequal_kv_pools_and_can_equalise_them(tmp_path):
     """A/B servers size their pools from the memory free at their start: run 23's 8B pools (plain
     348253, threshold 147880 tokens) against a round of ~233k tokens is flagged; equal pools, or a
-    round that fits the smaller one, are not. --max-total-tokens reaches every server."""
+    round that fits the smaller one, are not. --max-total-tokens reaches every server, and the A/B
+    restarts the servers with larger pools at the smallest size."""
     from smoke import bench
 
     caveat = bench.pool_caveat({"plain": 348253, "eagle3_thr": 147880}, 233000)
@@ -605,6 +606,21 @@ def test_bench_ab_flags_unequal_kv_pools_and_can_equalise_them(tmp_path):
                         "pool_caveat": caveat})
     assert "KV pool (tokens): plain 348253, eagle3_thr 147880; a round writes ~233000" in t
     assert "CAVEAT: unequal KV pools" in t
+    # the A/B restarts the servers with the larger pools at the smallest size (each held more before)
+    restarted = []
+    def restart(name, cap):
+        restarted.append((name, cap))
+        return cap
+    pools = {"plain": 348253, "eagle3": 150000, "eagle3_thr": 147880}
+    assert bench.equalise_kv_pools(pools, 233000, restart) == 147880
+    assert restarted == [("plain", 147880)] and pools["plain"] == 147880  # 150000 is within 10%
+    assert bench.pool_caveat(pools, 233000) is None
+    restarted.clear()
+    assert bench.equalise_kv_pools({"plain": 348253, "eagle3_thr": 147880}, 120000, restart) is None
+    assert restarted == []  # a round fits both: nothing to equalise
+    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {},
+                        "kv_pools_equalised_to": 147880})
+    assert "KV pools equalised: servers with a larger pool restarted with --max-total-tokens 147880" in t
     ap = argparse.ArgumentParser()
     bench.add_arguments(ap)
     assert bench.options(ap.parse_args(["--models", "m", "--out", "o", "--max-total-tokens", "9"])).max_total_tokens == 9
@@ -640,3 +656,53 @@ def test_bench_ab_does_not_start_servers_it_has_no_time_to_measure(tmp_path):
     assert out["failures"] == [] and len(out["skipped"]) == 1
     assert out["skipped"][0].startswith("A/B (deadline: ") and "s left, ~270s needed" in out["skipped"][0]
     assert not list(tmp_path.glob("server_ab_*.log"))  # no server was started
+
+
+def test_server_stop_leaves_no_running_member_of_its_group(tmp_path):
+    """A real process group like a server's: an HTTP leader and a child in the scheduler's place.
+    group_running sees the group while the child runs and not once only a zombie is left (this
+    container's init does not reap at once); stop() returns with no running member left, since a
+    server started next sizes its KV pool from the GPU memory the old children still hold."""
+    import os
+    import subprocess
+    import textwrap
+
+    from smoke import server as server_mod
+
+    group = subprocess.Popen(["bash", "-c", "sleep 1 & wait"], start_new_session=True)
+    time.sleep(0.3)
+    assert server_mod.group_running(group.pid)
+    group.wait()
+    time.sleep(0.2)
+    assert not server_mod.group_running(group.pid)
+    assert server_mod.group_running(os.getpgid(0))  # this test's own group runs
+
+    child_pid_file = tmp_path / "child.pid"
+    leader = textwrap.dedent(f"""
+        import http.server, subprocess, sys
+        child = subprocess.Popen(["bash", "-c", "trap '' TERM; while :; do sleep 0.1; done"])
+        open({str(child_pid_file)!r}, "w").write(str(child.pid))
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.end_headers()
+            def log_message(self, *a):
+                pass
+        http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    """)
+
+    class FakeConfig(server_mod.ServerConfig):
+        def argv(self, port: int) -> list[str]:
+            return [sys.executable, "-c", leader, str(port)]
+
+    port = 30000 + os.getpid() % 2000
+    srv = server_mod.Server(FakeConfig("fake", tmp_path), port, tmp_path / "server.log")
+    srv.start(30)
+    assert srv.proc is not None
+    pgid = srv.proc.pid
+    child = int(child_pid_file.read_text())
+    assert os.getpgid(child) == pgid  # the child ignores SIGTERM: only the group's SIGKILL ends it
+    srv.stop()
+    assert not server_mod.group_running(pgid)
+    stat = Path(f"/proc/{child}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert server_mod.port_free(port)
