@@ -11,7 +11,9 @@ graphs must not change results). Prints a table with the ratio to plain.
 concurrency in turn) sent to one server at a time, N rounds, the order reversed every other round. On the
 H200 the host's speed drifts by up to 1.6x within minutes (docs/gpu-runs/2026-11-30), and one server
 measured after another turns that drift into the ratio; interleaved rounds give each ratio from
-measurements seconds apart, and their spread says how far to trust it.
+measurements seconds apart, and their spread says how far to trust it. Servers started later get smaller
+KV pools (each sizes its pool from the memory free at its start); where a round overflows the smaller
+one, only that server would evict radix-cache entries, so the A/B gives every server the smallest pool.
 
 --device-timer turns on sglang's device timer (CUDA events around each forward pass; the series times the
 draft's K/V-only writes too) and splits every A/B window's GPU time by forward category (prefill, decode,
