@@ -112,6 +112,9 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     return cfg
 
 
+POOL_TOLERANCE = 1.1  # KV pools within 10% of each other count as equal
+
+
 def equalise_kv_pools(pools: dict[str, int], round_tokens: int, restart: Callable[[str, int], int]) -> int | None:
     """Where `pool_caveat` applies, restart each server whose pool is over 10% above the smallest with
     that smallest size as --max-total-tokens (it held more at its first start, so it gets exactly that)
@@ -120,7 +123,7 @@ def equalise_kv_pools(pools: dict[str, int], round_tokens: int, restart: Callabl
         return None
     cap = min(pools.values())
     for name, tokens in list(pools.items()):
-        if tokens > 1.1 * cap:
+        if tokens > POOL_TOLERANCE * cap:
             pools[name] = restart(name, cap)
     return cap
 
@@ -139,7 +142,7 @@ def pool_caveat(pools: dict[str, int], round_tokens: int) -> str | None:
     if len(pools) < 2 or min(pools.values()) <= 0:
         return None
     small = min(pools.values())
-    if max(pools.values()) <= 1.1 * small or round_tokens <= small:
+    if max(pools.values()) <= POOL_TOLERANCE * small or round_tokens <= small:
         return None
     sizes = ", ".join(f"{n} {t}" for n, t in pools.items())
     return (f"unequal KV pools ({sizes} tokens) and a round writes ~{round_tokens}: the smaller pool evicts "
@@ -493,12 +496,11 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
         demand = max(sum(len(p.input_ids) + p.max_new_tokens for p in workload(vocab, c, opts.output_len, 100))
                      for c in opts.concurrency)
         ab["round_tokens"] = demand
-        ab["pool_caveat"] = pool_caveat(ab["kv_pool_tokens"], demand)
         # unequal pools that a round overflows: the later servers alone would evict (pool_caveat); give
         # every server the smallest pool unless the user chose one or the deadline has no room for it
-        if ab["pool_caveat"] and not opts.max_total_tokens and opts.deadline.left() >= need:
+        if not opts.max_total_tokens and opts.deadline.left() >= need:
             ab["kv_pools_equalised_to"] = equalise_kv_pools(ab["kv_pool_tokens"], demand, restart)
-            ab["pool_caveat"] = pool_caveat(ab["kv_pool_tokens"], demand)
+        ab["pool_caveat"] = pool_caveat(ab["kv_pool_tokens"], demand)
         for srv in servers.values():
             warm_up(srv.base, opts)
         round_s = 0.0
