@@ -692,6 +692,47 @@ def test_draft_kv_only_write_equals_the_full_forward(run_in_tree, patched):
                    "supports_one_layer": True, "supports_two_layers": False}
 
 
+def test_draft_kv_only_graph_pads_buckets_and_falls_back(run_in_tree, patched):
+    """The K/V-only write's per-batch-size graphs, with "capture" replaced by the write itself on
+    the same static buffers (a CUDA graph replays exactly that): a batch runs in the nearest captured
+    size, its rows get what the eager write gives them (up to rounding when padded), padding rows write the pool's padding slot 0
+    (also after a larger batch left real slots in those rows); a batch above the largest size or
+    hidden states of another width write nothing and leave the caller to the eager write."""
+    out = _run(run_in_tree, patched, helpers=EAGLE3_LEAVES, body="""
+        from sglang.srt.speculative import eagle_worker_v2 as ew
+        model = make_draft()
+        pool = RecordingPool()
+        captured = []
+        def capture(fn):
+            captured.append(fn)
+            return fn
+        g = ew._DraftKvOnlyGraph(model, pool, [4, 1, 2, 8, 4], 3 * TARGET, torch.float32, "cpu", capture=capture)
+        def step(n, hidden_width=3 * TARGET):
+            pool.writes.clear()
+            tokens, positions = torch.arange(3, 3 + n), torch.arange(10, 10 + n, dtype=torch.int32)
+            hidden, loc = torch.randn(n, hidden_width), torch.arange(100, 100 + n)
+            with torch.no_grad():
+                ok = g.replay(tokens, positions, hidden, loc)
+                eager = RecordingPool()
+                if ok:
+                    model.write_kv_only(tokens, positions.to(torch.int64), hidden, loc, eager)
+            if not ok:
+                return {"ok": False, "writes": len(pool.writes)}
+            (_, wloc, k, v, _, _), = pool.writes
+            (_, _, ek, ev, _, _), = eager.writes
+            # a padded batch is a different GEMM shape: equal up to rounding, as in any padded graph
+            diff = max((k[:n] - ek).abs().max().item(), (v[:n] - ev).abs().max().item())
+            return {"ok": True, "rows": len(wloc), "loc": wloc.tolist(), "same_kv": diff < 1e-5}
+        emit({"bs": g.capture_bs, "captured": len(captured), "eight": step(8), "three": step(3), "one": step(1),
+              "nine": step(9), "wrong_width": step(2, hidden_width=TARGET)})
+    """)
+    assert out["bs"] == [1, 2, 4, 8] and out["captured"] == 4
+    assert out["eight"] == {"ok": True, "rows": 8, "loc": list(range(100, 108)), "same_kv": True}
+    assert out["three"] == {"ok": True, "rows": 4, "loc": [100, 101, 102, 0], "same_kv": True}  # after 8 rows
+    assert out["one"] == {"ok": True, "rows": 1, "loc": [100], "same_kv": True}
+    assert out["nine"] == {"ok": False, "writes": 0} and out["wrong_width"] == {"ok": False, "writes": 0}
+
+
 def test_draft_kv_only_write_only_where_it_holds(run_in_tree, patched):
     """The K/V-only plain step needs a one-layer EAGLE-3 draft, a plain MHA KV pool (not a
     subclass with its own layout), no decode context parallelism and a greedy chain."""
