@@ -394,6 +394,8 @@ def ab_table(ab: dict[str, Any]) -> str:
     if ab.get("kv_pool_tokens"):
         lines.append("KV pool (tokens): " + ", ".join(f"{n} {t}" for n, t in ab["kv_pool_tokens"].items())
                      + f"; a round writes ~{ab.get('round_tokens')}")
+    if ab.get("kv_pools_not_equalised"):
+        lines.append(f"KV pools not equalised: {ab['kv_pools_not_equalised']}")
     if ab.get("pool_caveat"):
         lines.append(f"CAVEAT: {ab['pool_caveat']}")
     return "\n".join(lines)
@@ -498,8 +500,12 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
         ab["round_tokens"] = demand
         # unequal pools that a round overflows: the later servers alone would evict (pool_caveat); give
         # every server the smallest pool unless the user chose one or the deadline has no room for it
-        if not opts.max_total_tokens and opts.deadline.left() >= need:
-            ab["kv_pools_equalised_to"] = equalise_kv_pools(ab["kv_pool_tokens"], demand, restart)
+        if not opts.max_total_tokens and pool_caveat(ab["kv_pool_tokens"], demand):
+            if opts.deadline.left() >= need:
+                ab["kv_pools_equalised_to"] = equalise_kv_pools(ab["kv_pool_tokens"], demand, restart)
+            else:  # say so: a silent skip reads as if the pools had been equalised
+                ab["kv_pools_not_equalised"] = (f"deadline: {opts.deadline.left():.0f}s left, ~{need}s needed "
+                                                "to restart the larger-pool servers")
         ab["pool_caveat"] = pool_caveat(ab["kv_pool_tokens"], demand)
         for srv in servers.values():
             warm_up(srv.base, opts)

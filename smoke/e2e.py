@@ -4,7 +4,9 @@
                          [--phases all|install,patch,models,smoke,bench,comm] [--fresh]
 
 Phases, each skipped when the state dir says it is done (a warm machine keeps /tmp between calls,
-so the same command a second time resumes where the deadline stopped the first):
+so the same command a second time resumes where the deadline stopped the first; a smoke, bench or
+comm result counts as done only for the same options, and a site installed from another bundle or
+patch series is refused unless this call installs again):
   install  unpack .gpu/wheels.tar.xz, pip install --no-index --no-deps --target SITE, IPython stub
   patch    PYTHONPATH=src python -m sglang_image.patch apply --series-dir patches/<flavor>
            --site-packages SITE --manifest STATE/patches.json (on a fresh SITE only: never twice)
@@ -44,6 +46,9 @@ from smoke.runner import Deadline
 
 PHASES = ("install", "patch", "check", "models", "smoke", "bench", "comm")
 RUN_PHASES = ("smoke", "bench", "comm")  # marked done in the state once complete
+# state of the installed site, and prefixes of the results measured on it: a new site drops both
+SITE_STATE = ("patch", "check")
+RESULT_STATE = ("smoke", "bench_", "comm")
 # model dir -> (`smoke models` args, the phase that needs it)
 MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], "smoke"),
           "1b": (["--size", "1b", "--draft", "chain"], "bench"),
@@ -119,16 +124,21 @@ class E2E:
             h.update(p.name.encode() + b"\0" + p.read_bytes())
         return h.hexdigest()
 
+    def install_key(self) -> str:
+        """What the site is made of: the bundle's wheels and the patch series."""
+        tarball = self.a.bundle / "wheels.tar.xz"
+        return f"{hashlib.sha256(tarball.read_bytes()).hexdigest()}:{self.series_digest()}"
+
     def phase_install(self) -> None:
         tarball = self.a.bundle / "wheels.tar.xz"
-        digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
-        key = f"{digest}:{self.series_digest()}"
+        key = self.install_key()
         if self.state.get("install") == key and (self.site / ".installed").exists():
             self.log("install: site already holds this bundle and series")
             return
         # a new bundle or a new series: start from a clean site (patches never applied twice)
-        for k in ("patch", "check", "comm", "comm_done", "comm_report"):
-            self.state.pop(k, None)
+        # ... and every result measured on the old site is stale
+        for k in [k for k in self.state if k in SITE_STATE or k.startswith(RESULT_STATE)]:
+            self.state.pop(k)
         shutil.rmtree(self.site, ignore_errors=True)
         stage = self.state_dir / "bundle"
         shutil.rmtree(stage, ignore_errors=True)
@@ -203,7 +213,7 @@ class E2E:
             self.log(f"models {name}: {p.stdout.strip().splitlines()[-1]}")
 
     def phase_smoke(self) -> None:
-        st = self.state.setdefault("smoke", {})
+        st = self.resumable("smoke")
         opts = runner.SmokeOptions(models=self.models / "tiny", out=self.logs, threshold=self.a.threshold,
                                    deadline=self.deadline, mem_fraction=0.15,
                                    variants=tuple(self.a.smoke_variants.split(",")))
@@ -213,10 +223,27 @@ class E2E:
         if rep.get("skipped"):
             raise Deadline_(f"smoke: skipped {rep['skipped']}")
 
+    def options_digest(self, ph: str) -> str:
+        """The options a run phase's result depends on: a later call that changes any of them runs the
+        phase again instead of reporting the earlier result as its own."""
+        opts: Any = {"smoke": [self.a.threshold, self.a.smoke_variants],
+                     "bench": [self.a.bench_size, self.a.bench_draft_accept,
+                               bench_mod.tuning_options(self.a, "bench-")],
+                     "comm": [self.a.comm_runs]}[ph]
+        return hashlib.sha256(json.dumps(opts, default=str).encode()).hexdigest()[:10]
+
     @property
     def bench_key(self) -> str:
-        """One bench per model size and mode: a later call with another --bench-size runs its own."""
-        return self.a.bench_size + ("-ab" if self.a.bench_ab_rounds else "")
+        """One bench per model size, mode and options: a later call with other ones runs its own, and
+        the report keeps both."""
+        return self.a.bench_size + ("-ab" if self.a.bench_ab_rounds else "") + "-" + self.options_digest("bench")
+
+    def resumable(self, ph: str) -> dict[str, Any]:
+        """The resume state of the smoke or comm phase, emptied when its options changed."""
+        if self.state.get(f"{ph}_options") != self.options_digest(ph):
+            self.state[ph] = {}
+            self.state[f"{ph}_options"] = self.options_digest(ph)
+        return self.state.setdefault(ph, {})
 
     def phase_bench(self) -> None:
         st = self.state.setdefault("bench_runs", {}).setdefault(self.bench_key, {})
@@ -233,7 +260,7 @@ class E2E:
             raise Deadline_(f"bench: skipped {rep['skipped']}")
 
     def phase_comm(self) -> None:
-        st = self.state.setdefault("comm", {})
+        st = self.resumable("comm")
         opts = comm_mod.CommOptions(model=self.models / "qwen3", out=self.logs, deadline=self.deadline,
                                     runs=tuple(self.a.comm_runs.split(",")))
 
@@ -249,6 +276,17 @@ class E2E:
             raise Deadline_(f"comm: skipped {rep['skipped']}")
 
     # ------------------------------------------------------------------ driver
+    def stale_site(self) -> str | None:
+        """Why the selected phases would run on a site that no longer matches this tree (its bundle or
+        series changed since the install, and this call does not install again), else None."""
+        installed = self.state.get("install")
+        if "install" in self.phases or not installed or not any(p in self.phases for p in RUN_PHASES):
+            return None
+        if not (self.a.bundle / "wheels.tar.xz").exists() or self.install_key() == installed:
+            return None
+        return (f"the site in {self.site} holds another bundle or patch series than this tree's "
+                f"({self.a.bundle}, patches/{self.a.flavor}): add install,patch,check to --phases (or use --fresh)")
+
     def kill_leftover_servers(self) -> None:
         """Servers of an earlier call killed mid-run (setsid: they outlive it) still hold the port."""
         pidfile = self.state_dir / "servers.pid"
@@ -277,9 +315,13 @@ class E2E:
             "install": self.phase_install, "patch": self.phase_patch, "check": self.phase_check,
             "models": self.phase_models, "smoke": self.phase_smoke, "bench": self.phase_bench,
             "comm": self.phase_comm}
+        stale = self.stale_site()
+        if stale:
+            self.log(f"FAILED: {stale}")
+            return 1
         incomplete = []
         for ph in phases:
-            done_key = f"{ph}_done" + (f"_{self.bench_key}" if ph == "bench" else "")
+            done_key = f"{ph}_done_" + (self.bench_key if ph == "bench" else self.options_digest(ph))
             if ph in RUN_PHASES and self.state.get(done_key):
                 self.log(f"{ph}: done in an earlier call")
                 continue

@@ -621,6 +621,9 @@ def test_bench_ab_flags_unequal_kv_pools_and_can_equalise_them(tmp_path):
     t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {},
                         "kv_pools_equalised_to": 147880})
     assert "KV pools equalised: servers with a larger pool restarted with --max-total-tokens 147880" in t
+    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {},
+                        "kv_pools_not_equalised": "deadline: 259s left, ~270s needed to restart the larger-pool servers"})
+    assert "KV pools not equalised: deadline: 259s left" in t
     ap = argparse.ArgumentParser()
     bench.add_arguments(ap)
     assert bench.options(ap.parse_args(["--models", "m", "--out", "o", "--max-total-tokens", "9"])).max_total_tokens == 9
@@ -706,3 +709,39 @@ def test_server_stop_leaves_no_running_member_of_its_group(tmp_path):
     stat = Path(f"/proc/{child}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     assert server_mod.port_free(port)
+
+
+def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path):
+    """A later call on a warm machine must not report an earlier call's result as its own: a run
+    phase's done flag and resume state are keyed by its options, and a site installed from another
+    bundle or series is refused unless the call installs again (a GPU run of 2026-11-30 got "bench:
+    done in an earlier call" for a bench with another --max-total-tokens)."""
+    from smoke import e2e
+
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "wheels.tar.xz").write_bytes(b"wheels")
+    ap = build_parser()
+
+    def driver(*extra: str) -> e2e.E2E:
+        return e2e.E2E(ap.parse_args(["e2e", "--bundle", str(bundle), "--state", str(tmp_path / "state"),
+                                      "--out", str(tmp_path / "out"), *extra]))
+
+    first = driver("--phases", "bench,smoke", "--bench-size", "8b", "--bench-ab-rounds", "3")
+    assert first.bench_key.startswith("8b-ab-")
+    again = driver("--phases", "bench", "--bench-size", "8b", "--bench-ab-rounds", "3")
+    other = driver("--phases", "bench", "--bench-size", "8b", "--bench-ab-rounds", "3",
+                   "--bench-max-total-tokens", "147000")
+    assert again.bench_key == first.bench_key and other.bench_key != first.bench_key
+    first.state["install"] = first.install_key()
+    first.resumable("smoke")["eagle_overlap"] = {"done": True}
+    assert first.resumable("smoke") == {"eagle_overlap": {"done": True}}
+    first.save()
+    assert driver("--phases", "smoke").resumable("smoke") == {"eagle_overlap": {"done": True}}
+    assert driver("--phases", "smoke", "--smoke-variants", "sync").resumable("smoke") == {}
+    # the site: this tree's bundle and series pass; another series (flavor) needs install again
+    assert driver("--phases", "bench").stale_site() is None
+    stale = driver("--phases", "bench", "--flavor", "sglang-0.5.9").stale_site()
+    assert stale is not None and "add install,patch,check to --phases" in stale
+    assert driver("--phases", "install,bench", "--flavor", "sglang-0.5.9").stale_site() is None
+    assert driver("--phases", "models", "--flavor", "sglang-0.5.9").stale_site() is None  # no run phase
