@@ -22,6 +22,7 @@ from typing import Any
 
 SCHEDULER_TITLE = "sglang::scheduler"
 MAIN_LOOP = "event_loop"        # event_loop_normal / event_loop_overlap: the scheduler thread
+IDLE = "Scheduler.on_idle"      # no batch to run: before or after the load, never part of a step
 _LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
 _FRAME_LINE_NO = re.compile(r":\d+\)$")
 
@@ -91,7 +92,9 @@ def _func(frame: str) -> str:
 
 
 def summarize(raw: str, step_ms: float | None = None, top: int = 30) -> dict[str, Any]:
-    """Shares of the scheduler thread's samples by function, inclusive and self."""
+    """Shares of the scheduler thread's busy samples by function, inclusive and self. Idle samples
+    (no batch: the window ran past the load) are counted apart and left out, so that ms per step is
+    the host time of a step under load, not diluted by time with nothing to do."""
     stacks = parse(raw)
     by_thread: Counter[str] = Counter()
     for frames, n in stacks:
@@ -100,30 +103,39 @@ def summarize(raw: str, step_ms: float | None = None, top: int = 30) -> dict[str
     if not by_thread:
         return {"error": "no sample of the scheduler loop"}
     thread = by_thread.most_common(1)[0][0]
-    total = by_thread[thread]
+    idle = 0
     inclusive: Counter[str] = Counter()
     leaf: Counter[str] = Counter()
     for frames, n in stacks:
         if frames[0] != thread:
             continue
         funcs = [_func(f) for f in frames[1:]]
+        if any(f.startswith(IDLE + " ") for f in funcs):
+            idle += n
+            continue
         for f in set(funcs):
             inclusive[f] += n
         if funcs:
             leaf[funcs[-1]] += n
 
+    total = by_thread[thread] - idle
+    if total <= 0:
+        return {"error": f"all {idle} samples of the scheduler loop are idle (no batch): the load missed the window"}
+
     def rows(c: Counter[str]) -> list[list[Any]]:
         return [[f, round(100.0 * n / total, 2)] + ([round(step_ms * n / total, 3)] if step_ms else [])
                 for f, n in c.most_common(top)]
-    return {"samples": total, "step_ms": step_ms, "inclusive_pct": rows(inclusive), "self_pct": rows(leaf)}
+    return {"samples": total, "idle_samples": idle, "step_ms": step_ms, "inclusive_pct": rows(inclusive),
+            "self_pct": rows(leaf)}
 
 
 def render(name: str, s: dict[str, Any]) -> str:
     if "error" in s:
         return f"py-spy {name}: {s['error']}"
     unit = f", ~{s['step_ms']:.2f} ms/step (server log)" if s.get("step_ms") else ""
-    lines = [(f"py-spy {name}: {s['samples']} samples of the scheduler thread{unit}; % of samples "
-              f"(ms/step) inclusive, then self")]
+    idle = f" ({s['idle_samples']} idle ones, with no batch, left out)" if s.get("idle_samples") else ""
+    lines = [(f"py-spy {name}: {s['samples']} busy samples of the scheduler thread{idle}{unit}; % of "
+              f"samples (ms/step) inclusive, then self")]
     for kind in ("inclusive_pct", "self_pct"):
         for row in s[kind]:
             ms = f" {row[2]:7.3f} ms" if len(row) > 2 else ""

@@ -477,6 +477,11 @@ def test_pyspy_summary_of_a_real_scheduler_sample():
     assert text.startswith("py-spy eagle3_thr:") and "ms/step (server log)" in text
     assert bench.summarize_pyspy({"error": "no py-spy binary"}, None, 256) == {"error": "no py-spy binary"}
     assert pyspy.summarize("thread (1): MainThread;other (x.py:1) 5\n")["error"].startswith("no sample")
+    # the sample's three idle stacks (Scheduler.on_idle: no batch) are counted apart, not in the shares
+    assert s["idle_samples"] == 28 + 7 + 6 and not any("on_idle" in f or "Poller.poll" in f for f in incl)
+    assert "41 idle ones, with no batch, left out" in text
+    idle_only = "thread (1): MainThread;Scheduler.event_loop_overlap (a/scheduler.py:1);Scheduler.on_idle (a/scheduler.py:2) 9\n"
+    assert "all 9 samples of the scheduler loop are idle" in pyspy.summarize(idle_only)["error"]
 
 
 def test_pyspy_finds_the_scheduler_process_and_samples_it(tmp_path):
