@@ -321,14 +321,15 @@ class E2E:
             return 1
         incomplete = []
         for ph in phases:
-            done_key = f"{ph}_done_" + (self.bench_key if ph == "bench" else self.options_digest(ph))
-            if ph in RUN_PHASES and self.state.get(done_key):
+            done_key = (f"{ph}_done_" + (self.bench_key if ph == "bench" else self.options_digest(ph))
+                        if ph in RUN_PHASES else "")
+            if done_key and self.state.get(done_key):
                 self.log(f"{ph}: done in an earlier call")
                 continue
             self.log(f"== {ph} ({self.deadline.left():.0f}s left)")
             try:
                 steps[ph]()
-                if ph in RUN_PHASES:
+                if done_key:
                     self.state[done_key] = True
             except Deadline_ as exc:
                 incomplete.append(str(exc))

@@ -716,7 +716,7 @@ def test_server_stop_leaves_no_running_member_of_its_group(tmp_path):
     assert server_mod.port_free(port)
 
 
-def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path):
+def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch):
     """A later call on a warm machine must not report an earlier call's result as its own: a run
     phase's done flag and resume state are keyed by its options, and a site installed from another
     bundle or series is refused unless the call installs again (a GPU run of 2026-11-30 got "bench:
@@ -750,3 +750,16 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path):
     assert stale is not None and "add install,patch,check to --phases" in stale
     assert driver("--phases", "install,bench", "--flavor", "sglang-0.5.9").stale_site() is None
     assert driver("--phases", "models", "--flavor", "sglang-0.5.9").stale_site() is None  # no run phase
+
+    # the whole driver on a bench already done: skipped as done; a broken bundle fails at install by
+    # name (before, any non-run phase crashed the driver with KeyError while it computed its done key)
+    import os
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
+    done = driver("--phases", "bench", "--bench-size", "8b", "--bench-ab-rounds", "3")
+    done.state.pop("install")
+    done.state[f"bench_done_{done.bench_key}"] = True
+    done.save()
+    assert driver("--phases", "bench", "--bench-size", "8b", "--bench-ab-rounds", "3").run() == 0
+    assert "bench: done in an earlier call" in (tmp_path / "out" / "e2e.log").read_text()
+    broken = driver("--phases", "install,bench", "--bench-size", "8b", "--bench-ab-rounds", "3")
+    assert broken.run() == 1 and broken.failures[0].startswith("install: ")
