@@ -622,7 +622,7 @@ def run_bench_ab(opts: BenchOptions, state: dict[str, Any], expected: dict[str, 
     parts = [ab_table(ab)] if ab["rounds"] else []
     parts += [pyspy.render(n, spy) for n, spy in ab.get("pyspy", {}).items() if spy]
     parts += [pyspy.render(f"{n} (the first {opts.pyspy_admission_seconds:g} s of a round: admission; "
-                           "Poller.poll = the scheduler idle)", spy)
+                           "idle samples counted apart)", spy)
               for n, spy in ab.get("pyspy_admission", {}).items() if spy]
     out = {"mode": "ab", "threshold": opts.threshold, "concurrency": ab["concurrency"],
            "designed_accept_length": expected.get("designed_accept_length"),
