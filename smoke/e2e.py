@@ -19,7 +19,8 @@ patch series is refused unless this call installs again):
            needs 2 GPUs; `python3 -m smoke comm` = this driver with install,patch,models,comm)
 The models phase builds only the models of the selected phases (all when none of smoke/bench/comm is).
 No server is started with less than ~150 s left before the deadline; what is done is written to
-OUT (report.json, summary.txt, e2e.log, logs.tar.gz: at most 8 files come back).
+OUT (report.json, summary.txt, e2e.log, logs.tar.gz: at most 8 files come back), and the kernels
+compiled in this call as jit-cache.tar.xz, for the bundle folder (smoke.jitcache).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from typing import Any
 
 from smoke import bench as bench_mod
 from smoke import comm as comm_mod
-from smoke import runner
+from smoke import jitcache, runner
 from smoke.runner import Deadline
 
 PHASES = ("install", "patch", "check", "models", "smoke", "bench", "comm")
@@ -129,6 +130,9 @@ class E2E:
         tarball = self.a.bundle / "wheels.tar.xz"
         return f"{hashlib.sha256(tarball.read_bytes()).hexdigest()}:{self.series_digest()}"
 
+    def kernel_key(self) -> str:
+        return jitcache.kernel_key(self.a.bundle / "wheels.tar.xz", REPO / "patches" / self.a.flavor)
+
     def phase_install(self) -> None:
         tarball = self.a.bundle / "wheels.tar.xz"
         key = self.install_key()
@@ -156,6 +160,11 @@ class E2E:
         (self.site / ".installed").write_text(key)
         self.state["install"] = key
         self.log(f"install: {len(wheels)} wheels into {self.site}")
+        # kernels compiled by an earlier machine for this site: the first server starts ~1 min sooner
+        added, why = jitcache.seed(self.a.bundle / jitcache.ARCHIVE, self.state_dir / "jit", self.kernel_key())
+        self.log(f"jit cache: {added} compiled files from {self.a.bundle / jitcache.ARCHIVE}" if added
+                 else f"jit cache: none unpacked ({why})")
+        self.state["jit_fingerprint"] = jitcache.fingerprint(self.state_dir / "jit")
 
     def phase_patch(self) -> None:
         if self.state.get("patch"):
@@ -343,6 +352,7 @@ class E2E:
                 self.save()
                 self.finish(incomplete)  # OUT always holds the latest state, even if killed later
         self.finish(incomplete)
+        self.bring_back_jit_cache()
         if incomplete:
             self.log("INCOMPLETE: run the same command again on the warm machine to resume: "
                      + "; ".join(incomplete))
@@ -363,6 +373,28 @@ class E2E:
         comm = self.state.get("comm_report") or {}
         out += [f"{f['variant']}: {f['cause']}" for f in comm.get("failures", [])]
         return out
+
+    def bring_back_jit_cache(self) -> None:
+        """OUT/jit-cache.tar.xz when this call compiled kernels the bundle's cache lacks (copy it into
+        the bundle folder for the next call: see smoke.jitcache)."""
+        jit = self.state_dir / "jit"
+        now = jitcache.fingerprint(jit)
+        if not self.state.get("install") or now == self.state.get("jit_fingerprint"):
+            return
+        if self.deadline.left() < 20:
+            self.log("jit cache: not packed (the deadline is near)")
+            return
+        try:
+            size, why = jitcache.pack(jit, self.out / jitcache.ARCHIVE, self.kernel_key())
+        except (OSError, ValueError) as exc:  # a convenience: it must not fail the run
+            size, why = 0, f"{type(exc).__name__}: {exc}"
+        if size:
+            self.state["jit_fingerprint"] = now
+            self.save()
+            self.log(f"jit cache: {size / 2**20:.1f} MiB in OUT/{jitcache.ARCHIVE}; copy it into "
+                     f"{self.a.bundle}/ so that the next fresh machine starts with these kernels compiled")
+        else:
+            self.log(f"jit cache: not packed ({why})")
 
     def finish(self, incomplete: list[str]) -> None:
         report = {"elapsed_s": round(time.time() - self.t0, 1), "failures": self.all_failures(),

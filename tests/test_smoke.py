@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -763,3 +764,59 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     assert "bench: done in an earlier call" in (tmp_path / "out" / "e2e.log").read_text()
     broken = driver("--phases", "install,bench", "--bench-size", "8b", "--bench-ab-rounds", "3")
     assert broken.run() == 1 and broken.failures[0].startswith("install: ")
+
+
+def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
+    """The kernels a call compiled come back as OUT/jit-cache.tar.xz and, put into the bundle folder,
+    are unpacked by the next call's install: only for the same wheels and kernel patches, never over
+    files already there, and not at all when over the size that may come back."""
+    from smoke import e2e, jitcache
+
+    jit = tmp_path / "jit"
+    (jit / "triton" / "ab12").mkdir(parents=True)
+    (jit / "triton" / "ab12" / "kernel.cubin").write_bytes(b"\x7fELF" + bytes(range(256)) * 64)
+    (jit / "flashinfer" / "comm.so").parent.mkdir(parents=True)
+    (jit / "flashinfer" / "comm.so").write_bytes(b"so" * 1000)
+    archive = tmp_path / "bundle" / jitcache.ARCHIVE
+    archive.parent.mkdir()
+    size, why = jitcache.pack(jit, archive, "key-1")
+    assert size > 0 and why == "" and archive.stat().st_size == size
+    fresh = tmp_path / "fresh-jit"
+    assert jitcache.seed(archive, fresh, "key-1") == (2, "")
+    assert (fresh / "triton" / "ab12" / "kernel.cubin").read_bytes() == (jit / "triton" / "ab12" / "kernel.cubin").read_bytes()
+    assert jitcache.fingerprint(fresh) == jitcache.fingerprint(jit)
+    (fresh / "flashinfer" / "comm.so").write_bytes(b"rebuilt here")
+    assert jitcache.seed(archive, fresh, "key-1") == (0, "")  # nothing overwritten
+    assert (fresh / "flashinfer" / "comm.so").read_bytes() == b"rebuilt here"
+    added, why = jitcache.seed(archive, tmp_path / "other", "key-2")
+    assert added == 0 and "other wheels or kernel patches" in why and not (tmp_path / "other").exists()
+    assert jitcache.pack(jit, tmp_path / "big.tar.xz", "key-1", max_bytes=10)[1].startswith("0.0 MiB compressed, over")
+    assert not (tmp_path / "big.tar.xz").exists()
+    assert "nothing under" in jitcache.pack(tmp_path / "none", tmp_path / "x.tar.xz", "k")[1]
+    (tmp_path / "bad.tar.xz").write_bytes(b"not xz")
+    assert "unreadable" in jitcache.seed(tmp_path / "bad.tar.xz", fresh, "key-1")[1]
+    # the key follows the wheels and the patches outside sglang/ (FlashInfer's), not sglang's Python
+    series = tmp_path / "series"
+    series.mkdir()
+    wheels = tmp_path / "bundle" / "wheels.tar.xz"
+    wheels.write_bytes(b"wheels")
+    for name in ("sm120-flashinfer-trtllm-comm.patch", "dynamic-speculation-disable.patch"):
+        (series / name).write_bytes((REPO / "patches" / "sglang-0.5.17" / name).read_bytes())
+    key = jitcache.kernel_key(wheels, series)
+    (series / "dynamic-speculation-disable.patch").write_bytes(b"+++ b/sglang/srt/x.py\n+changed\n")
+    assert jitcache.kernel_key(wheels, series) == key
+    (series / "sm120-flashinfer-trtllm-comm.patch").write_bytes(b"+++ b/flashinfer/jit/comm.py\n+changed\n")
+    assert jitcache.kernel_key(wheels, series) != key
+    # the driver packs what a call compiled, once, into OUT
+    monkeypatch.setattr(e2e.E2E, "kernel_key", lambda self: "key-1")
+    drv = e2e.E2E(build_parser().parse_args(["e2e", "--bundle", str(tmp_path / "bundle"), "--state",
+                                             str(tmp_path / "state"), "--out", str(tmp_path / "out")]))
+    drv.state["install"] = "site"
+    drv.state["jit_fingerprint"] = jitcache.fingerprint(drv.state_dir / "jit")  # what install unpacked
+    shutil.copytree(jit, drv.state_dir / "jit")                                 # compiled in this call
+    drv.bring_back_jit_cache()
+    brought = tmp_path / "out" / jitcache.ARCHIVE
+    assert jitcache.seed(brought, tmp_path / "next-machine", "key-1") == (2, "")
+    brought.unlink()
+    drv.bring_back_jit_cache()
+    assert not brought.exists()  # nothing new compiled since

@@ -1,0 +1,96 @@
+"""Compiled kernels carried from one GPU machine to the next.
+
+Every device call may land on a fresh machine, and there the first server spends about a minute
+compiling Triton and FlashInfer kernels while it captures its CUDA graphs (62-67 s for the target
+prefill graphs on 2026-11-30, against 9-10 s with the caches warm). The e2e driver packs its JIT
+directory into OUT/jit-cache.tar.xz at the end of a call; copied into the bundle folder (.gpu/), it
+travels with the next call, and the install phase unpacks it before any server starts.
+
+The archive names the kernel key it was built for (`kernel_key`: the bundle's wheels and the
+patches to anything but sglang's Python files): a cache for another key is not unpacked, and files
+already present are never overwritten. Patches to sglang's Python files keep the key: the kernels
+they hold are Triton's, and Triton keys its own cache by each kernel's source.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import lzma
+import tarfile
+from pathlib import Path
+
+ARCHIVE = "jit-cache.tar.xz"
+MANIFEST = "jit-cache.json"            # first member: {"key": kernel_key, "files": n}
+MAX_BYTES = 14 * 2**20                 # a file coming back from OUT may hold 16 MiB; the bundle travels too
+MAX_RAW_BYTES = 256 * 2**20            # more would not compress under MAX_BYTES, and takes long to try
+
+
+def kernel_key(wheels: Path, series_dir: Path) -> str:
+    """What compiled kernels depend on: the bundle's wheels, and each patch of the series that changes
+    a file outside sglang/ (FlashInfer's JIT builds from its patched sources)."""
+    h = hashlib.sha256(wheels.read_bytes())
+    for patch in sorted(series_dir.glob("*.patch")):
+        text = patch.read_bytes()
+        targets = [line[6:] for line in text.decode(errors="replace").splitlines() if line.startswith("+++ b/")]
+        if any(not t.startswith("sglang/") for t in targets):
+            h.update(patch.name.encode() + b"\0" + text)
+    return h.hexdigest()
+
+
+def fingerprint(jit_dir: Path) -> str:
+    """Names and sizes of the files under jit_dir: what a new archive would hold."""
+    h = hashlib.sha256()
+    for p in sorted(jit_dir.rglob("*")) if jit_dir.is_dir() else []:
+        if p.is_file() and not p.is_symlink():
+            h.update(f"{p.relative_to(jit_dir)}\0{p.stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def pack(jit_dir: Path, out: Path, key: str, max_bytes: int = MAX_BYTES) -> tuple[int, str]:
+    """Write jit_dir's files to `out` (xz). Returns (bytes written, "") or (0, why not)."""
+    files = [p for p in sorted(jit_dir.rglob("*")) if p.is_file() and not p.is_symlink()] if jit_dir.is_dir() else []
+    if not files:
+        return 0, f"nothing under {jit_dir}"
+    raw = sum(p.stat().st_size for p in files)
+    if raw > MAX_RAW_BYTES:
+        return 0, f"{raw / 2**20:.0f} MiB of files, over the {MAX_RAW_BYTES / 2**20:.0f} MiB worth compressing"
+    tmp = out.with_name(out.name + ".tmp")
+    manifest = json.dumps({"key": key, "files": len(files)}).encode()
+    with lzma.open(tmp, "wb", preset=3) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        info = tarfile.TarInfo(MANIFEST)
+        info.size = len(manifest)
+        tar.addfile(info, io.BytesIO(manifest))
+        for p in files:
+            tar.add(p, arcname=str(p.relative_to(jit_dir)), recursive=False)
+    size = tmp.stat().st_size
+    if size > max_bytes:
+        tmp.unlink()
+        return 0, f"{size / 2**20:.1f} MiB compressed, over the {max_bytes / 2**20:.0f} MiB that may come back"
+    tmp.replace(out)
+    return size, ""
+
+
+def seed(archive: Path, jit_dir: Path, key: str) -> tuple[int, str]:
+    """Unpack `archive` into jit_dir where it was built for `key`, leaving existing files alone.
+    Returns (files added, "") or (0, why not)."""
+    if not archive.is_file():
+        return 0, f"no {archive}"
+    try:
+        with tarfile.open(archive, "r:xz") as tar:
+            first = tar.next()
+            if first is None or first.name != MANIFEST:
+                return 0, f"{archive} has no {MANIFEST}: not made by this tool"
+            fh = tar.extractfile(first)
+            built_for = json.loads(fh.read()).get("key") if fh else None
+            if built_for != key:
+                return 0, f"{archive} was built for other wheels or kernel patches"
+            added = 0
+            for member in tar:
+                if member.name == MANIFEST or not member.isfile() or (jit_dir / member.name).exists():
+                    continue
+                tar.extract(member, jit_dir, filter="data")  # refuses absolute paths and '..'
+                added += 1
+    except (tarfile.TarError, lzma.LZMAError, OSError, ValueError) as exc:
+        return 0, f"{archive} unreadable ({type(exc).__name__}: {exc}): delete it"
+    return added, ""
