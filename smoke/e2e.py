@@ -10,6 +10,7 @@ patch series is refused unless this call installs again):
   install  unpack .gpu/wheels.tar.xz, pip install --no-index --no-deps --target SITE, IPython stub
   patch    PYTHONPATH=src python -m sglang_image.patch apply --series-dir patches/<flavor>
            --site-packages SITE --manifest STATE/patches.json (on a fresh SITE only: never twice)
+           then unpacks the bundle's jit-cache.tar.xz for these wheels and patches (smoke.jitcache)
   check    imports the server chain; `launch_server --help` must show the threshold flag
   models   tiny smoke models and the 1B-shaped bench models (--device cuda: seconds)
   smoke    plain reference server, EAGLE-3 + threshold (overlap on, CUDA graphs) and
@@ -25,6 +26,7 @@ compiled in this call as jit-cache.tar.xz, for the bundle folder (smoke.jitcache
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import io
 import json
@@ -125,13 +127,17 @@ class E2E:
             h.update(p.name.encode() + b"\0" + p.read_bytes())
         return h.hexdigest()
 
+    @functools.cached_property
+    def wheels_digest(self) -> str:
+        """sha256 of the bundle's wheels (~40 MB: read once per call)."""
+        return hashlib.sha256((self.a.bundle / "wheels.tar.xz").read_bytes()).hexdigest()
+
     def install_key(self) -> str:
         """What the site is made of: the bundle's wheels and the patch series."""
-        tarball = self.a.bundle / "wheels.tar.xz"
-        return f"{hashlib.sha256(tarball.read_bytes()).hexdigest()}:{self.series_digest()}"
+        return f"{self.wheels_digest}:{self.series_digest()}"
 
     def kernel_key(self) -> str:
-        return jitcache.kernel_key(self.a.bundle / "wheels.tar.xz", REPO / "patches" / self.a.flavor)
+        return jitcache.kernel_key(self.wheels_digest, self.state.get("patch") or [])
 
     def phase_install(self) -> None:
         tarball = self.a.bundle / "wheels.tar.xz"
@@ -160,11 +166,6 @@ class E2E:
         (self.site / ".installed").write_text(key)
         self.state["install"] = key
         self.log(f"install: {len(wheels)} wheels into {self.site}")
-        # kernels compiled by an earlier machine for this site: the first server starts ~1 min sooner
-        added, why = jitcache.seed(self.a.bundle / jitcache.ARCHIVE, self.state_dir / "jit", self.kernel_key())
-        self.log(f"jit cache: {added} compiled files from {self.a.bundle / jitcache.ARCHIVE}" if added
-                 else f"jit cache: none unpacked ({why})")
-        self.state["jit_fingerprint"] = jitcache.fingerprint(self.state_dir / "jit")
 
     def phase_patch(self) -> None:
         if self.state.get("patch"):
@@ -180,6 +181,12 @@ class E2E:
             raise RuntimeError(f"patch series did not apply: {p.stderr.strip()[-1500:]}")
         self.state["patch"] = json.loads(manifest.read_text()) if manifest.exists() else []
         shutil.copy(manifest, self.out / "patches.json") if manifest.exists() else None
+        # kernels compiled by an earlier machine for these wheels and patches: the first server starts
+        # ~1 min sooner (the key reads the manifest the apply just wrote)
+        added, why = jitcache.seed(self.a.bundle / jitcache.ARCHIVE, self.state_dir / "jit", self.kernel_key())
+        self.log(f"jit cache: {added} compiled files from {self.a.bundle / jitcache.ARCHIVE}" if added
+                 else f"jit cache: none unpacked ({why})")
+        self.state["jit_fingerprint"] = jitcache.fingerprint(self.state_dir / "jit")
 
     def phase_check(self) -> None:
         if self.state.get("check"):

@@ -4,7 +4,7 @@ Every device call may land on a fresh machine, and there the first server spends
 compiling Triton and FlashInfer kernels while it captures its CUDA graphs (62-67 s for the target
 prefill graphs on 2026-11-30, against 9-10 s with the caches warm). The e2e driver packs its JIT
 directory into OUT/jit-cache.tar.xz at the end of a call; copied into the bundle folder (.gpu/), it
-travels with the next call, and the install phase unpacks it before any server starts.
+travels with the next call, and the patch phase unpacks it before any server starts.
 
 The archive names the kernel key it was built for (`kernel_key`: the bundle's wheels and the
 patches to anything but sglang's Python files): a cache for another key is not unpacked, and files
@@ -19,6 +19,7 @@ import json
 import lzma
 import tarfile
 from pathlib import Path
+from typing import Any
 
 ARCHIVE = "jit-cache.tar.xz"
 MANIFEST = "jit-cache.json"            # first member: {"key": kernel_key, "files": n}
@@ -26,15 +27,14 @@ MAX_BYTES = 14 * 2**20                 # a file coming back from OUT may hold 16
 MAX_RAW_BYTES = 256 * 2**20            # more would not compress under MAX_BYTES, and takes long to try
 
 
-def kernel_key(wheels: Path, series_dir: Path) -> str:
-    """What compiled kernels depend on: the bundle's wheels, and each patch of the series that changes
-    a file outside sglang/ (FlashInfer's JIT builds from its patched sources)."""
-    h = hashlib.sha256(wheels.read_bytes())
-    for patch in sorted(series_dir.glob("*.patch")):
-        text = patch.read_bytes()
-        targets = [line[6:] for line in text.decode(errors="replace").splitlines() if line.startswith("+++ b/")]
-        if any(not t.startswith("sglang/") for t in targets):
-            h.update(patch.name.encode() + b"\0" + text)
+def kernel_key(wheels_sha256: str, manifest: list[dict[str, Any]]) -> str:
+    """What compiled kernels depend on: the bundle's wheels, and each applied patch (the manifest that
+    `sglang_image.patch apply --manifest` writes: name, sha256, files) that changes a file outside
+    sglang/ (FlashInfer's JIT builds from its patched sources)."""
+    h = hashlib.sha256(wheels_sha256.encode())
+    for entry in manifest:
+        if any(not f.startswith("sglang/") for f in entry["files"]):
+            h.update(f"\0{entry['name']}:{entry['sha256']}".encode())
     return h.hexdigest()
 
 

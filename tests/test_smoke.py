@@ -6,6 +6,7 @@ continuation of a model generated here. Nothing pretends to be an sglang server.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sys
@@ -796,17 +797,21 @@ def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
     (tmp_path / "bad.tar.xz").write_bytes(b"not xz")
     assert "unreadable" in jitcache.seed(tmp_path / "bad.tar.xz", fresh, "key-1")[1]
     # the key follows the wheels and the patches outside sglang/ (FlashInfer's), not sglang's Python
-    series = tmp_path / "series"
-    series.mkdir()
-    wheels = tmp_path / "bundle" / "wheels.tar.xz"
-    wheels.write_bytes(b"wheels")
-    for name in ("sm120-flashinfer-trtllm-comm.patch", "dynamic-speculation-disable.patch"):
-        (series / name).write_bytes((REPO / "patches" / "sglang-0.5.17" / name).read_bytes())
-    key = jitcache.kernel_key(wheels, series)
-    (series / "dynamic-speculation-disable.patch").write_bytes(b"+++ b/sglang/srt/x.py\n+changed\n")
-    assert jitcache.kernel_key(wheels, series) == key
-    (series / "sm120-flashinfer-trtllm-comm.patch").write_bytes(b"+++ b/flashinfer/jit/comm.py\n+changed\n")
-    assert jitcache.kernel_key(wheels, series) != key
+    # (the manifest `sglang_image.patch apply` writes: name, sha256, files, here of the real series)
+    from sglang_image.patch import parse_patch
+
+    def applied(name: str, text: str) -> dict:
+        return {"name": name, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                "files": [fp.path for fp in parse_patch(text, name)]}
+    series = REPO / "patches" / "sglang-0.5.17"
+    manifest = [applied(n, (series / n).read_text())
+                for n in ("sm120-flashinfer-trtllm-comm.patch", "dynamic-speculation-disable.patch")]
+    wheels = hashlib.sha256(b"wheels").hexdigest()
+    key = jitcache.kernel_key(wheels, manifest)
+    manifest[1] = applied("dynamic-speculation-disable.patch", "--- a/sglang/srt/x.py\n+++ b/sglang/srt/x.py\n@@ -1 +1 @@\n-a\n+changed\n")
+    assert jitcache.kernel_key(wheels, manifest) == key
+    manifest[0] = applied("sm120-flashinfer-trtllm-comm.patch", "--- a/flashinfer/jit/comm.py\n+++ b/flashinfer/jit/comm.py\n@@ -1 +1 @@\n-a\n+changed\n")
+    assert jitcache.kernel_key(wheels, manifest) != key
     # the driver packs what a call compiled, once, into OUT
     monkeypatch.setattr(e2e.E2E, "kernel_key", lambda self: "key-1")
     drv = e2e.E2E(build_parser().parse_args(["e2e", "--bundle", str(tmp_path / "bundle"), "--state",
