@@ -268,6 +268,101 @@ def test_plain_step_result_layout(run_in_tree, patched):
     assert out["payload"] == [[7, 8, 9], [3, 1], [3, 12]]
 
 
+def test_plain_step_tokens_resolve_as_the_spec_v2_path_does(run_in_tree, patched):
+    """The scheduler's fast path for a plain step's result (_resolve_plain_step_tokens) leaves every
+    request and the result as _resolve_spec_v2_tokens leaves them (tokens, kv_committed_len,
+    spec_verify_ct, the correct-drafts histogram, the counters), finished and retracted requests
+    included; only the adaptive controller is not fed (no verify ran), and a batch with a grammar
+    keeps the general path."""
+    out = _run(run_in_tree, patched, """
+        import copy
+        import torch
+        from sglang.srt.speculative import eagle_worker_v2 as ew
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.managers.utils import GenerationBatchResult
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        class R:
+            update_spec_correct_drafts_histogram = Req.update_spec_correct_drafts_histogram
+            def __init__(self, committed, done=False, retracted=False, hist=()):
+                self.kv_committed_len, self.done, self.is_retracted = committed, done, retracted
+                self.spec_verify_ct, self.spec_num_correct_drafts = 5, 9
+                self.spec_correct_drafts_histogram = list(hist)
+                self.grammar = None
+            def finished(self):
+                return self.done
+            def state(self):
+                return [self.kv_committed_len, self.spec_verify_ct, self.spec_num_correct_drafts,
+                        self.spec_correct_drafts_histogram]
+
+        def resolve(plain_fast_path, has_grammar=False):
+            reqs = [R(10), R(20, hist=[3, 1, 4]), R(30, done=True), R(40, retracted=True), R(50, hist=[0])]
+            bs = len(reqs)
+            logits = LogitsProcessorOutput(next_token_logits=torch.randn(bs, 50), hidden_states=torch.randn(bs, 4))
+            target = GenerationBatchResult(logits_output=logits, can_run_cuda_graph=True)
+            target.next_token_ids = torch.tensor([7, 8, 9, 10, 11])
+            res = ew.build_plain_step_result(target, torch.tensor([10, 20, 30, 40, 50]))
+            res.spec_plain_step = plain_fast_path
+            fed = []
+            proc = object.__new__(SchedulerBatchResultProcessor)  # a frozen dataclass: set its one field
+            object.__setattr__(proc, "model_worker", type("W", (), {
+                "on_verify_complete_cpu": lambda self, per_req, batch_size: fed.append(per_req)})())
+            batch = type("B", (), {"reqs": reqs, "has_grammar": has_grammar,
+                                   "forward_mode": ForwardMode.DECODE})()
+            tokens = proc._resolve_spec_v2_tokens(res, batch)
+            return {"tokens": tokens, "reqs": [r.state() for r in reqs], "fed": fed,
+                    "counters": [res.num_correct_drafts, res.num_correct_drafts_per_req_cpu,
+                                 res.num_block_accept_tokens, res.num_cap_tokens]}
+
+        emit({"fast": resolve(True), "general": resolve(False), "grammar": resolve(True, has_grammar=True)})
+    """)
+    fast, general = out["fast"], out["general"]
+    assert fast["tokens"] == general["tokens"] == [[7], [8], [9], [10], [11]]
+    assert fast["reqs"] == general["reqs"]
+    assert fast["reqs"][0] == [11, 6, 9, [1]] and fast["reqs"][1] == [21, 6, 9, [4, 1, 4]]
+    assert fast["reqs"][2] == [30, 5, 9, []] and fast["reqs"][3] == [40, 5, 9, []]  # finished, retracted
+    assert fast["counters"] == general["counters"] == [0, [0] * 5, 0, 0]
+    assert general["fed"] == [[0] * 5] and fast["fed"] == []
+    assert out["grammar"]["fed"] == [[0] * 5]  # a grammar batch takes the general path
+
+
+def test_spec_decode_kv_need_at_page_size_one_matches_the_paged_estimate(run_in_tree, patched):
+    """spec-decode-alloc-host-loop.patch: at page size 1 the next spec decode's KV need is the sum of
+    the per-request shortfalls, without ceil_align; the paged estimate is unchanged."""
+    out = _run(run_in_tree, patched, """
+        import random
+        from types import SimpleNamespace as NS
+        from sglang.srt.managers import schedule_batch as sb
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        def estimate(reqs, page, reserve):
+            sb.get_alloc_reserve_per_decode = lambda: reserve
+            return ScheduleBatch._new_tokens_required_next_decode_spec_v2(None, reqs, page)
+
+        def reference(reqs, page, reserve):  # upstream 0.5.17's loop
+            total = 0
+            for r in reqs:
+                x = max(0, r.kv_committed_len + reserve - r.kv.kv_allocated_len)
+                cur = r.kv.kv_allocated_len
+                total += sb.ceil_align(cur + x, page) - sb.ceil_align(cur, page)
+            return total
+
+        rng = random.Random(7)
+        cases = []
+        for _ in range(200):
+            reserve = rng.choice([2, 4, 8])
+            reqs = [NS(kv_committed_len=c, kv=NS(kv_allocated_len=c + rng.randint(-2, 2 * reserve)))
+                    for c in (rng.randint(1, 500) for _ in range(rng.randint(0, 40)))]
+            for page in (1, 16):
+                cases.append([estimate(reqs, page, reserve), reference(reqs, page, reserve)])
+        emit({"cases": cases})
+    """)
+    assert all(got == want for got, want in out["cases"])
+    assert any(got > 0 for got, _ in out["cases"]) and any(got == 0 for got, _ in out["cases"])
+
+
 def test_plain_graph_runner_captures_decode_not_verify(run_in_tree, patched):
     out = _run(run_in_tree, patched, """
         from sglang.srt.speculative import eagle_worker_v2 as ew
