@@ -597,11 +597,55 @@ def test_plain_publish_lets_the_next_resolve_skip_the_wait(run_in_tree, patched)
         b3 = batch([3, 7]); fm.resolve_seq_lens_cpu(b3)
         emit({"b1": [b1.seq_lens.tolist(), b1.seq_lens_cpu.tolist(), b1.seq_lens_sum], "d2h_plain": d2h_plain,
               "d2h_mixed": d2h_mixed, "b3": [b3.seq_lens.tolist(), b3.seq_lens_cpu.tolist()],
-              "forgotten": fm._host_published_rows is None})
+              "forgotten": not fm._host_valid.any().item()})
     """)
     assert out["b1"] == [[31, 11], [31, 11], 42] and out["d2h_plain"] == 0
     assert out["d2h_mixed"] >= 1
     assert out["b3"] == [[50, 70], [50, 70]] and out["forgotten"] is True
+
+
+def test_prefill_publish_lets_the_first_decode_after_it_skip_the_wait(run_in_tree, patched):
+    """FutureMap: rows a plain step published and rows a prefill then published with their host
+    lengths resolve together from the host (the first decode after a prefill used to wait for the
+    prefill's forward); a verify's publish invalidates every row; the worker passes the prefill's
+    lengths (test_prefill_in_plain_mode_writes_draft_kv_only checks that the worker does)."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        class Algo:
+            def is_some(self):
+                return True
+
+        fm = FutureMap(torch.device("cpu"), Algo(), NS(req_to_token=torch.zeros(16, 8, dtype=torch.int32)))
+        d2h = []
+        def batch(rows):
+            return NS(spec_info=NS(future_indices=torch.tensor(rows)), req_pool_indices_cpu=torch.tensor(rows),
+                      seq_lens=None, seq_lens_cpu=None, seq_lens_sum=None)
+        real_cpu = torch.Tensor.cpu
+        def counting_cpu(self, *a, **k):
+            d2h.append(1)
+            return real_cpu(self, *a, **k)
+        torch.Tensor.cpu = counting_cpu
+        plain_rows, plain_lens = torch.tensor([3, 5]), torch.tensor([11, 21])
+        fm.publish(plain_rows, plain_lens, host_seq_lens=(plain_rows, plain_lens))     # a plain decode step
+        pre_rows, pre_lens = torch.tensor([9, 2]), torch.tensor([40, 7])
+        fm.publish(pre_rows, pre_lens, host_seq_lens=(pre_rows, pre_lens))             # a prefill
+        merged = batch([3, 5, 9, 2]); fm.resolve_seq_lens_cpu(merged)
+        d2h_merged = len(d2h)
+        fm.publish(torch.tensor([3]), torch.tensor([60]))                               # a verify
+        after = batch([5, 9]); fm.resolve_seq_lens_cpu(after)
+        d2h_after = len(d2h) - d2h_merged
+
+        emit({"merged": [merged.seq_lens.tolist(), merged.seq_lens_cpu.tolist(), merged.seq_lens_sum],
+              "d2h_merged": d2h_merged, "after": after.seq_lens_cpu.tolist(), "d2h_after": d2h_after,
+              "valid_after_verify": fm._host_valid.any().item(),
+              "prefill_kwargs": [r.tolist() for r in ew._host_seq_lens_kwargs(
+                  make_batch(2, req_pool_indices_cpu=torch.tensor([4, 6]), seq_lens_cpu=torch.tensor([30, 31])),
+                  advance=0)["host_seq_lens"]]})
+    """)
+    assert out["merged"] == [[11, 21, 40, 7], [11, 21, 40, 7], 79] and out["d2h_merged"] == 0
+    assert out["after"] == [21, 40] and out["d2h_after"] >= 1 and out["valid_after_verify"] is False
+    assert out["prefill_kwargs"] == [[4, 6], [30, 31]]
 
 
 def test_plain_step_publishes_host_lengths(run_in_tree, patched):
@@ -954,7 +998,8 @@ def test_prefill_in_plain_mode_writes_draft_kv_only(run_in_tree, patched):
             return NS(forward_mode=ForwardMode.EXTEND, input_ids=torch.tensor([10, 11, 12, 20, 21]),
                       extend_lens=[3, 2], prefix_lens=[5, 0], chunked_req_next_prompt_token=None,
                       seq_lens=torch.tensor([8, 2]), is_extend_in_batch=True,
-                      out_cache_loc=torch.tensor([40, 41, 42, 50, 51]))
+                      out_cache_loc=torch.tensor([40, 41, 42, 50, 51]),
+                      req_pool_indices_cpu=torch.tensor([4, 6]), seq_lens_cpu=torch.tensor([8, 2]))
         def result():
             lo = LogitsProcessorOutput(next_token_logits=torch.zeros(2, 5),
                                        hidden_states=torch.arange(5, dtype=torch.float32)[:, None].repeat(1, 6))
@@ -968,14 +1013,18 @@ def test_prefill_in_plain_mode_writes_draft_kv_only(run_in_tree, patched):
         w._target_worker = NS(forward_batch_generation=lambda batch, capture_hidden_mode=None: r)
         w.speculative_algorithm = NS(is_standalone=lambda: False)
         # through the worker's entry point (the draft worker has no upstream draft extend to call)
-        in_plain_mode = w.forward_batch_generation(prefill_batch()) is r and len(calls) == 1
+        published = []
+        publish = lambda sl, **kw: published.append([sl.tolist(), [t.tolist() for t in kw.get("host_seq_lens", ())]])
+        in_plain_mode = w.forward_batch_generation(prefill_batch(), on_publish=publish) is r and len(calls) == 1
         nd = r.next_draft_input
         emit({"in_spec_mode": in_spec_mode, "in_plain_mode": in_plain_mode, "calls": calls, "timed": timed,
               "stale": w._draft_tail_stale, "bonus": nd.bonus_tokens.tolist(),
               "shapes": [list(nd.topk_p.shape), list(nd.topk_index.shape), list(nd.hidden_states.shape)],
-              "hidden_dtype": str(nd.hidden_states.dtype)})
+              "hidden_dtype": str(nd.hidden_states.dtype), "published": published})
     """)
     assert out["in_spec_mode"] is False and out["in_plain_mode"] is True
+    # the prefill's lengths reach the FutureMap on the host too: the next decode need not wait for it
+    assert out["published"] == [[[8, 2], [[4, 6], [8, 2]]]]
     assert out["calls"] == [[[11, 12, 13, 21, 22], [5, 6, 7, 0, 1], [0.0, 1.0, 2.0, 3.0, 4.0],
                              [40, 41, 42, 50, 51]]]
     assert out["stale"] is True and out["bonus"] == [13, 22]
