@@ -440,6 +440,7 @@ from sglang.srt.speculative.spec_disable import SpecDisableController
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 class SpecPathTaken(Exception):
     pass
@@ -459,7 +460,8 @@ def make_batch(bs, **kw):
     b = NS(forward_mode=ForwardMode.DECODE, is_extend_in_batch=False,
            seq_lens=torch.arange(10, 10 + bs), spec_info=NS(bonus_tokens=torch.arange(100, 100 + bs)),
            has_grammar=False, sampling_info=NS(penalizer_orchestrator=NS(is_required=False)),
-           req_pool_indices=torch.arange(bs), seq_lens_cpu=None)
+           req_pool_indices=torch.arange(bs), seq_lens_cpu=None,
+           spec_algorithm=SpeculativeAlgorithm.EAGLE3)
     b.__dict__.update(kw)
     return b
 
@@ -966,6 +968,256 @@ def test_plain_steps_write_draft_kv_only_then_catch_up(run_in_tree, patched):
     assert out["stale"] == [True, True, False, False]
     assert out["snap"]["plain_steps"] == 3 and out["snap"]["speculative_steps"] == 1
     assert out["snap"]["mode"] == "speculative"
+
+
+def test_plain_layout_conversions(run_in_tree, patched):
+    """prepare_decode_layout, the scheduler's hook before a decode batch is prepared: the first
+    plain step after a verify keeps the speculative layout (the in-flight verify's lengths are not
+    on the host); once every row's latest publish carried host lengths (plain steps, prefills), the
+    batch becomes a plain server's decode batch: lengths from the host, each request's speculative
+    tail past its length freed and kv_allocated_len = length, spec_algorithm NONE, no spec_info.
+    When speculation resumes it goes back: spec_info gathers from the FutureMap by req_pool_indices.
+    Sync mode, an unsupported setup or a row without host lengths keep the speculative layout."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        class Algo:
+            def is_some(self):
+                return True
+
+        def fresh_map():
+            return FutureMap(torch.device("cpu"), Algo(), NS(req_to_token=torch.zeros(16, 8, dtype=torch.int32)))
+        req_to_token = torch.arange(8 * 32, dtype=torch.int32).reshape(8, 32)
+        rows = [5, 1, 6]
+        def batch(allocated=(20, 14, 9), overlap=True, freed=None):
+            reqs = [NS(req_pool_idx=r, kv=NS(kv_allocated_len=a)) for r, a in zip(rows, allocated)]
+            allocator = NS(free=lambda idx: freed.append(idx.tolist()))
+            b = make_batch(3, reqs=reqs, req_pool_indices=torch.tensor(rows),
+                              req_pool_indices_cpu=torch.tensor(rows), seq_lens=torch.tensor([11, 7, 3]),
+                              seq_lens_cpu=torch.tensor([11, 7, 3]), orig_seq_lens=None, seq_lens_sum=21,
+                              enable_overlap=overlap, token_to_kv_pool_allocator=allocator,
+                              req_to_token_pool=NS(req_to_token=req_to_token), device="cpu",
+                              spec_info=NS(future_indices=torch.tensor(rows)))
+            b.batch_size = lambda: len(b.reqs)
+            return b
+        def worker(ok=True):
+            w = make_worker(2, 0)
+            w._plain_layout_ok = ok
+            w._decided_plain = None
+            w.speculative_algorithm = SpeculativeAlgorithm.EAGLE3
+            return w
+        def publish(fm, lens, host):
+            r, l = torch.tensor(rows), torch.tensor(lens)
+            fm.publish(r, l, host_seq_lens=(r, l) if host else None)
+        def layout(b):
+            return "plain" if b.spec_algorithm.is_none() else "spec"
+
+        res = {}
+        w, fm, freed = worker(), fresh_map(), []
+        b = batch(freed=freed)
+        publish(fm, [11, 7, 3], host=False)                # the last step was a verify
+        w.prepare_decode_layout(b, fm)                     # bs 3 > 2: plain, in the speculative layout
+        res["after_verify"] = [w._decided_plain, layout(b), len(freed)]
+        publish(fm, [12, 8, 4], host=True)                 # that plain step's publish
+        w.prepare_decode_layout(b, fm)
+        res["converted"] = [w._decided_plain, layout(b), b.spec_info is None, b.seq_lens.tolist(),
+                            b.seq_lens_cpu.tolist(), b.orig_seq_lens.tolist(), str(b.orig_seq_lens.dtype),
+                            b.seq_lens_sum, [r.kv.kv_allocated_len for r in b.reqs], freed,
+                            [req_to_token[5, 12:20].tolist() + req_to_token[1, 8:14].tolist()
+                             + req_to_token[6, 4:9].tolist()]]
+        w.prepare_decode_layout(b, fm)                     # still plain: stays
+        res["stays"] = [w._decided_plain, layout(b), len(freed)]
+        w._draft_tail_stale = True                         # plain steps wrote the draft's K/V only
+        b.reqs, b.req_pool_indices = b.reqs[:2], b.req_pool_indices[:2]
+        w.prepare_decode_layout(b, fm)                     # bs 2 <= 2 - 0: speculative, but catch up first
+        res["catch_up"] = [w._decided_plain, layout(b), w.spec_disable.mode]
+        w._draft_tail_stale = False
+        w.prepare_decode_layout(b, fm)
+        res["back"] = [w._decided_plain, layout(b), b.spec_info.future_indices.tolist(),
+                       b.spec_algorithm is SpeculativeAlgorithm.EAGLE3]
+
+        def stays_speculative(w, b, fm):
+            w.prepare_decode_layout(b, fm)
+            return [w._decided_plain, layout(b)]
+        fm = fresh_map(); publish(fm, [12, 8, 4], host=True)
+        res["sync"] = stays_speculative(worker(), batch(overlap=False, freed=[]), fm)
+        res["unsupported"] = stays_speculative(worker(ok=False), batch(freed=[]), fm)
+        res["no_future_map"] = stays_speculative(worker(), batch(freed=[]), None)
+        fm = fresh_map()
+        fm.publish(torch.tensor([5, 1]), torch.tensor([12, 8]), host_seq_lens=(torch.tensor([5, 1]), torch.tensor([12, 8])))
+        res["row_not_on_host"] = stays_speculative(worker(), batch(freed=[]), fm)
+        emit(res)
+    """)
+    assert out["after_verify"] == [True, "spec", 0]
+    decided, lay, no_spec_info, seq_lens, seq_lens_cpu, orig, orig_dtype, total, allocated, freed, tails = \
+        out["converted"]
+    assert [decided, lay, no_spec_info] == [True, "plain", True]
+    assert seq_lens == seq_lens_cpu == orig == [12, 8, 4] and orig_dtype == "torch.int32"
+    assert total is None and allocated == [12, 8, 4]
+    assert freed == tails                  # [length, kv_allocated_len) of each request, in one free
+    assert out["stays"] == [True, "plain", 1]
+    assert out["catch_up"] == [True, "plain", "speculative"]
+    assert out["back"] == [False, "spec", [5, 1], True]
+    for case in ("sync", "unsupported", "no_future_map", "row_not_on_host"):
+        assert out[case] == [True, "spec"], case
+
+
+def test_plain_layout_step_runs_a_plain_decode_then_the_draft(run_in_tree, patched):
+    """A plain-layout batch (spec_algorithm NONE) goes to _forward_plain_layout: the target's
+    DECODE forward of the batch as prepared (post-write lengths, its own input ids and slots) under
+    the plain backend and graph, no spec-v2 result layout; then, while the mode is plain, the
+    draft's K/V only at the same positions and slots (no proposal: the FutureMap keeps the last),
+    and the target graph's read-done event moves to the runner the scheduler's WAR barrier reads.
+    On the catch-up step the draft's full DECODE step runs on the same lengths (not advanced again)
+    and its proposal is relayed; the batch is left as the scheduler prepared it."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        hidden = 6
+        w = make_worker(2, 0)
+        w.speculative_algorithm = SpeculativeAlgorithm.EAGLE3
+        w._decided_plain = True
+        events = []
+        mr = NS(attn_backend="spec-target", decode_cuda_graph_runner="spec-graph",
+                war_fastpath_read_done_event=None)
+        def target_forward(batch, forward_batch=None):
+            bs = forward_batch.seq_lens.shape[0]
+            events.append(("target", mr.attn_backend, mr.decode_cuda_graph_runner,
+                           forward_batch.seq_lens.tolist(), forward_batch.positions.tolist(),
+                           forward_batch.input_ids.tolist(), forward_batch.out_cache_loc.tolist()))
+            mr.war_fastpath_read_done_event = "target-read-done"
+            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5),
+                                       hidden_states=torch.full((bs, hidden), 2.0))
+            r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
+            r.next_token_ids = torch.arange(5, 5 + bs)
+            return r
+        w._target_worker = NS(model_runner=mr, forward_batch_generation=target_forward)
+        ew.ForwardBatch.init_new = staticmethod(fake_forward_batch_init_new)
+        draft_pool = object()
+        class KvOnly:
+            def write_kv_only(self, tokens, positions, target_hidden, loc, pool):
+                events.append(("kv_only", tokens.tolist(), positions.tolist(), target_hidden[:, 0].tolist(),
+                               loc.tolist(), pool is draft_pool))
+        def draft_forward(fb):
+            events.append(("draft_decode", fb.input_ids.tolist(), fb.seq_lens.tolist(), fb.positions.tolist(),
+                           fb.spec_info.hidden_states[:, 0].tolist()))
+            n = fb.input_ids.shape[0]
+            return NS(logits_output=LogitsProcessorOutput(next_token_logits=torch.eye(n, 4).flip(1),
+                                                          hidden_states=torch.full((n, 4), 7.0)))
+        draft_runner = NS(tp_group=None, attn_backend="spec-dr", decode_cuda_graph_runner=None,
+                          token_to_kv_pool=draft_pool, forward=draft_forward, device_timer=None,
+                          war_fastpath_read_done_event=None)
+        w._draft_worker = NS(draft_runner=draft_runner, draft_tp_context=lambda g: ew.empty_context())
+        w._plain_state = ew._PlainStepState("plain-target", "plain-graph", "plain-de", "plain-dr", "plain-deg",
+                                            draft_kv_only_model=KvOnly())
+        for name in ("speculative_moe_backend_context", "speculative_moe_a2a_backend_context"):
+            setattr(ew, name, ew.empty_context)
+        input_ids = torch.tensor([100, 101, 102])
+        b = make_batch(3, spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
+                       seq_lens=torch.tensor([11, 12, 13]), input_ids=input_ids,
+                       out_cache_loc=torch.tensor([70, 71, 72]))
+        w.spec_disable.step(3)                              # mode plain
+        p = w.forward_batch_generation(b)
+        p_state = {"plain": p.spec_plain_step, "draft_input": p.next_draft_input, "accept": p.accept_lens,
+                   "stride": p.speculative_num_draft_tokens, "stale": w._draft_tail_stale,
+                   "war": [draft_runner.war_fastpath_read_done_event, mr.war_fastpath_read_done_event],
+                   "backends": [mr.attn_backend, mr.decode_cuda_graph_runner]}
+        w.spec_disable.step(1)                              # speculative again: the catch-up step
+        draft_runner.war_fastpath_read_done_event = None
+        c = w.forward_batch_generation(b)
+        nd = c.next_draft_input
+        emit({"events": events, "p": {k: v if not hasattr(v, "tolist") else v.tolist() for k, v in p_state.items()},
+              "c": {"topk_index": nd.topk_index[:, 0].tolist(), "bonus": nd.bonus_tokens.tolist(),
+                    "hidden": nd.hidden_states[:, 0].tolist(), "stale": w._draft_tail_stale,
+                    "kept": len(c.extra_keep_alive_refs)},
+              "batch_after": [b.input_ids is input_ids, b.spec_info is None, b.spec_algorithm.is_none(),
+                              b.seq_lens.tolist()]})
+    """)
+    ev = out["events"]
+    assert ev[0] == ["target", "plain-target", "plain-graph", [11, 12, 13], [10, 11, 12], [100, 101, 102],
+                     [70, 71, 72]]
+    assert ev[1] == ["kv_only", [5, 6, 7], [10, 11, 12], [2.0, 2.0, 2.0], [70, 71, 72], True]
+    assert out["p"] == {"plain": True, "draft_input": None, "accept": None, "stride": None, "stale": True,
+                        "war": ["target-read-done", None], "backends": ["spec-target", "spec-graph"]}
+    assert ev[2][0] == "target"
+    assert ev[3] == ["draft_decode", [5, 6, 7], [11, 12, 13], [10, 11, 12], [2.0, 2.0, 2.0]]
+    assert len(ev) == 4
+    assert out["c"] == {"topk_index": [3, 2, 1], "bonus": [5, 6, 7], "hidden": [7.0, 7.0, 7.0],
+                        "stale": False, "kept": 1}
+    assert out["batch_after"] == [True, True, True, [11, 12, 13]]
+
+
+def test_future_map_relays_a_plain_layout_step(run_in_tree, patched):
+    """FutureMap on a speculative server: a plain-layout step's relay (its token only) keeps each
+    row's draft proposal; the next plain-layout batch gathers its input ids from the token buffer
+    (as a non-speculative server's) and resolves no spec extras."""
+    out = _run(run_in_tree, patched, body="""
+        import torch
+        from types import SimpleNamespace as NS
+        from sglang.srt.managers.overlap_utils import FutureMap, RelayPayload, resolve_forward_inputs
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        class Algo:
+            def is_some(self):
+                return True
+            def is_none(self):
+                return False
+            def is_ngram(self):
+                return False
+
+        fm = FutureMap(torch.device("cpu"), Algo(), NS(req_to_token=torch.zeros(16, 8, dtype=torch.int32)))
+        fm._forward_buf_initialized, fm.need_topk, fm.need_hidden_states = True, True, True
+        fm.topk_p_buf, fm.topk_index_buf = torch.zeros(16, 1), torch.zeros(16, 1, dtype=torch.int64)
+        fm.hidden_states_buf, fm.draft_probs_buf = torch.zeros(16, 4), None
+        rows = torch.tensor([3, 9])
+        fm.stash(rows, RelayPayload(bonus_tokens=torch.tensor([11, 12]), topk_p=torch.tensor([[0.5], [0.25]]),
+                                    topk_index=torch.tensor([[40], [41]]), hidden_states=torch.ones(2, 4)))
+        fm.stash(rows, RelayPayload(bonus_tokens=torch.tensor([21, 22])))   # a plain-layout step
+        b = NS(prefill_input_ids_cpu=None, input_ids=None, req_pool_indices=torch.tensor([9, 3]),
+               enable_overlap=True, spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None)
+        resolve_forward_inputs(b, fm)
+        emit({"input_ids": b.input_ids.tolist(), "topk_index": fm.topk_index_buf[rows, 0].tolist(),
+              "topk_p": fm.topk_p_buf[rows, 0].tolist(), "hidden": fm.hidden_states_buf[rows, 0].tolist(),
+              "spec_info": b.spec_info})
+    """)
+    assert out == {"input_ids": [22, 21], "topk_index": [40, 41], "topk_p": [0.5, 0.25], "hidden": [1.0, 1.0],
+                   "spec_info": None}
+
+
+def test_plain_layout_result_counts_a_verify_per_request(run_in_tree, patched):
+    """A plain-layout step's result is processed as a non-speculative one (one token per request,
+    kv_committed_len untouched: plain steps commit at prepare) and counts per request as a verify
+    with no accepted draft, so meta_info's spec_accept_length stays tokens per step; a plain
+    server's result counts nothing."""
+    out = _run(run_in_tree, patched, """
+        import torch
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+        from sglang.srt.managers.utils import GenerationBatchResult
+        from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        class R:
+            def __init__(self, hist):
+                self.kv_committed_len, self.spec_verify_ct = 10, 5
+                self.spec_correct_drafts_histogram = list(hist)
+            def state(self):
+                return [self.kv_committed_len, self.spec_verify_ct, self.spec_correct_drafts_histogram]
+
+        def process(plain_layout_step):
+            reqs = [R([]), R([2, 1])]
+            res = GenerationBatchResult(logits_output=LogitsProcessorOutput(next_token_logits=None),
+                                        can_run_cuda_graph=True)
+            res.next_token_ids = torch.tensor([7, 8])
+            res.spec_plain_step = plain_layout_step
+            batch = type("B", (), {"reqs": reqs, "return_logprob": False,
+                                   "spec_algorithm": SpeculativeAlgorithm.NONE})()
+            proc = object.__new__(SchedulerBatchResultProcessor)
+            tokens, _ = proc._normalize_decode_outputs(batch=batch, result=res, logits_output=res.logits_output,
+                                                       next_token_ids=res.next_token_ids)
+            return {"tokens": tokens, "reqs": [r.state() for r in reqs]}
+
+        emit({"plain_layout": process(True), "plain_server": process(False)})
+    """)
+    assert out["plain_layout"] == {"tokens": [[7], [8]], "reqs": [[10, 6, [1]], [10, 6, [3, 1]]]}
+    assert out["plain_server"] == {"tokens": [[7], [8]], "reqs": [[10, 5, []], [10, 5, [2, 1]]]}
 
 
 def test_prefill_in_plain_mode_writes_draft_kv_only(run_in_tree, patched):
