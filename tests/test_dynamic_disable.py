@@ -971,13 +971,14 @@ def test_plain_steps_write_draft_kv_only_then_catch_up(run_in_tree, patched):
 
 
 def test_plain_layout_conversions(run_in_tree, patched):
-    """prepare_decode_layout, the scheduler's hook before a decode batch is prepared: the first
-    plain step after a verify keeps the speculative layout (the in-flight verify's lengths are not
-    on the host); once every row's latest publish carried host lengths (plain steps, prefills), the
-    batch becomes a plain server's decode batch: lengths from the host, each request's speculative
-    tail past its length freed and kv_allocated_len = length, spec_algorithm NONE, no spec_info.
-    When speculation resumes it goes back: spec_info gathers from the FutureMap by req_pool_indices.
-    Sync mode, an unsupported setup or a row without host lengths keep the speculative layout."""
+    """prepare_decode_layout, the scheduler's hook before a decode batch is prepared: at a plain
+    step the batch becomes a plain server's decode batch: each row's length after the in-flight
+    step from the FutureMap (host values when every row has one; else read back from the device,
+    a one-off wait), each request's speculative tail past its length freed in one call and
+    kv_allocated_len = length, spec_algorithm NONE, no spec_info. When speculation resumes (after
+    the catch-up step if the draft's proposals are stale) it goes back: spec_info gathers from the
+    FutureMap by req_pool_indices. Sync mode, an unsupported setup or no FutureMap keep the
+    speculative layout."""
     out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
         from sglang.srt.managers.overlap_utils import FutureMap
 
@@ -993,11 +994,11 @@ def test_plain_layout_conversions(run_in_tree, patched):
             reqs = [NS(req_pool_idx=r, kv=NS(kv_allocated_len=a)) for r, a in zip(rows, allocated)]
             allocator = NS(free=lambda idx: freed.append(idx.tolist()))
             b = make_batch(3, reqs=reqs, req_pool_indices=torch.tensor(rows),
-                              req_pool_indices_cpu=torch.tensor(rows), seq_lens=torch.tensor([11, 7, 3]),
-                              seq_lens_cpu=torch.tensor([11, 7, 3]), orig_seq_lens=None, seq_lens_sum=21,
-                              enable_overlap=overlap, token_to_kv_pool_allocator=allocator,
-                              req_to_token_pool=NS(req_to_token=req_to_token), device="cpu",
-                              spec_info=NS(future_indices=torch.tensor(rows)))
+                           req_pool_indices_cpu=torch.tensor(rows), seq_lens=torch.tensor([11, 7, 3]),
+                           seq_lens_cpu=None, orig_seq_lens=None, seq_lens_sum=21,
+                           enable_overlap=overlap, token_to_kv_pool_allocator=allocator,
+                           req_to_token_pool=NS(req_to_token=req_to_token), device="cpu",
+                           spec_info=NS(future_indices=torch.tensor(rows)))
             b.batch_size = lambda: len(b.reqs)
             return b
         def worker(ok=True):
@@ -1011,25 +1012,34 @@ def test_plain_layout_conversions(run_in_tree, patched):
             fm.publish(r, l, host_seq_lens=(r, l) if host else None)
         def layout(b):
             return "plain" if b.spec_algorithm.is_none() else "spec"
+        d2h = []
+        real_cpu = torch.Tensor.cpu
+        def counting_cpu(self, *a, **k):
+            d2h.append(1)
+            return real_cpu(self, *a, **k)
+        torch.Tensor.cpu = counting_cpu
+        def tails(lens, allocated=(20, 14, 9)):
+            out = []
+            for r, n, a in zip(rows, lens, allocated):
+                out += req_to_token[r, n:a].tolist()
+            return [out]
 
         res = {}
-        w, fm, freed = worker(), fresh_map(), []
-        b = batch(freed=freed)
-        publish(fm, [11, 7, 3], host=False)                # the last step was a verify
-        w.prepare_decode_layout(b, fm)                     # bs 3 > 2: plain, in the speculative layout
-        res["after_verify"] = [w._decided_plain, layout(b), len(freed)]
-        publish(fm, [12, 8, 4], host=True)                 # that plain step's publish
-        w.prepare_decode_layout(b, fm)
-        res["converted"] = [w._decided_plain, layout(b), b.spec_info is None, b.seq_lens.tolist(),
-                            b.seq_lens_cpu.tolist(), b.orig_seq_lens.tolist(), str(b.orig_seq_lens.dtype),
-                            b.seq_lens_sum, [r.kv.kv_allocated_len for r in b.reqs], freed,
-                            [req_to_token[5, 12:20].tolist() + req_to_token[1, 8:14].tolist()
-                             + req_to_token[6, 4:9].tolist()]]
-        w.prepare_decode_layout(b, fm)                     # still plain: stays
+        for source, host in (("device", False), ("host", True)):
+            w, fm, freed = worker(), fresh_map(), []
+            b = batch(freed=freed)
+            publish(fm, [12, 8, 4], host=host)   # the in-flight step's publish (a verify: device only)
+            d2h.clear()
+            w.prepare_decode_layout(b, fm)           # bs 3 > 2: plain
+            res[source] = [w._decided_plain, layout(b), b.spec_info is None, b.seq_lens.tolist(),
+                           b.seq_lens_cpu.tolist(), b.orig_seq_lens.tolist(), str(b.orig_seq_lens.dtype),
+                           b.seq_lens_sum, [r.kv.kv_allocated_len for r in b.reqs], freed == tails([12, 8, 4]),
+                           len(d2h)]
+        w.prepare_decode_layout(b, fm)               # still plain: stays
         res["stays"] = [w._decided_plain, layout(b), len(freed)]
-        w._draft_tail_stale = True                         # plain steps wrote the draft's K/V only
+        w._draft_tail_stale = True                   # plain steps wrote the draft's K/V only
         b.reqs, b.req_pool_indices = b.reqs[:2], b.req_pool_indices[:2]
-        w.prepare_decode_layout(b, fm)                     # bs 2 <= 2 - 0: speculative, but catch up first
+        w.prepare_decode_layout(b, fm)               # bs 2 <= 2 - 0: speculative, but catch up first
         res["catch_up"] = [w._decided_plain, layout(b), w.spec_disable.mode]
         w._draft_tail_stale = False
         w.prepare_decode_layout(b, fm)
@@ -1043,22 +1053,20 @@ def test_plain_layout_conversions(run_in_tree, patched):
         res["sync"] = stays_speculative(worker(), batch(overlap=False, freed=[]), fm)
         res["unsupported"] = stays_speculative(worker(ok=False), batch(freed=[]), fm)
         res["no_future_map"] = stays_speculative(worker(), batch(freed=[]), None)
-        fm = fresh_map()
-        fm.publish(torch.tensor([5, 1]), torch.tensor([12, 8]), host_seq_lens=(torch.tensor([5, 1]), torch.tensor([12, 8])))
-        res["row_not_on_host"] = stays_speculative(worker(), batch(freed=[]), fm)
         emit(res)
     """)
-    assert out["after_verify"] == [True, "spec", 0]
-    decided, lay, no_spec_info, seq_lens, seq_lens_cpu, orig, orig_dtype, total, allocated, freed, tails = \
-        out["converted"]
-    assert [decided, lay, no_spec_info] == [True, "plain", True]
-    assert seq_lens == seq_lens_cpu == orig == [12, 8, 4] and orig_dtype == "torch.int32"
-    assert total is None and allocated == [12, 8, 4]
-    assert freed == tails                  # [length, kv_allocated_len) of each request, in one free
+    for source, reads_back in (("device", 1), ("host", 0)):
+        decided, lay, no_spec_info, seq_lens, seq_lens_cpu, orig, orig_dtype, total, allocated, freed_tails, \
+            d2h = out[source]
+        assert [decided, lay, no_spec_info] == [True, "plain", True], source
+        assert seq_lens == seq_lens_cpu == orig == [12, 8, 4] and orig_dtype == "torch.int32", source
+        assert total is None and allocated == [12, 8, 4], source
+        assert freed_tails is True, source       # [length, kv_allocated_len) of each request, one free
+        assert d2h == reads_back, source
     assert out["stays"] == [True, "plain", 1]
     assert out["catch_up"] == [True, "plain", "speculative"]
     assert out["back"] == [False, "spec", [5, 1], True]
-    for case in ("sync", "unsupported", "no_future_map", "row_not_on_host"):
+    for case in ("sync", "unsupported", "no_future_map"):
         assert out[case] == [True, "spec"], case
 
 
