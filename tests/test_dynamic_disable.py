@@ -451,6 +451,8 @@ def make_worker(threshold, hysteresis):
     w.speculative_num_steps = 3
     w.spec_disable = SpecDisableController(threshold, hysteresis, log_fn=lambda m: None)
     w._draft_tail_stale = False
+    w._decided_plain = None
+    w._plain_layout_ok = False
     def _spec_ctx(*a, **k):
         raise SpecPathTaken()
     w._draft_worker = NS(draft_tp_context=_spec_ctx, draft_runner=NS(tp_group=None))
