@@ -366,6 +366,32 @@ def ab_ratios(rounds: list[dict[str, dict[str, Any]]], name: str, key: str) -> l
     return out
 
 
+def ab_ratios_by_order(rounds: list[dict[str, dict[str, Any]]], names: list[str], name: str,
+                       key: str) -> tuple[list[float], list[float]]:
+    """ab_ratios split by which server took the load first in the round (round k runs `names` in order,
+    reversed when k is odd): (rounds where `name` went before plain, rounds where plain went first)."""
+    first: list[float] = []
+    second: list[float] = []
+    for k, r in enumerate(rounds):
+        order = names if k % 2 == 0 else names[::-1]
+        a, b = r.get(name, {}).get(key), r.get("plain", {}).get(key)
+        if a and b and name in order and "plain" in order:
+            (first if order.index(name) < order.index("plain") else second).append(a / b)
+    return first, second
+
+
+def order_balanced_ratio(rounds: list[dict[str, dict[str, Any]]], names: list[str], name: str,
+                         key: str) -> float | None:
+    """The geometric mean of the two orders' median ratios, None unless both orders were measured. On the
+    H200 a server measured right after the other one ran slower than right after itself (runs 31, 34 and
+    35 of 2026-11-30: the threshold server's best round was each time the one it went first in), so with
+    an odd number of rounds the plain median weighs one order twice; this estimate weighs them alike."""
+    first, second = ab_ratios_by_order(rounds, names, name, key)
+    if not first or not second:
+        return None
+    return (statistics.median(first) * statistics.median(second)) ** 0.5
+
+
 def ab_table(ab: dict[str, Any]) -> str:
     names = ab["configs"]
     others = [n for n in names if n != "plain"]
@@ -385,6 +411,12 @@ def ab_table(ab: dict[str, Any]) -> str:
                 if x:
                     lines.append(f"  c={c} {n} / plain ({label}): median {statistics.median(x):.3f}x, "
                                  f"min {min(x):.3f}x, max {max(x):.3f}x over {len(x)} round(s)")
+                first, second = ab_ratios_by_order(rounds, names, n, key)
+                balanced = order_balanced_ratio(rounds, names, n, key)
+                if balanced is not None:
+                    lines.append(f"    by order: {n} first {statistics.median(first):.3f}x ({len(first)}), plain "
+                                 f"first {statistics.median(second):.3f}x ({len(second)}); order-balanced "
+                                 f"{balanced:.3f}x")
         lines += time_split(rounds, names)
     if ab.get("spec_disable"):
         lines.append(f"eagle3_thr: {ab['spec_disable']}; draft in plain steps: {ab.get('draft_plain_step')}")
@@ -629,10 +661,15 @@ def run_bench_ab(opts: BenchOptions, state: dict[str, Any], expected: dict[str, 
            "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept")},
            "table": "\n".join(parts) or "A/B: no round measured", "skipped": skipped, "failures": failures,
            "ab": ab}
-    thr = ab_ratios(ab["rounds"].get(str(max(opts.concurrency)), []), "eagle3_thr", "tok_per_s")
+    top_rounds = ab["rounds"].get(str(max(opts.concurrency)), [])
+    thr = ab_ratios(top_rounds, "eagle3_thr", "tok_per_s")
     if thr:
-        out["thr_vs_plain_at_max"] = round(statistics.median(thr), 3)
-        out["goal_0.97_met"] = statistics.median(thr) >= 0.97
+        # the goal reads the order-balanced ratio where both orders were measured (ab_table says why)
+        balanced = order_balanced_ratio(top_rounds, list(ab["configs"]), "eagle3_thr", "tok_per_s")
+        out["thr_vs_plain_at_max_median"] = round(statistics.median(thr), 3)
+        out["thr_vs_plain_at_max"] = round(balanced if balanced is not None else statistics.median(thr), 3)
+        out["thr_vs_plain_at_max_basis"] = "order-balanced" if balanced is not None else "median"
+        out["goal_0.97_met"] = out["thr_vs_plain_at_max"] >= 0.97
     return out
 
 

@@ -550,6 +550,26 @@ def test_bench_ab_ratios_table_and_mismatches():
     assert bench.ab_mismatches(outs) == ["round 1 eagle3_thr: 1 output(s) differ from plain (e.g. b)"]
 
 
+def test_bench_ab_ratio_by_order_and_order_balanced_goal():
+    """Run 35's client numbers (plain, eagle3_thr first in rounds 1 and 3, eagle3_thr first in round 2):
+    the ratio per order, their geometric mean, and the goal read from it (an odd number of rounds weighs
+    one order twice in the plain median); one order alone falls back to the median."""
+    from smoke import bench
+
+    names = ["plain", "eagle3_thr"]
+    rounds = [{"plain": {"tok_per_s": 57213.0}, "eagle3_thr": {"tok_per_s": 39936.0}},
+              {"eagle3_thr": {"tok_per_s": 52694.0}, "plain": {"tok_per_s": 56840.0}},
+              {"plain": {"tok_per_s": 50128.0}, "eagle3_thr": {"tok_per_s": 39070.0}}]
+    first, second = bench.ab_ratios_by_order(rounds, names, "eagle3_thr", "tok_per_s")
+    assert [round(x, 3) for x in first] == [0.927] and [round(x, 3) for x in second] == [0.698, 0.779]
+    balanced = bench.order_balanced_ratio(rounds, names, "eagle3_thr", "tok_per_s")
+    assert round(balanced, 3) == round((0.9270583 * (0.6980232 + 0.7794047) / 2) ** 0.5, 3) == 0.828
+    assert bench.order_balanced_ratio(rounds[:1], names, "eagle3_thr", "tok_per_s") is None
+    t = bench.ab_table({"concurrency": [256], "configs": names, "rounds": {"256": rounds}})
+    assert "c=256 eagle3_thr / plain (client): median 0.779x" in t
+    assert "by order: eagle3_thr first 0.927x (1), plain first 0.739x (2); order-balanced 0.828x" in t
+
+
 def test_bench_splits_each_window_by_gpu_category_and_counts_prefills(tmp_path):
     """The device timer's counters (Prometheus text as sglang exports it) become GPU seconds per
     category per window; the server log's prefill lines are counted; the A/B table shows both."""
