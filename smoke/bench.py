@@ -382,10 +382,10 @@ def ab_ratios_by_order(rounds: list[dict[str, dict[str, Any]]], names: list[str]
 
 def order_balanced_ratio(rounds: list[dict[str, dict[str, Any]]], names: list[str], name: str,
                          key: str) -> float | None:
-    """The geometric mean of the two orders' median ratios, None unless both orders were measured. On the
-    H200 a server measured right after the other one ran slower than right after itself (runs 31, 34 and
-    35 of 2026-11-30: the threshold server's best round was each time the one it went first in), so with
-    an odd number of rounds the plain median weighs one order twice; this estimate weighs them alike."""
+    """The geometric mean of the two orders' median ratios, None unless both orders were measured. With an
+    odd number of rounds the plain median weighs one order twice, and the order can matter: in runs 31,
+    34 and 35 of 2026-11-30 on the H200 the threshold server's best round was each time the one it went
+    first in (0.93x-1.01x against 0.70x-0.91x; not so in runs 17 and 25). This weighs both orders alike."""
     first, second = ab_ratios_by_order(rounds, names, name, key)
     if not first or not second:
         return None
