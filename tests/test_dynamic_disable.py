@@ -485,8 +485,71 @@ def give_req_to_token(w):
     req_to_token = torch.arange(4 * 64).reshape(4, 64)
     w.req_to_token_pool = NS(req_to_token=req_to_token)
     return req_to_token
+
+def install_plain_step_fakes(w, events, target_event, target_hidden, draft_event, draft_logits):
+    # target: tokens 5, 6, ...; the draft: a K/V-only model and a DECODE forward; both record to events
+    mr = NS(attn_backend="spec-target", decode_cuda_graph_runner="spec-graph", war_fastpath_read_done_event=None)
+    def target_forward(batch, forward_batch=None):
+        bs = forward_batch.seq_lens.shape[0]
+        events.append(target_event(mr, forward_batch))
+        mr.war_fastpath_read_done_event = "target-read-done"
+        lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5), hidden_states=target_hidden(bs))
+        r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
+        r.next_token_ids = torch.arange(5, 5 + bs)
+        return r
+    w._target_worker = NS(model_runner=mr, forward_batch_generation=target_forward)
+    ew.ForwardBatch.init_new = staticmethod(fake_forward_batch_init_new)
+    draft_pool = object()
+    class KvOnly:
+        def write_kv_only(self, tokens, positions, target_hidden, loc, pool):
+            events.append(("kv_only", tokens.tolist(), positions.tolist(), target_hidden[:, 0].tolist(),
+                           loc.tolist(), pool is draft_pool))
+    def draft_forward(fb):
+        events.append(draft_event(fb))
+        n = fb.input_ids.shape[0]
+        return NS(logits_output=LogitsProcessorOutput(next_token_logits=draft_logits(n),
+                                                      hidden_states=torch.full((n, 4), 7.0)))
+    draft_runner = NS(tp_group=None, attn_backend="spec-dr", decode_cuda_graph_runner=None,
+                      token_to_kv_pool=draft_pool, forward=draft_forward, device_timer=None,
+                      war_fastpath_read_done_event=None)
+    def speculate(batch):
+        raise SpecPathTaken()
+    w._draft_worker = NS(draft_runner=draft_runner, draft_tp_context=lambda g: ew.empty_context(),
+                         draft=speculate)
+    w._plain_state = ew._PlainStepState("plain-target", "plain-graph", "plain-de", "plain-dr", "plain-deg",
+                                        draft_kv_only_model=KvOnly())
+    for name in ("speculative_moe_backend_context", "speculative_moe_a2a_backend_context"):
+        setattr(ew, name, ew.empty_context)
+    return mr, draft_runner
 """
 
+
+# A real FutureMap on the CPU (its spec algorithm a stand-in), and a count of device-to-host copies.
+FUTURE_MAP_FAKES = """
+from sglang.srt.managers.overlap_utils import FutureMap
+
+class Algo:
+    def is_some(self):
+        return True
+    def is_none(self):
+        return False
+    def is_ngram(self):
+        return False
+
+def future_map():
+    return FutureMap(torch.device("cpu"), Algo(), NS(req_to_token=torch.zeros(16, 8, dtype=torch.int32)))
+
+def resolve_batch(rows):
+    return NS(spec_info=NS(future_indices=torch.tensor(rows)), req_pool_indices_cpu=torch.tensor(rows),
+              seq_lens=None, seq_lens_cpu=None, seq_lens_sum=None)
+
+d2h = []
+_real_cpu = torch.Tensor.cpu
+def _counting_cpu(self, *a, **k):
+    d2h.append(1)
+    return _real_cpu(self, *a, **k)
+torch.Tensor.cpu = _counting_cpu
+"""
 
 def test_decision_routes_steps(run_in_tree, patched):
     out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
@@ -571,26 +634,9 @@ def test_plain_publish_lets_the_next_resolve_skip_the_wait(run_in_tree, patched)
     """FutureMap: after a plain step's publish with host lengths, resolving a batch of those rows
     takes the host values (no D2H wait); any other publish forgets them; rows outside the plain
     batch fall back to the device copy."""
-    out = _run(run_in_tree, patched, body="""
-        import torch
-        from types import SimpleNamespace as NS
-        from sglang.srt.managers.overlap_utils import FutureMap
-
-        class Algo:
-            def is_some(self):
-                return True
-
-        fm = FutureMap(torch.device("cpu"), Algo(), NS(req_to_token=torch.zeros(16, 8, dtype=torch.int32)))
-        d2h = []
-        def batch(rows):
-            b = NS(spec_info=NS(future_indices=torch.tensor(rows)), req_pool_indices_cpu=torch.tensor(rows),
-                   seq_lens=None, seq_lens_cpu=None, seq_lens_sum=None)
-            return b
-        real_cpu = torch.Tensor.cpu
-        def counting_cpu(self, *a, **k):
-            d2h.append(1)
-            return real_cpu(self, *a, **k)
-        torch.Tensor.cpu = counting_cpu
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES + FUTURE_MAP_FAKES, body="""
+        fm, batch = future_map(), resolve_batch
+        d2h.clear()
         rows, lens = torch.tensor([3, 5, 7]), torch.tensor([10, 20, 30])
         fm.publish(rows, lens + 1, host_seq_lens=(rows, lens + 1))
         b1 = batch([7, 3]); fm.resolve_seq_lens_cpu(b1)            # subset of the plain rows
@@ -613,23 +659,9 @@ def test_prefill_publish_lets_the_first_decode_after_it_skip_the_wait(run_in_tre
     lengths resolve together from the host (the first decode after a prefill used to wait for the
     prefill's forward); a verify's publish invalidates every row; the worker passes the prefill's
     lengths (test_prefill_in_plain_mode_writes_draft_kv_only checks that the worker does)."""
-    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
-        from sglang.srt.managers.overlap_utils import FutureMap
-
-        class Algo:
-            def is_some(self):
-                return True
-
-        fm = FutureMap(torch.device("cpu"), Algo(), NS(req_to_token=torch.zeros(16, 8, dtype=torch.int32)))
-        d2h = []
-        def batch(rows):
-            return NS(spec_info=NS(future_indices=torch.tensor(rows)), req_pool_indices_cpu=torch.tensor(rows),
-                      seq_lens=None, seq_lens_cpu=None, seq_lens_sum=None)
-        real_cpu = torch.Tensor.cpu
-        def counting_cpu(self, *a, **k):
-            d2h.append(1)
-            return real_cpu(self, *a, **k)
-        torch.Tensor.cpu = counting_cpu
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES + FUTURE_MAP_FAKES, body="""
+        fm, batch = future_map(), resolve_batch
+        d2h.clear()
         plain_rows, plain_lens = torch.tensor([3, 5]), torch.tensor([11, 21])
         fm.publish(plain_rows, plain_lens, host_seq_lens=(plain_rows, plain_lens))     # a plain decode step
         pre_rows, pre_lens = torch.tensor([9, 2]), torch.tensor([40, 7])
@@ -905,39 +937,12 @@ def test_plain_steps_write_draft_kv_only_then_catch_up(run_in_tree, patched):
         hidden = 6
         w = make_worker(2, 0)
         events = []
-        mr = NS(attn_backend="spec-target", decode_cuda_graph_runner="spec-graph")
-        def target_forward(batch, forward_batch=None):
-            bs = forward_batch.seq_lens.shape[0]
-            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5),
-                                       hidden_states=torch.full((bs, hidden), float(bs)))
-            r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
-            r.next_token_ids = torch.arange(5, 5 + bs)
-            events.append(("target", bs))
-            return r
-        w._target_worker = NS(model_runner=mr, forward_batch_generation=target_forward)
+        install_plain_step_fakes(
+            w, events, target_event=lambda mr, fb: ("target", fb.seq_lens.shape[0]),
+            target_hidden=lambda bs: torch.full((bs, hidden), float(bs)),
+            draft_event=lambda fb: ("draft_decode", fb.input_ids.tolist()), draft_logits=lambda n: torch.eye(n, 4))
         req_to_token = give_req_to_token(w)
-        ew.ForwardBatch.init_new = staticmethod(fake_forward_batch_init_new)
-        draft_pool = object()
-        class KvOnly:
-            def write_kv_only(self, tokens, positions, target_hidden, loc, pool):
-                events.append(("kv_only", tokens.tolist(), positions.tolist(), target_hidden[:, 0].tolist(),
-                               loc.tolist(), pool is draft_pool))
-        def draft_forward(fb):
-            events.append(("draft_decode", fb.input_ids.tolist()))
-            n = fb.input_ids.shape[0]
-            return NS(logits_output=LogitsProcessorOutput(next_token_logits=torch.eye(n, 4),
-                                                          hidden_states=torch.full((n, 4), 7.0)))
-        draft_runner = NS(tp_group=None, attn_backend="spec-dr", decode_cuda_graph_runner=None,
-                          token_to_kv_pool=draft_pool, forward=draft_forward, device_timer=None)
-        def speculate(batch):
-            raise SpecPathTaken()
-        w._draft_worker = NS(draft_runner=draft_runner, draft_tp_context=lambda g: ew.empty_context(),
-                             draft=speculate)
-        w._plain_state = ew._PlainStepState("plain-target", "plain-graph", "plain-de", "plain-dr", "plain-deg",
-                                            draft_kv_only_model=KvOnly())
         w._plain_draft_decode_eligible = lambda out: True
-        for name in ("speculative_moe_backend_context", "speculative_moe_a2a_backend_context"):
-            setattr(ew, name, ew.empty_context)
         def batch(bs):
             incoming = NS(bonus_tokens=torch.arange(100, 100 + bs), topk_p=torch.full((bs, 1), 0.5),
                           topk_index=torch.arange(bs)[:, None] + 40, hidden_states=torch.full((bs, 4), 3.0))
@@ -981,15 +986,8 @@ def test_plain_layout_conversions(run_in_tree, patched):
     the catch-up step if the draft's proposals are stale) it goes back: spec_info gathers from the
     FutureMap by req_pool_indices. Sync mode, an unsupported setup or no FutureMap keep the
     speculative layout."""
-    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
-        from sglang.srt.managers.overlap_utils import FutureMap
-
-        class Algo:
-            def is_some(self):
-                return True
-
-        def fresh_map():
-            return FutureMap(torch.device("cpu"), Algo(), NS(req_to_token=torch.zeros(16, 8, dtype=torch.int32)))
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES + FUTURE_MAP_FAKES, body="""
+        fresh_map = future_map
         req_to_token = torch.arange(8 * 32, dtype=torch.int32).reshape(8, 32)
         rows = [5, 1, 6]
         def batch(allocated=(20, 14, 9), overlap=True, freed=None):
@@ -1014,12 +1012,6 @@ def test_plain_layout_conversions(run_in_tree, patched):
             fm.publish(r, l, host_seq_lens=(r, l) if host else None)
         def layout(b):
             return "plain" if b.spec_algorithm.is_none() else "spec"
-        d2h = []
-        real_cpu = torch.Tensor.cpu
-        def counting_cpu(self, *a, **k):
-            d2h.append(1)
-            return real_cpu(self, *a, **k)
-        torch.Tensor.cpu = counting_cpu
         def tails(lens, allocated=(20, 14, 9)):
             out = []
             for r, n, a in zip(rows, lens, allocated):
@@ -1086,40 +1078,15 @@ def test_plain_layout_step_runs_a_plain_decode_then_the_draft(run_in_tree, patch
         w.speculative_algorithm = SpeculativeAlgorithm.EAGLE3
         w._decided_plain = True
         events = []
-        mr = NS(attn_backend="spec-target", decode_cuda_graph_runner="spec-graph",
-                war_fastpath_read_done_event=None)
-        def target_forward(batch, forward_batch=None):
-            bs = forward_batch.seq_lens.shape[0]
-            events.append(("target", mr.attn_backend, mr.decode_cuda_graph_runner,
-                           forward_batch.seq_lens.tolist(), forward_batch.positions.tolist(),
-                           forward_batch.input_ids.tolist(), forward_batch.out_cache_loc.tolist()))
-            mr.war_fastpath_read_done_event = "target-read-done"
-            lo = LogitsProcessorOutput(next_token_logits=torch.zeros(bs, 5),
-                                       hidden_states=torch.full((bs, hidden), 2.0))
-            r = GenerationBatchResult(logits_output=lo, can_run_cuda_graph=True)
-            r.next_token_ids = torch.arange(5, 5 + bs)
-            return r
-        w._target_worker = NS(model_runner=mr, forward_batch_generation=target_forward)
-        ew.ForwardBatch.init_new = staticmethod(fake_forward_batch_init_new)
-        draft_pool = object()
-        class KvOnly:
-            def write_kv_only(self, tokens, positions, target_hidden, loc, pool):
-                events.append(("kv_only", tokens.tolist(), positions.tolist(), target_hidden[:, 0].tolist(),
-                               loc.tolist(), pool is draft_pool))
-        def draft_forward(fb):
-            events.append(("draft_decode", fb.input_ids.tolist(), fb.seq_lens.tolist(), fb.positions.tolist(),
-                           fb.spec_info.hidden_states[:, 0].tolist()))
-            n = fb.input_ids.shape[0]
-            return NS(logits_output=LogitsProcessorOutput(next_token_logits=torch.eye(n, 4).flip(1),
-                                                          hidden_states=torch.full((n, 4), 7.0)))
-        draft_runner = NS(tp_group=None, attn_backend="spec-dr", decode_cuda_graph_runner=None,
-                          token_to_kv_pool=draft_pool, forward=draft_forward, device_timer=None,
-                          war_fastpath_read_done_event=None)
-        w._draft_worker = NS(draft_runner=draft_runner, draft_tp_context=lambda g: ew.empty_context())
-        w._plain_state = ew._PlainStepState("plain-target", "plain-graph", "plain-de", "plain-dr", "plain-deg",
-                                            draft_kv_only_model=KvOnly())
-        for name in ("speculative_moe_backend_context", "speculative_moe_a2a_backend_context"):
-            setattr(ew, name, ew.empty_context)
+        mr, draft_runner = install_plain_step_fakes(
+            w, events,
+            target_event=lambda mr, fb: ("target", mr.attn_backend, mr.decode_cuda_graph_runner,
+                                         fb.seq_lens.tolist(), fb.positions.tolist(), fb.input_ids.tolist(),
+                                         fb.out_cache_loc.tolist()),
+            target_hidden=lambda bs: torch.full((bs, hidden), 2.0),
+            draft_event=lambda fb: ("draft_decode", fb.input_ids.tolist(), fb.seq_lens.tolist(),
+                                    fb.positions.tolist(), fb.spec_info.hidden_states[:, 0].tolist()),
+            draft_logits=lambda n: torch.eye(n, 4).flip(1))
         input_ids = torch.tensor([100, 101, 102])
         b = make_batch(3, spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
                        seq_lens=torch.tensor([11, 12, 13]), input_ids=input_ids,
@@ -1159,21 +1126,10 @@ def test_future_map_relays_a_plain_layout_step(run_in_tree, patched):
     """FutureMap on a speculative server: a plain-layout step's relay (its token only) keeps each
     row's draft proposal; the next plain-layout batch gathers its input ids from the token buffer
     (as a non-speculative server's) and resolves no spec extras."""
-    out = _run(run_in_tree, patched, body="""
-        import torch
-        from types import SimpleNamespace as NS
-        from sglang.srt.managers.overlap_utils import FutureMap, RelayPayload, resolve_forward_inputs
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES + FUTURE_MAP_FAKES, body="""
+        from sglang.srt.managers.overlap_utils import RelayPayload, resolve_forward_inputs
 
-        class Algo:
-            def is_some(self):
-                return True
-            def is_none(self):
-                return False
-            def is_ngram(self):
-                return False
-
-        fm = FutureMap(torch.device("cpu"), Algo(), NS(req_to_token=torch.zeros(16, 8, dtype=torch.int32)))
+        fm = future_map()
         fm._forward_buf_initialized, fm.need_topk, fm.need_hidden_states = True, True, True
         fm.topk_p_buf, fm.topk_index_buf = torch.zeros(16, 1), torch.zeros(16, 1, dtype=torch.int64)
         fm.hidden_states_buf, fm.draft_probs_buf = torch.zeros(16, 4), None
