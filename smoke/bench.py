@@ -14,6 +14,9 @@ measured after another turns that drift into the ratio; interleaved rounds give 
 measurements seconds apart, and their spread says how far to trust it. Servers started later get smaller
 KV pools (each sizes its pool from the memory free at its start); where a round overflows the smaller
 one, only that server would evict radix-cache entries, so the A/B gives every server the smallest pool.
+The table also gives the ratio per round order and their geometric mean; --ab-primer runs an unmeasured
+window on the same server before each measured one (a measured window then never follows the other
+server's load, whose effect on the next server the H200 runs 31, 34 and 35 suggest).
 
 --device-timer turns on sglang's device timer (CUDA events around each forward pass; the series times the
 draft's K/V-only writes too) and splits every A/B window's GPU time by forward category (prefill, decode,
@@ -77,6 +80,7 @@ class BenchOptions:
     pyspy_dirs: tuple[Path, ...] = ()  # where to look for the py-spy binary besides PATH
     server_args: tuple[str, ...] = ()  # appended to every bench server's flags (e.g. --gc-threshold)
     ab_rounds: int = 0  # >0: A/B mode (see the module docstring)
+    ab_primer: bool = False  # A/B: an unmeasured window on the same server before each measured one
     device_timer: bool = False  # GPU seconds per forward category in each A/B window (module docstring)
     # >0: --max-total-tokens of every bench server. A/B servers size their KV pools from the memory free
     # at their start, so a later one gets a smaller pool; where a round's tokens exceed it, only that
@@ -411,6 +415,10 @@ def ab_table(ab: dict[str, Any]) -> str:
                 if x:
                     lines.append(f"  c={c} {n} / plain ({label}): median {statistics.median(x):.3f}x, "
                                  f"min {min(x):.3f}x, max {max(x):.3f}x over {len(x)} round(s)")
+                primer = ab_ratios(rounds, n, "primer_" + key)
+                if primer:
+                    lines.append(f"    primer windows (each right after the other server's load): median "
+                                 f"{statistics.median(primer):.3f}x over {len(primer)} round(s)")
                 first, second = ab_ratios_by_order(rounds, names, n, key)
                 balanced = order_balanced_ratio(rounds, names, n, key)
                 if balanced is not None:
@@ -496,6 +504,23 @@ def measure_window(srv: Server, prompts: list[Prompt], c: int, opts: BenchOption
                 "prefill": prefill_stats(window)} | ({"gpu_s": gpu} if opts.device_timer else {})
 
 
+def measure_round(servers: dict[str, Any], names: list[str], k: int, prompts: list[Prompt], c: int,
+                  opts: BenchOptions, measure: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Round k of the A/B at concurrency c: each server's window in turn, in `names` order (reversed when
+    k is odd). With opts.ab_primer an unmeasured window of the same load on the same server comes first
+    (its tok/s kept as primer_tok_per_s / primer_server_tok_per_s), so that every measured window
+    follows that server's own load, not the other one's: a test of the round-order effect."""
+    measure = measure or measure_window
+    row: dict[str, Any] = {}
+    for name in (names if k % 2 == 0 else names[::-1]):
+        primer = measure(servers[name], prompts, c, opts) if opts.ab_primer else None
+        row[name] = measure(servers[name], prompts, c, opts)
+        if primer is not None:
+            row[name]["primer_tok_per_s"] = primer.get("tok_per_s")
+            row[name]["primer_server_tok_per_s"] = primer.get("server_tok_per_s")
+    return row
+
+
 def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
     """A/B mode: see the module docstring. Returns {"ok", "rounds", "configs", ...}."""
     names = list(opts.configs)
@@ -552,9 +577,8 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
             outs: dict[str, dict[str, list[int] | None]] = {name: {} for name in names}
             for conc in opts.concurrency:
                 prompts = workload(vocab, conc, opts.output_len, 100 + k)
-                row: dict[str, dict[str, Any]] = {}
-                for name in (names if k % 2 == 0 else names[::-1]):
-                    row[name] = measure_window(servers[name], prompts, conc, opts)
+                row = measure_round(servers, names, k, prompts, conc, opts)
+                for name in names:
                     outs[name].update(row[name].pop("outputs"))
                 ab["rounds"].setdefault(str(conc), []).append(row)
             outputs.append(outs)
@@ -691,6 +715,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "ab-rounds", type=int, default=0,
                     help="A/B mode: all configs' servers up at once, each concurrency's load on each in turn, "
                          "this many rounds (0 = off: one server after another)")
+    ap.add_argument(p + "ab-primer", action="store_true",
+                    help="A/B: before each measured window, one unmeasured window of the same load on the same "
+                         "server, so that no measured window follows the other server's load (the threshold "
+                         "server's rounds after plain's measured 0.70x-0.91x, its first ones 0.93x-1.01x)")
     ap.add_argument(p + "mem-fraction", type=float, default=0.3,
                     help="--mem-fraction-static of each bench server (A/B: of the memory free at its start)")
     ap.add_argument(p + "max-total-tokens", type=int, default=0,
@@ -716,6 +744,8 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise SystemExit(f"--{prefix}mem-fraction {get('mem-fraction')}: must be between 0 and 1")
     if get("max-total-tokens") < 0:
         raise SystemExit(f"--{prefix}max-total-tokens {get('max-total-tokens')}: must be >= 0 (0 = sglang's sizing)")
+    if get("ab-primer") and not get("ab-rounds"):
+        raise SystemExit(f"--{prefix}ab-primer: needs A/B mode (--{prefix}ab-rounds N)")
     if get("pyspy-admission-seconds") < 0 or (get("pyspy-admission-seconds") and not get("ab-rounds")):
         raise SystemExit(f"--{prefix}pyspy-admission-seconds {get('pyspy-admission-seconds')}: needs >= 0 and, "
                          f"when on, A/B mode (--{prefix}ab-rounds N)")
@@ -723,6 +753,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             "profile_steps": get("profile-steps"), "pyspy_seconds": get("pyspy-seconds"),
             "pyspy_admission_seconds": get("pyspy-admission-seconds"),
             "server_args": tuple(shlex.split(get("server-args"))), "ab_rounds": get("ab-rounds"),
+            "ab_primer": get("ab-primer"),
             "mem_fraction": get("mem-fraction"), "device_timer": get("device-timer"),
             "max_total_tokens": get("max-total-tokens")}
 

@@ -570,6 +570,42 @@ def test_bench_ab_ratio_by_order_and_order_balanced_goal():
     assert "by order: eagle3_thr first 0.927x (1), plain first 0.739x (2); order-balanced 0.828x" in t
 
 
+def test_bench_ab_round_order_and_primer_windows(tmp_path):
+    """A round measures each server in turn, the order reversed every other round; with --ab-primer an
+    unmeasured window of the same load on the same server comes right before each measured one, its
+    numbers kept apart and shown as their own ratio."""
+    from smoke import bench
+
+    calls = []
+    def fake_measure(srv, prompts, c, opts):
+        calls.append(srv)
+        return {"tok_per_s": 100.0 * len(calls), "server_tok_per_s": 10.0 * len(calls), "outputs": {}}
+
+    servers = {"plain": "P", "eagle3_thr": "T"}
+    names = ["plain", "eagle3_thr"]
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, ab_rounds=2)
+    row = bench.measure_round(servers, names, 1, [], 256, opts, measure=fake_measure)
+    assert calls == ["T", "P"] and row["eagle3_thr"]["tok_per_s"] == 100.0 and "primer_tok_per_s" not in row["plain"]
+    calls.clear()
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, ab_rounds=2, ab_primer=True)
+    rounds = [bench.measure_round(servers, names, k, [], 256, opts, measure=fake_measure) for k in (0, 1)]
+    assert calls == ["P", "P", "T", "T", "T", "T", "P", "P"]   # primer, then measured, per server
+    assert rounds[0]["plain"]["primer_tok_per_s"] == 100.0 and rounds[0]["plain"]["tok_per_s"] == 200.0
+    assert rounds[1]["eagle3_thr"]["primer_server_tok_per_s"] == 50.0
+    for r in rounds:
+        for v in r.values():
+            v.pop("outputs")
+    t = bench.ab_table({"concurrency": [256], "configs": names, "rounds": {"256": rounds}})
+    # primers: round 0 300/100, round 1 500/700
+    assert "primer windows (each right after the other server's load): median 1.857x over 2 round(s)" in t
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    base = ["--models", "m", "--out", "o"]
+    assert bench.options(ap.parse_args(base + ["--ab-rounds", "2", "--ab-primer"])).ab_primer is True
+    with pytest.raises(SystemExit, match="ab-primer"):
+        bench.options(ap.parse_args(base + ["--ab-primer"]))
+
+
 def test_bench_splits_each_window_by_gpu_category_and_counts_prefills(tmp_path):
     """The device timer's counters (Prometheus text as sglang exports it) become GPU seconds per
     category per window; the server log's prefill lines are counted; the A/B table shows both."""
