@@ -370,18 +370,27 @@ def ab_ratios(rounds: list[dict[str, dict[str, Any]]], name: str, key: str) -> l
     return out
 
 
+def round_order(names: list[str], k: int) -> list[str]:
+    """The order in which A/B round k loads the servers: `names`, reversed every other round."""
+    return names if k % 2 == 0 else names[::-1]
+
+
 def ab_ratios_by_order(rounds: list[dict[str, dict[str, Any]]], names: list[str], name: str,
                        key: str) -> tuple[list[float], list[float]]:
-    """ab_ratios split by which server took the load first in the round (round k runs `names` in order,
-    reversed when k is odd): (rounds where `name` went before plain, rounds where plain went first)."""
+    """ab_ratios split by which server took the load first in the round (round_order): (rounds where
+    `name` went before plain, rounds where plain went first)."""
     first: list[float] = []
     second: list[float] = []
     for k, r in enumerate(rounds):
-        order = names if k % 2 == 0 else names[::-1]
+        order = round_order(names, k)
         a, b = r.get(name, {}).get(key), r.get("plain", {}).get(key)
-        if a and b and name in order and "plain" in order:
+        if a and b:
             (first if order.index(name) < order.index("plain") else second).append(a / b)
     return first, second
+
+
+def geomean_of_medians(first: list[float], second: list[float]) -> float | None:
+    return (statistics.median(first) * statistics.median(second)) ** 0.5 if first and second else None
 
 
 def order_balanced_ratio(rounds: list[dict[str, dict[str, Any]]], names: list[str], name: str,
@@ -390,10 +399,7 @@ def order_balanced_ratio(rounds: list[dict[str, dict[str, Any]]], names: list[st
     odd number of rounds the plain median weighs one order twice, and the order can matter: in runs 31,
     34 and 35 of 2026-11-30 on the H200 the threshold server's best round was each time the one it went
     first in (0.93x-1.01x against 0.70x-0.91x; not so in runs 17 and 25). This weighs both orders alike."""
-    first, second = ab_ratios_by_order(rounds, names, name, key)
-    if not first or not second:
-        return None
-    return (statistics.median(first) * statistics.median(second)) ** 0.5
+    return geomean_of_medians(*ab_ratios_by_order(rounds, names, name, key))
 
 
 def ab_table(ab: dict[str, Any]) -> str:
@@ -420,7 +426,7 @@ def ab_table(ab: dict[str, Any]) -> str:
                     lines.append(f"    primer windows (each right after the other server's load): median "
                                  f"{statistics.median(primer):.3f}x over {len(primer)} round(s)")
                 first, second = ab_ratios_by_order(rounds, names, n, key)
-                balanced = order_balanced_ratio(rounds, names, n, key)
+                balanced = geomean_of_medians(first, second)
                 if balanced is not None:
                     lines.append(f"    by order: {n} first {statistics.median(first):.3f}x ({len(first)}), plain "
                                  f"first {statistics.median(second):.3f}x ({len(second)}); order-balanced "
@@ -512,7 +518,7 @@ def measure_round(servers: dict[str, Any], names: list[str], k: int, prompts: li
     follows that server's own load, not the other one's: a test of the round-order effect."""
     measure = measure or measure_window
     row: dict[str, Any] = {}
-    for name in (names if k % 2 == 0 else names[::-1]):
+    for name in round_order(names, k):
         primer = measure(servers[name], prompts, c, opts) if opts.ab_primer else None
         row[name] = measure(servers[name], prompts, c, opts)
         if primer is not None:
