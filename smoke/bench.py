@@ -16,7 +16,11 @@ KV pools (each sizes its pool from the memory free at its start); where a round 
 one, only that server would evict radix-cache entries, so the A/B gives every server the smallest pool.
 The table also gives the ratio per round order and their geometric mean; --ab-primer runs an unmeasured
 window on the same server before each measured one (a measured window then never follows the other
-server's load, whose effect on the next server the H200 runs 31, 34 and 35 suggest).
+server's load, whose effect on the next server the H200 runs 31, 34 and 35 suggest; run 36 of
+2026-12-01 showed no such effect). --ab-pin-cpus gives each server's processes CPUs of their own and
+the client the rest: the H200's full-load rate is bimodal per window (~100k or ~65k tok/s at 1B for
+either server) with no CPU steal, which leaves the OS's thread placement as a suspect. Every window
+records the host's CPU steal and load.
 
 --device-timer turns on sglang's device timer (CUDA events around each forward pass; the series times the
 draft's K/V-only writes too) and splits every A/B window's GPU time by forward category (prefill, decode,
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shlex
@@ -81,6 +86,8 @@ class BenchOptions:
     server_args: tuple[str, ...] = ()  # appended to every bench server's flags (e.g. --gc-threshold)
     ab_rounds: int = 0  # >0: A/B mode (see the module docstring)
     ab_primer: bool = False  # A/B: an unmeasured window on the same server before each measured one
+    # A/B: each server's processes on CPUs of their own, the client (this process) on the rest
+    ab_pin_cpus: bool = False
     device_timer: bool = False  # GPU seconds per forward category in each A/B window (module docstring)
     # >0: --max-total-tokens of every bench server. A/B servers size their KV pools from the memory free
     # at their start, so a later one gets a smaller pool; where a round's tokens exceed it, only that
@@ -437,6 +444,8 @@ def ab_table(ab: dict[str, Any]) -> str:
     if ab.get("kv_pools_equalised_to"):
         lines.append(f"KV pools equalised: servers with a larger pool restarted with --max-total-tokens "
                      f"{ab['kv_pools_equalised_to']}")
+    if ab.get("cpu_sets"):
+        lines.append("CPU sets: " + ", ".join(f"{n} {cpu_list(c)}" for n, c in ab["cpu_sets"].items()))
     if ab.get("kv_pool_tokens"):
         lines.append("KV pool (tokens): " + ", ".join(f"{n} {t}" for n, t in ab["kv_pool_tokens"].items())
                      + f"; a round writes ~{ab.get('round_tokens')}")
@@ -453,7 +462,7 @@ def time_split(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> lis
     lines = []
     for n in names:
         windows = [r[n] for r in rounds if n in r]
-        if not windows or not any("gpu_s" in w or "prefill" in w for w in windows):
+        if not windows or not any("gpu_s" in w or "prefill" in w or w.get("host") for w in windows):
             continue
         med = statistics.median
         wall = med(w["seconds"] for w in windows)
@@ -464,6 +473,10 @@ def time_split(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> lis
             cells.append(f"rest {med(w['seconds'] - sum(w.get('gpu_s', {}).values()) for w in windows):.3f}s")
         if any("prefill" in w for w in windows):
             cells.append(f"prefill batches {med(w.get('prefill', {}).get('batches', 0) for w in windows):g}")
+        hosts = [w["host"] for w in windows if w.get("host")]
+        if hosts:
+            cells.append(f"host CPU steal {med(h['steal_pct'] for h in hosts):.2f}% (max "
+                         f"{max(h['steal_pct'] for h in hosts):.2f}%), busy {med(h['busy_pct'] for h in hosts):.0f}%")
         lines.append(f"    {n:<12s} " + ", ".join(cells))
     return lines
 
@@ -493,13 +506,41 @@ def flush_cache(base: str) -> bool:
         return False
 
 
+PROC_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def host_cpu_times(stat_text: str | None = None) -> dict[str, int]:
+    """The host's aggregate CPU times (clock ticks) from /proc/stat's first line; {} where unreadable."""
+    try:
+        text = stat_text if stat_text is not None else Path("/proc/stat").read_text()
+        values = [int(x) for x in text.splitlines()[0].split()[1:1 + len(PROC_STAT_FIELDS)]]
+    except (OSError, IndexError, ValueError):
+        return {}
+    return dict(zip(PROC_STAT_FIELDS, values))
+
+
+def host_cpu_share(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """Percent of all CPU time between two host_cpu_times that was stolen by the hypervisor (steal: the
+    VM's vCPUs waiting for the host's cores) and that was busy (neither idle, iowait nor steal). The
+    H200 machine is a KVM guest whose speed drifts (docs/gpu-runs/2026-11-30); steal is the part of that
+    drift the guest can see."""
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in PROC_STAT_FIELDS}
+    total = sum(delta.values())
+    if not before or not after or total <= 0:
+        return {}
+    busy = total - delta["idle"] - delta["iowait"] - delta["steal"]
+    return {"steal_pct": round(100 * delta["steal"] / total, 2), "busy_pct": round(100 * busy / total, 1)}
+
+
 def measure_window(srv: Server, prompts: list[Prompt], c: int, opts: BenchOptions) -> dict[str, Any]:
-    """`measure`, plus the server log's full-load decode lines written meanwhile; the radix cache is
-    flushed first."""
+    """`measure`, plus the server log's full-load decode lines written meanwhile and the host's CPU
+    steal and load meanwhile; the radix cache is flushed first."""
     flushed = flush_cache(srv.base)
     start = srv.log_path.stat().st_size
     before = client.metrics(srv.base) if opts.device_timer else {}
+    cpu_before = host_cpu_times()
     m = measure(srv.base, prompts, c, opts.deadline.request_timeout(240))
+    host = host_cpu_share(cpu_before, host_cpu_times())
     gpu = gpu_seconds(before, client.metrics(srv.base)) if opts.device_timer else {}
     with open(srv.log_path, "rb") as fh:
         fh.seek(start)
@@ -507,7 +548,7 @@ def measure_window(srv: Server, prompts: list[Prompt], c: int, opts: BenchOption
     dec = server_decode_stats(window, c)
     return m | {"server_tok_per_s": dec["median_tok_per_s"] if dec else None,
                 "server_lines": dec["lines"] if dec else 0, "cache_flushed": flushed,
-                "prefill": prefill_stats(window)} | ({"gpu_s": gpu} if opts.device_timer else {})
+                "prefill": prefill_stats(window), "host": host} | ({"gpu_s": gpu} if opts.device_timer else {})
 
 
 def measure_round(servers: dict[str, Any], names: list[str], k: int, prompts: list[Prompt], c: int,
@@ -527,6 +568,23 @@ def measure_round(servers: dict[str, Any], names: list[str], k: int, prompts: li
     return row
 
 
+def cpu_sets(cpus: list[int], names: list[str]) -> dict[str, list[int]]:
+    """Disjoint CPU sets: one per server in `names` and one ("client") for the load generator, which
+    gets what the equal server shares leave. Too few CPUs (fewer than 2 each) is an error naming the flag."""
+    cpus = sorted(cpus)
+    share = len(cpus) // (len(names) + 1)
+    if share < 2:
+        raise SmokeFailure(f"--ab-pin-cpus: {len(cpus)} CPUs cannot give {len(names)} servers and the client "
+                           "2 each; run without it")
+    sets = {name: cpus[i * share:(i + 1) * share] for i, name in enumerate(names)}
+    sets["client"] = cpus[len(names) * share:]
+    return sets
+
+
+def cpu_list(cpus: list[int]) -> str:
+    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
+
+
 def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
     """A/B mode: see the module docstring. Returns {"ok", "rounds", "configs", ...}."""
     names = list(opts.configs)
@@ -540,10 +598,13 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
         return ab | {"ok": False, "skipped": True, "mismatches": [], "errors": [],
                      "cause": f"deadline: {opts.deadline.left():.0f}s left, ~{need}s needed"}
     ab["kv_pool_tokens"] = {}
+    own_cpus = sorted(os.sched_getaffinity(0))
+    sets: dict[str, list[int]] = {}
 
     def start(name: str, o: BenchOptions) -> None:
         cfg = server_config(name, o)
         cfg.extra = (*cfg.extra, "--sleep-on-idle")  # an idle server must not spin a core meanwhile
+        cfg.cpus = tuple(sets.get(name, ()))
         srv = servers[name] = Server(cfg, opts.port + names.index(name), opts.out / f"server_ab_{name}.log")
         srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
         ab["start_s"][name] = round(srv.start_seconds, 1)
@@ -555,6 +616,10 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
         return int(ab["kv_pool_tokens"][name])
 
     try:
+        if opts.ab_pin_cpus:
+            sets.update(cpu_sets(own_cpus, names))
+            ab["cpu_sets"] = sets
+            os.sched_setaffinity(0, sets["client"])  # the load generator's threads, py-spy
         # one after another: each server sizes its KV pool from the memory left free at its start
         for name in names:
             start(name, opts)
@@ -621,6 +686,8 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
     finally:
         for srv in servers.values():
             srv.stop()
+        if sets:
+            os.sched_setaffinity(0, own_cpus)
     ab["mismatches"] = ab_mismatches(outputs)
     ab["errors"] = [f"c={c} round {k + 1} {n}: {m['errors']} request error(s): {m['first_error']}"
                     for c, rounds in ab["rounds"].items() for k, r in enumerate(rounds)
@@ -725,6 +792,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="A/B: before each measured window, one unmeasured window of the same load on the same "
                          "server, so that no measured window follows the other server's load (the threshold "
                          "server's rounds after plain's measured 0.70x-0.91x, its first ones 0.93x-1.01x)")
+    ap.add_argument(p + "ab-pin-cpus", action="store_true",
+                    help="A/B: each server's processes on CPUs of their own and the client on the rest (the "
+                         "H200 machine's 1B windows are bimodal, ~65k or ~100k tok/s in the server log, for "
+                         "either server: a test of CPU placement)")
     ap.add_argument(p + "mem-fraction", type=float, default=0.3,
                     help="--mem-fraction-static of each bench server (A/B: of the memory free at its start)")
     ap.add_argument(p + "max-total-tokens", type=int, default=0,
@@ -750,6 +821,8 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise SystemExit(f"--{prefix}mem-fraction {get('mem-fraction')}: must be between 0 and 1")
     if get("max-total-tokens") < 0:
         raise SystemExit(f"--{prefix}max-total-tokens {get('max-total-tokens')}: must be >= 0 (0 = sglang's sizing)")
+    if get("ab-pin-cpus") and not get("ab-rounds"):
+        raise SystemExit(f"--{prefix}ab-pin-cpus: needs A/B mode (--{prefix}ab-rounds N)")
     if get("ab-primer") and not get("ab-rounds"):
         raise SystemExit(f"--{prefix}ab-primer: needs A/B mode (--{prefix}ab-rounds N)")
     if get("pyspy-admission-seconds") < 0 or (get("pyspy-admission-seconds") and not get("ab-rounds")):
@@ -759,7 +832,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             "profile_steps": get("profile-steps"), "pyspy_seconds": get("pyspy-seconds"),
             "pyspy_admission_seconds": get("pyspy-admission-seconds"),
             "server_args": tuple(shlex.split(get("server-args"))), "ab_rounds": get("ab-rounds"),
-            "ab_primer": get("ab-primer"),
+            "ab_primer": get("ab-primer"), "ab_pin_cpus": get("ab-pin-cpus"),
             "mem_fraction": get("mem-fraction"), "device_timer": get("device-timer"),
             "max_total_tokens": get("max-total-tokens")}
 

@@ -1,12 +1,14 @@
 """Start and stop `python -m sglang.launch_server` in its own process group."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -35,6 +37,7 @@ class ServerConfig:
     enable_metrics: bool = True
     extra: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()         # CPU affinity of the server's processes (none: the OS's choice)
 
     def argv(self, port: int) -> list[str]:
         a = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
@@ -53,6 +56,21 @@ class ServerConfig:
         if self.enable_metrics:
             a += ["--enable-metrics"]
         return a + list(self.extra)
+
+
+@contextlib.contextmanager
+def pinned(cpus: tuple[int, ...]) -> Iterator[None]:
+    """The calling thread confined to these CPUs meanwhile (nothing where empty): a process it starts
+    inherits them, and so does every process that one starts (Linux affinity is per thread)."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def group_running(pgid: int) -> bool:
@@ -97,8 +115,9 @@ class Server:
             log.write(("$ " + " ".join(self.cfg.argv(self.port)) + "\n").encode())
             log.flush()
             t0 = time.time()
-            self.proc = subprocess.Popen(self.cfg.argv(self.port), stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            with pinned(self.cfg.cpus):
+                self.proc = subprocess.Popen(self.cfg.argv(self.port), stdout=log,
+                                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
         pidfile = os.environ.get("SMOKE_SERVER_PIDFILE")
         if pidfile:  # lets a later run kill this group if this one is killed before stop()
             with open(pidfile, "a") as fh:

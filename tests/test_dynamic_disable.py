@@ -478,6 +478,7 @@ def fake_forward_batch_init_new(batch, model_runner, capture_hidden_mode=None,
                                 return_hidden_states_before_norm=False):
     return NS(seq_lens=batch.seq_lens, positions=batch.seq_lens - 1, input_ids=batch.input_ids,
               out_cache_loc=batch.out_cache_loc, forward_mode=batch.forward_mode,
+              req_pool_indices=batch.req_pool_indices,
               spec_info=batch.spec_info, seq_lens_cpu=None, seq_lens_sum=None, orig_seq_lens=None,
               capture_hidden_mode=capture_hidden_mode)
 
@@ -867,45 +868,51 @@ def test_draft_kv_only_write_equals_the_full_forward(run_in_tree, patched):
                    "supports_one_layer": True, "supports_two_layers": False}
 
 
-def test_draft_kv_only_graph_pads_buckets_and_falls_back(run_in_tree, patched):
-    """The K/V-only write's per-batch-size graphs, with "capture" replaced by the write itself on
-    the same static buffers (a CUDA graph replays exactly that): a batch runs in the nearest captured
-    size, its rows get what the eager write gives them (up to rounding when padded), padding rows write the pool's padding slot 0
-    (also after a larger batch left real slots in those rows); a batch above the largest size or
-    hidden states of another width write nothing and leave the caller to the eager write."""
+def test_deferred_draft_kv_writes_each_plain_step_at_the_next(run_in_tree, patched):
+    """_DeferredDraftKv (the plain DECODE graph's tail, here run eagerly with the real one-layer
+    draft): a plain step stores its rows' hidden states, positions and slots per request slot, and
+    the next step writes the K/V of the rows whose stored position is just before theirs, with the
+    token fed now: exactly what an immediate write_kv_only would have written. Rows without such
+    a step before (new, forgotten by a prefill, after a speculative gap) and padded graph rows
+    (position 0) write the pool's padding slot 0; padded rows store into the spare row only."""
     out = _run(run_in_tree, patched, helpers=EAGLE3_LEAVES, body="""
         from sglang.srt.speculative import eagle_worker_v2 as ew
         model = make_draft()
         pool = RecordingPool()
-        captured = []
-        def capture(fn):
-            captured.append(fn)
-            return fn
-        g = ew._DraftKvOnlyGraph(model, pool, [4, 1, 2, 8, 4], 3 * TARGET, torch.float32, "cpu", capture=capture)
-        def step(n, hidden_width=3 * TARGET):
+        d = ew._DeferredDraftKv(model, pool, 8, 3 * TARGET, torch.float32, "cpu")
+        hidden = {}
+        def step(reqs, positions, tokens, slots):
+            h = torch.randn(len(reqs), 3 * TARGET)
+            for r, p, hh in zip(reqs, positions, h):
+                hidden[(r, p)] = hh
             pool.writes.clear()
-            tokens, positions = torch.arange(3, 3 + n), torch.arange(10, 10 + n, dtype=torch.int32)
-            hidden, loc = torch.randn(n, hidden_width), torch.arange(100, 100 + n)
             with torch.no_grad():
-                ok = g.replay(tokens, positions, hidden, loc)
-                eager = RecordingPool()
-                if ok:
-                    model.write_kv_only(tokens, positions.to(torch.int64), hidden, loc, eager)
-            if not ok:
-                return {"ok": False, "writes": len(pool.writes)}
-            (_, wloc, k, v, _, _), = pool.writes
-            (_, _, ek, ev, _, _), = eager.writes
-            # a padded batch is a different GEMM shape: equal up to rounding, as in any padded graph
-            diff = max((k[:n] - ek).abs().max().item(), (v[:n] - ev).abs().max().item())
-            return {"ok": True, "rows": len(wloc), "loc": wloc.tolist(), "same_kv": diff < 1e-5}
-        emit({"bs": g.capture_bs, "captured": len(captured), "eight": step(8), "three": step(3), "one": step(1),
-              "nine": step(9), "wrong_width": step(2, hidden_width=TARGET)})
+                d.step(torch.tensor(tokens), torch.tensor(positions), torch.tensor(reqs),
+                       torch.tensor(slots, dtype=torch.int32), h)
+            (_, loc, k, v, _, _), = pool.writes
+            return loc.tolist(), k, v
+        def expected(tokens, positions, hiddens, slots):
+            ref = RecordingPool()
+            with torch.no_grad():
+                model.write_kv_only(torch.tensor(tokens), torch.tensor(positions), torch.stack(hiddens),
+                                    torch.tensor(slots), ref)
+            return ref.writes[0][2], ref.writes[0][3]
+        first = step([2, 0, 3], [10, 20, 30], [5, 6, 7], [100, 200, 300])[0]
+        loc, k, v = step([0, 3, 1], [21, 31, 4], [8, 9, 1], [201, 301, 400])   # req 1 is new
+        ek, ev = expected([8, 9], [20, 30], [hidden[(0, 20)], hidden[(3, 30)]], [200, 300])
+        due = {"loc": loc, "same_kv": bool(torch.allclose(k[:2], ek, atol=1e-6) and torch.allclose(v[:2], ev, atol=1e-6))}
+        d.forget(torch.tensor([3]))                                            # req 3's slot: a prefill
+        loc2 = step([0, 3, 0, 0], [22, 32, 0, 0], [1, 2, 0, 0], [202, 302, 0, 0])[0]  # 2 padded rows
+        kept = [d.positions[0].item(), d.slots[0].item(), d.positions[8].item()]
+        gap = step([0], [26], [3], [206])[0]                                   # speculative steps between
+        emit({"first": first, "due": due, "after_forget_and_padding": loc2, "kept": kept, "gap": gap,
+              "spare_row": d.spare_row})
     """)
-    assert out["bs"] == [1, 2, 4, 8] and out["captured"] == 4
-    assert out["eight"] == {"ok": True, "rows": 8, "loc": list(range(100, 108)), "same_kv": True}
-    assert out["three"] == {"ok": True, "rows": 4, "loc": [100, 101, 102, 0], "same_kv": True}  # after 8 rows
-    assert out["one"] == {"ok": True, "rows": 1, "loc": [100], "same_kv": True}
-    assert out["nine"] == {"ok": False, "writes": 0} and out["wrong_width"] == {"ok": False, "writes": 0}
+    assert out["first"] == [0, 0, 0]                                 # nothing pending yet
+    assert out["due"] == {"loc": [200, 300, 0], "same_kv": True}       # req 1 new: padding slot
+    assert out["after_forget_and_padding"] == [201, 0, 0, 0]          # req 3 forgotten, padding rows
+    assert out["kept"] == [22, 202, 0] and out["spare_row"] == 8      # padding stored into the spare row
+    assert out["gap"] == [0]                                           # 22 is not 26 - 1
 
 
 def test_draft_kv_only_write_only_where_it_holds(run_in_tree, patched):
@@ -1120,6 +1127,65 @@ def test_plain_layout_step_runs_a_plain_decode_then_the_draft(run_in_tree, patch
     assert out["c"] == {"topk_index": [3, 2, 1], "bonus": [5, 6, 7], "hidden": [7.0, 7.0, 7.0],
                         "stale": False, "kept": 1}
     assert out["batch_after"] == [True, True, True, [11, 12, 13]]
+
+
+def test_plain_steps_defer_the_draft_kv_to_the_next_target_forward(run_in_tree, patched):
+    """With _DeferredDraftKv a plain step launches no K/V write of its own (it only marks the draft's
+    proposal stale): the target's plain DECODE graph writes the previous step's K/V, and where that
+    graph did not run the worker runs the same step eagerly with the forward's inputs and hidden
+    states. A prefill forgets its requests' slots. The catch-up step still runs the full draft."""
+    out = _run(run_in_tree, patched, helpers=WORKER_FAKES, body="""
+        w = make_worker(2, 0)
+        w.speculative_algorithm = SpeculativeAlgorithm.EAGLE3
+        events = []
+        mr, draft_runner = install_plain_step_fakes(
+            w, events, target_event=lambda mr, fb: ("target",),
+            target_hidden=lambda bs: torch.full((bs, 6), 2.0),
+            draft_event=lambda fb: ("draft_decode",), draft_logits=lambda n: torch.eye(n, 4))
+        class Deferred:
+            def step(self, input_ids, positions, req_pool_indices, out_cache_loc, hidden_states):
+                events.append(("deferred", input_ids.tolist(), positions.tolist(), req_pool_indices.tolist(),
+                               out_cache_loc.tolist(), hidden_states[:, 0].tolist()))
+            def forget(self, req_pool_indices):
+                events.append(("forget", req_pool_indices.tolist()))
+        w._plain_state.deferred_draft_kv = Deferred()
+        graph_ran = [True]
+        target_forward = w._target_worker.forward_batch_generation
+        def forward(batch, forward_batch=None):
+            r = target_forward(batch, forward_batch=forward_batch)
+            r.can_run_cuda_graph = graph_ran[0]
+            return r
+        w._target_worker.forward_batch_generation = forward
+        def plain_batch():
+            return make_batch(3, spec_algorithm=SpeculativeAlgorithm.NONE, spec_info=None,
+                              seq_lens=torch.tensor([11, 12, 13]), input_ids=torch.tensor([100, 101, 102]),
+                              out_cache_loc=torch.tensor([70, 71, 72]), req_pool_indices=torch.tensor([4, 1, 2]))
+        w.spec_disable.step(3)                                   # mode plain
+        w._decided_plain = True
+        w.forward_batch_generation(plain_batch())                # under the graph
+        in_graph = list(events); events.clear()
+        stale = w._draft_tail_stale
+        graph_ran[0] = False
+        w._decided_plain = True
+        w.forward_batch_generation(plain_batch())                # eager
+        eager = list(events); events.clear()
+        w.spec_disable.step(1)                                   # the catch-up step
+        w._decided_plain = False
+        graph_ran[0] = True
+        w.forward_batch_generation(plain_batch())
+        catch_up = list(events); events.clear()
+        prefill = NS(forward_mode=ForwardMode.EXTEND, is_extend_in_batch=True, seq_lens=torch.tensor([8]),
+                     req_pool_indices=torch.tensor([5]))
+        w._prefill_draft_kv_only = lambda batch, out: True       # the draft's prefill is another test's
+        w._target_worker.forward_batch_generation = lambda batch, capture_hidden_mode=None: target_result(1, None)
+        w.forward_batch_generation(prefill)
+        emit({"in_graph": in_graph, "stale": stale, "eager": eager, "catch_up": catch_up, "prefill": events})
+    """)
+    assert out["in_graph"] == [["target"]] and out["stale"] is True        # no write of its own
+    assert out["eager"] == [["target"], ["deferred", [100, 101, 102], [10, 11, 12], [4, 1, 2], [70, 71, 72],
+                                         [2.0, 2.0, 2.0]]]
+    assert out["catch_up"] == [["target"], ["draft_decode"]]
+    assert out["prefill"] == [["forget", [5]]]
 
 
 def test_future_map_relays_a_plain_layout_step(run_in_tree, patched):

@@ -646,6 +646,49 @@ def test_bench_splits_each_window_by_gpu_category_and_counts_prefills(tmp_path):
         ["bench", "--models", "m", "--out", "o"])).device_timer
 
 
+def test_bench_windows_record_the_hosts_cpu_steal(tmp_path):
+    """Each A/B window records the host's CPU steal and load from /proc/stat (the H200 machine is a
+    KVM guest); the table shows their medians per server. Unreadable input gives no numbers."""
+    from smoke import bench
+
+    before = bench.host_cpu_times("cpu  1000 0 200 5000 10 0 0 40 0 0\ncpu0 1 2 3\n")
+    after = bench.host_cpu_times("cpu  1600 0 300 5200 10 0 0 140 0 0\n")
+    assert before["steal"] == 40 and after["user"] == 1600
+    assert bench.host_cpu_share(before, after) == {"steal_pct": 10.0, "busy_pct": 70.0}
+    assert bench.host_cpu_share({}, after) == {} and bench.host_cpu_times("garbage") == {}
+    assert set(bench.host_cpu_times()) == set(bench.PROC_STAT_FIELDS)   # this machine's /proc/stat
+    rounds = [{"plain": {"tok_per_s": 100.0, "seconds": 10.0, "host": {"steal_pct": 0.5, "busy_pct": 40.0}},
+               "eagle3_thr": {"tok_per_s": 90.0, "seconds": 11.0, "host": {"steal_pct": 3.0, "busy_pct": 45.0}}},
+              {"plain": {"tok_per_s": 100.0, "seconds": 10.0, "host": {"steal_pct": 1.5, "busy_pct": 42.0}},
+               "eagle3_thr": {"tok_per_s": 90.0, "seconds": 11.0, "host": {}}}]
+    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {"256": rounds}})
+    assert "plain        wall 10.000s, host CPU steal 1.00% (max 1.50%), busy 41%" in t
+    assert "eagle3_thr   wall 11.000s, host CPU steal 3.00% (max 3.00%), busy 45%" in t
+
+
+def test_bench_ab_cpu_sets_split_the_cpus_between_servers_and_client(tmp_path):
+    """--ab-pin-cpus: disjoint CPU sets, equal for the servers, the rest for the load generator; too few
+    CPUs fail naming the flag; the table says which; the flag needs A/B mode."""
+    from smoke import bench
+    from smoke.runner import SmokeFailure
+
+    sets = bench.cpu_sets(list(range(16)), ["plain", "eagle3_thr"])
+    assert sets == {"plain": [0, 1, 2, 3, 4], "eagle3_thr": [5, 6, 7, 8, 9], "client": list(range(10, 16))}
+    assert bench.cpu_sets([8, 2, 4, 6, 0, 10], ["plain"]) == {"plain": [0, 2, 4], "client": [6, 8, 10]}
+    with pytest.raises(SmokeFailure, match="ab-pin-cpus"):
+        bench.cpu_sets([0, 1, 2, 3, 4], ["plain", "eagle3_thr"])
+    assert bench.cpu_list([5, 6, 7]) == "5-7" and bench.cpu_list([0, 2, 4]) == "0,2,4"
+    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {"256": []},
+                        "cpu_sets": sets})
+    assert "CPU sets: plain 0-4, eagle3_thr 5-9, client 10-15" in t
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    base = ["--models", "m", "--out", "o"]
+    assert bench.options(ap.parse_args(base + ["--ab-rounds", "2", "--ab-pin-cpus"])).ab_pin_cpus is True
+    with pytest.raises(SystemExit, match="ab-pin-cpus"):
+        bench.options(ap.parse_args(base + ["--ab-pin-cpus"]))
+
+
 def test_bench_ab_flags_unequal_kv_pools_and_can_equalise_them(tmp_path):
     """A/B servers size their pools from the memory free at their start: run 23's 8B pools (plain
     348253, threshold 147880 tokens) against a round of ~233k tokens is flagged; equal pools, or a
@@ -761,12 +804,17 @@ def test_server_stop_leaves_no_running_member_of_its_group(tmp_path):
             return [sys.executable, "-c", leader, str(port)]
 
     port = 30000 + os.getpid() % 2000
-    srv = server_mod.Server(FakeConfig("fake", tmp_path), port, tmp_path / "server.log")
+    ours = os.sched_getaffinity(0)
+    cpu = min(ours)
+    srv = server_mod.Server(FakeConfig("fake", tmp_path, cpus=(cpu,)), port, tmp_path / "server.log")
     srv.start(30)
     assert srv.proc is not None
     pgid = srv.proc.pid
     child = int(child_pid_file.read_text())
     assert os.getpgid(child) == pgid  # the child ignores SIGTERM: only the group's SIGKILL ends it
+    # cpus: the server and what it starts run on those CPUs; the caller keeps its own
+    assert os.sched_getaffinity(pgid) == os.sched_getaffinity(child) == {cpu}
+    assert os.sched_getaffinity(0) == ours
     srv.stop()
     assert not server_mod.group_running(pgid)
     stat = Path(f"/proc/{child}/stat")
