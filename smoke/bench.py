@@ -409,6 +409,20 @@ def order_balanced_ratio(rounds: list[dict[str, dict[str, Any]]], names: list[st
     return geomean_of_medians(*ab_ratios_by_order(rounds, names, name, key))
 
 
+FAST_WINDOW = 0.9  # a window counts as fast at >= this share of the server's best full-load rate
+
+
+def fast_windows(rounds: list[dict[str, dict[str, Any]]], name: str) -> list[float]:
+    """The server log's full-load rates of `name`'s windows (measured and primer pooled) that reach
+    FAST_WINDOW of its best one. On the H200 each window's rate is bimodal (~100k or ~65k tok/s at 1B,
+    for either server, with no CPU steal: docs/gpu-runs/2026-12-01); comparing the fast windows
+    compares the two servers' steps rather than which one drew more slow windows."""
+    rates = [w[key] for r in rounds if name in r for key in ("server_tok_per_s", "primer_server_tok_per_s")
+             if (w := r[name]).get(key)]
+    best = max(rates, default=0.0)
+    return [x for x in rates if x >= FAST_WINDOW * best]
+
+
 def ab_table(ab: dict[str, Any]) -> str:
     names = ab["configs"]
     others = [n for n in names if n != "plain"]
@@ -438,6 +452,11 @@ def ab_table(ab: dict[str, Any]) -> str:
                     lines.append(f"    by order: {n} first {statistics.median(first):.3f}x ({len(first)}), plain "
                                  f"first {statistics.median(second):.3f}x ({len(second)}); order-balanced "
                                  f"{balanced:.3f}x")
+            fast, fast_plain = fast_windows(rounds, n), fast_windows(rounds, "plain")
+            if fast and fast_plain:
+                a, b = statistics.median(fast), statistics.median(fast_plain)
+                lines.append(f"    fast windows (server log >= {FAST_WINDOW:g}x the server's best, primers pooled): "
+                             f"{n} {a:.0f} ({len(fast)}) / plain {b:.0f} ({len(fast_plain)}) = {a / b:.3f}x")
         lines += time_split(rounds, names)
     if ab.get("spec_disable"):
         lines.append(f"eagle3_thr: {ab['spec_disable']}; draft in plain steps: {ab.get('draft_plain_step')}")
@@ -759,14 +778,25 @@ def run_bench_ab(opts: BenchOptions, state: dict[str, Any], expected: dict[str, 
            "table": "\n".join(parts) or "A/B: no round measured", "skipped": skipped, "failures": failures,
            "ab": ab}
     top_rounds = ab["rounds"].get(str(max(opts.concurrency)), [])
-    thr = ab_ratios(top_rounds, "eagle3_thr", "tok_per_s")
-    if thr:
-        # the goal reads the order-balanced ratio where both orders were measured (ab_table says why)
-        balanced = order_balanced_ratio(top_rounds, list(ab["configs"]), "eagle3_thr", "tok_per_s")
-        out["thr_vs_plain_at_max_median"] = round(statistics.median(thr), 3)
-        out["thr_vs_plain_at_max"] = round(balanced if balanced is not None else statistics.median(thr), 3)
-        out["thr_vs_plain_at_max_basis"] = "order-balanced" if balanced is not None else "median"
-        out["goal_0.97_met"] = out["thr_vs_plain_at_max"] >= 0.97
+    return out | goal_figures(top_rounds, list(ab["configs"]))
+
+
+def goal_figures(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict[str, Any]:
+    """The threshold server's ratio to plain at the top concurrency, as the 0.97 goal reads it: the
+    order-balanced client ratio where both orders were measured (ab_table says why), else the median;
+    the fast windows' full-load ratio beside it, a diagnostic, not the goal's basis. {} without rounds."""
+    thr = ab_ratios(rounds, "eagle3_thr", "tok_per_s")
+    if not thr:
+        return {}
+    balanced = order_balanced_ratio(rounds, names, "eagle3_thr", "tok_per_s")
+    figure = round(balanced if balanced is not None else statistics.median(thr), 3)
+    out: dict[str, Any] = {"thr_vs_plain_at_max_median": round(statistics.median(thr), 3),
+                           "thr_vs_plain_at_max": figure,
+                           "thr_vs_plain_at_max_basis": "order-balanced" if balanced is not None else "median",
+                           "goal_0.97_met": figure >= 0.97}
+    fast, fast_plain = fast_windows(rounds, "eagle3_thr"), fast_windows(rounds, "plain")
+    if fast and fast_plain:
+        out["thr_vs_plain_fast_windows"] = round(statistics.median(fast) / statistics.median(fast_plain), 3)
     return out
 
 

@@ -666,6 +666,34 @@ def test_bench_windows_record_the_hosts_cpu_steal(tmp_path):
     assert "eagle3_thr   wall 11.000s, host CPU steal 3.00% (max 3.00%), busy 45%" in t
 
 
+def test_bench_ab_fast_windows_compare_like_with_like():
+    """Run 38's server-log rates (measured and primer windows): plain ran slow in 5 of its 8 windows,
+    the threshold server in 2; the windows at >= 0.9x each server's best give 0.971x."""
+    from smoke import bench
+
+    names = ["plain", "eagle3_thr"]
+    def w(rate, primer):
+        return {"tok_per_s": 1.0, "server_tok_per_s": rate, "primer_server_tok_per_s": primer}
+    rounds = [{"plain": w(63197.2, 70065.6), "eagle3_thr": w(101730.6, 98606.9)},
+              {"eagle3_thr": w(98038.3, 96803.3), "plain": w(104916.3, 74513.7)},
+              {"plain": w(101219.4, 97180.9), "eagle3_thr": w(76370.4, 98669.9)},
+              {"eagle3_thr": w(93449.5, 61079.7), "plain": w(68388.1, 70478.4)}]
+    assert sorted(bench.fast_windows(rounds, "plain")) == [97180.9, 101219.4, 104916.3]
+    assert len(bench.fast_windows(rounds, "eagle3_thr")) == 6
+    t = bench.ab_table({"concurrency": [256], "configs": names, "rounds": {"256": rounds}})
+    assert ("fast windows (server log >= 0.9x the server's best, primers pooled): eagle3_thr 98323 (6) / "
+            "plain 101219 (3) = 0.971x") in t
+    assert bench.fast_windows([{"plain": {"server_tok_per_s": None}}], "plain") == []
+    for r in rounds:  # the client rates of run 38
+        r["plain"]["tok_per_s"], r["eagle3_thr"]["tok_per_s"] = {
+            63197.2: (48290.0, 59586.4), 104916.3: (63487.7, 59870.2), 101219.4: (56495.0, 54252.6),
+            68388.1: (48450.2, 54260.3)}[r["plain"]["server_tok_per_s"]]
+    assert bench.goal_figures(rounds, names) == {
+        "thr_vs_plain_at_max_median": 1.04, "thr_vs_plain_at_max": 1.064,
+        "thr_vs_plain_at_max_basis": "order-balanced", "goal_0.97_met": True, "thr_vs_plain_fast_windows": 0.971}
+    assert bench.goal_figures([], names) == {}
+
+
 def test_bench_ab_cpu_sets_split_the_cpus_between_servers_and_client(tmp_path):
     """--ab-pin-cpus: disjoint CPU sets, equal for the servers, the rest for the load generator; too few
     CPUs fail naming the flag; the table says which; the flag needs A/B mode."""
