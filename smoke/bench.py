@@ -30,6 +30,7 @@ prefill batches counted from the server log, it says where one server's extra ti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -45,7 +46,7 @@ from typing import Any
 from smoke import client, profile, pyspy
 from smoke.client import Prompt
 from smoke.runner import Deadline, SmokeFailure, check_log_clean, draft_plain_step, spec_state
-from smoke.server import Server, ServerConfig, log_tail
+from smoke.server import Server, ServerConfig, log_tail, pinned
 
 # eagle3_adaptive: upstream's own way to stop drafting (--speculative-adaptive), the reference ours has
 # to beat at high load. Its default config (sglang/srt/speculative/adaptive_spec_params.py) minus the
@@ -423,6 +424,16 @@ def fast_windows(rounds: list[dict[str, dict[str, Any]]], name: str) -> list[flo
     return [x for x in rates if x >= FAST_WINDOW * best]
 
 
+def fast_window_medians(rounds: list[dict[str, dict[str, Any]]],
+                        name: str) -> tuple[float, int, float, int] | None:
+    """The median and count of fast windows (fast_windows) of `name`, then of plain; None unless both
+    have some."""
+    fast, fast_plain = fast_windows(rounds, name), fast_windows(rounds, "plain")
+    if not fast or not fast_plain:
+        return None
+    return statistics.median(fast), len(fast), statistics.median(fast_plain), len(fast_plain)
+
+
 def ab_table(ab: dict[str, Any]) -> str:
     names = ab["configs"]
     others = [n for n in names if n != "plain"]
@@ -452,11 +463,11 @@ def ab_table(ab: dict[str, Any]) -> str:
                     lines.append(f"    by order: {n} first {statistics.median(first):.3f}x ({len(first)}), plain "
                                  f"first {statistics.median(second):.3f}x ({len(second)}); order-balanced "
                                  f"{balanced:.3f}x")
-            fast, fast_plain = fast_windows(rounds, n), fast_windows(rounds, "plain")
-            if fast and fast_plain:
-                a, b = statistics.median(fast), statistics.median(fast_plain)
+            medians = fast_window_medians(rounds, n)
+            if medians:
+                a, na, b, nb = medians
                 lines.append(f"    fast windows (server log >= {FAST_WINDOW:g}x the server's best, primers pooled): "
-                             f"{n} {a:.0f} ({len(fast)}) / plain {b:.0f} ({len(fast_plain)}) = {a / b:.3f}x")
+                             f"{n} {a:.0f} ({na}) / plain {b:.0f} ({nb}) = {a / b:.3f}x")
         lines += time_split(rounds, names)
     if ab.get("spec_disable"):
         lines.append(f"eagle3_thr: {ab['spec_disable']}; draft in plain steps: {ab.get('draft_plain_step')}")
@@ -617,8 +628,8 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
         return ab | {"ok": False, "skipped": True, "mismatches": [], "errors": [],
                      "cause": f"deadline: {opts.deadline.left():.0f}s left, ~{need}s needed"}
     ab["kv_pool_tokens"] = {}
-    own_cpus = sorted(os.sched_getaffinity(0))
     sets: dict[str, list[int]] = {}
+    client_pin = contextlib.ExitStack()  # --ab-pin-cpus: this process's CPUs until the servers stop
 
     def start(name: str, o: BenchOptions) -> None:
         cfg = server_config(name, o)
@@ -636,9 +647,9 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
 
     try:
         if opts.ab_pin_cpus:
-            sets.update(cpu_sets(own_cpus, names))
+            sets.update(cpu_sets(sorted(os.sched_getaffinity(0)), names))
             ab["cpu_sets"] = sets
-            os.sched_setaffinity(0, sets["client"])  # the load generator's threads, py-spy
+            client_pin.enter_context(pinned(tuple(sets["client"])))  # the load generator's threads, py-spy
         # one after another: each server sizes its KV pool from the memory left free at its start
         for name in names:
             start(name, opts)
@@ -705,8 +716,7 @@ def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
     finally:
         for srv in servers.values():
             srv.stop()
-        if sets:
-            os.sched_setaffinity(0, own_cpus)
+        client_pin.close()
     ab["mismatches"] = ab_mismatches(outputs)
     ab["errors"] = [f"c={c} round {k + 1} {n}: {m['errors']} request error(s): {m['first_error']}"
                     for c, rounds in ab["rounds"].items() for k, r in enumerate(rounds)
@@ -794,9 +804,9 @@ def goal_figures(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> d
                            "thr_vs_plain_at_max": figure,
                            "thr_vs_plain_at_max_basis": "order-balanced" if balanced is not None else "median",
                            "goal_0.97_met": figure >= 0.97}
-    fast, fast_plain = fast_windows(rounds, "eagle3_thr"), fast_windows(rounds, "plain")
-    if fast and fast_plain:
-        out["thr_vs_plain_fast_windows"] = round(statistics.median(fast) / statistics.median(fast_plain), 3)
+    medians = fast_window_medians(rounds, "eagle3_thr")
+    if medians:
+        out["thr_vs_plain_fast_windows"] = round(medians[0] / medians[2], 3)
     return out
 
 

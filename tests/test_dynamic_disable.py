@@ -1142,7 +1142,9 @@ def test_plain_steps_defer_the_draft_kv_to_the_next_target_forward(run_in_tree, 
             w, events, target_event=lambda mr, fb: ("target",),
             target_hidden=lambda bs: torch.full((bs, 6), 2.0),
             draft_event=lambda fb: ("draft_decode",), draft_logits=lambda n: torch.eye(n, 4))
-        class Deferred:
+        class Deferred(ew._DeferredDraftKv):   # the real step_batch, a recording step
+            def __init__(self):
+                pass
             def step(self, input_ids, positions, req_pool_indices, out_cache_loc, hidden_states):
                 events.append(("deferred", input_ids.tolist(), positions.tolist(), req_pool_indices.tolist(),
                                out_cache_loc.tolist(), hidden_states[:, 0].tolist()))

@@ -12,6 +12,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,15 @@ $ python3 -m sglang.launch_server --model-path /tmp/smoke-state/models/tiny/targ
 [2026-11-30 08:40:36] The server is fired up and ready to roll!
 """
 PATCH_LINE = "[2026-11-30 08:40:10] Dynamic speculation disable enabled: threshold=4 (hysteresis=1)\n"
+
+
+def bench_options(*flags: str) -> Any:
+    """`smoke bench`'s options parsed from these flags (after the required --models and --out)."""
+    from smoke import bench
+
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    return bench.options(ap.parse_args(["--models", "m", "--out", "o", *flags]))
 
 
 # ----------------------------------------------------------------------------- models (real, CPU)
@@ -598,12 +608,9 @@ def test_bench_ab_round_order_and_primer_windows(tmp_path):
     t = bench.ab_table({"concurrency": [256], "configs": names, "rounds": {"256": rounds}})
     # primers: round 0 300/100, round 1 500/700
     assert "primer windows (each right after the other server's load): median 1.857x over 2 round(s)" in t
-    ap = argparse.ArgumentParser()
-    bench.add_arguments(ap)
-    base = ["--models", "m", "--out", "o"]
-    assert bench.options(ap.parse_args(base + ["--ab-rounds", "2", "--ab-primer"])).ab_primer is True
+    assert bench_options("--ab-rounds", "2", "--ab-primer").ab_primer is True
     with pytest.raises(SystemExit, match="ab-primer"):
-        bench.options(ap.parse_args(base + ["--ab-primer"]))
+        bench_options("--ab-primer")
 
 
 def test_bench_splits_each_window_by_gpu_category_and_counts_prefills(tmp_path):
@@ -709,12 +716,9 @@ def test_bench_ab_cpu_sets_split_the_cpus_between_servers_and_client(tmp_path):
     t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {"256": []},
                         "cpu_sets": sets})
     assert "CPU sets: plain 0-4, eagle3_thr 5-9, client 10-15" in t
-    ap = argparse.ArgumentParser()
-    bench.add_arguments(ap)
-    base = ["--models", "m", "--out", "o"]
-    assert bench.options(ap.parse_args(base + ["--ab-rounds", "2", "--ab-pin-cpus"])).ab_pin_cpus is True
+    assert bench_options("--ab-rounds", "2", "--ab-pin-cpus").ab_pin_cpus is True
     with pytest.raises(SystemExit, match="ab-pin-cpus"):
-        bench.options(ap.parse_args(base + ["--ab-pin-cpus"]))
+        bench_options("--ab-pin-cpus")
 
 
 def test_bench_ab_flags_unequal_kv_pools_and_can_equalise_them(tmp_path):
@@ -758,27 +762,20 @@ def test_bench_ab_flags_unequal_kv_pools_and_can_equalise_them(tmp_path):
     t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {},
                         "kv_pools_not_equalised": "deadline: 259s left, ~270s needed to restart the larger-pool servers"})
     assert "KV pools not equalised: deadline: 259s left" in t
-    ap = argparse.ArgumentParser()
-    bench.add_arguments(ap)
-    assert bench.options(ap.parse_args(["--models", "m", "--out", "o", "--max-total-tokens", "9"])).max_total_tokens == 9
+    assert bench_options("--max-total-tokens", "9").max_total_tokens == 9
     with pytest.raises(SystemExit, match="max-total-tokens"):
-        bench.options(ap.parse_args(["--models", "m", "--out", "o", "--max-total-tokens", "-1"]))
+        bench_options("--max-total-tokens", "-1")
 
 
 def test_bench_ab_options_need_plain_and_another_config():
-    from smoke import bench
-
-    ap = argparse.ArgumentParser()
-    bench.add_arguments(ap)
-    base = ["--models", "m", "--out", "o"]
-    o = bench.options(ap.parse_args(base + ["--ab-rounds", "3", "--configs", "plain,eagle3_thr"]))
+    o = bench_options("--ab-rounds", "3", "--configs", "plain,eagle3_thr")
     assert o.ab_rounds == 3 and o.mem_fraction == 0.3
     for bad in (["--ab-rounds", "3", "--configs", "eagle3,eagle3_thr"], ["--ab-rounds", "3", "--configs", "plain"],
                 ["--ab-rounds", "-1"], ["--mem-fraction", "1.5"], ["--pyspy-admission-seconds", "2"],
                 ["--ab-rounds", "3", "--pyspy-admission-seconds", "-1"]):
         with pytest.raises(SystemExit, match="ab-rounds|mem-fraction|pyspy-admission-seconds"):
-            bench.options(ap.parse_args(base + bad))
-    o = bench.options(ap.parse_args(base + ["--ab-rounds", "2", "--pyspy-admission-seconds", "1.5"]))
+            bench_options(*bad)
+    o = bench_options("--ab-rounds", "2", "--pyspy-admission-seconds", "1.5")
     assert o.pyspy_admission_seconds == 1.5 and o.pyspy_seconds == 0
 
 
