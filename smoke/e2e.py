@@ -449,12 +449,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--deadline", type=float, default=560, help="seconds from the start")
     ap.add_argument("--phases", default="all", help=f"'all' or a comma list of {','.join(PHASES)}")
     ap.add_argument("--flavor", default="sglang-0.5.17")
-    ap.add_argument("--threshold", type=int, default=4, help="smoke threshold N")
+    ap.add_argument("--threshold", type=int, default=runner.DEFAULT_THRESHOLD, help="smoke threshold N")
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
     ap.add_argument("--bench-draft-accept", type=float, default=0.85,
                     help="chain draft of the 1B-shaped models: designed accept length ~3.2 (3 steps)")
     ap.add_argument("--bench-size", default="1b", choices=[n for n, (_, ph) in MODELS.items() if ph == "bench"],
-                    help="bench model shape: 1b (host-bound at 256 requests on an H200) or 8b (GPU-bound)")
+                    help="bench model shape: 1b (host-bound at high load on a fast GPU) or 8b (GPU-bound)")
     bench_mod.add_tuning_arguments(ap, "bench-")
     ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
                     help="comm phase: comma list of runs, in this order")

@@ -19,11 +19,11 @@ values lie in a hot set H (the draft vocabulary; f restricted to H is one long c
 many logits, so greedy output does not depend on kernel rounding (decode vs. verify kernels).
 
 Draft, two designs:
-  first  (default; seen on the H200): fc picks the first captured target hidden state (~E[x_t]) and
+  first  (default, the smoke's): fc picks the first captured target hidden state (~E[x_t]) and
          lm_head predicts f(f(x_t)): the first draft token of every step is right, the later ones
          wrong -> accept length 2.0 with 3 steps (both the accept and the reject paths run).
-  chain  (a knob; built and checked here on CPU with an emulation of sglang's draft forward, not yet
-         seen on a GPU): the draft predicts g(token it reads), g = f on a random "good" subset of the
+  chain  (the benchmark's; checked here on CPU with an emulation of sglang's draft forward): the
+         draft predicts g(token it reads), g = f on a random "good" subset of the
          vocabulary of fraction Q (--draft-accept), another hot token elsewhere. The layer carries the
          current token's embedding into the residual stream: fc = 0; q = k = alpha * (embedding half)
          so attention picks the current position; v = (embedding half) - (hidden half), o_proj = I,
@@ -63,8 +63,8 @@ SIZES = {
     "tiny": Size(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512),
     # "1B-shaped": ~1.0e9 parameters in the target (16 x 2048 layers); built on the GPU in seconds
     "1b": Size(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192),
-    # "8B-shaped" (Llama-3-8B's layer shapes, small vocab): GPU-bound at 256 requests on an H200, where
-    # the 1B shape is bound by the scheduler's host time; ~16 GB of bf16 weights
+    # "8B-shaped" (Llama-3-8B's layer shapes, small vocab): GPU-bound at high concurrency on a fast
+    # GPU, where the 1B shape is bound by the scheduler's host time; ~16 GB of bf16 weights
     "8b": Size(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
     # TP=2 splits heads and kv heads evenly (head_dim 64: triton attention's well-trodden size)
     "tp2": Size(hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1024),
