@@ -91,7 +91,7 @@ def check_log_lines(log_text: str, run: CommRun) -> dict[str, str | None]:
     return found
 
 
-def check_hf(expected: dict[str, Any], outputs: dict[str, list[int]], name: str) -> None:
+def check_hf(expected: dict[str, Any], outputs: dict[str, list[int] | None], name: str) -> None:
     got = outputs.get("hf")
     if got != expected["greedy_ids"]:
         raise SmokeError(f"{name}: the 'hf' prompt gives {got}, HF transformers (expected.json) gives "

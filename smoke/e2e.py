@@ -252,14 +252,16 @@ class E2E:
     def bench_key(self) -> str:
         """One bench per model size, mode and options: a later call with other ones runs its own, and
         the report keeps both."""
-        return self.a.bench_size + ("-ab" if self.a.bench_ab_rounds else "") + "-" + self.options_digest("bench")
+        size: str = self.a.bench_size
+        return size + ("-ab" if self.a.bench_ab_rounds else "") + "-" + self.options_digest("bench")
 
     def resumable(self, ph: str) -> dict[str, Any]:
         """The resume state of the smoke or comm phase, emptied when its options changed."""
         if self.state.get(f"{ph}_options") != self.options_digest(ph):
             self.state[ph] = {}
             self.state[f"{ph}_options"] = self.options_digest(ph)
-        return self.state.setdefault(ph, {})
+        phase: dict[str, Any] = self.state.setdefault(ph, {})
+        return phase
 
     def phase_bench(self) -> None:
         st = self.state.setdefault("bench_runs", {}).setdefault(self.bench_key, {})
@@ -407,7 +409,7 @@ class E2E:
             self.log(f"jit cache: not packed ({why})")
 
     def finish(self, incomplete: list[str]) -> None:
-        report = {"elapsed_s": round(time.time() - self.t0, 1), "failures": self.all_failures(),
+        report: dict[str, Any] = {"elapsed_s": round(time.time() - self.t0, 1), "failures": self.all_failures(),
                   "incomplete": incomplete, "patches": self.state.get("patch"),
                   "smoke": self.state.get("smoke_report"), "bench": self.state.get("bench_reports") or None,
                   "comm": self.state.get("comm_report")}

@@ -95,7 +95,7 @@ def corpus(max_bytes: int) -> list[str]:
         import keyword
 
         rnd = random.Random(0)
-        words = keyword.kwlist + ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as",
+        words = list(keyword.kwlist) + ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as",
                                   "with", "was", "on", "be", "by"]
         out = [" ".join(rnd.choice(words) for _ in range(200_000))]
     return out
@@ -125,7 +125,7 @@ def _rms_normalize(x: Any) -> Any:
 
 def structured_weights(cfg: Any, dcfg: Any, special_ids: set[int], seed: int, *, draft: str,
                        accept: float, gain: float = 30.0, block_scale: float = 0.3,
-                       device: str = "cpu") -> tuple[dict, dict, Any, Any, Any]:
+                       device: str = "cpu") -> tuple[dict[str, Any], dict[str, Any], Any, Any, Any]:
     """(target state dict, draft state dict, hot ids, f, g); g is None for the "first" draft."""
     import torch
 
@@ -279,7 +279,7 @@ def emulate_draft(model_dir: Path, *, steps: int = 3, rounds: int = 12) -> dict[
 
     p = "midlayer."
 
-    def draft_forward(tokens: Any, h: Any, pos: Any, cache: dict) -> tuple[Any, Any]:
+    def draft_forward(tokens: Any, h: Any, pos: Any, cache: dict[int, Any]) -> tuple[Any, Any]:
         """tokens [n], h [n, dd] (already through fc), pos [n]; cache {pos: (k, v)} is updated."""
         residual = h
         x = torch.cat([rms(E[tokens], w[p + "input_layernorm.weight"]),
@@ -316,7 +316,7 @@ def emulate_draft(model_dir: Path, *, steps: int = 3, rounds: int = 12) -> dict[
             aux = torch.cat([out.hidden_states[i + 1][0] for i in aux_ids], -1)
             h = aux @ w["fc.weight"].T
             n = len(seq) - 1
-            cache: dict = {}
+            cache: dict[int, Any] = {}
             # draft extend: position p reads token seq[p+1] and the target hidden of position p
             nxt, res = draft_forward(torch.tensor(seq[1:]), h, torch.arange(n), cache)
             drafts = [int(nxt[-1])]

@@ -11,6 +11,7 @@ report.json, and exits non-zero with each cause and the tail of the server log t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import re
@@ -100,10 +101,10 @@ def check_log_clean(log_text: str) -> None:
 
 
 def check_no_errors(results: Iterable[Result], phase: str) -> None:
-    errs = [r for r in results if r.error]
+    errs = [(r.key, r.error) for r in results if r.error]
     if errs:
-        raise SmokeError(f"{phase}: {len(errs)} request(s) failed, first ({errs[0].key}): "
-                           f"{errs[0].error[:400]}")
+        key, error = errs[0]
+        raise SmokeError(f"{phase}: {len(errs)} request(s) failed, first ({key}): {error[:400]}")
 
 
 def check_outputs(reference: dict[str, list[int]], results: Iterable[Result], phase: str) -> None:
@@ -142,7 +143,8 @@ def spec_state(info: dict[str, Any]) -> dict[str, Any]:
                if k not in st]
     if missing:
         raise SmokeError(f"speculative_disable state lacks {missing}: {st}")
-    return st
+    state: dict[str, Any] = st
+    return state
 
 
 def check_threshold_state(st: dict[str, Any], threshold: int) -> None:
@@ -478,8 +480,8 @@ def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[i
     tag = f"{int(time.time() * 1000)}"  # rids unique across calls on the same server
 
     def start(ps: list[Prompt]) -> list[Any]:
-        return [client.in_background(lambda p=p: client.generate(base, p, opts.request_timeout(),
-                                                                 rid=f"smoke-{tag}-{p.key}")) for p in ps]
+        return [client.in_background(functools.partial(client.generate, base, p, opts.request_timeout(),
+                                                       rid=f"smoke-{tag}-{p.key}")) for p in ps]
 
     plain_set, spec_set = sets["abort_plain"], sets["abort_spec"]
     futs = start(plain_set)
