@@ -657,12 +657,12 @@ def test_bench_ab_cpu_sets_split_the_cpus_between_servers_and_client(tmp_path):
     """--ab-pin-cpus: disjoint CPU sets, equal for the servers, the rest for the load generator; too few
     CPUs fail naming the flag; the table says which; the flag needs A/B mode."""
     from smoke import bench
-    from smoke.runner import SmokeError
+    from smoke.runner import SmokeFailure
 
     sets = bench.cpu_sets(list(range(16)), ["plain", "eagle3_thr"])
     assert sets == {"plain": [0, 1, 2, 3, 4], "eagle3_thr": [5, 6, 7, 8, 9], "client": list(range(10, 16))}
     assert bench.cpu_sets([8, 2, 4, 6, 0, 10], ["plain"]) == {"plain": [0, 2, 4], "client": [6, 8, 10]}
-    with pytest.raises(SmokeError, match="ab-pin-cpus"):
+    with pytest.raises(SmokeFailure, match="ab-pin-cpus"):
         bench.cpu_sets([0, 1, 2, 3, 4], ["plain", "eagle3_thr"])
     assert bench.cpu_list([5, 6, 7]) == "5-7" and bench.cpu_list([0, 2, 4]) == "0,2,4"
     t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {"256": []},
