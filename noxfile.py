@@ -78,7 +78,7 @@ def gpu_e2e(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def lint(session: nox.Session) -> None:
-    """ruff and mypy --strict over the package and this file."""
+    """ruff over the code and tests, mypy --strict over src/, smoke/ and this file (light: no torch)."""
     _install(session, "lint")
     session.run("ruff", "check", "src", "tests", "noxfile.py", "smoke")
     session.run("mypy")

@@ -107,14 +107,23 @@ def abort(base: str, rid: str) -> None:
     post(base + "/abort_request", {"rid": rid}, timeout=30)
 
 
+def get_json_object(url: str, timeout: float = 30) -> dict[str, Any]:
+    """A JSON object from url; anything else is an HTTPFailure naming what came back."""
+    d = get_json(url, timeout)
+    if not isinstance(d, dict):
+        raise HTTPFailure(f"GET {url}: expected a JSON object, got {str(d)[:200]}")
+    return d
+
+
 def server_info(base: str) -> dict[str, Any]:
-    return get_json(base + "/get_server_info")
+    return get_json_object(base + "/get_server_info")
 
 
 def load(base: str) -> dict[str, Any]:
     """DP rank 0 of /v1/loads (num_running_reqs, num_used_tokens, max_total_num_tokens, ...)."""
-    d = get_json(base + "/v1/loads?include=core")
-    return d["loads"][0]
+    d = get_json_object(base + "/v1/loads?include=core")
+    first: dict[str, Any] = d["loads"][0]
+    return first
 
 
 def metrics(base: str) -> dict[str, float]:

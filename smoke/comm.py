@@ -31,7 +31,7 @@ from typing import Any
 
 from smoke import client
 from smoke.client import Prompt
-from smoke.runner import Deadline, SmokeFailure, check_log_clean, check_no_errors, check_outputs
+from smoke.runner import Deadline, SmokeError, check_log_clean, check_no_errors, check_outputs
 from smoke.server import Server, ServerConfig, log_tail
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -87,14 +87,14 @@ def check_log_lines(log_text: str, run: CommRun) -> dict[str, str | None]:
     if unwanted:
         problems.append("unexpected log line(s): " + "; ".join(repr(u) for u in unwanted))
     if problems:
-        raise SmokeFailure(f"{run.name}: " + " | ".join(problems))
+        raise SmokeError(f"{run.name}: " + " | ".join(problems))
     return found
 
 
-def check_hf(expected: dict[str, Any], outputs: dict[str, list[int]], name: str) -> None:
+def check_hf(expected: dict[str, Any], outputs: dict[str, list[int] | None], name: str) -> None:
     got = outputs.get("hf")
     if got != expected["greedy_ids"]:
-        raise SmokeFailure(f"{name}: the 'hf' prompt gives {got}, HF transformers (expected.json) gives "
+        raise SmokeError(f"{name}: the 'hf' prompt gives {got}, HF transformers (expected.json) gives "
                            f"{expected['greedy_ids']}")
 
 
@@ -141,7 +141,7 @@ def run_one(opts: CommOptions, run: CommRun, prompts: list[Prompt], expected: di
     try:
         try:
             srv.start(timeout)
-        except SmokeFailure as exc:
+        except SmokeError as exc:
             if "not healthy after" in exc.cause and timeout < run.start_timeout:
                 raise DeadlineStop(f"{run.name}: not healthy within the {timeout:.0f}s the deadline left")
             raise
@@ -159,7 +159,7 @@ def run_one(opts: CommOptions, run: CommRun, prompts: list[Prompt], expected: di
         check_log_clean(text)
         check_log_lines(text, run)
         if not srv.alive():
-            raise SmokeFailure(f"{run.name}: server process died during the test")
+            raise SmokeError(f"{run.name}: server process died during the test")
         if ref is not None and run.name != ref_name:
             check_outputs(ref, res, f"{run.name} vs {ref_name}")
             rep["equal_to_ref"] = ref_name
@@ -167,7 +167,7 @@ def run_one(opts: CommOptions, run: CommRun, prompts: list[Prompt], expected: di
         rep["ok"] = True
     except DeadlineStop:
         raise
-    except SmokeFailure as exc:
+    except SmokeError as exc:
         rep["cause"] = exc.cause
     except client.HTTPFailure as exc:
         rep["cause"] = f"{run.name}: HTTP failure talking to the server: {exc}"

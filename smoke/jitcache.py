@@ -1,8 +1,8 @@
 """Compiled kernels carried from one GPU machine to the next.
 
-Every device call may land on a fresh machine, and there the first server spends about a minute
-compiling Triton and FlashInfer kernels while it captures its CUDA graphs (62-67 s for the target
-prefill graphs on 2026-11-30, against 9-10 s with the caches warm). The e2e driver packs its JIT
+A GPU run may land on a fresh host, and there the first server spends about a minute compiling
+Triton and FlashInfer kernels while it captures its CUDA graphs (a warm cache skips nearly all of
+it; figures in docs/validation.md). The e2e driver packs its JIT
 directory into OUT/jit-cache.tar.xz at the end of a call; copied into the bundle folder (.gpu/), it
 travels with the next call, and the patch phase unpacks it before any server starts.
 

@@ -19,11 +19,11 @@ values lie in a hot set H (the draft vocabulary; f restricted to H is one long c
 many logits, so greedy output does not depend on kernel rounding (decode vs. verify kernels).
 
 Draft, two designs:
-  first  (default; seen on the H200): fc picks the first captured target hidden state (~E[x_t]) and
+  first  (default, the smoke's): fc picks the first captured target hidden state (~E[x_t]) and
          lm_head predicts f(f(x_t)): the first draft token of every step is right, the later ones
          wrong -> accept length 2.0 with 3 steps (both the accept and the reject paths run).
-  chain  (a knob; built and checked here on CPU with an emulation of sglang's draft forward, not yet
-         seen on a GPU): the draft predicts g(token it reads), g = f on a random "good" subset of the
+  chain  (the benchmark's; checked here on CPU with an emulation of sglang's draft forward): the
+         draft predicts g(token it reads), g = f on a random "good" subset of the
          vocabulary of fraction Q (--draft-accept), another hot token elsewhere. The layer carries the
          current token's embedding into the residual stream: fc = 0; q = k = alpha * (embedding half)
          so attention picks the current position; v = (embedding half) - (hidden half), o_proj = I,
@@ -63,8 +63,8 @@ SIZES = {
     "tiny": Size(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512),
     # "1B-shaped": ~1.0e9 parameters in the target (16 x 2048 layers); built on the GPU in seconds
     "1b": Size(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192),
-    # "8B-shaped" (Llama-3-8B's layer shapes, small vocab): GPU-bound at 256 requests on an H200, where
-    # the 1B shape is bound by the scheduler's host time; ~16 GB of bf16 weights
+    # "8B-shaped" (Llama-3-8B's layer shapes, small vocab): GPU-bound at high concurrency on a fast
+    # GPU, where the 1B shape is bound by the scheduler's host time; ~16 GB of bf16 weights
     "8b": Size(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
     # TP=2 splits heads and kv heads evenly (head_dim 64: triton attention's well-trodden size)
     "tp2": Size(hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1024),
@@ -95,7 +95,7 @@ def corpus(max_bytes: int) -> list[str]:
         import keyword
 
         rnd = random.Random(0)
-        words = keyword.kwlist + ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as",
+        words = list(keyword.kwlist) + ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as",
                                   "with", "was", "on", "be", "by"]
         out = [" ".join(rnd.choice(words) for _ in range(200_000))]
     return out
@@ -125,7 +125,7 @@ def _rms_normalize(x: Any) -> Any:
 
 def structured_weights(cfg: Any, dcfg: Any, special_ids: set[int], seed: int, *, draft: str,
                        accept: float, gain: float = 30.0, block_scale: float = 0.3,
-                       device: str = "cpu") -> tuple[dict, dict, Any, Any, Any]:
+                       device: str = "cpu") -> tuple[dict[str, Any], dict[str, Any], Any, Any, Any]:
     """(target state dict, draft state dict, hot ids, f, g); g is None for the "first" draft."""
     import torch
 
@@ -279,7 +279,7 @@ def emulate_draft(model_dir: Path, *, steps: int = 3, rounds: int = 12) -> dict[
 
     p = "midlayer."
 
-    def draft_forward(tokens: Any, h: Any, pos: Any, cache: dict) -> tuple[Any, Any]:
+    def draft_forward(tokens: Any, h: Any, pos: Any, cache: dict[int, Any]) -> tuple[Any, Any]:
         """tokens [n], h [n, dd] (already through fc), pos [n]; cache {pos: (k, v)} is updated."""
         residual = h
         x = torch.cat([rms(E[tokens], w[p + "input_layernorm.weight"]),
@@ -316,7 +316,7 @@ def emulate_draft(model_dir: Path, *, steps: int = 3, rounds: int = 12) -> dict[
             aux = torch.cat([out.hidden_states[i + 1][0] for i in aux_ids], -1)
             h = aux @ w["fc.weight"].T
             n = len(seq) - 1
-            cache: dict = {}
+            cache: dict[int, Any] = {}
             # draft extend: position p reads token seq[p+1] and the target hidden of position p
             nxt, res = draft_forward(torch.tensor(seq[1:]), h, torch.arange(n), cache)
             drafts = [int(nxt[-1])]

@@ -28,11 +28,13 @@ LAUNCHES = {
 }
 
 
-def start(base: str, out_dir: Path, steps: int) -> None:
+def start(base: str, out_dir: Path, steps: int) -> dict[str, Any]:
+    """Asks the server to trace `steps` steps into out_dir; {} (the trace comes with wait_for_trace)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     client.post(base + "/start_profile", {  # answers "Start profiling." as text
         "output_dir": str(out_dir), "num_steps": steps, "activities": ["CPU", "GPU"],
         "with_stack": True, "record_shapes": False}, timeout=60)
+    return {}
 
 
 def wait_for_trace(out_dir: Path, timeout: float = 90) -> Path | None:
@@ -73,7 +75,7 @@ def _host_during_gaps(events: list[dict[str, Any]], gaps: list[tuple[float, floa
         mid = (s + e) / 2
         covering = [f for f in frames if f["ts"] <= mid <= f["ts"] + f["dur"]]
         name = min(covering, key=lambda f: f["dur"])["name"] if covering else "(no Python frame)"
-        out[name] += e - s
+        out[name] += round(e - s)  # microseconds
     return out
 
 
@@ -98,11 +100,12 @@ def summarize(trace: Path, steps: int, top: int = 25, gap_us: float = 20.0) -> d
     gaps = [(e0, s1) for (_, e0), (s1, _) in pairwise(busy) if s1 - e0 >= gap_us]
     idle = _host_during_gaps(events, gaps)
     counts = Counter(e["name"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver"))
-    kern, kern_n = Counter(), Counter()
+    kern: Counter[str] = Counter()
+    kern_n: Counter[str] = Counter()
     for e in gpu:
         kern[e["name"][:90]] += e["dur"]
         kern_n[e["name"][:90]] += 1
-    py = Counter()
+    py: Counter[str] = Counter()
     for e in events:
         if e.get("cat") == "python_function":
             py[e["name"]] += e["dur"]

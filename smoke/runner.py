@@ -2,15 +2,16 @@
 disable threshold, checked from the outside (log line, outputs, server-info counters, accept length,
 KV pool, errors).
 
-    python -m smoke run --models DIR --out DIR [--threshold 4] [--variants overlap,sync] ...
+    python -m smoke run --models DIR --out DIR [--threshold N] [--variants overlap,sync] ...
 
-Every check is a function below that raises SmokeFailure(cause); `run_smoke` collects the failures of
+Every check is a function below that raises SmokeError(cause); `run_smoke` collects the failures of
 every server variant (one GPU call should tell as much as it can), prints a short report, writes
 report.json, and exits non-zero with each cause and the tail of the server log that goes with it.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import re
@@ -28,6 +29,9 @@ START_LINE = "Dynamic speculation disable enabled: threshold={n}"
 KV_ONLY_LINE = "write only the draft's K/V"
 FULL_DRAFT_LINE = "run the draft's full step"
 MODE_CHANGE = "Speculation mode ->"
+# The smoke's threshold: small, so that the tiny model's load crosses it both ways in seconds. Every
+# smoke entry point (here, e2e, `nox -s smoke`) takes its default from this one name.
+DEFAULT_THRESHOLD = 4
 REQUEST_TIMEOUT_S = 180  # a tiny-model request takes seconds; a hang must not outlive the deadline
 # Lines that mean the server is broken even if every request came back.
 BAD_LOG_PATTERNS = (
@@ -38,8 +42,12 @@ BAD_LOG_PATTERNS = (
 )
 
 
-class SmokeFailure(Exception):
-    """A check failed: `cause` says which and why; `log` is the server log to show the tail of."""
+class SmokeError(Exception):
+    """A smoke check failed: `cause` says which and why; `log` is the server log to show the tail of.
+
+    The host's `nox -s smoke` reports the same failure as `sglang_image.errors.SmokeError` (exit code
+    9): this package runs inside the image and on a bare GPU host, where that package is absent.
+    """
 
     def __init__(self, cause: str, *, log: Path | None = None):
         super().__init__(cause)
@@ -53,6 +61,10 @@ class SmokeFailure(Exception):
         return out
 
 
+# The former name, still used by smoke/bench.py and tests/test_comm.py: remove once they say SmokeError.
+SmokeFailure = SmokeError
+
+
 # ----------------------------------------------------------------------------- checks (pure)
 def check_start_log(log_text: str, threshold: int) -> None:
     want = START_LINE.format(n=threshold)
@@ -62,7 +74,7 @@ def check_start_log(log_text: str, threshold: int) -> None:
             rest = line.split(want, 1)[1]
             if not rest[:1].isdigit():
                 return
-    raise SmokeFailure(f"start log line missing: expected a line containing {want!r} "
+    raise SmokeError(f"start log line missing: expected a line containing {want!r} "
                        "(is the dynamic-speculation-disable patch applied and the flag passed?)")
 
 
@@ -85,14 +97,14 @@ def check_log_clean(log_text: str) -> None:
             start = log_text.rfind("\n", 0, m.start()) + 1
             end = log_text.find("\n", m.end())
             line = log_text[start: end if end >= 0 else None]
-            raise SmokeFailure(f"server log shows an error: {line.strip()[:300]!r}")
+            raise SmokeError(f"server log shows an error: {line.strip()[:300]!r}")
 
 
 def check_no_errors(results: Iterable[Result], phase: str) -> None:
-    errs = [r for r in results if r.error]
+    errs = [(r.key, r.error) for r in results if r.error]
     if errs:
-        raise SmokeFailure(f"{phase}: {len(errs)} request(s) failed, first ({errs[0].key}): "
-                           f"{errs[0].error[:400]}")
+        key, error = errs[0]
+        raise SmokeError(f"{phase}: {len(errs)} request(s) failed, first ({key}): {error[:400]}")
 
 
 def check_outputs(reference: dict[str, list[int]], results: Iterable[Result], phase: str) -> None:
@@ -103,20 +115,20 @@ def check_outputs(reference: dict[str, list[int]], results: Iterable[Result], ph
             continue
         ref = reference.get(r.key)
         if ref is None:
-            raise SmokeFailure(f"{phase}: no reference output for prompt {r.key}")
+            raise SmokeError(f"{phase}: no reference output for prompt {r.key}")
         if r.output_ids != ref:
             got = r.output_ids or []
             at = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
             bad.append(f"{r.key}: first difference at token {at}: got {got[at:at + 5]} "
                        f"expected {ref[at:at + 5]} (lengths {len(got)}/{len(ref)})")
     if bad:
-        raise SmokeFailure(f"{phase}: output mismatch vs the plain server in {len(bad)} request(s); "
+        raise SmokeError(f"{phase}: output mismatch vs the plain server in {len(bad)} request(s); "
                            + "; ".join(bad[:3]))
 
 
 def check_hf_reference(expected: dict[str, Any], output_ids: list[int] | None) -> None:
     if output_ids != expected["greedy_ids"]:
-        raise SmokeFailure("plain server output differs from the HF transformers reference in "
+        raise SmokeError("plain server output differs from the HF transformers reference in "
                            f"expected.json: got {output_ids} expected {expected['greedy_ids']}")
 
 
@@ -124,24 +136,25 @@ def spec_state(info: dict[str, Any]) -> dict[str, Any]:
     """internal_states[0]["speculative_disable"] of /get_server_info (the patch's contract)."""
     states = info.get("internal_states") or []
     if not states or not isinstance(states[0], dict) or "speculative_disable" not in states[0]:
-        raise SmokeFailure("/get_server_info has no internal_states[0]['speculative_disable'] "
+        raise SmokeError("/get_server_info has no internal_states[0]['speculative_disable'] "
                            "(is the dynamic-speculation-disable patch applied?)")
     st = states[0]["speculative_disable"]
     missing = [k for k in ("threshold", "mode", "speculative_steps", "plain_steps", "mode_changes")
                if k not in st]
     if missing:
-        raise SmokeFailure(f"speculative_disable state lacks {missing}: {st}")
-    return st
+        raise SmokeError(f"speculative_disable state lacks {missing}: {st}")
+    state: dict[str, Any] = st
+    return state
 
 
 def check_threshold_state(st: dict[str, Any], threshold: int) -> None:
     if st["threshold"] != threshold:
-        raise SmokeFailure(f"server-info threshold is {st['threshold']}, expected {threshold}")
+        raise SmokeError(f"server-info threshold is {st['threshold']}, expected {threshold}")
 
 
 def check_mode(st: dict[str, Any], mode: str, phase: str) -> None:
     if st["mode"] != mode:
-        raise SmokeFailure(f"{phase}: mode is {st['mode']!r}, expected {mode!r} ({st})")
+        raise SmokeError(f"{phase}: mode is {st['mode']!r}, expected {mode!r} ({st})")
 
 
 def check_switched(st: dict[str, Any], phase: str, *, min_changes: int = 2) -> None:
@@ -153,7 +166,7 @@ def check_switched(st: dict[str, Any], phase: str, *, min_changes: int = 2) -> N
     if st["mode_changes"] < min_changes:
         problems.append(f"mode_changes {st['mode_changes']} < {min_changes}")
     if problems:
-        raise SmokeFailure(f"{phase}: the mode did not switch as expected: " + "; ".join(problems)
+        raise SmokeError(f"{phase}: the mode did not switch as expected: " + "; ".join(problems)
                            + f" ({st})")
 
 
@@ -162,9 +175,9 @@ def check_delta(before: dict[str, Any], after: dict[str, Any], key: str, phase: 
     """positive: the counter must grow; else it may grow by `at_most` at most."""
     d = int(after[key]) - int(before[key])
     if positive and d <= 0:
-        raise SmokeFailure(f"{phase}: {key} did not grow ({before[key]} -> {after[key]})")
+        raise SmokeError(f"{phase}: {key} did not grow ({before[key]} -> {after[key]})")
     if not positive and d > at_most:
-        raise SmokeFailure(f"{phase}: {key} grew by {d} but should not have"
+        raise SmokeError(f"{phase}: {key} grew by {d} but should not have"
                            + (f" grown by more than {at_most}" if at_most else ""))
     return d
 
@@ -193,10 +206,10 @@ def check_accept_recovers(before: dict[str, Any], after: dict[str, Any], *,
                           min_before: float = 1.2, ratio: float = 0.9) -> None:
     b, a = before.get("accept_length"), after.get("accept_length")
     if b is None or b < min_before:
-        raise SmokeFailure(f"accept length below the threshold is {b} (< {min_before}): the draft "
+        raise SmokeError(f"accept length below the threshold is {b} (< {min_before}): the draft "
                            "is not accepted at low load, so the test says nothing")
     if a is None or a < ratio * b:
-        raise SmokeFailure(f"accept length after the disabled phase is {a}, below {ratio} x {b:.2f} "
+        raise SmokeError(f"accept length after the disabled phase is {a}, below {ratio} x {b:.2f} "
                            "measured before it (draft state not restored after re-enabling?)")
 
 
@@ -208,16 +221,16 @@ def check_aborted(reference: dict[str, list[int]], results: Iterable[Result], ab
     for r in results:
         ref = reference.get(r.key)
         if ref is None:
-            raise SmokeFailure(f"{phase}: no reference output for prompt {r.key}")
+            raise SmokeError(f"{phase}: no reference output for prompt {r.key}")
         if r.key not in aborted:
             if r.error:
-                raise SmokeFailure(f"{phase}: request {r.key} (not aborted) failed: {r.error[:300]}")
+                raise SmokeError(f"{phase}: request {r.key} (not aborted) failed: {r.error[:300]}")
             if r.output_ids != ref:
                 check_outputs(reference, [r], phase)
             continue
         got = r.output_ids or []
         if got != ref[:len(got)]:
-            raise SmokeFailure(f"{phase}: aborted request {r.key} returned tokens that are not a prefix "
+            raise SmokeError(f"{phase}: aborted request {r.key} returned tokens that are not a prefix "
                                f"of the plain output (lengths {len(got)}/{len(ref)})")
         cut += int(r.error is not None or len(got) < len(ref))
     return {"aborted_cut_short": cut, "aborted_sent": len(aborted)}
@@ -225,9 +238,9 @@ def check_aborted(reference: dict[str, list[int]], results: Iterable[Result], ab
 
 def check_kv_back(baseline: dict[str, Any], final: dict[str, Any]) -> None:
     if final.get("num_running_reqs", 0) != 0:
-        raise SmokeFailure(f"requests still running after the load ended: {final}")
+        raise SmokeError(f"requests still running after the load ended: {final}")
     if final["num_used_tokens"] != baseline["num_used_tokens"]:
-        raise SmokeFailure(f"KV pool not back to its initial size: {final['num_used_tokens']} tokens "
+        raise SmokeError(f"KV pool not back to its initial size: {final['num_used_tokens']} tokens "
                            f"in use after the load vs {baseline['num_used_tokens']} before "
                            f"(of {final.get('max_total_num_tokens')})")
 
@@ -301,7 +314,7 @@ class Deadline:
 class SmokeOptions:
     models: Path
     out: Path
-    threshold: int = 4
+    threshold: int = DEFAULT_THRESHOLD
     variants: tuple[str, ...] = ("overlap", "sync")
     port: int = 30000
     mem_fraction: float = 0.15
@@ -336,18 +349,18 @@ def record_references(opts: SmokeOptions, expected: dict[str, Any], prompts: lis
         res = client.run_concurrent(srv.base, prompts, 8, opts.request_timeout())
         try:
             check_no_errors(res, "plain reference")
-        except SmokeFailure as exc:
+        except SmokeError as exc:
             exc.log = log
             raise
         refs = {r.key: r.output_ids for r in res if r.output_ids is not None}
         try:
             check_log_clean(log.read_text(errors="replace"))
-        except SmokeFailure as exc:
+        except SmokeError as exc:
             exc.log = log
             raise
         try:  # a failure, but the EAGLE-3 servers are still compared with this server's outputs
             check_hf_reference(expected, refs.get("hf"))
-        except SmokeFailure as exc:
+        except SmokeError as exc:
             state["hf_mismatch"] = exc.cause
     return refs
 
@@ -416,7 +429,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
         ramp += longs.result()
         st5 = phase("ramp", ramp, st4)
         if st5["mode_changes"] - st4["mode_changes"] < 2:
-            raise SmokeFailure(f"ramp: only {st5['mode_changes'] - st4['mode_changes']} mode change(s) "
+            raise SmokeError(f"ramp: only {st5['mode_changes'] - st4['mode_changes']} mode change(s) "
                                f"while the load crossed the threshold 6 times ({st5})")
         check_switched(st5, "end of load")
         # 6) aborts mid-generation, in plain mode and in speculative mode; the pool must still empty
@@ -437,9 +450,9 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
         for k in ("sglang:spec_disable_plain_mode", "sglang:spec_disable_speculative_steps_total",
                   "sglang:spec_disable_plain_steps_total"):
             if rep["metrics"][k] is None:
-                raise SmokeFailure(f"Prometheus metric {k} missing from /metrics (--enable-metrics is on)")
+                raise SmokeError(f"Prometheus metric {k} missing from /metrics (--enable-metrics is on)")
         if not srv.alive():
-            raise SmokeFailure("server process died during the test")
+            raise SmokeError("server process died during the test")
         text = log.read_text(errors="replace")
         check_log_clean(text)
         rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE in line)
@@ -448,14 +461,14 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
         rep["spec_disable_final"] = spec_state(info)
         rep["errors"] = sum(1 for r in all_results if r.error)
         rep["ok"] = True
-    except SmokeFailure as exc:
+    except SmokeError as exc:
         record_failure(rep, exc, log)
     except client.HTTPFailure as exc:
-        record_failure(rep, SmokeFailure(f"HTTP failure talking to the server: {exc}"), log)
+        record_failure(rep, SmokeError(f"HTTP failure talking to the server: {exc}"), log)
     except Exception as exc:  # noqa: BLE001 - an unexpected answer must still give cause + log
         import traceback
 
-        record_failure(rep, SmokeFailure(f"runner error: {type(exc).__name__}: {exc}\n"
+        record_failure(rep, SmokeError(f"runner error: {type(exc).__name__}: {exc}\n"
                                          f"{traceback.format_exc()[-1200:]}"), log)
     finally:
         srv.stop()
@@ -467,8 +480,8 @@ def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[i
     tag = f"{int(time.time() * 1000)}"  # rids unique across calls on the same server
 
     def start(ps: list[Prompt]) -> list[Any]:
-        return [client.in_background(lambda p=p: client.generate(base, p, opts.request_timeout(),
-                                                                 rid=f"smoke-{tag}-{p.key}")) for p in ps]
+        return [client.in_background(functools.partial(client.generate, base, p, opts.request_timeout(),
+                                                       rid=f"smoke-{tag}-{p.key}")) for p in ps]
 
     plain_set, spec_set = sets["abort_plain"], sets["abort_spec"]
     futs = start(plain_set)
@@ -492,12 +505,12 @@ def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[i
                               "plain_mode": counts, "speculative_mode": spec_counts,
                               **accept_stats(after), **spec_deltas(st, st_before)}
     if counts["aborted_cut_short"] == 0:
-        raise SmokeFailure(f"abort: none of the {len(aborted)} aborted requests was cut short (aborts "
+        raise SmokeError(f"abort: none of the {len(aborted)} aborted requests was cut short (aborts "
                            "arrived after they finished: the phase proved nothing)")
     return st
 
 
-def record_failure(rep: dict[str, Any], exc: SmokeFailure, log: Path) -> dict[str, Any]:
+def record_failure(rep: dict[str, Any], exc: SmokeError, log: Path) -> dict[str, Any]:
     """A variant's report after a failed check: the cause and the tail of its server log."""
     exc.log = exc.log or log
     rep["ok"] = False
@@ -535,8 +548,8 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
             return report
         try:
             refs = record_references(opts, expected, unique_prompts(sets), state)
-        except (SmokeFailure, client.HTTPFailure) as exc:
-            f = exc if isinstance(exc, SmokeFailure) else SmokeFailure(str(exc))
+        except (SmokeError, client.HTTPFailure) as exc:
+            f = exc if isinstance(exc, SmokeError) else SmokeError(str(exc))
             f.log = f.log or opts.out / "server_plain.log"
             report["failures"].append({"variant": "plain", "cause": f.cause, "log_tail": log_tail(f.log)})
             return report
@@ -589,7 +602,7 @@ def summarize(report: dict[str, Any]) -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", type=Path, required=True, help="dir from `python -m smoke models`")
     ap.add_argument("--out", type=Path, required=True, help="logs and report.json go here")
-    ap.add_argument("--threshold", type=int, default=4)
+    ap.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD)
     ap.add_argument("--variants", default="overlap,sync",
                     help="comma list of: overlap (CUDA graphs on), sync (--disable-overlap-schedule)")
     ap.add_argument("--port", type=int, default=30000)

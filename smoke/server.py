@@ -101,14 +101,14 @@ class Server:
         self.start_seconds = 0.0
 
     def start(self, timeout: float) -> None:
-        from smoke.runner import SmokeFailure  # local: runner imports this module
+        from smoke.runner import SmokeError  # local: runner imports this module
 
         for _ in range(30):
             if port_free(self.port):
                 break
             time.sleep(1)
         else:
-            raise SmokeFailure(f"{self.cfg.name}: port {self.port} is still in use before the start")
+            raise SmokeError(f"{self.cfg.name}: port {self.port} is still in use before the start")
         env = dict(os.environ, **self.cfg.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -124,13 +124,13 @@ class Server:
                 fh.write(f"{self.proc.pid}\n")
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise SmokeFailure(f"{self.cfg.name}: server exited with code {self.proc.returncode} "
+                raise SmokeError(f"{self.cfg.name}: server exited with code {self.proc.returncode} "
                                    "before it became healthy", log=self.log_path)
             if client.healthy(self.base):
                 self.start_seconds = time.time() - t0
                 return
             time.sleep(2)
-        raise SmokeFailure(f"{self.cfg.name}: not healthy after {timeout:.0f}s", log=self.log_path)
+        raise SmokeError(f"{self.cfg.name}: not healthy after {timeout:.0f}s", log=self.log_path)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -1,7 +1,9 @@
 """CPU tests of the dynamic-speculation-disable patch, run against the real (patched) 0.5.17 wheel.
 
-Each check runs in its own interpreter inside the unpacked tree (run_in_tree) and prints one JSON
-line; the assertions happen here. The unpatched tree is used to prove the checks can fail.
+Each check runs in its own process inside the unpacked tree and prints one JSON line; the
+assertions happen here. The processes are forked from one warm interpreter per tree, which has
+imported torch and the sglang modules once (tests/forkserver.py): a check's monkeypatches and env
+die with its process. The unpatched tree is used to prove the checks can fail.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import textwrap
 
 import pytest
 
+from tests.forkserver import forked_probes
 from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.17"
@@ -22,7 +25,7 @@ PRELUDE = textwrap.dedent(
     for _name in ("uvicorn", "fastapi", "fastapi.responses"):
         try:
             _found = importlib.util.find_spec(_name) is not None
-        except ModuleNotFoundError:
+        except (ModuleNotFoundError, ValueError):  # ValueError: stubbed already (warm-up)
             _found = False
         if not _found:
             class _Stub(types.ModuleType):
@@ -62,6 +65,37 @@ SERVER_ARGS_HELPERS = textwrap.dedent(
         return sa.speculative_disable_batch_threshold, sa.speculative_disable_hysteresis
     """
 )
+
+
+# What the warm interpreter imports before it forks the first check (a module that fails to import
+# here fails in the check that needs it, with its traceback).
+WARM_MODULES = (
+    "torch", "sglang.srt.server_args", "sglang.srt.speculative.spec_disable",
+    "sglang.srt.speculative.spec_info", "sglang.srt.speculative.eagle_worker_v2",
+    "sglang.srt.managers.scheduler", "sglang.srt.managers.overlap_utils",
+    "sglang.srt.managers.schedule_batch", "sglang.srt.managers.utils",
+    "sglang.srt.managers.scheduler_components.batch_result_processor",
+    "sglang.srt.managers.scheduler_components.metrics_reporter",
+    "sglang.srt.mem_cache.memory_pool", "sglang.srt.model_executor.forward_batch_info",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+    "sglang.srt.layers.logits_processor", "sglang.srt.observability.metrics_collector",
+    "sglang.srt.disaggregation.utils", "sglang.srt.models.llama_eagle3",
+)
+WARMUP = PRELUDE + textwrap.dedent(f"""
+    import importlib
+    for _m in {WARM_MODULES!r}:
+        try:
+            importlib.import_module(_m)
+        except Exception:
+            pass
+""")
+
+
+@pytest.fixture(scope="module")
+def run_in_tree():
+    """This module's checks: forked from one warm interpreter per tree (see the docstring)."""
+    with forked_probes(WARMUP) as run:
+        yield run
 
 
 def _run(run_in_tree, tree, body: str, env: dict | None = None, helpers: str = ""):
@@ -209,13 +243,24 @@ def test_controller_hysteresis_and_counters(run_in_tree, patched):
 
 
 def test_spec_disable_module_has_no_torch_import(run_in_tree, patched):
+    """The controller module loads and works with torch made unimportable (sys.modules[name] = None
+    makes every import of it raise), loaded from its file alone, outside the sglang package."""
     out = _run(run_in_tree, patched, """
-        import sglang.srt.speculative.spec_disable as m
-        emit({"torch": "torch" in sys.modules, "start": m.start_log_line(64)})
+        import importlib.util
+        for name in ["torch", *[n for n in sys.modules if n.startswith("torch.")]]:
+            sys.modules[name] = None
+        spec = importlib.util.spec_from_file_location(
+            "spec_disable_alone", "sglang/srt/speculative/spec_disable.py")
+        m = sys.modules["spec_disable_alone"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(m)
+        try:
+            import torch  # noqa: F401
+            blocked = False
+        except ImportError:
+            blocked = True
+        emit({"blocked": blocked, "start": m.start_log_line(64)})
     """)
-    # importing the sglang package itself may pull torch; the module's own source must not
-    src = (patched / "sglang/srt/speculative/spec_disable.py").read_text()
-    assert "import torch" not in src
+    assert out["blocked"] is True
     assert out["start"] == "Dynamic speculation disable enabled: threshold=64"
 
 
@@ -1425,24 +1470,28 @@ def test_draft_decode_graph_replays_when_it_can(run_in_tree, patched):
 
 
 def test_spec_decode_alloc_records_allocated_lengths(run_in_tree, patched):
-    """spec-decode-alloc-host-loop.patch: the per-request loop now reads one tolist(); the recorded
-    lengths are unchanged (max of the old and the next length, per request, as ints)."""
+    """spec-decode-alloc-host-loop.patch: the per-request loop reads the lengths with one tolist(),
+    no tensor index per request (counted on the tensor); the recorded lengths are unchanged (max of
+    the old and the next length, per request, as ints)."""
     out = _run(run_in_tree, patched, """
-        import inspect
         from types import SimpleNamespace as NS
         import torch
         from sglang.srt.mem_cache import allocation
+        indexed = []
+        class CountingTensor(torch.Tensor):
+            def __getitem__(self, key):
+                indexed.append(key)
+                return super().__getitem__(key)
         reqs = [NS(kv=NS(kv_allocated_len=n)) for n in (10, 40, 7)]
-        nxt = torch.tensor([16, 32, 8], dtype=torch.int32)
+        nxt = torch.tensor([16, 32, 8], dtype=torch.int32).as_subclass(CountingTensor)
         allocation.alloc_for_spec_decode(None, None, reqs=reqs, req_pool_indices=None, cur_kv_lens=None,
                                          cur_kv_lens_cpu=None, nxt_kv_lens=None, nxt_kv_lens_cpu=nxt,
                                          num_needed_tokens=0)
-        src = inspect.getsource(allocation.alloc_for_spec_decode)
         emit({"lens": [r.kv.kv_allocated_len for r in reqs],
               "types": sorted({type(r.kv.kv_allocated_len).__name__ for r in reqs}),
-              "per_element": "int(nxt_kv_lens_cpu[i])" in src})
+              "tensor_indexed": len(indexed)})
     """)
-    assert out == {"lens": [16, 40, 8], "types": ["int"], "per_element": False}
+    assert out == {"lens": [16, 40, 8], "types": ["int"], "tensor_indexed": 0}
 
 
 # --------------------------------------------------------------------------- observability

@@ -1,7 +1,8 @@
 """Dynamic speculation disable on sglang 0.5.9 (patches/sglang-0.5.9/dynamic-speculation-disable.patch).
 
 CPU tests against the real 0.5.9 wheel, PATCHED (and, where it shows the difference, UNPATCHED).
-Every probe runs in its own interpreter (run_in_tree). What is real and what is faked:
+Every probe runs in its own process, forked from one warm interpreter per tree that imported torch
+and sglang once (tests/forkserver.py). What is real and what is faked:
 - real: ServerArgs (CLI registration, the _handle_speculative_disable validation), the shared
   controller (spec_disable.py), EAGLEWorkerV2.forward_batch_generation / _forward_plain_decode,
   Scheduler._resolve_spec_overlap_token_ids, FutureMap, CudaGraphRunner.can_run, the Prometheus
@@ -16,6 +17,9 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
+from tests.forkserver import forked_probes
 from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.9"
@@ -61,10 +65,37 @@ PRELUDE = textwrap.dedent(
 )
 
 
+BASE_ENV = {"SGLANG_ENABLE_SPEC_V2": "", "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD": ""}
+# Imported once by the warm interpreter (one that fails here fails in the probe that needs it).
+WARM_MODULES = (
+    "torch", "sglang.srt.server_args", "sglang.srt.speculative.spec_disable",
+    "sglang.srt.speculative.spec_info", "sglang.srt.speculative.eagle_info",
+    "sglang.srt.speculative.eagle_worker_v2", "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.overlap_utils", "sglang.srt.managers.schedule_batch",
+    "sglang.srt.managers.utils", "sglang.srt.metrics.collector",
+    "sglang.srt.model_executor.cuda_graph_runner", "sglang.srt.model_executor.forward_batch_info",
+    "sglang.srt.layers.logits_processor",
+)
+WARMUP = PRELUDE + textwrap.dedent(f"""
+    import importlib
+    for _m in {WARM_MODULES!r}:
+        try:
+            importlib.import_module(_m)
+        except Exception:
+            pass
+""")
+
+
+@pytest.fixture(scope="module")
+def run_in_tree():
+    """This module's probes: forked from one warm interpreter per tree (see the docstring)."""
+    with forked_probes(WARMUP, server_env=BASE_ENV) as run:
+        yield run
+
+
 def _run(run_in_tree, tree, body: str, env: dict | None = None) -> dict:
     code = PRELUDE + textwrap.dedent(body) + "\ndone()\n"
-    base_env = {"SGLANG_ENABLE_SPEC_V2": "", "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD": ""}
-    return probe_result(run_in_tree(tree, code, env={**base_env, **(env or {})}), marker="RESULT=")
+    return probe_result(run_in_tree(tree, code, env={**BASE_ENV, **(env or {})}), marker="RESULT=")
 
 
 # ServerArgs without __post_init__ (which needs a model and a device): all dataclass defaults,

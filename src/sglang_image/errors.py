@@ -54,7 +54,7 @@ class BuildError(SglangImageError):
 
 
 class SmokeError(SglangImageError):
-    """The smoke test found a wrong result."""
+    """The smoke test found a wrong result (inside the image, smoke.runner.SmokeError: same failure)."""
 
     exit_code = 9
 
