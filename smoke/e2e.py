@@ -252,7 +252,7 @@ class E2E:
     def bench_key(self) -> str:
         """One bench per model size, mode and options: a later call with other ones runs its own, and
         the report keeps both."""
-        return self.a.bench_size + ("-ab" if self.a.bench_ab_rounds else "") + "-" + self.options_digest("bench")
+        return self.a.bench_size + "-" + self.options_digest("bench")
 
     def resumable(self, ph: str) -> dict[str, Any]:
         """The resume state of the smoke or comm phase, emptied when its options changed."""

@@ -1,12 +1,12 @@
 """Where a decode step's time goes: a torch-profiler window of N steps at full load, summarised.
 
-Used by the bench (`--profile-steps N`) on the plain server and on the threshold server in plain
-mode, so the two are compared step for step: wall time per step, GPU busy time per step, and how
+Used by `smoke bench --diagnose` (smoke.diagnose) on every server at full load, so that servers
+are compared step for step: wall time per step, GPU busy time per step, and how
 many kernel launches, graph launches, copies and host syncs each step issues (a CUDA-graph step
 should be a handful of launches; hundreds mean eager work on the host's critical path). The top
 Python functions by inclusive time show where the host spends it.
 
-The profiler adds overhead (with_stack), so compare the two servers, not absolute numbers.
+The profiler adds overhead (with_stack), so compare servers, not absolute numbers.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _host_during_gaps(events: list[dict[str, Any]], gaps: list[tuple[float, floa
         mid = (s + e) / 2
         covering = [f for f in frames if f["ts"] <= mid <= f["ts"] + f["dur"]]
         name = min(covering, key=lambda f: f["dur"])["name"] if covering else "(no Python frame)"
-        out[name] += e - s
+        out[name] += round(e - s)  # whole microseconds
     return out
 
 
@@ -98,11 +98,12 @@ def summarize(trace: Path, steps: int, top: int = 25, gap_us: float = 20.0) -> d
     gaps = [(e0, s1) for (_, e0), (s1, _) in pairwise(busy) if s1 - e0 >= gap_us]
     idle = _host_during_gaps(events, gaps)
     counts = Counter(e["name"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver"))
-    kern, kern_n = Counter(), Counter()
+    kern: Counter[str] = Counter()
+    kern_n: Counter[str] = Counter()
     for e in gpu:
         kern[e["name"][:90]] += e["dur"]
         kern_n[e["name"][:90]] += 1
-    py = Counter()
+    py: Counter[str] = Counter()
     for e in events:
         if e.get("cat") == "python_function":
             py[e["name"]] += e["dur"]
