@@ -2,10 +2,11 @@
 speculation-disable threshold and `auto`, on servers started here (a GPU host, no Docker needed).
 
     python -m smoke bench --models DIR --out docs/bench [--configs plain,eagle3,...]
-                          [--concurrency 1,2,4,...,256] [--rounds 2] [--threshold 16]
+                          [--concurrency 1,2,4,...,256] [--rounds 2] [--threshold 16[,32,...]]
                           [--ramp-cycles 3 --ramp-hold 2] [--diagnose]
 
-DIR holds a target and an EAGLE-3 draft (`python -m smoke models DIR --size 1b --draft chain`).
+DIR holds a target and an EAGLE-3 draft (`python -m smoke models DIR --size 1b --draft chain
+--device cuda`).
 All servers run at once and every load goes to each of them in turn, the order reversed every other
 time, so that each ratio compares measurements seconds apart: a host's speed can drift by tens of
 percent within minutes, which one server measured after another would read as a difference
@@ -63,7 +64,7 @@ MODE_POLL_S = 0.5  # how often the ramp asks a threshold server for its mode
 class BenchOptions:
     models: Path
     out: Path
-    threshold: int = 16
+    thresholds: tuple[int, ...] = (16,)  # eagle3_thr: one server per fixed threshold (a sweep)
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     configs: tuple[str, ...] = CONFIGS
     rounds: int = 2  # closed-loop rounds; each level alternates the server order
@@ -102,8 +103,8 @@ def server_config(name: str, opts: BenchOptions, mem_fraction: float = 0.3,
     extra: list[str] = ["--sleep-on-idle"]  # a server waiting for its turn must not spin a core
     if name != "plain":
         cfg.draft = opts.models / "draft"
-    if name == "eagle3_thr":
-        cfg.threshold = opts.threshold
+    if name.startswith("eagle3_thr"):
+        cfg.threshold = int(name.removeprefix("eagle3_thr"))
     if name == "eagle3_auto":
         extra += [THRESHOLD_FLAG, "auto"]
     if name == "eagle3_adaptive":
@@ -114,6 +115,14 @@ def server_config(name: str, opts: BenchOptions, mem_fraction: float = 0.3,
         cfg.env.update(diagnose.SERVER_ENV)
     cfg.extra = (*extra, *opts.server_args)
     return cfg
+
+
+def server_names(opts: BenchOptions) -> list[str]:
+    """The servers of the configs, in order: eagle3_thr becomes one per threshold (eagle3_thr16, ...)."""
+    names: list[str] = []
+    for name in opts.configs:
+        names += [f"eagle3_thr{n}" for n in opts.thresholds] if name == "eagle3_thr" else [name]
+    return names
 
 
 def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
@@ -144,6 +153,11 @@ def pool_tokens(opts: BenchOptions, vocab: int) -> int:
     """KV room for the top concurrency's running requests with a quarter to spare."""
     longest = max(len(p.input_ids) for p in workload(vocab, max(opts.concurrency), opts.output_len, 0))
     return int(1.25 * max(opts.concurrency) * (longest + opts.output_len))
+
+
+def switches(name: str) -> bool:
+    """Whether the server switches between speculative and plain steps itself (a threshold, auto)."""
+    return name.startswith("eagle3_thr") or name == "eagle3_auto"
 
 
 def round_order(names: list[str], k: int) -> list[str]:
@@ -326,7 +340,7 @@ def ramp_all(servers: dict[str, Server], names: list[str], opts: BenchOptions, v
             continue
         srv = servers[name]
         flush_cache(srv.base)
-        poll = functools.partial(mode_of, srv.base) if name in ("eagle3_thr", "eagle3_auto") else None
+        poll = functools.partial(mode_of, srv.base) if switches(name) else None
         r = run_ramp(srv.base, levels, opts.ramp_hold_s, vocab, opts.output_len,
                      opts.deadline.request_timeout(240), poll)
         outputs[name] = r.pop("outputs")
@@ -354,9 +368,9 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[s
     opts.out.mkdir(parents=True, exist_ok=True)
     expected = json.loads((opts.models / "expected.json").read_text())
     vocab = int(expected["vocab_size"])
-    names = list(opts.configs)
+    names = server_names(opts)
     result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "threshold": opts.threshold, "concurrency": list(opts.concurrency),
+        "date": time.strftime("%Y-%m-%d"), "thresholds": list(opts.thresholds), "concurrency": list(opts.concurrency),
         "rounds": opts.rounds, "ramp_hold_s": opts.ramp_hold_s, "output_len": opts.output_len,
         "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept",
                                                 "designed_accept_length")},
@@ -392,7 +406,7 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[s
                                                               opts.pyspy_dirs, opts.deadline)
         for name, srv in servers.items():
             info: dict[str, Any] = {"kv_used_after_flush": kv_used_after_flush(srv.base)}
-            if name in ("eagle3_thr", "eagle3_auto"):
+            if switches(name):
                 info["speculative_disable"] = spec_state(client.server_info(srv.base))
             result["servers"][name] = info
             if info["kv_used_after_flush"]:
@@ -428,7 +442,8 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "configs", default=",".join(CONFIGS),
                     help=f"comma list of {','.join(CONFIGS)} (eagle3_auto runs only where the server has it)")
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
-    ap.add_argument(p + "threshold", type=int, default=16, help="eagle3_thr's fixed threshold N")
+    ap.add_argument(p + "threshold", default="16",
+                    help="eagle3_thr's fixed threshold N; a comma list runs one server per N (a sweep)")
     ap.add_argument(p + "rounds", type=int, default=2,
                     help="closed-loop rounds (the server order alternates; 0: the ramp alone)")
     ap.add_argument(p + "ramp-cycles", type=int, default=3, help="ramp up and down this many times (0: none)")
@@ -457,8 +472,9 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     conc = [x.strip() for x in get("concurrency").split(",") if x.strip()]
     if not conc or not all(x.isdigit() and int(x) >= 1 for x in conc) or len(set(conc)) < len(conc):
         raise refuse("concurrency", "give distinct whole numbers >= 1, e.g. 1,2,4,8")
-    if get("threshold") < 1:
-        raise refuse("threshold", "must be >= 1")
+    thresholds = [x.strip() for x in str(get("threshold")).split(",") if x.strip()]
+    if not thresholds or not all(x.isdigit() and int(x) >= 1 for x in thresholds) or len(set(thresholds)) < len(thresholds):
+        raise refuse("threshold", "give distinct whole numbers >= 1, e.g. 16 or 8,16,32")
     if get("rounds") < 0:
         raise refuse("rounds", "must be >= 0 (0: the ramp alone)")
     if get("ramp-cycles") < 0 or get("ramp-hold") <= 0 or get("rounds") + get("ramp-cycles") == 0:
@@ -468,7 +484,8 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("mem-share", "must be between 0 and 1")
     if get("max-total-tokens") < 0:
         raise refuse("max-total-tokens", "must be >= 0 (0: sized for the top concurrency)")
-    return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)), "threshold": get("threshold"),
+    return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
+            "thresholds": tuple(sorted(int(x) for x in thresholds)),
             "rounds": get("rounds"), "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
             "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),
             "server_args": tuple(shlex.split(get("server-args"))), "diagnose": get("diagnose")}

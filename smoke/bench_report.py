@@ -17,10 +17,39 @@ LABELS = {"plain": "plain", "eagle3": "EAGLE-3", "eagle3_adaptive": "EAGLE-3 ada
 FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
 
 
-def label(name: str, result: dict[str, Any]) -> str:
-    if name == "eagle3_thr":
-        return f"EAGLE-3 + threshold {result.get('threshold')}"
+def label(name: str) -> str:
+    if name.startswith("eagle3_thr"):
+        return f"EAGLE-3 + threshold {name.removeprefix('eagle3_thr')}"
     return LABELS.get(name, name)
+
+
+def per_round(ms: list[dict[str, Any]]) -> dict[int, float]:
+    return {m["round"]: m["tok_per_s"] for m in ms if m.get("tok_per_s")}
+
+
+def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per concurrency, auto against the alternatives a user has, each ratio taken within a round
+    (median over the rounds): the better of plain and always-on EAGLE-3, and the fixed threshold
+    with the highest median tokens/s at that concurrency."""
+    out: dict[str, dict[str, Any]] = {}
+    if "eagle3_auto" not in result.get("configs", []):
+        return out
+    for c, by_name in result.get("levels", {}).items():
+        auto = per_round(by_name.get("eagle3_auto", []))
+        if not auto:
+            continue
+        row: dict[str, Any] = {}
+        fixed = [per_round(by_name[n]) for n in FIXED_MODES if n in by_name]
+        vs = [auto[k] / max(f[k] for f in fixed) for k in auto if fixed and all(k in f for f in fixed)]
+        row["vs_better_of_plain_eagle3"] = round(statistics.median(vs), 3) if vs else None
+        thresholds = {n: per_round(ms) for n, ms in by_name.items() if n.startswith("eagle3_thr")}
+        if thresholds:
+            best = max(thresholds, key=lambda n: statistics.median(thresholds[n].values()))
+            vs = [auto[k] / thresholds[best][k] for k in auto if k in thresholds[best]]
+            row["best_fixed"] = int(best.removeprefix("eagle3_thr"))
+            row["vs_best_fixed"] = round(statistics.median(vs), 3) if vs else None
+        out[c] = row
+    return out
 
 
 def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
@@ -69,7 +98,7 @@ def markdown(result: dict[str, Any]) -> str:
     if table:
         lines += [("Output tokens/s, closed loop (median of "
                   f"{result.get('rounds')} rounds; x plain = median of the per-round ratios):"), "",
-                  "| concurrency | " + " | ".join(label(n, result) for n in names) + " |",
+                  "| concurrency | " + " | ".join(label(n) for n in names) + " |",
                   "|---:|" + "---:|" * len(names)]
         for c in sorted(table, key=int):
             cells = []
@@ -82,6 +111,16 @@ def markdown(result: dict[str, Any]) -> str:
                 cells.append(f"{cell['tok_per_s']:.0f}{ratio}")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
+    auto = auto_comparison(result)
+    if auto:
+        lines += ["`auto` against the alternatives (ratios within a round, median over the rounds):", "",
+                  "| concurrency | auto / better of plain and EAGLE-3 | best fixed threshold | auto / best fixed |",
+                  "|---:|---:|---:|---:|"]
+        for c in sorted(auto, key=int):
+            a = auto[c]
+            lines.append(f"| {c} | {fmt(a['vs_better_of_plain_eagle3'])} | {a.get('best_fixed', '-')} | "
+                         f"{fmt(a.get('vs_best_fixed'))} |")
+        lines.append("")
     ramp = ramp_summary(result)
     if ramp:
         lines += [(f"Ramp: clients step through {', '.join(map(str, result.get('concurrency', [])))} and back, "
@@ -91,17 +130,17 @@ def markdown(result: dict[str, Any]) -> str:
         for n in names:
             s = ramp.get(n)
             if s:
-                lines.append(f"| {label(n, result)} | {s['mean_tok_per_s']:.0f} | {fmt(s['min_share_of_better'])} | "
+                lines.append(f"| {label(n)} | {s['mean_tok_per_s']:.0f} | {fmt(s['min_share_of_better'])} | "
                              f"{fmt(s['median_share_of_better'])} | {fmt(s['mode_changes'])} |")
         lines.append("")
     for name, info in result.get("servers", {}).items():
         st = info.get("speculative_disable")
         if st:
             crossover = f", crossover {st['crossover']}" if "crossover" in st else ""
-            lines.append(f"- {label(name, result)}: threshold {st.get('threshold')}{crossover}, "
+            lines.append(f"- {label(name)}: threshold {st.get('threshold')}{crossover}, "
                          f"{st.get('speculative_steps')} speculative / {st.get('plain_steps')} plain steps, "
                          f"{st.get('mode_changes')} mode changes")
-    lines += [f"- {label(n, result)} not run: {why}" for n, why in result.get("not_run", {}).items()]
+    lines += [f"- {label(n)} not run: {why}" for n, why in result.get("not_run", {}).items()]
     lines += [f"- skipped: {s}" for s in result.get("skipped", [])]
     lines += [f"- FAILED: {f.splitlines()[0]}" for f in result.get("failures", [])]
     if not result.get("failures") and (result.get("levels") or result.get("ramp")):
@@ -131,7 +170,7 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
     fig, (ax, ratio) = plt.subplots(2, 1, sharex=True, figsize=(7, 6.5), gridspec_kw={"height_ratios": [3, 2]})
     for name in result.get("configs", []):
         xs = [int(c) for c in levels if name in table[c]]
-        ax.plot(xs, [table[str(c)][name]["tok_per_s"] or 0.0 for c in xs], marker="o", label=label(name, result))
+        ax.plot(xs, [table[str(c)][name]["tok_per_s"] or 0.0 for c in xs], marker="o", label=label(name))
         ratio.plot(xs, [table[str(c)][name]["vs_plain"] or 0.0 for c in xs], marker="o")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -163,7 +202,7 @@ def plot_ramp(result: dict[str, Any], path: Path) -> None:
     for name in names:
         ws = ramp[name]["windows"]
         axes[0].step([w["t"] for w in ws] + [ws[-1]["t"] + hold], [w["tok_per_s"] for w in ws] + [ws[-1]["tok_per_s"]],
-                     where="post", label=label(name, result))
+                     where="post", label=label(name))
     axes[0].set_ylabel("output tokens/s")
     axes[0].legend(fontsize=8)
     axes[0].grid(alpha=0.3)
@@ -179,7 +218,7 @@ def plot_ramp(result: dict[str, Any], path: Path) -> None:
             if w.get("crossover") is not None:
                 ax.text(w["t"] + hold / 2, 0.5, str(w["crossover"]), ha="center", va="center", fontsize=6)
         ax.set_ylim(0, 1)
-        ax.set_ylabel(label(name, result).replace("EAGLE-3 + ", "") + "\nplain share", fontsize=7)
+        ax.set_ylabel(label(name).replace("EAGLE-3 + ", "") + "\nplain share", fontsize=7)
     axes[-1].set_xlabel("seconds into the ramp")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -51,14 +51,18 @@ def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
         width, height = png_size(tmp_path / png)
         assert width > 500 and height > 300
     md = (tmp_path / "bench.md").read_text()
+    first_table = md.split("| concurrency |", 1)[1].split("\n\n", 1)[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in md.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+            for line in first_table.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
     assert list(rows) == ["1", "4", "16", "64", "256"]
     # c=256: plain 60000.0 and 57600.0 -> 58800; EAGLE-3 33000.0 and 31996.8 -> 32498, ratios
     # 0.55 and 0.5555 -> 0.55
     assert rows["256"][:2] == ["58800", "32498 (0.55x)"]
     header = next(line for line in md.splitlines() if line.startswith("| concurrency"))
-    assert "EAGLE-3 + threshold 16" in header and "EAGLE-3 + auto" in header
+    assert "EAGLE-3 + threshold 16 | EAGLE-3 + threshold 64 | EAGLE-3 + auto" in header
+    # c=64: auto 33660.0 and 32636.7, plain 34000.0 and 32640.0 (better than EAGLE-3 there), the
+    # threshold-16 server (best of the sweep at 64) 33320.0 and 32307.1
+    assert "| 64 | 0.995 | 16 | 1.010 |" in md
     ramp = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| EAGLE-3 + auto")}
     # auto's level windows over the better of plain and EAGLE-3 at the same level: 0.98 at 16 and 256
     assert "| 0.980 |" in ramp["EAGLE-3 + auto"] and ramp["EAGLE-3 + auto"].rstrip().endswith("| 4 |")
@@ -75,18 +79,21 @@ def test_level_table_and_ramp_summary_figures():
     ramp = bench_report.ramp_summary(result)
     assert ramp["eagle3_auto"]["min_share_of_better"] == 0.98
     assert ramp["plain"]["min_share_of_better"] == pytest.approx(1 / 2.1, abs=1e-3)  # at 1 client
-    assert ramp["eagle3"]["mode_changes"] is None and ramp["eagle3_thr"]["mode_changes"] == 4
+    assert ramp["eagle3"]["mode_changes"] is None and ramp["eagle3_thr16"]["mode_changes"] == 4
+    auto = bench_report.auto_comparison(result)
+    assert auto["1"] == {"vs_better_of_plain_eagle3": 0.99, "best_fixed": 64, "vs_best_fixed": 1.005}
 
 
 def test_failures_and_configs_not_run_are_in_the_table(tmp_path):
     result = json.loads(RESULT.read_text())
     result["configs"].remove("eagle3_auto")
     result["not_run"] = {"eagle3_auto": "this sglang has no `auto` threshold"}
-    result["failures"] = ["ramp eagle3_thr: 1 output(s) differ from plain (e.g. ramp-3-1)"]
+    result["failures"] = ["ramp eagle3_thr16: 1 output(s) differ from plain (e.g. ramp-3-1)"]
     md = bench_report.markdown(result)
     assert "- EAGLE-3 + auto not run: this sglang has no `auto` threshold" in md
-    assert "- FAILED: ramp eagle3_thr: 1 output(s) differ from plain" in md
+    assert "- FAILED: ramp eagle3_thr16: 1 output(s) differ from plain" in md
     assert "every output equal" not in md and "EAGLE-3 + auto |" not in md
+    assert "auto / best fixed" not in md
 
 
 def test_render_flag_draws_a_saved_result_without_servers(tmp_path):
@@ -123,9 +130,11 @@ def test_outputs_are_compared_with_plain_decoding():
 
 # ----------------------------------------------------------------------------- servers
 def test_configs_map_to_server_flags(tmp_path):
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, threshold=16, concurrency=(1, 256),
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16, 64), concurrency=(1, 256),
                               server_args=("--gc-threshold", "50000"))
-    argv = {name: bench.server_config(name, opts, 0.2, 1000).argv(30000) for name in bench.CONFIGS}
+    names = bench.server_names(opts)
+    assert names == ["plain", "eagle3", "eagle3_adaptive", "eagle3_thr16", "eagle3_thr64", "eagle3_auto"]
+    argv = {name: bench.server_config(name, opts, 0.2, 1000).argv(30000) for name in names}
     assert "--speculative-algorithm" not in argv["plain"]
     assert all("--speculative-adaptive" not in a for n, a in argv.items() if n != "eagle3_adaptive")
     ad = argv["eagle3_adaptive"]
@@ -137,9 +146,9 @@ def test_configs_map_to_server_flags(tmp_path):
         assert a[a.index("--mem-fraction-static") + 1] == "0.2" and a[a.index("--max-total-tokens") + 1] == "1000"
         assert a[a.index("--cuda-graph-max-bs") + 1] == "256" and "--sleep-on-idle" in a
         assert a[-2:] == ["--gc-threshold", "50000"], name  # the user's flags last
-        assert (bench.THRESHOLD_FLAG in a) == (name in ("eagle3_thr", "eagle3_auto"))
-    thr, auto = argv["eagle3_thr"], argv["eagle3_auto"]
-    assert thr[thr.index(bench.THRESHOLD_FLAG) + 1] == "16" and auto[auto.index(bench.THRESHOLD_FLAG) + 1] == "auto"
+        assert (bench.THRESHOLD_FLAG in a) == bench.switches(name)
+    flag = {name: a[a.index(bench.THRESHOLD_FLAG) + 1] for name, a in argv.items() if bench.switches(name)}
+    assert flag == {"eagle3_thr16": "16", "eagle3_thr64": "64", "eagle3_auto": "auto"}
     assert bench.server_config("plain", opts).env == {}
     assert bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, diagnose=True)).env \
         == diagnose.SERVER_ENV
@@ -172,12 +181,14 @@ def test_a_deadline_too_short_starts_no_server_and_says_so(tmp_path):
 def test_options_and_refused_values():
     o = bench_options()
     assert o.concurrency == bench.DEFAULT_CONCURRENCY and o.configs == bench.CONFIGS and o.out == Path("docs/bench")
-    o = bench_options("--concurrency", "256,1,8", "--configs", "plain,eagle3_auto", "--server-args", "--gc-threshold 7 8")
-    assert o.concurrency == (1, 8, 256) and o.configs == ("plain", "eagle3_auto")
+    o = bench_options("--concurrency", "256,1,8", "--configs", "plain,eagle3_auto", "--server-args", "--gc-threshold 7 8",
+                      "--threshold", "32,8")
+    assert o.concurrency == (1, 8, 256) and o.configs == ("plain", "eagle3_auto") and o.thresholds == (8, 32)
     assert o.server_args == ("--gc-threshold", "7", "8")
     for flags, word in ((("--configs", "plain,nope"), "--configs"), (("--configs", "plain,plain"), "--configs"),
                         (("--concurrency", "1,0"), "--concurrency"), (("--concurrency", "1,x"), "--concurrency"),
-                        (("--threshold", "0"), "--threshold"), (("--rounds", "-1"), "--rounds"),
+                        (("--threshold", "0"), "--threshold"), (("--threshold", "8,8"), "--threshold"),
+                        (("--threshold", "auto"), "--threshold"), (("--rounds", "-1"), "--rounds"),
                         (("--rounds", "0", "--ramp-cycles", "0"), "--ramp-cycles"),
                         (("--ramp-hold", "0"), "--ramp-hold"), (("--mem-share", "1.5"), "--mem-share"),
                         (("--max-total-tokens", "-1"), "--max-total-tokens"), (("--output-len", "0"), "--output-len")):
