@@ -157,10 +157,11 @@ def test_stable_under_noise_where_hysteresis_holds_it():
     assert changes(flappy.crossovers[5000:]) > 10 * max(1, changes(late))
 
 
-def test_tracks_a_shift_of_acceptance():
+@pytest.mark.parametrize("seed", [3, 8])
+def test_tracks_a_shift_of_acceptance(seed):
     """The draft's acceptance falls (harder prompts) then recovers: the crossover follows both ways,
     from the live accept length of the buckets that speculate and from exploration."""
-    rng = random.Random(3)
+    rng = random.Random(seed)
     model = CostModel()
     batches = traffic(rng, 36000)
     cfg = AutoConfig(max_batch_size=MAX_BATCH)

@@ -6,14 +6,20 @@ decode step:
     mode = controller.decide(batch_size)                                 # before the step
     controller.record(mode, batch_size, step_seconds, output_tokens)     # after it
 
-What it estimates: per batch-size bucket, the output tokens per second per request of a
-speculative step (the live accept length over the bucket's measured step time per request) and of
-a plain step (one token over its measured step time per request). Buckets where speculation pays
-form a prefix of the batch sizes (a speculative step costs a multiple of a plain one's compute, so
-its advantage shrinks as the batch fills the GPU); the crossover is the split of that prefix that
-maximizes the summed log advantage, and it moves only when the new split wins by more than
-`margin` (hysteresis on the estimate), re-estimated every `update_every` steps. Running batches
-then switch like a fixed threshold N = crossover: plain above N, speculative again at N - N//8
+step_seconds is the step's wall time as the scheduler sees it (with overlap scheduling, the time
+between the starts of two decode steps); the catch-up step that prepares the draft when
+speculation resumes is not recorded.
+
+What it estimates: per batch-size bucket, the output tokens/s of a speculative step (the live
+accept length per request over its step time) and of a plain step (one token per request), both
+at the batch size the bucket's traffic runs at (each mode's step time interpolated between the
+buckets it was measured in: within a bucket the two modes are seldom measured at the same batch
+sizes). Speculation pays in a prefix of the batch sizes (its step costs a multiple of a plain
+one's compute, so its advantage shrinks as the batch fills the GPU); the crossover is the split
+that maximizes the summed log advantage of the speculating buckets. Every `update_every` steps it
+moves there only if that beats the current split by `margin` plus twice the noise of the
+difference (from the spread of the step times): hysteresis on the estimate. Running batches
+switch like a fixed threshold N = crossover: plain above N, speculative again at N - N//8
 (hysteresis on the batch size), so one arrival does not flip the mode.
 
 The live accept length is measured wherever the server speculates and applied to every bucket,
@@ -22,7 +28,8 @@ recent measurement (`stale_steps`) runs that mode for `explore_steps` steps, at 
 every `explore_gap` steps; so does a bucket next to the crossover whose advantage is still within
 its noise. Exploration costs at most explore_steps / explore_gap of the steps.
 A cold start may take a prior (for example step times timed at CUDA-graph capture, per batch size),
-weighted like one measurement, so the first real steps replace it.
+weighted like one measurement, so the first real steps replace it; without one it speculates
+everywhere, as EAGLE-3 does, until measurements say otherwise.
 
 Every decision is a function of the calls made, without randomness or clocks. Step times differ
 between tensor-parallel ranks, so a TP hook passes `agree` (for example a broadcast of rank 0's
@@ -41,6 +48,7 @@ from enum import StrEnum
 from typing import Final, Literal
 
 THRESHOLD_FLAG: Final = "--speculative-disable-batch-threshold"
+EXTRAPOLATION_SPAN: Final = 1.5  # see AutoController._seconds_at
 THRESHOLD_ENV: Final = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
 AUTO: Final = "auto"
 
@@ -127,9 +135,9 @@ class AutoConfig:
     # upper edges of the batch-size buckets, increasing, the last = max_batch_size (default: powers
     # of two; a server may pass its CUDA-graph batch sizes: step time is flat between two of them)
     bucket_edges: tuple[int, ...] = ()
-    # a new crossover must beat the current one by this much summed log advantage (0.03: 3% in
-    # one bucket): below it the two modes are too close for the choice to matter, and noise moves it
-    margin: float = 0.03
+    # a new crossover must beat the current one by this much summed log advantage (0.02: 2% in
+    # one bucket), besides the noise: a switch costs a catch-up step, and so close a choice matters little
+    margin: float = 0.02
     update_every: int = 32  # steps between two re-estimates of the crossover
     memory: float = 0.9  # per-sample weight kept by a bucket's average step time (~10 samples)
     accept_memory: float = 0.98  # per-step weight kept by the live accept length (~50 steps)
@@ -416,20 +424,28 @@ class AutoController:
         return out
 
     def _seconds_at(self, mode: Mode, batch_size: float) -> float | None:
-        """`mode`'s step seconds at `batch_size`, linear between the two measured buckets around it
-        (the two nearest beyond the ends; flat with one): within a bucket the two modes are seldom
-        measured at the same batch sizes, and step time grows with the batch."""
-        points = [p for b in self._buckets if (p := b.point(mode)) is not None]
+        """`mode`'s step seconds at `batch_size`: linear between the two measured buckets around it
+        (within a bucket the two modes are seldom measured at the same batch sizes, and step time
+        grows with the batch). Beyond the measured ones, a line from the nearest through one at
+        least EXTRAPOLATION_SPAN times farther or nearer, its slope kept between flat and
+        proportional to the batch (a step never gets faster, nor costlier per request, with more
+        requests)."""
+        points = sorted(p for b in self._buckets if (p := b.point(mode)) is not None)
         if not points:
             return None
         if len(points) == 1:
             return points[0][1]
-        points.sort()
-        right = min(max(bisect.bisect_left(points, (batch_size, -math.inf)), 1), len(points) - 1)
-        (b0, t0), (b1, t1) = points[right - 1], points[right]
-        if b1 - b0 < 1e-9:
-            return (t0 + t1) / 2
-        return max(t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0), min(t0, t1) / 2)
+        right = bisect.bisect_left(points, (batch_size, -math.inf))
+        if 0 < right < len(points):
+            (b0, t0), (b1, t1) = points[right - 1], points[right]
+            return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0) if b1 > b0 else (t0 + t1) / 2
+        near_b, near_t = points[-1] if right else points[0]
+        others = points[-2::-1] if right else points[1:]
+        far_b, far_t = next((p for p in others if max(p[0], near_b) >= EXTRAPOLATION_SPAN * min(p[0], near_b)),
+                            others[-1])
+        slope = (near_t - far_t) / (near_b - far_b) if near_b != far_b else 0.0
+        slope = min(max(slope, 0.0), near_t / near_b)
+        return max(near_t + slope * (batch_size - near_b), near_t * batch_size / near_b if right == 0 else 0.0)
 
     def _best_split(self, advantages: Sequence[tuple[float, float]], margin: float) -> int:
         """The split whose speculating prefix sums the most advantage, if it beats the current one by
