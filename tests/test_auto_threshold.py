@@ -321,3 +321,23 @@ def test_bad_steps_are_refused():
         Prior(0.5, {1: 0.01}, {1: 0.01})
     with pytest.raises(ValueError, match="prior"):
         Prior(2.0, {0: 0.01}, {1: -1.0})
+
+
+def test_step_times_are_compared_at_one_batch_size():
+    """Plain steps measured at 126 and 129 requests (two buckets, a noisy steep slope between
+    them), speculative ones at 110 and 196: the 129-256 bucket's estimate compares both at the
+    batch size its traffic runs at, extrapolating plain's time no steeper than in proportion."""
+    model = CostModel()
+    ctl = AutoController(AutoConfig(max_batch_size=MAX_BATCH))
+    for batch, seconds in ((126, 0.0110), (129, 0.0129)):
+        ctl.record(Mode.PLAIN, batch, seconds, batch)
+    for batch in (110, 196):
+        ctl.record(Mode.SPECULATIVE, batch, model.seconds(Mode.SPECULATIVE, batch), round(batch * model.accept))
+    top = ctl.estimates()[-1]
+    assert (top.low, top.high) == (129, 256) and 129 < top.batch_size < 196
+    assert top.plain_tok_s is not None and top.speculative_tok_s is not None
+    # a plain step costs no more per request than at 129 (not the noisy slope's 3x), and
+    # speculation loses there, as in the model
+    assert top.plain_tok_s >= 129 / 0.0129 - 1e-6
+    assert top.plain_tok_s > top.speculative_tok_s
+    assert model.tok_s(Mode.PLAIN, round(top.batch_size)) > model.tok_s(Mode.SPECULATIVE, round(top.batch_size))
