@@ -269,12 +269,6 @@ class E2E:
         rep = bench_mod.run_bench(opts, st)
         self.state.setdefault("bench_reports", {})[self.bench_key] = rep
         self.log("\n" + rep["table"])
-        if "thr_vs_plain_at_max" in rep:
-            self.log(f"threshold vs plain at c={max(opts.concurrency)}: {rep['thr_vs_plain_at_max']}x "
-                     f"({rep.get('thr_vs_plain_at_max_basis', 'median')}) "
-                     f"(goal >= 0.97: {'met' if rep['goal_0.97_met'] else 'NOT met'})"
-                     + (f"; fast windows' full-load rate {rep['thr_vs_plain_fast_windows']}x"
-                        if "thr_vs_plain_fast_windows" in rep else ""))
         if rep.get("skipped"):
             raise Deadline_(f"bench: skipped {rep['skipped']}")
 
