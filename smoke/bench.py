@@ -186,10 +186,20 @@ def measure(base: str, prompts: list[Prompt], concurrency: int, timeout: float) 
             "outputs": {r.key: r.output_ids for r in res}}
 
 
+def speculation_state(base: str) -> dict[str, Any]:
+    """The server's dynamic speculation disable state, from /server_info (sglang >= 0.5.23 logs a
+    deprecation warning for each /get_server_info, which older ones alone serve)."""
+    try:
+        info = client.get_json(base + "/server_info")
+    except client.HTTPFailure:
+        info = client.server_info(base)
+    return spec_state(info)
+
+
 def mode_of(base: str) -> tuple[str | None, int | None, int | None]:
     """A threshold server's mode, crossover (auto) and mode-change count; Nones where it says nothing."""
     try:
-        st = spec_state(client.server_info(base))
+        st = speculation_state(base)
     except (SmokeFailure, client.HTTPFailure, ValueError):
         return None, None, None
     crossover = st.get("crossover")
@@ -407,7 +417,7 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[s
         for name, srv in servers.items():
             info: dict[str, Any] = {"kv_used_after_flush": kv_used_after_flush(srv.base)}
             if switches(name):
-                info["speculative_disable"] = spec_state(client.server_info(srv.base))
+                info["speculative_disable"] = speculation_state(srv.base)
             result["servers"][name] = info
             if info["kv_used_after_flush"]:
                 result["failures"].append(f"{name}: {info['kv_used_after_flush']} KV tokens still in use "
