@@ -347,10 +347,12 @@ class AutoController:
 
     def estimates(self) -> list[BucketEstimate]:
         accept = self._accept.value
+        curves = self._curves()
         out = []
         for i, b in enumerate(self._buckets):
             ref = b.reference_batch()
-            spec, plain = self._seconds_at(Mode.SPECULATIVE, ref), self._seconds_at(Mode.PLAIN, ref)
+            spec = self._seconds_at(curves[Mode.SPECULATIVE], ref)
+            plain = self._seconds_at(curves[Mode.PLAIN], ref)
             measured = all(b.point(m) for m in Mode)
             out.append(BucketEstimate(b.low, b.high, round(ref, 1),
                                       ref * accept / spec if measured and spec and accept else None,
@@ -395,12 +397,14 @@ class AutoController:
         noise; a bucket not measured in both modes takes its neighbours' values (linear between two,
         the nearest beyond the ends). None: no bucket is."""
         accept = self._accept.value
+        curves = self._curves()
         known: dict[int, tuple[float, float]] = {}
         for i, b in enumerate(self._buckets):
             if accept is None or not all(b.point(m) for m in Mode):
                 continue
             ref = b.reference_batch()
-            spec, plain = self._seconds_at(Mode.SPECULATIVE, ref), self._seconds_at(Mode.PLAIN, ref)
+            spec = self._seconds_at(curves[Mode.SPECULATIVE], ref)
+            plain = self._seconds_at(curves[Mode.PLAIN], ref)
             if spec is not None and plain is not None:
                 variance = sum(b.seconds[m].relative_variance() for m in Mode)
                 known[i] = (math.log(accept * plain / spec), variance)
@@ -423,14 +427,18 @@ class AutoController:
                 out.append((d0 + (d1 - d0) * w, v0 + (v1 - v0) * w))
         return out
 
-    def _seconds_at(self, mode: Mode, batch_size: float) -> float | None:
-        """`mode`'s step seconds at `batch_size`: linear between the two measured buckets around it
-        (within a bucket the two modes are seldom measured at the same batch sizes, and step time
-        grows with the batch). Beyond the measured ones, a line from the nearest through one at
+    def _curves(self) -> dict[Mode, list[tuple[float, float]]]:
+        """Per mode, the (batch size, step seconds) of the buckets it was measured in, by batch size."""
+        return {m: sorted(p for b in self._buckets if (p := b.point(m)) is not None) for m in Mode}
+
+    @staticmethod
+    def _seconds_at(points: list[tuple[float, float]], batch_size: float) -> float | None:
+        """A mode's step seconds at `batch_size` from its curve (_curves): linear between the two
+        measured buckets around it (within a bucket the two modes are seldom measured at the same
+        batch sizes, and step time grows with the batch). Beyond the measured ones, a line from the nearest through one at
         least EXTRAPOLATION_SPAN times farther or nearer, its slope kept between flat and
         proportional to the batch (a step never gets faster, nor costlier per request, with more
         requests)."""
-        points = sorted(p for b in self._buckets if (p := b.point(mode)) is not None)
         if not points:
             return None
         if len(points) == 1:
