@@ -27,6 +27,7 @@ from sglang_image_plugin.auto_threshold import (
     THRESHOLD_FLAG,
     AutoConfig,
     AutoController,
+    AutoPolicy,
     Mode,
     Prior,
     ThresholdError,
@@ -341,3 +342,81 @@ def test_step_times_are_compared_at_one_batch_size():
     assert top.plain_tok_s >= 129 / 0.0129 - 1e-6
     assert top.plain_tok_s > top.speculative_tok_s
     assert model.tok_s(Mode.PLAIN, round(top.batch_size)) > model.tok_s(Mode.SPECULATIVE, round(top.batch_size))
+
+
+# ----------------------------------------------------------------------------- the upstream protocol
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RecordingController(AutoController):
+    def __init__(self, config: AutoConfig) -> None:
+        super().__init__(config)
+        self.recorded: list[tuple[Mode, int, float, int]] = []
+
+    def record(self, mode: Mode, batch_size: int, step_seconds: float, output_tokens: int) -> None:
+        self.recorded.append((mode, batch_size, step_seconds, output_tokens))
+        super().record(mode, batch_size, step_seconds, output_tokens)
+
+
+def run_overlapped(policy: AutoPolicy, clock: Clock, model: CostModel, batches: list[int]) -> list[int]:
+    """sglang's overlap loop: the policy is asked before each batch, each batch's verify result
+    comes after the next batch was asked for; the clock moves by the model's step time."""
+    steps, late = [], None
+    for batch in batches:
+        k = policy.get_steps_for_batch(batch)
+        steps.append(k)
+        if late is not None:
+            policy.on_verify_complete(*late)
+        accepted = round(model.accept - 1) if k else 0  # accepted drafts per request
+        late = ([accepted] * batch, batch)
+        clock.now += model.seconds(Mode.SPECULATIVE if k else Mode.PLAIN, batch)
+    return steps
+
+
+def test_policy_times_each_step_and_pairs_it_with_its_late_result():
+    clock, model = Clock(), CostModel(accept=3.0)
+    ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
+    policy = AutoPolicy(ctl, 3, clock)
+    assert policy.candidate_steps == [0, 3]
+    batches = traffic(random.Random(11), 12000)
+    steps = run_overlapped(policy, clock, model, batches)
+    # every step but the last (no next call timed it, no result came) is recorded, in order, with
+    # its own mode, time and tokens
+    assert len(ctl.recorded) == len(batches) - 1 and policy.dropped == 0
+    for (mode, batch, seconds, tokens), k, b in zip(ctl.recorded, steps, batches, strict=False):
+        assert batch == b and (mode is Mode.SPECULATIVE) == (k == 3)
+        assert seconds == pytest.approx(model.seconds(mode, b))
+        assert tokens == (3 * b if k else b)
+    assert ctl.crossover() == best_fixed_threshold(model, batches, ctl.config.edges)[0]
+
+
+def test_policy_leaves_out_idle_gaps_and_resyncs_after_lost_results():
+    clock = Clock()
+    ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
+    policy = AutoPolicy(ctl, 3, clock)
+    policy.get_steps_for_batch(4)
+    clock.now += 0.01
+    assert policy.get_steps_for_batch(0) in (0, 3)  # idle: the step before has no time
+    clock.now += 5.0
+    policy.on_verify_complete([2, 2, 2, 2], 4)
+    assert ctl.recorded == [] and policy.dropped == 1
+    policy.get_steps_for_batch(8)
+    clock.now += 0.02
+    policy.get_steps_for_batch(8)
+    policy.on_verify_complete([1] * 5, 5)  # not the waiting step's batch: the queues lost step
+    assert ctl.recorded == [] and policy.dropped == 3
+    clock.now += 0.02
+    policy.get_steps_for_batch(8)
+    clock.now += 0.03
+    policy.get_steps_for_batch(8)
+    policy.on_verify_complete([1] * 8, 8)
+    assert len(ctl.recorded) == 1 and ctl.recorded[0][1:] == (8, pytest.approx(0.03), 16)
+    with pytest.raises(ValueError, match="speculative-num-steps"):
+        AutoPolicy(ctl, 0, clock)
+    policy.set_cuda_graph_bs([8, 1, 4])
+    assert policy.cuda_graph_bs_for_step(0) == policy.cuda_graph_bs_for_step(3) == [1, 4, 8]

@@ -1,14 +1,15 @@
 """`--speculative-disable-batch-threshold auto`: the server finds where speculation stops paying.
 
-Pure Python (no torch, no sglang), so it is tested alone on a CPU. The worker hook calls, per
+Pure Python (no torch, no sglang), so it is tested alone on a CPU. A worker hook calls, per
 decode step:
 
     mode = controller.decide(batch_size)                                 # before the step
     controller.record(mode, batch_size, step_seconds, output_tokens)     # after it
 
 step_seconds is the step's wall time as the scheduler sees it (with overlap scheduling, the time
-between the starts of two decode steps); the catch-up step that prepares the draft when
-speculation resumes is not recorded.
+between the starts of two decode steps); a catch-up step that prepares the draft when speculation
+resumes is not recorded. AutoPolicy does this behind upstream's adaptive-speculation policy
+protocol (K draft steps or upstream's zero-step tier), timing the steps itself.
 
 What it estimates: per batch-size bucket, the output tokens/s of a speculative step (the live
 accept length per request over its step time) and of a plain step (one token per request), both
@@ -31,7 +32,7 @@ A cold start may take a prior (for example step times timed at CUDA-graph captur
 weighted like one measurement, so the first real steps replace it; without one it speculates
 everywhere, as EAGLE-3 does, until measurements say otherwise.
 
-Every decision is a function of the calls made, without randomness or clocks. Step times differ
+Every decision is a function of the measurements given, without randomness. Step times differ
 between tensor-parallel ranks, so a TP hook passes `agree` (for example a broadcast of rank 0's
 value): the crossover changes only through it, at the same steps on every rank.
 """
@@ -495,3 +496,90 @@ class AutoController:
         advantages = self._advantages()
         if advantages is not None:
             self._split = self._best_split(advantages, 0.0)
+
+
+@dataclass
+class _Step:
+    mode: Mode
+    batch_size: int
+    start: float
+    seconds: float | None = None  # 0.0: no time (the server went idle after it)
+    output_tokens: int | None = None
+
+
+class AutoPolicy:
+    """AutoController behind upstream's adaptive-speculation policy protocol (sglang's
+    AdaptiveSpecPolicy: candidate step counts, one `get_steps_for_batch` before each decode batch,
+    one `on_verify_complete` per decode result): K draft steps or 0 (upstream's zero-step tier,
+    a plain step).
+
+    A step's time is the interval from its `get_steps_for_batch` to the next one: with overlap
+    scheduling the host prepares a batch while the previous one runs, so in steady state that is
+    the step time the traffic sees, prefills between decode steps included. Verify results come in
+    decode order, usually a step late; each fills the oldest step still waiting for one. A result
+    whose batch size differs from that step's means the two sequences lost step: the pending steps
+    are dropped. An idle call (no requests) leaves the pending step without a time."""
+
+    MAX_PENDING = 8  # steps waiting for their results, at most (overlap keeps one or two)
+
+    def __init__(self, controller: AutoController, speculative_steps: int,
+                 clock: Callable[[], float] | None = None) -> None:
+        if speculative_steps < 1:
+            raise ValueError(f"{THRESHOLD_FLAG} auto needs --speculative-num-steps >= 1, got {speculative_steps}")
+        import time  # measurement only; the tests pass their own clock
+
+        self.controller = controller
+        self.speculative_steps = speculative_steps
+        self._clock = clock or time.perf_counter
+        self._pending: list[_Step] = []
+        self._cuda_graph_bs: list[int] | None = None
+        self.dropped = 0  # steps not recorded: no time, or lost step with the results
+
+    @property
+    def candidate_steps(self) -> list[int]:
+        return [0, self.speculative_steps]
+
+    def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
+        self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
+
+    def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
+        """Every captured size for both step counts: the crossover moves at run time."""
+        return self._cuda_graph_bs
+
+    def get_steps_for_batch(self, batch_size: int) -> int:
+        now = self._clock()
+        last = self._pending[-1] if self._pending else None
+        if last is not None and last.seconds is None:
+            last.seconds = now - last.start if batch_size > 0 else 0.0
+        self._flush()
+        if batch_size <= 0:
+            return 0 if self.controller.mode is Mode.PLAIN else self.speculative_steps
+        mode = self.controller.decide(batch_size)
+        self._pending.append(_Step(mode, batch_size, now))
+        while len(self._pending) > self.MAX_PENDING:
+            self._pending.pop(0)
+            self.dropped += 1
+        return 0 if mode is Mode.PLAIN else self.speculative_steps
+
+    def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
+        """The output tokens of the oldest step waiting for them: the accepted drafts plus one per
+        request. Returns None: the step count is chosen per batch, in get_steps_for_batch."""
+        step = next((s for s in self._pending if s.output_tokens is None), None)
+        if step is None:
+            return None
+        if len(num_correct_drafts_per_req) != step.batch_size:
+            self.dropped += len(self._pending)
+            self._pending = []
+            return None
+        step.output_tokens = sum(num_correct_drafts_per_req) + step.batch_size
+        self._flush()
+        return None
+
+    def _flush(self) -> None:
+        """Record the oldest steps that have both their time and their tokens."""
+        while self._pending and self._pending[0].seconds is not None and self._pending[0].output_tokens is not None:
+            s = self._pending.pop(0)
+            if s.seconds and s.output_tokens is not None:
+                self.controller.record(s.mode, s.batch_size, s.seconds, s.output_tokens)
+            else:
+                self.dropped += 1
