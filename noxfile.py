@@ -76,6 +76,12 @@ def gpu_e2e(session: nox.Session) -> None:
     _run(session, "gpu-e2e")
 
 
+@nox.session(venv_backend="none", default=False)
+def bench(session: nox.Session) -> None:
+    """Tokens/s of plain, EAGLE-3, adaptive, threshold and auto servers of this Python's sglang on a GPU host (-- --models DIR --out docs/bench)."""
+    session.run("python", "-m", "smoke", "bench", *session.posargs)
+
+
 @nox.session(default=False)
 def lint(session: nox.Session) -> None:
     """ruff over the code and tests, mypy --strict over src/, smoke/ and this file (light: no torch)."""

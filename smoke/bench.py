@@ -1,168 +1,179 @@
-"""Output tokens/s at several concurrencies for plain, always-on EAGLE-3, upstream's adaptive EAGLE-3 and
-EAGLE-3 with the dynamic disable threshold (CUDA graphs on), on the 1B-shaped generated models.
+"""Output tokens/s of plain decoding, always-on EAGLE-3, upstream's adaptive EAGLE-3, a fixed
+speculation-disable threshold and `auto`, on servers started here (a GPU host, no Docker needed).
 
-    python -m smoke bench --models DIR --out DIR [--threshold 16] [--concurrency 1,8,256] [--ab-rounds N]
+    python -m smoke bench --models DIR --out docs/bench [--configs plain,eagle3,...]
+                          [--concurrency 1,2,4,...,256] [--rounds 2] [--threshold 16[,32,...]]
+                          [--ramp-cycles 3 --ramp-hold 2] [--diagnose]
 
-Every configuration gets the same prompts (greedy, ignore_eos, fixed lengths), so the EAGLE-3
-outputs are also compared with the plain ones (a mismatch is a failure: the plain step under CUDA
-graphs must not change results). Prints a table with the ratio to plain.
+DIR holds a target and an EAGLE-3 draft (`python -m smoke models DIR --size 1b --draft chain
+--device cuda`).
+All servers run at once and every load goes to each of them in turn, the order reversed every other
+time, so that each ratio compares measurements seconds apart: a host's speed can drift by tens of
+percent within minutes, which one server measured after another would read as a difference
+between them. Greedy prompts of fixed lengths; every output is compared with plain decoding's.
 
---ab-rounds N (A/B mode) measures with every configuration's server up at once and the load (each
-concurrency in turn) sent to one server at a time, N rounds, the order reversed every other round. On the
-H200 the host's speed drifts by up to 1.6x within minutes (docs/gpu-runs/2026-11-30), and one server
-measured after another turns that drift into the ratio; interleaved rounds give each ratio from
-measurements seconds apart, and their spread says how far to trust it. Servers started later get smaller
-KV pools (each sizes its pool from the memory free at its start); where a round overflows the smaller
-one, only that server would evict radix-cache entries, so the A/B gives every server the smallest pool.
-The table also gives the ratio per round order and their geometric mean; --ab-primer runs an unmeasured
-window on the same server before each measured one (a measured window then never follows the other
-server's load, whose effect on the next server the H200 runs 31, 34 and 35 suggest; run 36 of
-2026-12-01 showed no such effect). --ab-pin-cpus gives each server's processes CPUs of their own and
-the client the rest: the H200's full-load rate is bimodal per window (~100k or ~65k tok/s at 1B for
-either server) with no CPU steal, which leaves the OS's thread placement as a suspect. Every window
-records the host's CPU steal and load.
+- Closed loop: at concurrency c, c clients each send their next request when the last one ends.
+- Ramp: the number of clients steps through the concurrencies up to the top and back down, several
+  times, a level every --ramp-hold seconds; tokens/s per level and, for the threshold servers, the
+  mode they are in (and auto's crossover) over time.
 
---device-timer turns on sglang's device timer (CUDA events around each forward pass; the series times the
-draft's K/V-only writes too) and splits every A/B window's GPU time by forward category (prefill, decode,
-draft writes, ...); the rest of the wall time is the GPU waiting for the host or the client. With the
-prefill batches counted from the server log, it says where one server's extra time per round goes.
+Writes under --out: bench.json (every measurement), bench.md (the tables), concurrency.png and
+ramp.png (matplotlib; `--render bench.json` draws them again elsewhere). `auto` runs only where the
+server has it (the sglang-image-plugin with its auto threshold). --diagnose adds where each
+server's time goes at full load (smoke.diagnose).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
+import importlib.metadata
 import json
-import os
 import random
-import re
 import shlex
 import statistics
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smoke import client, profile, pyspy
+from smoke import bench_report, client, diagnose
 from smoke.client import Prompt
-from smoke.runner import Deadline, SmokeFailure, check_log_clean, draft_plain_step, spec_state
-from smoke.server import Server, ServerConfig, log_tail, pinned
+from smoke.runner import Deadline, SmokeError, check_log_clean, spec_state
+from smoke.server import Server, ServerConfig, log_tail
 
-# eagle3_adaptive: upstream's own way to stop drafting (--speculative-adaptive), the reference ours has
-# to beat at high load. Its default config (sglang/srt/speculative/adaptive_spec_params.py) minus the
-# 7-step tier of batch 1: that tier's draft-extend graph capture crashed the server at start on the
-# H200 (illegal memory access, triton attention, graphs up to batch 256; docs/gpu-runs/2026-11-30,
-# run 13). The 0-step tier from batch 64 that matters at high load is unchanged.
+CONFIGS = ("plain", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto")
+THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# upstream's own way to stop drafting (--speculative-adaptive): its default tiers (sglang's
+# speculative/adaptive_spec_params.py) without the 7-step tier of batch 1, whose draft-extend graph
+# capture crashed the server at start on an H200 (triton attention, graphs up to batch 256). The
+# 0-step tier from batch 64, which decides high load, is upstream's.
 ADAPTIVE_CONFIG = {
     "1": {"candidate_steps": [1, 3], "up_hysteresis": 0.0, "down_hysteresis": -0.25, "ceiling_coeff": 0},
     "8": {"candidate_steps": [0, 1, 3], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
     "32": {"candidate_steps": [0, 1], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
     "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
 }
-CONFIGS = ("plain", "eagle3", "eagle3_adaptive", "eagle3_thr")
-# A/B mode: seconds to budget per server start (59-111 s seen on the H200, 1B and 8B models)
-AB_START_S_PER_SERVER = 75
+START_S_PER_SERVER = 75  # a server's start, budgeted (59-111 s seen on an H200, 1B and 8B shapes)
+MODE_POLL_S = 0.5  # how often the ramp asks a threshold server for its mode
 
 
 @dataclass
 class BenchOptions:
     models: Path
     out: Path
-    threshold: int = 16
-    concurrency: tuple[int, ...] = (1, 8, 256)
+    thresholds: tuple[int, ...] = (16,)  # eagle3_thr: one server per fixed threshold (a sweep)
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    configs: tuple[str, ...] = CONFIGS
+    rounds: int = 2  # closed-loop rounds; each level alternates the server order
+    ramp_cycles: int = 3  # 0: no ramp
+    ramp_hold_s: float = 2.0
     output_len: int = 256
     port: int = 30000
-    mem_fraction: float = 0.3
-    configs: tuple[str, ...] = CONFIGS
-    deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
-    min_server_s: float = 150
-    min_measure_s: float = 75
-    health_timeout: float = 420
-    profile_steps: int = 0  # >0: torch-profile that many steps at full load (plain and eagle3_thr)
-    pyspy_seconds: float = 0  # >0: py-spy the scheduler that long at full load (plain and eagle3_thr)
-    # >0 (A/B): py-spy the scheduler that long from the moment a round's load is sent: the admission of
-    # a wave of requests, where the device timer found the threshold server's extra GPU idle time
-    pyspy_admission_seconds: float = 0
-    pyspy_dirs: tuple[Path, ...] = ()  # where to look for the py-spy binary besides PATH
-    server_args: tuple[str, ...] = ()  # appended to every bench server's flags (e.g. --gc-threshold)
-    ab_rounds: int = 0  # >0: A/B mode (see the module docstring)
-    ab_primer: bool = False  # A/B: an unmeasured window on the same server before each measured one
-    # A/B: each server's processes on CPUs of their own, the client (this process) on the rest
-    ab_pin_cpus: bool = False
-    device_timer: bool = False  # GPU seconds per forward category in each A/B window (module docstring)
-    # >0: --max-total-tokens of every bench server. A/B servers size their KV pools from the memory free
-    # at their start, so a later one gets a smaller pool; where a round's tokens exceed it, only that
-    # server evicts radix-cache entries (8B: plain 348k tokens, the threshold server 148k, a round 233k)
+    # of the GPU memory free before the first server, shared evenly among the servers
+    mem_share: float = 0.85
+    # --max-total-tokens of every server (0: room for the top concurrency's requests, the same for
+    # all: a server started later would otherwise get a smaller KV pool and evict where others do not)
     max_total_tokens: int = 0
+    server_args: tuple[str, ...] = ()  # appended to every server's flags
+    diagnose: bool = False
+    pyspy_dirs: tuple[Path, ...] = ()  # --diagnose: where to look for py-spy besides PATH
+    deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
+    health_timeout: float = 420
+
+
+# ----------------------------------------------------------------------------- what runs
+def auto_supported() -> bool:
+    """Whether this Python's sglang takes `--speculative-disable-batch-threshold auto` (the plugin
+    that implements it is installed); read from the package metadata, without importing sglang."""
+    try:
+        files = importlib.metadata.distribution("sglang-image-plugin").files or []
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return any(f.name == "auto_threshold.py" for f in files)
+
+
+def server_config(name: str, opts: BenchOptions, mem_fraction: float = 0.3,
+                  max_total_tokens: int = 0) -> ServerConfig:
+    top = max(opts.concurrency)
+    cfg = ServerConfig(name, opts.models / "target", cuda_graph=True, cuda_graph_max_bs=top,
+                       max_running=top, mem_fraction=round(mem_fraction, 3), enable_metrics=True)
+    extra: list[str] = ["--sleep-on-idle"]  # a server waiting for its turn must not spin a core
+    if name != "plain":
+        cfg.draft = opts.models / "draft"
+    if name.startswith("eagle3_thr"):
+        cfg.threshold = int(name.removeprefix("eagle3_thr"))
+    if name == "eagle3_auto":
+        extra += [THRESHOLD_FLAG, "auto"]
+    if name == "eagle3_adaptive":
+        extra += ["--speculative-adaptive", "--speculative-adaptive-config", str(opts.out / "adaptive_config.json")]
+    if max_total_tokens:
+        extra += ["--max-total-tokens", str(max_total_tokens)]
+    if opts.diagnose:
+        cfg.env.update(diagnose.SERVER_ENV)
+    cfg.extra = (*extra, *opts.server_args)
+    return cfg
+
+
+def server_names(opts: BenchOptions) -> list[str]:
+    """The servers of the configs, in order: eagle3_thr becomes one per threshold (eagle3_thr16, ...)."""
+    names: list[str] = []
+    for name in opts.configs:
+        names += [f"eagle3_thr{n}" for n in opts.thresholds] if name == "eagle3_thr" else [name]
+    return names
 
 
 def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
+    """Prompts for one closed-loop window: a few seconds of traffic per level (8 per client below 64
+    clients, 3 waves above), the same for every server."""
     rnd = random.Random(seed * 1000 + concurrency)
-    # a few seconds of traffic per cell (a cell of ~1 s was mostly ramp-up and noise), and three full
-    # waves at high load so that the server log holds enough full-batch intervals
-    n = 16 * concurrency if concurrency < 64 else 3 * concurrency
+    n = 8 * concurrency if concurrency < 64 else 3 * concurrency
     return [Prompt(f"c{concurrency}-{i}", tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, 64))),
                    output_len) for i in range(n)]
 
 
-def server_config(name: str, opts: BenchOptions) -> ServerConfig:
-    max_bs = max(opts.concurrency)
-    cfg = ServerConfig(name, opts.models / "target", cuda_graph=True, cuda_graph_max_bs=max_bs,
-                       max_running=max_bs, mem_fraction=opts.mem_fraction, enable_metrics=True)
-    if name != "plain":
-        cfg.draft = opts.models / "draft"
-    if name == "eagle3_thr":
-        cfg.threshold = opts.threshold
-    if name == "eagle3_adaptive":
-        cfg.extra = (*cfg.extra, "--speculative-adaptive", "--speculative-adaptive-config",
-                     str(opts.out / "adaptive_config.json"))
-    cfg.extra = (*cfg.extra, *opts.server_args)
-    if opts.device_timer:
-        cfg.env["SGLANG_ENABLE_METRICS_DEVICE_TIMER"] = "1"
-    if opts.max_total_tokens:
-        cfg.extra = (*cfg.extra, "--max-total-tokens", str(opts.max_total_tokens))
-    return cfg
+def ramp_prompt(vocab: int, output_len: int, key: str) -> Prompt:
+    """The ramp's prompt of one client's k-th request: the same on every server."""
+    rnd = random.Random(key)
+    return Prompt(key, tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, 64))), output_len)
 
 
-POOL_TOLERANCE = 1.1  # KV pools within 10% of each other count as equal
+def ramp_levels(concurrency: tuple[int, ...], cycles: int) -> list[int]:
+    """Up through every concurrency to the top and back down, `cycles` times."""
+    levels = sorted(concurrency)
+    out: list[int] = []
+    for _ in range(cycles):
+        out += levels[:-1] + levels[::-1][:-1]
+    return [*out, levels[0]] if cycles else []
 
 
-def equalise_kv_pools(pools: dict[str, int], round_tokens: int, restart: Callable[[str, int], int]) -> int | None:
-    """Where `pool_caveat` applies, restart each server whose pool is over 10% above the smallest with
-    that smallest size as --max-total-tokens (it held more at its first start, so it gets exactly that)
-    and update `pools`. Returns the size used, or None when nothing needed it."""
-    if pool_caveat(pools, round_tokens) is None:
-        return None
-    cap = min(pools.values())
-    for name, tokens in list(pools.items()):
-        if tokens > POOL_TOLERANCE * cap:
-            pools[name] = restart(name, cap)
-    return cap
+def pool_tokens(opts: BenchOptions, vocab: int) -> int:
+    """KV room for the top concurrency's running requests with a quarter to spare."""
+    longest = max(len(p.input_ids) for p in workload(vocab, max(opts.concurrency), opts.output_len, 0))
+    return int(1.25 * max(opts.concurrency) * (longest + opts.output_len))
 
 
-def kv_pool_tokens(base: str) -> int:
-    """The server's KV pool size in tokens (0 when it does not say)."""
+def switches(name: str) -> bool:
+    """Whether the server switches between speculative and plain steps itself (a threshold, auto)."""
+    return name.startswith("eagle3_thr") or name == "eagle3_auto"
+
+
+def round_order(names: list[str], k: int) -> list[str]:
+    return names if k % 2 == 0 else names[::-1]
+
+
+# ----------------------------------------------------------------------------- measuring
+def flush_cache(base: str) -> None:
+    """Empty the radix cache before a window: every window starts from the same empty cache."""
     try:
-        return int(client.load(base).get("max_total_num_tokens") or 0)
-    except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
-        return 0
+        client.post(base + "/flush_cache?timeout=10", {}, 30)
+    except client.HTTPFailure:
+        pass
 
 
-def pool_caveat(pools: dict[str, int], round_tokens: int) -> str | None:
-    """Why an A/B ratio may not be the patch's: the servers' KV pools differ by over 10% and a round
-    writes more tokens than the smaller one holds, so that server alone evicts radix-cache entries."""
-    if len(pools) < 2 or min(pools.values()) <= 0:
-        return None
-    small = min(pools.values())
-    if max(pools.values()) <= POOL_TOLERANCE * small or round_tokens <= small:
-        return None
-    sizes = ", ".join(f"{n} {t}" for n, t in pools.items())
-    return (f"unequal KV pools ({sizes} tokens) and a round writes ~{round_tokens}: the smaller pool evicts "
-            "radix-cache entries, the larger may not, and the ratio carries that; give every server the same "
-            "pool with --max-total-tokens")
-
-
-def measure(base: str, prompts: list[Prompt], concurrency: int, timeout: float = 240) -> dict[str, Any]:
+def measure(base: str, prompts: list[Prompt], concurrency: int, timeout: float) -> dict[str, Any]:
     t0 = time.time()
     res = client.run_concurrent(base, prompts, concurrency, timeout)
     wall = time.time() - t0
@@ -171,732 +182,354 @@ def measure(base: str, prompts: list[Prompt], concurrency: int, timeout: float =
     lens = [r.meta["spec_accept_length"] for r in res if "spec_accept_length" in r.meta]
     return {"requests": len(res), "errors": len(errors), "first_error": errors[0].error if errors else None,
             "output_tokens": toks, "seconds": round(wall, 3), "tok_per_s": round(toks / wall, 1),
-            "accept_length": round(sum(lens) / len(lens), 3) if lens else None,
+            "accept_length": round(statistics.mean(lens), 3) if lens else None,
             "outputs": {r.key: r.output_ids for r in res}}
 
 
-_DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?(\w[\w ]*): (True|False), "
-                          r"gen throughput \(token/s\): ([\d.]+)")
+def speculation_state(base: str) -> dict[str, Any]:
+    """The server's dynamic speculation disable state, from /server_info (sglang >= 0.5.23 logs a
+    deprecation warning for each /get_server_info, which older ones alone serve)."""
+    try:
+        info = client.get_json(base + "/server_info")
+    except client.HTTPFailure:
+        info = client.server_info(base)
+    return spec_state(info)
 
 
-_PREFILL_LINE = re.compile(r"Prefill batch.*?#new-seq: (\d+), #new-token: (\d+)")
-FORWARD_SECONDS = "sglang:forward_execution_seconds_total"  # sglang's device timer, per category
+def mode_of(base: str) -> tuple[str | None, int | None, int | None]:
+    """A threshold server's mode, crossover (auto) and mode-change count; Nones where it says nothing."""
+    try:
+        st = speculation_state(base)
+    except (SmokeError, client.HTTPFailure, ValueError):
+        return None, None, None
+    crossover = st.get("crossover")
+    return st.get("mode"), crossover if isinstance(crossover, int) else None, st.get("mode_changes")
 
 
-def prefill_stats(log_text: str) -> dict[str, int]:
-    """Prefill batches in a server-log window and the prompt tokens they computed."""
-    rows = [(int(seqs), int(toks)) for seqs, toks in _PREFILL_LINE.findall(log_text)]
-    return {"batches": len(rows), "seqs": sum(r[0] for r in rows), "tokens": sum(r[1] for r in rows)}
+def run_ramp(base: str, levels: list[int], hold_s: float, vocab: int, output_len: int, timeout: float,
+             poll: Callable[[], tuple[str | None, int | None, int | None]] | None) -> dict[str, Any]:
+    """Closed loop whose number of clients follows `levels`, one every `hold_s` seconds. Returns per
+    level its tokens/s (each request's tokens spread over its lifetime) and the modes polled."""
+    top = max(levels)
+    t0 = time.time()
+    end = t0 + hold_s * len(levels)
+    done: list[tuple[float, float, int, str, list[int] | None, str | None]] = []
+    lock = threading.Lock()
+    samples: list[tuple[float, str | None, int | None]] = []
+    first_changes: list[int | None] = []
+
+    def level_at(t: float) -> int:
+        return levels[min(int((t - t0) / hold_s), len(levels) - 1)]
+
+    def worker(w: int) -> None:
+        k = 0
+        while (now := time.time()) < end:
+            if w >= level_at(now):
+                time.sleep(0.02)
+                continue
+            key = f"ramp-{w}-{k}"
+            k += 1
+            r = client.generate(base, ramp_prompt(vocab, output_len, key), timeout)
+            with lock:
+                done.append((now - t0, time.time() - t0, len(r.output_ids or []), key, r.output_ids, r.error))
+
+    def poller() -> None:
+        while time.time() < end:
+            mode, crossover, changes = poll() if poll else (None, None, None)
+            if not first_changes:
+                first_changes.append(changes)
+            samples.append((time.time() - t0, mode, crossover))
+            time.sleep(MODE_POLL_S)
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(top)]
+    threads.append(threading.Thread(target=poller, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(0.0, end - time.time()) + timeout)
+    last_changes = poll()[2] if poll else None
+    windows = ramp_windows(levels, hold_s, [(start, stop, n) for start, stop, n, *_ in done], samples)
+    errors = [e for *_, e in done if e]
+    mode_changes = (last_changes - first_changes[0] if isinstance(last_changes, int) and first_changes
+                    and isinstance(first_changes[0], int) else None)
+    return {"windows": windows, "requests": len(done), "errors": len(errors),
+            "first_error": errors[0] if errors else None, "mode_changes": mode_changes,
+            "outputs": {key: ids for *_, key, ids, err in done if not err}}
 
 
-def gpu_seconds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """GPU seconds per forward category between two /metrics scrapes ({} with the device timer off)."""
-    out: dict[str, float] = {}
-    for key, value in after.items():
-        if key.startswith(FORWARD_SECONDS + "{"):
-            cat = re.search(r'category="([^"]*)"', key)
-            name = cat.group(1) if cat else "?"
-            out[name] = out.get(name, 0.0) + value - before.get(key, 0.0)
-    return {k: round(v, 4) for k, v in sorted(out.items()) if v > 0}
-
-
-def server_decode_stats(log_text: str, running: int) -> dict[str, Any] | None:
-    """The server's own decode-log view at (nearly) full load: median gen throughput and how many
-    of those intervals ran under a CUDA graph. Independent of client-side ramp up/down."""
-    rows = [(float(tput), flag == "True") for run, _, flag, tput in _DECODE_LINE.findall(log_text)
-            if int(run) >= 0.9 * running]
-    if not rows:
-        return None
-    return {"lines": len(rows), "median_tok_per_s": round(statistics.median(t for t, _ in rows), 1),
-            "cuda_graph_lines": sum(g for _, g in rows)}
+def ramp_windows(levels: list[int], hold_s: float, requests: list[tuple[float, float, int]],
+                 samples: list[tuple[float, str | None, int | None]]) -> list[dict[str, Any]]:
+    """One window per level: tokens/s, each request's (start s, end s, tokens) spread evenly over its
+    lifetime; the share of the mode samples (s, mode, crossover) that said plain, the last crossover."""
+    windows = []
+    for i, level in enumerate(levels):
+        lo, hi = i * hold_s, (i + 1) * hold_s
+        tokens = sum(n * max(0.0, min(stop, hi) - max(start, lo)) / (stop - start)
+                     for start, stop, n in requests if stop > start)
+        modes = [m for t, m, _ in samples if lo <= t < hi and m]
+        crossovers = [c for t, _, c in samples if lo <= t < hi and c is not None]
+        windows.append({"t": lo, "level": level, "tok_per_s": round(tokens / hold_s, 1),
+                        "plain_share": round(modes.count("plain") / len(modes), 2) if modes else None,
+                        "crossover": crossovers[-1] if crossovers else None})
+    return windows
 
 
 def warm_up(base: str, opts: BenchOptions) -> None:
-    """Short requests at every concurrency, outside the measurement: lazy JIT/autotune per batch shape
-    and per mode (with a threshold, small batches speculate and large ones do not)."""
+    """Short requests at every concurrency outside the measurement: lazy JIT and autotuning per
+    batch shape and per mode."""
     for c in opts.concurrency:
         client.run_concurrent(base, [Prompt(f"w{c}-{i}", (5 + i % 50, 6, 7, 8), 32) for i in range(max(2, c))],
                               c, opts.deadline.request_timeout(240))
 
 
-def run_config(name: str, opts: BenchOptions, vocab: int) -> dict[str, Any]:
-    cfg = server_config(name, opts)
-    log = opts.out / f"server_bench_{name}.log"
-    rep: dict[str, Any] = {"name": name, "results": {}}
-    srv = Server(cfg, opts.port, log)
-    try:
-        srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
-        rep["start_s"] = round(srv.start_seconds, 1)
-        if opts.deadline.left() < opts.min_measure_s:
-            rep["skipped"] = True
-            raise SmokeFailure(f"deadline: only {opts.deadline.left():.0f}s left after the start")
-        warm_up(srv.base, opts)
-        for c in opts.concurrency:
-            rep["results"][str(c)] = measure(srv.base, workload(vocab, c, opts.output_len, 0), c,
-                                             opts.deadline.request_timeout(240))
-        if opts.profile_steps > 0 and name in ("plain", "eagle3_thr"):
-            rep["profile"] = profile_full_load(srv.base, opts, vocab, name)
-        if opts.pyspy_seconds > 0 and name in ("plain", "eagle3_thr"):
-            rep["pyspy_raw"] = pyspy_full_load(srv, opts, vocab, name)
-        log_text = log.read_text(errors="replace")
-        if cfg.threshold is not None:
-            rep["spec_disable"] = spec_state(client.server_info(srv.base))
-            rep["draft_plain_step"] = draft_plain_step(log_text)
-        rep["server_decode_at_max"] = server_decode_stats(log_text, max(opts.concurrency))
-        if "pyspy_raw" in rep:
-            rep["pyspy"] = summarize_pyspy(rep.pop("pyspy_raw"),
-                                           (rep["server_decode_at_max"] or {}).get("median_tok_per_s"),
-                                           max(opts.concurrency))
-        check_log_clean(log_text)
-        rep["ok"] = True
-    except Exception as exc:  # noqa: BLE001 - SmokeFailure, HTTPFailure or an unexpected answer
-        rep["ok"] = False
-        rep["cause"] = getattr(exc, "cause", f"{type(exc).__name__}: {exc}")
-        rep["log_tail"] = log_tail(log, 30)
-    finally:
-        srv.stop()
-    return rep
-
-
-def during_full_load(base: str, opts: BenchOptions, vocab: int, seed: int, settle_s: float,
-                     action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run `action` `settle_s` into a full-load run (not measured; past the first prefill wave, into
-    full-batch decode) and wait for the load. A diagnostic: its failure is reported, not raised."""
-    c = max(opts.concurrency)
-    load = client.in_background(lambda: client.run_concurrent(
-        base, workload(vocab, c, opts.output_len, seed), c, opts.deadline.request_timeout(240)))
-    try:
+def kv_used_after_flush(base: str) -> int | None:
+    """Tokens still held in the KV pool once the load is over and the radix cache flushed (0 when
+    every request gave back what it took)."""
+    for _ in range(10):
+        flush_cache(base)
         try:
-            time.sleep(settle_s)
-            return action()
-        finally:
-            load.result()
-    except Exception as exc:  # noqa: BLE001
-        return {"error": f"{type(exc).__name__}: {exc}"}
+            used = int(client.load(base).get("num_used_tokens") or 0)
+        except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
+            return None
+        if used == 0:
+            return 0
+        time.sleep(1)
+    return used
 
 
-def profile_full_load(base: str, opts: BenchOptions, vocab: int, name: str) -> dict[str, Any]:
-    """Profile `profile_steps` decode steps in the middle of a full-load run."""
-    out_dir = opts.out / f"profile_{name}"
-    started = during_full_load(base, opts, vocab, 1, 1.0,
-                               lambda: profile.start(base, out_dir, opts.profile_steps) or {})
-    if "error" in started:
-        return started
-    try:
-        trace = profile.wait_for_trace(out_dir)
-        if trace is None:
-            return {"error": f"no trace under {out_dir}"}
-        summary = profile.summarize(trace, opts.profile_steps)
-        trace.unlink()  # tens of MB; the summary is what travels back
-        return summary
-    except Exception as exc:  # noqa: BLE001
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def pyspy_full_load(srv: Server, opts: BenchOptions, vocab: int, name: str,
-                    settle_s: float = 1.5, seconds: float | None = None, tag: str = "") -> dict[str, Any]:
-    """Sample the scheduler with py-spy for `pyspy_seconds` (or `seconds`) `settle_s` into a full-load
-    run (1.5 s: the middle; 0: from the moment the load is sent). Returns the raw stacks (or why not);
-    summarized once the step time is known."""
-    exe = pyspy.binary(opts.pyspy_dirs)
-    pid = pyspy.scheduler_pid(srv.proc.pid) if srv.proc is not None else None
-    if exe is None or pid is None:
-        return {"error": "no py-spy binary" if exe is None else "no scheduler process found"}
-    secs = opts.pyspy_seconds if seconds is None else seconds
-    return during_full_load(srv.base, opts, vocab, 2, settle_s, lambda: {"raw": pyspy.record(
-        exe, pid, secs, opts.out / f"pyspy_{name}{tag}.txt").read_text()})
-
-
-def summarize_pyspy(raw: dict[str, Any], tok_per_s: float | None, batch: int) -> dict[str, Any]:
-    """py-spy's shares, in ms per step where the server's full-load throughput at `batch` is known."""
-    if "error" in raw:
-        return raw
-    step_ms = 1000.0 * batch / tok_per_s if tok_per_s else None
-    return pyspy.summarize(raw["raw"], step_ms)
-
-
-def compare(reps: dict[str, dict[str, Any]]) -> list[str]:
-    """Output mismatches of each EAGLE config against plain (same prompts, greedy)."""
-    problems = []
-    plain = reps.get("plain", {}).get("results", {})
-    for name, rep in reps.items():
-        if name == "plain":
-            continue
-        for c, r in rep.get("results", {}).items():
-            ref = plain.get(c, {}).get("outputs", {})
-            bad = [k for k, v in r.get("outputs", {}).items() if k in ref and ref[k] != v]
-            if bad:
-                problems.append(f"{name} c={c}: {len(bad)} output(s) differ from plain (e.g. {bad[0]})")
-            if r.get("errors"):
-                problems.append(f"{name} c={c}: {r['errors']} request error(s): {r['first_error']}")
-    return problems
-
-
-def table(reps: dict[str, dict[str, Any]], concurrency: tuple[int, ...]) -> str:
-    plain = reps.get("plain", {}).get("results", {})
-    head = f"{'config':12s}" + "".join(f"{'c=' + str(c):>26s}" for c in concurrency)
-    lines = ["output tokens/s (ratio to plain) [accept length]", head]
-    for name in CONFIGS:
-        rep = reps.get(name)
-        if rep is None:
-            continue
-        cells = []
-        for c in concurrency:
-            r = rep.get("results", {}).get(str(c))
-            if not r:
-                cells.append(f"{'-':>26s}")
-                continue
-            p = plain.get(str(c), {}).get("tok_per_s")
-            ratio = f"{r['tok_per_s'] / p:.2f}x" if p else "  -  "
-            al = f"[{r['accept_length']:.2f}]" if r.get("accept_length") else ""
-            cells.append(f"{r['tok_per_s']:>10.0f} ({ratio}) {al:>7s}")
-        lines.append(f"{name:12s}" + "".join(f"{x:>26s}" for x in cells))
-    for name in CONFIGS:
-        srv = (reps.get(name) or {}).get("server_decode_at_max")
-        if srv:
-            lines.append(f"server log, {name} at c={max(concurrency)}: median {srv['median_tok_per_s']:.0f} "
-                         f"tok/s over {srv['lines']} decode lines ({srv['cuda_graph_lines']} under a graph)")
-    for name in CONFIGS:
-        prof = (reps.get(name) or {}).get("profile")
-        if prof:
-            lines.append(profile.render(name, prof))
-    for name in CONFIGS:
-        spy = (reps.get(name) or {}).get("pyspy")
-        if spy:
-            lines.append(pyspy.render(name, spy))
-    return "\n".join(lines)
-
-
-def ab_ratios(rounds: list[dict[str, dict[str, Any]]], name: str, key: str) -> list[float]:
-    """Per-round ratio of `name` to plain for one measure ('tok_per_s': client, 'server_tok_per_s': the
-    server log's median over that round's full-load lines); rounds missing either side are left out."""
-    out = []
-    for r in rounds:
-        a, b = r.get(name, {}).get(key), r.get("plain", {}).get(key)
-        if a and b:
-            out.append(a / b)
-    return out
-
-
-def round_order(names: list[str], k: int) -> list[str]:
-    """The order in which A/B round k loads the servers: `names`, reversed every other round."""
-    return names if k % 2 == 0 else names[::-1]
-
-
-def ab_ratios_by_order(rounds: list[dict[str, dict[str, Any]]], names: list[str], name: str,
-                       key: str) -> tuple[list[float], list[float]]:
-    """ab_ratios split by which server took the load first in the round (round_order): (rounds where
-    `name` went before plain, rounds where plain went first)."""
-    first: list[float] = []
-    second: list[float] = []
-    for k, r in enumerate(rounds):
-        order = round_order(names, k)
-        a, b = r.get(name, {}).get(key), r.get("plain", {}).get(key)
-        if a and b:
-            (first if order.index(name) < order.index("plain") else second).append(a / b)
-    return first, second
-
-
-def geomean_of_medians(first: list[float], second: list[float]) -> float | None:
-    return (statistics.median(first) * statistics.median(second)) ** 0.5 if first and second else None
-
-
-def order_balanced_ratio(rounds: list[dict[str, dict[str, Any]]], names: list[str], name: str,
-                         key: str) -> float | None:
-    """The geometric mean of the two orders' median ratios, None unless both orders were measured. With an
-    odd number of rounds the plain median weighs one order twice, and the order can matter: in runs 31,
-    34 and 35 of 2026-11-30 on the H200 the threshold server's best round was each time the one it went
-    first in (0.93x-1.01x against 0.70x-0.91x; not so in runs 17 and 25). This weighs both orders alike."""
-    return geomean_of_medians(*ab_ratios_by_order(rounds, names, name, key))
-
-
-FAST_WINDOW = 0.9  # a window counts as fast at >= this share of the server's best full-load rate
-
-
-def fast_windows(rounds: list[dict[str, dict[str, Any]]], name: str) -> list[float]:
-    """The server log's full-load rates of `name`'s windows (measured and primer pooled) that reach
-    FAST_WINDOW of its best one. On the H200 each window's rate is bimodal (~100k or ~65k tok/s at 1B,
-    for either server, with no CPU steal: docs/gpu-runs/2026-12-01); comparing the fast windows
-    compares the two servers' steps rather than which one drew more slow windows."""
-    rates = [w[key] for r in rounds if name in r for key in ("server_tok_per_s", "primer_server_tok_per_s")
-             if (w := r[name]).get(key)]
-    best = max(rates, default=0.0)
-    return [x for x in rates if x >= FAST_WINDOW * best]
-
-
-def fast_window_medians(rounds: list[dict[str, dict[str, Any]]],
-                        name: str) -> tuple[float, int, float, int] | None:
-    """The median and count of fast windows (fast_windows) of `name`, then of plain; None unless both
-    have some."""
-    fast, fast_plain = fast_windows(rounds, name), fast_windows(rounds, "plain")
-    if not fast or not fast_plain:
-        return None
-    return statistics.median(fast), len(fast), statistics.median(fast_plain), len(fast_plain)
-
-
-def ab_table(ab: dict[str, Any]) -> str:
-    names = ab["configs"]
-    others = [n for n in names if n != "plain"]
-    rounds_by_c: dict[str, list[dict[str, dict[str, Any]]]] = ab["rounds"]
-    n_rounds = max((len(r) for r in rounds_by_c.values()), default=0)
-    lines = [(f"A/B: {n_rounds} round(s), all servers up, the load on one at a time (order reversed every "
-              "other round); output tok/s client | server log")]
-    for c, rounds in rounds_by_c.items():
-        lines.append(f"c={c:<4s}" + "".join(f"{n:>28s}" for n in names))
-        for i, r in enumerate(rounds, 1):
-            cells = [f"{r.get(n, {}).get('tok_per_s') or 0:>10.0f} | {r.get(n, {}).get('server_tok_per_s') or 0:>8.0f}"
-                     for n in names]
-            lines.append(f"  {i:<4d}" + "".join(f"{x:>28s}" for x in cells))
-        for n in others:
-            for key, label in (("tok_per_s", "client"), ("server_tok_per_s", "server log")):
-                x = ab_ratios(rounds, n, key)
-                if x:
-                    lines.append(f"  c={c} {n} / plain ({label}): median {statistics.median(x):.3f}x, "
-                                 f"min {min(x):.3f}x, max {max(x):.3f}x over {len(x)} round(s)")
-                primer = ab_ratios(rounds, n, "primer_" + key)
-                if primer:
-                    lines.append(f"    primer windows (each right after the other server's load): median "
-                                 f"{statistics.median(primer):.3f}x over {len(primer)} round(s)")
-                first, second = ab_ratios_by_order(rounds, names, n, key)
-                balanced = geomean_of_medians(first, second)
-                if balanced is not None:
-                    lines.append(f"    by order: {n} first {statistics.median(first):.3f}x ({len(first)}), plain "
-                                 f"first {statistics.median(second):.3f}x ({len(second)}); order-balanced "
-                                 f"{balanced:.3f}x")
-            medians = fast_window_medians(rounds, n)
-            if medians:
-                a, na, b, nb = medians
-                lines.append(f"    fast windows (server log >= {FAST_WINDOW:g}x the server's best, primers pooled): "
-                             f"{n} {a:.0f} ({na}) / plain {b:.0f} ({nb}) = {a / b:.3f}x")
-        lines += time_split(rounds, names)
-    if ab.get("spec_disable"):
-        lines.append(f"eagle3_thr: {ab['spec_disable']}; draft in plain steps: {ab.get('draft_plain_step')}")
-    if ab.get("kv_pools_equalised_to"):
-        lines.append(f"KV pools equalised: servers with a larger pool restarted with --max-total-tokens "
-                     f"{ab['kv_pools_equalised_to']}")
-    if ab.get("cpu_sets"):
-        lines.append("CPU sets: " + ", ".join(f"{n} {cpu_list(c)}" for n, c in ab["cpu_sets"].items()))
-    if ab.get("kv_pool_tokens"):
-        lines.append("KV pool (tokens): " + ", ".join(f"{n} {t}" for n, t in ab["kv_pool_tokens"].items())
-                     + f"; a round writes ~{ab.get('round_tokens')}")
-    if ab.get("kv_pools_not_equalised"):
-        lines.append(f"KV pools not equalised: {ab['kv_pools_not_equalised']}")
-    if ab.get("pool_caveat"):
-        lines.append(f"CAVEAT: {ab['pool_caveat']}")
-    return "\n".join(lines)
-
-
-def time_split(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> list[str]:
-    """Per config, medians over rounds: wall seconds of the window, GPU seconds per forward category and
-    what is left of the wall (GPU idle: host, HTTP), prefill batches. Empty without the numbers."""
-    lines = []
-    for n in names:
-        windows = [r[n] for r in rounds if n in r]
-        if not windows or not any("gpu_s" in w or "prefill" in w or w.get("host") for w in windows):
-            continue
-        med = statistics.median
-        wall = med(w["seconds"] for w in windows)
-        cells = [f"wall {wall:.3f}s"]
-        if any(w.get("gpu_s") for w in windows):
-            cats = sorted({k for w in windows for k in w.get("gpu_s", {})})
-            cells += [f"{k} {med(w.get('gpu_s', {}).get(k, 0.0) for w in windows):.3f}s" for k in cats]
-            cells.append(f"rest {med(w['seconds'] - sum(w.get('gpu_s', {}).values()) for w in windows):.3f}s")
-        if any("prefill" in w for w in windows):
-            cells.append(f"prefill batches {med(w.get('prefill', {}).get('batches', 0) for w in windows):g}")
-        hosts = [w["host"] for w in windows if w.get("host")]
-        if hosts:
-            cells.append(f"host CPU steal {med(h['steal_pct'] for h in hosts):.2f}% (max "
-                         f"{max(h['steal_pct'] for h in hosts):.2f}%), busy {med(h['busy_pct'] for h in hosts):.0f}%")
-        lines.append(f"    {n:<12s} " + ", ".join(cells))
-    return lines
-
-
-def ab_mismatches(outputs: list[dict[str, dict[str, list[int] | None]]]) -> list[str]:
-    """Each round's outputs of every config against plain's of the same round (same prompts, greedy)."""
-    problems = []
-    for k, outs in enumerate(outputs, 1):
-        ref = outs.get("plain", {})
-        for name, got in outs.items():
-            # a failed request (None) is counted among the errors, not here
-            bad = [key for key, v in got.items()
-                   if name != "plain" and v is not None and ref.get(key) is not None and ref[key] != v]
-            if bad:
-                problems.append(f"round {k} {name}: {len(bad)} output(s) differ from plain (e.g. {bad[0]})")
-    return problems
-
-
-def flush_cache(base: str) -> bool:
-    """Empty the radix cache before a round: without it the earlier rounds' prompts fill the KV pool
-    and every step of the next round evicts (0.7 ms/step of RadixCache.evict on the H200), by how
-    much depending on each server's pool size."""
-    try:
-        client.post(base + "/flush_cache?timeout=10", {}, 30)
-        return True
-    except client.HTTPFailure:
-        return False
-
-
-PROC_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-
-
-def host_cpu_times(stat_text: str | None = None) -> dict[str, int]:
-    """The host's aggregate CPU times (clock ticks) from /proc/stat's first line; {} where unreadable."""
-    try:
-        text = stat_text if stat_text is not None else Path("/proc/stat").read_text()
-        values = [int(x) for x in text.splitlines()[0].split()[1:1 + len(PROC_STAT_FIELDS)]]
-    except (OSError, IndexError, ValueError):
-        return {}
-    return dict(zip(PROC_STAT_FIELDS, values))
-
-
-def host_cpu_share(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
-    """Percent of all CPU time between two host_cpu_times that was stolen by the hypervisor (steal: the
-    VM's vCPUs waiting for the host's cores) and that was busy (neither idle, iowait nor steal). The
-    H200 machine is a KVM guest whose speed drifts (docs/gpu-runs/2026-11-30); steal is the part of that
-    drift the guest can see."""
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in PROC_STAT_FIELDS}
-    total = sum(delta.values())
-    if not before or not after or total <= 0:
-        return {}
-    busy = total - delta["idle"] - delta["iowait"] - delta["steal"]
-    return {"steal_pct": round(100 * delta["steal"] / total, 2), "busy_pct": round(100 * busy / total, 1)}
-
-
-def measure_window(srv: Server, prompts: list[Prompt], c: int, opts: BenchOptions) -> dict[str, Any]:
-    """`measure`, plus the server log's full-load decode lines written meanwhile and the host's CPU
-    steal and load meanwhile; the radix cache is flushed first."""
-    flushed = flush_cache(srv.base)
-    start = srv.log_path.stat().st_size
-    before = client.metrics(srv.base) if opts.device_timer else {}
-    cpu_before = host_cpu_times()
-    m = measure(srv.base, prompts, c, opts.deadline.request_timeout(240))
-    host = host_cpu_share(cpu_before, host_cpu_times())
-    gpu = gpu_seconds(before, client.metrics(srv.base)) if opts.device_timer else {}
-    with open(srv.log_path, "rb") as fh:
-        fh.seek(start)
-        window = fh.read().decode(errors="replace")
-    dec = server_decode_stats(window, c)
-    return m | {"server_tok_per_s": dec["median_tok_per_s"] if dec else None,
-                "server_lines": dec["lines"] if dec else 0, "cache_flushed": flushed,
-                "prefill": prefill_stats(window), "host": host} | ({"gpu_s": gpu} if opts.device_timer else {})
-
-
-def measure_round(servers: dict[str, Any], names: list[str], k: int, prompts: list[Prompt], c: int,
-                  opts: BenchOptions, measure: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Round k of the A/B at concurrency c: each server's window in turn, in `names` order (reversed when
-    k is odd). With opts.ab_primer an unmeasured window of the same load on the same server comes first
-    (its tok/s kept as primer_tok_per_s / primer_server_tok_per_s), so that every measured window
-    follows that server's own load, not the other one's: a test of the round-order effect."""
-    measure = measure or measure_window
-    row: dict[str, Any] = {}
-    for name in round_order(names, k):
-        primer = measure(servers[name], prompts, c, opts) if opts.ab_primer else None
-        row[name] = measure(servers[name], prompts, c, opts)
-        if primer is not None:
-            row[name]["primer_tok_per_s"] = primer.get("tok_per_s")
-            row[name]["primer_server_tok_per_s"] = primer.get("server_tok_per_s")
-    return row
-
-
-def cpu_sets(cpus: list[int], names: list[str]) -> dict[str, list[int]]:
-    """Disjoint CPU sets: one per server in `names` and one ("client") for the load generator, which
-    gets what the equal server shares leave. Too few CPUs (fewer than 2 each) is an error naming the flag."""
-    cpus = sorted(cpus)
-    share = len(cpus) // (len(names) + 1)
-    if share < 2:
-        raise SmokeFailure(f"--ab-pin-cpus: {len(cpus)} CPUs cannot give {len(names)} servers and the client "
-                           "2 each; run without it")
-    sets = {name: cpus[i * share:(i + 1) * share] for i, name in enumerate(names)}
-    sets["client"] = cpus[len(names) * share:]
-    return sets
-
-
-def cpu_list(cpus: list[int]) -> str:
-    return f"{cpus[0]}-{cpus[-1]}" if cpus == list(range(cpus[0], cpus[-1] + 1)) else ",".join(map(str, cpus))
-
-
-def run_ab(opts: BenchOptions, vocab: int) -> dict[str, Any]:
-    """A/B mode: see the module docstring. Returns {"ok", "rounds", "configs", ...}."""
-    names = list(opts.configs)
-    top = max(opts.concurrency)
-    ab: dict[str, Any] = {"concurrency": list(opts.concurrency), "configs": names, "rounds": {}, "start_s": {},
-                          "pyspy": {}}
+# ----------------------------------------------------------------------------- the run
+def start_servers(opts: BenchOptions, names: list[str], tokens: int, result: dict[str, Any]) -> dict[str, Server]:
+    """One after another, each taking an even share of the memory still free."""
     servers: dict[str, Server] = {}
-    outputs: list[dict[str, dict[str, list[int] | None]]] = []
-    need = AB_START_S_PER_SERVER * len(names) + 120
-    if opts.deadline.left() < need:  # do not start servers that would leave no time to measure
-        return ab | {"ok": False, "skipped": True, "mismatches": [], "errors": [],
-                     "cause": f"deadline: {opts.deadline.left():.0f}s left, ~{need}s needed"}
-    ab["kv_pool_tokens"] = {}
-    sets: dict[str, list[int]] = {}
-    client_pin = contextlib.ExitStack()  # --ab-pin-cpus: this process's CPUs until the servers stop
-
-    def start(name: str, o: BenchOptions) -> None:
-        cfg = server_config(name, o)
-        cfg.extra = (*cfg.extra, "--sleep-on-idle")  # an idle server must not spin a core meanwhile
-        cfg.cpus = tuple(sets.get(name, ()))
-        srv = servers[name] = Server(cfg, opts.port + names.index(name), opts.out / f"server_ab_{name}.log")
+    for k, name in enumerate(names):
+        cfg = server_config(name, opts, opts.mem_share / (len(names) - k), tokens)
+        srv = servers[name] = Server(cfg, opts.port + k, opts.out / f"server_bench_{name}.log")
         srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
-        ab["start_s"][name] = round(srv.start_seconds, 1)
-        ab["kv_pool_tokens"][name] = kv_pool_tokens(srv.base)
+        result["start_s"][name] = round(srv.start_seconds, 1)
+        try:
+            result["kv_pool_tokens"][name] = int(client.load(srv.base).get("max_total_num_tokens") or 0)
+        except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
+            result["kv_pool_tokens"][name] = 0
+    return servers
 
-    def restart(name: str, cap: int) -> int:
-        servers[name].stop()
-        start(name, replace(opts, max_total_tokens=cap))
-        return int(ab["kv_pool_tokens"][name])
 
-    try:
-        if opts.ab_pin_cpus:
-            sets.update(cpu_sets(sorted(os.sched_getaffinity(0)), names))
-            ab["cpu_sets"] = sets
-            client_pin.enter_context(pinned(tuple(sets["client"])))  # the load generator's threads, py-spy
-        # one after another: each server sizes its KV pool from the memory left free at its start
-        for name in names:
-            start(name, opts)
-        demand = max(sum(len(p.input_ids) + p.max_new_tokens for p in workload(vocab, c, opts.output_len, 100))
-                     for c in opts.concurrency)
-        ab["round_tokens"] = demand
-        # unequal pools that a round overflows: the later servers alone would evict (pool_caveat); give
-        # every server the smallest pool unless the user chose one or the deadline has no room for it
-        if not opts.max_total_tokens and pool_caveat(ab["kv_pool_tokens"], demand):
-            if opts.deadline.left() >= need:
-                ab["kv_pools_equalised_to"] = equalise_kv_pools(ab["kv_pool_tokens"], demand, restart)
-            else:  # say so: a silent skip reads as if the pools had been equalised
-                ab["kv_pools_not_equalised"] = (f"deadline: {opts.deadline.left():.0f}s left, ~{need}s needed "
-                                                "to restart the larger-pool servers")
-        ab["pool_caveat"] = pool_caveat(ab["kv_pool_tokens"], demand)
-        for srv in servers.values():
-            warm_up(srv.base, opts)
-        round_s = 0.0
-        for k in range(opts.ab_rounds):
-            # a round must end with time left for py-spy and the servers' stop
-            spy_s = (20 if opts.pyspy_seconds else 0) + (20 if opts.pyspy_admission_seconds else 0)
-            if opts.deadline.left() < 2 * round_s + 90 + spy_s:
-                ab["stopped_early"] = f"deadline: {k} of {opts.ab_rounds} rounds"
-                break
-            t0 = time.time()
-            outs: dict[str, dict[str, list[int] | None]] = {name: {} for name in names}
-            for conc in opts.concurrency:
-                prompts = workload(vocab, conc, opts.output_len, 100 + k)
-                row = measure_round(servers, names, k, prompts, conc, opts)
-                for name in names:
-                    outs[name].update(row[name].pop("outputs"))
-                ab["rounds"].setdefault(str(conc), []).append(row)
-            outputs.append(outs)
-            round_s = time.time() - t0
-        if opts.pyspy_seconds > 0:
-            for name in ("plain", "eagle3_thr"):
-                if name in servers:
-                    raw = pyspy_full_load(servers[name], opts, vocab, name)
-                    srv_tps = [r[name]["server_tok_per_s"] for r in ab["rounds"].get(str(top), [])
-                               if r[name].get("server_tok_per_s")]
-                    ab["pyspy"][name] = summarize_pyspy(raw, statistics.median(srv_tps) if srv_tps else None, top)
-        if opts.pyspy_admission_seconds > 0:
-            ab["pyspy_admission"] = {}
-            for name in ("plain", "eagle3_thr"):
-                if name in servers:
-                    flush_cache(servers[name].base)  # as before a measured round
-                    raw = pyspy_full_load(servers[name], opts, vocab, name, settle_s=0.0,
-                                          seconds=opts.pyspy_admission_seconds, tag="_admission")
-                    ab["pyspy_admission"][name] = summarize_pyspy(raw, None, top)  # shares only: no step
-        logs = {name: srv.log_path.read_text(errors="replace") for name, srv in servers.items()}
-        if "eagle3_thr" in servers:
-            ab["spec_disable"] = spec_state(client.server_info(servers["eagle3_thr"].base))
-            ab["draft_plain_step"] = draft_plain_step(logs["eagle3_thr"])
-        for log_text in logs.values():
-            check_log_clean(log_text)
-        ab["ok"] = bool(outputs)
-        if not outputs:
-            ab["skipped"] = True
-            ab["cause"] = "deadline: no round measured (the servers' start took the time)"
-    except Exception as exc:  # noqa: BLE001 - SmokeFailure, HTTPFailure or an unexpected answer
-        ab["ok"] = False
-        ab["cause"] = getattr(exc, "cause", f"{type(exc).__name__}: {exc}")
-        ab["log_tail"] = "\n".join(f"-- {n}\n{log_tail(s.log_path, 20)}" for n, s in servers.items())
-    finally:
-        for srv in servers.values():
-            srv.stop()
-        client_pin.close()
-    ab["mismatches"] = ab_mismatches(outputs)
-    ab["errors"] = [f"c={c} round {k + 1} {n}: {m['errors']} request error(s): {m['first_error']}"
-                    for c, rounds in ab["rounds"].items() for k, r in enumerate(rounds)
-                    for n, m in r.items() if m.get("errors")]
-    return ab
+def closed_loop(servers: dict[str, Server], names: list[str], opts: BenchOptions, vocab: int,
+                result: dict[str, Any]) -> None:
+    """`opts.rounds` rounds over the concurrencies; each level's windows in alternating order."""
+    round_s = 0.0
+    for k in range(opts.rounds):
+        if opts.deadline.left() < round_s + 60:
+            result["skipped"].append(f"closed loop: {k} of {opts.rounds} rounds (deadline)")
+            return
+        t0 = time.time()
+        outputs: dict[str, dict[str, list[int] | None]] = {n: {} for n in names}
+        for i, c in enumerate(opts.concurrency):
+            prompts = workload(vocab, c, opts.output_len, 100 + k)
+            for name in round_order(names, k + i):
+                srv = servers[name]
+                flush_cache(srv.base)
+                before = diagnose.scrape(srv.base) if opts.diagnose else {}
+                m = measure(srv.base, prompts, c, opts.deadline.request_timeout(240))
+                if opts.diagnose:
+                    m["gpu_s"] = diagnose.gpu_seconds(before, diagnose.scrape(srv.base))
+                outputs[name].update(m.pop("outputs"))
+                m["round"] = k + 1
+                result["levels"].setdefault(str(c), {}).setdefault(name, []).append(m)
+        result["mismatches"] += mismatches(outputs, f"round {k + 1}")
+        round_s = time.time() - t0
+
+
+def ramp_all(servers: dict[str, Server], names: list[str], opts: BenchOptions, vocab: int,
+             result: dict[str, Any]) -> None:
+    levels = ramp_levels(opts.concurrency, opts.ramp_cycles)
+    need = opts.ramp_hold_s * len(levels) + 60
+    outputs: dict[str, dict[str, list[int] | None]] = {}
+    for name in names:
+        if opts.deadline.left() < need:
+            result["skipped"].append(f"ramp of {name} (deadline)")
+            continue
+        srv = servers[name]
+        flush_cache(srv.base)
+        poll = functools.partial(mode_of, srv.base) if switches(name) else None
+        r = run_ramp(srv.base, levels, opts.ramp_hold_s, vocab, opts.output_len,
+                     opts.deadline.request_timeout(240), poll)
+        outputs[name] = r.pop("outputs")
+        result["ramp"][name] = r
+    result["mismatches"] += mismatches(outputs, "ramp")
+
+
+def mismatches(outputs: dict[str, dict[str, list[int] | None]], where: str) -> list[str]:
+    """Every config's outputs against plain's for the same prompts (greedy: they must be equal)."""
+    ref = outputs.get("plain", {})
+    problems = []
+    for name, got in outputs.items():
+        bad = [k for k, v in got.items() if name != "plain" and v is not None and ref.get(k) not in (None, v)]
+        if bad:
+            problems.append(f"{where} {name}: {len(bad)} output(s) differ from plain (e.g. {bad[0]})")
+    return problems
 
 
 def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Start the servers, measure, stop them; the result (bench_report's input). A resumed call
+    (the same `state`) returns the finished result."""
     state = state if state is not None else {}
+    if state.get("result"):
+        return dict(state["result"])
     opts.out.mkdir(parents=True, exist_ok=True)
     expected = json.loads((opts.models / "expected.json").read_text())
     vocab = int(expected["vocab_size"])
-    if "eagle3_adaptive" in opts.configs:  # server_config points the server at it
+    names = server_names(opts)
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "thresholds": list(opts.thresholds), "concurrency": list(opts.concurrency),
+        "rounds": opts.rounds, "ramp_hold_s": opts.ramp_hold_s, "output_len": opts.output_len,
+        "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept",
+                                                "designed_accept_length")},
+        "configs": [], "not_run": {}, "start_s": {}, "kv_pool_tokens": {}, "levels": {}, "ramp": {},
+        "servers": {}, "diagnose": {}, "mismatches": [], "failures": [], "skipped": []}
+    if "eagle3_auto" in names and not auto_supported():
+        names.remove("eagle3_auto")
+        result["not_run"]["eagle3_auto"] = "this sglang has no `auto` threshold (the sglang-image-plugin is not installed)"
+    if "eagle3_adaptive" in names:
         (opts.out / "adaptive_config.json").write_text(json.dumps(ADAPTIVE_CONFIG, indent=1))
-    if opts.ab_rounds > 0:
-        return run_bench_ab(opts, state, expected, vocab)
-    done = state.setdefault("configs", {})
-    reps: dict[str, dict[str, Any]] = {}
-    skipped = []
-    for name in opts.configs:
-        if name in done:
-            reps[name] = done[name]
-            continue
-        if opts.deadline.left() < opts.min_server_s:
-            skipped.append(f"{name} (deadline)")
-            continue
-        rep = run_config(name, opts, vocab)
-        if rep.get("skipped"):
-            skipped.append(f"{name} (deadline after its start)")
-            continue
-        reps[name] = rep
-        if rep.get("ok"):
-            done[name] = rep
-    failures = [f"{n}: {r.get('cause')}\n{r.get('log_tail')}" for n, r in reps.items() if not r.get("ok")]
-    failures += compare(reps)
-    out = {"threshold": opts.threshold, "concurrency": list(opts.concurrency),
-           "designed_accept_length": expected.get("designed_accept_length"),
-           "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept")},
-           "table": table(reps, opts.concurrency), "skipped": skipped, "failures": failures,
-           "configs": {n: {k: v for k, v in r.items() if k != "results"} | {
-               "results": {c: {k: v for k, v in x.items() if k != "outputs"}
-                           for c, x in r.get("results", {}).items()}} for n, r in reps.items()}}
-    big = str(max(opts.concurrency))
+    result["configs"] = names
+    need = START_S_PER_SERVER * len(names) + 120
+    if opts.deadline.left() < need:
+        result["skipped"].append(f"everything: {opts.deadline.left():.0f}s left, ~{need}s needed")
+        result["table"] = bench_report.markdown(result)
+        result["files"] = []
+        return result
+    servers: dict[str, Server] = {}
     try:
-        thr = reps["eagle3_thr"]["results"][big]["tok_per_s"]
-        pl = reps["plain"]["results"][big]["tok_per_s"]
-        out["thr_vs_plain_at_max"] = round(thr / pl, 3)
-        out["goal_0.97_met"] = thr / pl >= 0.97
-    except KeyError:
-        pass
+        servers = start_servers(opts, names, opts.max_total_tokens or pool_tokens(opts, vocab), result)
+        if len(set(result["kv_pool_tokens"].values())) > 1:
+            result["failures"].append(f"unequal KV pools {result['kv_pool_tokens']}: lower --mem-share's "
+                                      "servers or --max-total-tokens so that every server holds the same")
+        for srv in servers.values():
+            warm_up(srv.base, opts)
+        closed_loop(servers, names, opts, vocab, result)
+        if opts.ramp_cycles:
+            ramp_all(servers, names, opts, vocab, result)
+        if opts.diagnose:
+            for name, srv in servers.items():
+                prompts = workload(vocab, max(opts.concurrency), opts.output_len, 7)
+                result["diagnose"][name] = diagnose.full_load(srv, prompts, max(opts.concurrency), opts.out,
+                                                              opts.pyspy_dirs, opts.deadline)
+        for name, srv in servers.items():
+            info: dict[str, Any] = {"kv_used_after_flush": kv_used_after_flush(srv.base)}
+            if switches(name):
+                info["speculative_disable"] = speculation_state(srv.base)
+            result["servers"][name] = info
+            if info["kv_used_after_flush"]:
+                result["failures"].append(f"{name}: {info['kv_used_after_flush']} KV tokens still in use "
+                                          "after the load and a cache flush")
+            check_log_clean(srv.log_path.read_text(errors="replace"))
+    except Exception as exc:  # noqa: BLE001 - SmokeError, HTTPFailure or an unexpected answer
+        result["failures"].append(f"{getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}\n"
+                                  + "\n".join(f"-- {n}\n{log_tail(s.log_path, 20)}" for n, s in servers.items()))
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    result["failures"] += result["mismatches"] + errors(result)
+    result["table"] = bench_report.markdown(result)
+    result["files"] = [str(p) for p in bench_report.write(result, opts.out)]
+    if not result["failures"] and not result["skipped"]:
+        state["result"] = result
+    return result
+
+
+def errors(result: dict[str, Any]) -> list[str]:
+    out = [f"c={c} round {m['round']} {name}: {m['errors']} request error(s): {m['first_error']}"
+           for c, by_name in result["levels"].items() for name, ms in by_name.items() for m in ms if m["errors"]]
+    out += [f"ramp {name}: {r['errors']} request error(s): {r['first_error']}"
+            for name, r in result["ramp"].items() if r["errors"]]
     return out
 
 
-def run_bench_ab(opts: BenchOptions, state: dict[str, Any], expected: dict[str, Any], vocab: int) -> dict[str, Any]:
-    ab = state.get("ab") or run_ab(opts, vocab)
-    if ab.get("ok"):
-        state["ab"] = ab  # a resumed call reuses it
-    skipped = [f"A/B ({ab['cause']})"] if ab.get("skipped") else []
-    failures = ([] if ab.get("ok") or skipped else [f"A/B: {ab.get('cause')}\n{ab.get('log_tail', '')}"])
-    failures += ab["mismatches"] + ab["errors"]
-    parts = [ab_table(ab)] if ab["rounds"] else []
-    parts += [pyspy.render(n, spy) for n, spy in ab.get("pyspy", {}).items() if spy]
-    parts += [pyspy.render(f"{n} (the first {opts.pyspy_admission_seconds:g} s of a round: admission; "
-                           "idle samples counted apart)", spy)
-              for n, spy in ab.get("pyspy_admission", {}).items() if spy]
-    out = {"mode": "ab", "threshold": opts.threshold, "concurrency": ab["concurrency"],
-           "designed_accept_length": expected.get("designed_accept_length"),
-           "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept")},
-           "table": "\n".join(parts) or "A/B: no round measured", "skipped": skipped, "failures": failures,
-           "ab": ab}
-    top_rounds = ab["rounds"].get(str(max(opts.concurrency)), [])
-    return out | goal_figures(top_rounds, list(ab["configs"]))
-
-
-def goal_figures(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict[str, Any]:
-    """The threshold server's ratio to plain at the top concurrency, as the 0.97 goal reads it: the
-    order-balanced client ratio where both orders were measured (ab_table says why), else the median;
-    the fast windows' full-load ratio beside it, a diagnostic, not the goal's basis. {} without rounds."""
-    thr = ab_ratios(rounds, "eagle3_thr", "tok_per_s")
-    if not thr:
-        return {}
-    balanced = order_balanced_ratio(rounds, names, "eagle3_thr", "tok_per_s")
-    figure = round(balanced if balanced is not None else statistics.median(thr), 3)
-    out: dict[str, Any] = {"thr_vs_plain_at_max_median": round(statistics.median(thr), 3),
-                           "thr_vs_plain_at_max": figure,
-                           "thr_vs_plain_at_max_basis": "order-balanced" if balanced is not None else "median",
-                           "goal_0.97_met": figure >= 0.97}
-    medians = fast_window_medians(rounds, "eagle3_thr")
-    if medians:
-        out["thr_vs_plain_fast_windows"] = round(medians[0] / medians[2], 3)
-    return out
-
-
+# ----------------------------------------------------------------------------- command line
 def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     """What to measure and how: shared by `smoke bench` and `smoke e2e` (there as --bench-*)."""
     p = "--" + prefix
-    ap.add_argument(p + "threshold", type=int, default=16)
-    ap.add_argument(p + "concurrency", default="1,8,256")
-    ap.add_argument(p + "configs", default=",".join(CONFIGS))
-    ap.add_argument(p + "profile-steps", type=int, default=0,
-                    help="torch-profile this many full-load decode steps (plain and eagle3_thr; 0 = off)")
-    ap.add_argument(p + "pyspy-seconds", type=float, default=0,
-                    help="py-spy the scheduler this long at full load (plain and eagle3_thr)")
-    ap.add_argument(p + "pyspy-admission-seconds", type=float, default=0,
-                    help="A/B: py-spy the scheduler this long from the moment a round's load is sent "
-                         "(a wave of requests being admitted; plain and eagle3_thr)")
-    ap.add_argument(p + "server-args", default="",
-                    help="extra flags for every bench server, one shell-quoted string (e.g. '--gc-threshold 50000')")
-    ap.add_argument(p + "ab-rounds", type=int, default=0,
-                    help="A/B mode: all configs' servers up at once, each concurrency's load on each in turn, "
-                         "this many rounds (0 = off: one server after another)")
-    ap.add_argument(p + "ab-primer", action="store_true",
-                    help="A/B: before each measured window, one unmeasured window of the same load on the same "
-                         "server, so that no measured window follows the other server's load (the threshold "
-                         "server's rounds after plain's measured 0.70x-0.91x, its first ones 0.93x-1.01x)")
-    ap.add_argument(p + "ab-pin-cpus", action="store_true",
-                    help="A/B: each server's processes on CPUs of their own and the client on the rest (the "
-                         "H200 machine's 1B windows are bimodal, ~65k or ~100k tok/s in the server log, for "
-                         "either server: a test of CPU placement)")
-    ap.add_argument(p + "mem-fraction", type=float, default=0.3,
-                    help="--mem-fraction-static of each bench server (A/B: of the memory free at its start)")
+    ap.add_argument(p + "configs", default=",".join(CONFIGS),
+                    help=f"comma list of {','.join(CONFIGS)} (eagle3_auto runs only where the server has it)")
+    ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
+    ap.add_argument(p + "threshold", default="16",
+                    help="eagle3_thr's fixed threshold N; a comma list runs one server per N (a sweep)")
+    ap.add_argument(p + "rounds", type=int, default=2,
+                    help="closed-loop rounds (the server order alternates; 0: the ramp alone)")
+    ap.add_argument(p + "ramp-cycles", type=int, default=3, help="ramp up and down this many times (0: none)")
+    ap.add_argument(p + "ramp-hold", type=float, default=2.0, help="seconds per ramp level")
+    ap.add_argument(p + "mem-share", type=float, default=0.85,
+                    help="share of the free GPU memory that the servers divide evenly")
     ap.add_argument(p + "max-total-tokens", type=int, default=0,
-                    help="--max-total-tokens of every bench server (A/B: the same KV pool for all; 0 = sglang's "
-                         "own sizing, which gives a server started later a smaller pool)")
-    ap.add_argument(p + "device-timer", action="store_true",
-                    help="A/B: GPU seconds per forward category in every window (sglang's device timer)")
+                    help="KV pool of every server (0: room for the top concurrency's requests)")
+    ap.add_argument(p + "server-args", default="",
+                    help="extra flags for every server, one shell-quoted string (e.g. '--gc-threshold 50000')")
+    ap.add_argument(p + "diagnose", action="store_true",
+                    help="also where each server's time goes at full load (py-spy, torch profiler, device timer)")
 
 
 def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     """BenchOptions fields from add_tuning_arguments' flags; a bad value exits naming the flag."""
     def get(name: str) -> Any:
         return getattr(a, (prefix + name).replace("-", "_"))
-    conc = [x.strip() for x in get("concurrency").split(",") if x.strip()]
+
+    def refuse(flag: str, why: str) -> SystemExit:
+        return SystemExit(f"--{prefix}{flag} {get(flag)!r}: {why}")
+
     configs = tuple(x.strip() for x in get("configs").split(",") if x.strip())
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad or not conc or not all(x.isdigit() and int(x) >= 1 for x in conc):
-        raise SystemExit(f"--{prefix}configs {bad} / --{prefix}concurrency {get('concurrency')}: invalid")
-    if get("ab-rounds") < 0 or (get("ab-rounds") and ("plain" not in configs or len(configs) < 2)):
-        raise SystemExit(f"--{prefix}ab-rounds {get('ab-rounds')}: needs >= 0 and, when on, 'plain' and at "
-                         f"least one other config in --{prefix}configs (got {','.join(configs)})")
-    if not 0 < get("mem-fraction") < 1:
-        raise SystemExit(f"--{prefix}mem-fraction {get('mem-fraction')}: must be between 0 and 1")
+    if not configs or any(c not in CONFIGS for c in configs) or len(set(configs)) < len(configs):
+        raise refuse("configs", f"give distinct names among {','.join(CONFIGS)}")
+    conc = [x.strip() for x in get("concurrency").split(",") if x.strip()]
+    if not conc or not all(x.isdigit() and int(x) >= 1 for x in conc) or len(set(conc)) < len(conc):
+        raise refuse("concurrency", "give distinct whole numbers >= 1, e.g. 1,2,4,8")
+    thresholds = [x.strip() for x in str(get("threshold")).split(",") if x.strip()]
+    if not thresholds or not all(x.isdigit() and int(x) >= 1 for x in thresholds) or len(set(thresholds)) < len(thresholds):
+        raise refuse("threshold", "give distinct whole numbers >= 1, e.g. 16 or 8,16,32")
+    if get("rounds") < 0:
+        raise refuse("rounds", "must be >= 0 (0: the ramp alone)")
+    if get("ramp-cycles") < 0 or get("ramp-hold") <= 0 or get("rounds") + get("ramp-cycles") == 0:
+        raise SystemExit(f"--{prefix}ramp-cycles {get('ramp-cycles')} / --{prefix}ramp-hold {get('ramp-hold')}: "
+                         f"need cycles >= 0 (> 0 with --{prefix}rounds 0) and a hold > 0 seconds")
+    if not 0 < get("mem-share") < 1:
+        raise refuse("mem-share", "must be between 0 and 1")
     if get("max-total-tokens") < 0:
-        raise SystemExit(f"--{prefix}max-total-tokens {get('max-total-tokens')}: must be >= 0 (0 = sglang's sizing)")
-    if get("ab-pin-cpus") and not get("ab-rounds"):
-        raise SystemExit(f"--{prefix}ab-pin-cpus: needs A/B mode (--{prefix}ab-rounds N)")
-    if get("ab-primer") and not get("ab-rounds"):
-        raise SystemExit(f"--{prefix}ab-primer: needs A/B mode (--{prefix}ab-rounds N)")
-    if get("pyspy-admission-seconds") < 0 or (get("pyspy-admission-seconds") and not get("ab-rounds")):
-        raise SystemExit(f"--{prefix}pyspy-admission-seconds {get('pyspy-admission-seconds')}: needs >= 0 and, "
-                         f"when on, A/B mode (--{prefix}ab-rounds N)")
-    return {"threshold": get("threshold"), "concurrency": tuple(int(x) for x in conc), "configs": configs,
-            "profile_steps": get("profile-steps"), "pyspy_seconds": get("pyspy-seconds"),
-            "pyspy_admission_seconds": get("pyspy-admission-seconds"),
-            "server_args": tuple(shlex.split(get("server-args"))), "ab_rounds": get("ab-rounds"),
-            "ab_primer": get("ab-primer"), "ab_pin_cpus": get("ab-pin-cpus"),
-            "mem_fraction": get("mem-fraction"), "device_timer": get("device-timer"),
-            "max_total_tokens": get("max-total-tokens")}
+        raise refuse("max-total-tokens", "must be >= 0 (0: sized for the top concurrency)")
+    return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
+            "thresholds": tuple(sorted(int(x) for x in thresholds)),
+            "rounds": get("rounds"), "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
+            "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),
+            "server_args": tuple(shlex.split(get("server-args"))), "diagnose": get("diagnose")}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--models", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", type=Path, help="a target and draft (python -m smoke models)")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
+    ap.add_argument("--deadline", type=float, default=7200, help="seconds from now")
+    ap.add_argument("--render", type=Path, metavar="BENCH_JSON",
+                    help="only write the tables and plots of a saved result into --out")
     add_tuning_arguments(ap)
 
 
 def options(a: argparse.Namespace) -> BenchOptions:
+    if a.models is None:
+        raise SystemExit("--models DIR is needed (a target and draft: python -m smoke models DIR --size 1b)")
+    if a.output_len < 1:
+        raise SystemExit(f"--output-len {a.output_len}: must be >= 1")
     return BenchOptions(models=a.models, out=a.out, output_len=a.output_len, port=a.port,
-                        deadline=Deadline(time.time() + a.deadline),
-                        **tuning_options(a))
+                        deadline=Deadline(time.time() + a.deadline), **tuning_options(a))
 
 
 def main(a: argparse.Namespace) -> int:
-    opts = options(a)
-    out = run_bench(opts)
-    (opts.out / "bench.json").write_text(json.dumps(out, indent=1))
-    print(out["table"])
-    for f in out["failures"]:
+    if a.render is not None:
+        result = json.loads(a.render.read_text())
+        for path in bench_report.write(result, a.out):
+            print(path)
+        return 0
+    result = run_bench(options(a))
+    print(result["table"])
+    print("\n".join(result["files"]))
+    for f in result["failures"]:
         print("BENCH FAILED:", f)
-    return 1 if out["failures"] or out["skipped"] else 0
+    return 1 if result["failures"] or result["skipped"] else 0

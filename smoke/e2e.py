@@ -252,8 +252,7 @@ class E2E:
     def bench_key(self) -> str:
         """One bench per model size, mode and options: a later call with other ones runs its own, and
         the report keeps both."""
-        size: str = self.a.bench_size
-        return size + ("-ab" if self.a.bench_ab_rounds else "") + "-" + self.options_digest("bench")
+        return self.a.bench_size + "-" + self.options_digest("bench")
 
     def resumable(self, ph: str) -> dict[str, Any]:
         """The resume state of the smoke or comm phase, emptied when its options changed."""
@@ -271,11 +270,6 @@ class E2E:
         rep = bench_mod.run_bench(opts, st)
         self.state.setdefault("bench_reports", {})[self.bench_key] = rep
         self.log("\n" + rep["table"])
-        if "thr_vs_plain_at_max" in rep:
-            self.log(f"threshold vs plain at c={max(opts.concurrency)}: {rep['thr_vs_plain_at_max']}x "
-                     f"({rep.get('thr_vs_plain_at_max_basis', 'median')})"
-                     + (f"; fast windows' full-load rate {rep['thr_vs_plain_fast_windows']}x"
-                        if "thr_vs_plain_fast_windows" in rep else ""))
         if rep.get("skipped"):
             raise Deadline_(f"bench: skipped {rep['skipped']}")
 

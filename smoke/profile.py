@@ -1,12 +1,12 @@
 """Where a decode step's time goes: a torch-profiler window of N steps at full load, summarised.
 
-Used by the bench (`--profile-steps N`) on the plain server and on the threshold server in plain
-mode, so the two are compared step for step: wall time per step, GPU busy time per step, and how
+Used by `smoke bench --diagnose` (smoke.diagnose) on every server at full load, so that servers
+are compared step for step: wall time per step, GPU busy time per step, and how
 many kernel launches, graph launches, copies and host syncs each step issues (a CUDA-graph step
 should be a handful of launches; hundreds mean eager work on the host's critical path). The top
 Python functions by inclusive time show where the host spends it.
 
-The profiler adds overhead (with_stack), so compare the two servers, not absolute numbers.
+The profiler adds overhead (with_stack), so compare servers, not absolute numbers.
 """
 from __future__ import annotations
 
@@ -28,13 +28,11 @@ LAUNCHES = {
 }
 
 
-def start(base: str, out_dir: Path, steps: int) -> dict[str, Any]:
-    """Asks the server to trace `steps` steps into out_dir; {} (the trace comes with wait_for_trace)."""
+def start(base: str, out_dir: Path, steps: int) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     client.post(base + "/start_profile", {  # answers "Start profiling." as text
         "output_dir": str(out_dir), "num_steps": steps, "activities": ["CPU", "GPU"],
         "with_stack": True, "record_shapes": False}, timeout=60)
-    return {}
 
 
 def wait_for_trace(out_dir: Path, timeout: float = 90) -> Path | None:
@@ -75,7 +73,7 @@ def _host_during_gaps(events: list[dict[str, Any]], gaps: list[tuple[float, floa
         mid = (s + e) / 2
         covering = [f for f in frames if f["ts"] <= mid <= f["ts"] + f["dur"]]
         name = min(covering, key=lambda f: f["dur"])["name"] if covering else "(no Python frame)"
-        out[name] += round(e - s)  # microseconds
+        out[name] += round(e - s)  # whole microseconds
     return out
 
 

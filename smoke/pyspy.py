@@ -6,9 +6,9 @@ reads the scheduler's stacks from outside at a fixed rate (`--nonblocking`: the 
 paused), so the shares it reports are those of the unprofiled server. `--idle` keeps samples where
 the thread waits (a CUDA sync, a lock): a blocked host is exactly what we look for.
 
-Used by the bench (`--pyspy-seconds S`) on the plain and threshold servers at full load: the share
-of the scheduler thread's samples in each function (inclusive and self), and ms per step when the
-step time is known (from the server log's throughput at that batch size).
+Used by `smoke bench --diagnose` (smoke.diagnose) on every server at full load: the share of the
+scheduler thread's samples in each function (inclusive and self), and ms per step when the step
+time is known (from the load's tokens/s at that batch size).
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def summarize(raw: str, step_ms: float | None = None, top: int = 30) -> dict[str
 def render(name: str, s: dict[str, Any]) -> str:
     if "error" in s:
         return f"py-spy {name}: {s['error']}"
-    unit = f", ~{s['step_ms']:.2f} ms/step (server log)" if s.get("step_ms") else ""
+    unit = f", ~{s['step_ms']:.2f} ms/step (from the load's tokens/s)" if s.get("step_ms") else ""
     idle = f" ({s['idle_samples']} idle ones, with no batch, left out)" if s.get("idle_samples") else ""
     lines = [(f"py-spy {name}: {s['samples']} busy samples of the scheduler thread{idle}{unit}; % of "
               f"samples (ms/step) inclusive, then self")]

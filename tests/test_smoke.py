@@ -5,14 +5,12 @@ continuation of a model generated here. Nothing pretends to be an sglang server.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -43,15 +41,6 @@ $ python3 -m sglang.launch_server --model-path /tmp/smoke-state/models/tiny/targ
 [2026-11-30 08:40:36] The server is fired up and ready to roll!
 """
 PATCH_LINE = "[2026-11-30 08:40:10] Dynamic speculation disable enabled: threshold=4 (hysteresis=1)\n"
-
-
-def bench_options(*flags: str) -> Any:
-    """`smoke bench`'s options parsed from these flags (after the required --models and --out)."""
-    from smoke import bench
-
-    ap = argparse.ArgumentParser()
-    bench.add_arguments(ap)
-    return bench.options(ap.parse_args(["--models", "m", "--out", "o", *flags]))
 
 
 # ----------------------------------------------------------------------------- models (real, CPU)
@@ -126,6 +115,7 @@ def test_designed_accept_length_counts_consecutive_good_tokens():
     assert models.designed_accept_length(chain, {x for x in chain if x % 4 != 3}, 3) == 4.0
 
 
+# ----------------------------------------------------------------------------- failure paths
 def test_missing_log_line_fails_with_cause_and_log_tail(tmp_path):
     log = tmp_path / "server_eagle_overlap.log"
     log.write_text(SERVER_LOG)
@@ -276,21 +266,6 @@ def test_argument_parsing(tmp_path):
         e2e.main(ap.parse_args(["e2e", "--phases", "smoke,nope", "--out", str(tmp_path)]))
 
 
-def test_bench_table_and_comparison():
-    from smoke import bench
-
-    def res(tps, outs, al=None):
-        return {"tok_per_s": tps, "accept_length": al, "errors": 0, "first_error": None, "outputs": outs}
-
-    reps = {"plain": {"results": {"256": res(20000.0, {"a": [1, 2]})}},
-            "eagle3": {"results": {"256": res(10400.0, {"a": [1, 2]}, 2.9)}},
-            "eagle3_thr": {"results": {"256": res(19600.0, {"a": [1, 3]})}}}
-    t = bench.table(reps, (256,))
-    assert "0.52x" in t and "0.98x" in t
-    problems = bench.compare(reps)
-    assert problems == ["eagle3_thr c=256: 1 output(s) differ from plain (e.g. a)"]
-
-
 # ----------------------------------------------------------------------------- partial + nox side
 def test_partial_manifest_comparison():
     want = [{"name": "a.patch", "sha256": "1" * 64}, {"name": "b.patch", "sha256": "2" * 64}]
@@ -343,22 +318,6 @@ def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_p
     assert checks["launch_server --help shows --speculative-disable-batch-threshold"]["ok"]
     assert checks[f"patch manifest {manifest} matches the series"]["ok"]
     # (a manifest from other patch files: test_partial_manifest_comparison)
-
-
-def test_bench_reads_the_servers_full_load_decode_lines():
-    from smoke import bench
-
-    lines = [
-        ("[2026-11-30 10:54:32] Decode batch, #running-req: 256, #token: 30353, token usage: 0.02, accept len: 0.00, "
-         "accept rate: 0.00, cuda graph: True, gen throughput (token/s): 50479.88, #queue-req: 0"),
-        ("[2026-11-30 10:54:33] Decode batch, #running-req: 240, #token: 40593, token usage: 0.03, "
-         "cuda graph: False, gen throughput (token/s): 40000.00, #queue-req: 0"),
-        ("[2026-11-30 10:54:33] Decode batch, #running-req: 98, #token: 28058, token usage: 0.02, "
-         "cuda graph: True, gen throughput (token/s): 18156.17, #queue-req: 0"),
-    ]
-    log = "\n".join(lines)
-    assert bench.server_decode_stats(log, 256) == {"lines": 2, "median_tok_per_s": 45239.9, "cuda_graph_lines": 1}
-    assert bench.server_decode_stats(log, 512) is None
 
 
 def test_profile_summary_of_a_real_torch_trace(tmp_path):
@@ -421,61 +380,6 @@ def test_profile_counts_steps_and_names_the_host_work_during_gpu_idle(tmp_path):
     assert s["host_during_gpu_idle_ms_per_step"][0][0].endswith("eagle_prepare_for_decode")
 
 
-def test_bench_workload_sizes_are_deterministic_and_seconds_long():
-    from smoke import bench
-
-    assert [len(bench.workload(3000, c, 256, 0)) for c in (1, 8, 256)] == [16, 128, 768]
-    assert bench.workload(3000, 8, 256, 0) == bench.workload(3000, 8, 256, 0)  # same prompts for every config
-    assert bench.workload(3000, 8, 256, 0) != bench.workload(3000, 8, 256, 1)  # the profile load differs
-
-
-def test_bench_configs_map_to_server_flags(tmp_path):
-    from smoke import bench
-
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, threshold=16, concurrency=(1, 256))
-    argv = {name: bench.server_config(name, opts).argv(30000) for name in bench.CONFIGS}
-    assert "--speculative-algorithm" not in argv["plain"]
-    assert "--speculative-adaptive" in argv["eagle3_adaptive"] and "--speculative-adaptive" not in argv["eagle3"]
-    ad = argv["eagle3_adaptive"]
-    assert ad[ad.index("--speculative-adaptive-config") + 1] == str(tmp_path / "adaptive_config.json")
-    # upstream's default tiers, without the 7-step one that crashed at start on the H200
-    assert max(max(e["candidate_steps"]) for e in bench.ADAPTIVE_CONFIG.values()) == 3
-    assert bench.ADAPTIVE_CONFIG["64"]["candidate_steps"] == [0]
-    extra = bench.BenchOptions(models=tmp_path, out=tmp_path, server_args=("--gc-threshold", "50000"))
-    for name in bench.CONFIGS:  # the same extra flags on every server, last
-        assert bench.server_config(name, extra).argv(30000)[-2:] == ["--gc-threshold", "50000"]
-    a = build_parser().parse_args(["bench", "--models", "m", "--out", "o", "--server-args", "--gc-threshold 7 8"])
-    assert bench.options(a).server_args == ("--gc-threshold", "7", "8")
-    thr = argv["eagle3_thr"]
-    assert thr[thr.index("--speculative-disable-batch-threshold") + 1] == "16"
-    assert "--speculative-adaptive" not in thr  # the patch refuses the two together
-
-
-def test_pyspy_summary_of_a_real_scheduler_sample():
-    """py-spy's raw output from the H200 run (threshold server in plain mode at 256 requests, the 80
-    heaviest stacks): only the scheduler thread counts, shares are of its samples, ms from step time."""
-    from smoke import bench, pyspy
-
-    raw = (REPO / "tests/data/pyspy_scheduler_plain_mode.txt").read_text()
-    s = bench.summarize_pyspy({"raw": raw}, 256_000 / 4.0, 256)
-    assert s["step_ms"] == pytest.approx(4.0)
-    incl = {f: pct for f, pct, _ in s["inclusive_pct"]}
-    assert incl["Scheduler.event_loop_overlap (scheduler.py)"] == 100.0
-    assert 10 < incl["EAGLEWorkerV2._forward_plain_decode (eagle_worker_v2.py)"] < 100
-    assert not any("watchdog" in f or "Timer.check" in f for f in incl)  # other threads left out
-    assert all(row[2] == pytest.approx(row[1] * 4.0 / 100, abs=1e-3) for row in s["inclusive_pct"])
-    assert sum(pct for _, pct, _ in s["self_pct"]) <= 100.0
-    text = pyspy.render("eagle3_thr", s)
-    assert text.startswith("py-spy eagle3_thr:") and "ms/step (server log)" in text
-    assert bench.summarize_pyspy({"error": "no py-spy binary"}, None, 256) == {"error": "no py-spy binary"}
-    assert pyspy.summarize("thread (1): MainThread;other (x.py:1) 5\n")["error"].startswith("no sample")
-    # the sample's three idle stacks (Scheduler.on_idle: no batch) are counted apart, not in the shares
-    assert s["idle_samples"] == 28 + 7 + 6 and not any("on_idle" in f or "Poller.poll" in f for f in incl)
-    assert "41 idle ones, with no batch, left out" in text
-    idle_only = "thread (1): MainThread;Scheduler.event_loop_overlap (a/scheduler.py:1);Scheduler.on_idle (a/scheduler.py:2) 9\n"
-    assert "all 9 samples of the scheduler loop are idle" in pyspy.summarize(idle_only)["error"]
-
-
 def test_pyspy_finds_the_scheduler_process_and_samples_it(tmp_path):
     """A real process titled like sglang's scheduler, below a parent, sampled by the real py-spy."""
     import subprocess
@@ -519,229 +423,6 @@ def test_pyspy_finds_the_scheduler_process_and_samples_it(tmp_path):
             subprocess.run(["kill", "-9", str(p)], check=False)
         parent.kill()
         parent.wait()
-
-
-def test_bench_ab_ratios_table_and_mismatches():
-    from smoke import bench
-
-    rounds = [{"plain": {"tok_per_s": 100.0, "server_tok_per_s": 200.0},
-               "eagle3_thr": {"tok_per_s": 90.0, "server_tok_per_s": 150.0}},
-              {"plain": {"tok_per_s": 50.0, "server_tok_per_s": None},
-               "eagle3_thr": {"tok_per_s": 49.0, "server_tok_per_s": 120.0}}]
-    assert bench.ab_ratios(rounds, "eagle3_thr", "tok_per_s") == [0.9, 0.98]
-    assert bench.ab_ratios(rounds, "eagle3_thr", "server_tok_per_s") == [0.75]  # round 2: no plain line
-    t = bench.ab_table({"concurrency": [8, 256], "configs": ["plain", "eagle3_thr"],
-                        "rounds": {"8": rounds[:1], "256": rounds}})
-    assert "c=256 eagle3_thr / plain (client): median 0.940x, min 0.900x, max 0.980x over 2 round(s)" in t
-    assert "c=256 eagle3_thr / plain (server log): median 0.750x" in t
-    assert "c=8 eagle3_thr / plain (client): median 0.900x" in t
-    outs = [{"plain": {"a": [1], "b": [2]}, "eagle3_thr": {"a": [1], "b": [3]}},
-            {"plain": {"a": [1]}, "eagle3_thr": {"a": [1]}}]
-    assert bench.ab_mismatches(outs) == ["round 1 eagle3_thr: 1 output(s) differ from plain (e.g. b)"]
-
-
-def test_bench_ab_ratio_by_order_and_order_balanced_goal():
-    """Run 35's client numbers (plain, eagle3_thr first in rounds 1 and 3, eagle3_thr first in round 2):
-    the ratio per order, their geometric mean, and the goal read from it (an odd number of rounds weighs
-    one order twice in the plain median); one order alone falls back to the median."""
-    from smoke import bench
-
-    names = ["plain", "eagle3_thr"]
-    rounds = [{"plain": {"tok_per_s": 57213.0}, "eagle3_thr": {"tok_per_s": 39936.0}},
-              {"eagle3_thr": {"tok_per_s": 52694.0}, "plain": {"tok_per_s": 56840.0}},
-              {"plain": {"tok_per_s": 50128.0}, "eagle3_thr": {"tok_per_s": 39070.0}}]
-    first, second = bench.ab_ratios_by_order(rounds, names, "eagle3_thr", "tok_per_s")
-    assert [round(x, 3) for x in first] == [0.927] and [round(x, 3) for x in second] == [0.698, 0.779]
-    balanced = bench.order_balanced_ratio(rounds, names, "eagle3_thr", "tok_per_s")
-    assert round(balanced, 3) == round((0.9270583 * (0.6980232 + 0.7794047) / 2) ** 0.5, 3) == 0.828
-    assert bench.order_balanced_ratio(rounds[:1], names, "eagle3_thr", "tok_per_s") is None
-    t = bench.ab_table({"concurrency": [256], "configs": names, "rounds": {"256": rounds}})
-    assert "c=256 eagle3_thr / plain (client): median 0.779x" in t
-    assert "by order: eagle3_thr first 0.927x (1), plain first 0.739x (2); order-balanced 0.828x" in t
-
-
-def test_bench_ab_round_order_and_primer_windows(tmp_path):
-    """A round measures each server in turn, the order reversed every other round; with --ab-primer an
-    unmeasured window of the same load on the same server comes right before each measured one, its
-    numbers kept apart and shown as their own ratio."""
-    from smoke import bench
-
-    calls = []
-    def fake_measure(srv, prompts, c, opts):
-        calls.append(srv)
-        return {"tok_per_s": 100.0 * len(calls), "server_tok_per_s": 10.0 * len(calls), "outputs": {}}
-
-    servers = {"plain": "P", "eagle3_thr": "T"}
-    names = ["plain", "eagle3_thr"]
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, ab_rounds=2)
-    row = bench.measure_round(servers, names, 1, [], 256, opts, measure=fake_measure)
-    assert calls == ["T", "P"] and row["eagle3_thr"]["tok_per_s"] == 100.0 and "primer_tok_per_s" not in row["plain"]
-    calls.clear()
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, ab_rounds=2, ab_primer=True)
-    rounds = [bench.measure_round(servers, names, k, [], 256, opts, measure=fake_measure) for k in (0, 1)]
-    assert calls == ["P", "P", "T", "T", "T", "T", "P", "P"]   # primer, then measured, per server
-    assert rounds[0]["plain"]["primer_tok_per_s"] == 100.0 and rounds[0]["plain"]["tok_per_s"] == 200.0
-    assert rounds[1]["eagle3_thr"]["primer_server_tok_per_s"] == 50.0
-    for r in rounds:
-        for v in r.values():
-            v.pop("outputs")
-    t = bench.ab_table({"concurrency": [256], "configs": names, "rounds": {"256": rounds}})
-    # primers: round 0 300/100, round 1 500/700
-    assert "primer windows (each right after the other server's load): median 1.857x over 2 round(s)" in t
-    assert bench_options("--ab-rounds", "2", "--ab-primer").ab_primer is True
-    with pytest.raises(SystemExit, match="ab-primer"):
-        bench_options("--ab-primer")
-
-
-def test_bench_splits_each_window_by_gpu_category_and_counts_prefills(tmp_path):
-    """The device timer's counters (Prometheus text as sglang exports it) become GPU seconds per
-    category per window; the server log's prefill lines are counted; the A/B table shows both."""
-    from smoke import bench, client
-
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, device_timer=True)
-    assert all(bench.server_config(n, opts).env == {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"} for n in bench.CONFIGS)
-    assert bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path)).env == {}
-
-    def scrape(decode: float, extend: float) -> dict[str, float]:
-        return client.parse_prometheus(
-            "# TYPE sglang:forward_execution_seconds_total counter\n"
-            f'sglang:forward_execution_seconds_total{{model_name="t",category="decode"}} {decode}\n'
-            f'sglang:forward_execution_seconds_total{{model_name="t",category="extend"}} {extend}\n'
-            'sglang:num_running_reqs{model_name="t"} 3.0\n')
-    assert bench.gpu_seconds(scrape(1.0, 2.0), scrape(8.5, 2.25)) == {"decode": 7.5, "extend": 0.25}
-    assert bench.gpu_seconds({}, {}) == {}  # timer off: no such counter
-    lines = [
-        ("[2026-11-30 10:54:31] Prefill batch, #new-seq: 40, #new-token: 1920, #cached-token: 0, token usage: 0.00, "
-         "#running-req: 0, #queue-req: 216, #pending-token: 0, cuda graph: False, input throughput (token/s): 0.00"),
-        ("[2026-11-30 10:54:31] Prefill batch, #new-seq: 216, #new-token: 10368, #cached-token: 0, token usage: 0.01, "
-         "#running-req: 40, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 9.00"),
-        ("[2026-11-30 10:54:32] Decode batch, #running-req: 256, #token: 30353, cuda graph: True, "
-         "gen throughput (token/s): 50479.88, #queue-req: 0"),
-    ]
-    log = "\n".join(lines)
-    assert bench.prefill_stats(log) == {"batches": 2, "seqs": 256, "tokens": 12288}
-    rounds = [{"plain": {"tok_per_s": 100.0, "seconds": 10.0, "gpu_s": {"decode": 8.0, "extend": 1.0},
-                         "prefill": {"batches": 6}},
-               "eagle3_thr": {"tok_per_s": 90.0, "seconds": 11.0, "prefill": {"batches": 7},
-                              "gpu_s": {"decode": 8.2, "extend": 1.2, "draft_kv_only": 0.1}}}]
-    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {"256": rounds}})
-    assert "plain        wall 10.000s, decode 8.000s, extend 1.000s, rest 1.000s, prefill batches 6" in t
-    assert ("eagle3_thr   wall 11.000s, decode 8.200s, draft_kv_only 0.100s, extend 1.200s, rest 1.500s, "
-            "prefill batches 7") in t
-    a = build_parser().parse_args(["bench", "--models", "m", "--out", "o", "--device-timer"])
-    assert bench.options(a).device_timer and not bench.options(build_parser().parse_args(
-        ["bench", "--models", "m", "--out", "o"])).device_timer
-
-
-def test_bench_windows_record_the_hosts_cpu_steal(tmp_path):
-    """Each A/B window records the host's CPU steal and load from /proc/stat (the H200 machine is a
-    KVM guest); the table shows their medians per server. Unreadable input gives no numbers."""
-    from smoke import bench
-
-    before = bench.host_cpu_times("cpu  1000 0 200 5000 10 0 0 40 0 0\ncpu0 1 2 3\n")
-    after = bench.host_cpu_times("cpu  1600 0 300 5200 10 0 0 140 0 0\n")
-    assert before["steal"] == 40 and after["user"] == 1600
-    assert bench.host_cpu_share(before, after) == {"steal_pct": 10.0, "busy_pct": 70.0}
-    assert bench.host_cpu_share({}, after) == {} and bench.host_cpu_times("garbage") == {}
-    assert set(bench.host_cpu_times()) == set(bench.PROC_STAT_FIELDS)   # this machine's /proc/stat
-    rounds = [{"plain": {"tok_per_s": 100.0, "seconds": 10.0, "host": {"steal_pct": 0.5, "busy_pct": 40.0}},
-               "eagle3_thr": {"tok_per_s": 90.0, "seconds": 11.0, "host": {"steal_pct": 3.0, "busy_pct": 45.0}}},
-              {"plain": {"tok_per_s": 100.0, "seconds": 10.0, "host": {"steal_pct": 1.5, "busy_pct": 42.0}},
-               "eagle3_thr": {"tok_per_s": 90.0, "seconds": 11.0, "host": {}}}]
-    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {"256": rounds}})
-    assert "plain        wall 10.000s, host CPU steal 1.00% (max 1.50%), busy 41%" in t
-    assert "eagle3_thr   wall 11.000s, host CPU steal 3.00% (max 3.00%), busy 45%" in t
-
-
-def test_bench_ab_cpu_sets_split_the_cpus_between_servers_and_client(tmp_path):
-    """--ab-pin-cpus: disjoint CPU sets, equal for the servers, the rest for the load generator; too few
-    CPUs fail naming the flag; the table says which; the flag needs A/B mode."""
-    from smoke import bench
-    from smoke.runner import SmokeFailure
-
-    sets = bench.cpu_sets(list(range(16)), ["plain", "eagle3_thr"])
-    assert sets == {"plain": [0, 1, 2, 3, 4], "eagle3_thr": [5, 6, 7, 8, 9], "client": list(range(10, 16))}
-    assert bench.cpu_sets([8, 2, 4, 6, 0, 10], ["plain"]) == {"plain": [0, 2, 4], "client": [6, 8, 10]}
-    with pytest.raises(SmokeFailure, match="ab-pin-cpus"):
-        bench.cpu_sets([0, 1, 2, 3, 4], ["plain", "eagle3_thr"])
-    assert bench.cpu_list([5, 6, 7]) == "5-7" and bench.cpu_list([0, 2, 4]) == "0,2,4"
-    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {"256": []},
-                        "cpu_sets": sets})
-    assert "CPU sets: plain 0-4, eagle3_thr 5-9, client 10-15" in t
-    assert bench_options("--ab-rounds", "2", "--ab-pin-cpus").ab_pin_cpus is True
-    with pytest.raises(SystemExit, match="ab-pin-cpus"):
-        bench_options("--ab-pin-cpus")
-
-
-def test_bench_ab_flags_unequal_kv_pools_and_can_equalise_them(tmp_path):
-    """A/B servers size their pools from the memory free at their start: run 23's 8B pools (plain
-    348253, threshold 147880 tokens) against a round of ~233k tokens is flagged; equal pools, or a
-    round that fits the smaller one, are not. --max-total-tokens reaches every server, and the A/B
-    restarts the servers with larger pools at the smallest size."""
-    from smoke import bench
-
-    caveat = bench.pool_caveat({"plain": 348253, "eagle3_thr": 147880}, 233000)
-    assert caveat is not None and "eagle3_thr 147880" in caveat and "--max-total-tokens" in caveat
-    assert bench.pool_caveat({"plain": 348253, "eagle3_thr": 147880}, 120000) is None  # fits both
-    assert bench.pool_caveat({"plain": 150000, "eagle3_thr": 147880}, 233000) is None  # equal: both evict
-    assert bench.pool_caveat({"plain": 348253, "eagle3_thr": 0}, 233000) is None       # size unknown
-    assert bench.pool_caveat({"plain": 348253}, 233000) is None
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, max_total_tokens=140000)
-    for name in bench.CONFIGS:
-        argv = bench.server_config(name, opts).argv(30000)
-        assert argv[argv.index("--max-total-tokens") + 1] == "140000"
-    assert "--max-total-tokens" not in bench.server_config("plain", bench.BenchOptions(tmp_path, tmp_path)).argv(1)
-    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {},
-                        "kv_pool_tokens": {"plain": 348253, "eagle3_thr": 147880}, "round_tokens": 233000,
-                        "pool_caveat": caveat})
-    assert "KV pool (tokens): plain 348253, eagle3_thr 147880; a round writes ~233000" in t
-    assert "CAVEAT: unequal KV pools" in t
-    # the A/B restarts the servers with the larger pools at the smallest size (each held more before)
-    restarted = []
-    def restart(name, cap):
-        restarted.append((name, cap))
-        return cap
-    pools = {"plain": 348253, "eagle3": 150000, "eagle3_thr": 147880}
-    assert bench.equalise_kv_pools(pools, 233000, restart) == 147880
-    assert restarted == [("plain", 147880)] and pools["plain"] == 147880  # 150000 is within 10%
-    assert bench.pool_caveat(pools, 233000) is None
-    restarted.clear()
-    assert bench.equalise_kv_pools({"plain": 348253, "eagle3_thr": 147880}, 120000, restart) is None
-    assert restarted == []  # a round fits both: nothing to equalise
-    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {},
-                        "kv_pools_equalised_to": 147880})
-    assert "KV pools equalised: servers with a larger pool restarted with --max-total-tokens 147880" in t
-    t = bench.ab_table({"concurrency": [256], "configs": ["plain", "eagle3_thr"], "rounds": {},
-                        "kv_pools_not_equalised": "deadline: 259s left, ~270s needed to restart the larger-pool servers"})
-    assert "KV pools not equalised: deadline: 259s left" in t
-    assert bench_options("--max-total-tokens", "9").max_total_tokens == 9
-    with pytest.raises(SystemExit, match="max-total-tokens"):
-        bench_options("--max-total-tokens", "-1")
-
-
-def test_bench_ab_options_need_plain_and_another_config():
-    o = bench_options("--ab-rounds", "3", "--configs", "plain,eagle3_thr")
-    assert o.ab_rounds == 3 and o.mem_fraction == 0.3
-    for bad in (["--ab-rounds", "3", "--configs", "eagle3,eagle3_thr"], ["--ab-rounds", "3", "--configs", "plain"],
-                ["--ab-rounds", "-1"], ["--mem-fraction", "1.5"], ["--pyspy-admission-seconds", "2"],
-                ["--ab-rounds", "3", "--pyspy-admission-seconds", "-1"]):
-        with pytest.raises(SystemExit, match="ab-rounds|mem-fraction|pyspy-admission-seconds"):
-            bench_options(*bad)
-    o = bench_options("--ab-rounds", "2", "--pyspy-admission-seconds", "1.5")
-    assert o.pyspy_admission_seconds == 1.5 and o.pyspy_seconds == 0
-
-
-def test_bench_ab_does_not_start_servers_it_has_no_time_to_measure(tmp_path):
-    from smoke import bench
-    from smoke.runner import Deadline
-
-    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3000}))
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, configs=("plain", "eagle3_thr"), concurrency=(256,),
-                              ab_rounds=3, deadline=Deadline(time.time() + 200))
-    out = bench.run_bench(opts, {})
-    assert out["failures"] == [] and len(out["skipped"]) == 1
-    assert out["skipped"][0].startswith("A/B (deadline: ") and "s left, ~270s needed" in out["skipped"][0]
-    assert not list(tmp_path.glob("server_ab_*.log"))  # no server was started
 
 
 def test_server_stop_leaves_no_running_member_of_its_group(tmp_path):
@@ -815,10 +496,10 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
         return e2e.E2E(ap.parse_args(["e2e", "--bundle", str(bundle), "--state", str(tmp_path / "state"),
                                       "--out", str(tmp_path / "out"), *extra]))
 
-    first = driver("--phases", "bench,smoke", "--bench-size", "8b", "--bench-ab-rounds", "3")
-    assert first.bench_key.startswith("8b-ab-")
-    again = driver("--phases", "bench", "--bench-size", "8b", "--bench-ab-rounds", "3")
-    other = driver("--phases", "bench", "--bench-size", "8b", "--bench-ab-rounds", "3",
+    first = driver("--phases", "bench,smoke", "--bench-size", "8b", "--bench-rounds", "3")
+    assert first.bench_key.startswith("8b-")
+    again = driver("--phases", "bench", "--bench-size", "8b", "--bench-rounds", "3")
+    other = driver("--phases", "bench", "--bench-size", "8b", "--bench-rounds", "3",
                    "--bench-max-total-tokens", "147000")
     assert again.bench_key == first.bench_key and other.bench_key != first.bench_key
     first.state["install"] = first.install_key()
@@ -838,13 +519,13 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     # name (before, any non-run phase crashed the driver with KeyError while it computed its done key)
     import os
     monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
-    done = driver("--phases", "bench", "--bench-size", "8b", "--bench-ab-rounds", "3")
+    done = driver("--phases", "bench", "--bench-size", "8b", "--bench-rounds", "3")
     done.state.pop("install")
     done.state[f"bench_done_{done.bench_key}"] = True
     done.save()
-    assert driver("--phases", "bench", "--bench-size", "8b", "--bench-ab-rounds", "3").run() == 0
+    assert driver("--phases", "bench", "--bench-size", "8b", "--bench-rounds", "3").run() == 0
     assert "bench: done in an earlier call" in (tmp_path / "out" / "e2e.log").read_text()
-    broken = driver("--phases", "install,bench", "--bench-size", "8b", "--bench-ab-rounds", "3")
+    broken = driver("--phases", "install,bench", "--bench-size", "8b", "--bench-rounds", "3")
     assert broken.run() == 1 and broken.failures[0].startswith("install: ")
 
 

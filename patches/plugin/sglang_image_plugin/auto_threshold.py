@@ -1,0 +1,585 @@
+"""`--speculative-disable-batch-threshold auto`: the server finds where speculation stops paying.
+
+Pure Python (no torch, no sglang), so it is tested alone on a CPU. A worker hook calls, per
+decode step:
+
+    mode = controller.decide(batch_size)                                 # before the step
+    controller.record(mode, batch_size, step_seconds, output_tokens)     # after it
+
+step_seconds is the step's wall time as the scheduler sees it (with overlap scheduling, the time
+between the starts of two decode steps); a catch-up step that prepares the draft when speculation
+resumes is not recorded. AutoPolicy does this behind upstream's adaptive-speculation policy
+protocol (K draft steps or upstream's zero-step tier), timing the steps itself.
+
+What it estimates: per batch-size bucket, the output tokens/s of a speculative step (the live
+accept length per request over its step time) and of a plain step (one token per request), both
+at the batch size the bucket's traffic runs at (each mode's step time interpolated between the
+buckets it was measured in: within a bucket the two modes are seldom measured at the same batch
+sizes). Speculation pays in a prefix of the batch sizes (its step costs a multiple of a plain
+one's compute, so its advantage shrinks as the batch fills the GPU); the crossover is the split
+that maximizes the summed log advantage of the speculating buckets. Every `update_every` steps it
+moves there only if that beats the current split by `margin` plus twice the noise of the
+difference (from the spread of the step times): hysteresis on the estimate. Running batches
+switch like a fixed threshold N = crossover: plain above N, speculative again at N - N//8
+(hysteresis on the batch size), so one arrival does not flip the mode.
+
+The live accept length is measured wherever the server speculates and applied to every bucket,
+so a shift of acceptance moves the crossover without exploring. A bucket whose other mode has no
+recent measurement (`stale_steps`) runs that mode for `explore_steps` steps, at most one such burst
+every `explore_gap` steps; so does a bucket next to the crossover whose advantage is still within
+its noise. Exploration costs at most explore_steps / explore_gap of the steps.
+A cold start may take a prior (for example step times timed at CUDA-graph capture, per batch size),
+weighted like one measurement, so the first real steps replace it; without one it speculates
+everywhere, as EAGLE-3 does, until measurements say otherwise.
+
+Every decision is a function of the measurements given, without randomness. Step times differ
+between tensor-parallel ranks, so a TP hook passes `agree` (for example a broadcast of rank 0's
+value): the crossover changes only through it, at the same steps on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Final, Literal
+
+THRESHOLD_FLAG: Final = "--speculative-disable-batch-threshold"
+EXTRAPOLATION_SPAN: Final = 1.5  # see AutoController._seconds_at
+THRESHOLD_ENV: Final = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
+AUTO: Final = "auto"
+
+# A threshold as the user gives it: a batch size N (speculate while at most N requests run; 0 is
+# off) or AUTO (the server finds N itself, with AutoController).
+Threshold = int | Literal["auto"]
+
+
+class Mode(StrEnum):
+    SPECULATIVE = "speculative"
+    PLAIN = "plain"
+
+    def other(self) -> Mode:
+        return Mode.PLAIN if self is Mode.SPECULATIVE else Mode.SPECULATIVE
+
+
+class ThresholdError(ValueError):
+    """A threshold value that is neither `auto` nor a whole number in range."""
+
+
+def parse_threshold(raw: str | int, *, source: str = THRESHOLD_FLAG, allow_zero: bool = True) -> Threshold:
+    """`auto` (any case) or a whole number of requests; 0 (off) only where `allow_zero`.
+
+    Refuses anything else (`auto` mixed with numbers, signs, fractions, words) with a message that
+    names `source` and the forms it takes."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise ThresholdError(f"{source}: expected `auto` or a whole number, got {raw!r}")
+    text = str(raw).strip()
+    if text.lower() == AUTO:
+        return AUTO
+    lowest = 0 if allow_zero else 1
+    if text.isascii() and text.isdigit() and int(text) >= lowest:
+        return int(text)
+    off = " (0 turns it off)" if allow_zero else ""
+    raise ThresholdError(
+        f"{source}: {raw!r} is not a batch-size threshold; give `auto` (the server measures where "
+        f"speculation stops paying) or a whole number N >= {lowest} (speculate while at most N "
+        f"requests run){off}, e.g. {THRESHOLD_FLAG} auto")
+
+
+def resolve_threshold(flag_value: str | int | None, environ: Mapping[str, str] | None = None) -> Threshold:
+    """The flag wins, else the environment variable, else 0 (off)."""
+    if flag_value is not None:
+        return parse_threshold(flag_value)
+    raw = (os.environ if environ is None else environ).get(THRESHOLD_ENV)
+    if raw is None or not raw.strip():
+        return 0
+    return parse_threshold(raw, source=f"{THRESHOLD_ENV} (the environment's value for {THRESHOLD_FLAG})")
+
+
+def threshold_argument(value: str) -> Threshold:
+    """`type=` of the flag's argparse argument: argparse shows this message, not a generic one."""
+    try:
+        return parse_threshold(value)
+    except ThresholdError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def resume_batch_size(threshold: int) -> int:
+    """Below a threshold N, the batch size at which a plain server speculates again: N - N//8 (at
+    least one below N where N > 1), so that one request arriving or finishing near N does not flip
+    the mode on every step."""
+    if threshold <= 1:
+        return threshold
+    return threshold - min(max(1, threshold // 8), threshold - 1)
+
+
+def power_of_two_edges(max_batch_size: int) -> tuple[int, ...]:
+    """Bucket upper edges 1, 2, 4, ... and max_batch_size last."""
+    edges = []
+    edge = 1
+    while edge < max_batch_size:
+        edges.append(edge)
+        edge *= 2
+    return (*edges, max_batch_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoConfig:
+    """How the controller measures and how cautiously it moves; the defaults suit a server that
+    runs hundreds of steps a second."""
+
+    max_batch_size: int  # the largest decode batch the server runs (its max running requests)
+    # upper edges of the batch-size buckets, increasing, the last = max_batch_size (default: powers
+    # of two; a server may pass its CUDA-graph batch sizes: step time is flat between two of them)
+    bucket_edges: tuple[int, ...] = ()
+    # a new crossover must beat the current one by this much summed log advantage (0.02: 2% in
+    # one bucket), besides the noise: a switch costs a catch-up step, and so close a choice matters little
+    margin: float = 0.02
+    update_every: int = 32  # steps between two re-estimates of the crossover
+    memory: float = 0.9  # per-sample weight kept by a bucket's average step time (~10 samples)
+    accept_memory: float = 0.98  # per-step weight kept by the live accept length (~50 steps)
+    stale_steps: int = 4000  # a measurement older than this many steps is not recent
+    explore_steps: int = 4  # steps of one exploration burst (the first after a switch warms up)
+    explore_gap: int = 256  # steps between the starts of two bursts, at least
+    outlier_factor: float = 4.0  # a step slower than this times its bucket's average counts as that
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_batch_size < 1:
+            problems.append(f"max_batch_size {self.max_batch_size} < 1")
+        edges = self.bucket_edges
+        if edges and (list(edges) != sorted(set(edges)) or edges[0] < 1 or edges[-1] != self.max_batch_size):
+            problems.append(f"bucket_edges {edges}: must increase from >= 1 to max_batch_size")
+        if not 0 <= self.margin < 1:
+            problems.append(f"margin {self.margin} not in [0, 1)")
+        for name in ("memory", "accept_memory"):
+            if not 0 < getattr(self, name) < 1:
+                problems.append(f"{name} {getattr(self, name)} not in (0, 1)")
+        for name in ("update_every", "stale_steps", "explore_steps", "explore_gap"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} {getattr(self, name)} < 1")
+        if self.explore_steps > self.explore_gap:
+            problems.append(f"explore_steps {self.explore_steps} > explore_gap {self.explore_gap}")
+        if self.outlier_factor <= 1:
+            problems.append(f"outlier_factor {self.outlier_factor} <= 1")
+        if problems:
+            raise ValueError(f"{THRESHOLD_FLAG} auto: bad controller config: " + "; ".join(problems))
+
+    @property
+    def edges(self) -> tuple[int, ...]:
+        return self.bucket_edges or power_of_two_edges(self.max_batch_size)
+
+    @property
+    def explore_share(self) -> float:
+        """The largest share of steps that exploration may take."""
+        return self.explore_steps / self.explore_gap
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What the server expects before it has measured: step seconds of each mode by batch size (for
+    example timed while capturing its CUDA graphs) and an accept length (tokens per request per
+    speculative step)."""
+
+    accept_length: float
+    speculative_seconds: Mapping[int, float]
+    plain_seconds: Mapping[int, float]
+
+    def __post_init__(self) -> None:
+        bad = [f"{k}: {v}" for m in (self.speculative_seconds, self.plain_seconds) for k, v in m.items()
+               if k < 1 or not v > 0 or not math.isfinite(v)]
+        if not self.accept_length >= 1 or not math.isfinite(self.accept_length) or bad:
+            raise ValueError(f"{THRESHOLD_FLAG} auto: bad prior (accept length {self.accept_length}, "
+                             f"must be >= 1; step seconds must be > 0 at batch sizes >= 1: {bad})")
+
+
+@dataclass
+class _Average:
+    """A mean that forgets: each new sample keeps `memory` of the weight of those before."""
+
+    total: float = 0.0
+    weight: float = 0.0
+    squares: float = 0.0  # of the values, weighted alike
+    weight_squares: float = 0.0  # of the weights, for the effective number of samples
+
+    def add(self, value: float, memory: float, weight: float = 1.0) -> None:
+        self.total = self.total * memory + value * weight
+        self.squares = self.squares * memory + value * value * weight
+        self.weight = self.weight * memory + weight
+        self.weight_squares = self.weight_squares * memory * memory + weight * weight
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.weight if self.weight > 0 else None
+
+    def relative_variance(self) -> float:
+        """The squared standard error of the mean over the mean squared (0 with one sample)."""
+        if self.weight <= 0 or self.total == 0:
+            return 0.0
+        mean = self.total / self.weight
+        spread = max(0.0, self.squares / self.weight - mean * mean)
+        return spread * self.weight_squares / (self.weight * self.weight) / (mean * mean)
+
+
+@dataclass
+class _Bucket:
+    low: int
+    high: int
+    # per mode: step seconds, and the batch sizes they were measured at
+    seconds: dict[Mode, _Average] = field(default_factory=lambda: {m: _Average() for m in Mode})
+    batch: dict[Mode, _Average] = field(default_factory=lambda: {m: _Average() for m in Mode})
+    last_seen: dict[Mode, int | None] = field(default_factory=lambda: {m: None for m in Mode})
+
+    def point(self, mode: Mode) -> tuple[float, float] | None:
+        """(batch size, step seconds) of this mode here, None before a measurement."""
+        b, t = self.batch[mode].value, self.seconds[mode].value
+        return None if b is None or t is None else (b, t)
+
+    def reference_batch(self) -> float:
+        """The batch size this bucket's traffic runs at, both modes pooled."""
+        weight = sum(a.weight for a in self.batch.values())
+        return sum(a.total for a in self.batch.values()) / weight if weight else float(self.high)
+
+
+@dataclass(frozen=True)
+class BucketEstimate:
+    """One bucket's view, for reports: output tokens/s of each mode at the batch size the bucket's
+    traffic runs at (None: not measured in both modes yet)."""
+
+    low: int
+    high: int
+    batch_size: float
+    speculative_tok_s: float | None
+    plain_tok_s: float | None
+    speculate: bool
+
+
+class AutoController:
+    """Decides per decode step whether to speculate; see the module docstring."""
+
+    def __init__(self, config: AutoConfig, prior: Prior | None = None,
+                 agree: Callable[[int], int] | None = None) -> None:
+        self.config = config
+        edges = config.edges
+        self._buckets = [_Bucket(low + 1, high) for low, high in zip((0, *edges[:-1]), edges, strict=True)]
+        self._edges = edges
+        self._agree = agree
+        self._accept = _Average()
+        self._split = len(self._buckets)  # buckets [0, split) speculate: all, as EAGLE-3 does
+        self._mode = Mode.SPECULATIVE
+        self._last = Mode.SPECULATIVE
+        self._burst_left = 0
+        self._burst_mode = Mode.PLAIN
+        self._last_burst: int | None = None
+        # the buckets on either side of the crossover whose advantage is within its noise: more
+        # measurements there decide where the crossover goes
+        self._undecided: set[int] = set()
+        self.steps = 0
+        self.explore_steps = 0
+        self.mode_changes = 0
+        self.crossover_changes = 0
+        self.steps_by_mode = dict.fromkeys(Mode, 0)
+        if prior is not None:
+            self._seed(prior)
+            if agree is not None:
+                self._split = agree(self._split)
+
+    # ------------------------------------------------------------------ per step
+    def decide(self, batch_size: int) -> Mode:
+        """The mode of the next decode step of a batch of `batch_size` running requests."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"decide: batch_size must be a whole number >= 1, got {batch_size!r}")
+        self.steps += 1
+        if self.steps % self.config.update_every == 0:
+            self._update()
+        n = self.crossover()
+        if self._mode is Mode.SPECULATIVE and batch_size > n:
+            self._mode = Mode.PLAIN
+        elif self._mode is Mode.PLAIN and batch_size <= resume_batch_size(n):
+            self._mode = Mode.SPECULATIVE
+        mode = self._explore(self._bucket(batch_size)) or self._mode
+        if mode is not self._mode:
+            self.explore_steps += 1
+        if mode is not self._last:
+            self.mode_changes += 1
+        self._last = mode
+        self.steps_by_mode[mode] += 1
+        return mode
+
+    def record(self, mode: Mode, batch_size: int, step_seconds: float, output_tokens: int) -> None:
+        """One measured decode step: its wall time and the output tokens it produced (a plain step:
+        one per request; a speculative one: the accepted tokens plus one per request). A step that
+        is neither (the catch-up step that prepares the draft when speculation resumes) is left out."""
+        if not isinstance(mode, Mode):
+            raise TypeError(f"record: mode must be a Mode, got {mode!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"record: batch_size must be a whole number >= 1, got {batch_size!r}")
+        if not (isinstance(step_seconds, (int, float)) and math.isfinite(step_seconds) and step_seconds > 0):
+            raise ValueError(f"record: step_seconds must be a finite number > 0, got {step_seconds!r}")
+        if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
+            raise ValueError(f"record: output_tokens must be a whole number >= 0, got {output_tokens!r}")
+        bucket = self._buckets[self._bucket(batch_size)]
+        average = bucket.seconds[mode]
+        if average.value is not None:
+            step_seconds = min(step_seconds, self.config.outlier_factor * average.value)
+        average.add(step_seconds, self.config.memory)
+        bucket.batch[mode].add(batch_size, self.config.memory)
+        bucket.last_seen[mode] = self.steps
+        if mode is Mode.SPECULATIVE:
+            self._accept.add(output_tokens / batch_size, self.config.accept_memory, batch_size)
+
+    # ------------------------------------------------------------------ reports
+    def crossover(self) -> int:
+        """The batch size up to which the server speculates now (0: never; max_batch_size: always)."""
+        return self._edges[self._split - 1] if self._split else 0
+
+    @property
+    def mode(self) -> Mode:
+        """The mode the crossover gives the running batch (exploration steps aside)."""
+        return self._mode
+
+    def accept_length(self) -> float | None:
+        """The live accept length: tokens per request per speculative step, recent steps weighing most."""
+        return self._accept.value
+
+    def estimates(self) -> list[BucketEstimate]:
+        accept = self._accept.value
+        curves = self._curves()
+        out = []
+        for i, b in enumerate(self._buckets):
+            ref = b.reference_batch()
+            spec = self._seconds_at(curves[Mode.SPECULATIVE], ref)
+            plain = self._seconds_at(curves[Mode.PLAIN], ref)
+            measured = all(b.point(m) for m in Mode)
+            out.append(BucketEstimate(b.low, b.high, round(ref, 1),
+                                      ref * accept / spec if measured and spec and accept else None,
+                                      ref / plain if measured and plain else None, i < self._split))
+        return out
+
+    def state(self) -> dict[str, object]:
+        """For server info and metrics."""
+        accept = self._accept.value
+        return {"threshold": AUTO, "crossover": self.crossover(), "mode": str(self._mode),
+                "accept_length": round(accept, 3) if accept is not None else None,
+                "speculative_steps": self.steps_by_mode[Mode.SPECULATIVE],
+                "plain_steps": self.steps_by_mode[Mode.PLAIN], "explore_steps": self.explore_steps,
+                "mode_changes": self.mode_changes, "crossover_changes": self.crossover_changes}
+
+    # ------------------------------------------------------------------ inside
+    def _bucket(self, batch_size: int) -> int:
+        return min(bisect.bisect_left(self._edges, batch_size), len(self._edges) - 1)
+
+    def _recent(self, bucket: _Bucket, mode: Mode) -> bool:
+        seen = bucket.last_seen[mode]
+        return seen is not None and self.steps - seen <= self.config.stale_steps
+
+    def _explore(self, index: int) -> Mode | None:
+        """The mode to explore this step, None to follow the crossover."""
+        if self._burst_left > 0:
+            self._burst_left -= 1
+            return self._burst_mode
+        other = self._mode.other()
+        cfg = self.config
+        if self._recent(self._buckets[index], other) and index not in self._undecided:
+            return None
+        if self._last_burst is not None and self.steps - self._last_burst < cfg.explore_gap:
+            return None
+        self._last_burst = self.steps
+        self._burst_mode = other
+        self._burst_left = cfg.explore_steps - 1
+        return other
+
+    def _advantages(self) -> list[tuple[float, float]] | None:
+        """Per bucket, log(speculative tok/s / plain tok/s) and its variance from the step times'
+        noise; a bucket not measured in both modes takes its neighbours' values (linear between two,
+        the nearest beyond the ends). None: no bucket is."""
+        accept = self._accept.value
+        curves = self._curves()
+        known: dict[int, tuple[float, float]] = {}
+        for i, b in enumerate(self._buckets):
+            if accept is None or not all(b.point(m) for m in Mode):
+                continue
+            ref = b.reference_batch()
+            spec = self._seconds_at(curves[Mode.SPECULATIVE], ref)
+            plain = self._seconds_at(curves[Mode.PLAIN], ref)
+            if spec is not None and plain is not None:
+                variance = sum(b.seconds[m].relative_variance() for m in Mode)
+                known[i] = (math.log(accept * plain / spec), variance)
+        if not known:
+            return None
+        points = sorted(known)
+        out = []
+        for i in range(len(self._buckets)):
+            right = bisect.bisect_left(points, i)
+            if i in known:
+                out.append(known[i])
+            elif right == 0:
+                out.append(known[points[0]])
+            elif right == len(points):
+                out.append(known[points[-1]])
+            else:
+                lo, hi = points[right - 1], points[right]
+                w = (i - lo) / (hi - lo)
+                (d0, v0), (d1, v1) = known[lo], known[hi]
+                out.append((d0 + (d1 - d0) * w, v0 + (v1 - v0) * w))
+        return out
+
+    def _curves(self) -> dict[Mode, list[tuple[float, float]]]:
+        """Per mode, the (batch size, step seconds) of the buckets it was measured in, by batch size."""
+        return {m: sorted(p for b in self._buckets if (p := b.point(m)) is not None) for m in Mode}
+
+    @staticmethod
+    def _seconds_at(points: list[tuple[float, float]], batch_size: float) -> float | None:
+        """A mode's step seconds at `batch_size` from its curve (_curves): linear between the two
+        measured buckets around it (within a bucket the two modes are seldom measured at the same
+        batch sizes, and step time grows with the batch). Beyond the measured ones, a line from the nearest through one at
+        least EXTRAPOLATION_SPAN times farther or nearer, its slope kept between flat and
+        proportional to the batch (a step never gets faster, nor costlier per request, with more
+        requests)."""
+        if not points:
+            return None
+        if len(points) == 1:
+            return points[0][1]
+        right = bisect.bisect_left(points, (batch_size, -math.inf))
+        if 0 < right < len(points):
+            (b0, t0), (b1, t1) = points[right - 1], points[right]
+            return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0) if b1 > b0 else (t0 + t1) / 2
+        near_b, near_t = points[-1] if right else points[0]
+        others = points[-2::-1] if right else points[1:]
+        far_b, far_t = next((p for p in others if max(p[0], near_b) >= EXTRAPOLATION_SPAN * min(p[0], near_b)),
+                            others[-1])
+        slope = (near_t - far_t) / (near_b - far_b) if near_b != far_b else 0.0
+        slope = min(max(slope, 0.0), near_t / near_b)
+        return max(near_t + slope * (batch_size - near_b), near_t * batch_size / near_b if right == 0 else 0.0)
+
+    def _best_split(self, advantages: Sequence[tuple[float, float]], margin: float) -> int:
+        """The split whose speculating prefix sums the most advantage, if it beats the current one by
+        more than `margin` plus twice the noise of that difference; else the current one."""
+        sums, variances = [0.0], [0.0]
+        for d, variance in advantages:
+            sums.append(sums[-1] + d)
+            variances.append(variances[-1] + variance)
+        current = self._split
+        best = max(range(len(sums)), key=lambda k: (sums[k], -abs(k - current)))
+        noise = math.sqrt(abs(variances[best] - variances[current]))
+        return best if sums[best] - sums[current] > margin + 2 * noise else current
+
+    def _update(self) -> None:
+        advantages = self._advantages()
+        split = self._split if advantages is None else self._best_split(advantages, self.config.margin)
+        if self._agree is not None:
+            split = self._agree(split)
+        if split != self._split:
+            self._split = split
+            self.crossover_changes += 1
+        self._undecided = set()
+        if advantages is not None:
+            for i in (split - 1, split):
+                if 0 <= i < len(advantages) and self._buckets[i].point(Mode.PLAIN) \
+                        and self._buckets[i].point(Mode.SPECULATIVE):
+                    d, variance = advantages[i]
+                    if abs(d) <= self.config.margin + 2 * math.sqrt(variance):
+                        self._undecided.add(i)
+
+    def _seed(self, prior: Prior) -> None:
+        """The prior as one sample per bucket and mode, then a crossover from it alone."""
+        for mode, seconds in ((Mode.SPECULATIVE, prior.speculative_seconds), (Mode.PLAIN, prior.plain_seconds)):
+            for batch_size, t in seconds.items():
+                bucket = self._buckets[self._bucket(batch_size)]
+                bucket.seconds[mode].add(t, self.config.memory)
+                bucket.batch[mode].add(batch_size, self.config.memory)
+        self._accept.add(prior.accept_length, self.config.accept_memory)
+        advantages = self._advantages()
+        if advantages is not None:
+            self._split = self._best_split(advantages, 0.0)
+
+
+@dataclass
+class _Step:
+    mode: Mode
+    batch_size: int
+    start: float
+    seconds: float | None = None  # 0.0: no time (the server went idle after it)
+    output_tokens: int | None = None
+
+
+class AutoPolicy:
+    """AutoController behind upstream's adaptive-speculation policy protocol (sglang's
+    AdaptiveSpecPolicy: candidate step counts, one `get_steps_for_batch` before each decode batch,
+    one `on_verify_complete` per decode result): K draft steps or 0 (upstream's zero-step tier,
+    a plain step).
+
+    A step's time is the interval from its `get_steps_for_batch` to the next one: with overlap
+    scheduling the host prepares a batch while the previous one runs, so in steady state that is
+    the step time the traffic sees, prefills between decode steps included. Verify results come in
+    decode order, usually a step late; each fills the oldest step still waiting for one. A result
+    whose batch size differs from that step's means the two sequences lost step: the pending steps
+    are dropped. An idle call (no requests) leaves the pending step without a time."""
+
+    MAX_PENDING = 8  # steps waiting for their results, at most (overlap keeps one or two)
+
+    def __init__(self, controller: AutoController, speculative_steps: int,
+                 clock: Callable[[], float] | None = None) -> None:
+        if speculative_steps < 1:
+            raise ValueError(f"{THRESHOLD_FLAG} auto needs --speculative-num-steps >= 1, got {speculative_steps}")
+        import time  # measurement only; the tests pass their own clock
+
+        self.controller = controller
+        self.speculative_steps = speculative_steps
+        self._clock = clock or time.perf_counter
+        self._pending: list[_Step] = []
+        self._cuda_graph_bs: list[int] | None = None
+        self.dropped = 0  # steps not recorded: no time, or lost step with the results
+
+    @property
+    def candidate_steps(self) -> list[int]:
+        return [0, self.speculative_steps]
+
+    def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
+        self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
+
+    def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
+        """Every captured size for both step counts: the crossover moves at run time."""
+        return self._cuda_graph_bs
+
+    def get_steps_for_batch(self, batch_size: int) -> int:
+        now = self._clock()
+        last = self._pending[-1] if self._pending else None
+        if last is not None and last.seconds is None:
+            last.seconds = now - last.start if batch_size > 0 else 0.0
+        self._flush()
+        if batch_size <= 0:
+            return 0 if self.controller.mode is Mode.PLAIN else self.speculative_steps
+        mode = self.controller.decide(batch_size)
+        self._pending.append(_Step(mode, batch_size, now))
+        while len(self._pending) > self.MAX_PENDING:
+            self._pending.pop(0)
+            self.dropped += 1
+        return 0 if mode is Mode.PLAIN else self.speculative_steps
+
+    def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
+        """The output tokens of the oldest step waiting for them: the accepted drafts plus one per
+        request. Returns None: the step count is chosen per batch, in get_steps_for_batch."""
+        step = next((s for s in self._pending if s.output_tokens is None), None)
+        if step is None:
+            return None
+        if len(num_correct_drafts_per_req) != step.batch_size:
+            self.dropped += len(self._pending)
+            self._pending = []
+            return None
+        step.output_tokens = sum(num_correct_drafts_per_req) + step.batch_size
+        self._flush()
+        return None
+
+    def _flush(self) -> None:
+        """Record the oldest steps that have both their time and their tokens."""
+        while self._pending and self._pending[0].seconds is not None and self._pending[0].output_tokens is not None:
+            s = self._pending.pop(0)
+            if s.seconds and s.output_tokens is not None:
+                self.controller.record(s.mode, s.batch_size, s.seconds, s.output_tokens)
+            else:
+                self.dropped += 1

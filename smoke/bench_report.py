@@ -1,0 +1,246 @@
+"""The benchmark's result as files: bench.json, bench.md (tables) and two PNG plots.
+
+Works on a saved result alone (`python -m smoke bench --render bench.json --out DIR`), so the
+tables and plots can be drawn where matplotlib is installed, away from the GPU host.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from smoke import diagnose
+
+LABELS = {"plain": "plain", "eagle3": "EAGLE-3", "eagle3_adaptive": "EAGLE-3 adaptive (upstream)",
+          "eagle3_thr": "EAGLE-3 + threshold", "eagle3_auto": "EAGLE-3 + auto"}
+FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
+
+
+def label(name: str) -> str:
+    if name.startswith("eagle3_thr"):
+        return f"EAGLE-3 + threshold {name.removeprefix('eagle3_thr')}"
+    return LABELS.get(name, name)
+
+
+def per_round(ms: list[dict[str, Any]]) -> dict[int, float]:
+    return {m["round"]: m["tok_per_s"] for m in ms if m.get("tok_per_s")}
+
+
+def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per concurrency, auto against the alternatives a user has, each ratio taken within a round
+    (median over the rounds): the better of plain and always-on EAGLE-3, and the fixed threshold
+    with the highest median tokens/s at that concurrency."""
+    out: dict[str, dict[str, Any]] = {}
+    if "eagle3_auto" not in result.get("configs", []):
+        return out
+    for c, by_name in result.get("levels", {}).items():
+        auto = per_round(by_name.get("eagle3_auto", []))
+        if not auto:
+            continue
+        row: dict[str, Any] = {}
+        fixed = [per_round(by_name[n]) for n in FIXED_MODES if n in by_name]
+        vs = [auto[k] / max(f[k] for f in fixed) for k in auto if fixed and all(k in f for f in fixed)]
+        row["vs_better_of_plain_eagle3"] = round(statistics.median(vs), 3) if vs else None
+        thresholds = {n: per_round(ms) for n, ms in by_name.items() if n.startswith("eagle3_thr")}
+        if thresholds:
+            best = max(thresholds, key=lambda n: statistics.median(thresholds[n].values()))
+            vs = [auto[k] / thresholds[best][k] for k in auto if k in thresholds[best]]
+            row["best_fixed"] = int(best.removeprefix("eagle3_thr"))
+            row["vs_best_fixed"] = round(statistics.median(vs), 3) if vs else None
+        out[c] = row
+    return out
+
+
+def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per concurrency and config: median tokens/s over the rounds, the median of the per-round ratios
+    to plain, the median accept length."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for c, by_name in result.get("levels", {}).items():
+        plain = {m["round"]: m["tok_per_s"] for m in by_name.get("plain", [])}
+        row: dict[str, dict[str, float | None]] = {}
+        for name, ms in by_name.items():
+            ratios = [m["tok_per_s"] / plain[m["round"]] for m in ms if plain.get(m["round"])]
+            accepts = [m["accept_length"] for m in ms if m.get("accept_length")]
+            row[name] = {"tok_per_s": round(statistics.median(m["tok_per_s"] for m in ms), 1),
+                         "vs_plain": round(statistics.median(ratios), 3) if ratios else None,
+                         "accept_length": round(statistics.median(accepts), 2) if accepts else None}
+        out[c] = row
+    return out
+
+
+def ramp_summary(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per config on the ramp: mean tokens/s, and per level window its share of the better of plain
+    and always-on EAGLE-3 in the same window of the schedule (min and median), mode changes."""
+    ramp = result.get("ramp", {})
+    fixed = [ramp[n]["windows"] for n in FIXED_MODES if n in ramp]
+    best = [max(ws[i]["tok_per_s"] for ws in fixed) for i in range(min(map(len, fixed)))] if fixed else []
+    out = {}
+    for name, r in ramp.items():
+        windows = r["windows"]
+        shares = [w["tok_per_s"] / b for w, b in zip(windows, best, strict=False) if b > 0]
+        out[name] = {"mean_tok_per_s": round(statistics.mean(w["tok_per_s"] for w in windows), 1) if windows else None,
+                     "min_share_of_better": round(min(shares), 3) if shares else None,
+                     "median_share_of_better": round(statistics.median(shares), 3) if shares else None,
+                     "mode_changes": r.get("mode_changes")}
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    names: list[str] = result.get("configs", [])
+    model = result.get("model", {})
+    lines = [f"# Decode throughput, {result.get('date', '')}", "",
+             (f"Model: {model.get('size')}-shaped target ({model.get('layers')} layers, hidden {model.get('hidden')}), "
+             f"{model.get('draft')} EAGLE-3 draft (designed accept length {model.get('designed_accept_length')}); "
+             f"greedy, {result.get('output_len')} output tokens per request; every server up at once, each load "
+             "sent to each in turn (order alternating)."), ""]
+    table = level_table(result)
+    if table:
+        lines += [("Output tokens/s, closed loop (median of "
+                  f"{result.get('rounds')} rounds; x plain = median of the per-round ratios):"), "",
+                  "| concurrency | " + " | ".join(label(n) for n in names) + " |",
+                  "|---:|" + "---:|" * len(names)]
+        for c in sorted(table, key=int):
+            cells = []
+            for n in names:
+                cell = table[c].get(n)
+                if cell is None:
+                    cells.append("-")
+                    continue
+                ratio = f" ({cell['vs_plain']:.2f}x)" if cell["vs_plain"] is not None and n != "plain" else ""
+                cells.append(f"{cell['tok_per_s']:.0f}{ratio}")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines.append("")
+    auto = auto_comparison(result)
+    if auto:
+        lines += ["`auto` against the alternatives (ratios within a round, median over the rounds):", "",
+                  "| concurrency | auto / better of plain and EAGLE-3 | best fixed threshold | auto / best fixed |",
+                  "|---:|---:|---:|---:|"]
+        for c in sorted(auto, key=int):
+            a = auto[c]
+            lines.append(f"| {c} | {fmt(a['vs_better_of_plain_eagle3'])} | {a.get('best_fixed', '-')} | "
+                         f"{fmt(a.get('vs_best_fixed'))} |")
+        lines.append("")
+    ramp = ramp_summary(result)
+    if ramp:
+        lines += [(f"Ramp: clients step through {', '.join(map(str, result.get('concurrency', [])))} and back, "
+                  f"{result.get('ramp_hold_s')} s a level; share = a level's tokens/s over the better of plain "
+                  "and EAGLE-3 at the same level:"), "",
+                  "| config | mean tok/s | min share | median share | mode changes |", "|---|---:|---:|---:|---:|"]
+        for n in names:
+            s = ramp.get(n)
+            if s:
+                lines.append(f"| {label(n)} | {s['mean_tok_per_s']:.0f} | {fmt(s['min_share_of_better'])} | "
+                             f"{fmt(s['median_share_of_better'])} | {fmt(s['mode_changes'])} |")
+        lines.append("")
+    for name, info in result.get("servers", {}).items():
+        st = info.get("speculative_disable")
+        if st:
+            crossover = f", crossover {st['crossover']}" if "crossover" in st else ""
+            lines.append(f"- {label(name)}: threshold {st.get('threshold')}{crossover}, "
+                         f"{st.get('speculative_steps')} speculative / {st.get('plain_steps')} plain steps, "
+                         f"{st.get('mode_changes')} mode changes")
+    lines += [f"- {label(n)} not run: {why}" for n, why in result.get("not_run", {}).items()]
+    lines += [f"- skipped: {s}" for s in result.get("skipped", [])]
+    lines += [f"- FAILED: {f.splitlines()[0]}" for f in result.get("failures", [])]
+    if not result.get("failures") and (result.get("levels") or result.get("ramp")):
+        lines.append("- every output equal to plain decoding's; 0 request errors")
+    split = diagnose.gpu_split(result.get("levels", {}))
+    if split:
+        lines += ["", "GPU seconds per forward category in each window (device timer; median over rounds):", "",
+                  *(f"    {line}" for line in split)]
+    for name, diag in result.get("diagnose", {}).items():
+        lines += ["", *diagnose.render(name, diag)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
+
+
+def plot_concurrency(result: dict[str, Any], path: Path) -> None:
+    """Tokens/s against concurrency, one line per config; below, the same as a ratio to plain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = level_table(result)
+    levels = sorted(table, key=int)
+    fig, (ax, ratio) = plt.subplots(2, 1, sharex=True, figsize=(7, 6.5), gridspec_kw={"height_ratios": [3, 2]})
+    for name in result.get("configs", []):
+        xs = [int(c) for c in levels if name in table[c]]
+        ax.plot(xs, [table[str(c)][name]["tok_per_s"] or 0.0 for c in xs], marker="o", label=label(name))
+        ratio.plot(xs, [table[str(c)][name]["vs_plain"] or 0.0 for c in xs], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ratio.set_xticks([int(c) for c in levels], labels=levels)
+    ratio.set_xlabel("concurrent requests (closed loop)")
+    ax.set_ylabel("output tokens/s")
+    ratio.set_ylabel("x plain")
+    ax.set_title(f"{result.get('model', {}).get('size')}-shaped model, {result.get('date', '')}")
+    for a in (ax, ratio):
+        a.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ramp(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ramp = result.get("ramp", {})
+    names = [n for n in result.get("configs", []) if n in ramp]
+    switching = [n for n in names if any(w.get("plain_share") is not None for w in ramp[n]["windows"])]
+    fig, axes = plt.subplots(2 + len(switching), 1, sharex=True, figsize=(9, 5 + 0.8 * len(switching)),
+                             gridspec_kw={"height_ratios": [4, 1.2] + [0.8] * len(switching)})
+    hold = float(result.get("ramp_hold_s") or 1)
+    for name in names:
+        ws = ramp[name]["windows"]
+        axes[0].step([w["t"] for w in ws] + [ws[-1]["t"] + hold], [w["tok_per_s"] for w in ws] + [ws[-1]["tok_per_s"]],
+                     where="post", label=label(name))
+    axes[0].set_ylabel("output tokens/s")
+    axes[0].legend(fontsize=8)
+    axes[0].grid(alpha=0.3)
+    first = ramp[names[0]]["windows"] if names else []
+    axes[1].step([w["t"] for w in first] + [first[-1]["t"] + hold] if first else [],
+                 [w["level"] for w in first] + [first[-1]["level"]] if first else [], where="post", color="black")
+    axes[1].set_yscale("log", base=2)
+    axes[1].set_ylabel("clients")
+    for ax, name in zip(axes[2:], switching, strict=True):
+        ws = ramp[name]["windows"]
+        ax.bar([w["t"] for w in ws], [w.get("plain_share") or 0 for w in ws], width=hold, align="edge", color="tab:gray")
+        for w in ws:
+            if w.get("crossover") is not None:
+                ax.text(w["t"] + hold / 2, 0.5, str(w["crossover"]), ha="center", va="center", fontsize=6)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel(label(name).replace("EAGLE-3 + ", "") + "\nplain share", fontsize=7)
+    axes[-1].set_xlabel("seconds into the ramp")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(result: dict[str, Any], out: Path) -> list[Path]:
+    """bench.json, bench.md and, where matplotlib is installed, concurrency.png and ramp.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench.json", out / "bench.md"]
+    paths[0].write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown(result)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        text += "\n(no plots: matplotlib is not installed here; `python -m smoke bench --render bench.json` draws them)\n"
+    else:
+        for key, name, plot, caption in (("levels", "concurrency.png", plot_concurrency, "tokens/s by concurrency"),
+                                         ("ramp", "ramp.png", plot_ramp, "tokens/s on the ramp, with the mode")):
+            if result.get(key):
+                plot(result, out / name)
+                paths.append(out / name)
+                text += f"\n![{caption}]({name})\n"
+    paths[1].write_text(text)
+    return paths

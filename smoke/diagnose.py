@@ -1,0 +1,127 @@
+"""`smoke bench --diagnose`: where each server's time goes, for a benchmark figure that needs
+explaining.
+
+- GPU seconds per forward category (decode, extend, the draft's K/V-only writes, ...) in every
+  closed-loop window, from sglang's device timer (SGLANG_ENABLE_METRICS_DEVICE_TIMER: CUDA events
+  around each forward); the rest of a window's wall time is the GPU waiting for the host.
+- At full load: the scheduler's stacks sampled by py-spy (the host's share per function, in ms
+  per step) and a torch-profiler window of a few steps (launches, syncs, GPU busy time per step:
+  smoke.profile).
+
+The device timer and the profiler cost time themselves: compare servers with each other under
+--diagnose, not with a run without it.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from smoke import client, profile, pyspy
+from smoke.client import Prompt
+from smoke.runner import Deadline
+from smoke.server import Server
+
+SERVER_ENV = {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
+FORWARD_SECONDS = "sglang:forward_execution_seconds_total"  # the device timer's counter, per category
+PROFILE_STEPS = 20
+PYSPY_SECONDS = 5.0
+SETTLE_S = 1.5  # into a full-load run: past the first prefill wave, into full-batch decode
+
+
+def scrape(base: str) -> dict[str, float]:
+    return client.metrics(base)
+
+
+def gpu_seconds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """GPU seconds per forward category between two /metrics scrapes ({} with the device timer off)."""
+    out: dict[str, float] = {}
+    for key, value in after.items():
+        if key.startswith(FORWARD_SECONDS + "{"):
+            cat = re.search(r'category="([^"]*)"', key)
+            name = cat.group(1) if cat else "?"
+            out[name] = out.get(name, 0.0) + value - before.get(key, 0.0)
+    return {k: round(v, 4) for k, v in sorted(out.items()) if v > 0}
+
+
+def during_load(base: str, prompts: list[Prompt], concurrency: int, timeout: float,
+                action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run `action` SETTLE_S into a load and wait for the load; a failure is reported, not raised."""
+    load = client.in_background(lambda: client.run_concurrent(base, prompts, concurrency, timeout))
+    try:
+        try:
+            time.sleep(SETTLE_S)
+            return action()
+        finally:
+            load.result()
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not fail the benchmark
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def summarize_pyspy(raw: dict[str, Any], tok_per_s: float | None, batch: int) -> dict[str, Any]:
+    """py-spy's shares, in ms per step where the full-load tokens/s at `batch` requests is known."""
+    if "error" in raw:
+        return raw
+    step_ms = 1000.0 * batch / tok_per_s if tok_per_s else None
+    return pyspy.summarize(raw["raw"], step_ms)
+
+
+def full_load(srv: Server, prompts: list[Prompt], concurrency: int, out: Path,
+              pyspy_dirs: tuple[Path, ...], deadline: Deadline) -> dict[str, Any]:
+    """py-spy and torch-profiler summaries of `srv` at full load (two runs of `prompts`)."""
+    timeout = deadline.request_timeout(240)
+    result: dict[str, Any] = {}
+    exe = pyspy.binary(pyspy_dirs)
+    pid = pyspy.scheduler_pid(srv.proc.pid) if srv.proc is not None else None
+    if exe is None or pid is None:
+        result["pyspy"] = {"error": "no py-spy binary" if exe is None else "no scheduler process found"}
+    else:
+        t0 = time.time()
+        raw = during_load(srv.base, prompts, concurrency, timeout, lambda: {"raw": pyspy.record(
+            exe, pid, PYSPY_SECONDS, out / f"pyspy_{srv.cfg.name}.txt").read_text()})
+        tok_s = sum(p.max_new_tokens for p in prompts) / (time.time() - t0)
+        result["pyspy"] = summarize_pyspy(raw, tok_s, concurrency)
+    trace_dir = out / f"profile_{srv.cfg.name}"
+    def start_profile() -> dict[str, Any]:
+        profile.start(srv.base, trace_dir, PROFILE_STEPS)
+        return {}
+
+    started = during_load(srv.base, prompts, concurrency, timeout, start_profile)
+    if "error" in started:
+        result["profile"] = started
+        return result
+    trace = profile.wait_for_trace(trace_dir)
+    if trace is None:
+        result["profile"] = {"error": f"no trace under {trace_dir}"}
+    else:
+        result["profile"] = profile.summarize(trace, PROFILE_STEPS)
+        trace.unlink()  # tens of MB; the summary is what is kept
+    return result
+
+
+def gpu_split(levels: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
+    """Per concurrency and config, medians over the rounds: wall seconds of the window, GPU seconds per
+    forward category, and the rest (the GPU waiting for the host). Empty without the device timer."""
+    lines = []
+    for c, by_name in sorted(levels.items(), key=lambda kv: int(kv[0])):
+        for name, windows in by_name.items():
+            timed = [w for w in windows if w.get("gpu_s")]
+            if not timed:
+                continue
+            cats = sorted({k for w in timed for k in w["gpu_s"]})
+            cells = [f"wall {statistics.median(w['seconds'] for w in timed):.3f}s"]
+            cells += [f"{k} {statistics.median(w['gpu_s'].get(k, 0.0) for w in timed):.3f}s" for k in cats]
+            cells.append(f"rest {statistics.median(w['seconds'] - sum(w['gpu_s'].values()) for w in timed):.3f}s")
+            lines.append(f"c={c} {name}: " + ", ".join(cells))
+    return lines
+
+
+def render(name: str, diag: dict[str, Any]) -> list[str]:
+    lines = []
+    for key, show in (("pyspy", pyspy.render), ("profile", profile.render)):
+        part = diag.get(key) or {}
+        lines.append(f"{key} {name}: {part['error']}" if "error" in part else show(name, part))
+    return lines

@@ -1,0 +1,422 @@
+"""The `auto` threshold's controller against a synthetic cost model of a GPU's decode steps (CPU).
+
+The cost model gives each mode's step seconds as fixed + per-request cost, EAGLE-3's speculative
+step costing more per request (it verifies several tokens of each and drafts) and producing the
+accept length in tokens per request; step times get log-normal noise, accept lengths binomial-like
+noise. Traffic is closed-loop-like: stretches of steps at one batch size (log-uniform over 1-256),
+a few requests up or down per step. Every figure compared is computed from the same model, never a
+goal of this project.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patches" / "plugin"))
+
+from sglang_image_plugin.auto_threshold import (
+    AUTO,
+    THRESHOLD_ENV,
+    THRESHOLD_FLAG,
+    AutoConfig,
+    AutoController,
+    AutoPolicy,
+    Mode,
+    Prior,
+    ThresholdError,
+    parse_threshold,
+    resolve_threshold,
+    resume_batch_size,
+    threshold_argument,
+)
+
+MAX_BATCH = 256
+
+
+@dataclass
+class CostModel:
+    plain_fixed: float = 5e-3
+    plain_per_request: float = 5e-5
+    spec_fixed: float = 7e-3
+    spec_per_request: float = 3e-4
+    accept: float = 3.2  # tokens per request per speculative step
+
+    def seconds(self, mode: Mode, batch: int) -> float:
+        if mode is Mode.SPECULATIVE:
+            return self.spec_fixed + self.spec_per_request * batch
+        return self.plain_fixed + self.plain_per_request * batch
+
+    def tok_s(self, mode: Mode, batch: int) -> float:
+        return batch * (self.accept if mode is Mode.SPECULATIVE else 1.0) / self.seconds(mode, batch)
+
+    def share_of_best(self, mode: Mode, batch: int) -> float:
+        """This mode's tokens/s over the better mode's at this batch size."""
+        return self.tok_s(mode, batch) / max(self.tok_s(m, batch) for m in Mode)
+
+    def crossover(self) -> float:
+        """The batch size where the two modes' tokens/s are equal."""
+        a = self.accept
+        return (self.spec_fixed - a * self.plain_fixed) / (a * self.plain_per_request - self.spec_per_request)
+
+
+def traffic(rng: random.Random, steps: int, low: int = 1, high: int = MAX_BATCH) -> list[int]:
+    out: list[int] = []
+    while len(out) < steps:
+        level = round(math.exp(rng.uniform(math.log(low), math.log(high))))
+        for _ in range(rng.randint(50, 300)):
+            out.append(min(high, max(low, level + rng.randint(-2, 2))))
+    return out[:steps]
+
+
+@dataclass
+class Run:
+    modes: list[Mode]
+    policy: list[Mode]  # the crossover's mode at each step (exploration aside)
+    crossovers: list[int]
+    share: float  # mean over steps of the chosen mode's tokens/s over the better one's
+
+
+def simulate(ctl: AutoController, model: CostModel, batches: list[int], rng: random.Random,
+             noise: float = 0.15, accept_at: dict[int, float] | None = None) -> Run:
+    run = Run([], [], [], 0.0)
+    for step, batch in enumerate(batches):
+        if accept_at and step in accept_at:
+            model.accept = accept_at[step]
+        mode = ctl.decide(batch)
+        seconds = model.seconds(mode, batch) * math.exp(rng.gauss(0, noise))
+        tokens = batch
+        if mode is Mode.SPECULATIVE:
+            tokens = round(batch * model.accept + rng.gauss(0, 0.8 * math.sqrt(batch)))
+            tokens = max(batch, min(4 * batch, tokens))
+        ctl.record(mode, batch, seconds, tokens)
+        run.modes.append(mode)
+        run.policy.append(ctl.mode)
+        run.crossovers.append(ctl.crossover())
+        run.share += model.share_of_best(mode, batch) / len(batches)
+    return run
+
+
+def best_fixed_threshold(model: CostModel, batches: list[int], edges: tuple[int, ...]) -> tuple[int, float]:
+    """The bucket edge N that, as a fixed threshold, serves these batches best (mean share of the
+    better mode), and that share."""
+    scores = {n: sum(model.share_of_best(Mode.SPECULATIVE if b <= n else Mode.PLAIN, b) for b in batches)
+              / len(batches) for n in (0, *edges)}
+    best = max(scores, key=lambda n: scores[n])
+    return best, scores[best]
+
+
+def changes(seq: list[Mode] | list[int]) -> int:
+    return sum(a != b for a, b in itertools.pairwise(seq))
+
+
+# ----------------------------------------------------------------------------- the estimator
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_finds_the_crossover_of_a_cost_model(seed):
+    rng = random.Random(seed)
+    model = CostModel()
+    cfg = AutoConfig(max_batch_size=MAX_BATCH)
+    batches = traffic(rng, 20000)
+    ctl = AutoController(cfg)
+    run = simulate(ctl, model, batches, rng)
+    best, best_share = best_fixed_threshold(model, batches, cfg.edges)
+    assert best == 64 and 32 < model.crossover() < 128  # the model's crossover lies in the 33-64 bucket
+    assert ctl.crossover() == best
+    # it serves the traffic nearly as well as the best fixed threshold, the difference being the
+    # exploration and the learning at the start, and better than either mode alone
+    always = {m: sum(model.share_of_best(m, b) for b in batches) / len(batches) for m in Mode}
+    assert run.share > max(always.values())
+    assert run.share > best_share - cfg.explore_share - 0.01
+    # its estimates rank the modes as the model does in every bucket away from the crossover
+    for est in ctl.estimates():
+        assert est.speculative_tok_s is not None and est.plain_tok_s is not None
+        b = round(est.batch_size)
+        if abs(math.log(b / model.crossover())) > 0.5:
+            assert (est.speculative_tok_s > est.plain_tok_s) == (b < model.crossover()), est
+
+
+def test_stable_under_noise_where_hysteresis_holds_it():
+    """Noisy steps at batch sizes on both sides of the crossover for a long time: the crossover
+    settles and stays; without the margin and with short averages it flaps."""
+    model = CostModel()
+    batches = traffic(random.Random(7), 30000, low=24, high=160)
+    steady = AutoController(AutoConfig(max_batch_size=MAX_BATCH))
+    run = simulate(steady, model, batches, random.Random(8), noise=0.25)
+    late = run.crossovers[5000:]
+    assert changes(late) <= 2 and late[-1] == 64
+    # the running batch's mode changes only where the traffic crosses the crossover's band
+    crossings = sum((a <= 64) != (b <= 64) for a, b in itertools.pairwise(batches[5000:]))
+    assert changes(run.policy[5000:]) <= crossings + 2 * changes(late)
+    jumpy = AutoController(AutoConfig(max_batch_size=MAX_BATCH, margin=0.0, memory=0.3, update_every=1))
+    flappy = simulate(jumpy, model, batches, random.Random(8), noise=0.25)
+    assert changes(flappy.crossovers[5000:]) > 10 * max(1, changes(late))
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_tracks_a_shift_of_acceptance(seed):
+    """The draft's acceptance falls (harder prompts) then recovers: the crossover follows both ways,
+    from the live accept length of the buckets that speculate and from exploration."""
+    rng = random.Random(seed)
+    model = CostModel()
+    batches = traffic(rng, 36000)
+    cfg = AutoConfig(max_batch_size=MAX_BATCH)
+    ctl = AutoController(cfg)
+    # (2.03: the crossover falls at the edge of two buckets, not within one where the modes are
+    # too close to tell apart)
+    run = simulate(ctl, model, batches, rng, accept_at={12000: 2.03, 24000: 3.2})
+    bests = []
+    for start, accept in ((0, 3.2), (12000, 2.03), (24000, 3.2)):
+        model.accept = accept
+        best, _ = best_fixed_threshold(model, batches[start:start + 12000], cfg.edges)
+        bests.append(best)
+        assert run.crossovers[start + 11999] == best, (start, accept)
+        # and it got there within a few thousand steps
+        assert run.crossovers[start + 4000:start + 12000].count(best) > 0.9 * 8000
+    assert bests == [64, 16, 64]
+
+
+def test_exploration_is_bounded_and_covers_every_bucket_visited():
+    rng = random.Random(5)
+    cfg = AutoConfig(max_batch_size=MAX_BATCH, explore_steps=4, explore_gap=128)
+    ctl = AutoController(cfg)
+    batches = traffic(rng, 20000)
+    run = simulate(ctl, CostModel(), batches, rng)
+    explored = sum(m is not p for m, p in zip(run.modes, run.policy))
+    assert explored == ctl.explore_steps > 0
+    assert explored <= cfg.explore_share * len(batches) + cfg.explore_steps
+    assert all(e.speculative_tok_s and e.plain_tok_s for e in ctl.estimates())
+    # a steady load in one bucket re-measures the other mode once per stale period, no more
+    steady = AutoController(AutoConfig(max_batch_size=MAX_BATCH, stale_steps=2000))
+    simulate(steady, CostModel(), [200] * 20000, random.Random(6))
+    assert steady.crossover() < 200
+    assert steady.explore_steps <= (20000 // 2000 + 1) * steady.config.explore_steps
+
+
+def test_prior_gives_the_first_crossover_and_measurements_replace_it():
+    model = CostModel()
+    sizes = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+    prior = Prior(model.accept, {b: model.seconds(Mode.SPECULATIVE, b) for b in sizes},
+                  {b: model.seconds(Mode.PLAIN, b) for b in sizes})
+    cfg = AutoConfig(max_batch_size=MAX_BATCH)
+    assert AutoController(cfg, prior).crossover() == 64
+    assert AutoController(cfg).crossover() == MAX_BATCH  # no prior: speculate, as EAGLE-3 does
+    # a prior that believes speculation always pays is corrected by the steps
+    wrong = Prior(4.0, {b: model.seconds(Mode.PLAIN, b) for b in sizes},
+                  {b: model.seconds(Mode.PLAIN, b) for b in sizes})
+    ctl = AutoController(cfg, wrong)
+    assert ctl.crossover() == MAX_BATCH
+    rng = random.Random(4)
+    simulate(ctl, model, traffic(rng, 12000), rng)
+    assert ctl.crossover() == 64
+
+
+def test_tensor_parallel_ranks_agree_through_the_callback():
+    """Every re-estimate goes through `agree` (a TP hook broadcasts rank 0's), at the same steps."""
+    asked: list[int] = []
+
+    def rank0_says(split: int) -> int:
+        asked.append(split)
+        return 3  # rank 0's view: buckets 1, 2, 3-4 speculate
+
+    cfg = AutoConfig(max_batch_size=MAX_BATCH, update_every=16)
+    ctl = AutoController(cfg, agree=rank0_says)
+    rng = random.Random(2)
+    run = simulate(ctl, CostModel(), traffic(rng, 640), rng)
+    assert len(asked) == 640 // 16 and set(run.crossovers[16:]) == {4}
+    assert all(p is Mode.PLAIN for p, b in zip(run.policy[16:], traffic(random.Random(2), 640)[16:])
+               if b > 4)
+
+
+def test_switches_like_a_fixed_threshold_around_the_crossover():
+    assert [resume_batch_size(n) for n in (0, 1, 2, 8, 16, 64, 256)] == [0, 1, 1, 7, 14, 56, 224]
+    prior = Prior(3.2, {b: CostModel().seconds(Mode.SPECULATIVE, b) for b in (1, 64, 128)},
+                  {b: CostModel().seconds(Mode.PLAIN, b) for b in (1, 64, 128)})
+    cfg = AutoConfig(max_batch_size=MAX_BATCH, stale_steps=10**9, explore_steps=1, explore_gap=10**6)
+    ctl = AutoController(cfg, prior)
+    n = ctl.crossover()
+    assert n == 64
+    seen = [ctl.decide(b) for b in (60, 64, 65, 60, 57, 56, 65)]
+    # (the first step explores: nothing recent was measured)
+    assert seen[1:] == [Mode.SPECULATIVE, Mode.PLAIN, Mode.PLAIN, Mode.PLAIN, Mode.SPECULATIVE, Mode.PLAIN]
+
+
+def test_state_for_server_info():
+    ctl = AutoController(AutoConfig(max_batch_size=8))
+    ctl.record(ctl.decide(4), 4, 0.01, 4)
+    st = ctl.state()
+    assert st["threshold"] == AUTO and st["crossover"] == 8
+    assert st["speculative_steps"] + st["plain_steps"] == 1  # type: ignore[operator]
+    assert set(st) >= {"mode", "accept_length", "explore_steps", "mode_changes", "crossover_changes"}
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("raw,want", [("auto", AUTO), ("AUTO", AUTO), (" auto ", AUTO), ("16", 16),
+                                      (" 8 ", 8), ("0", 0), (32, 32)])
+def test_threshold_values(raw, want):
+    assert parse_threshold(raw) == want
+
+
+@pytest.mark.parametrize("raw", ["auto16", "16auto", "auto,16", "auto 16", "-1", "-0", "+4", "1.5",
+                                 "1e3", "0x10", "²", "garbage", "", "  ", -3, 2.0, True, None])
+def test_bad_threshold_values_are_refused_naming_the_flag(raw):
+    with pytest.raises(ThresholdError) as ei:
+        parse_threshold(raw)
+    assert THRESHOLD_FLAG in str(ei.value)
+    if isinstance(raw, str) and raw.strip():
+        assert "auto" in str(ei.value) and repr(raw) in str(ei.value)
+
+
+def test_zero_is_refused_where_off_is_not_a_choice():
+    assert parse_threshold("0") == 0
+    with pytest.raises(ThresholdError, match=">= 1"):
+        parse_threshold("0", allow_zero=False)
+
+
+def test_flag_wins_over_the_environment_and_a_bad_environment_names_both():
+    assert resolve_threshold(None, {}) == 0
+    assert resolve_threshold(None, {THRESHOLD_ENV: "auto"}) == AUTO
+    assert resolve_threshold("12", {THRESHOLD_ENV: "auto"}) == 12
+    assert resolve_threshold(None, {THRESHOLD_ENV: " "}) == 0
+    with pytest.raises(ThresholdError) as ei:
+        resolve_threshold(None, {THRESHOLD_ENV: "auto-ish"})
+    assert THRESHOLD_ENV in str(ei.value) and THRESHOLD_FLAG in str(ei.value)
+
+
+def test_argparse_shows_the_message(capsys):
+    ap = argparse.ArgumentParser()
+    ap.add_argument(THRESHOLD_FLAG, type=threshold_argument)
+    assert ap.parse_args([THRESHOLD_FLAG, "auto"]).speculative_disable_batch_threshold == AUTO
+    with pytest.raises(SystemExit):
+        ap.parse_args([THRESHOLD_FLAG, "auto32"])
+    assert "'auto32' is not a batch-size threshold" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kw,word", [({"max_batch_size": 0}, "max_batch_size"),
+                                     ({"bucket_edges": (1, 4, 2, 8)}, "bucket_edges"),
+                                     ({"bucket_edges": (1, 2, 4)}, "bucket_edges"),
+                                     ({"margin": -0.1}, "margin"), ({"memory": 1.0}, "memory"),
+                                     ({"explore_steps": 10, "explore_gap": 5}, "explore_steps"),
+                                     ({"update_every": 0}, "update_every"),
+                                     ({"outlier_factor": 1.0}, "outlier_factor")])
+def test_bad_config_is_refused(kw, word):
+    with pytest.raises(ValueError, match=word):
+        AutoConfig(**{"max_batch_size": 8, **kw})
+
+
+def test_bad_steps_are_refused():
+    ctl = AutoController(AutoConfig(max_batch_size=8))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="batch_size"):
+            ctl.decide(bad)  # type: ignore[arg-type]
+    for args in ((Mode.PLAIN, 4, 0.0, 4), (Mode.PLAIN, 4, float("nan"), 4), (Mode.PLAIN, 4, 0.01, -1),
+                 ("plain", 4, 0.01, 4), (Mode.PLAIN, 0, 0.01, 0)):
+        with pytest.raises((ValueError, TypeError), match="record"):
+            ctl.record(*args)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prior"):
+        Prior(0.5, {1: 0.01}, {1: 0.01})
+    with pytest.raises(ValueError, match="prior"):
+        Prior(2.0, {0: 0.01}, {1: -1.0})
+
+
+def test_step_times_are_compared_at_one_batch_size():
+    """Plain steps measured at 126 and 129 requests (two buckets, a noisy steep slope between
+    them), speculative ones at 110 and 196: the 129-256 bucket's estimate compares both at the
+    batch size its traffic runs at, extrapolating plain's time no steeper than in proportion."""
+    model = CostModel()
+    ctl = AutoController(AutoConfig(max_batch_size=MAX_BATCH))
+    for batch, seconds in ((126, 0.0110), (129, 0.0129)):
+        ctl.record(Mode.PLAIN, batch, seconds, batch)
+    for batch in (110, 196):
+        ctl.record(Mode.SPECULATIVE, batch, model.seconds(Mode.SPECULATIVE, batch), round(batch * model.accept))
+    top = ctl.estimates()[-1]
+    assert (top.low, top.high) == (129, 256) and 129 < top.batch_size < 196
+    assert top.plain_tok_s is not None and top.speculative_tok_s is not None
+    # a plain step costs no more per request than at 129 (not the noisy slope's 3x), and
+    # speculation loses there, as in the model
+    assert top.plain_tok_s >= 129 / 0.0129 - 1e-6
+    assert top.plain_tok_s > top.speculative_tok_s
+    assert model.tok_s(Mode.PLAIN, round(top.batch_size)) > model.tok_s(Mode.SPECULATIVE, round(top.batch_size))
+
+
+# ----------------------------------------------------------------------------- the upstream protocol
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RecordingController(AutoController):
+    def __init__(self, config: AutoConfig) -> None:
+        super().__init__(config)
+        self.recorded: list[tuple[Mode, int, float, int]] = []
+
+    def record(self, mode: Mode, batch_size: int, step_seconds: float, output_tokens: int) -> None:
+        self.recorded.append((mode, batch_size, step_seconds, output_tokens))
+        super().record(mode, batch_size, step_seconds, output_tokens)
+
+
+def run_overlapped(policy: AutoPolicy, clock: Clock, model: CostModel, batches: list[int]) -> list[int]:
+    """sglang's overlap loop: the policy is asked before each batch, each batch's verify result
+    comes after the next batch was asked for; the clock moves by the model's step time."""
+    steps, late = [], None
+    for batch in batches:
+        k = policy.get_steps_for_batch(batch)
+        steps.append(k)
+        if late is not None:
+            policy.on_verify_complete(*late)
+        accepted = round(model.accept - 1) if k else 0  # accepted drafts per request
+        late = ([accepted] * batch, batch)
+        clock.now += model.seconds(Mode.SPECULATIVE if k else Mode.PLAIN, batch)
+    return steps
+
+
+def test_policy_times_each_step_and_pairs_it_with_its_late_result():
+    clock, model = Clock(), CostModel(accept=3.0)
+    ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
+    policy = AutoPolicy(ctl, 3, clock)
+    assert policy.candidate_steps == [0, 3]
+    batches = traffic(random.Random(11), 12000)
+    steps = run_overlapped(policy, clock, model, batches)
+    # every step but the last (no next call timed it, no result came) is recorded, in order, with
+    # its own mode, time and tokens
+    assert len(ctl.recorded) == len(batches) - 1 and policy.dropped == 0
+    for (mode, batch, seconds, tokens), k, b in zip(ctl.recorded, steps, batches, strict=False):
+        assert batch == b and (mode is Mode.SPECULATIVE) == (k == 3)
+        assert seconds == pytest.approx(model.seconds(mode, b))
+        assert tokens == (3 * b if k else b)
+    assert ctl.crossover() == best_fixed_threshold(model, batches, ctl.config.edges)[0]
+
+
+def test_policy_leaves_out_idle_gaps_and_resyncs_after_lost_results():
+    clock = Clock()
+    ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
+    policy = AutoPolicy(ctl, 3, clock)
+    policy.get_steps_for_batch(4)
+    clock.now += 0.01
+    assert policy.get_steps_for_batch(0) in (0, 3)  # idle: the step before has no time
+    clock.now += 5.0
+    policy.on_verify_complete([2, 2, 2, 2], 4)
+    assert ctl.recorded == [] and policy.dropped == 1
+    policy.get_steps_for_batch(8)
+    clock.now += 0.02
+    policy.get_steps_for_batch(8)
+    policy.on_verify_complete([1] * 5, 5)  # not the waiting step's batch: the queues lost step
+    assert ctl.recorded == [] and policy.dropped == 3
+    clock.now += 0.02
+    policy.get_steps_for_batch(8)
+    clock.now += 0.03
+    policy.get_steps_for_batch(8)
+    policy.on_verify_complete([1] * 8, 8)
+    assert len(ctl.recorded) == 1 and ctl.recorded[0][1:] == (8, pytest.approx(0.03), 16)
+    with pytest.raises(ValueError, match="speculative-num-steps"):
+        AutoPolicy(ctl, 0, clock)
+    policy.set_cuda_graph_bs([8, 1, 4])
+    assert policy.cuda_graph_bs_for_step(0) == policy.cuda_graph_bs_for_step(3) == [1, 4, 8]

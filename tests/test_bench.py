@@ -1,0 +1,272 @@
+"""The user-facing benchmark (smoke.bench), its report (smoke.bench_report) and --diagnose
+(smoke.diagnose), on a CPU: what every server is started with, the load's shape, the files a result
+becomes (a real matplotlib render), and the arguments refused.
+
+tests/data/bench_result_format.json is a bench.json in the current format whose figures are made
+up to exercise the report; it is not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from smoke import bench, bench_report, diagnose, models, pyspy
+from smoke.__main__ import build_parser
+from smoke.runner import Deadline
+
+RESULT = REPO / "tests" / "data" / "bench_result_format.json"
+
+
+def bench_options(*flags: str) -> bench.BenchOptions:
+    """`smoke bench`'s options parsed from these flags (after --models)."""
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    return bench.options(ap.parse_args(["--models", "m", *flags]))
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+# ----------------------------------------------------------------------------- report
+def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = json.loads(RESULT.read_text())
+    paths = bench_report.write(result, tmp_path)
+    assert [p.name for p in paths] == ["bench.json", "bench.md", "concurrency.png", "ramp.png"]
+    assert json.loads((tmp_path / "bench.json").read_text()) == result
+    for png in ("concurrency.png", "ramp.png"):
+        width, height = png_size(tmp_path / png)
+        assert width > 500 and height > 300
+    md = (tmp_path / "bench.md").read_text()
+    first_table = md.split("| concurrency |", 1)[1].split("\n\n", 1)[0]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in first_table.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    assert list(rows) == ["1", "4", "16", "64", "256"]
+    # c=256: plain 60000.0 and 57600.0 -> 58800; EAGLE-3 33000.0 and 31996.8 -> 32498, ratios
+    # 0.55 and 0.5555 -> 0.55
+    assert rows["256"][:2] == ["58800", "32498 (0.55x)"]
+    header = next(line for line in md.splitlines() if line.startswith("| concurrency"))
+    assert "EAGLE-3 + threshold 16 | EAGLE-3 + threshold 64 | EAGLE-3 + auto" in header
+    # c=64: auto 33660.0 and 32636.7, plain 34000.0 and 32640.0 (better than EAGLE-3 there), the
+    # threshold-16 server (best of the sweep at 64) 33320.0 and 32307.1
+    assert "| 64 | 0.995 | 16 | 1.010 |" in md
+    ramp = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| EAGLE-3 + auto")}
+    # auto's level windows over the better of plain and EAGLE-3 at the same level: 0.98 at 16 and 256
+    assert "| 0.980 |" in ramp["EAGLE-3 + auto"] and ramp["EAGLE-3 + auto"].rstrip().endswith("| 4 |")
+    assert "EAGLE-3 + auto: threshold auto, crossover 32" in md
+    assert "every output equal to plain decoding's; 0 request errors" in md
+    assert "![tokens/s by concurrency](concurrency.png)" in md
+
+
+def test_level_table_and_ramp_summary_figures():
+    result = json.loads(RESULT.read_text())
+    table = bench_report.level_table(result)
+    assert table["256"]["eagle3"] == {"tok_per_s": 32498.4, "vs_plain": 0.553, "accept_length": 3.1}
+    assert table["1"]["plain"]["vs_plain"] == 1.0
+    ramp = bench_report.ramp_summary(result)
+    assert ramp["eagle3_auto"]["min_share_of_better"] == 0.98
+    assert ramp["plain"]["min_share_of_better"] == pytest.approx(1 / 2.1, abs=1e-3)  # at 1 client
+    assert ramp["eagle3"]["mode_changes"] is None and ramp["eagle3_thr16"]["mode_changes"] == 4
+    auto = bench_report.auto_comparison(result)
+    assert auto["1"] == {"vs_better_of_plain_eagle3": 0.99, "best_fixed": 64, "vs_best_fixed": 1.005}
+
+
+def test_failures_and_configs_not_run_are_in_the_table(tmp_path):
+    result = json.loads(RESULT.read_text())
+    result["configs"].remove("eagle3_auto")
+    result["not_run"] = {"eagle3_auto": "this sglang has no `auto` threshold"}
+    result["failures"] = ["ramp eagle3_thr16: 1 output(s) differ from plain (e.g. ramp-3-1)"]
+    md = bench_report.markdown(result)
+    assert "- EAGLE-3 + auto not run: this sglang has no `auto` threshold" in md
+    assert "- FAILED: ramp eagle3_thr16: 1 output(s) differ from plain" in md
+    assert "every output equal" not in md and "EAGLE-3 + auto |" not in md
+    assert "auto / best fixed" not in md
+
+
+def test_render_flag_draws_a_saved_result_without_servers(tmp_path):
+    pytest.importorskip("matplotlib")
+    a = build_parser().parse_args(["bench", "--render", str(RESULT), "--out", str(tmp_path / "docs")])
+    assert a.main(a) == 0
+    assert {p.name for p in (tmp_path / "docs").iterdir()} == {"bench.json", "bench.md", "concurrency.png", "ramp.png"}
+
+
+# ----------------------------------------------------------------------------- the load
+def test_closed_loop_workload_and_ramp_schedule():
+    assert [len(bench.workload(3000, c, 256, 0)) for c in (1, 8, 64, 256)] == [8, 64, 192, 768]
+    assert bench.workload(3000, 8, 256, 0) == bench.workload(3000, 8, 256, 0)  # the same for every server
+    assert bench.workload(3000, 8, 256, 0) != bench.workload(3000, 8, 256, 1)  # another round, other prompts
+    assert bench.ramp_prompt(3000, 64, "ramp-3-1") == bench.ramp_prompt(3000, 64, "ramp-3-1")
+    assert bench.ramp_levels((1, 4, 16), 2) == [1, 4, 16, 4, 1, 4, 16, 4, 1]
+    assert bench.ramp_levels((1, 4, 16), 0) == []
+    assert [bench.round_order(["a", "b", "c"], k) for k in (0, 1)] == [["a", "b", "c"], ["c", "b", "a"]]
+
+
+def test_ramp_windows_spread_each_request_over_its_lifetime():
+    # request 1: 100 tokens over 1-3 s; request 2: 50 tokens over 2.5-3.5 s; 2 s windows
+    windows = bench.ramp_windows([1, 2], 2.0, [(1.0, 3.0, 100), (2.5, 3.5, 50)],
+                                 [(0.5, "speculative", None), (1.0, "plain", 32), (2.5, "plain", 16)])
+    assert [w["tok_per_s"] for w in windows] == [25.0, 50.0]  # 50 / 2 s; (50 + 50) / 2 s
+    assert [w["plain_share"] for w in windows] == [0.5, 1.0] and [w["crossover"] for w in windows] == [32, 16]
+
+
+def test_outputs_are_compared_with_plain_decoding():
+    outs = {"plain": {"a": [1], "b": [2], "c": [3]}, "eagle3": {"a": [1], "b": [9], "c": None},
+            "eagle3_auto": {"a": [1], "d": [4]}}
+    assert bench.mismatches(outs, "round 1") == ["round 1 eagle3: 1 output(s) differ from plain (e.g. b)"]
+
+
+# ----------------------------------------------------------------------------- servers
+def test_configs_map_to_server_flags(tmp_path):
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16, 64), concurrency=(1, 256),
+                              server_args=("--gc-threshold", "50000"))
+    names = bench.server_names(opts)
+    assert names == ["plain", "eagle3", "eagle3_adaptive", "eagle3_thr16", "eagle3_thr64", "eagle3_auto"]
+    argv = {name: bench.server_config(name, opts, 0.2, 1000).argv(30000) for name in names}
+    assert "--speculative-algorithm" not in argv["plain"]
+    assert all("--speculative-adaptive" not in a for n, a in argv.items() if n != "eagle3_adaptive")
+    ad = argv["eagle3_adaptive"]
+    assert ad[ad.index("--speculative-adaptive-config") + 1] == str(tmp_path / "adaptive_config.json")
+    # upstream's default tiers, without the 7-step one that crashed at start on an H200
+    assert max(max(e["candidate_steps"]) for e in bench.ADAPTIVE_CONFIG.values()) == 3
+    assert bench.ADAPTIVE_CONFIG["64"]["candidate_steps"] == [0]
+    for name, a in argv.items():
+        assert a[a.index("--mem-fraction-static") + 1] == "0.2" and a[a.index("--max-total-tokens") + 1] == "1000"
+        assert a[a.index("--cuda-graph-max-bs") + 1] == "256" and "--sleep-on-idle" in a
+        assert a[-2:] == ["--gc-threshold", "50000"], name  # the user's flags last
+        assert (bench.THRESHOLD_FLAG in a) == bench.switches(name)
+    flag = {name: a[a.index(bench.THRESHOLD_FLAG) + 1] for name, a in argv.items() if bench.switches(name)}
+    assert flag == {"eagle3_thr16": "16", "eagle3_thr64": "64", "eagle3_auto": "auto"}
+    assert bench.server_config("plain", opts).env == {}
+    assert bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, diagnose=True)).env \
+        == diagnose.SERVER_ENV
+
+
+def test_auto_runs_only_where_the_plugin_is_installed(tmp_path, monkeypatch):
+    """Read from real package metadata: a dist-info listing auto_threshold.py says `auto` is there."""
+    assert bench.auto_supported() is False  # the test environment has no plugin installed
+    info = tmp_path / "sglang_image_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-image-plugin\nVersion: 0.1\n")
+    (info / "RECORD").write_text("sglang_image_plugin/__init__.py,,\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert bench.auto_supported() is False  # a plugin without the auto threshold
+    (info / "RECORD").write_text("sglang_image_plugin/__init__.py,,\nsglang_image_plugin/auto_threshold.py,,\n")
+    assert bench.auto_supported() is True
+
+
+def test_a_deadline_too_short_starts_no_server_and_says_so(tmp_path):
+    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path / "out", deadline=Deadline(0.0),
+                              configs=("plain", "eagle3", "eagle3_auto"))
+    result = bench.run_bench(opts, {})
+    assert result["skipped"] and result["skipped"][0].startswith("everything:")
+    assert result["configs"] == ["plain", "eagle3"] and "eagle3_auto" in result["not_run"]
+    assert "skipped: everything" in result["table"] and not result["levels"]
+
+
+# ----------------------------------------------------------------------------- arguments
+def test_options_and_refused_values():
+    o = bench_options()
+    assert o.concurrency == bench.DEFAULT_CONCURRENCY and o.configs == bench.CONFIGS and o.out == Path("docs/bench")
+    o = bench_options("--concurrency", "256,1,8", "--configs", "plain,eagle3_auto", "--server-args", "--gc-threshold 7 8",
+                      "--threshold", "32,8")
+    assert o.concurrency == (1, 8, 256) and o.configs == ("plain", "eagle3_auto") and o.thresholds == (8, 32)
+    assert o.server_args == ("--gc-threshold", "7", "8")
+    for flags, word in ((("--configs", "plain,nope"), "--configs"), (("--configs", "plain,plain"), "--configs"),
+                        (("--concurrency", "1,0"), "--concurrency"), (("--concurrency", "1,x"), "--concurrency"),
+                        (("--threshold", "0"), "--threshold"), (("--threshold", "8,8"), "--threshold"),
+                        (("--threshold", "auto"), "--threshold"), (("--rounds", "-1"), "--rounds"),
+                        (("--rounds", "0", "--ramp-cycles", "0"), "--ramp-cycles"),
+                        (("--ramp-hold", "0"), "--ramp-hold"), (("--mem-share", "1.5"), "--mem-share"),
+                        (("--max-total-tokens", "-1"), "--max-total-tokens"), (("--output-len", "0"), "--output-len")):
+        with pytest.raises(SystemExit, match=word):
+            bench_options(*flags)
+    ap = argparse.ArgumentParser()
+    bench.add_arguments(ap)
+    with pytest.raises(SystemExit, match="--models"):
+        bench.options(ap.parse_args([]))
+    e2e = build_parser().parse_args(["e2e", "--bench-rounds", "3", "--bench-configs", "plain,eagle3_thr"])
+    assert bench.tuning_options(e2e, "bench-")["rounds"] == 3
+    with pytest.raises(SystemExit, match="--bench-rounds"):
+        bench.tuning_options(build_parser().parse_args(["e2e", "--bench-rounds", "-2"]), "bench-")
+    assert bench_options("--rounds", "0").rounds == 0  # the ramp alone
+
+
+def test_bench_model_shapes():
+    """The parameter counts of the real transformers models the bench shapes build (on the meta
+    device: no memory): 1b ~1.0e9, 8b ~7e9 (Llama-3-8B's layers, small vocab)."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def params(name: str) -> int:
+        sz = models.SIZES[name]
+        cfg = LlamaConfig(vocab_size=sz.vocab, hidden_size=sz.hidden, intermediate_size=sz.intermediate,
+                          num_hidden_layers=sz.layers, num_attention_heads=sz.heads,
+                          num_key_value_heads=sz.kv_heads, head_dim=sz.hidden // sz.heads,
+                          tie_word_embeddings=False)
+        with torch.device("meta"):
+            return sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+
+    assert 0.95e9 < params("1b") < 1.05e9
+    assert 6.9e9 < params("8b") < 7.1e9
+    ap = build_parser()
+    assert ap.parse_args(["e2e", "--bench-size", "8b"]).bench_size == "8b"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["e2e", "--bench-size", "tiny"])
+
+
+# ----------------------------------------------------------------------------- --diagnose
+def test_diagnose_splits_gpu_seconds_by_category():
+    levels = {"256": {"plain": [{"seconds": 10.0, "gpu_s": {"decode": 8.0, "extend": 1.0}},
+                                {"seconds": 12.0, "gpu_s": {"decode": 9.0, "extend": 1.0}}],
+                      "eagle3_thr": [{"seconds": 11.0, "gpu_s": {"decode": 8.2, "draft_kv_only": 0.1}}],
+                      "eagle3": [{"seconds": 9.0}]}}
+    assert diagnose.gpu_split(levels) == [
+        "c=256 plain: wall 11.000s, decode 8.500s, extend 1.000s, rest 1.500s",
+        "c=256 eagle3_thr: wall 11.000s, decode 8.200s, draft_kv_only 0.100s, rest 2.700s"]
+    from smoke import client
+
+    def scrape(decode: float, extend: float) -> dict[str, float]:
+        return client.parse_prometheus(
+            "# TYPE sglang:forward_execution_seconds_total counter\n"
+            f'sglang:forward_execution_seconds_total{{model_name="t",category="decode"}} {decode}\n'
+            f'sglang:forward_execution_seconds_total{{model_name="t",category="extend"}} {extend}\n'
+            'sglang:num_running_reqs{model_name="t"} 3.0\n')
+    assert diagnose.gpu_seconds(scrape(1.0, 2.0), scrape(8.5, 2.25)) == {"decode": 7.5, "extend": 0.25}
+    assert diagnose.gpu_seconds({}, {}) == {}  # timer off: no such counter
+
+
+def test_pyspy_summary_of_a_real_scheduler_sample():
+    """py-spy's raw output from an H200 run (threshold server in plain mode at 256 requests, the 80
+    heaviest stacks): only the scheduler thread counts, shares are of its samples, ms from step time."""
+    raw = (REPO / "tests/data/pyspy_scheduler_plain_mode.txt").read_text()
+    s: dict[str, Any] = diagnose.summarize_pyspy({"raw": raw}, 256_000 / 4.0, 256)
+    assert s["step_ms"] == pytest.approx(4.0)
+    incl = {f: pct for f, pct, _ in s["inclusive_pct"]}
+    assert incl["Scheduler.event_loop_overlap (scheduler.py)"] == 100.0
+    assert 10 < incl["EAGLEWorkerV2._forward_plain_decode (eagle_worker_v2.py)"] < 100
+    assert not any("watchdog" in f or "Timer.check" in f for f in incl)  # other threads left out
+    assert all(row[2] == pytest.approx(row[1] * 4.0 / 100, abs=1e-3) for row in s["inclusive_pct"])
+    assert sum(pct for _, pct, _ in s["self_pct"]) <= 100.0
+    text = pyspy.render("eagle3_thr", s)
+    assert text.startswith("py-spy eagle3_thr:")
+    assert diagnose.summarize_pyspy({"error": "no py-spy binary"}, None, 256) == {"error": "no py-spy binary"}
+    assert pyspy.summarize("thread (1): MainThread;other (x.py:1) 5\n")["error"].startswith("no sample")
+    # the sample's three idle stacks (Scheduler.on_idle: no batch) are counted apart, not in the shares
+    assert s["idle_samples"] == 28 + 7 + 6 and not any("on_idle" in f or "Poller.poll" in f for f in incl)
+    assert "41 idle ones, with no batch, left out" in text
+    assert "pyspy eagle3_thr: no py-spy binary" in diagnose.render("eagle3_thr", {"pyspy": {"error": "no py-spy binary"},
+                                                                                   "profile": {"error": "x"}})
