@@ -127,6 +127,13 @@ def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry
         yield reg
 
 
+@pytest.fixture(scope="module")
+def tls_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    with start_registry(tmp_path_factory.mktemp("tls-registry"), users={USER: PASSWORD},
+                        tls=True) as registry:
+        yield registry
+
+
 @pytest.fixture
 def records(tmp_path: Path) -> Path:
     return tmp_path / "smoke-records"
@@ -214,6 +221,33 @@ def test_publish_with_the_credentials_of_docker_login(
     assert sbom_out.read_bytes() == tiny_image.sbom
     for tag in ("0.1.0-sglang-test", "sglang-test"):
         docker_client.images.remove(f"{target.name}:{tag}")
+
+
+@pytest.mark.docker
+def test_publish_over_tls_checks_the_registry_ca(
+        docker_client: DockerClient, tls_registry: Registry, tiny_image: TinyImage, records: Path,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SBOM client checks the registry's certificate against the CA where the engine looks
+    for it (/etc/docker/certs.d/HOST:PORT/ca.crt; a stand-in directory here). The engine itself
+    does not check it on loopback, which it treats as an insecure registry."""
+    _record(records, tiny_image.image_id, "full")
+    _login(tmp_path, monkeypatch, tls_registry.address, PASSWORD)
+    certs = tmp_path / "certs.d"
+    monkeypatch.setattr(publish, "DOCKER_CERTS", certs)
+    target = publish.parse_registry(f"{tls_registry.address}/tls")
+    with pytest.raises(PublishError, match=f"{certs / tls_registry.address / 'ca.crt'}"):
+        publish.publish(docker_client, tiny_image.tag, target, records_dir=records,
+                        log=lambda _: None)
+    assert tls_registry.tags("tls/sglang-image", (USER, PASSWORD)) == []
+    assert tls_registry.ca is not None
+    (certs / tls_registry.address).mkdir(parents=True)
+    (certs / tls_registry.address / "ca.crt").write_bytes(tls_registry.ca.read_bytes())
+    result = publish.publish(docker_client, tiny_image.tag, target, records_dir=records,
+                             log=lambda _: None)
+    assert result.pulled_image_id == tiny_image.image_id
+    assert publish.fetch_sbom(result.reference, tmp_path / "sbom.json").read_bytes() == \
+        tiny_image.sbom
+    _clean(docker_client, result)
 
 
 @pytest.mark.docker

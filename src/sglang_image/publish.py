@@ -92,7 +92,8 @@ def parse_registry(text: str, image_name: str = build.IMAGE_REPO) -> Target:
 
 
 def is_loopback(registry: str) -> bool:
-    """The engine talks plain HTTP to 127.0.0.0/8 and localhost without being told: so do we."""
+    """The engine treats 127.0.0.0/8 and localhost as insecure registries (HTTPS, else plain
+    HTTP) without being told: so do we."""
     host = registry.rsplit(":", 1)[0] if not registry.startswith("[") else registry[1:].split("]")[0]
     return host in ("localhost", "::1") or host.startswith("127.")
 
@@ -192,12 +193,7 @@ def oci_client(registry: str) -> OciClient:
     registry announces (Bearer token or Basic), trusting the CA the engine trusts for it."""
     ca = DOCKER_CERTS / registry / "ca.crt"
     verify: bool | str = str(ca) if ca.is_file() else True
-    scheme = "http" if is_loopback(registry) else "https"
-    try:
-        ping = requests.get(f"{scheme}://{registry}/v2/", timeout=30, verify=verify)
-    except requests.RequestException as exc:
-        raise PublishError(f"registry {registry} does not answer ({type(exc).__name__}); start "
-                           "it or check the address") from exc
+    scheme, ping = _ping(registry, verify)
     challenge = ping.headers.get("Www-Authenticate", "")
     backend = "basic" if challenge.lower().startswith("basic") else "token"
     client = OciClient(hostname=registry, insecure=scheme == "http", tls_verify=verify,
@@ -209,6 +205,23 @@ def oci_client(registry: str) -> OciClient:
         raise PublishError(f"registry {registry} asks for credentials and the Docker config has "
                            f"none for it: run `docker login {registry}`")
     return client
+
+
+def _ping(registry: str, verify: bool | str) -> tuple[str, requests.Response]:
+    """(scheme, response to GET /v2/): HTTPS, and on loopback plain HTTP when HTTPS fails."""
+    schemes = ("https", "http") if is_loopback(registry) else ("https",)
+    failure: Exception | None = None
+    for scheme in schemes:
+        try:
+            return scheme, requests.get(f"{scheme}://{registry}/v2/", timeout=30, verify=verify)
+        except requests.RequestException as exc:
+            failure = failure or exc
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                break  # it speaks TLS with a certificate we cannot check: never fall back
+    hint = (f"; a registry with its own CA: put the CA in {DOCKER_CERTS / registry / 'ca.crt'}, "
+            "as for the engine") if isinstance(failure, requests.exceptions.SSLError) else ""
+    raise PublishError(f"registry {registry} does not answer ({type(failure).__name__}: "
+                       f"{failure}); start it or check the address{hint}")
 
 
 def check_access(client: OciClient) -> None:
@@ -345,8 +358,11 @@ def _push_error(registry: str, reference: str, error: str) -> str:
 
 @contextmanager
 def fresh_engine() -> Iterator[DockerClient]:
-    """A temporary dockerd with an empty data root (root and Debian's docker.io needed)."""
-    state = Path(tempfile.mkdtemp(prefix="sgl-verify-", dir="/tmp"))  # short: socket paths
+    """A temporary dockerd with an empty data root (root and Debian's docker.io needed), beside
+    the build's engine state: the image lands there once more (/tmp may be memory)."""
+    parent = docker_engine.DEFAULT_STATE.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    state = Path(tempfile.mkdtemp(prefix="verify-", dir=parent))
     try:
         engine = docker_engine.start_dockerd(state)
     except SglangImageError as exc:
