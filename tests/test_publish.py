@@ -134,6 +134,13 @@ def tls_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]
         yield registry
 
 
+@pytest.fixture(scope="module")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    with start_registry(tmp_path_factory.mktemp("token-registry"), users={USER: PASSWORD},
+                        token=True) as registry:
+        yield registry
+
+
 @pytest.fixture
 def records(tmp_path: Path) -> Path:
     return tmp_path / "smoke-records"
@@ -245,6 +252,36 @@ def test_publish_over_tls_checks_the_registry_ca(
     result = publish.publish(docker_client, tiny_image.tag, target, records_dir=records,
                              log=lambda _: None)
     assert result.pulled_image_id == tiny_image.image_id
+    assert publish.fetch_sbom(result.reference, tmp_path / "sbom.json").read_bytes() == \
+        tiny_image.sbom
+    _clean(docker_client, result)
+
+
+@pytest.mark.docker
+def test_publish_to_a_token_auth_registry(
+        docker_client: DockerClient, token_registry: Registry, tiny_image: TinyImage,
+        records: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token auth as Docker Hub, GHCR or Harbor do it: one token per scope, from the Docker
+    config's credentials; a wrong password is refused before anything is pushed."""
+    assert token_registry.token_server is not None
+    _record(records, tiny_image.image_id, "full")
+    target = publish.parse_registry(f"{token_registry.address}/tok")
+    _login(tmp_path, monkeypatch, token_registry.address, "wrong-password")
+    with pytest.raises(PublishError, match="refused the credentials") as err:
+        publish.publish(docker_client, tiny_image.tag, target, records_dir=records,
+                        log=lambda _: None)
+    assert "wrong-password" not in str(err.value)
+    assert token_registry.tags("tok/sglang-image", (USER, PASSWORD)) == []
+    _login(tmp_path, monkeypatch, token_registry.address, PASSWORD)
+    token_registry.token_server.requests.clear()
+    result = publish.publish(docker_client, tiny_image.tag, target, records_dir=records,
+                             log=lambda _: None)
+    assert sorted(token_registry.tags("tok/sglang-image", (USER, PASSWORD))) == sorted(
+        ["0.1.0-sglang-test", "sglang-test", publish.sbom_tag(result.digest)])
+    asked = token_registry.token_server.requests
+    assert all(r["user"] == USER for r in asked), asked  # never anonymous, never refused
+    assert any(any(s.startswith("repository:tok/sglang-image:") and "push" in s
+                   for s in r["scopes"]) for r in asked), asked
     assert publish.fetch_sbom(result.reference, tmp_path / "sbom.json").read_bytes() == \
         tiny_image.sbom
     _clean(docker_client, result)

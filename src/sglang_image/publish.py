@@ -171,15 +171,22 @@ def docker_credentials(registry: str) -> tuple[str, str] | None:
 
 
 class OciClient(oras.provider.Registry):  # type: ignore[misc]  # oras has no stubs
-    """oras' registry client without its retry loop (5 tries, 2+ minutes of sleeping on any
-    error, bad credentials included): the engine's push just reached this registry."""
+    """oras' registry client with two changes. No retry loop: oras tries 5 times over 2+
+    minutes on any error, a wrong password included, which waiting does not mend. A new token
+    when the registry refuses the one in hand: oras keeps its first token, whose scope (one
+    repository, pull only, or none) a token registry answers 401 to elsewhere."""
 
     def do_request(self, url: str, method: str = "GET", data: Any = None,
                    headers: dict[str, str] | None = None, json: dict[str, Any] | None = None,
                    stream: bool = False) -> requests.Response:
         undecorated = oras.provider.Registry.do_request.__wrapped__
         try:
-            return undecorated(self, url, method, data, headers, json, stream)  # type: ignore[no-any-return]
+            response: requests.Response = undecorated(self, url, method, data, dict(headers or {}),
+                                                      json, stream)
+            if response.status_code == 401 and getattr(self.auth, "token", None):
+                self.auth.token = None  # ask for one with the scope of this request's challenge
+                response = undecorated(self, url, method, data, dict(headers or {}), json, stream)
+            return response
         except requests.RequestException as exc:
             raise PublishError(f"registry {self.hostname} does not answer ({type(exc).__name__}); "
                                "start it or check the address") from exc
