@@ -227,9 +227,24 @@ def start_registry(tmp: Path, users: dict[str, str] | None = None, tls: bool = F
             token_server.stop()
 
 
-def docker_config(directory: Path, registry: str, user: str, password: str) -> Path:
-    """A Docker config directory as `docker login REGISTRY` leaves it (inline auth)."""
+def docker_config(directory: Path, registry: str, user: str, password: str,
+                  helper_bin: Path | None = None) -> Path:
+    """A Docker config directory as `docker login REGISTRY` leaves it: the credentials inline,
+    or with `helper_bin` in a credential helper (docker-credential-sglangtest, written into
+    helper_bin, which the caller puts on PATH) that the config names for the registry."""
     directory.mkdir(parents=True, exist_ok=True)
-    token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    (directory / "config.json").write_text(json.dumps({"auths": {registry: {"auth": token}}}))
+    if helper_bin is None:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        config: dict[str, Any] = {"auths": {registry: {"auth": token}}}
+    else:
+        helper_bin.mkdir(parents=True, exist_ok=True)
+        helper = helper_bin / "docker-credential-sglangtest"
+        answer = json.dumps({"Username": user, "Secret": password})
+        helper.write_text(f"#!/bin/sh\n# the helper protocol: `get`, server on stdin\n"
+                          f"[ \"$1\" = get ] || exit 1\nread server\n"
+                          f"[ \"$server\" = {registry} ] || {{ echo 'credentials not found in "
+                          f"native keychain'; exit 1; }}\necho '{answer}'\n")
+        helper.chmod(0o755)
+        config = {"auths": {registry: {}}, "credHelpers": {registry: "sglangtest"}}
+    (directory / "config.json").write_text(json.dumps(config))
     return directory

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -205,11 +206,21 @@ def test_publish_to_an_open_registry(docker_client: DockerClient, open_registry:
 
 
 @pytest.mark.docker
+@pytest.mark.parametrize("store", ["config", "helper"])
 def test_publish_with_the_credentials_of_docker_login(
         docker_client: DockerClient, auth_registry: Registry, tiny_image: TinyImage, records: Path,
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        store: str) -> None:
+    """Credentials as `docker login` stores them, inline or in a credential helper."""
     _record(records, tiny_image.image_id, "full")
-    _login(tmp_path, monkeypatch, auth_registry.address, PASSWORD)
+    if store == "helper":
+        helper_bin = tmp_path / "bin"
+        config = docker_config(tmp_path / "docker-config", auth_registry.address, USER, PASSWORD,
+                               helper_bin=helper_bin)
+        monkeypatch.setenv("DOCKER_CONFIG", str(config))
+        monkeypatch.setenv("PATH", f"{helper_bin}:{os.environ['PATH']}")
+    else:
+        _login(tmp_path, monkeypatch, auth_registry.address, PASSWORD)
     target = publish.parse_registry(f"{auth_registry.address}/private")
     code = publish.main(["--registry", f"{auth_registry.address}/private", "--image",
                          tiny_image.tag, "--smoke-records", str(records)])
