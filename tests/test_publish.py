@@ -172,7 +172,8 @@ def _clean(client: DockerClient, result: publish.PublishResult) -> None:
 @pytest.mark.docker
 @pytest.mark.usefixtures("no_credentials")
 def test_publish_to_an_open_registry(docker_client: DockerClient, open_registry: Registry,
-                                     tiny_image: TinyImage, records: Path, tmp_path: Path) -> None:
+                                     tiny_image: TinyImage, records: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     _record(records, tiny_image.image_id, "full")
     target = publish.parse_registry(f"{open_registry.address}/team")
     lines: list[str] = []
@@ -198,10 +199,16 @@ def test_publish_to_an_open_registry(docker_client: DockerClient, open_registry:
     assert artifact["artifactType"] == publish.CYCLONEDX
     fetched = publish.fetch_sbom(result.reference, tmp_path / "sbom.json")
     assert fetched.read_bytes() == tiny_image.sbom
-    # Again: no layer to send, the same digest.
-    again = publish.publish(docker_client, tiny_image.tag, target, records_dir=records,
-                            log=lines.append)
-    assert again.digest == result.digest and again.sbom_digest == result.sbom_digest
+    # Again, pulled back through an engine named by --verify-host: the same digest.
+    with publish.fresh_engine() as second:
+        assert publish.main(["--registry", f"{open_registry.address}/team", "--image",
+                             tiny_image.tag, "--smoke-records", str(records),
+                             "--verify-host", second.host]) == 0
+        assert second.client.images.get(result.reference).id == tiny_image.image_id
+        other = {**docker_client.images.get(tiny_image.tag).attrs, "Id": "sha256:" + "0" * 64}
+        with pytest.raises(PublishError, match="differs from the local image in image ID"):
+            publish.verify_pull(second.client, result.reference, other)
+    assert capsys.readouterr().out.strip() == result.digest
     _clean(docker_client, result)
 
 

@@ -364,7 +364,7 @@ def _push_error(registry: str, reference: str, error: str) -> str:
 
 
 @contextmanager
-def fresh_engine() -> Iterator[DockerClient]:
+def fresh_engine() -> Iterator[docker_engine.Engine]:
     """A temporary dockerd with an empty data root (root and Debian's docker.io needed), beside
     the build's engine state: the image lands there once more (/tmp may be memory)."""
     parent = docker_engine.DEFAULT_STATE.parent
@@ -377,7 +377,7 @@ def fresh_engine() -> Iterator[DockerClient]:
         raise PublishError(f"could not start a second engine to pull the image back ({exc}); "
                            "name a running one: --verify-host unix:///PATH/docker.sock") from exc
     try:
-        yield engine.client
+        yield engine
     finally:
         engine.stop()
         shutil.rmtree(state, ignore_errors=True)
@@ -437,7 +437,7 @@ def publish(client: DockerClient, image: str, target: Target, *, allow_partial_s
             pulled = verify_pull(verify_client, reference, local.attrs)
         else:
             with fresh_engine() as fresh:
-                pulled = verify_pull(fresh, reference, local.attrs)
+                pulled = verify_pull(fresh.client, reference, local.attrs)
         log(f"  same image ID and layers: {pulled}")
         made.append(f"{target.name}:{flavor_tag}")
         if push_image(client, str(local.id), target, flavor_tag, log) != digest:
