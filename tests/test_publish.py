@@ -15,7 +15,7 @@ import requests
 from docker import DockerClient
 
 from sglang_image import build, publish, smoke
-from sglang_image.errors import PublishError
+from sglang_image.errors import PublishError, SmokeError
 from tests.registries import Registry, docker_config, start_registry
 
 USER, PASSWORD = "alice", "correct-horse-7"
@@ -362,7 +362,8 @@ def test_publish_refuses_an_image_without_a_passed_smoke(
 def test_light_image_partial_smoke_then_publish(docker_client: DockerClient,
                                                 open_registry: Registry,
                                                 light_image: build.BuildResult, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+                                                capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The built (light) image: its real PARTIAL smoke is no pass to a script and records a
     PARTIAL pass, which publish takes only when told; the SBOM comes back as built."""
     records, tag = tmp_path / "records", light_image.tags[0]
@@ -382,3 +383,10 @@ def test_light_image_partial_smoke_then_publish(docker_client: DockerClient,
     fetched = publish.fetch_sbom(result.reference, tmp_path / "sbom.json")
     assert fetched.read_bytes() == light_image.sbom.read_bytes()
     _clean(docker_client, result)
+    # A later failed smoke of the same image (here: a series the image was not built from)
+    # takes its pass away.
+    real = smoke.expected_series()
+    tampered = [dict(real[0], sha256="0" * 64), *real[1:]]
+    monkeypatch.setattr(smoke, "expected_series", lambda flavor=None: tampered)
+    assert smoke.main(argv) == SmokeError.exit_code
+    assert smoke.passed_smoke(light_image.image_id, records) is None

@@ -90,8 +90,8 @@ def write_record(res: SmokeResult, image: str, records_dir: Path | None = None) 
 def passed_smoke(image_id: str, records_dir: Path | None = None) -> SmokeRecord | None:
     """The record of a passed smoke of exactly this image (config digest), or None.
 
-    A full record wins over a PARTIAL one: both are kept in one file per image, the full one
-    is never overwritten by a later PARTIAL run."""
+    One file per image: a full pass is not replaced by a later PARTIAL pass; a failed run of
+    the image removes it (main)."""
     path = record_path(image_id, records_dir)
     try:
         data = json.loads(path.read_text())
@@ -214,8 +214,9 @@ def describe(res: SmokeResult) -> str:
         lines = [(f"PARTIAL smoke {verdict} (no GPU on this host): image checks only, NOT a "
                   "pass of the smoke. Not checked without a GPU:")]
         lines += [f"  - {item}" for item in NOT_CHECKED_WITHOUT_GPU]
-        lines.append("The full smoke: nox -s smoke on a GPU host with Docker (or nox -s gpu-e2e "
-                     "for a GPU host without Docker). Checks run here:")
+        lines.append("The full smoke: nox -s smoke on a GPU host with Docker (nox -s gpu-e2e "
+                     "runs the same checks on the same wheels on a GPU host without Docker, but "
+                     "not on this image). Checks run here:")
         for c in res.report.get("checks", []):
             mark = "skip" if c.get("skipped") else ("ok" if c["ok"] else "FAIL")
             lines.append(f"  [{mark}] {c['name']}" + ("" if c["ok"] and not c.get("skipped")
@@ -251,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     print(describe(res))
     if not res.ok:
+        stale = record_path(res.image_id, a.records)
+        if res.image_id and stale.is_file():  # an earlier pass of this image no longer counts
+            stale.unlink()
+            print(f"removed the earlier pass of {res.image_id}: {stale}")
         return SmokeError.exit_code
     existing = passed_smoke(res.image_id, a.records)
     if res.mode == "full" or existing is None or existing.mode == "partial":
