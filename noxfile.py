@@ -64,7 +64,7 @@ def lock(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def publish(session: nox.Session) -> None:
-    """Push the built image with its SBOM and labels to a registry (-- --registry HOST:PORT)."""
+    """Push the smoke-tested image and its SBOM to a registry (-- --registry HOST[:PORT]/NAMESPACE)."""
     _install(session)
     _run(session, "publish")
 

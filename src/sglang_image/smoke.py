@@ -8,6 +8,12 @@ Without a GPU: a clearly labelled PARTIAL check (python -m smoke partial): impor
 `launch_server --help` shows the threshold flag, /opt/sglang-image/patches.json matches
 patches/<flavor>/series, `pip check` — and it says that the full smoke needs a GPU.
 The container has no network (network_mode="none"): nothing is downloaded.
+
+Exit codes, for scripts: 0 only when the full GPU smoke passed; PARTIAL_EXIT_CODE (11) when the
+PARTIAL check passed (0 with --accept-partial); SmokeError's 9 when a check failed.
+A passed smoke leaves a record keyed by the image's digest (its config digest, the image ID) in
+out/smoke-records/: `nox -s publish` publishes only an image that has one (a PARTIAL one only
+with --allow-partial-smoke).
 """
 from __future__ import annotations
 
@@ -17,7 +23,8 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +35,16 @@ MOUNT = "/opt/sglang-smoke"
 OUT_MOUNT = "/out"
 FULL_TIMEOUT_S = 3600
 PARTIAL_TIMEOUT_S = 900
+PARTIAL_EXIT_CODE = 11  # the PARTIAL check passed: not a pass of the smoke, unless accepted
+RECORDS_DIR = REPO_ROOT / "out" / "smoke-records"
+# What only the full smoke checks: said whenever a PARTIAL result is shown.
+NOT_CHECKED_WITHOUT_GPU = (
+    "the server starting on a GPU (CUDA kernels, FlashInfer JIT, CUDA graphs)",
+    "the start log line 'Dynamic speculation disable enabled: threshold=N'",
+    "EAGLE-3 greedy outputs equal to plain decoding below and above the threshold",
+    "speculation switching off and on with load (server info counters), accept length",
+    "aborted requests in both modes and the KV pool returning to empty",
+)
 
 
 @dataclass
@@ -38,6 +55,50 @@ class SmokeResult:
     out_dir: Path
     report: dict[str, Any] = field(default_factory=dict)
     log_tail: str = ""
+    image_id: str = ""  # sha256:<hex> of the image's config: what the record is keyed by
+
+
+@dataclass(frozen=True)
+class SmokeRecord:
+    """A passed smoke of one image, written by `nox -s smoke` and read by `nox -s publish`."""
+
+    image_id: str  # sha256:<hex>, the image's config digest
+    image: str  # the reference it was run as
+    mode: str  # "full" or "partial"
+    finished: str  # UTC, ISO 8601
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def record_path(image_id: str, records_dir: Path | None = None) -> Path:
+    return (records_dir or RECORDS_DIR) / f"{image_id.replace(':', '-')}.json"
+
+
+def write_record(res: SmokeResult, image: str, records_dir: Path | None = None) -> Path | None:
+    """Records a passed smoke (full, or PARTIAL) under the image's digest; None if it failed."""
+    if not res.ok or not res.image_id:
+        return None
+    detail = ({"checks": res.report.get("checks", []), "not_checked": list(NOT_CHECKED_WITHOUT_GPU)}
+              if res.mode == "partial" else {"report": str(res.out_dir / "report.json")})
+    record = SmokeRecord(res.image_id, image, res.mode,
+                         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), detail)
+    path = record_path(res.image_id, records_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(record), indent=1) + "\n")
+    return path
+
+
+def passed_smoke(image_id: str, records_dir: Path | None = None) -> SmokeRecord | None:
+    """The record of a passed smoke of exactly this image (config digest), or None.
+
+    One file per image: a full pass is not replaced by a later PARTIAL pass; a failed run of
+    the image removes it (main)."""
+    path = record_path(image_id, records_dir)
+    try:
+        data = json.loads(path.read_text())
+        record = SmokeRecord(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+    return record if record.image_id == image_id else None
 
 
 def expected_series(flavor_name: str | None = None) -> list[dict[str, str]]:
@@ -105,14 +166,16 @@ def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
     (out_dir / "expected-series.json").write_text(json.dumps(expected_series(flavor), indent=1))
     engine = connect()
     try:
-        labels = engine.client.images.get(image).labels or {}
+        found = engine.client.images.get(image)
     except docker.errors.ImageNotFound as exc:
         raise SmokeError(f"image {image} not found: {exc}; build it first: nox -s build") from exc
+    # Run the image by its ID: the record names exactly what ran, even if the tag moves.
+    image_id, labels = str(found.id), found.labels or {}
     light = labels.get("io.sglang-image.light") == "true"
     cmd = full_command(threshold) if gpu and not light else partial_command(light)
     try:
         # The image's entrypoint starts the server: replace it, the command is the runner.
-        container = engine.client.containers.run(image, entrypoint=cmd,
+        container = engine.client.containers.run(image_id, entrypoint=cmd,
                                                  **container_kwargs(gpu=gpu, out_dir=out_dir))
     except docker.errors.ImageNotFound as exc:
         raise SmokeError(f"image {image} not found: {exc}; build it first: nox -s build") from exc
@@ -134,21 +197,26 @@ def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
     if gpu:
         rp = out_dir / "report.json"
         report = json.loads(rp.read_text()) if rp.is_file() else {}
-        return SmokeResult("full", code == 0, code, out_dir, report, tail)
+        return SmokeResult("full", code == 0, code, out_dir, report, tail, image_id)
     report = {}
     for line in reversed(logs.splitlines()):
         if line.startswith("{") and '"partial"' in line:
             report = json.loads(line)
             break
     (out_dir / "partial.json").write_text(json.dumps(report, indent=1))
-    return SmokeResult("partial", code == 0 and bool(report.get("ok")), code, out_dir, report, tail)
+    return SmokeResult("partial", code == 0 and bool(report.get("ok")), code, out_dir, report, tail,
+                       image_id)
 
 
 def describe(res: SmokeResult) -> str:
     if res.mode == "partial":
-        lines = [("PARTIAL smoke (no GPU on this host): image checks only - the full smoke "
-                  "(servers, EAGLE-3, dynamic speculation disable) needs a GPU: nox -s smoke on a "
-                  "GPU host, or nox -s gpu-e2e for the GPU machine")]
+        verdict = "passed" if res.ok else "FAILED"
+        lines = [(f"PARTIAL smoke {verdict} (no GPU on this host): image checks only, NOT a "
+                  "pass of the smoke. Not checked without a GPU:")]
+        lines += [f"  - {item}" for item in NOT_CHECKED_WITHOUT_GPU]
+        lines.append("The full smoke: nox -s smoke on a GPU host with Docker (nox -s gpu-e2e "
+                     "runs the same checks on the same wheels on a GPU host without Docker, but "
+                     "not on this image). Checks run here:")
         for c in res.report.get("checks", []):
             mark = "skip" if c.get("skipped") else ("ok" if c["ok"] else "FAIL")
             lines.append(f"  [{mark}] {c['name']}" + ("" if c["ok"] and not c.get("skipped")
@@ -171,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-gpu", dest="gpu", action="store_false")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--threshold", type=int, default=4)
+    ap.add_argument("--accept-partial", action="store_true",
+                    help=f"exit 0 when the PARTIAL check passes (else {PARTIAL_EXIT_CODE})")
+    ap.add_argument("--records", type=Path, default=None,
+                    help=f"where passed smokes are recorded (default: {RECORDS_DIR})")
     a = ap.parse_args(argv)
     try:
         image = a.image or a.image_pos or default_image(a.flavor)
@@ -180,7 +252,18 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     print(describe(res))
     if not res.ok:
+        stale = record_path(res.image_id, a.records)
+        if res.image_id and stale.is_file():  # an earlier pass of this image no longer counts
+            stale.unlink()
+            print(f"removed the earlier pass of {res.image_id}: {stale}")
         return SmokeError.exit_code
+    existing = passed_smoke(res.image_id, a.records)
+    if res.mode == "full" or existing is None or existing.mode == "partial":
+        path = write_record(res, image, a.records)
+        print(f"recorded: {path} ({res.mode} smoke of {res.image_id})")
+    if res.mode == "partial" and not a.accept_partial:
+        print(f"exit {PARTIAL_EXIT_CODE}: PARTIAL is not a pass (--accept-partial exits 0 for it)")
+        return PARTIAL_EXIT_CODE
     return 0
 
 
