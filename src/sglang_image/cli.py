@@ -87,6 +87,7 @@ STAGE_COMMANDS = [
     ("smoke", "smoke", "smoke-test the built image (full with a GPU, PARTIAL without)"),
     ("publish", "publish", "push the image, its SBOM and labels to a registry"),
     ("gpu-e2e", "gpu", "build the GPU machine's wheel bundle and print the device command"),
+    ("plugin-check", "plugin", "check the plugin's hook targets against an unpacked sglang wheel"),
 ]
 
 
