@@ -89,6 +89,18 @@ def check_server_args(result: None, server_args: Any) -> None:
     setattr(server_args, SETTING_ATTR, resolve_setting(server_args))
 
 
+def _log_on_rank0(message: str) -> None:
+    """Log once per TP group (every rank decides alike)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        rank = get_parallel().tp_rank
+    except RuntimeError:  # no rank published: a process of its own
+        rank = 0
+    if rank == 0:
+        logger.info(message)
+
+
 def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER EAGLEWorkerV2.__init__: above the threshold the worker runs upstream's
     zero-step state; the switch is upstream's AdaptiveController with our policy."""
@@ -99,7 +111,6 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     if not setting.enabled or not worker._hosts_draft:
         return
     from sglang.srt.speculative import eagle_worker_v2
-    from sglang.srt.utils.common import log_info_on_rank0
 
     if setting.threshold == spec_disable.AUTO:
         raise ValueError(
@@ -110,13 +121,13 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     controller = spec_disable.SpecDisableController(
         setting.threshold,
         setting.hysteresis,
-        log_fn=lambda message: log_info_on_rank0(logger, message),
+        log_fn=_log_on_rank0,
     )
     worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
         worker, ThresholdPolicy(controller, worker.speculative_num_steps)
     )
     setattr(worker, CONTROLLER_ATTR, controller)
-    log_info_on_rank0(logger, spec_disable.start_log_line(setting.threshold))
+    _log_on_rank0(spec_disable.start_log_line(setting.threshold))
 
 
 class PrometheusMetrics(spec_disable.Metrics):
