@@ -215,6 +215,7 @@ def test_without_the_plugin_the_flag_does_not_exist(run_in_tree, tree, model_dir
     assert "unrecognized arguments: --speculative-disable-batch-threshold" in out["stderr"]
 
 
+# The worker as the scheduler process gets it; `hook` is the plugin's AFTER hook on its __init__.
 WORKER = textwrap.dedent("""
     import pickle
     from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
@@ -244,10 +245,15 @@ WORKER = textwrap.dedent("""
     worker.speculative_num_steps = 3
     worker.speculative_num_draft_tokens = 4
     worker.adaptive_controller = None
+    from types import SimpleNamespace as NS  # the draft's config, as its runner holds it
+    worker._draft_worker = NS(draft_runner=NS(model_config=NS(hf_config=NS(**HF_CONFIG))))
     # The hooked __init__'s AFTER part (the original __init__ loads models).
     init = EAGLEWorkerV2.__init__
     hook = next(c.cell_contents for c in init.__closure__ if callable(c.cell_contents)
                 and getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
+""")
+
+SWITCH = textwrap.dedent("""
     hook(None, worker)
 
     # Fakes of the GPU-only state capture and swap (see the module docstring).
@@ -274,7 +280,7 @@ WORKER = textwrap.dedent("""
 
 def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
     head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', '32']\n"
-            "TRACE = [1, 16, 32, 33, 40, 64, 31, 29, 28, 27, 40, 0, 20]\n")
+            "TRACE = [1, 16, 32, 33, 40, 64, 31, 29, 28, 27, 40, 0, 20]\nHF_CONFIG = {}\n")
     body = """
         class Scheduler:  # what the observability hooks read of upstream's Scheduler
             draft_worker = worker
@@ -300,7 +306,7 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
               "start": [r for r in records if r.startswith("Dynamic speculation disable")],
               "modes": [r for r in records if r.startswith("Speculation mode")]})
     """
-    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, body)
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
     # upstream's controller built the plain (zero-step, one-token) state for batch sizes > 28
     assert out["built"] == [[0, 1, [32, 40, 48, 64]]]
     # 3 draft steps up to 32 requests; none above; back at <= 28 (hysteresis 4); idle keeps it
@@ -317,13 +323,27 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
 
 
 def test_worker_untouched_without_a_threshold(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
-    head = f"MODEL = {str(model_dir)!r}\nARGS = []\nTRACE = [1, 64, 1]\n"
+    head = f"MODEL = {str(model_dir)!r}\nARGS = []\nTRACE = [1, 64, 1]\nHF_CONFIG = {{}}\n"
     body = """
         emit({"controller": worker.adaptive_controller is None, "steps": steps,
               "start": [r for r in records if r.startswith("Dynamic speculation disable")]})
     """
-    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, body)
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
     assert out == {"controller": True, "steps": [3, 3, 3], "start": []}
+
+
+def test_worker_refuses_a_draft_sharing_qsa_indices(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', '8']\n"
+            "TRACE = []\nHF_CONFIG = {'index_share_for_mtp_iteration': True}\n")
+    body = """
+        try:
+            hook(None, worker)
+        except ValueError as e:
+            emit({"error": str(e)})
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, body)
+    assert "--speculative-disable-batch-threshold is not supported with a draft that shares QSA" \
+        in out["error"]
 
 
 def _doctored_copy(tree: Path, dest: Path) -> Path:
@@ -350,12 +370,12 @@ def test_hook_target_check_passes_on_the_wheel_and_names_what_changed(tree: Path
     state.write_text(state.read_text().replace("def _add_speculative(", "def _add_spec_info(", 1))
     problems = plugin.check_hook_targets(doctored, SGLANG_VERSION)
     assert problems == [
-        "hook target sglang.srt.managers.scheduler_components.internal_state."
-        "SchedulerInternalStateController._add_speculative (after: adds speculative_disable to the "
-        f"server info) does not exist in sglang {SGLANG_VERSION}: move the hook",
-        "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input changed "
-        f"in sglang {SGLANG_VERSION} since the plugin was checked against it: review it, then "
-        "record the digests again",
+        ("hook target sglang.srt.managers.scheduler_components.internal_state."
+         "SchedulerInternalStateController._add_speculative (after: adds speculative_disable to "
+         f"the server info) does not exist in sglang {SGLANG_VERSION}: move the hook"),
+        ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input "
+         f"changed in sglang {SGLANG_VERSION} since the plugin was checked against it: review it, "
+         "then record the digests again"),
     ]
     assert any("no digests recorded for sglang 0.5.99" in p
                for p in plugin.check_hook_targets(tree, "0.5.99"))

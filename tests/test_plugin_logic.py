@@ -11,8 +11,8 @@ from sglang_image.plugin import PLUGIN_DIR
 
 sys.path.insert(0, str(PLUGIN_DIR))
 
-from sglang_image_plugin import spec_disable as sd  # noqa: E402
-from sglang_image_plugin.policy import ThresholdPolicy  # noqa: E402
+from sglang_image_plugin import spec_disable as sd
+from sglang_image_plugin.policy import ThresholdPolicy
 
 EAGLE3 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
                        speculative_adaptive=False)
@@ -101,8 +101,8 @@ def test_controller_hysteresis_counts_and_rate_limited_log() -> None:
     # changes at t=2, 5, 7, 9: the ones within 5 s of the last logged line are folded
     assert lines == [
         "Speculation mode -> plain (batch size 9 > threshold 8); mode_changes=1",
-        "Speculation mode -> plain (batch size 9 > threshold 8); mode_changes=3; "
-        "1 earlier change(s) not logged",
+        ("Speculation mode -> plain (batch size 9 > threshold 8); mode_changes=3; "
+         "1 earlier change(s) not logged"),
     ]
     assert ctl.snapshot() == {"threshold": 8, "hysteresis": 2, "mode": "speculative",
                               "speculative_steps": 6, "plain_steps": 5, "mode_changes": 4}

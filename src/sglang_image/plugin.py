@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -71,17 +72,18 @@ def _locate(site_packages: Path, dotted: str) -> tuple[Path, list[str]] | None:
     return None
 
 
-def _find(tree: ast.Module, names: list[str]) -> ast.AST | None:
+Definition = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def _find(tree: ast.Module, names: list[str]) -> Definition | None:
     """The class or function definition at names[0].names[1]... in a module."""
     body: list[ast.stmt] = tree.body
-    node: ast.AST | None = None
+    node: Definition | None = None
     for name in names:
-        node = next((n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef,
-                                                          ast.AsyncFunctionDef))
-                     and n.name == name), None)
+        node = next((n for n in body if isinstance(n, Definition) and n.name == name), None)
         if node is None:
             return None
-        body = node.body  # type: ignore[attr-defined]
+        body = node.body
     return node
 
 
@@ -95,8 +97,8 @@ def definition_source(site_packages: Path, dotted: str) -> str | None:
     node = _find(ast.parse(text), names)
     if node is None:
         return None
-    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])  # type: ignore[attr-defined]
-    lines = text.splitlines()[first - 1: node.end_lineno]  # type: ignore[attr-defined]
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    lines = text.splitlines()[first - 1: node.end_lineno]
     return textwrap.dedent("\n".join(lines)) + "\n"
 
 
@@ -107,7 +109,7 @@ def source_digest(source: str) -> str:
 def wheel_version(site_packages: Path) -> str | None:
     """The sglang version of an unpacked wheel (its dist-info)."""
     for meta in sorted(site_packages.glob("sglang-*.dist-info/METADATA")):
-        match = re.search(r"^Version: (\S+)$", meta.read_text(errors="replace"), re.M)
+        match = re.search(r"^Version: (\S+)$", meta.read_text(errors="replace"), re.MULTILINE)
         if match:
             return match.group(1)
     return None
@@ -172,12 +174,11 @@ def _pinned_backend() -> str:
 def build_wheel(out_dir: Path) -> Path:
     """Build the plugin's wheel into out_dir; the same sources give the same bytes
     (fixed timestamps and file modes, the pinned setuptools, no build isolation)."""
-    import setuptools
-
     pinned = _pinned_backend()
-    if setuptools.__version__ != pinned:
+    installed = importlib.metadata.version("setuptools")
+    if installed != pinned:
         raise PluginError(f"the plugin builds with setuptools=={pinned} (patches/plugin/"
-                          f"pyproject.toml), this environment has {setuptools.__version__}: "
+                          f"pyproject.toml), this environment has {installed}: "
                           f"install setuptools=={pinned}, or update the pin and the lock")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sglang-image-plugin-") as tmp:
@@ -192,8 +193,8 @@ def build_wheel(out_dir: Path) -> Path:
         env = {**os.environ, "SOURCE_DATE_EPOCH": str(WHEEL_EPOCH), "PYTHONHASHSEED": "0"}
         proc = subprocess.run(
             [sys.executable, "-c",
-             "import sys; from setuptools import build_meta; "
-             "print(build_meta.build_wheel(sys.argv[1]))", str(dist)],
+         "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))",
+         str(dist)],
             cwd=src, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise PluginError(f"building the plugin wheel failed:\n{proc.stderr[-3000:]}")

@@ -26,7 +26,7 @@ class PluginHookError(SystemExit):
 
 def _chain(obj: Any) -> list[Any]:
     """The function at a hook target and every function it wraps (__wrapped__)."""
-    found = []
+    found: list[Any] = []
     fn = getattr(obj, "__func__", obj)  # classmethod / staticmethod
     while fn is not None and len(found) < 64:
         found.append(fn)

@@ -118,6 +118,13 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
             "controller wired in; give a number"
         )
     assert isinstance(setting.threshold, int)
+    hf_config = worker._draft_worker.draft_runner.model_config.hf_config
+    if eagle_worker_v2._qsa_index_share_requested(hf_config):
+        raise ValueError(
+            f"{spec_disable.THRESHOLD_FLAG} is not supported with a draft that shares QSA "
+            "indices across its steps (index_share_for_mtp_iteration): its index buffers "
+            "belong to one step count (as with --speculative-adaptive)"
+        )
     controller = spec_disable.SpecDisableController(
         setting.threshold,
         setting.hysteresis,

@@ -45,7 +45,6 @@ class ThresholdPolicy:
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> None:
         """The threshold does not follow acceptance."""
-        return None
 
     def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
         """The captured batch sizes a step count can run at (a batch pads up to the

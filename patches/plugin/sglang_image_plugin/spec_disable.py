@@ -26,7 +26,7 @@ THRESHOLD_ENV = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
 THRESHOLD_DEST = "speculative_disable_batch_threshold"
 HYSTERESIS_DEST = "speculative_disable_hysteresis"
 
-AUTO = "auto"
+AUTO: Literal["auto"] = "auto"
 # The module of the self-tuning threshold (`auto`); until it ships, `auto` is refused.
 AUTO_MODULE = "sglang_image_plugin.auto_threshold"
 

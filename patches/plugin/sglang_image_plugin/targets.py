@@ -55,6 +55,7 @@ RELIED: tuple[str, ...] = (
     f"{_WORKER}.build_adaptive_runtime_state",
     f"{_WORKER}.apply_runtime_state",
     f"{_WORKER}._override_worker_state",
+    "sglang.srt.speculative.eagle_worker_v2._qsa_index_share_requested",
     "sglang.srt.speculative.adaptive_runtime_state.AdaptiveController",
     "sglang.srt.speculative.adaptive_runtime_state.AdaptiveSpecPolicy",
     "sglang.srt.speculative.adaptive_spec_params.adaptive_unsupported_reason",
