@@ -10,6 +10,7 @@ is made without its __init__ (which loads models). Everything else is upstream's
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def tree(sglang_tree: Callable[[str, bool], Path]) -> Path:
     if FLAVOR in pins.flavor_names():
         return sglang_tree(FLAVOR, False)
     # Until the flavor's lock is merged: the same wheel from PyPI, by pip.
-    cache = Path(plugin.os.environ.get("SGLANG_IMAGE_CACHE", TREE_CACHE.parent)) / "plugin-wheels"
+    cache = Path(os.environ.get("SGLANG_IMAGE_CACHE", pins.REPO_ROOT / ".cache")) / "plugin-wheels"
     dest = TREE_CACHE / f"{FLAVOR}-wheel"
     if not (dest / ".complete").exists():
         wheels = sorted(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
