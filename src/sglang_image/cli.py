@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sglang_image import lock, patch, patchwork, pins
+from sglang_image import lock, patch, patchwork, pins, plugin
 from sglang_image.errors import SglangImageError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -27,6 +27,9 @@ def check_all_series(flavor_names: Sequence[str]) -> int:
         with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
             patch.prepare_tree(flavor, Path(tmp), patched=False)
             results = patch.apply_series(flavor.series(), Path(tmp), keep_going=True)
+            # The plugin's hooks and relied-on code, on the same (patched) tree
+            plugin_problems = (plugin.check_hook_targets(Path(tmp), flavor.sglang_version)
+                               if getattr(flavor, "plugin", False) else None)
         console.print(f"[bold]{name}[/]: {len(results)} patches on "
                       f"{', '.join(flavor.patch_targets)} (zero fuzz)")
         for r in results:
@@ -35,6 +38,10 @@ def check_all_series(flavor_names: Sequence[str]) -> int:
             else:
                 failures += 1
                 console.print(f"  [red]FAILED[/]  {r.message}")
+        if plugin_problems is not None:
+            failures += len(plugin_problems)
+            console.print("  [green]plugin[/] hook targets and digests match" if not plugin_problems
+                          else "\n".join(f"  [red]FAILED[/]  plugin: {p}" for p in plugin_problems))
     return 1 if failures else 0
 
 
@@ -87,6 +94,7 @@ STAGE_COMMANDS = [
     ("smoke", "smoke", "smoke-test the built image (full with a GPU, PARTIAL without)"),
     ("publish", "publish", "push the image, its SBOM and labels to a registry"),
     ("gpu-e2e", "gpu", "build the GPU machine's wheel bundle and print the device command"),
+    ("plugin-check", "plugin", "check the plugin's hook targets against an unpacked sglang wheel"),
 ]
 
 

@@ -1,0 +1,196 @@
+"""The hook functions, one per entry of targets.HOOKS (HookRegistry call conventions).
+
+sglang is imported inside the hooks only: they run in a process that has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from sglang_image_plugin import spec_disable
+from sglang_image_plugin.policy import ThresholdPolicy
+from sglang_image_plugin.spec_disable import Setting
+
+logger = logging.getLogger(__name__)
+
+# Bookkeeping attributes on ServerArgs (not fields: pickled to the scheduler by
+# ServerArgs.__reduce__, never part of the resolved configuration).
+FLAGS_ATTR = "_sglang_image_spec_disable_flags"
+SETTING_ATTR = "_sglang_image_spec_disable"
+# On EAGLEWorkerV2: the controller, read by the observability hooks.
+CONTROLLER_ATTR = "sglang_image_spec_disable"
+SKIP_DRAFT_EXTEND_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
+
+
+def add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
+    """AFTER ServerArgs.add_cli_args: the two flags."""
+    spec_disable.add_cli_args(parser)
+
+
+def from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Namespace) -> Any:
+    """AROUND ServerArgs.from_cli_args: keep the parsed flags on the record."""
+    server_args = original(cls, args)
+    flags = (
+        getattr(args, spec_disable.THRESHOLD_DEST, None),
+        getattr(args, spec_disable.HYSTERESIS_DEST, None),
+    )
+    setattr(server_args, FLAGS_ATTR, flags)
+    return server_args
+
+
+def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> Setting:
+    """The validated setting for these (resolved) server arguments; ValueError names
+    the flag. Off without looking further when neither the flag nor the env is set,
+    so servers that do not use the feature are not touched."""
+    environ = dict(os.environ) if environ is None else environ
+    threshold_flag, hysteresis_flag = getattr(server_args, FLAGS_ATTR, (None, None))
+    if threshold_flag is None and not environ.get(spec_disable.THRESHOLD_ENV, "").strip():
+        if hysteresis_flag is not None:
+            raise ValueError(
+                f"{spec_disable.HYSTERESIS_FLAG} needs {spec_disable.THRESHOLD_FLAG} "
+                f"(or {spec_disable.THRESHOLD_ENV})"
+            )
+        return spec_disable.OFF
+
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.speculative.adaptive_spec_params import adaptive_unsupported_reason
+
+    cfg = resolving_view(server_args)
+    reason = None
+    if cfg.speculative_algorithm in spec_disable.SUPPORTED_ALGORITHMS:
+        reason = adaptive_unsupported_reason(server_args)
+        if reason is None and (cfg.pp_size or 1) > 1:
+            reason = "pipeline parallelism (--pp-size > 1) is not supported"
+        if reason is None and environ.get(SKIP_DRAFT_EXTEND_ENV, "").strip() not in ("", "0", "false"):
+            reason = (
+                f"{SKIP_DRAFT_EXTEND_ENV} leaves the draft's KV cache stale while plain; unset it"
+            )
+    view = spec_disable.ServerView(
+        speculative_algorithm=cfg.speculative_algorithm,
+        speculative_eagle_topk=cfg.speculative_eagle_topk,
+        speculative_adaptive=bool(cfg.speculative_adaptive),
+        adaptive_unsupported_reason=reason,
+    )
+    return spec_disable.resolve_and_validate(
+        threshold_flag=threshold_flag,
+        hysteresis_flag=hysteresis_flag,
+        server=view,
+        environ=environ,
+    )
+
+
+def check_server_args(result: None, server_args: Any) -> None:
+    """AFTER ServerArgs.check_server_args: bad input stops the launch here, naming
+    the flag; the scheduler processes read the resolved setting from the record."""
+    setattr(server_args, SETTING_ATTR, resolve_setting(server_args))
+
+
+def _log_on_rank0(message: str) -> None:
+    """Log once per TP group (every rank decides alike)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        rank = get_parallel().tp_rank
+    except RuntimeError:  # no rank published: a process of its own
+        rank = 0
+    if rank == 0:
+        logger.info(message)
+
+
+def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER EAGLEWorkerV2.__init__: above the threshold the worker runs upstream's
+    zero-step state; the switch is upstream's AdaptiveController with our policy."""
+    server_args = worker.server_args
+    setting = getattr(server_args, SETTING_ATTR, None)
+    if setting is None:  # a launch path that skipped check_server_args
+        setting = resolve_setting(server_args)
+    if not setting.enabled or not worker._hosts_draft:
+        return
+    from sglang.srt.speculative import eagle_worker_v2
+
+    if setting.threshold == spec_disable.AUTO:
+        raise ValueError(
+            f"{spec_disable.THRESHOLD_FLAG}=auto: this build's worker has no self-tuning "
+            "controller wired in; give a number"
+        )
+    assert isinstance(setting.threshold, int)
+    hf_config = worker._draft_worker.draft_runner.model_config.hf_config
+    if eagle_worker_v2._qsa_index_share_requested(hf_config):
+        raise ValueError(
+            f"{spec_disable.THRESHOLD_FLAG} is not supported with a draft that shares QSA "
+            "indices across its steps (index_share_for_mtp_iteration): its index buffers "
+            "belong to one step count (as with --speculative-adaptive)"
+        )
+    controller = spec_disable.SpecDisableController(
+        setting.threshold,
+        setting.hysteresis,
+        log_fn=_log_on_rank0,
+    )
+    worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
+        worker, ThresholdPolicy(controller, worker.speculative_num_steps)
+    )
+    setattr(worker, CONTROLLER_ATTR, controller)
+    _log_on_rank0(spec_disable.start_log_line(setting.threshold))
+
+
+class PrometheusMetrics(spec_disable.Metrics):
+    """sglang:spec_disable_* next to the scheduler's own metrics (same labels)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self._plain_mode = Gauge(
+            name="sglang:spec_disable_plain_mode",
+            documentation="1 while speculation is disabled (plain decode), else 0.",
+            labelnames=list(labels),
+            multiprocess_mode="mostrecent",
+        ).labels(**labels)
+        self._speculative_steps = Counter(
+            name="sglang:spec_disable_speculative_steps_total",
+            documentation="Decode steps that ran draft + verify.",
+            labelnames=list(labels),
+        ).labels(**labels)
+        self._plain_steps = Counter(
+            name="sglang:spec_disable_plain_steps_total",
+            documentation="Decode steps that ran without drafting.",
+            labelnames=list(labels),
+        ).labels(**labels)
+
+    def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
+        self._plain_mode.set(int(plain_mode))
+        if speculative_steps:
+            self._speculative_steps.inc(speculative_steps)
+        if plain_steps:
+            self._plain_steps.inc(plain_steps)
+
+
+def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER Scheduler.__init__: metrics for the controller, when metrics are on."""
+    controller = getattr(getattr(scheduler, "draft_worker", None), CONTROLLER_ATTR, None)
+    collector = getattr(scheduler, "metrics_collector", None)
+    labels = getattr(collector, "labels", None)
+    if controller is not None and labels is not None:
+        controller.metrics = PrometheusMetrics(dict(labels))
+
+
+def add_speculative_state(result: None, state_controller: Any, state: dict[str, Any]) -> None:
+    """AFTER SchedulerInternalStateController._add_speculative: the server info."""
+    worker = getattr(state_controller.scheduler, "draft_worker", None)
+    controller = getattr(worker, CONTROLLER_ATTR, None)
+    if controller is not None:
+        state["speculative_disable"] = controller.snapshot()
+
+
+FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "sglang.srt.server_args.ServerArgs.add_cli_args": add_cli_args,
+    "sglang.srt.server_args.ServerArgs.from_cli_args": from_cli_args,
+    "sglang.srt.server_args.ServerArgs.check_server_args": check_server_args,
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__": worker_init,
+    "sglang.srt.managers.scheduler.Scheduler.__init__": scheduler_init,
+    "sglang.srt.managers.scheduler_components.internal_state."
+    "SchedulerInternalStateController._add_speculative": add_speculative_state,
+}

@@ -1,0 +1,314 @@
+"""Dynamic speculation disable: flags, validation and the hysteresis controller.
+
+Pure logic (no sglang, torch or GPU imports), so it is tested on any machine and
+shared by every flavor the plugin supports. Above a running-batch-size threshold N
+the EAGLE worker decodes with the target alone; it speculates again once the batch
+has shrunk to N - H (hysteresis H).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+HYSTERESIS_FLAG = "--speculative-disable-hysteresis"
+THRESHOLD_ENV = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
+# argparse destinations: not ServerArgs fields, so ServerArgs.from_cli_args skips them.
+THRESHOLD_DEST = "speculative_disable_batch_threshold"
+HYSTERESIS_DEST = "speculative_disable_hysteresis"
+
+AUTO: Literal["auto"] = "auto"
+# The module of the self-tuning threshold (`auto`); until it ships, `auto` is refused.
+AUTO_MODULE = "sglang_image_plugin.auto_threshold"
+
+MODE_SPECULATIVE = "speculative"
+MODE_PLAIN = "plain"
+# Mode-change log lines closer together than this are folded into the next one.
+MODE_LOG_INTERVAL_S = 5.0
+SUPPORTED_ALGORITHMS = ("EAGLE", "EAGLE3")
+
+THRESHOLD_HELP = (
+    "Dynamic speculation disable: when the running decode batch has more than N "
+    "requests, decode with the target model alone (no drafting, no verification; the "
+    "draft KV cache stays filled so acceptance recovers when speculation resumes). "
+    f"0 disables it. Without the flag the environment variable {THRESHOLD_ENV} is read. "
+    "EAGLE/EAGLE3 with topk 1 only."
+)
+HYSTERESIS_HELP = (
+    f"Hysteresis for {THRESHOLD_FLAG} N: once plain, speculation resumes only when the "
+    "batch size is <= N - H. 0 <= H < N; default N // 8 (at least 1 when N > 1), so one "
+    "arrival or finish does not flip the mode back and forth."
+)
+
+Threshold = int | Literal["auto"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """The resolved switch: threshold 0 means off."""
+
+    threshold: Threshold
+    hysteresis: int
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold == AUTO or (isinstance(self.threshold, int) and self.threshold > 0)
+
+
+OFF = Setting(threshold=0, hysteresis=0)
+
+
+def auto_available() -> bool:
+    """Whether this build ships the self-tuning threshold (`auto`)."""
+    return importlib.util.find_spec(AUTO_MODULE) is not None
+
+
+def parse_threshold(text: str, source: str = THRESHOLD_FLAG) -> Threshold:
+    """An integer >= 0, or `auto` where this build has the self-tuning threshold.
+
+    Raises ValueError naming `source` (the flag, or the environment variable).
+    """
+    value = text.strip()
+    if value.lower() == AUTO:
+        if not auto_available():
+            raise ValueError(
+                f"{source}=auto is not available in this build (no self-tuning "
+                "threshold yet); give the batch size N above which to stop "
+                "speculating, e.g. 32, or 0 to turn it off"
+            )
+        return AUTO
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(
+            f"{source} must be a non-negative integer (0 = off), got {text!r}"
+        ) from None
+    if number < 0:
+        raise ValueError(f"{source} must be >= 0 (0 = off), got {number}")
+    return number
+
+
+def parse_hysteresis(text: str) -> int:
+    try:
+        number = int(text.strip())
+    except ValueError:
+        raise ValueError(f"{HYSTERESIS_FLAG} must be an integer >= 0, got {text!r}") from None
+    if number < 0:
+        raise ValueError(f"{HYSTERESIS_FLAG} must be >= 0, got {number}")
+    return number
+
+
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Register both flags (argparse then names the flag in any parse error)."""
+    parser.add_argument(
+        THRESHOLD_FLAG,
+        dest=THRESHOLD_DEST,
+        type=_argparse_type(parse_threshold),
+        default=None,
+        metavar="N",
+        help=THRESHOLD_HELP,
+    )
+    parser.add_argument(
+        HYSTERESIS_FLAG,
+        dest=HYSTERESIS_DEST,
+        type=_argparse_type(parse_hysteresis),
+        default=None,
+        metavar="H",
+        help=HYSTERESIS_HELP,
+    )
+
+
+def default_hysteresis(threshold: int) -> int:
+    """N // 8, at least 1 when N > 1, always < N."""
+    if threshold <= 1:
+        return 0
+    return min(max(1, threshold // 8), threshold - 1)
+
+
+def resolve_threshold(flag: Threshold | None, environ: Mapping[str, str]) -> Threshold:
+    """The flag wins; else the environment variable; else 0 (off)."""
+    if flag is not None:
+        return flag
+    raw = environ.get(THRESHOLD_ENV)
+    if raw is None or raw.strip() == "":
+        return 0
+    return parse_threshold(raw, f"{THRESHOLD_ENV} (the fallback for {THRESHOLD_FLAG})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerView:
+    """What validation reads from the resolved server arguments."""
+
+    speculative_algorithm: str | None
+    speculative_eagle_topk: int | None
+    speculative_adaptive: bool
+    # Why upstream's adaptive state switch cannot run here (None: it can). The
+    # plain tier is built and switched by that machinery.
+    adaptive_unsupported_reason: str | None = None
+
+
+def resolve_and_validate(
+    *,
+    threshold_flag: Threshold | None,
+    hysteresis_flag: int | None,
+    server: ServerView,
+    environ: Mapping[str, str] | None = None,
+) -> Setting:
+    """Resolve the setting and refuse unsupported combinations.
+
+    Raises ValueError whose message names the flag and says what to change.
+    """
+    environ = os.environ if environ is None else environ
+    threshold = resolve_threshold(threshold_flag, environ)
+    if threshold == 0:
+        return OFF
+    shown = f"{THRESHOLD_FLAG}={threshold}"
+    if server.speculative_algorithm not in SUPPORTED_ALGORITHMS:
+        raise ValueError(
+            f"{shown} needs --speculative-algorithm EAGLE or EAGLE3 "
+            f"(got {server.speculative_algorithm!r}); drop the threshold or pick EAGLE3"
+        )
+    if server.speculative_eagle_topk not in (None, 1):
+        raise ValueError(
+            f"{shown} needs --speculative-eagle-topk 1 (got {server.speculative_eagle_topk})"
+        )
+    if server.speculative_adaptive:
+        raise ValueError(
+            f"{shown} cannot be combined with --speculative-adaptive (both switch the "
+            "speculation state); use one of them"
+        )
+    if server.adaptive_unsupported_reason is not None:
+        raise ValueError(f"{shown} is not supported here: {server.adaptive_unsupported_reason}")
+    if threshold == AUTO:
+        # The self-tuning controller brings its own hysteresis.
+        return Setting(threshold=AUTO, hysteresis=hysteresis_flag or 0)
+    assert isinstance(threshold, int)
+    hysteresis = default_hysteresis(threshold) if hysteresis_flag is None else hysteresis_flag
+    if hysteresis >= threshold:
+        raise ValueError(
+            f"{HYSTERESIS_FLAG} must be smaller than {THRESHOLD_FLAG} (got H={hysteresis}, "
+            f"N={threshold}); speculation would never resume"
+        )
+    return Setting(threshold=threshold, hysteresis=hysteresis)
+
+
+def start_log_line(threshold: Threshold) -> str:
+    return f"Dynamic speculation disable enabled: threshold={threshold}"
+
+
+class Metrics:
+    """Where the controller reports: Prometheus in a server, nothing in tests."""
+
+    def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
+        """The mode now and the steps taken since the last call."""
+
+
+class SpecDisableController:
+    """Speculative -> plain when batch_size > N; plain -> speculative when <= N - H.
+
+    The decision depends only on the running batch size, which every TP rank sees
+    identically, so all ranks choose the same mode without communication.
+    """
+
+    def __init__(
+        self,
+        threshold: int,
+        hysteresis: int,
+        *,
+        log_fn: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        log_interval_s: float = MODE_LOG_INTERVAL_S,
+    ) -> None:
+        if threshold <= 0:
+            raise ValueError(f"{THRESHOLD_FLAG} must be > 0 here, got {threshold}")
+        if not 0 <= hysteresis < threshold:
+            raise ValueError(
+                f"{HYSTERESIS_FLAG} must satisfy 0 <= H < N, got H={hysteresis}, N={threshold}"
+            )
+        self.threshold = threshold
+        self.hysteresis = hysteresis
+        self.mode = MODE_SPECULATIVE
+        self.speculative_steps = 0
+        self.plain_steps = 0
+        self.mode_changes = 0
+        self.metrics = Metrics()
+        self._log_fn = log_fn if log_fn is not None else logger.info
+        self._clock = clock
+        self._log_interval_s = log_interval_s
+        self._last_log_time: float | None = None
+        self._suppressed = 0
+
+    @property
+    def resume_batch_size(self) -> int:
+        return self.threshold - self.hysteresis
+
+    def next_mode(self, batch_size: int) -> str:
+        """The transition function alone (no side effects)."""
+        if self.mode == MODE_SPECULATIVE:
+            return MODE_PLAIN if batch_size > self.threshold else MODE_SPECULATIVE
+        return MODE_SPECULATIVE if batch_size <= self.resume_batch_size else MODE_PLAIN
+
+    def step(self, batch_size: int) -> bool:
+        """Account one decode step of this many requests; True: it runs plain."""
+        new_mode = self.next_mode(batch_size)
+        if new_mode != self.mode:
+            self.mode = new_mode
+            self.mode_changes += 1
+            self._log_mode_change(batch_size)
+        plain = self.mode == MODE_PLAIN
+        if plain:
+            self.plain_steps += 1
+        else:
+            self.speculative_steps += 1
+        self.metrics.observe(plain, int(not plain), int(plain))
+        return plain
+
+    def _log_mode_change(self, batch_size: int) -> None:
+        now = self._clock()
+        if self._last_log_time is not None and now - self._last_log_time < self._log_interval_s:
+            self._suppressed += 1
+            return
+        if self.mode == MODE_PLAIN:
+            why = f"batch size {batch_size} > threshold {self.threshold}"
+        else:
+            why = (
+                f"batch size {batch_size} <= {self.resume_batch_size} (threshold "
+                f"{self.threshold} - hysteresis {self.hysteresis})"
+            )
+        extra = f"; {self._suppressed} earlier change(s) not logged" if self._suppressed else ""
+        self._log_fn(
+            f"Speculation mode -> {self.mode} ({why}); mode_changes={self.mode_changes}{extra}"
+        )
+        self._suppressed = 0
+        self._last_log_time = now
+
+    def snapshot(self) -> dict[str, Any]:
+        """The server-info view: internal_states[i]["speculative_disable"]."""
+        return {
+            "threshold": self.threshold,
+            "hysteresis": self.hysteresis,
+            "mode": self.mode,
+            "speculative_steps": self.speculative_steps,
+            "plain_steps": self.plain_steps,
+            "mode_changes": self.mode_changes,
+        }

@@ -1,0 +1,64 @@
+"""Where the plugin reaches into upstream SGLang: pure data, no imports of sglang.
+
+HOOKS: every hook the plugin registers (dotted path, hook type). All are methods
+looked up on their class at call time, so a hook there reaches every caller (no
+module holds a copy of the function).
+RELIED: upstream functions and classes whose behaviour the feature depends on
+without hooking them (it drives upstream's adaptive state switch); a digest of
+each one's source per sglang release is recorded in upstream_digests.json, and
+`python -m sglang_image plugin-check` fails when one changed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class HookSpec(NamedTuple):
+    target: str
+    hook_type: str  # "before", "after", "around" or "replace" (HookType values)
+    why: str
+
+
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
+
+HOOKS: tuple[HookSpec, ...] = (
+    HookSpec(f"{_SERVER_ARGS}.add_cli_args", "after", "adds the two flags to the CLI"),
+    HookSpec(f"{_SERVER_ARGS}.from_cli_args", "around", "keeps the flag values on the record"),
+    HookSpec(f"{_SERVER_ARGS}.check_server_args", "after", "resolves flag/env and validates"),
+    HookSpec(f"{_WORKER}.__init__", "after", "gives the worker the threshold policy"),
+    HookSpec(
+        "sglang.srt.managers.scheduler.Scheduler.__init__",
+        "after",
+        "exports the controller's Prometheus metrics",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler_components.internal_state."
+        "SchedulerInternalStateController._add_speculative",
+        "after",
+        "adds speculative_disable to the server info",
+    ),
+)
+
+RELIED: tuple[str, ...] = (
+    # The parser is built by add_cli_args and read by from_cli_args.
+    "sglang.srt.server_args.prepare_server_args",
+    f"{_SERVER_ARGS}.from_cli_args",
+    f"{_SERVER_ARGS}.__reduce__",  # bookkeeping attributes reach the scheduler
+    # The worker builds, switches and runs the step states.
+    f"{_WORKER}.__init__",
+    f"{_WORKER}.init_cuda_graphs",
+    f"{_WORKER}.forward_batch_generation",
+    f"{_WORKER}._build_trivial_verify_input",
+    f"{_WORKER}.activate_step_by_batch",
+    f"{_WORKER}.build_adaptive_runtime_state",
+    f"{_WORKER}.apply_runtime_state",
+    f"{_WORKER}._override_worker_state",
+    "sglang.srt.speculative.eagle_worker_v2._qsa_index_share_requested",
+    "sglang.srt.speculative.adaptive_runtime_state.AdaptiveController",
+    "sglang.srt.speculative.adaptive_runtime_state.AdaptiveSpecPolicy",
+    "sglang.srt.speculative.adaptive_spec_params.adaptive_unsupported_reason",
+)
+
+DIGESTS_FILE = "upstream_digests.json"

@@ -1,0 +1,388 @@
+"""The plugin against the real sglang 0.5.23 wheel, on a CPU: discovery through its entry point
+(the built wheel's dist-info on the path), hooks applied and checked at start, the flag, the
+environment variable, validation, the start log line, and the worker's switch as far as it runs
+without a GPU. Each probe runs in its own interpreter and prints one JSON line.
+
+GPU-only pieces faked (test_worker_switch): the worker's build_adaptive_runtime_state (captures
+attention backends and CUDA graphs) and apply_runtime_state (swaps them); the EAGLEWorkerV2 object
+is made without its __init__ (which loads models). Everything else is upstream's code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_image import pins, plugin
+from tests.probe import probe_result
+
+SGLANG_VERSION = "0.5.23"
+FLAVOR = f"sglang-{SGLANG_VERSION}"
+TREE_CACHE = pins.REPO_ROOT / ".cache" / "trees"
+ENV = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1,
+              "eos_token_id": 2}
+
+
+@pytest.fixture(scope="module")
+def tree(sglang_tree: Callable[[str, bool], Path]) -> Path:
+    """The real sglang 0.5.23, unpacked as the wheel ships it (the plugin changes no file)."""
+    if FLAVOR in pins.flavor_names():
+        return sglang_tree(FLAVOR, False)
+    # Until the flavor's lock is merged: the same wheel from PyPI, by pip.
+    cache = Path(os.environ.get("SGLANG_IMAGE_CACHE", pins.REPO_ROOT / ".cache")) / "plugin-wheels"
+    dest = TREE_CACHE / f"{FLAVOR}-wheel"
+    if not (dest / ".complete").exists():
+        wheels = sorted(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+        if not wheels:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                            f"sglang=={SGLANG_VERSION}", "-d", str(cache)], check=True)
+            wheels = sorted(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+        shutil.rmtree(dest, ignore_errors=True)
+        with zipfile.ZipFile(wheels[0]) as zf:
+            zf.extractall(dest)
+        (dest / ".complete").write_text("ok\n")
+    return dest
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin's wheel as pip would install it: its files and dist-info (entry points)."""
+    out = tmp_path_factory.mktemp("plugin")
+    wheel = plugin.build_wheel(out / "dist")
+    site = out / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    return site
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A config-only Llama: enough for the server arguments to resolve on a CPU."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return path
+
+
+PRELUDE = textwrap.dedent("""
+    import json, logging, sys
+    def emit(obj):
+        print("RESULT " + json.dumps(obj), flush=True)
+""")
+
+# Launcher-side: plugins loaded as the launcher loads them, then the server arguments built,
+# resolved and checked as Engine._launch_subprocesses does.
+LAUNCHER = textwrap.dedent("""
+    import contextlib, io, pickle
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+
+    def launch(model, extra):
+        argv = ["--model-path", model, "--skip-tokenizer-init", "--device", "cpu",
+                "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", model,
+                "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
+                "--speculative-num-draft-tokens", "4", *extra]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                sa = prepare_server_args(argv)
+        except SystemExit as e:
+            return {"argparse_exit": e.code, "stderr": err.getvalue()[-400:]}
+        sa.resolve_once()
+        try:
+            sa.check_server_args()
+        except ValueError as e:
+            return {"error": str(e)}
+        setting = pickle.loads(pickle.dumps(sa))._sglang_image_spec_disable
+        return {"threshold": setting.threshold, "hysteresis": setting.hysteresis}
+""")
+
+
+def _probe(run_in_tree: Callable[..., subprocess.CompletedProcess[str]], tree: Path,
+           site: Path | None, *parts: str, env: dict[str, str] | None = None) -> Any:
+    """Run the parts (each dedented) after PRELUDE; the plugin's site first on the path."""
+    path = f"{site}:{tree}" if site is not None else str(tree)
+    code = PRELUDE + "".join(textwrap.dedent(part) for part in parts)
+    proc = run_in_tree(tree, code,
+                       env={"PYTHONPATH": path, **(env or {})}, timeout=900)
+    return probe_result(proc)
+
+
+def test_wheel_is_reproducible_and_declares_the_entry_point(tmp_path: Path) -> None:
+    first = plugin.build_wheel(tmp_path / "a")
+    second = plugin.build_wheel(tmp_path / "b")
+    assert first.name == "sglang_image_plugin-0.1.0-py3-none-any.whl"
+    assert first.read_bytes() == second.read_bytes()
+    with zipfile.ZipFile(first) as zf:
+        entry_points = zf.read("sglang_image_plugin-0.1.0.dist-info/entry_points.txt").decode()
+        names = set(zf.namelist())
+    assert "[sglang.srt.plugins]\nsglang_image = sglang_image_plugin:register" in entry_points
+    assert "sglang_image_plugin/upstream_digests.json" in names
+
+
+def test_discovered_applied_and_checked_at_start(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    out = _probe(run_in_tree, tree, plugin_site, """
+        from importlib.metadata import entry_points
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        load_plugins()
+        import sglang_image_plugin
+        from sglang_image_plugin.targets import HOOKS
+        eps = [(ep.name, ep.value, ep.dist.name) for ep in entry_points(group="sglang.srt.plugins")]
+        emit({"eps": eps, "not_taken": sglang_image_plugin.hooks_not_taken(),
+              "patched": sorted(t for t in HookRegistry._patched),
+              "targets": sorted(h.target for h in HOOKS)})
+    """)
+    assert out["eps"] == [["sglang_image", "sglang_image_plugin:register", "sglang-image-plugin"]]
+    assert out["not_taken"] == []
+    assert set(out["targets"]) <= set(out["patched"])
+
+
+def test_a_hook_that_does_not_take_stops_the_process(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # A release without one of the targets: the framework would log and carry on.
+    code = PRELUDE + textwrap.dedent("""
+        from sglang.srt.managers.scheduler_components import internal_state
+        del internal_state.SchedulerInternalStateController._add_speculative
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        emit({"still": "running"})
+    """)
+    proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}"}, timeout=900)
+    assert proc.returncode == 1 and "RESULT" not in proc.stdout
+    assert "sglang-image-plugin: hooks did not take" in proc.stderr
+    assert ("SchedulerInternalStateController._add_speculative: cannot be resolved"
+            in proc.stderr)
+
+
+def test_flag_env_and_validation_through_the_launcher(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
+        m = {str(model_dir)!r}
+        emit({{
+            "flag": launch(m, ["--speculative-disable-batch-threshold", "32"]),
+            "flag_h": launch(m, ["--speculative-disable-batch-threshold", "32",
+                                 "--speculative-disable-hysteresis", "2"]),
+            "off": launch(m, []),
+            "negative": launch(m, ["--speculative-disable-batch-threshold", "-4"]),
+            "garbage": launch(m, ["--speculative-disable-batch-threshold", "lots"]),
+            "auto": launch(m, ["--speculative-disable-batch-threshold", "auto"]),
+            "h_too_big": launch(m, ["--speculative-disable-batch-threshold", "4",
+                                    "--speculative-disable-hysteresis", "4"]),
+            "topk": launch(m, ["--speculative-disable-batch-threshold", "8",
+                               "--speculative-eagle-topk", "4"]),
+            "adaptive": launch(m, ["--speculative-disable-batch-threshold", "8",
+                                   "--speculative-adaptive"]),
+        }})
+    """)
+    assert out["flag"] == {"threshold": 32, "hysteresis": 4}
+    assert out["flag_h"] == {"threshold": 32, "hysteresis": 2}
+    assert out["off"] == {"threshold": 0, "hysteresis": 0}
+    for key, words in (("negative", "must be >= 0"), ("garbage", "non-negative integer"),
+                       ("auto", "auto is not available in this build")):
+        assert out[key]["argparse_exit"] == 2
+        assert "argument --speculative-disable-batch-threshold" in out[key]["stderr"]
+        assert words in out[key]["stderr"]
+    assert "--speculative-disable-hysteresis must be smaller" in out["h_too_big"]["error"]
+    assert "needs --speculative-eagle-topk 1 (got 4)" in out["topk"]["error"]
+    assert "cannot be combined with --speculative-adaptive" in out["adaptive"]["error"]
+
+    env_out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
+        emit(launch({str(model_dir)!r}, []))
+    """, env={ENV: "48"})
+    assert env_out == {"threshold": 48, "hysteresis": 6}
+    bad_env = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
+        emit(launch({str(model_dir)!r}, []))
+    """, env={ENV: "plenty"})
+    assert f"{ENV} (the fallback for --speculative-disable-batch-threshold)" in bad_env["error"]
+
+
+def test_without_the_plugin_the_flag_does_not_exist(run_in_tree, tree, model_dir) -> None:  # type: ignore[no-untyped-def]
+    out = _probe(run_in_tree, tree, None, LAUNCHER, f"""
+        emit(launch({str(model_dir)!r}, ["--speculative-disable-batch-threshold", "32"]))
+    """)
+    assert out["argparse_exit"] == 2
+    assert "unrecognized arguments: --speculative-disable-batch-threshold" in out["stderr"]
+
+
+# The worker as the scheduler process gets it; `hook` is the plugin's AFTER hook on its __init__.
+WORKER = textwrap.dedent("""
+    import pickle
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+    from sglang.srt.managers.scheduler_components.internal_state import (
+        SchedulerInternalStateController)
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    sa = prepare_server_args(["--model-path", MODEL, "--skip-tokenizer-init", "--device", "cpu",
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", MODEL,
+        "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
+        "--speculative-num-draft-tokens", "4", *ARGS])
+    sa.resolve_once()
+    sa.check_server_args()
+    sa = pickle.loads(pickle.dumps(sa))  # as the scheduler process receives it
+
+    records = []  # (after prepare_server_args, whose logging.basicConfig(force=True) resets)
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    logging.getLogger().addHandler(Capture())
+    logging.getLogger().setLevel(logging.INFO)
+
+    # The worker as upstream's __init__ leaves it, without models (GPU).
+    worker = EAGLEWorkerV2.__new__(EAGLEWorkerV2)
+    worker.server_args = sa
+    worker._hosts_draft = True
+    worker.speculative_num_steps = 3
+    worker.speculative_num_draft_tokens = 4
+    worker.adaptive_controller = None
+    from types import SimpleNamespace as NS  # the draft's config, as its runner holds it
+    worker._draft_worker = NS(draft_runner=NS(model_config=NS(hf_config=NS(**HF_CONFIG))))
+    # The hooked __init__'s AFTER part (the original __init__ loads models).
+    init = EAGLEWorkerV2.__init__
+    hook = next(c.cell_contents for c in init.__closure__ if callable(c.cell_contents)
+                and getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
+""")
+
+SWITCH = textwrap.dedent("""
+    hook(None, worker)
+
+    # Fakes of the GPU-only state capture and swap (see the module docstring).
+    built = []
+    def build_adaptive_runtime_state(speculative_num_steps, speculative_num_draft_tokens,
+                                     cuda_graph_bs=None):
+        built.append([speculative_num_steps, speculative_num_draft_tokens, cuda_graph_bs])
+        return ("state", speculative_num_steps, speculative_num_draft_tokens)
+    def apply_runtime_state(state):
+        worker.speculative_num_steps, worker.speculative_num_draft_tokens = state[1], state[2]
+    worker.build_adaptive_runtime_state = build_adaptive_runtime_state
+    worker.apply_runtime_state = apply_runtime_state
+
+    controller = worker.adaptive_controller
+    if controller is not None:  # what EAGLEWorkerV2.init_cuda_graphs does with it
+        controller.register(("state", 3, 4), steps=3)
+        controller.init_states(cuda_graph_bs=[1, 2, 4, 8, 16, 24, 32, 40, 48, 64])
+    steps = []
+    for bs in TRACE:
+        EAGLEWorkerV2.activate_step_by_batch(worker, bs)  # upstream, as forward does per decode
+        steps.append(worker.speculative_num_steps)
+""")
+
+
+def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', '32']\n"
+            "TRACE = [1, 16, 32, 33, 40, 64, 31, 29, 28, 27, 40, 0, 20]\nHF_CONFIG = {}\n")
+    body = """
+        class Scheduler:  # what the observability hooks read of upstream's Scheduler
+            draft_worker = worker
+            spec_algorithm = SpeculativeAlgorithm.EAGLE3
+            class metrics_reporter:
+                spec_total_num_forward_ct = 0
+            class metrics_collector:
+                labels = {"model_name": "m", "engine_type": "unified"}
+        from sglang.srt.managers.scheduler import Scheduler as Upstream
+        scheduler_hook = next(c.cell_contents for c in Upstream.__init__.__closure__
+                              if getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
+        scheduler_hook(None, Scheduler)
+        EAGLEWorkerV2.activate_step_by_batch(worker, 50)
+        state_controller = SchedulerInternalStateController(Scheduler, record_step_time=False)
+        state = {}
+        state_controller._add_speculative(state)   # upstream's, hooked
+        from prometheus_client import REGISTRY
+        metrics = {name: REGISTRY.get_sample_value(name, Scheduler.metrics_collector.labels)
+                   for name in ("sglang:spec_disable_plain_mode",
+                                "sglang:spec_disable_plain_steps_total",
+                                "sglang:spec_disable_speculative_steps_total")}
+        emit({"built": built, "steps": steps, "state": state, "metrics": metrics,
+              "start": [r for r in records if r.startswith("Dynamic speculation disable")],
+              "modes": [r for r in records if r.startswith("Speculation mode")]})
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
+    # upstream's controller built the plain (zero-step, one-token) state for batch sizes > 28
+    assert out["built"] == [[0, 1, [32, 40, 48, 64]]]
+    # 3 draft steps up to 32 requests; none above; back at <= 28 (hysteresis 4); idle keeps it
+    assert out["steps"] == [3, 3, 3, 0, 0, 0, 0, 0, 3, 3, 0, 0, 3]
+    assert out["start"] == ["Dynamic speculation disable enabled: threshold=32"]
+    assert out["modes"][0] == "Speculation mode -> plain (batch size 33 > threshold 32); mode_changes=1"
+    assert out["state"]["speculative_disable"] == {
+        "threshold": 32, "hysteresis": 4, "mode": "plain", "speculative_steps": 6,
+        "plain_steps": 7, "mode_changes": 5}
+    # counted since the metrics were attached: one plain step at 50 requests
+    assert out["metrics"] == {"sglang:spec_disable_plain_mode": 1.0,
+                              "sglang:spec_disable_plain_steps_total": 1.0,
+                              "sglang:spec_disable_speculative_steps_total": 0.0}
+
+
+def test_worker_untouched_without_a_threshold(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    head = f"MODEL = {str(model_dir)!r}\nARGS = []\nTRACE = [1, 64, 1]\nHF_CONFIG = {{}}\n"
+    body = """
+        emit({"controller": worker.adaptive_controller is None, "steps": steps,
+              "start": [r for r in records if r.startswith("Dynamic speculation disable")]})
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
+    assert out == {"controller": True, "steps": [3, 3, 3], "start": []}
+
+
+def test_worker_refuses_a_draft_sharing_qsa_indices(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', '8']\n"
+            "TRACE = []\nHF_CONFIG = {'index_share_for_mtp_iteration': True}\n")
+    body = """
+        try:
+            hook(None, worker)
+        except ValueError as e:
+            emit({"error": str(e)})
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, body)
+    assert "--speculative-disable-batch-threshold is not supported with a draft that shares QSA" \
+        in out["error"]
+
+
+def _doctored_copy(tree: Path, dest: Path) -> Path:
+    """The files the check reads, copied from the wheel (and its dist-info)."""
+    targets = plugin._targets()
+    for dotted in [h.target for h in targets.HOOKS] + list(targets.RELIED):
+        located = plugin._locate(tree, dotted)
+        assert located is not None, dotted
+        copy = dest / located[0].relative_to(tree)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(located[0], copy)
+    shutil.copytree(next(tree.glob("sglang-*.dist-info")), dest / f"sglang-{SGLANG_VERSION}.dist-info")
+    return dest
+
+
+def test_hook_target_check_passes_on_the_wheel_and_names_what_changed(tree: Path, tmp_path: Path) -> None:
+    assert plugin.check_hook_targets(tree, SGLANG_VERSION) == []
+    doctored = _doctored_copy(tree, tmp_path / "site")
+    assert plugin.check_hook_targets(doctored, SGLANG_VERSION) == []
+    worker = doctored / "sglang/srt/speculative/eagle_worker_v2.py"
+    text = worker.read_text()
+    worker.write_text(text.replace("draft_token_num=1,", "draft_token_num=2,", 1))
+    state = doctored / "sglang/srt/managers/scheduler_components/internal_state.py"
+    state.write_text(state.read_text().replace("def _add_speculative(", "def _add_spec_info(", 1))
+    problems = plugin.check_hook_targets(doctored, SGLANG_VERSION)
+    assert problems == [
+        ("hook target sglang.srt.managers.scheduler_components.internal_state."
+         "SchedulerInternalStateController._add_speculative (after: adds speculative_disable to "
+         f"the server info) does not exist in sglang {SGLANG_VERSION}: move the hook"),
+        ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input "
+         f"changed in sglang {SGLANG_VERSION} since the plugin was checked against it: review it, "
+         "then record the digests again"),
+    ]
+    assert any("no digests recorded for sglang 0.5.99" in p
+               for p in plugin.check_hook_targets(tree, "0.5.99"))
+
+
+def test_plugin_check_command(tree: Path) -> None:
+    from sglang_image.cli import main
+
+    assert main(["plugin-check", "--site-packages", str(tree)]) == 0
