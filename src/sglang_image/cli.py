@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sglang_image import lock, patch, patchwork, pins
+from sglang_image import lock, patch, patchwork, pins, trees
 from sglang_image.errors import SglangImageError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -25,7 +25,7 @@ def check_all_series(flavor_names: Sequence[str]) -> int:
     for name in flavor_names:
         flavor = pins.load_flavor(name)
         with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
-            patch.prepare_tree(flavor, Path(tmp), patched=False)
+            trees.prepare_tree(flavor, Path(tmp), patched=False)
             results = patch.apply_series(flavor.series(), Path(tmp), keep_going=True)
         console.print(f"[bold]{name}[/]: {len(results)} patches on "
                       f"{', '.join(flavor.patch_targets)} (zero fuzz)")

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_image.errors import PatchApplyError
-from sglang_image.patch import apply_patch, prepare_tree
+from sglang_image.patch import apply_patch
 from sglang_image.pins import REPO_ROOT, Flavor
+from sglang_image.trees import prepare_tree
 
 WORK_ROOT = REPO_ROOT / ".cache" / "patchwork"
 _DIFF_START = re.compile(r"^(diff --git |--- (a/|/dev/null))", re.MULTILINE)
