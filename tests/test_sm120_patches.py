@@ -507,6 +507,21 @@ def test_flashinfer_jit_trtllm_comm_sm120(sglang_tree, run_in_tree, flavor):
         assert any(sm in f for f in new["trtllm_comm/" + cap]["ok"])
 
 
+def test_flashinfer_072_needs_no_trtllm_comm_patch(sglang_tree, run_in_tree):
+    """Why 0.5.23's series has no sm120-flashinfer-trtllm-comm: its flashinfer (0.7.2, unpatched)
+    builds the trtllm comm module for SM12x, where 0.5.17's (0.6.15.post1, unpatched) refuses."""
+    body = f"CAPS = {CAPS!r}\n" + FI_JIT
+    imports = "import flashinfer.jit.comm"
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        trees = {f: sglang_tree(f, False) for f in ("sglang-0.5.23", "sglang-0.5.17")}
+        new, old = pool.map(lambda f: probe(lambda *_: trees[f], run_in_tree, f, False, body, imports),
+                            trees)
+    assert any("sm_120" in f for f in new["trtllm_comm/12.0"]["ok"])
+    assert "No supported CUDA architectures" in old["trtllm_comm/12.0"]["msg"]
+    for cap, sm in (("10.0", "sm_100"), ("9.0", "sm_90")):
+        assert any(sm in f for f in new["trtllm_comm/" + cap]["ok"])
+
+
 HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce_fusion.cuh"
 CLAMP_RE = re.compile(r"(  int max_cluster_size = 8;.*?\n  int cluster_size;\n.*?\n  }\n)", re.DOTALL)
 HARNESS = """
@@ -545,12 +560,33 @@ def test_flashinfer_header_cluster_clamp(sglang_tree, flavor, tmp_path):
         assert got[(120, tpt)] == max(1, -(-tpt // 1024))
 
 
+CUSTOM_AR = """
+import flashinfer.comm.trtllm_ar as ar
+LAUNCHED = []
+# fake: the JIT module (its build needs nvcc and a GPU); records what would be launched
+ar.get_trtllm_comm_module = lambda: NS(trtllm_custom_all_reduce=lambda *a: LAUNCHED.append(len(a)))
+inp = NS(is_cuda=True, device="cuda:0")  # fake: a CUDA tensor; the kernel is never run here
+args = [inp] + [None] * 40
+for cap in CAPS:
+    set_cap(cap)
+    LAUNCHED[:] = []
+    OUT[cap] = attempt(lambda: ar.trtllm_custom_all_reduce(*args[:ar_nargs]) or "launched")
+    OUT["launched/" + cap] = bool(LAUNCHED)
+"""
+
+
 @pytest.mark.parametrize("flavor", FLAVORS)
-def test_flashinfer_custom_all_reduce_refuses_sm12x(sglang_tree, flavor):
-    new = (sglang_tree(flavor, True) / "flashinfer/comm/trtllm_ar.py").read_text()
-    old = (sglang_tree(flavor, False) / "flashinfer/comm/trtllm_ar.py").read_text()
-    guard = "trtllm_custom_all_reduce is not supported on SM12x"
-    assert guard in new and guard not in old
+def test_flashinfer_custom_all_reduce_refuses_sm12x(sglang_tree, run_in_tree, flavor):
+    """The non-fused custom all-reduce kernels compile to empty bodies on SM12x in these flashinfer
+    releases: the patched wheel refuses before launching; the pristine one launches them."""
+    body = (f"CAPS = {CAPS!r}\nimport inspect\nimport flashinfer.comm.trtllm_ar as _ar\n"
+            "ar_nargs = len(inspect.signature(_ar.trtllm_custom_all_reduce).parameters)\n" + CUSTOM_AR)
+    new, old = both(sglang_tree, run_in_tree, flavor, body, imports="import flashinfer.comm.trtllm_ar")
+    assert new["12.0"]["error"] == "NotImplementedError" and "SM12x" in new["12.0"]["msg"]
+    assert new["launched/12.0"] is False
+    assert old["12.0"] == {"ok": "launched"} and old["launched/12.0"] is True
+    for cap in ("10.0", "9.0"):
+        assert new[cap] == old[cap] == {"ok": "launched"}
 
 
 # ----------------------------------------------------------------- sm120-torch-symm-mem.patch
@@ -607,7 +643,7 @@ OUT["table12"] = SIZES.get(12)
 """
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
+@pytest.mark.parametrize("flavor", [*FLAVORS, "sglang-0.5.23"])
 def test_torch_symm_mem_two_shot_without_multicast(sglang_tree, run_in_tree, flavor):
     body = f"CAPS = {CAPS!r}\n" + SYMM
     new, old = both(sglang_tree, run_in_tree, flavor, body,
