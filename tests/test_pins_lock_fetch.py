@@ -136,3 +136,12 @@ def test_src_has_no_import_cycle_and_the_applier_is_stdlib_only() -> None:
             for n in ast.walk(ast.parse((src / "patch.py").read_text()))
             if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     assert tops - {"sglang_image", "__future__"} <= set(sys.stdlib_module_names), tops
+
+
+def test_plugin_flag_is_flavor_data(tmp_path: Path) -> None:
+    assert pins.DEFAULT_FLAVOR == "sglang-0.5.23" and pins.load_flavor().plugin is True
+    assert pins.load_flavor("sglang-0.5.17").plugin is False  # absent: no plugin
+    text = pins.load_flavor().toml_path.read_text().replace("plugin = true", 'plugin = "yes"')
+    (tmp_path / "x.toml").write_text(text)
+    with pytest.raises(PinError, match="'plugin' must be true or false"):
+        pins.load_flavor("x", flavor_dir=tmp_path)
