@@ -58,17 +58,40 @@ def cmd_patches(args: argparse.Namespace) -> int:
             console.print(f"  {'written' if e.changed else 'same   '} {e.name}{note}")
         return check_all_series([flavor.name])
     if action == "rebase":
+        if args.cont:
+            repo = _rebase_in_progress(args.flavors)
+            return _report_rebase(patchwork.rebase_continue(repo))
         if len(args.flavors) != 2:
-            raise SystemExit("usage: nox -s patches -- rebase FROM_FLAVOR TO_FLAVOR")
+            raise SystemExit("usage: nox -s patches -- rebase FROM_FLAVOR TO_FLAVOR "
+                             "| rebase --continue [TO_FLAVOR]")
         source, target = (pins.load_flavor(n) for n in args.flavors)
-        repo, outcomes = patchwork.rebase(source, target)
-        for o in outcomes:
-            mark = "[green]carried[/]" if o.carried else "[red]needs hand work[/]"
-            console.print(f"  {mark} {o.name}: {o.detail}")
-        console.print(f"work tree: {repo} (carried patches are commits after 'upstream').\n"
-                      f"Redo the others by hand there, then: nox -s patches -- export {target.name}")
-        return 0 if all(o.carried for o in outcomes) else 1
+        return _report_rebase(patchwork.rebase(source, target))
     raise SystemExit(f"unknown action {action!r}: check, edit, export or rebase")
+
+
+def _rebase_in_progress(flavor_names: Sequence[str]) -> Path:
+    if flavor_names:
+        return patchwork.WORK_ROOT / pins.load_flavor(flavor_names[0]).name
+    found = sorted(p.parents[1] for p in patchwork.WORK_ROOT.glob("*/.git/sglang-image-rebase.json"))
+    if len(found) != 1:
+        raise SystemExit(f"{len(found)} rebases in progress under {patchwork.WORK_ROOT}: "
+                         "name the target flavor: nox -s patches -- rebase --continue FLAVOR")
+    return found[0]
+
+
+def _report_rebase(result: patchwork.RebaseResult) -> int:
+    for o in result.outcomes:
+        mark = "[green]carried[/]" if o.carried else "[red]stopped[/]"
+        console.print(f"  {mark} {o.name}: {o.detail}")
+    target = result.repo.name
+    if result.stopped is not None:
+        console.print(f"work tree: {result.repo}\n  {result.stopped.name} is applied there with "
+                      f"conflict markers. Fix each file, `git add` (or `git rm`) it, then:\n"
+                      f"  nox -s patches -- rebase --continue {target}")
+        return 1
+    console.print(f"work tree: {result.repo} (one commit per patch after 'upstream'). Check them, "
+                  f"then: nox -s patches -- export {target}")
+    return 0
 
 
 def cmd_lock(args: argparse.Namespace) -> int:
@@ -103,7 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("patches", help="check, edit, export or rebase the patch series")
     p.add_argument("words", nargs="*", metavar="[ACTION] FLAVOR",
-                   help="check (default) [FLAVOR...] | edit FLAVOR | export FLAVOR | rebase FROM TO")
+                   help="check (default) [FLAVOR...] | edit FLAVOR | export FLAVOR | rebase FROM TO"
+                        " | rebase --continue [TO]")
+    p.add_argument("--continue", dest="cont", action="store_true",
+                   help="rebase: resume after fixing the stopped patch's conflicts")
     p.set_defaults(func=cmd_patches)
     p = sub.add_parser("lock", help="regenerate the hash-pinned lock of flavors")
     p.add_argument("flavors", nargs="*")

@@ -3,12 +3,16 @@
 - edit FLAVOR: a git work tree of the unpacked upstream wheels (tag `upstream`) with one commit per
   patch of the series; the commit's subject is the patch file name and its body the DEP-3 header.
 - export FLAVOR: writes the commits after `upstream` back as the series, headers kept.
-- rebase FROM TO: carries FROM's series onto TO's upstream with a three-way merge (git cherry-pick)
-  and reports each patch that needs hand work, with the conflicting files.
+- rebase FROM TO: carries FROM's series onto TO's upstream with a three-way merge (git cherry-pick,
+  which follows renamed files; a file removed upstream is followed to where its code went when the
+  hunks apply there with zero fuzz). At a conflict it stops with the markers in the work tree, like
+  `git am -3`; `rebase --continue` resumes after the fix.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import re
 import shutil
 import subprocess
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_image.errors import PatchApplyError
-from sglang_image.patch import apply_patch
+from sglang_image.patch import FilePatch, apply_file_patch, apply_patch, parse_patch
 from sglang_image.pins import REPO_ROOT, Flavor
 from sglang_image.trees import prepare_tree
 
@@ -131,8 +135,146 @@ class RebaseOutcome:
     detail: str
 
 
-def rebase(source: Flavor, target: Flavor, repo: Path | None = None) -> tuple[Path, list[RebaseOutcome]]:
-    """Carries source's series to target's upstream. The result is target's edit work tree."""
+@dataclass(frozen=True)
+class RebaseState:
+    """A rebase in progress: what `rebase --continue` needs (kept in the work tree's .git)."""
+    source: str
+    target: str
+    current: str | None  # the commit whose conflicts wait for the maintainer
+    todo: tuple[str, ...]  # commits still to pick after it
+    outcomes: tuple[RebaseOutcome, ...]
+
+    def save(self, repo: Path) -> None:
+        data = {"source": self.source, "target": self.target, "current": self.current,
+                "todo": list(self.todo), "outcomes": [dataclasses.asdict(o) for o in self.outcomes]}
+        _state_path(repo).write_text(json.dumps(data, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, repo: Path) -> RebaseState:
+        path = _state_path(repo)
+        if not path.is_file():
+            raise PatchApplyError(f"{repo}: no rebase in progress (start one with: "
+                                  "nox -s patches -- rebase FROM TO)")
+        data = json.loads(path.read_text())
+        return cls(source=data["source"], target=data["target"], current=data["current"],
+                   todo=tuple(data["todo"]),
+                   outcomes=tuple(RebaseOutcome(**o) for o in data["outcomes"]))
+
+
+@dataclass(frozen=True)
+class RebaseResult:
+    repo: Path
+    outcomes: list[RebaseOutcome]
+    stopped: RebaseOutcome | None  # the patch left with conflicts in the work tree, if any
+
+
+def _state_path(repo: Path) -> Path:
+    return repo / ".git" / "sglang-image-rebase.json"
+
+
+def _unmerged(repo: Path) -> list[str]:
+    return sorted(set(_git(repo, "diff", "--name-only", "--diff-filter=U").stdout.split()))
+
+
+def _significant(line: str) -> str | None:
+    """A line worth searching for elsewhere: code, not blank lines, brackets or imports."""
+    text = line.strip()
+    if len(text) < 12 or text.startswith(("#", "import ", "from ", ")", "]", "}")):
+        return None
+    return text
+
+
+def find_by_content(repo: Path, fp: FilePatch) -> list[tuple[str, int, int]]:
+    """Files of the work tree holding the most of a file patch's old lines: (path, found, of)."""
+    wanted = {t for hunk in fp.hunks for ln in hunk.old_lines if (t := _significant(ln))}
+    if not wanted:
+        return []
+    suffix = Path(fp.path).suffix
+    tracked = _git(repo, "ls-files").stdout.splitlines()
+    scores = []
+    for rel in tracked:
+        if rel == fp.path or not rel.endswith(suffix):
+            continue
+        try:
+            lines = {ln.strip() for ln in (repo / rel).read_text(encoding="utf-8").splitlines()}
+        except (UnicodeDecodeError, OSError):
+            continue
+        found = len(wanted & lines)
+        if found:
+            scores.append((rel, found, len(wanted)))
+    scores.sort(key=lambda s: (-s[1], s[0]))
+    return [s for s in scores[:3] if s[1] * 2 >= s[2]]  # at least half of the lines
+
+
+def _follow_moved(repo: Path, sha: str, path: str) -> str:
+    """A file the patch changes was removed upstream: applies its hunks, with zero fuzz, to the one
+    file that now holds that code, or says where the code went. Returns a line for the report."""
+    diff = _git(repo, "diff", "--no-color", "--no-renames", f"{sha}~1", sha, "--", path).stdout
+    [fp] = parse_patch(diff, path)
+    candidates = find_by_content(repo, fp)
+    if not candidates:
+        return f"{path} was removed upstream and its code was not found elsewhere"
+    best = candidates[0][0]
+    try:
+        moved = FilePatch(best, best, fp.hunks)
+        new = apply_file_patch(moved, (repo / best).read_text(encoding="utf-8"), path)
+    except PatchApplyError:
+        where = ", ".join(f"{rel} ({found} of {of} lines)" for rel, found, of in candidates)
+        return f"{path} was removed upstream; its code is now in {where}: port the change there"
+    assert new is not None
+    (repo / best).write_text(new, encoding="utf-8")
+    _git(repo, "rm", "-q", "--", path)
+    _git(repo, "add", "--", best)
+    return f"followed {path} -> {best} (found by content)"
+
+
+def _pick(repo: Path, sha: str) -> tuple[RebaseOutcome, bool]:
+    """Cherry-picks one patch commit. Returns its outcome and whether it is committed."""
+    name = _git(repo, "log", "-1", "--format=%s", sha).stdout.strip()
+    before = set(_git(repo, "diff", "--name-only", "-M", f"{sha}~1", sha).stdout.split())
+    pick = _git(repo, "-c", "merge.renameLimit=100000", "cherry-pick", "--allow-empty",
+                "--keep-redundant-commits", sha, check=False)
+    if pick.returncode == 0:
+        after = set(_git(repo, "diff", "--name-only", "HEAD~1", "HEAD").stdout.split())
+        moved = sorted(after - before)
+        return RebaseOutcome(name, True, "merged" + (f" (followed to {', '.join(moved)})"
+                                                     if moved else "")), True
+    notes = []
+    status = _git(repo, "status", "--porcelain").stdout.splitlines()
+    deleted_upstream = [ln[3:] for ln in status if ln.startswith("DU ")]  # removed by upstream
+    for path in deleted_upstream:
+        notes.append(_follow_moved(repo, sha, path))
+    conflicts = _unmerged(repo)
+    if not conflicts:
+        _git(repo, "commit", "-q", "--allow-empty", "--no-verify", "-C", sha)
+        return RebaseOutcome(name, True, "merged; " + "; ".join(notes)), True
+    detail = "conflicts in " + ", ".join(conflicts)
+    return RebaseOutcome(name, False, detail + ("; " + "; ".join(notes) if notes else "")), False
+
+
+def _run_picks(repo: Path, state: RebaseState) -> RebaseResult:
+    outcomes = list(state.outcomes)
+    todo = list(state.todo)
+    while todo:
+        sha = todo.pop(0)
+        outcome, committed = _pick(repo, sha)
+        outcomes.append(outcome)
+        if not committed:
+            RebaseState(state.source, state.target, sha, tuple(todo), tuple(outcomes)).save(repo)
+            return RebaseResult(repo, outcomes, outcome)
+    _state_path(repo).unlink(missing_ok=True)
+    _git(repo, "branch", "-f", "work", "HEAD")
+    _git(repo, "checkout", "-q", "work")
+    _git(repo, "branch", "-D", "rebase")
+    return RebaseResult(repo, outcomes, None)
+
+
+def rebase(source: Flavor, target: Flavor, repo: Path | None = None) -> RebaseResult:
+    """Carries source's series to target's upstream (git cherry-pick: a three-way merge that
+    follows renames). A patch whose file upstream removed is applied to the file now holding its
+    code when that works with zero fuzz. At the first conflict the patch is left in the work tree
+    with conflict markers and the rebase stops, like `git am -3`: fix, `git add`, then
+    rebase_continue. The result is target's edit work tree."""
     repo = repo or WORK_ROOT / target.name
     edit(source, repo)
     patch_shas = _git(repo, "rev-list", "--reverse", "upstream..HEAD").stdout.split()
@@ -145,17 +287,23 @@ def rebase(source: Flavor, target: Flavor, repo: Path | None = None) -> tuple[Pa
     _commit_all(repo, f"upstream {target.name}\n\nUnpacked, hash-checked wheels: "
                       f"{', '.join(target.patch_targets)}\n")
     _git(repo, "tag", "-f", "upstream")
-    outcomes = []
-    for sha in patch_shas:
-        name = _git(repo, "log", "-1", "--format=%s", sha).stdout.strip()
-        pick = _git(repo, "cherry-pick", "--allow-empty", sha, check=False)
-        if pick.returncode == 0:
-            outcomes.append(RebaseOutcome(name, True, "merged"))
-            continue
-        conflicts = _git(repo, "diff", "--name-only", "--diff-filter=U").stdout.split()
-        _git(repo, "cherry-pick", "--abort", check=False)
-        outcomes.append(RebaseOutcome(name, False, "conflicts in " + ", ".join(conflicts or ["?"])))
-    _git(repo, "branch", "-f", "work", "HEAD")
-    _git(repo, "checkout", "-q", "work")
-    _git(repo, "branch", "-D", "rebase")
-    return repo, outcomes
+    return _run_picks(repo, RebaseState(source.name, target.name, None, tuple(patch_shas), ()))
+
+
+def rebase_continue(repo: Path) -> RebaseResult:
+    """Commits the maintainer's fix of the stopped patch (its name and header kept) and carries on."""
+    state = RebaseState.load(repo)
+    unmerged = _unmerged(repo)
+    if unmerged:
+        raise PatchApplyError(f"still unmerged in {repo}: {', '.join(unmerged)}. Fix the conflicts, "
+                              "`git add` (or `git rm`) each file, then continue.")
+    markers = _git(repo, "diff", "--cached", "--check", check=False).stdout
+    if "conflict marker" in markers:
+        raise PatchApplyError(f"conflict markers are still staged in {repo}:\n{markers.strip()}")
+    assert state.current is not None
+    _git(repo, "commit", "-q", "--allow-empty", "--no-verify", "-C", state.current)
+    outcomes = list(state.outcomes)
+    last = outcomes.pop()
+    outcomes.append(RebaseOutcome(last.name, True, "fixed by hand (" + last.detail + ")"))
+    return _run_picks(repo, RebaseState(state.source, state.target, None, state.todo,
+                                        tuple(outcomes)))
