@@ -19,14 +19,31 @@ from sglang_image.errors import SglangImageError
 console = Console(highlight=False, soft_wrap=True)
 
 
+def check_plugin_targets(flavor: pins.Flavor, tree: Path) -> list[str]:
+    """Problems of the project's plugin against the flavor's unpacked upstream `tree` (empty: none).
+
+    Flavors without the plugin have none. For the others, the plugin's own check runs: every hook
+    target resolves in this tree and the upstream functions it replaces or copies are unchanged.
+    """
+    if not flavor.plugin:
+        return []
+    try:
+        plugin = importlib.import_module("sglang_image.plugin")
+    except ImportError as exc:
+        return [f"{flavor.name} carries the plugin but its hook-target check is missing ({exc})"]
+    return list(plugin.check_hook_targets(flavor, tree))
+
+
 def check_all_series(flavor_names: Sequence[str]) -> int:
-    """Applies every flavor's series to its real, hash-checked wheels; one line per patch."""
+    """Applies every flavor's series to its real, hash-checked wheels (one line per patch) and
+    checks the plugin's hook targets for flavors that carry it."""
     failures = 0
     for name in flavor_names:
         flavor = pins.load_flavor(name)
         with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
             trees.prepare_tree(flavor, Path(tmp), patched=False)
             results = patch.apply_series(flavor.series(), Path(tmp), keep_going=True)
+            plugin_problems = check_plugin_targets(flavor, Path(tmp))
         console.print(f"[bold]{name}[/]: {len(results)} patches on "
                       f"{', '.join(flavor.patch_targets)} (zero fuzz)")
         for r in results:
@@ -35,6 +52,10 @@ def check_all_series(flavor_names: Sequence[str]) -> int:
             else:
                 failures += 1
                 console.print(f"  [red]FAILED[/]  {r.message}")
+        if flavor.plugin:
+            for problem in plugin_problems:
+                console.print(f"  [red]plugin[/]  {problem}")
+            failures += len(plugin_problems)
     return 1 if failures else 0
 
 
