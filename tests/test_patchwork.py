@@ -83,6 +83,9 @@ def test_rebase_0517_to_0523_stops_at_conflicts_follows_moves_and_continues(tmp_
     # a patch on a file that 0.5.23 moved (sglang/kernels/kernel_api_logging.py, same content)
     _make_patch(repo, "sglang/kernel_api_logging.py", "import fnmatch\n", "import fnmatch  # demo\n",
                 "logging.patch")
+    # a patch on a file 0.5.23 removed, whose code (and the hunk's context) now lives elsewhere
+    _make_patch(repo, "sglang/srt/layers/communicator.py", "        # before reaching them.\n",
+                "        # before reaching them (demo).\n", "gate-comment.patch")
     patchwork.export(old, repo)
 
     new = _flavor("sglang-0.5.23", tmp_path / "p0523")
@@ -121,13 +124,18 @@ def test_rebase_0517_to_0523_stops_at_conflicts_follows_moves_and_continues(tmp_
     logging_patch = next(o for o in result.outcomes if o.name == "logging.patch")
     assert "followed to sglang/kernels/kernel_api_logging.py" in logging_patch.detail  # git's rename
     assert "import fnmatch  # demo" in (work / "sglang/kernels/kernel_api_logging.py").read_text()
+    moved = next(o for o in result.outcomes if o.name == "gate-comment.patch")
+    assert ("followed sglang/srt/layers/communicator.py -> "
+            "sglang/srt/layers/layer_boundary/residual/add_norm.py (found by content)") in moved.detail
+    assert "(demo)" in (work / "sglang/srt/layers/layer_boundary/residual/add_norm.py").read_text()
+    assert not (work / "sglang/srt/layers/communicator.py").exists()
     assert _git(work, "rev-parse", "--abbrev-ref", "HEAD").strip() == "work"
 
     # export writes 0.5.23's series; it applies to the pristine wheels with zero fuzz
     patchwork.export(new, work)
     names = (new.patch_dir / "series").read_text().split()
     assert names == ["sm120-torch-symm-mem.patch", "sm120-support.patch",
-                     "sm120-flashinfer-allreduce-fusion.patch", "logging.patch"]
+                     "sm120-flashinfer-allreduce-fusion.patch", "logging.patch", "gate-comment.patch"]
     tree = tmp_path / "tree"
     trees.prepare_tree(new, tree, patched=True)
     assert "import fnmatch  # demo" in (tree / "sglang/kernels/kernel_api_logging.py").read_text()
