@@ -96,6 +96,8 @@ def test_rebase_0517_to_0523_stops_at_conflicts_follows_moves_and_continues(tmp_
     # stopped at the first conflict, like git am -3: markers in the work tree, nothing after it picked
     assert result.stopped is not None and result.stopped.name == "sm120-support.patch"
     assert "sglang/srt/arg_groups/overrides.py" in result.stopped.detail
+    assert ("_olmo2_overrides moved from sglang/srt/arg_groups/overrides.py to "
+            "sglang/srt/arg_groups/model_overrides/olmo2.py") in result.stopped.detail
     assert "<<<<<<<" in (work / "sglang/srt/arg_groups/overrides.py").read_text()
     assert [o.name for o in result.outcomes][-1] == "sm120-support.patch"
     with pytest.raises(PatchApplyError, match="still unmerged.*overrides.py"):

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -206,11 +207,35 @@ def find_by_content(repo: Path, fp: FilePatch) -> list[tuple[str, int, int]]:
     return [s for s in scores[:3] if s[1] * 2 >= s[2]]  # at least half of the lines
 
 
+_HUNK_SCOPE = re.compile(r"^@@ [^@]* @@ .*?\b(def|class) (\w+)")
+
+
+def moved_definitions(repo: Path, fp: FilePatch) -> list[str]:
+    """For the functions and classes a file patch's hunks sit in (git names them in the hunk
+    header): those no longer defined in the file, with the files that define them now."""
+    text = _git(repo, "show", f"HEAD:{fp.path}", check=False).stdout  # upstream's, no markers
+    notes = []
+    for kind, name in dict.fromkeys(m.groups() for h in fp.hunks if (m := _HUNK_SCOPE.match(h.header))):
+        pattern = f"{kind} {name}"
+        if re.search(rf"^\s*{pattern}\b", text, re.MULTILINE):
+            continue
+        grep = _git(repo, "grep", "-l", "-E", rf"^\s*(async )?{pattern}\b", "--", f"*{Path(fp.path).suffix}",
+                    check=False).stdout.split()
+        if grep:
+            notes.append(f"{name} moved from {fp.path} to {', '.join(grep[:3])}")
+    return notes
+
+
+def _file_patch(repo: Path, sha: str, path: str) -> FilePatch:
+    diff = _git(repo, "diff", "--no-color", "--no-renames", f"{sha}~1", sha, "--", path).stdout
+    [fp] = parse_patch(diff, path)
+    return fp
+
+
 def _follow_moved(repo: Path, sha: str, path: str) -> str:
     """A file the patch changes was removed upstream: applies its hunks, with zero fuzz, to the one
     file that now holds that code, or says where the code went. Returns a line for the report."""
-    diff = _git(repo, "diff", "--no-color", "--no-renames", f"{sha}~1", sha, "--", path).stdout
-    [fp] = parse_patch(diff, path)
+    fp = _file_patch(repo, sha, path)
     candidates = find_by_content(repo, fp)
     if not candidates:
         return f"{path} was removed upstream and its code was not found elsewhere"
@@ -248,6 +273,10 @@ def _pick(repo: Path, sha: str) -> tuple[RebaseOutcome, bool]:
     if not conflicts:
         _git(repo, "commit", "-q", "--allow-empty", "--no-verify", "-C", sha)
         return RebaseOutcome(name, True, "merged; " + "; ".join(notes)), True
+    for path in conflicts:
+        if path not in deleted_upstream:
+            with contextlib.suppress(PatchApplyError, ValueError):
+                notes.extend(moved_definitions(repo, _file_patch(repo, sha, path)))
     detail = "conflicts in " + ", ".join(conflicts)
     return RebaseOutcome(name, False, detail + ("; " + "; ".join(notes) if notes else "")), False
 
