@@ -107,7 +107,8 @@ def _report_rebase(result: patchwork.RebaseResult) -> int:
     target = result.repo.name
     if result.stopped is not None:
         console.print(f"work tree: {result.repo}\n  {result.stopped.name} is applied there with "
-                      f"conflict markers. Fix each file, `git add` (or `git rm`) it, then:\n"
+                      f"conflict markers. Fix each file, `git add` (or `git rm`) it (to drop the "
+                      f"patch: `git reset --hard HEAD`; export leaves out empty ones), then:\n"
                       f"  nox -s patches -- rebase --continue {target}")
         return 1
     console.print(f"work tree: {result.repo} (one commit per patch after 'upstream'). Check them, "

@@ -221,6 +221,7 @@ def moved_definitions(repo: Path, fp: FilePatch) -> list[str]:
             continue
         grep = _git(repo, "grep", "-l", "-E", rf"^\s*(async )?{pattern}\b", "--", f"*{Path(fp.path).suffix}",
                     check=False).stdout.split()
+        grep = [rel for rel in grep if rel != fp.path]  # its work-tree copy holds the patched side
         if grep:
             notes.append(f"{name} moved from {fp.path} to {', '.join(grep[:3])}")
     return notes
