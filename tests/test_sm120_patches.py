@@ -3,6 +3,8 @@
 Each test runs the same probe in a subprocess against the PATCHED tree and the UNPATCHED
 (pristine) tree of a flavor, with the device capability faked as (12, 0), (10, 0) and (9, 0),
 and asserts both the intended patched behaviour and that it differs from the pristine wheel.
+A patch that a flavor dropped has a test showing that flavor's unpatched wheel already behaves,
+where the older wheel does not.
 
 Fakes (kept minimal; all live inside the probe's subprocess):
 - torch.cuda.is_available / torch.version.cuda / torch.cuda.get_device_capability /
@@ -520,6 +522,32 @@ def test_flashinfer_072_needs_no_trtllm_comm_patch(sglang_tree, run_in_tree):
     assert "No supported CUDA architectures" in old["trtllm_comm/12.0"]["msg"]
     for cap, sm in (("10.0", "sm_100"), ("9.0", "sm_90")):
         assert any(sm in f for f in new["trtllm_comm/" + cap]["ok"])
+
+
+ALLREDUCE_KERNELS = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"
+
+
+def _arch_guards_on(source: str, arch: int, tmp_path: Path) -> list[bool]:
+    """Which of the file's `#if ... __CUDA_ARCH__ ...` guards the C preprocessor keeps for `arch`."""
+    guards = [ln for ln in source.splitlines() if ln.startswith("#if") and "__CUDA_ARCH__" in ln]
+    probe = tmp_path / f"guards{arch}.c"
+    probe.write_text("".join(f"{g}\nguard_{i}_on\n#endif\n" for i, g in enumerate(guards)))
+    cpp = subprocess.run([shutil.which("cpp") or "cpp", "-P", f"-D__CUDA_ARCH__={arch}", str(probe)],
+                         check=True, capture_output=True, text=True).stdout
+    return [f"guard_{i}_on" in cpp for i in range(len(guards))]
+
+
+def test_flashinfer_072_compiles_the_custom_all_reduce_kernels_for_sm120(sglang_tree, tmp_path):
+    """Why 0.5.23's series no longer refuses trtllm_custom_all_reduce on SM12x: in flashinfer 0.7.2
+    the kernels' arch guards keep the same bodies at __CUDA_ARCH__ 1200 as at 900; in 0.6.15.post1
+    (0.5.17's pin, unpatched) some bodies compile empty on SM12x."""
+    if shutil.which("cpp") is None:
+        pytest.skip("no C preprocessor")
+    for flavor, same in (("sglang-0.5.23", True), ("sglang-0.5.17", False)):
+        source = (sglang_tree(flavor, False) / ALLREDUCE_KERNELS).read_text()
+        on_sm90, on_sm120 = (_arch_guards_on(source, arch, tmp_path) for arch in (900, 1200))
+        assert on_sm90 and all(on_sm90), flavor
+        assert (on_sm120 == on_sm90) is same, (flavor, on_sm120)
 
 
 HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce_fusion.cuh"
