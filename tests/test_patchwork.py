@@ -141,3 +141,9 @@ def test_rebase_0517_to_0523_stops_at_conflicts_follows_moves_and_continues(tmp_
     tree = tmp_path / "tree"
     trees.prepare_tree(new, tree, patched=True)
     assert "import fnmatch  # demo" in (tree / "sglang/kernels/kernel_api_logging.py").read_text()
+
+
+def test_continue_without_a_rebase_says_how_to_start_one(tmp_path: Path) -> None:
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    with pytest.raises(PatchApplyError, match=r"no rebase in progress.*nox -s patches -- rebase FROM TO"):
+        patchwork.rebase_continue(tmp_path)
