@@ -269,8 +269,14 @@ def _pick(repo: Path, sha: str) -> tuple[RebaseOutcome, bool]:
     status = _git(repo, "status", "--porcelain").stdout.splitlines()
     deleted_upstream = [ln[3:] for ln in status if ln.startswith("DU ")]  # removed by upstream
     for path in deleted_upstream:
-        notes.append(_follow_moved(repo, sha, path))
+        try:
+            notes.append(_follow_moved(repo, sha, path))
+        except (PatchApplyError, ValueError) as exc:  # a diff our parser cannot follow
+            notes.append(f"{path} was removed upstream ({exc})")
     conflicts = _unmerged(repo)
+    if not conflicts and not deleted_upstream:  # failed for another reason than a conflict
+        raise PatchApplyError(f"git cherry-pick of {name} failed in {repo}:\n"
+                              f"{(pick.stdout + pick.stderr).strip()}")
     if not conflicts:
         _git(repo, "commit", "-q", "--allow-empty", "--no-verify", "-C", sha)
         return RebaseOutcome(name, True, "merged; " + "; ".join(notes)), True
