@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_image import patch, pins
+from sglang_image import lock, pins, trees
 
 REPO_ROOT = pins.REPO_ROOT
 TREE_CACHE = REPO_ROOT / ".cache" / "trees"
@@ -18,11 +18,35 @@ TREE_CACHE = REPO_ROOT / ".cache" / "trees"
 pytest_plugins = ["tests.conftest_docker"]
 
 
-def _series_key(flavor: pins.Flavor) -> str:
-    """Changes whenever the series or any patch of it changes: the cached tree is then rebuilt."""
+# Pure-Python libraries a flavor's sglang imports at module level. A tree carries the flavor's own
+# pin of each whose version differs from this test environment's, so probes import the flavor's
+# sglang with what it was released against (0.5.23 needs transformers 5.19, say).
+PROBE_DEPENDENCIES = ("transformers", "tokenizers", "huggingface-hub", "safetensors")
+
+
+def probe_extras(flavor: pins.Flavor) -> tuple[str, ...]:
+    """Distributions of PROBE_DEPENDENCIES pinned in the flavor's lock at another version than here."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pinned = {e.name: e.version for e in lock.read_lock(flavor.lock_path)}
+    extras = []
+    for name in PROBE_DEPENDENCIES:
+        try:
+            have = version(name)
+        except PackageNotFoundError:
+            have = None
+        if name in pinned and pinned[name] != have:
+            extras.append(name)
+    return tuple(extras)
+
+
+def _tree_key(flavor: pins.Flavor, patched: bool, extras: tuple[str, ...]) -> str:
+    """Changes whenever the pins, the series or any patch of it changes: the tree is then rebuilt."""
     import hashlib
 
-    digest = hashlib.sha256(flavor.toml_path.read_bytes())
+    digest = hashlib.sha256(flavor.toml_path.read_bytes() + ",".join(extras).encode())
+    if not patched:
+        return "pristine-" + digest.hexdigest()[:12]
     for path in [flavor.patch_dir / "series", *flavor.series()]:
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
@@ -31,19 +55,20 @@ def _series_key(flavor: pins.Flavor) -> str:
 @pytest.fixture(scope="session")
 def sglang_tree() -> Callable[[str, bool], Path]:
     """Factory: sglang_tree(flavor, patched) -> a dir holding the flavor's real sglang/ and
-    flashinfer/ packages, unpacked from the hash-checked wheels, with the series applied if patched.
-    Trees are cached under .cache/trees and rebuilt when the series changes."""
+    flashinfer/ packages, unpacked from the hash-checked wheels (with the flavor's probe_extras),
+    with the series applied if patched. Trees are cached under .cache/trees and rebuilt when the
+    pins or the series change."""
     made: dict[tuple[str, bool], Path] = {}
 
     def make(flavor_name: str, patched: bool = True) -> Path:
         if (flavor_name, patched) in made:
             return made[(flavor_name, patched)]
         flavor = pins.load_flavor(flavor_name)
-        key = _series_key(flavor) if patched else "pristine"
-        dest = TREE_CACHE / f"{flavor_name}-{key}"
+        extras = probe_extras(flavor)
+        dest = TREE_CACHE / f"{flavor_name}-{_tree_key(flavor, patched, extras)}"
         if not (dest / ".complete").exists():
             shutil.rmtree(dest, ignore_errors=True)
-            patch.prepare_tree(flavor, dest, patched=patched)
+            trees.prepare_tree(flavor, dest, patched=patched, extra=extras)
             (dest / ".complete").write_text("ok\n")
         made[(flavor_name, patched)] = dest
         return dest

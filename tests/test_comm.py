@@ -1,5 +1,5 @@
 """smoke.comm (the 2-GPU all-reduce proof) on CPU: the log-line checks on the messages the patched
-sglang 0.5.17 really logs, the output comparison, the Qwen3 model generator, the deadline handling and
+sglang 0.5.17 and 0.5.23 really log, the output comparison, the Qwen3 model generator, the deadline handling and
 the command line. Nothing pretends to be an sglang server.
 """
 from __future__ import annotations
@@ -53,10 +53,10 @@ def _message(tree: Path, rel: str, start: str, args: tuple) -> str:
     return fmt % args
 
 
-@pytest.fixture(scope="module")
-def real_lines(sglang_tree) -> dict[str, str]:
+@pytest.fixture(scope="module", params=["sglang-0.5.17", "sglang-0.5.23"])
+def real_lines(sglang_tree, request) -> dict[str, str]:
     """The patched tree's own log messages, as sglang's TP workers print them."""
-    tree = sglang_tree("sglang-0.5.17", True)
+    tree = sglang_tree(request.param, True)
     sym = "sglang/srt/distributed/device_communicators/torch_symm_mem.py"
     return {
         "two_shot": "[2026-11-30 09:10:11 TP0] " + _message(

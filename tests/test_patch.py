@@ -1,15 +1,18 @@
 """The zero-fuzz applier, on the real pinned sglang wheel."""
 from __future__ import annotations
 
+import marshal
+import py_compile
 import shutil
 import subprocess
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from sglang_image import patch
+from sglang_image import patch, pins, trees
 from sglang_image.errors import PatchApplyError
 
 TARGET = "sglang/srt/server_args.py"
@@ -52,12 +55,26 @@ def _write_patch(tmp_path: Path, body: str, name: str = "demo.patch") -> Path:
     return path
 
 
+def _code_names(code: types.CodeType) -> set[str]:
+    """Every name a code object and the code objects nested in it refer to."""
+    names = set(code.co_names) | set(code.co_varnames)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
 def test_applies_and_byte_compiles(pristine: Path, tmp_path: Path) -> None:
-    diff = _git_diff(pristine, lambda p: _replace(p, "class ServerArgs:", "class ServerArgs:\n    # x"),
+    marker = "PATCHED_BY_TEST = True"
+    diff = _git_diff(pristine, lambda p: _replace(p, "class ServerArgs:", f"class ServerArgs:\n    {marker}"),
                      tmp_path)
     result = patch.apply_patch(_write_patch(tmp_path, diff), pristine)
     assert result.ok and result.files == (TARGET,)
-    assert "class ServerArgs:\n    # x" in (pristine / TARGET).read_text()
+    # the patched file byte-compiles, and its bytecode carries the patch's statement
+    pyc = tmp_path / "server_args.pyc"
+    py_compile.compile(str(pristine / TARGET), cfile=str(pyc), doraise=True)
+    code = marshal.loads(pyc.read_bytes()[16:])  # after the 16-byte pyc header (PEP 552)
+    assert "PATCHED_BY_TEST" in _code_names(code)
 
 
 def test_offset_is_allowed(pristine: Path, tmp_path: Path) -> None:
@@ -127,13 +144,11 @@ def test_series_lists_missing_patch(tmp_path: Path) -> None:
         patch.read_series(tmp_path)
 
 
-@pytest.mark.parametrize("flavor", ["sglang-0.5.17", "sglang-0.5.9"])
+@pytest.mark.parametrize("flavor", pins.flavor_names())
 def test_every_series_applies_to_the_real_wheels(flavor: str, tmp_path: Path) -> None:
     """What `nox -s patches` does, through the CLI the image uses."""
-    from sglang_image import pins
-
     f = pins.load_flavor(flavor)
-    patch.prepare_tree(f, tmp_path, patched=False)
+    trees.prepare_tree(f, tmp_path, patched=False)
     proc = subprocess.run([sys.executable, "-m", "sglang_image.patch", "apply", "--series-dir",
                            str(f.patch_dir), "--site-packages", str(tmp_path), "--manifest",
                            str(tmp_path / "manifest.json")], check=False, capture_output=True,

@@ -98,3 +98,50 @@ def test_gpu_bundle_diagnostics_are_hash_checked(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(gpu, "DIAGNOSTIC_WHEELS", (tampered,))
     with pytest.raises(HashMismatchError, match="py_spy-0.4.3-.*DIAGNOSTIC_WHEELS"):
         gpu.fetch_diagnostics(pins.load_flavor(), tmp_path / "out2", cache=cache)  # the cached wheel
+
+
+def _imports_of(path: Path) -> set[str]:
+    """sglang_image modules a source file imports (anywhere but under `if TYPE_CHECKING:`)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang_image"):
+            if node.module == "sglang_image":
+                found.update(alias.name for alias in node.names)
+            else:
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("sglang_image."))
+    return found
+
+
+def test_src_has_no_import_cycle_and_the_applier_is_stdlib_only() -> None:
+    import graphlib
+    import sys
+
+    src = pins.REPO_ROOT / "src" / "sglang_image"
+    graph = {p.stem: _imports_of(p) - {p.stem} for p in src.glob("*.py")}
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+    # patch.py runs inside the image before any third-party package is trusted
+    assert graph["patch"] == {"errors"} and graph["errors"] == set()
+    import ast
+
+    tops = {(a.name if isinstance(n, ast.Import) else n.module or "").split(".")[0]
+            for n in ast.walk(ast.parse((src / "patch.py").read_text()))
+            if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert tops - {"sglang_image", "__future__"} <= set(sys.stdlib_module_names), tops
+
+
+def test_plugin_flag_is_flavor_data(tmp_path: Path) -> None:
+    assert pins.DEFAULT_FLAVOR == "sglang-0.5.23" and pins.load_flavor().plugin is True
+    assert pins.load_flavor("sglang-0.5.17").plugin is False  # absent: no plugin
+    text = pins.load_flavor().toml_path.read_text().replace("plugin = true", 'plugin = "yes"')
+    (tmp_path / "x.toml").write_text(text)
+    with pytest.raises(PinError, match="'plugin' must be true or false"):
+        pins.load_flavor("x", flavor_dir=tmp_path)

@@ -3,6 +3,8 @@
 Each test runs the same probe in a subprocess against the PATCHED tree and the UNPATCHED
 (pristine) tree of a flavor, with the device capability faked as (12, 0), (10, 0) and (9, 0),
 and asserts both the intended patched behaviour and that it differs from the pristine wheel.
+A patch that a flavor dropped has a test showing that flavor's unpatched wheel already behaves,
+where the older wheel does not.
 
 Fakes (kept minimal; all live inside the probe's subprocess):
 - torch.cuda.is_available / torch.version.cuda / torch.cuda.get_device_capability /
@@ -21,11 +23,14 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tempfile
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from sglang_image import fetch
 from tests.probe import probe_result
 
 FLAVORS = ["sglang-0.5.17", "sglang-0.5.9"]
@@ -101,28 +106,86 @@ def both(sglang_tree, run_in_tree, flavor, body, imports=""):
 
 # --------------------------------------------------------------------------- sm120-support.patch
 
-SUPPORT_0517 = """
-from sglang.srt.arg_groups import overrides as o
-from sglang.srt.layers.deep_gemm_wrapper import configurer as dg
+# Where each flavor decides Olmo2's attention backend (0.5.23 moved it to a per-model module).
+OLMO2_OVERRIDES = {
+    "sglang-0.5.17": "from sglang.srt.arg_groups.overrides import _olmo2_overrides",
+    "sglang-0.5.23": "from sglang.srt.arg_groups.model_overrides.olmo2 import _olmo2_overrides",
+}
+SUPPORT_OLMO2 = """
 for cap in CAPS:
     set_cap(cap)
     sa = NS(attention_backend=None)
     hf = NS(architectures=["Olmo2ForCausalLM"])
-    OUT["olmo2/" + cap] = o._olmo2_overrides(sa, hf).get("attention_backend")
-    OUT["deepgemm_off_sm120_in_source/" + cap] = "sm_version == 120" in open(dg.__file__).read()
+    OUT["olmo2/" + cap] = _olmo2_overrides(sa, hf).get("attention_backend")
 """
 
 
-def test_support_0517_olmo2_attention_backend(sglang_tree, run_in_tree):
-    body = f"CAPS = {CAPS!r}\n" + SUPPORT_0517
-    new, old = both(sglang_tree, run_in_tree, "sglang-0.5.17", body)
+@pytest.mark.parametrize("flavor", sorted(OLMO2_OVERRIDES))
+def test_support_olmo2_attention_backend(sglang_tree, run_in_tree, flavor):
+    body = f"CAPS = {CAPS!r}\n" + OLMO2_OVERRIDES[flavor] + "\n" + SUPPORT_OLMO2
+    new, old = both(sglang_tree, run_in_tree, flavor, body)
     assert new["olmo2/12.0"] == "triton"
     assert new["olmo2/10.0"] == "trtllm_mha" and new["olmo2/9.0"] == "fa3"
-    # pristine 0.5.17 picks fa3 on SM120, whose backend asserts major 8 or 9
+    # the pristine wheel picks fa3 on SM120, whose backend asserts major 8 or 9
     assert old["olmo2/12.0"] == "fa3"
     assert old["olmo2/10.0"] == new["olmo2/10.0"] and old["olmo2/9.0"] == new["olmo2/9.0"]
-    # upstream 0.5.17 already switched DeepGEMM off on SM120 (so the patch leaves it alone)
-    assert old["deepgemm_off_sm120_in_source/12.0"] and new["deepgemm_off_sm120_in_source/12.0"]
+
+
+DEEPGEMM = """
+import sglang.srt.layers.deep_gemm_wrapper.configurer as dg
+import deep_gemm  # the flavor's pinned sgl-deep-gemm wheel (imports without a GPU)
+REAL = deep_gemm
+OLD = types.ModuleType("deep_gemm")  # a build without the SM120 kernels' entry points
+OLD.fp8_einsum = lambda *a: None
+for cap in CAPS:
+    set_cap(cap)
+    for name, module in (("", REAL), ("no_sm120_apis/", OLD)):
+        sys.modules["deep_gemm"] = module
+        m = importlib.reload(dg)
+        OUT[name + "enabled/" + cap] = m.ENABLE_JIT_DEEPGEMM
+        OUT[name + "blackwell/" + cap] = m.DEEPGEMM_BLACKWELL
+        OUT[name + "ue8m0/" + cap] = getattr(m, "DEEPGEMM_SCALE_UE8M0", None)
+"""
+
+
+@pytest.fixture(scope="module")
+def deep_gemm_dir(tmp_path_factory):
+    """Factory: the flavor's pinned sgl-deep-gemm wheel, unpacked on its own (hash-checked)."""
+    from sglang_image import pins, trees
+
+    made = {}
+
+    def make(flavor):
+        if flavor not in made:
+            dest = tmp_path_factory.mktemp("deep_gemm")
+            with tempfile.TemporaryDirectory() as tmp:
+                wheels = fetch.fetch_wheels(pins.load_flavor(flavor), Path(tmp), only=["sgl-deep-gemm"])
+                trees.unpack_wheels(wheels, dest)
+            made[flavor] = dest
+        return made[flavor]
+
+    return make
+
+
+@pytest.mark.parametrize("flavor", ["sglang-0.5.17", "sglang-0.5.23"])
+def test_support_deepgemm_on_sm120_is_what_the_series_assumes(sglang_tree, run_in_tree,
+                                                               deep_gemm_dir, flavor):
+    """sm120-support leaves DeepGEMM to upstream, with the flavor's pinned sgl-deep-gemm (which
+    imports without a GPU): 0.5.17 keeps it off on SM120; 0.5.23 enables it there when deep_gemm has
+    the SM120 entry points, which the pinned wheel has. The SM100-only flag stays off on SM120."""
+    extra = deep_gemm_dir(flavor)
+    tree = sglang_tree(flavor, True)
+    code = PRELUDE.format(imports="") + f"CAPS = {CAPS!r}\n" + textwrap.dedent(DEEPGEMM) + EPILOGUE
+    out = probe_result(run_in_tree(tree, code, env={"PYTHONPATH": f"{tree}:{extra}"}))
+    assert out["blackwell/12.0"] is False
+    assert out["enabled/10.0"] is True and out["blackwell/10.0"] is True
+    assert out["enabled/9.0"] is True and out["blackwell/9.0"] is False
+    if flavor == "sglang-0.5.17":
+        assert out["enabled/12.0"] is False and out["no_sm120_apis/enabled/12.0"] is False
+    else:
+        assert out["enabled/12.0"] is True and out["ue8m0/12.0"] is True
+        assert out["no_sm120_apis/enabled/12.0"] is False  # a deep_gemm without SM120 kernels: off
+        assert out["no_sm120_apis/enabled/9.0"] is True  # that probe is SM120's only
 
 
 # ServerArgs with its field defaults and without __post_init__ (which would load a model).
@@ -220,11 +283,7 @@ def test_support_059_gates(sglang_tree, run_in_tree):
 
 # ------------------------------------------------------------ sm120-flashinfer-allreduce-fusion
 
-FUSION_0517 = """
-import sglang.srt.layers.communicator as comm_mod
-import sglang.srt.layers.flashinfer_comm_fusion as fcf
-from sglang.srt.arg_groups import overrides as o
-
+FUSION_DRIVER = """
 class Drv:  # fake CUDA driver bindings (cuda-python is GPU-only): just the calls made
     class CUresult:
         CUDA_SUCCESS = 0
@@ -242,6 +301,14 @@ class Drv:  # fake CUDA driver bindings (cuda-python is GPU-only): just the call
     def cuMulticastGetGranularity(prop, flag):
         return 801, 0  # PCIe board / NVLS off: multicast not supported
 
+"""
+
+FUSION_0517 = """
+import sglang.srt.layers.communicator as comm_mod
+import sglang.srt.layers.flashinfer_comm_fusion as fcf
+from sglang.srt.arg_groups import overrides as o
+
+""" + FUSION_DRIVER + """
 for cap in CAPS:
     set_cap(cap)
     c = importlib.reload(comm_mod)
@@ -298,6 +365,78 @@ def test_fusion_0517_gate_backend_preflight_warning(sglang_tree, run_in_tree):
         assert any("will NOT be applied" in l and "tensor parallelism is 1" in l
                    for l in new["warn_tp1/" + cap]), new["warn_tp1/" + cap]
         assert not any("will NOT be applied" in l for l in old["warn_tp1/" + cap])
+        assert new["warn_tp2/" + cap] == []
+
+
+FUSION_0523 = """
+import sglang.srt.layers.layer_boundary.residual.add_norm as add_norm_mod
+import sglang.srt.layers.flashinfer_comm_fusion as fcf
+from sglang.srt.arg_groups import overrides as o
+""" + FUSION_DRIVER + """
+for cap in CAPS:
+    set_cap(cap)
+    a = importlib.reload(add_norm_mod)
+    # fakes: runtime context and DP-attention state exist only in a running server;
+    # flashinfer's availability probe needs a GPU.
+    a.get_exec = lambda: NS(comm=NS(flashinfer_allreduce_fusion_backend="auto"))
+    a.is_dp_attention_enabled = lambda: False
+    a.uses_cutedsl_ar_fusion = lambda: False
+    a._is_flashinfer_available = True
+    a.is_flashinfer_allreduce_unavailable = lambda: False
+    OUT["gate/" + cap] = a.flashinfer_ar_fusion_applies(8)
+    OUT["resolve_auto/" + cap] = attempt(lambda: fcf._resolve_backend("auto"))
+    OUT["resolve_mnnvl/" + cap] = attempt(lambda: fcf._resolve_backend("mnnvl"))
+    OUT["resolve_cutedsl/" + cap] = attempt(lambda: fcf._resolve_backend("cutedsl"))
+    OUT["preflight_no_multicast/" + cap] = attempt(
+        lambda: fcf._flashinfer_trtllm_workspace_allocation_sizes(
+            Drv, NS(requestedHandleTypes=1), 2, 128, 4096, torch.bfloat16))
+    hf = NS(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=4096)
+    view = dict(flashinfer_allreduce_fusion_backend=None, tp_size=2, attn_dp_size=1,
+                ep_join_mode="none", nnodes=1, moe_a2a_backend="none",
+                disable_custom_all_reduce=False,
+                enforce_disable_flashinfer_allreduce_fusion=False)
+    o.model_config_of = lambda v: NS(hf_config=hf)  # fake: a ModelConfig needs a model on disk
+    OUT["auto_enable/" + cap] = o._flashinfer_allreduce_fusion_auto_enable(NS(**view))
+    with override_platform(has_flashinfer=True):  # fake: flashinfer's probe needs a GPU
+        logs()
+        o._enforce_disable_allreduce_fusion(NS(**dict(view, flashinfer_allreduce_fusion_backend="auto", tp_size=1)))
+        OUT["warn_tp1/" + cap] = [l for l in logs() if l.startswith("WARNING")]
+        o._enforce_disable_allreduce_fusion(NS(**dict(view, flashinfer_allreduce_fusion_backend="auto", attn_dp_size=2)))
+        OUT["warn_dp/" + cap] = [l for l in logs() if l.startswith("WARNING")]
+        o._enforce_disable_allreduce_fusion(NS(**dict(view, flashinfer_allreduce_fusion_backend="auto")))
+        OUT["warn_tp2/" + cap] = [l for l in logs() if l.startswith("WARNING")]
+"""
+
+
+def test_fusion_0523_gate_backend_preflight_warning(sglang_tree, run_in_tree):
+    body = f"CAPS = {CAPS!r}\nfrom sglang.srt.runtime_context import override_platform\n" + FUSION_0523
+    new, old = both(sglang_tree, run_in_tree, "sglang-0.5.23", body,
+                    imports="import sglang.srt.layers.layer_boundary.residual.add_norm")
+    # gate (flashinfer_ar_fusion_applies): SM120 admitted when requested, SM90/SM100 unchanged
+    assert new["gate/12.0"] is True and old["gate/12.0"] is False
+    assert new["gate/10.0"] is old["gate/10.0"] is True
+    assert new["gate/9.0"] is old["gate/9.0"] is True
+    # backend: SM120 auto -> trtllm (pristine raised); mnnvl and cutedsl still refused on SM120
+    assert new["resolve_auto/12.0"] == {"ok": "trtllm"}
+    assert old["resolve_auto/12.0"]["error"] == "ValueError"
+    assert new["resolve_auto/10.0"] == old["resolve_auto/10.0"] == {"ok": "mnnvl"}
+    assert new["resolve_auto/9.0"] == old["resolve_auto/9.0"] == {"ok": "trtllm"}
+    assert new["resolve_mnnvl/12.0"]["error"] == "ValueError"
+    assert new["resolve_cutedsl/12.0"]["error"] == "ValueError"
+    # preflight: no multicast granularity is not an error any more
+    assert "ok" in new["preflight_no_multicast/12.0"]
+    assert old["preflight_no_multicast/12.0"]["error"] == "RuntimeError"
+    # opt-in only: never auto-enabled on SM120, auto-enable on SM90/SM100 unchanged
+    assert new["auto_enable/12.0"] == old["auto_enable/12.0"] == {}
+    for cap in ("10.0", "9.0"):
+        assert new["auto_enable/" + cap] == old["auto_enable/" + cap] == {
+            "flashinfer_allreduce_fusion_backend": "auto"}
+    # flag given but cannot apply: a warning naming the cause (pristine: silent)
+    for cap in CAPS:
+        assert any("will NOT be applied" in l and "tensor parallelism is 1" in l
+                   for l in new["warn_tp1/" + cap]), new["warn_tp1/" + cap]
+        assert any("DP attention is enabled" in l for l in new["warn_dp/" + cap])
+        assert not any("will NOT be applied" in l for l in old["warn_tp1/" + cap] + old["warn_dp/" + cap])
         assert new["warn_tp2/" + cap] == []
 
 
@@ -370,6 +509,47 @@ def test_flashinfer_jit_trtllm_comm_sm120(sglang_tree, run_in_tree, flavor):
         assert any(sm in f for f in new["trtllm_comm/" + cap]["ok"])
 
 
+def test_flashinfer_072_needs_no_trtllm_comm_patch(sglang_tree, run_in_tree):
+    """Why 0.5.23's series has no sm120-flashinfer-trtllm-comm: its flashinfer (0.7.2, unpatched)
+    builds the trtllm comm module for SM12x, where 0.5.17's (0.6.15.post1, unpatched) refuses."""
+    body = f"CAPS = {CAPS!r}\n" + FI_JIT
+    imports = "import flashinfer.jit.comm"
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        trees = {f: sglang_tree(f, False) for f in ("sglang-0.5.23", "sglang-0.5.17")}
+        new, old = pool.map(lambda f: probe(lambda *_: trees[f], run_in_tree, f, False, body, imports),
+                            trees)
+    assert any("sm_120" in f for f in new["trtllm_comm/12.0"]["ok"])
+    assert "No supported CUDA architectures" in old["trtllm_comm/12.0"]["msg"]
+    for cap, sm in (("10.0", "sm_100"), ("9.0", "sm_90")):
+        assert any(sm in f for f in new["trtllm_comm/" + cap]["ok"])
+
+
+ALLREDUCE_KERNELS = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce.cuh"
+
+
+def _arch_guards_on(source: str, arch: int, tmp_path: Path) -> list[bool]:
+    """Which of the file's `#if ... __CUDA_ARCH__ ...` guards the C preprocessor keeps for `arch`."""
+    guards = [ln for ln in source.splitlines() if ln.startswith("#if") and "__CUDA_ARCH__" in ln]
+    probe = tmp_path / f"guards{arch}.c"
+    probe.write_text("".join(f"{g}\nguard_{i}_on\n#endif\n" for i, g in enumerate(guards)))
+    cpp = subprocess.run([shutil.which("cpp") or "cpp", "-P", f"-D__CUDA_ARCH__={arch}", str(probe)],
+                         check=True, capture_output=True, text=True).stdout
+    return [f"guard_{i}_on" in cpp for i in range(len(guards))]
+
+
+def test_flashinfer_072_compiles_the_custom_all_reduce_kernels_for_sm120(sglang_tree, tmp_path):
+    """Why 0.5.23's series no longer refuses trtllm_custom_all_reduce on SM12x: in flashinfer 0.7.2
+    the kernels' arch guards keep the same bodies at __CUDA_ARCH__ 1200 as at 900; in 0.6.15.post1
+    (0.5.17's pin, unpatched) some bodies compile empty on SM12x."""
+    if shutil.which("cpp") is None:
+        pytest.skip("no C preprocessor")
+    for flavor, same in (("sglang-0.5.23", True), ("sglang-0.5.17", False)):
+        source = (sglang_tree(flavor, False) / ALLREDUCE_KERNELS).read_text()
+        on_sm90, on_sm120 = (_arch_guards_on(source, arch, tmp_path) for arch in (900, 1200))
+        assert on_sm90 and all(on_sm90), flavor
+        assert (on_sm120 == on_sm90) is same, (flavor, on_sm120)
+
+
 HEADER = "flashinfer/data/include/flashinfer/comm/trtllm_allreduce_fusion.cuh"
 CLAMP_RE = re.compile(r"(  int max_cluster_size = 8;.*?\n  int cluster_size;\n.*?\n  }\n)", re.DOTALL)
 HARNESS = """
@@ -408,12 +588,33 @@ def test_flashinfer_header_cluster_clamp(sglang_tree, flavor, tmp_path):
         assert got[(120, tpt)] == max(1, -(-tpt // 1024))
 
 
+CUSTOM_AR = """
+import flashinfer.comm.trtllm_ar as ar
+LAUNCHED = []
+# fake: the JIT module (its build needs nvcc and a GPU); records what would be launched
+ar.get_trtllm_comm_module = lambda: NS(trtllm_custom_all_reduce=lambda *a: LAUNCHED.append(len(a)))
+inp = NS(is_cuda=True, device="cuda:0")  # fake: a CUDA tensor; the kernel is never run here
+args = [inp] + [None] * 40
+for cap in CAPS:
+    set_cap(cap)
+    LAUNCHED[:] = []
+    OUT[cap] = attempt(lambda: ar.trtllm_custom_all_reduce(*args[:ar_nargs]) or "launched")
+    OUT["launched/" + cap] = bool(LAUNCHED)
+"""
+
+
 @pytest.mark.parametrize("flavor", FLAVORS)
-def test_flashinfer_custom_all_reduce_refuses_sm12x(sglang_tree, flavor):
-    new = (sglang_tree(flavor, True) / "flashinfer/comm/trtllm_ar.py").read_text()
-    old = (sglang_tree(flavor, False) / "flashinfer/comm/trtllm_ar.py").read_text()
-    guard = "trtllm_custom_all_reduce is not supported on SM12x"
-    assert guard in new and guard not in old
+def test_flashinfer_custom_all_reduce_refuses_sm12x(sglang_tree, run_in_tree, flavor):
+    """The non-fused custom all-reduce kernels compile to empty bodies on SM12x in these flashinfer
+    releases: the patched wheel refuses before launching; the pristine one launches them."""
+    body = (f"CAPS = {CAPS!r}\nimport inspect\nimport flashinfer.comm.trtllm_ar as _ar\n"
+            "ar_nargs = len(inspect.signature(_ar.trtllm_custom_all_reduce).parameters)\n" + CUSTOM_AR)
+    new, old = both(sglang_tree, run_in_tree, flavor, body, imports="import flashinfer.comm.trtllm_ar")
+    assert new["12.0"]["error"] == "NotImplementedError" and "SM12x" in new["12.0"]["msg"]
+    assert new["launched/12.0"] is False
+    assert old["12.0"] == {"ok": "launched"} and old["launched/12.0"] is True
+    for cap in ("10.0", "9.0"):
+        assert new[cap] == old[cap] == {"ok": "launched"}
 
 
 # ----------------------------------------------------------------- sm120-torch-symm-mem.patch
@@ -470,7 +671,7 @@ OUT["table12"] = SIZES.get(12)
 """
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
+@pytest.mark.parametrize("flavor", [*FLAVORS, "sglang-0.5.23"])
 def test_torch_symm_mem_two_shot_without_multicast(sglang_tree, run_in_tree, flavor):
     body = f"CAPS = {CAPS!r}\n" + SYMM
     new, old = both(sglang_tree, run_in_tree, flavor, body,

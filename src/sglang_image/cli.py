@@ -13,23 +13,33 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sglang_image import lock, patch, patchwork, pins, plugin
+from sglang_image import lock, patch, patchwork, pins, plugin, trees
 from sglang_image.errors import SglangImageError
 
 console = Console(highlight=False, soft_wrap=True)
 
 
+def check_plugin_targets(flavor: pins.Flavor, tree: Path) -> list[str]:
+    """Problems of the project's plugin against the flavor's unpacked upstream `tree` (empty: none).
+
+    Flavors without the plugin have none. For the others: every hook target resolves in this tree
+    and every upstream definition the plugin relies on is unchanged since its digest was recorded.
+    """
+    if not flavor.plugin:
+        return []
+    return plugin.check_hook_targets(tree, flavor.sglang_version)
+
+
 def check_all_series(flavor_names: Sequence[str]) -> int:
-    """Applies every flavor's series to its real, hash-checked wheels; one line per patch."""
+    """Applies every flavor's series to its real, hash-checked wheels (one line per patch) and
+    checks the plugin's hook targets for flavors that carry it."""
     failures = 0
     for name in flavor_names:
         flavor = pins.load_flavor(name)
         with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
-            patch.prepare_tree(flavor, Path(tmp), patched=False)
+            trees.prepare_tree(flavor, Path(tmp), patched=False)
             results = patch.apply_series(flavor.series(), Path(tmp), keep_going=True)
-            # The plugin's hooks and relied-on code, on the same (patched) tree
-            plugin_problems = (plugin.check_hook_targets(Path(tmp), flavor.sglang_version)
-                               if getattr(flavor, "plugin", False) else None)
+            plugin_problems = check_plugin_targets(flavor, Path(tmp))
         console.print(f"[bold]{name}[/]: {len(results)} patches on "
                       f"{', '.join(flavor.patch_targets)} (zero fuzz)")
         for r in results:
@@ -38,10 +48,12 @@ def check_all_series(flavor_names: Sequence[str]) -> int:
             else:
                 failures += 1
                 console.print(f"  [red]FAILED[/]  {r.message}")
-        if plugin_problems is not None:
+        if flavor.plugin:
+            for problem in plugin_problems:
+                console.print(f"  [red]plugin[/]  {problem}")
+            if not plugin_problems:
+                console.print("  [green]plugin[/]  hook targets exist, relied-on upstream code unchanged")
             failures += len(plugin_problems)
-            console.print("  [green]plugin[/] hook targets and digests match" if not plugin_problems
-                          else "\n".join(f"  [red]FAILED[/]  plugin: {p}" for p in plugin_problems))
     return 1 if failures else 0
 
 
@@ -65,17 +77,41 @@ def cmd_patches(args: argparse.Namespace) -> int:
             console.print(f"  {'written' if e.changed else 'same   '} {e.name}{note}")
         return check_all_series([flavor.name])
     if action == "rebase":
+        if args.cont:
+            repo = _rebase_in_progress(args.flavors)
+            return _report_rebase(patchwork.rebase_continue(repo))
         if len(args.flavors) != 2:
-            raise SystemExit("usage: nox -s patches -- rebase FROM_FLAVOR TO_FLAVOR")
+            raise SystemExit("usage: nox -s patches -- rebase FROM_FLAVOR TO_FLAVOR "
+                             "| rebase --continue [TO_FLAVOR]")
         source, target = (pins.load_flavor(n) for n in args.flavors)
-        repo, outcomes = patchwork.rebase(source, target)
-        for o in outcomes:
-            mark = "[green]carried[/]" if o.carried else "[red]needs hand work[/]"
-            console.print(f"  {mark} {o.name}: {o.detail}")
-        console.print(f"work tree: {repo} (carried patches are commits after 'upstream').\n"
-                      f"Redo the others by hand there, then: nox -s patches -- export {target.name}")
-        return 0 if all(o.carried for o in outcomes) else 1
+        return _report_rebase(patchwork.rebase(source, target))
     raise SystemExit(f"unknown action {action!r}: check, edit, export or rebase")
+
+
+def _rebase_in_progress(flavor_names: Sequence[str]) -> Path:
+    if flavor_names:
+        return patchwork.WORK_ROOT / pins.load_flavor(flavor_names[0]).name
+    found = sorted(p.parents[1] for p in patchwork.WORK_ROOT.glob("*/.git/sglang-image-rebase.json"))
+    if len(found) != 1:
+        raise SystemExit(f"{len(found)} rebases in progress under {patchwork.WORK_ROOT}: "
+                         "name the target flavor: nox -s patches -- rebase --continue FLAVOR")
+    return found[0]
+
+
+def _report_rebase(result: patchwork.RebaseResult) -> int:
+    for o in result.outcomes:
+        mark = "[green]carried[/]" if o.carried else "[red]stopped[/]"
+        console.print(f"  {mark} {o.name}: {o.detail}")
+    target = result.repo.name
+    if result.stopped is not None:
+        console.print(f"work tree: {result.repo}\n  {result.stopped.name} is applied there with "
+                      f"conflict markers. Fix each file, `git add` (or `git rm`) it (to drop the "
+                      f"patch: `git reset --hard HEAD`; export leaves out empty ones), then:\n"
+                      f"  nox -s patches -- rebase --continue {target}")
+        return 1
+    console.print(f"work tree: {result.repo} (one commit per patch after 'upstream'). Check them, "
+                  f"then: nox -s patches -- export {target}")
+    return 0
 
 
 def cmd_lock(args: argparse.Namespace) -> int:
@@ -111,7 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("patches", help="check, edit, export or rebase the patch series")
     p.add_argument("words", nargs="*", metavar="[ACTION] FLAVOR",
-                   help="check (default) [FLAVOR...] | edit FLAVOR | export FLAVOR | rebase FROM TO")
+                   help="check (default) [FLAVOR...] | edit FLAVOR | export FLAVOR | rebase FROM TO"
+                        " | rebase --continue [TO]")
+    p.add_argument("--continue", dest="cont", action="store_true",
+                   help="rebase: resume after fixing the stopped patch's conflicts")
     p.set_defaults(func=cmd_patches)
     p = sub.add_parser("lock", help="regenerate the hash-pinned lock of flavors")
     p.add_argument("flavors", nargs="*")

@@ -5,7 +5,8 @@ whose base has neither GNU patch nor git. Rules (those of Debian quilt): every h
 match exactly; a hunk may move (offset) but never match "almost" (no fuzz). A failing patch names
 the file, the hunk and the first line that differs, and writes nothing for that patch.
 
-Stdlib only: imported inside the image before any third-party package is trusted.
+Stdlib only: imported inside the image before any third-party package is trusted. It reads
+patch files and a series and fetches nothing (the trees module unpacks wheels for it).
 """
 from __future__ import annotations
 
@@ -14,17 +15,11 @@ import hashlib
 import json
 import re
 import sys
-import tempfile
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sglang_image.errors import PatchApplyError, SglangImageError
-
-if TYPE_CHECKING:
-    from sglang_image.pins import Flavor
 
 _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _NO_NEWLINE = "\\ No newline at end of file"
@@ -267,27 +262,6 @@ def apply_series(patch_files: Sequence[Path], site_packages: Path, *,
 def write_manifest(results: Sequence[PatchResult], path: Path) -> None:
     rows = [{"name": r.name, "sha256": r.sha256, "files": list(r.files)} for r in results if r.ok]
     path.write_text(json.dumps(rows, indent=1) + "\n")
-
-
-def unpack_wheels(wheels: Sequence[Path], dest: Path) -> None:
-    """Unpacks wheels as pip would lay them out in site-packages (no scripts, no bytecode)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for wheel in wheels:
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extractall(dest)
-
-
-def prepare_tree(flavor: Flavor, dest: Path, *, patched: bool = True) -> list[PatchResult]:
-    """Fetches the flavor's patch targets (hash-checked), unpacks them into `dest` and, when
-    `patched`, applies the series. Returns one result per patch (empty when not patched)."""
-    from sglang_image.fetch import fetch_wheels  # not needed inside the image
-
-    with tempfile.TemporaryDirectory() as tmp:
-        wheels = fetch_wheels(flavor, Path(tmp), only=flavor.patch_targets)
-        unpack_wheels(wheels, dest)
-    if not patched:
-        return []
-    return apply_series(flavor.series(), dest)
 
 
 def _cli(argv: Sequence[str] | None = None) -> int:

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from sglang_image.errors import PinError
+from sglang_image.patch import read_series
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FLAVOR_DIR = REPO_ROOT / "images" / "flavors"
 PATCH_ROOT = REPO_ROOT / "patches"
-DEFAULT_FLAVOR = "sglang-0.5.17"
+DEFAULT_FLAVOR = "sglang-0.5.23"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,14 +48,14 @@ class Flavor:
     indexes: tuple[str, ...]
     find_links: tuple[str, ...]
     patch_targets: tuple[str, ...]
+    # The project's SGLang plugin package (patches/plugin/) goes into this flavor's image.
+    plugin: bool = False
     toml_path: Path
     lock_path: Path
     patch_dir: Path
 
     def series(self) -> list[Path]:
         """The patch files in the order of patches/<flavor>/series."""
-        from sglang_image.patch import read_series
-
         return read_series(self.patch_dir)
 
     def lock_inputs_digest(self) -> str:
@@ -73,6 +74,13 @@ def _require(table: dict[str, Any], key: str, where: str) -> Any:
     if key not in table:
         raise PinError(f"{where}: missing key '{key}'")
     return table[key]
+
+
+def _flag(table: dict[str, Any], key: str, where: str) -> bool:
+    value = table.get(key, False)
+    if not isinstance(value, bool):
+        raise PinError(f"{where}: '{key}' must be true or false, got {value!r}")
+    return value
 
 
 def load_flavor(name: str | None = None, flavor_dir: Path = FLAVOR_DIR) -> Flavor:
@@ -95,6 +103,7 @@ def load_flavor(name: str | None = None, flavor_dir: Path = FLAVOR_DIR) -> Flavo
         raise PinError(f"{where} [base_image]: digest must be 'sha256:' and 64 hex digits, "
                        f"got {digest!r} (a tag alone is not a pin)")
     requirements = tuple(str(r) for r in _require(lock, "requirements", f"{where} [lock]"))
+    patch = data.get("patch", {})
     unpinned = [r for r in requirements if "==" not in r]
     if unpinned:
         raise PinError(f"{where} [lock]: every requirement must be pinned with '==': {unpinned}")
@@ -114,7 +123,8 @@ def load_flavor(name: str | None = None, flavor_dir: Path = FLAVOR_DIR) -> Flavo
         requirements=requirements,
         indexes=tuple(lock.get("indexes", ())),
         find_links=tuple(lock.get("find_links", ())),
-        patch_targets=tuple(data.get("patch", {}).get("targets", ("sglang",))),
+        patch_targets=tuple(patch.get("targets", ("sglang",))),
+        plugin=_flag(patch, "plugin", f"{where} [patch]"),
         toml_path=path,
         lock_path=path.with_suffix(".lock"),
         patch_dir=PATCH_ROOT / name,
