@@ -22,19 +22,21 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patches" / "plugin"))
 
 from sglang_image_plugin.auto_threshold import (
-    AUTO,
-    THRESHOLD_ENV,
-    THRESHOLD_FLAG,
     AutoConfig,
     AutoController,
     AutoPolicy,
     Mode,
     Prior,
+    resume_batch_size,
+)
+from sglang_image_plugin.spec_disable import (
+    AUTO,
+    THRESHOLD_ENV,
+    THRESHOLD_FLAG,
     ThresholdError,
+    add_cli_args,
     parse_threshold,
     resolve_threshold,
-    resume_batch_size,
-    threshold_argument,
 )
 
 MAX_BATCH = 256
@@ -290,7 +292,7 @@ def test_flag_wins_over_the_environment_and_a_bad_environment_names_both():
 
 def test_argparse_shows_the_message(capsys):
     ap = argparse.ArgumentParser()
-    ap.add_argument(THRESHOLD_FLAG, type=threshold_argument)
+    add_cli_args(ap)  # the flag as the plugin adds it to sglang's parser
     assert ap.parse_args([THRESHOLD_FLAG, "auto"]).speculative_disable_batch_threshold == AUTO
     with pytest.raises(SystemExit):
         ap.parse_args([THRESHOLD_FLAG, "auto32"])

@@ -12,7 +12,8 @@ from sglang_image.plugin import PLUGIN_DIR
 sys.path.insert(0, str(PLUGIN_DIR))
 
 from sglang_image_plugin import spec_disable as sd
-from sglang_image_plugin.policy import ThresholdPolicy
+from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, AutoPolicy
+from sglang_image_plugin.policy import AutoThresholdPolicy, ThresholdPolicy
 
 EAGLE3 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
                        speculative_adaptive=False)
@@ -24,25 +25,35 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_flags_parse_numbers_and_name_the_flag_on_bad_input() -> None:
+def test_flags_parse_numbers_and_auto_and_name_the_flag_on_bad_input() -> None:
     ns = _parser().parse_args([sd.THRESHOLD_FLAG, "32", sd.HYSTERESIS_FLAG, "3"])
     assert (ns.speculative_disable_batch_threshold, ns.speculative_disable_hysteresis) == (32, 3)
     assert _parser().parse_args([]).speculative_disable_batch_threshold is None
-    for bad, words in (("-1", ">= 0"), ("12x", "non-negative integer"), ("", "non-negative")):
+    assert _parser().parse_args([sd.THRESHOLD_FLAG, "AUTO"]).speculative_disable_batch_threshold == "auto"
+    for bad in ("-1", "12x", "", "auto32", "+4"):
         with pytest.raises(argparse.ArgumentError) as err:
             _parser().parse_args([sd.THRESHOLD_FLAG, bad])
-        assert sd.THRESHOLD_FLAG in str(err.value) and words in str(err.value)
+        assert sd.THRESHOLD_FLAG in str(err.value)
+        assert f"{bad!r} is not a batch-size threshold; give `auto`" in str(err.value)
 
 
-def test_auto_is_refused_until_the_self_tuning_threshold_ships(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sd, "auto_available", lambda: False)
-    with pytest.raises(argparse.ArgumentError, match="auto is not available in this build"):
-        _parser().parse_args([sd.THRESHOLD_FLAG, "auto"])
-    with pytest.raises(ValueError, match=f"{sd.THRESHOLD_ENV}.*auto is not available"):
-        sd.resolve_and_validate(threshold_flag=None, hysteresis_flag=None, server=EAGLE3,
-                                environ={sd.THRESHOLD_ENV: "auto"})
-    monkeypatch.setattr(sd, "auto_available", lambda: True)
-    assert _parser().parse_args([sd.THRESHOLD_FLAG, "AUTO"]).speculative_disable_batch_threshold == "auto"
+def test_auto_resolves_from_flag_or_env_and_refuses_what_it_cannot_do() -> None:
+    def resolve(flag: sd.Threshold | None, env: dict[str, str], hysteresis: int | None = None,
+                server: sd.ServerView = EAGLE3) -> sd.Setting:
+        return sd.resolve_and_validate(threshold_flag=flag, hysteresis_flag=hysteresis,
+                                       server=server, environ=env)
+
+    assert resolve("auto", {}) == sd.Setting(threshold="auto", hysteresis=0)
+    assert resolve(None, {sd.THRESHOLD_ENV: " Auto "}) == sd.Setting(threshold="auto", hysteresis=0)
+    assert resolve(16, {sd.THRESHOLD_ENV: "auto"}).threshold == 16
+    assert sd.start_log_line("auto") == "Dynamic speculation disable enabled: threshold=auto"
+    with pytest.raises(ValueError, match=f"{sd.HYSTERESIS_FLAG} applies to a fixed"):
+        resolve("auto", {}, hysteresis=2)
+    tp2 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
+                        speculative_adaptive=False, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="=auto is not supported with tensor parallelism yet"):
+        resolve(None, {sd.THRESHOLD_ENV: "auto"}, server=tp2)
+    assert resolve(8, {}, server=tp2) == sd.Setting(threshold=8, hysteresis=1)  # fixed N: as before
 
 
 def test_env_is_the_fallback_and_the_flag_wins() -> None:
@@ -56,6 +67,8 @@ def test_env_is_the_fallback_and_the_flag_wins() -> None:
     assert resolve(0, {sd.THRESHOLD_ENV: "64"}) == sd.OFF
     with pytest.raises(ValueError, match=f"{sd.THRESHOLD_ENV} \\(the fallback for {sd.THRESHOLD_FLAG}\\)"):
         resolve(None, {sd.THRESHOLD_ENV: "many"})
+    with pytest.raises(ValueError, match=f"{sd.THRESHOLD_ENV} .*'auto-8' is not a batch-size"):
+        resolve(None, {sd.THRESHOLD_ENV: "auto-8"})
 
 
 @pytest.mark.parametrize(("server", "hysteresis", "message"), [
@@ -125,3 +138,52 @@ def test_policy_maps_the_mode_to_step_counts_and_prunes_graph_sizes() -> None:
     assert policy.on_verify_complete([1, 2], 2) is None
     with pytest.raises(ValueError, match="--speculative-num-steps >= 1"):
         ThresholdPolicy(ctl, speculative_steps=0)
+
+
+class RecordedMetrics(sd.Metrics):
+    def __init__(self) -> None:
+        self.plain: list[bool] = []
+        self.crossovers: list[int] = []
+
+    def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
+        assert speculative_steps + plain_steps == 1
+        self.plain.append(plain_mode)
+
+    def observe_crossover(self, crossover: int) -> None:
+        self.crossovers.append(crossover)
+
+
+def test_auto_policy_reports_each_crossover_move_in_the_line_metrics_and_snapshot() -> None:
+    """The crossover is moved through the controller's `agree` seam (a split of its
+    power-of-two buckets: 6 -> 32, 7 -> 64) to see what the policy reports."""
+    split = [9]  # all 9 buckets of 1..256 speculate
+    ctl = AutoController(AutoConfig(max_batch_size=256, update_every=4, explore_steps=1,
+                                    explore_gap=10**6),
+                         agree=lambda _: split[0])
+    lines: list[str] = []
+    now = [0.0]
+    policy = AutoThresholdPolicy(ctl, 3, log_fn=lines.append, clock=lambda: now[0],
+                                 step_clock=lambda: now[0])
+    metrics = RecordedMetrics()
+    policy.metrics = metrics
+    assert metrics.crossovers == [256]  # published when attached
+    steps = []
+    for i, (bs, new_split) in enumerate([(40, 9), (40, 9), (40, 9), (40, 6), (40, 6), (40, 6),
+                                         (40, 6), (40, 7), (40, 7), (0, 7), (40, 7), (40, 7)]):
+        now[0] = float(i)
+        split[0] = new_split
+        steps.append(policy.get_steps_for_batch(bs))
+    # step 1 explores plain (nothing measured yet); crossover 32 at step 4 -> plain; 64 at
+    # step 8 -> speculative again (40 <= 64 - 8); the idle call keeps the mode
+    assert steps == [0, 3, 3, 0, 0, 0, 0, 3, 3, 3, 3, 3]
+    assert metrics.crossovers == [256, 32, 64]
+    assert metrics.plain == [s == 0 for s in steps[:9] + steps[10:]]
+    assert lines[0].startswith("Speculation crossover -> 32 (auto, was 256; accept length ")
+    assert lines[0].endswith("mode=plain; mode_changes=3, crossover_changes=1")
+    # the move at t=7 falls within 5 s of the line at t=3: logged once the interval passed
+    assert len(lines) == 2 and lines[1].startswith("Speculation crossover -> 64 (auto, was 32;")
+    assert "crossover_changes=2" in lines[1]
+    snapshot = policy.snapshot()
+    assert snapshot["threshold"] == "auto" and snapshot["crossover"] == 64
+    assert snapshot["mode"] == "speculative" and snapshot["max_batch_size"] == 256
+    assert isinstance(policy, AutoPolicy) and policy.candidate_steps == [0, 3]

@@ -39,23 +39,17 @@ value): the crossover changes only through it, at the same steps on every rank.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final, Literal
+from typing import Final
 
-THRESHOLD_FLAG: Final = "--speculative-disable-batch-threshold"
+# The flag, its parser and the fixed threshold's hysteresis live with the other flags.
+from sglang_image_plugin.spec_disable import AUTO, THRESHOLD_FLAG, default_hysteresis
+
 EXTRAPOLATION_SPAN: Final = 1.5  # see AutoController._seconds_at
-THRESHOLD_ENV: Final = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
-AUTO: Final = "auto"
-
-# A threshold as the user gives it: a batch size N (speculate while at most N requests run; 0 is
-# off) or AUTO (the server finds N itself, with AutoController).
-Threshold = int | Literal["auto"]
 
 
 class Mode(StrEnum):
@@ -66,55 +60,11 @@ class Mode(StrEnum):
         return Mode.PLAIN if self is Mode.SPECULATIVE else Mode.SPECULATIVE
 
 
-class ThresholdError(ValueError):
-    """A threshold value that is neither `auto` nor a whole number in range."""
-
-
-def parse_threshold(raw: str | int, *, source: str = THRESHOLD_FLAG, allow_zero: bool = True) -> Threshold:
-    """`auto` (any case) or a whole number of requests; 0 (off) only where `allow_zero`.
-
-    Refuses anything else (`auto` mixed with numbers, signs, fractions, words) with a message that
-    names `source` and the forms it takes."""
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        raise ThresholdError(f"{source}: expected `auto` or a whole number, got {raw!r}")
-    text = str(raw).strip()
-    if text.lower() == AUTO:
-        return AUTO
-    lowest = 0 if allow_zero else 1
-    if text.isascii() and text.isdigit() and int(text) >= lowest:
-        return int(text)
-    off = " (0 turns it off)" if allow_zero else ""
-    raise ThresholdError(
-        f"{source}: {raw!r} is not a batch-size threshold; give `auto` (the server measures where "
-        f"speculation stops paying) or a whole number N >= {lowest} (speculate while at most N "
-        f"requests run){off}, e.g. {THRESHOLD_FLAG} auto")
-
-
-def resolve_threshold(flag_value: str | int | None, environ: Mapping[str, str] | None = None) -> Threshold:
-    """The flag wins, else the environment variable, else 0 (off)."""
-    if flag_value is not None:
-        return parse_threshold(flag_value)
-    raw = (os.environ if environ is None else environ).get(THRESHOLD_ENV)
-    if raw is None or not raw.strip():
-        return 0
-    return parse_threshold(raw, source=f"{THRESHOLD_ENV} (the environment's value for {THRESHOLD_FLAG})")
-
-
-def threshold_argument(value: str) -> Threshold:
-    """`type=` of the flag's argparse argument: argparse shows this message, not a generic one."""
-    try:
-        return parse_threshold(value)
-    except ThresholdError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def resume_batch_size(threshold: int) -> int:
     """Below a threshold N, the batch size at which a plain server speculates again: N - N//8 (at
     least one below N where N > 1), so that one request arriving or finishing near N does not flip
     the mode on every step."""
-    if threshold <= 1:
-        return threshold
-    return threshold - min(max(1, threshold // 8), threshold - 1)
+    return threshold - default_hysteresis(threshold)
 
 
 def power_of_two_edges(max_batch_size: int) -> tuple[int, ...]:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_image_plugin import spec_disable
-from sglang_image_plugin.policy import ThresholdPolicy
+from sglang_image_plugin.auto_threshold import AutoConfig, AutoController
+from sglang_image_plugin.policy import AutoThresholdPolicy, ThresholdPolicy
 from sglang_image_plugin.spec_disable import Setting
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,10 @@ logger = logging.getLogger(__name__)
 # ServerArgs.__reduce__, never part of the resolved configuration).
 FLAGS_ATTR = "_sglang_image_spec_disable_flags"
 SETTING_ATTR = "_sglang_image_spec_disable"
-# On EAGLEWorkerV2: the controller, read by the observability hooks.
+# On EAGLEWorkerV2: the controller (auto: the policy), read by the observability hooks.
 CONTROLLER_ATTR = "sglang_image_spec_disable"
+# On EAGLEWorkerV2: `auto` waits for init_cuda_graphs to install its policy.
+AUTO_PENDING_ATTR = "_sglang_image_spec_disable_auto_pending"
 SKIP_DRAFT_EXTEND_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
 
 
@@ -74,6 +77,7 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
         speculative_eagle_topk=cfg.speculative_eagle_topk,
         speculative_adaptive=bool(cfg.speculative_adaptive),
         adaptive_unsupported_reason=reason,
+        tensor_parallel_size=int(cfg.tp_size or 1),
     )
     return spec_disable.resolve_and_validate(
         threshold_flag=threshold_flag,
@@ -103,7 +107,8 @@ def _log_on_rank0(message: str) -> None:
 
 def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER EAGLEWorkerV2.__init__: above the threshold the worker runs upstream's
-    zero-step state; the switch is upstream's AdaptiveController with our policy."""
+    zero-step state; the switch is upstream's AdaptiveController with our policy (for
+    `auto`, installed by worker_init_cuda_graphs, once the server's batch limit is known)."""
     server_args = worker.server_args
     setting = getattr(server_args, SETTING_ATTR, None)
     if setting is None:  # a launch path that skipped check_server_args
@@ -112,12 +117,6 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
         return
     from sglang.srt.speculative import eagle_worker_v2
 
-    if setting.threshold == spec_disable.AUTO:
-        raise ValueError(
-            f"{spec_disable.THRESHOLD_FLAG}=auto: this build's worker has no self-tuning "
-            "controller wired in; give a number"
-        )
-    assert isinstance(setting.threshold, int)
     hf_config = worker._draft_worker.draft_runner.model_config.hf_config
     if eagle_worker_v2._qsa_index_share_requested(hf_config):
         raise ValueError(
@@ -125,16 +124,49 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
             "indices across its steps (index_share_for_mtp_iteration): its index buffers "
             "belong to one step count (as with --speculative-adaptive)"
         )
-    controller = spec_disable.SpecDisableController(
-        setting.threshold,
-        setting.hysteresis,
+    if setting.threshold == spec_disable.AUTO:
+        setattr(worker, AUTO_PENDING_ATTR, True)
+    else:
+        assert isinstance(setting.threshold, int)
+        controller = spec_disable.SpecDisableController(
+            setting.threshold,
+            setting.hysteresis,
+            log_fn=_log_on_rank0,
+        )
+        worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
+            worker, ThresholdPolicy(controller, worker.speculative_num_steps)
+        )
+        setattr(worker, CONTROLLER_ATTR, controller)
+    _log_on_rank0(spec_disable.start_log_line(setting.threshold))
+
+
+def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE EAGLEWorkerV2.init_cuda_graphs: for `auto`, the self-tuning policy. Here
+    the memory pools exist, so the server's max running requests (the controller's
+    largest bucket) is known; upstream's init_cuda_graphs then builds both step states
+    for every captured batch size (the crossover moves at run time).
+
+    Cold start: no prior. Upstream keeps no per-batch-size replay timings (its capture
+    time is graph building, not a step), so the controller starts as always-on EAGLE-3
+    does and measures the plain mode in each batch-size bucket it meets, at a bounded
+    rate (AutoConfig.explore_steps / explore_gap of the steps)."""
+    if not getattr(worker, AUTO_PENDING_ATTR, False):
+        return
+    setattr(worker, AUTO_PENDING_ATTR, False)
+    from sglang.srt.speculative import eagle_worker_v2
+
+    max_running_requests = int(worker.target_worker.model_runner.max_running_requests)
+    policy = AutoThresholdPolicy(
+        AutoController(AutoConfig(max_batch_size=max_running_requests)),
+        worker.speculative_num_steps,
         log_fn=_log_on_rank0,
     )
-    worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
-        worker, ThresholdPolicy(controller, worker.speculative_num_steps)
+    worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
+    setattr(worker, CONTROLLER_ATTR, policy)
+    _log_on_rank0(
+        f"Dynamic speculation disable (auto): crossover learned online per batch-size "
+        f"bucket up to {max_running_requests} running requests, starting speculative"
     )
-    setattr(worker, CONTROLLER_ATTR, controller)
-    _log_on_rank0(spec_disable.start_log_line(setting.threshold))
 
 
 class PrometheusMetrics(spec_disable.Metrics):
@@ -142,6 +174,8 @@ class PrometheusMetrics(spec_disable.Metrics):
 
     def __init__(self, labels: dict[str, str]) -> None:
         from prometheus_client import Counter, Gauge
+
+        self._crossover: Any = None
 
         self._plain_mode = Gauge(
             name="sglang:spec_disable_plain_mode",
@@ -159,6 +193,22 @@ class PrometheusMetrics(spec_disable.Metrics):
             documentation="Decode steps that ran without drafting.",
             labelnames=list(labels),
         ).labels(**labels)
+        self._labels = labels
+
+    def observe_crossover(self, crossover: int) -> None:
+        if self._crossover is None:  # made on first use: a fixed threshold has none
+            from prometheus_client import Gauge
+
+            self._crossover = Gauge(
+                name="sglang:spec_disable_crossover",
+                documentation=(
+                    "Threshold auto: the batch size up to which the server speculates now "
+                    "(0: never; its max running requests: always)."
+                ),
+                labelnames=list(self._labels),
+                multiprocess_mode="mostrecent",
+            ).labels(**self._labels)
+        self._crossover.set(crossover)
 
     def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
         self._plain_mode.set(int(plain_mode))
@@ -190,6 +240,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sglang.srt.server_args.ServerArgs.from_cli_args": from_cli_args,
     "sglang.srt.server_args.ServerArgs.check_server_args": check_server_args,
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__": worker_init,
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.init_cuda_graphs": worker_init_cuda_graphs,
     "sglang.srt.managers.scheduler.Scheduler.__init__": scheduler_init,
     "sglang.srt.managers.scheduler_components.internal_state."
     "SchedulerInternalStateController._add_speculative": add_speculative_state,
