@@ -345,8 +345,11 @@ class AutoController:
 
     def _advantages(self) -> list[tuple[float, float]] | None:
         """Per bucket, log(speculative tok/s / plain tok/s) and its variance from the step times'
-        noise; a bucket not measured in both modes takes its neighbours' values (linear between two,
-        the nearest beyond the ends). None: no bucket is."""
+        noise; a bucket not measured in both modes takes its neighbours' values (linear between two).
+        Beyond the measured ones only what the nearest bounds is taken (speculation's advantage
+        shrinks as the batch grows): below a bucket where plain wins, and above one where
+        speculation wins, an unmeasured bucket counts as neutral (0), so it keeps its current
+        mode until measured. None: no bucket is."""
         accept = self._accept.value
         curves = self._curves()
         known: dict[int, tuple[float, float]] = {}
@@ -367,10 +370,12 @@ class AutoController:
             right = bisect.bisect_left(points, i)
             if i in known:
                 out.append(known[i])
-            elif right == 0:
-                out.append(known[points[0]])
-            elif right == len(points):
-                out.append(known[points[-1]])
+            elif right == 0:  # speculation pays at least as much below: a lower bound
+                d, variance = known[points[0]]
+                out.append((max(d, 0.0), variance))
+            elif right == len(points):  # and at most as much above: an upper bound
+                d, variance = known[points[-1]]
+                out.append((min(d, 0.0), variance))
             else:
                 lo, hi = points[right - 1], points[right]
                 w = (i - lo) / (hi - lo)

@@ -164,8 +164,8 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
     worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
     setattr(worker, CONTROLLER_ATTR, policy)
     _log_on_rank0(
-        f"Dynamic speculation disable (auto): crossover learned online per batch-size "
-        f"bucket up to {max_running_requests} running requests, starting speculative"
+        f"Speculation crossover: auto, learned online per batch-size bucket up to "
+        f"{max_running_requests} running requests; starting speculative everywhere"
     )
 
 

@@ -79,7 +79,7 @@ class AutoThresholdPolicy(AutoPolicy):
         speculative_steps: int,
         *,
         log_fn: Callable[[str], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         log_interval_s: float = MODE_LOG_INTERVAL_S,
         step_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -87,7 +87,8 @@ class AutoThresholdPolicy(AutoPolicy):
         self._metrics = Metrics()
         self._published_crossover = controller.crossover()
         self._log_fn = log_fn if log_fn is not None else logger.info
-        self._clock = clock
+        # (AutoPolicy._clock times the steps)
+        self._log_clock = clock if clock is not None else time.monotonic
         self._log_interval_s = log_interval_s
         self._last_log_time: float | None = None
         self._logged = (controller.crossover(), controller.mode)
@@ -124,7 +125,7 @@ class AutoThresholdPolicy(AutoPolicy):
             self._folded += 1
         if now_state == self._logged:
             return
-        now = self._clock()
+        now = self._log_clock()
         if self._last_log_time is not None and now - self._last_log_time < self._log_interval_s:
             return
         crossover, mode = now_state
