@@ -25,6 +25,7 @@ from sglang_image_plugin.auto_threshold import (
     AutoConfig,
     AutoController,
     AutoPolicy,
+    Decision,
     Mode,
     Prior,
     resume_batch_size,
@@ -220,11 +221,11 @@ def test_prior_gives_the_first_crossover_and_measurements_replace_it():
 
 def test_tensor_parallel_ranks_agree_through_the_callback():
     """Every re-estimate goes through `agree` (a TP hook broadcasts rank 0's), at the same steps."""
-    asked: list[int] = []
+    asked: list[Decision] = []
 
-    def rank0_says(split: int) -> int:
-        asked.append(split)
-        return 3  # rank 0's view: buckets 1, 2, 3-4 speculate
+    def rank0_says(decision: Decision) -> Decision:
+        asked.append(decision)
+        return Decision(3, frozenset())  # rank 0's view: buckets 1, 2, 3-4 speculate
 
     cfg = AutoConfig(max_batch_size=MAX_BATCH, update_every=16)
     ctl = AutoController(cfg, agree=rank0_says)

@@ -488,7 +488,6 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
     """
     out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, FAKE_CLOCK, SWITCH,
                  AUTO_TRACE, body)
-    print({k: v for k, v in out.items() if "ramp" not in k or k == "ramp_explored"})
     assert out["start"] == ["Dynamic speculation disable enabled: threshold=auto"]
     assert out["policy"] == "AutoThresholdPolicy" and out["is_auto_policy"]
     assert out["max_batch_size"] == 256  # the target's max running requests

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,7 @@ from sglang_image.plugin import PLUGIN_DIR
 sys.path.insert(0, str(PLUGIN_DIR))
 
 from sglang_image_plugin import spec_disable as sd
-from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, AutoPolicy
+from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, AutoPolicy, Decision
 from sglang_image_plugin.policy import AutoThresholdPolicy, ThresholdPolicy
 
 EAGLE3 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
@@ -49,11 +50,9 @@ def test_auto_resolves_from_flag_or_env_and_refuses_what_it_cannot_do() -> None:
     assert sd.start_log_line("auto") == "Dynamic speculation disable enabled: threshold=auto"
     with pytest.raises(ValueError, match=f"{sd.HYSTERESIS_FLAG} applies to a fixed"):
         resolve("auto", {}, hysteresis=2)
-    tp2 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
-                        speculative_adaptive=False, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="=auto is not supported with tensor parallelism yet"):
-        resolve(None, {sd.THRESHOLD_ENV: "auto"}, server=tp2)
-    assert resolve(8, {}, server=tp2) == sd.Setting(threshold=8, hysteresis=1)  # fixed N: as before
+    with pytest.raises(ValueError, match="=auto cannot be combined with --speculative-adaptive"):
+        resolve("auto", {}, server=sd.ServerView(speculative_algorithm="EAGLE3",
+                                                 speculative_eagle_topk=1, speculative_adaptive=True))
 
 
 def test_env_is_the_fallback_and_the_flag_wins() -> None:
@@ -159,7 +158,7 @@ def test_auto_policy_reports_each_crossover_move_in_the_line_metrics_and_snapsho
     split = [9]  # all 9 buckets of 1..256 speculate
     ctl = AutoController(AutoConfig(max_batch_size=256, update_every=4, explore_steps=1,
                                     explore_gap=10**6),
-                         agree=lambda _: split[0])
+                         agree=lambda _: Decision(split[0], frozenset()))
     lines: list[str] = []
     now = [0.0]
     policy = AutoThresholdPolicy(ctl, 3, log_fn=lines.append, clock=lambda: now[0],
@@ -187,3 +186,71 @@ def test_auto_policy_reports_each_crossover_move_in_the_line_metrics_and_snapsho
     assert snapshot["threshold"] == "auto" and snapshot["crossover"] == 64
     assert snapshot["mode"] == "speculative" and snapshot["max_batch_size"] == 256
     assert isinstance(policy, AutoPolicy) and policy.candidate_steps == [0, 3]
+
+
+def _tp_rank(rank: int, port: int, agree_on: bool, out: Any) -> None:
+    """One tensor-parallel rank: the auto policy over the same batches as the other rank,
+    its own step times (its own noise), decisions agreed through a real gloo broadcast."""
+    import math
+    import random
+
+    import torch.distributed as dist
+    from sglang_image_plugin import hooks
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    config = AutoConfig(max_batch_size=256)
+    agree = hooks.tp_agree(dist.group.WORLD, 0, len(config.edges)) if agree_on else None
+    clock = [0.0]
+    policy = AutoPolicy(AutoController(config, agree=agree), 3, lambda: clock[0])
+    batches, noise = random.Random(1), random.Random(100 + rank)
+    steps: list[int] = []
+    late: list[tuple[list[int], int]] = []
+    while len(steps) < 12000:
+        level = round(math.exp(batches.uniform(0, math.log(256))))
+        for _ in range(batches.randint(50, 300)):
+            bs = min(256, max(1, level + batches.randint(-2, 2)))
+            k = policy.get_steps_for_batch(bs)
+            steps.append(k)
+            if late:
+                policy.on_verify_complete(*late.pop())
+            late.append(([2 if k else 0] * bs, bs))
+            # the cost model's crossover lies inside the 17-32 bucket: close calls
+            seconds = 7e-3 + 4e-4 * bs if k else 4e-3 + 6.4e-5 * bs
+            clock[0] += seconds * math.exp(noise.gauss(0, 0.2))
+    dist.destroy_process_group()
+    out.put((rank, steps[:12000], policy.controller.crossover_changes,
+             policy.controller.explore_steps))
+
+
+def _run_tp_pair(agree_on: bool) -> dict[int, tuple[list[int], int, int]]:
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, agree_on, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, steps, changes, explored = queue.get(timeout=300)
+        results[rank] = (steps, changes, explored)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
+
+
+def test_tensor_parallel_ranks_take_rank0s_decisions_over_gloo() -> None:
+    """Two ranks, real torch.distributed (gloo on loopback), as hooks.tp_agree runs over the
+    TP group's CPU group: with it every step's step count matches; without, the ranks'
+    own noise makes them choose differently (which would hang a TP server)."""
+    agreed = _run_tp_pair(agree_on=True)
+    assert agreed[0][0] == agreed[1][0]
+    assert agreed[0][1] > 0  # the crossover moved, on both alike
+    alone = _run_tp_pair(agree_on=False)
+    assert alone[0][0] != alone[1][0]

@@ -33,8 +33,10 @@ weighted like one measurement, so the first real steps replace it; without one i
 everywhere, as EAGLE-3 does, until measurements say otherwise.
 
 Every decision is a function of the measurements given, without randomness. Step times differ
-between tensor-parallel ranks, so a TP hook passes `agree` (for example a broadcast of rank 0's
-value): the crossover changes only through it, at the same steps on every rank.
+between tensor-parallel ranks, so a TP hook passes `agree` (a broadcast of rank 0's Decision):
+the estimate reaches the decisions only through it (the crossover, and the buckets near it still
+being explored), at the same steps on every rank; everything else follows from the batch sizes
+and the order of the calls, which the ranks share.
 """
 
 from __future__ import annotations
@@ -196,6 +198,14 @@ class _Bucket:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """What the estimate decides at an update, all a rank needs to act as the others do."""
+
+    split: int  # buckets [0, split) speculate
+    undecided: frozenset[int]  # buckets next to the split still explored: within the noise
+
+
+@dataclass(frozen=True)
 class BucketEstimate:
     """One bucket's view, for reports: output tokens/s of each mode at the batch size the bucket's
     traffic runs at (None: not measured in both modes yet)."""
@@ -212,7 +222,7 @@ class AutoController:
     """Decides per decode step whether to speculate; see the module docstring."""
 
     def __init__(self, config: AutoConfig, prior: Prior | None = None,
-                 agree: Callable[[int], int] | None = None) -> None:
+                 agree: Callable[[Decision], Decision] | None = None) -> None:
         self.config = config
         edges = config.edges
         self._buckets = [_Bucket(low + 1, high) for low, high in zip((0, *edges[:-1]), edges, strict=True)]
@@ -236,7 +246,7 @@ class AutoController:
         if prior is not None:
             self._seed(prior)
             if agree is not None:
-                self._split = agree(self._split)
+                self._split = agree(Decision(self._split, frozenset())).split
 
     # ------------------------------------------------------------------ per step
     def decide(self, batch_size: int) -> Mode:
@@ -426,19 +436,21 @@ class AutoController:
     def _update(self) -> None:
         advantages = self._advantages()
         split = self._split if advantages is None else self._best_split(advantages, self.config.margin)
-        if self._agree is not None:
-            split = self._agree(split)
-        if split != self._split:
-            self._split = split
-            self.crossover_changes += 1
-        self._undecided = set()
+        undecided = set()
         if advantages is not None:
             for i in (split - 1, split):
                 if 0 <= i < len(advantages) and self._buckets[i].point(Mode.PLAIN) \
                         and self._buckets[i].point(Mode.SPECULATIVE):
                     d, variance = advantages[i]
                     if abs(d) <= self.config.margin + 2 * math.sqrt(variance):
-                        self._undecided.add(i)
+                        undecided.add(i)
+        decision = Decision(split, frozenset(undecided))
+        if self._agree is not None:
+            decision = self._agree(decision)
+        if decision.split != self._split:
+            self._split = decision.split
+            self.crossover_changes += 1
+        self._undecided = set(decision.undecided)
 
     def _seed(self, prior: Prior) -> None:
         """The prior as one sample per bucket and mode, then a crossover from it alone."""

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_image_plugin import spec_disable
-from sglang_image_plugin.auto_threshold import AutoConfig, AutoController
+from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, Decision
 from sglang_image_plugin.policy import AutoThresholdPolicy, ThresholdPolicy
 from sglang_image_plugin.spec_disable import Setting
 
@@ -77,7 +77,6 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
         speculative_eagle_topk=cfg.speculative_eagle_topk,
         speculative_adaptive=bool(cfg.speculative_adaptive),
         adaptive_unsupported_reason=reason,
-        tensor_parallel_size=int(cfg.tp_size or 1),
     )
     return spec_disable.resolve_and_validate(
         threshold_flag=threshold_flag,
@@ -156,8 +155,16 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
     from sglang.srt.speculative import eagle_worker_v2
 
     max_running_requests = int(worker.target_worker.model_runner.max_running_requests)
+    agree = None
+    group = _tp_group(worker.server_args)
+    if group is not None:
+        # One bucket layout for all ranks, then rank 0's decisions.
+        max_running_requests = broadcast_ints(group.cpu_group, group.ranks[0],
+                                              [max_running_requests])[0]
+        buckets = len(AutoConfig(max_batch_size=max_running_requests).edges)
+        agree = tp_agree(group.cpu_group, group.ranks[0], buckets)
     policy = AutoThresholdPolicy(
-        AutoController(AutoConfig(max_batch_size=max_running_requests)),
+        AutoController(AutoConfig(max_batch_size=max_running_requests), agree=agree),
         worker.speculative_num_steps,
         log_fn=_log_on_rank0,
     )
@@ -166,7 +173,45 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
     _log_on_rank0(
         f"Speculation crossover: auto, learned online per batch-size bucket up to "
         f"{max_running_requests} running requests; starting speculative everywhere"
+        + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else "")
     )
+
+
+def _tp_group(server_args: Any) -> Any:
+    """The tensor-parallel group (sglang's GroupCoordinator) when there is more than one
+    rank; None for one."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if int(resolving_view(server_args).tp_size or 1) <= 1:
+        return None
+    from sglang.srt.runtime_context import get_parallel
+
+    group = get_parallel().tp_group
+    return group if group.world_size > 1 else None
+
+
+def broadcast_ints(cpu_group: Any, src: int, values: list[int]) -> list[int]:
+    """Rank `src`'s values on every rank of the group (a CPU, gloo, broadcast)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(tensor, src=src, group=cpu_group)
+    return [int(v) for v in tensor.tolist()]
+
+
+def tp_agree(cpu_group: Any, src: int, buckets: int) -> Callable[[Decision], Decision]:
+    """`auto` under tensor parallelism: every rank takes rank `src`'s Decision. Each rank
+    measures its own step times, and ranks that chose different step counts would run
+    collectives of different shapes; the controller calls this at the same steps on every
+    rank (once per AutoConfig.update_every decode steps), from the scheduler's thread."""
+
+    def agree(decision: Decision) -> Decision:
+        flags = [int(i in decision.undecided) for i in range(buckets)]
+        values = broadcast_ints(cpu_group, src, [decision.split, *flags])
+        return Decision(values[0], frozenset(i for i, f in enumerate(values[1:]) if f))
+
+    return agree
 
 
 class PrometheusMetrics(spec_disable.Metrics):

@@ -161,7 +161,6 @@ class ServerView:
     # Why upstream's adaptive state switch cannot run here (None: it can). The
     # plain tier is built and switched by that machinery.
     adaptive_unsupported_reason: str | None = None
-    tensor_parallel_size: int = 1
 
 
 def resolve_and_validate(
@@ -202,14 +201,6 @@ def resolve_and_validate(
                 f"{HYSTERESIS_FLAG} applies to a fixed {THRESHOLD_FLAG} N; with `auto` the "
                 "controller keeps its own hysteresis (on the estimate and on the batch size): "
                 "drop the hysteresis flag or give a number"
-            )
-        if server.tensor_parallel_size > 1:
-            # Each rank measures its own step times; ranks that disagree on the mode
-            # would run collectives of different shapes and hang. Not validated yet.
-            raise ValueError(
-                f"{shown} is not supported with tensor parallelism yet (--tp-size "
-                f"{server.tensor_parallel_size}): the ranks would have to agree on every "
-                f"decision; give a fixed {THRESHOLD_FLAG} N instead"
             )
         return Setting(threshold=AUTO, hysteresis=0)
     assert isinstance(threshold, int)
