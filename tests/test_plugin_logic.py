@@ -182,6 +182,15 @@ def test_auto_policy_reports_each_crossover_move_in_the_line_metrics_and_snapsho
     # the move at t=7 falls within 5 s of the line at t=3: logged once the interval passed
     assert len(lines) == 2 and lines[1].startswith("Speculation crossover -> 64 (auto, was 32;")
     assert "crossover_changes=2" in lines[1]
+    # a mode change is logged with the batch size that made it, also when folded and late
+    for t, bs in ((20, 100), (21, 50), (30, 60)):
+        now[0] = float(t)
+        policy.get_steps_for_batch(bs)
+    assert lines[2:] == [
+        ("Speculation mode -> plain (batch size 100 > crossover 64, auto); mode_changes=5, "
+        "crossover_changes=2"),
+        ("Speculation mode -> speculative (batch size 50 <= 56, crossover 64, auto); "
+        "mode_changes=6, crossover_changes=2")]
     snapshot = policy.snapshot()
     assert snapshot["threshold"] == "auto" and snapshot["crossover"] == 64
     assert snapshot["mode"] == "speculative" and snapshot["max_batch_size"] == 256

@@ -94,6 +94,7 @@ class AutoThresholdPolicy(AutoPolicy):
         self._logged = (controller.crossover(), controller.mode)
         self._seen = self._logged
         self._folded = 0  # state changes since the last line (it reports the last one)
+        self._changed_at = 0  # the batch size of the step that made the last change
 
     @property
     def metrics(self) -> Metrics:
@@ -115,7 +116,8 @@ class AutoThresholdPolicy(AutoPolicy):
         if crossover != self._published_crossover:
             self._published_crossover = crossover
             self.metrics.observe_crossover(crossover)
-        self._report(batch_size)
+        if batch_size > 0:
+            self._report(batch_size)
         return steps
 
     def _report(self, batch_size: int) -> None:
@@ -123,12 +125,14 @@ class AutoThresholdPolicy(AutoPolicy):
         if now_state != self._seen:
             self._seen = now_state
             self._folded += 1
+            self._changed_at = batch_size
         if now_state == self._logged:
             return
         now = self._log_clock()
         if self._last_log_time is not None and now - self._last_log_time < self._log_interval_s:
             return
         crossover, mode = now_state
+        batch_size = self._changed_at  # a folded change is logged after it happened
         if crossover != self._logged[0]:
             accept = self.controller.accept_length()
             shown = "unknown" if accept is None else f"{accept:.2f}"
