@@ -22,19 +22,22 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patches" / "plugin"))
 
 from sglang_image_plugin.auto_threshold import (
-    AUTO,
-    THRESHOLD_ENV,
-    THRESHOLD_FLAG,
     AutoConfig,
     AutoController,
     AutoPolicy,
+    Decision,
     Mode,
     Prior,
+    resume_batch_size,
+)
+from sglang_image_plugin.spec_disable import (
+    AUTO,
+    THRESHOLD_ENV,
+    THRESHOLD_FLAG,
     ThresholdError,
+    add_cli_args,
     parse_threshold,
     resolve_threshold,
-    resume_batch_size,
-    threshold_argument,
 )
 
 MAX_BATCH = 256
@@ -218,11 +221,11 @@ def test_prior_gives_the_first_crossover_and_measurements_replace_it():
 
 def test_tensor_parallel_ranks_agree_through_the_callback():
     """Every re-estimate goes through `agree` (a TP hook broadcasts rank 0's), at the same steps."""
-    asked: list[int] = []
+    asked: list[Decision] = []
 
-    def rank0_says(split: int) -> int:
-        asked.append(split)
-        return 3  # rank 0's view: buckets 1, 2, 3-4 speculate
+    def rank0_says(decision: Decision) -> Decision:
+        asked.append(decision)
+        return Decision(3, frozenset())  # rank 0's view: buckets 1, 2, 3-4 speculate
 
     cfg = AutoConfig(max_batch_size=MAX_BATCH, update_every=16)
     ctl = AutoController(cfg, agree=rank0_says)
@@ -290,7 +293,7 @@ def test_flag_wins_over_the_environment_and_a_bad_environment_names_both():
 
 def test_argparse_shows_the_message(capsys):
     ap = argparse.ArgumentParser()
-    ap.add_argument(THRESHOLD_FLAG, type=threshold_argument)
+    add_cli_args(ap)  # the flag as the plugin adds it to sglang's parser
     assert ap.parse_args([THRESHOLD_FLAG, "auto"]).speculative_disable_batch_threshold == AUTO
     with pytest.raises(SystemExit):
         ap.parse_args([THRESHOLD_FLAG, "auto32"])

@@ -178,6 +178,9 @@ def test_flag_env_and_validation_through_the_launcher(run_in_tree, tree, plugin_
             "negative": launch(m, ["--speculative-disable-batch-threshold", "-4"]),
             "garbage": launch(m, ["--speculative-disable-batch-threshold", "lots"]),
             "auto": launch(m, ["--speculative-disable-batch-threshold", "auto"]),
+            "auto_mixed": launch(m, ["--speculative-disable-batch-threshold", "auto32"]),
+            "auto_h": launch(m, ["--speculative-disable-batch-threshold", "auto",
+                                 "--speculative-disable-hysteresis", "2"]),
             "h_too_big": launch(m, ["--speculative-disable-batch-threshold", "4",
                                     "--speculative-disable-hysteresis", "4"]),
             "topk": launch(m, ["--speculative-disable-batch-threshold", "8",
@@ -189,11 +192,12 @@ def test_flag_env_and_validation_through_the_launcher(run_in_tree, tree, plugin_
     assert out["flag"] == {"threshold": 32, "hysteresis": 4}
     assert out["flag_h"] == {"threshold": 32, "hysteresis": 2}
     assert out["off"] == {"threshold": 0, "hysteresis": 0}
-    for key, words in (("negative", "must be >= 0"), ("garbage", "non-negative integer"),
-                       ("auto", "auto is not available in this build")):
+    assert out["auto"] == {"threshold": "auto", "hysteresis": 0}
+    for key, value in (("negative", "-4"), ("garbage", "lots"), ("auto_mixed", "auto32")):
         assert out[key]["argparse_exit"] == 2
         assert "argument --speculative-disable-batch-threshold" in out[key]["stderr"]
-        assert words in out[key]["stderr"]
+        assert f"{value!r} is not a batch-size threshold; give `auto`" in out[key]["stderr"]
+    assert "--speculative-disable-hysteresis applies to a fixed" in out["auto_h"]["error"]
     assert "--speculative-disable-hysteresis must be smaller" in out["h_too_big"]["error"]
     assert "needs --speculative-eagle-topk 1 (got 4)" in out["topk"]["error"]
     assert "cannot be combined with --speculative-adaptive" in out["adaptive"]["error"]
@@ -206,6 +210,11 @@ def test_flag_env_and_validation_through_the_launcher(run_in_tree, tree, plugin_
         emit(launch({str(model_dir)!r}, []))
     """, env={ENV: "plenty"})
     assert f"{ENV} (the fallback for --speculative-disable-batch-threshold)" in bad_env["error"]
+    assert "'plenty' is not a batch-size threshold" in bad_env["error"]
+    env_auto = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
+        emit(launch({str(model_dir)!r}, []))
+    """, env={ENV: "auto"})
+    assert env_auto == {"threshold": "auto", "hysteresis": 0}
 
 
 def test_without_the_plugin_the_flag_does_not_exist(run_in_tree, tree, model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -248,10 +257,15 @@ WORKER = textwrap.dedent("""
     worker.adaptive_controller = None
     from types import SimpleNamespace as NS  # the draft's config, as its runner holds it
     worker._draft_worker = NS(draft_runner=NS(model_config=NS(hf_config=NS(**HF_CONFIG))))
+    # The target's runner once the memory pools exist (before init_cuda_graphs).
+    worker._target_worker = NS(model_runner=NS(max_running_requests=256))
     # The hooked __init__'s AFTER part (the original __init__ loads models).
     init = EAGLEWorkerV2.__init__
     hook = next(c.cell_contents for c in init.__closure__ if callable(c.cell_contents)
                 and getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
+    # The hooked init_cuda_graphs' BEFORE part (the original captures CUDA graphs).
+    graphs_hook = next(c.cell_contents for c in EAGLEWorkerV2.init_cuda_graphs.__closure__
+                       if getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
 """)
 
 SWITCH = textwrap.dedent("""
@@ -268,7 +282,9 @@ SWITCH = textwrap.dedent("""
     worker.build_adaptive_runtime_state = build_adaptive_runtime_state
     worker.apply_runtime_state = apply_runtime_state
 
+    graphs_hook(worker)  # init_cuda_graphs: ours first, then upstream's part below
     controller = worker.adaptive_controller
+    policy = type(controller.params).__name__ if controller is not None else None
     if controller is not None:  # what EAGLEWorkerV2.init_cuda_graphs does with it
         controller.register(("state", 3, 4), steps=3)
         controller.init_states(cuda_graph_bs=[1, 2, 4, 8, 16, 24, 32, 40, 48, 64])
@@ -303,11 +319,12 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
                    for name in ("sglang:spec_disable_plain_mode",
                                 "sglang:spec_disable_plain_steps_total",
                                 "sglang:spec_disable_speculative_steps_total")}
-        emit({"built": built, "steps": steps, "state": state, "metrics": metrics,
+        emit({"built": built, "steps": steps, "state": state, "metrics": metrics, "policy": policy,
               "start": [r for r in records if r.startswith("Dynamic speculation disable")],
               "modes": [r for r in records if r.startswith("Speculation mode")]})
     """
     out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
+    assert out["policy"] == "ThresholdPolicy"
     # upstream's controller built the plain (zero-step, one-token) state for batch sizes > 28
     assert out["built"] == [[0, 1, [32, 40, 48, 64]]]
     # 3 draft steps up to 32 requests; none above; back at <= 28 (hysteresis 4); idle keeps it
@@ -386,3 +403,124 @@ def test_plugin_check_command(tree: Path) -> None:
     from sglang_image.cli import main
 
     assert main(["plugin-check", "--site-packages", str(tree)]) == 0
+
+
+# The clocks the auto policy times its steps (perf_counter) and rate-limits its mode line
+# (monotonic) with, as it reads them when built: the trace's.
+FAKE_CLOCK = textwrap.dedent("""
+    import math, random, time
+    CLOCK = [0.0]
+    time.perf_counter = time.monotonic = lambda: CLOCK[0]
+""")
+
+# A synthetic step-time trace through upstream's adaptive controller: per decode batch,
+# EAGLEWorkerV2.activate_step_by_batch (as forward_batch_generation calls it), then the
+# previous batch's verify result through EAGLEWorkerV2.on_verify_complete_cpu (as the
+# overlap scheduler delivers it, a step late); the clock moves by the cost model's step
+# time for the chosen mode, with 10% noise. A speculative step accepts 2 drafts per request
+# (3 tokens); the model's crossover lies at 32 requests: speculative 7 ms + 0.4 ms per
+# request for 3 tokens each, plain 5 ms + 0.05 ms per request for one.
+AUTO_TRACE = textwrap.dedent("""
+    rng = random.Random(0)
+    def seconds(steps, bs):
+        return 7e-3 + 4e-4 * bs if steps else 5e-3 + 5e-5 * bs
+    def traffic(n):
+        out = []
+        while len(out) < n:
+            level = round(math.exp(rng.uniform(0, math.log(256))))
+            out += [min(256, max(1, level + rng.randint(-2, 2))) for _ in range(rng.randint(50, 300))]
+        return out[:n]
+    late = []
+    def run(batches, crossovers=None):
+        out = []
+        for bs in batches:
+            EAGLEWorkerV2.activate_step_by_batch(worker, bs)
+            k = worker.speculative_num_steps
+            out.append(k)
+            if late:
+                drafts, size = late.pop()
+                EAGLEWorkerV2.on_verify_complete_cpu(worker, drafts, batch_size=size)
+            late.append(([2 if k else 0] * bs, bs))
+            CLOCK[0] += seconds(k, bs) * math.exp(rng.gauss(0, 0.1))
+            if crossovers is not None:
+                crossovers.append(controller.params.controller.crossover())
+        return out
+""")
+
+
+def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', 'auto']\n"
+            "TRACE = []\nHF_CONFIG = {}\n")
+    body = """
+        from sglang_image_plugin.auto_threshold import AutoPolicy
+        ctl = controller.params.controller
+        learned = run(traffic(20000))
+        crossover = ctl.crossover()
+        explored = ctl.explore_steps
+        # a ramp up through the crossover to the top and back, 8 steps per batch size
+        ramp = [b for b in [*range(1, 257), *range(256, 0, -1)] for _ in range(8)]
+        crossovers = []
+        ramp_steps = run(ramp, crossovers)
+
+        class Scheduler:  # what the observability hooks read of upstream's Scheduler
+            draft_worker = worker
+            spec_algorithm = SpeculativeAlgorithm.EAGLE3
+            class metrics_reporter:
+                spec_total_num_forward_ct = 0
+            class metrics_collector:
+                labels = {"model_name": "m", "engine_type": "unified"}
+        from sglang.srt.managers.scheduler import Scheduler as Upstream
+        scheduler_hook = next(c.cell_contents for c in Upstream.__init__.__closure__
+                              if getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
+        scheduler_hook(None, Scheduler)
+        state = {}
+        SchedulerInternalStateController(Scheduler, record_step_time=False)._add_speculative(state)
+        from prometheus_client import REGISTRY
+        emit({"policy": policy, "is_auto_policy": isinstance(controller.params, AutoPolicy),
+              "max_batch_size": ctl.config.max_batch_size, "built": built,
+              "crossover": crossover, "ramp_crossovers": sorted(set(crossovers)),
+              "ramp": ramp, "ramp_steps": ramp_steps, "ramp_explored": ctl.explore_steps - explored,
+              "unrecorded": controller.params.dropped, "state": state["speculative_disable"],
+              "gauge": REGISTRY.get_sample_value("sglang:spec_disable_crossover",
+                                                 Scheduler.metrics_collector.labels),
+              "start": [r for r in records if r.startswith("Dynamic speculation disable")],
+              "lines": [r for r in records if r.startswith("Speculation ")]})
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, FAKE_CLOCK, SWITCH,
+                 AUTO_TRACE, body)
+    assert out["start"] == ["Dynamic speculation disable enabled: threshold=auto"]
+    assert out["policy"] == "AutoThresholdPolicy" and out["is_auto_policy"]
+    assert out["max_batch_size"] == 256  # the target's max running requests
+    # upstream built the zero-step state for every captured size: the crossover moves
+    assert out["built"] == [[0, 1, [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]]]
+    # learned from the trace: the cost model's crossover (32), held through the ramp
+    assert out["crossover"] == 32 and out["ramp_crossovers"] == [32]
+    assert out["unrecorded"] <= 1  # every step timed and paired with its result, the last aside
+    # on the ramp the worker switches as a fixed threshold 32 would (plain above 32,
+    # speculative again at <= 28), except for the bounded exploration steps
+    expected, mode = [], 3
+    for bs in out["ramp"]:
+        mode = 0 if mode == 3 and bs > 32 else 3 if mode == 0 and bs <= 28 else mode
+        expected.append(mode)
+    mismatches = sum(a != b for a, b in zip(out["ramp_steps"], expected, strict=True))
+    assert mismatches == out["ramp_explored"] <= (len(out["ramp"]) // 256 + 1) * 4
+    assert 0 in out["ramp_steps"] and 3 in out["ramp_steps"]
+    # reported: server info, the gauge, the mode line
+    assert out["state"]["threshold"] == "auto" and out["state"]["crossover"] == 32
+    assert out["gauge"] == 32.0
+    assert out["lines"][0] == ("Speculation crossover: auto, learned online per batch-size "
+                               "bucket up to 256 running requests; starting speculative everywhere")
+    assert any(line.startswith("Speculation crossover -> 32 (auto, was ") for line in out["lines"])
+
+
+def test_worker_auto_from_the_environment(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    head = f"MODEL = {str(model_dir)!r}\nARGS = []\nTRACE = [1] * 6\nHF_CONFIG = {{}}\n"
+    body = """
+        emit({"policy": policy, "steps": steps,
+              "start": [r for r in records if r.startswith("Dynamic speculation disable")]})
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, FAKE_CLOCK, SWITCH, body,
+                 env={ENV: "auto"})
+    # cold start: speculative, after one burst measuring plain (nothing measured yet)
+    assert out == {"policy": "AutoThresholdPolicy", "steps": [0, 0, 0, 0, 3, 3],
+                   "start": ["Dynamic speculation disable enabled: threshold=auto"]}

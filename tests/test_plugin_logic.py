@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,8 @@ from sglang_image.plugin import PLUGIN_DIR
 sys.path.insert(0, str(PLUGIN_DIR))
 
 from sglang_image_plugin import spec_disable as sd
-from sglang_image_plugin.policy import ThresholdPolicy
+from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, AutoPolicy, Decision
+from sglang_image_plugin.policy import AutoThresholdPolicy, ThresholdPolicy
 
 EAGLE3 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
                        speculative_adaptive=False)
@@ -24,25 +26,33 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_flags_parse_numbers_and_name_the_flag_on_bad_input() -> None:
+def test_flags_parse_numbers_and_auto_and_name_the_flag_on_bad_input() -> None:
     ns = _parser().parse_args([sd.THRESHOLD_FLAG, "32", sd.HYSTERESIS_FLAG, "3"])
     assert (ns.speculative_disable_batch_threshold, ns.speculative_disable_hysteresis) == (32, 3)
     assert _parser().parse_args([]).speculative_disable_batch_threshold is None
-    for bad, words in (("-1", ">= 0"), ("12x", "non-negative integer"), ("", "non-negative")):
+    assert _parser().parse_args([sd.THRESHOLD_FLAG, "AUTO"]).speculative_disable_batch_threshold == "auto"
+    for bad in ("-1", "12x", "", "auto32", "+4"):
         with pytest.raises(argparse.ArgumentError) as err:
             _parser().parse_args([sd.THRESHOLD_FLAG, bad])
-        assert sd.THRESHOLD_FLAG in str(err.value) and words in str(err.value)
+        assert sd.THRESHOLD_FLAG in str(err.value)
+        assert f"{bad!r} is not a batch-size threshold; give `auto`" in str(err.value)
 
 
-def test_auto_is_refused_until_the_self_tuning_threshold_ships(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sd, "auto_available", lambda: False)
-    with pytest.raises(argparse.ArgumentError, match="auto is not available in this build"):
-        _parser().parse_args([sd.THRESHOLD_FLAG, "auto"])
-    with pytest.raises(ValueError, match=f"{sd.THRESHOLD_ENV}.*auto is not available"):
-        sd.resolve_and_validate(threshold_flag=None, hysteresis_flag=None, server=EAGLE3,
-                                environ={sd.THRESHOLD_ENV: "auto"})
-    monkeypatch.setattr(sd, "auto_available", lambda: True)
-    assert _parser().parse_args([sd.THRESHOLD_FLAG, "AUTO"]).speculative_disable_batch_threshold == "auto"
+def test_auto_resolves_from_flag_or_env_and_refuses_what_it_cannot_do() -> None:
+    def resolve(flag: sd.Threshold | None, env: dict[str, str], hysteresis: int | None = None,
+                server: sd.ServerView = EAGLE3) -> sd.Setting:
+        return sd.resolve_and_validate(threshold_flag=flag, hysteresis_flag=hysteresis,
+                                       server=server, environ=env)
+
+    assert resolve("auto", {}) == sd.Setting(threshold="auto", hysteresis=0)
+    assert resolve(None, {sd.THRESHOLD_ENV: " Auto "}) == sd.Setting(threshold="auto", hysteresis=0)
+    assert resolve(16, {sd.THRESHOLD_ENV: "auto"}).threshold == 16
+    assert sd.start_log_line("auto") == "Dynamic speculation disable enabled: threshold=auto"
+    with pytest.raises(ValueError, match=f"{sd.HYSTERESIS_FLAG} applies to a fixed"):
+        resolve("auto", {}, hysteresis=2)
+    with pytest.raises(ValueError, match="=auto cannot be combined with --speculative-adaptive"):
+        resolve("auto", {}, server=sd.ServerView(speculative_algorithm="EAGLE3",
+                                                 speculative_eagle_topk=1, speculative_adaptive=True))
 
 
 def test_env_is_the_fallback_and_the_flag_wins() -> None:
@@ -56,6 +66,8 @@ def test_env_is_the_fallback_and_the_flag_wins() -> None:
     assert resolve(0, {sd.THRESHOLD_ENV: "64"}) == sd.OFF
     with pytest.raises(ValueError, match=f"{sd.THRESHOLD_ENV} \\(the fallback for {sd.THRESHOLD_FLAG}\\)"):
         resolve(None, {sd.THRESHOLD_ENV: "many"})
+    with pytest.raises(ValueError, match=f"{sd.THRESHOLD_ENV} .*'auto-8' is not a batch-size"):
+        resolve(None, {sd.THRESHOLD_ENV: "auto-8"})
 
 
 @pytest.mark.parametrize(("server", "hysteresis", "message"), [
@@ -125,3 +137,129 @@ def test_policy_maps_the_mode_to_step_counts_and_prunes_graph_sizes() -> None:
     assert policy.on_verify_complete([1, 2], 2) is None
     with pytest.raises(ValueError, match="--speculative-num-steps >= 1"):
         ThresholdPolicy(ctl, speculative_steps=0)
+
+
+class RecordedMetrics(sd.Metrics):
+    def __init__(self) -> None:
+        self.plain: list[bool] = []
+        self.crossovers: list[int] = []
+
+    def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
+        assert speculative_steps + plain_steps == 1
+        self.plain.append(plain_mode)
+
+    def observe_crossover(self, crossover: int) -> None:
+        self.crossovers.append(crossover)
+
+
+def test_auto_policy_reports_each_crossover_move_in_the_line_metrics_and_snapshot() -> None:
+    """The crossover is moved through the controller's `agree` seam (a split of its
+    power-of-two buckets: 6 -> 32, 7 -> 64) to see what the policy reports."""
+    split = [9]  # all 9 buckets of 1..256 speculate
+    ctl = AutoController(AutoConfig(max_batch_size=256, update_every=4, explore_steps=1,
+                                    explore_gap=10**6),
+                         agree=lambda _: Decision(split[0], frozenset()))
+    lines: list[str] = []
+    now = [0.0]
+    policy = AutoThresholdPolicy(ctl, 3, log_fn=lines.append, clock=lambda: now[0],
+                                 step_clock=lambda: now[0])
+    metrics = RecordedMetrics()
+    policy.metrics = metrics
+    assert metrics.crossovers == [256]  # published when attached
+    steps = []
+    for i, (bs, new_split) in enumerate([(40, 9), (40, 9), (40, 9), (40, 6), (40, 6), (40, 6),
+                                         (40, 6), (40, 7), (40, 7), (0, 7), (40, 7), (40, 7)]):
+        now[0] = float(i)
+        split[0] = new_split
+        steps.append(policy.get_steps_for_batch(bs))
+    # step 1 explores plain (nothing measured yet); crossover 32 at step 4 -> plain; 64 at
+    # step 8 -> speculative again (40 <= 64 - 8); the idle call keeps the mode
+    assert steps == [0, 3, 3, 0, 0, 0, 0, 3, 3, 3, 3, 3]
+    assert metrics.crossovers == [256, 32, 64]
+    assert metrics.plain == [s == 0 for s in steps[:9] + steps[10:]]
+    assert lines[0].startswith("Speculation crossover -> 32 (auto, was 256; accept length ")
+    assert lines[0].endswith("mode=plain; mode_changes=3, crossover_changes=1")
+    # the move at t=7 falls within 5 s of the line at t=3: logged once the interval passed
+    assert len(lines) == 2 and lines[1].startswith("Speculation crossover -> 64 (auto, was 32;")
+    assert "crossover_changes=2" in lines[1]
+    # a mode change is logged with the batch size that made it, also when folded and late
+    for t, bs in ((20, 100), (21, 50), (30, 60)):
+        now[0] = float(t)
+        policy.get_steps_for_batch(bs)
+    assert lines[2:] == [
+        ("Speculation mode -> plain (batch size 100 > crossover 64, auto); mode_changes=5, "
+        "crossover_changes=2"),
+        ("Speculation mode -> speculative (batch size 50 <= 56, crossover 64, auto); "
+        "mode_changes=6, crossover_changes=2")]
+    snapshot = policy.snapshot()
+    assert snapshot["threshold"] == "auto" and snapshot["crossover"] == 64
+    assert snapshot["mode"] == "speculative" and snapshot["max_batch_size"] == 256
+    assert isinstance(policy, AutoPolicy) and policy.candidate_steps == [0, 3]
+
+
+def _tp_rank(rank: int, port: int, agree_on: bool, out: Any) -> None:
+    """One tensor-parallel rank: the auto policy over the same batches as the other rank,
+    its own step times (its own noise), decisions agreed through a real gloo broadcast."""
+    import math
+    import random
+
+    import torch.distributed as dist
+    from sglang_image_plugin import hooks
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    config = AutoConfig(max_batch_size=256)
+    agree = hooks.tp_agree(dist.group.WORLD, 0, len(config.edges)) if agree_on else None
+    clock = [0.0]
+    policy = AutoPolicy(AutoController(config, agree=agree), 3, lambda: clock[0])
+    batches, noise = random.Random(1), random.Random(100 + rank)
+    steps: list[int] = []
+    late: list[tuple[list[int], int]] = []
+    while len(steps) < 12000:
+        level = round(math.exp(batches.uniform(0, math.log(256))))
+        for _ in range(batches.randint(50, 300)):
+            bs = min(256, max(1, level + batches.randint(-2, 2)))
+            k = policy.get_steps_for_batch(bs)
+            steps.append(k)
+            if late:
+                policy.on_verify_complete(*late.pop())
+            late.append(([2 if k else 0] * bs, bs))
+            # the cost model's crossover lies inside the 17-32 bucket: close calls
+            seconds = 7e-3 + 4e-4 * bs if k else 4e-3 + 6.4e-5 * bs
+            clock[0] += seconds * math.exp(noise.gauss(0, 0.2))
+    dist.destroy_process_group()
+    out.put((rank, steps[:12000], policy.controller.crossover_changes,
+             policy.controller.explore_steps))
+
+
+def _run_tp_pair(agree_on: bool) -> dict[int, tuple[list[int], int, int]]:
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, agree_on, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        rank, steps, changes, explored = queue.get(timeout=300)
+        results[rank] = (steps, changes, explored)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
+
+
+def test_tensor_parallel_ranks_take_rank0s_decisions_over_gloo() -> None:
+    """Two ranks, real torch.distributed (gloo on loopback), as hooks.tp_agree runs over the
+    TP group's CPU group: with it every step's step count matches; without, the ranks'
+    own noise makes them choose differently (which would hang a TP server)."""
+    agreed = _run_tp_pair(agree_on=True)
+    assert agreed[0][0] == agreed[1][0]
+    assert agreed[0][1] > 0  # the crossover moved, on both alike
+    alone = _run_tp_pair(agree_on=False)
+    assert alone[0][0] != alone[1][0]

@@ -33,29 +33,25 @@ weighted like one measurement, so the first real steps replace it; without one i
 everywhere, as EAGLE-3 does, until measurements say otherwise.
 
 Every decision is a function of the measurements given, without randomness. Step times differ
-between tensor-parallel ranks, so a TP hook passes `agree` (for example a broadcast of rank 0's
-value): the crossover changes only through it, at the same steps on every rank.
+between tensor-parallel ranks, so a TP hook passes `agree` (a broadcast of rank 0's Decision):
+the estimate reaches the decisions only through it (the crossover, and the buckets near it still
+being explored), at the same steps on every rank; everything else follows from the batch sizes
+and the order of the calls, which the ranks share.
 """
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final, Literal
+from typing import Final
 
-THRESHOLD_FLAG: Final = "--speculative-disable-batch-threshold"
+# The flag, its parser and the fixed threshold's hysteresis live with the other flags.
+from sglang_image_plugin.spec_disable import AUTO, THRESHOLD_FLAG, default_hysteresis
+
 EXTRAPOLATION_SPAN: Final = 1.5  # see AutoController._seconds_at
-THRESHOLD_ENV: Final = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
-AUTO: Final = "auto"
-
-# A threshold as the user gives it: a batch size N (speculate while at most N requests run; 0 is
-# off) or AUTO (the server finds N itself, with AutoController).
-Threshold = int | Literal["auto"]
 
 
 class Mode(StrEnum):
@@ -66,55 +62,11 @@ class Mode(StrEnum):
         return Mode.PLAIN if self is Mode.SPECULATIVE else Mode.SPECULATIVE
 
 
-class ThresholdError(ValueError):
-    """A threshold value that is neither `auto` nor a whole number in range."""
-
-
-def parse_threshold(raw: str | int, *, source: str = THRESHOLD_FLAG, allow_zero: bool = True) -> Threshold:
-    """`auto` (any case) or a whole number of requests; 0 (off) only where `allow_zero`.
-
-    Refuses anything else (`auto` mixed with numbers, signs, fractions, words) with a message that
-    names `source` and the forms it takes."""
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        raise ThresholdError(f"{source}: expected `auto` or a whole number, got {raw!r}")
-    text = str(raw).strip()
-    if text.lower() == AUTO:
-        return AUTO
-    lowest = 0 if allow_zero else 1
-    if text.isascii() and text.isdigit() and int(text) >= lowest:
-        return int(text)
-    off = " (0 turns it off)" if allow_zero else ""
-    raise ThresholdError(
-        f"{source}: {raw!r} is not a batch-size threshold; give `auto` (the server measures where "
-        f"speculation stops paying) or a whole number N >= {lowest} (speculate while at most N "
-        f"requests run){off}, e.g. {THRESHOLD_FLAG} auto")
-
-
-def resolve_threshold(flag_value: str | int | None, environ: Mapping[str, str] | None = None) -> Threshold:
-    """The flag wins, else the environment variable, else 0 (off)."""
-    if flag_value is not None:
-        return parse_threshold(flag_value)
-    raw = (os.environ if environ is None else environ).get(THRESHOLD_ENV)
-    if raw is None or not raw.strip():
-        return 0
-    return parse_threshold(raw, source=f"{THRESHOLD_ENV} (the environment's value for {THRESHOLD_FLAG})")
-
-
-def threshold_argument(value: str) -> Threshold:
-    """`type=` of the flag's argparse argument: argparse shows this message, not a generic one."""
-    try:
-        return parse_threshold(value)
-    except ThresholdError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def resume_batch_size(threshold: int) -> int:
     """Below a threshold N, the batch size at which a plain server speculates again: N - N//8 (at
     least one below N where N > 1), so that one request arriving or finishing near N does not flip
     the mode on every step."""
-    if threshold <= 1:
-        return threshold
-    return threshold - min(max(1, threshold // 8), threshold - 1)
+    return threshold - default_hysteresis(threshold)
 
 
 def power_of_two_edges(max_batch_size: int) -> tuple[int, ...]:
@@ -246,6 +198,14 @@ class _Bucket:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """What the estimate decides at an update, all a rank needs to act as the others do."""
+
+    split: int  # buckets [0, split) speculate
+    undecided: frozenset[int]  # buckets next to the split still explored: within the noise
+
+
+@dataclass(frozen=True)
 class BucketEstimate:
     """One bucket's view, for reports: output tokens/s of each mode at the batch size the bucket's
     traffic runs at (None: not measured in both modes yet)."""
@@ -262,7 +222,7 @@ class AutoController:
     """Decides per decode step whether to speculate; see the module docstring."""
 
     def __init__(self, config: AutoConfig, prior: Prior | None = None,
-                 agree: Callable[[int], int] | None = None) -> None:
+                 agree: Callable[[Decision], Decision] | None = None) -> None:
         self.config = config
         edges = config.edges
         self._buckets = [_Bucket(low + 1, high) for low, high in zip((0, *edges[:-1]), edges, strict=True)]
@@ -286,7 +246,7 @@ class AutoController:
         if prior is not None:
             self._seed(prior)
             if agree is not None:
-                self._split = agree(self._split)
+                self._split = agree(Decision(self._split, frozenset())).split
 
     # ------------------------------------------------------------------ per step
     def decide(self, batch_size: int) -> Mode:
@@ -395,8 +355,11 @@ class AutoController:
 
     def _advantages(self) -> list[tuple[float, float]] | None:
         """Per bucket, log(speculative tok/s / plain tok/s) and its variance from the step times'
-        noise; a bucket not measured in both modes takes its neighbours' values (linear between two,
-        the nearest beyond the ends). None: no bucket is."""
+        noise; a bucket not measured in both modes takes its neighbours' values (linear between two).
+        Beyond the measured ones only what the nearest bounds is taken (speculation's advantage
+        shrinks as the batch grows): below a bucket where plain wins, and above one where
+        speculation wins, an unmeasured bucket counts as neutral (0), so it keeps its current
+        mode until measured. None: no bucket is."""
         accept = self._accept.value
         curves = self._curves()
         known: dict[int, tuple[float, float]] = {}
@@ -417,10 +380,12 @@ class AutoController:
             right = bisect.bisect_left(points, i)
             if i in known:
                 out.append(known[i])
-            elif right == 0:
-                out.append(known[points[0]])
-            elif right == len(points):
-                out.append(known[points[-1]])
+            elif right == 0:  # speculation pays at least as much below: a lower bound
+                d, variance = known[points[0]]
+                out.append((max(d, 0.0), variance))
+            elif right == len(points):  # and at most as much above: an upper bound
+                d, variance = known[points[-1]]
+                out.append((min(d, 0.0), variance))
             else:
                 lo, hi = points[right - 1], points[right]
                 w = (i - lo) / (hi - lo)
@@ -471,19 +436,21 @@ class AutoController:
     def _update(self) -> None:
         advantages = self._advantages()
         split = self._split if advantages is None else self._best_split(advantages, self.config.margin)
-        if self._agree is not None:
-            split = self._agree(split)
-        if split != self._split:
-            self._split = split
-            self.crossover_changes += 1
-        self._undecided = set()
+        undecided = set()
         if advantages is not None:
             for i in (split - 1, split):
                 if 0 <= i < len(advantages) and self._buckets[i].point(Mode.PLAIN) \
                         and self._buckets[i].point(Mode.SPECULATIVE):
                     d, variance = advantages[i]
                     if abs(d) <= self.config.margin + 2 * math.sqrt(variance):
-                        self._undecided.add(i)
+                        undecided.add(i)
+        decision = Decision(split, frozenset(undecided))
+        if self._agree is not None:
+            decision = self._agree(decision)
+        if decision.split != self._split:
+            self._split = decision.split
+            self.crossover_changes += 1
+        self._undecided = set(decision.undecided)
 
     def _seed(self, prior: Prior) -> None:
         """The prior as one sample per bucket and mode, then a crossover from it alone."""

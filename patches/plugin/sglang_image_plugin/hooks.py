@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_image_plugin import spec_disable
-from sglang_image_plugin.policy import ThresholdPolicy
+from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, Decision
+from sglang_image_plugin.policy import AutoThresholdPolicy, ThresholdPolicy
 from sglang_image_plugin.spec_disable import Setting
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,10 @@ logger = logging.getLogger(__name__)
 # ServerArgs.__reduce__, never part of the resolved configuration).
 FLAGS_ATTR = "_sglang_image_spec_disable_flags"
 SETTING_ATTR = "_sglang_image_spec_disable"
-# On EAGLEWorkerV2: the controller, read by the observability hooks.
+# On EAGLEWorkerV2: the controller (auto: the policy), read by the observability hooks.
 CONTROLLER_ATTR = "sglang_image_spec_disable"
+# On EAGLEWorkerV2: `auto` waits for init_cuda_graphs to install its policy.
+AUTO_PENDING_ATTR = "_sglang_image_spec_disable_auto_pending"
 SKIP_DRAFT_EXTEND_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
 
 
@@ -103,7 +106,8 @@ def _log_on_rank0(message: str) -> None:
 
 def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER EAGLEWorkerV2.__init__: above the threshold the worker runs upstream's
-    zero-step state; the switch is upstream's AdaptiveController with our policy."""
+    zero-step state; the switch is upstream's AdaptiveController with our policy (for
+    `auto`, installed by worker_init_cuda_graphs, once the server's batch limit is known)."""
     server_args = worker.server_args
     setting = getattr(server_args, SETTING_ATTR, None)
     if setting is None:  # a launch path that skipped check_server_args
@@ -112,12 +116,6 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
         return
     from sglang.srt.speculative import eagle_worker_v2
 
-    if setting.threshold == spec_disable.AUTO:
-        raise ValueError(
-            f"{spec_disable.THRESHOLD_FLAG}=auto: this build's worker has no self-tuning "
-            "controller wired in; give a number"
-        )
-    assert isinstance(setting.threshold, int)
     hf_config = worker._draft_worker.draft_runner.model_config.hf_config
     if eagle_worker_v2._qsa_index_share_requested(hf_config):
         raise ValueError(
@@ -125,16 +123,95 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
             "indices across its steps (index_share_for_mtp_iteration): its index buffers "
             "belong to one step count (as with --speculative-adaptive)"
         )
-    controller = spec_disable.SpecDisableController(
-        setting.threshold,
-        setting.hysteresis,
+    if setting.threshold == spec_disable.AUTO:
+        setattr(worker, AUTO_PENDING_ATTR, True)
+    else:
+        assert isinstance(setting.threshold, int)
+        controller = spec_disable.SpecDisableController(
+            setting.threshold,
+            setting.hysteresis,
+            log_fn=_log_on_rank0,
+        )
+        worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
+            worker, ThresholdPolicy(controller, worker.speculative_num_steps)
+        )
+        setattr(worker, CONTROLLER_ATTR, controller)
+    _log_on_rank0(spec_disable.start_log_line(setting.threshold))
+
+
+def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE EAGLEWorkerV2.init_cuda_graphs: for `auto`, the self-tuning policy. Here
+    the memory pools exist, so the server's max running requests (the controller's
+    largest bucket) is known; upstream's init_cuda_graphs then builds both step states
+    for every captured batch size (the crossover moves at run time).
+
+    Cold start: no prior. Upstream keeps no per-batch-size replay timings (its capture
+    time is graph building, not a step), so the controller starts as always-on EAGLE-3
+    does and measures the plain mode in each batch-size bucket it meets, at a bounded
+    rate (AutoConfig.explore_steps / explore_gap of the steps)."""
+    if not getattr(worker, AUTO_PENDING_ATTR, False):
+        return
+    setattr(worker, AUTO_PENDING_ATTR, False)
+    from sglang.srt.speculative import eagle_worker_v2
+
+    max_running_requests = int(worker.target_worker.model_runner.max_running_requests)
+    agree = None
+    group = _tp_group(worker.server_args)
+    if group is not None:
+        # One bucket layout for all ranks, then rank 0's decisions.
+        max_running_requests = broadcast_ints(group.cpu_group, group.ranks[0],
+                                              [max_running_requests])[0]
+        buckets = len(AutoConfig(max_batch_size=max_running_requests).edges)
+        agree = tp_agree(group.cpu_group, group.ranks[0], buckets)
+    policy = AutoThresholdPolicy(
+        AutoController(AutoConfig(max_batch_size=max_running_requests), agree=agree),
+        worker.speculative_num_steps,
         log_fn=_log_on_rank0,
     )
-    worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
-        worker, ThresholdPolicy(controller, worker.speculative_num_steps)
+    worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
+    setattr(worker, CONTROLLER_ATTR, policy)
+    _log_on_rank0(
+        f"Speculation crossover: auto, learned online per batch-size bucket up to "
+        f"{max_running_requests} running requests; starting speculative everywhere"
+        + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else "")
     )
-    setattr(worker, CONTROLLER_ATTR, controller)
-    _log_on_rank0(spec_disable.start_log_line(setting.threshold))
+
+
+def _tp_group(server_args: Any) -> Any:
+    """The tensor-parallel group (sglang's GroupCoordinator) when there is more than one
+    rank; None for one."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if int(resolving_view(server_args).tp_size or 1) <= 1:
+        return None
+    from sglang.srt.runtime_context import get_parallel
+
+    group = get_parallel().tp_group
+    return group if group.world_size > 1 else None
+
+
+def broadcast_ints(cpu_group: Any, src: int, values: list[int]) -> list[int]:
+    """Rank `src`'s values on every rank of the group (a CPU, gloo, broadcast)."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(tensor, src=src, group=cpu_group)
+    return [int(v) for v in tensor.tolist()]
+
+
+def tp_agree(cpu_group: Any, src: int, buckets: int) -> Callable[[Decision], Decision]:
+    """`auto` under tensor parallelism: every rank takes rank `src`'s Decision. Each rank
+    measures its own step times, and ranks that chose different step counts would run
+    collectives of different shapes; the controller calls this at the same steps on every
+    rank (once per AutoConfig.update_every decode steps), from the scheduler's thread."""
+
+    def agree(decision: Decision) -> Decision:
+        flags = [int(i in decision.undecided) for i in range(buckets)]
+        values = broadcast_ints(cpu_group, src, [decision.split, *flags])
+        return Decision(values[0], frozenset(i for i, f in enumerate(values[1:]) if f))
+
+    return agree
 
 
 class PrometheusMetrics(spec_disable.Metrics):
@@ -142,6 +219,8 @@ class PrometheusMetrics(spec_disable.Metrics):
 
     def __init__(self, labels: dict[str, str]) -> None:
         from prometheus_client import Counter, Gauge
+
+        self._crossover: Any = None
 
         self._plain_mode = Gauge(
             name="sglang:spec_disable_plain_mode",
@@ -159,6 +238,22 @@ class PrometheusMetrics(spec_disable.Metrics):
             documentation="Decode steps that ran without drafting.",
             labelnames=list(labels),
         ).labels(**labels)
+        self._labels = labels
+
+    def observe_crossover(self, crossover: int) -> None:
+        if self._crossover is None:  # made on first use: a fixed threshold has none
+            from prometheus_client import Gauge
+
+            self._crossover = Gauge(
+                name="sglang:spec_disable_crossover",
+                documentation=(
+                    "Threshold auto: the batch size up to which the server speculates now "
+                    "(0: never; its max running requests: always)."
+                ),
+                labelnames=list(self._labels),
+                multiprocess_mode="mostrecent",
+            ).labels(**self._labels)
+        self._crossover.set(crossover)
 
     def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
         self._plain_mode.set(int(plain_mode))
@@ -190,6 +285,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sglang.srt.server_args.ServerArgs.from_cli_args": from_cli_args,
     "sglang.srt.server_args.ServerArgs.check_server_args": check_server_args,
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__": worker_init,
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.init_cuda_graphs": worker_init_cuda_graphs,
     "sglang.srt.managers.scheduler.Scheduler.__init__": scheduler_init,
     "sglang.srt.managers.scheduler_components.internal_state."
     "SchedulerInternalStateController._add_speculative": add_speculative_state,

@@ -5,12 +5,21 @@ Upstream's AdaptiveController builds one runtime state per candidate step count
 them per decode batch. Two candidates, the configured step count K and 0, give the
 switch: 0 steps is upstream's zero-step tier (no drafting; the target samples one
 token per request from a one-token verify, and the draft extend keeps the draft's
-KV cache filled). Pure logic: no sglang imports.
+KV cache filled). Pure logic: no sglang imports. ThresholdPolicy: a fixed N;
+AutoThresholdPolicy: `auto`.
 """
 
 from __future__ import annotations
 
-from sglang_image_plugin.spec_disable import SpecDisableController
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sglang_image_plugin.auto_threshold import AutoController, AutoPolicy, Mode, resume_batch_size
+from sglang_image_plugin.spec_disable import MODE_LOG_INTERVAL_S, Metrics, SpecDisableController
+
+logger = logging.getLogger(__name__)
 
 PLAIN_STEPS = 0
 
@@ -56,3 +65,95 @@ class ThresholdPolicy:
         if step == PLAIN_STEPS:
             return [v for v in sizes if v > self.controller.resume_batch_size]
         return [v for i, v in enumerate(sizes) if i == 0 or sizes[i - 1] < self.controller.threshold]
+
+
+class AutoThresholdPolicy(AutoPolicy):
+    """`auto`: AutoPolicy (the self-tuning crossover) as the worker's policy, reporting
+    like the fixed threshold does: the mode line whenever the crossover's mode or the
+    crossover itself moves (at most one line per log interval; a change folded into
+    the interval is logged once it has passed), the metrics, the server-info view."""
+
+    def __init__(
+        self,
+        controller: AutoController,
+        speculative_steps: int,
+        *,
+        log_fn: Callable[[str], None] | None = None,
+        clock: Callable[[], float] | None = None,
+        log_interval_s: float = MODE_LOG_INTERVAL_S,
+        step_clock: Callable[[], float] | None = None,
+    ) -> None:
+        super().__init__(controller, speculative_steps, step_clock)
+        self._metrics = Metrics()
+        self._published_crossover = controller.crossover()
+        self._log_fn = log_fn if log_fn is not None else logger.info
+        # (AutoPolicy._clock times the steps)
+        self._log_clock = clock if clock is not None else time.monotonic
+        self._log_interval_s = log_interval_s
+        self._last_log_time: float | None = None
+        self._logged = (controller.crossover(), controller.mode)
+        self._seen = self._logged
+        self._folded = 0  # state changes since the last line (it reports the last one)
+        self._changed_at = 0  # the batch size of the step that made the last change
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: Metrics) -> None:
+        """Where to report (the scheduler attaches Prometheus); the crossover at once."""
+        self._metrics = metrics
+        self._published_crossover = self.controller.crossover()
+        metrics.observe_crossover(self._published_crossover)
+
+    def get_steps_for_batch(self, batch_size: int) -> int:
+        steps = super().get_steps_for_batch(batch_size)
+        if batch_size > 0:
+            plain = steps == PLAIN_STEPS
+            self.metrics.observe(plain, int(not plain), int(plain))
+        crossover = self.controller.crossover()
+        if crossover != self._published_crossover:
+            self._published_crossover = crossover
+            self.metrics.observe_crossover(crossover)
+        if batch_size > 0:
+            self._report(batch_size)
+        return steps
+
+    def _report(self, batch_size: int) -> None:
+        now_state = (self.controller.crossover(), self.controller.mode)
+        if now_state != self._seen:
+            self._seen = now_state
+            self._folded += 1
+            self._changed_at = batch_size
+        if now_state == self._logged:
+            return
+        now = self._log_clock()
+        if self._last_log_time is not None and now - self._last_log_time < self._log_interval_s:
+            return
+        crossover, mode = now_state
+        batch_size = self._changed_at  # a folded change is logged after it happened
+        if crossover != self._logged[0]:
+            accept = self.controller.accept_length()
+            shown = "unknown" if accept is None else f"{accept:.2f}"
+            line = (f"Speculation crossover -> {crossover} (auto, was {self._logged[0]}; "
+                    f"accept length {shown}); mode={mode}")
+        elif mode is Mode.PLAIN:
+            line = f"Speculation mode -> plain (batch size {batch_size} > crossover {crossover}, auto)"
+        else:
+            line = (f"Speculation mode -> speculative (batch size {batch_size} <= "
+                    f"{resume_batch_size(crossover)}, crossover {crossover}, auto)")
+        state = self.controller.state()
+        line += (f"; mode_changes={state['mode_changes']}, "
+                 f"crossover_changes={state['crossover_changes']}")
+        if self._folded > 1:
+            line += f"; {self._folded - 1} earlier change(s) not logged"
+        self._log_fn(line)
+        self._logged = now_state
+        self._folded = 0
+        self._last_log_time = now
+
+    def snapshot(self) -> dict[str, Any]:
+        """The server-info view: internal_states[i]["speculative_disable"]."""
+        return {**self.controller.state(), "max_batch_size": self.controller.config.max_batch_size,
+                "unrecorded_steps": self.dropped}

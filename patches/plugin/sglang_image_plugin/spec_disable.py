@@ -9,7 +9,6 @@ has shrunk to N - H (hysteresis H).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import time
@@ -27,8 +26,6 @@ THRESHOLD_DEST = "speculative_disable_batch_threshold"
 HYSTERESIS_DEST = "speculative_disable_hysteresis"
 
 AUTO: Literal["auto"] = "auto"
-# The module of the self-tuning threshold (`auto`); until it ships, `auto` is refused.
-AUTO_MODULE = "sglang_image_plugin.auto_threshold"
 
 MODE_SPECULATIVE = "speculative"
 MODE_PLAIN = "plain"
@@ -40,6 +37,8 @@ THRESHOLD_HELP = (
     "Dynamic speculation disable: when the running decode batch has more than N "
     "requests, decode with the target model alone (no drafting, no verification; the "
     "draft KV cache stays filled so acceptance recovers when speculation resumes). "
+    "`auto`: the server measures the step times and accept length of both modes per "
+    "batch-size bucket and finds N itself, following it as traffic and acceptance change. "
     f"0 disables it. Without the flag the environment variable {THRESHOLD_ENV} is read. "
     "EAGLE/EAGLE3 with topk 1 only."
 )
@@ -67,34 +66,31 @@ class Setting:
 OFF = Setting(threshold=0, hysteresis=0)
 
 
-def auto_available() -> bool:
-    """Whether this build ships the self-tuning threshold (`auto`)."""
-    return importlib.util.find_spec(AUTO_MODULE) is not None
+class ThresholdError(ValueError):
+    """A threshold value that is neither `auto` nor a whole number in range."""
 
 
-def parse_threshold(text: str, source: str = THRESHOLD_FLAG) -> Threshold:
-    """An integer >= 0, or `auto` where this build has the self-tuning threshold.
+def parse_threshold(raw: str | int, *, source: str = THRESHOLD_FLAG,
+                    allow_zero: bool = True) -> Threshold:
+    """`auto` (any case) or a whole number of requests; 0 (off) only where `allow_zero`.
 
-    Raises ValueError naming `source` (the flag, or the environment variable).
+    Refuses anything else (`auto` mixed with numbers, signs, fractions, words) with a
+    ThresholdError that names `source` (the flag, or the environment variable).
     """
-    value = text.strip()
-    if value.lower() == AUTO:
-        if not auto_available():
-            raise ValueError(
-                f"{source}=auto is not available in this build (no self-tuning "
-                "threshold yet); give the batch size N above which to stop "
-                "speculating, e.g. 32, or 0 to turn it off"
-            )
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise ThresholdError(f"{source}: expected `auto` or a whole number, got {raw!r}")
+    text = str(raw).strip()
+    if text.lower() == AUTO:
         return AUTO
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(
-            f"{source} must be a non-negative integer (0 = off), got {text!r}"
-        ) from None
-    if number < 0:
-        raise ValueError(f"{source} must be >= 0 (0 = off), got {number}")
-    return number
+    lowest = 0 if allow_zero else 1
+    if text.isascii() and text.isdigit() and int(text) >= lowest:
+        return int(text)
+    off = " (0 turns it off)" if allow_zero else ""
+    raise ThresholdError(
+        f"{source}: {raw!r} is not a batch-size threshold; give `auto` (the server measures "
+        f"where speculation stops paying) or a whole number N >= {lowest} (speculate while at "
+        f"most N requests run){off}, e.g. {THRESHOLD_FLAG} auto"
+    )
 
 
 def parse_hysteresis(text: str) -> int:
@@ -125,7 +121,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         dest=THRESHOLD_DEST,
         type=_argparse_type(parse_threshold),
         default=None,
-        metavar="N",
+        metavar="N|auto",
         help=THRESHOLD_HELP,
     )
     parser.add_argument(
@@ -145,14 +141,14 @@ def default_hysteresis(threshold: int) -> int:
     return min(max(1, threshold // 8), threshold - 1)
 
 
-def resolve_threshold(flag: Threshold | None, environ: Mapping[str, str]) -> Threshold:
+def resolve_threshold(flag: str | int | None, environ: Mapping[str, str] | None = None) -> Threshold:
     """The flag wins; else the environment variable; else 0 (off)."""
     if flag is not None:
-        return flag
-    raw = environ.get(THRESHOLD_ENV)
+        return parse_threshold(flag)
+    raw = (os.environ if environ is None else environ).get(THRESHOLD_ENV)
     if raw is None or raw.strip() == "":
         return 0
-    return parse_threshold(raw, f"{THRESHOLD_ENV} (the fallback for {THRESHOLD_FLAG})")
+    return parse_threshold(raw, source=f"{THRESHOLD_ENV} (the fallback for {THRESHOLD_FLAG})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,8 +196,13 @@ def resolve_and_validate(
     if server.adaptive_unsupported_reason is not None:
         raise ValueError(f"{shown} is not supported here: {server.adaptive_unsupported_reason}")
     if threshold == AUTO:
-        # The self-tuning controller brings its own hysteresis.
-        return Setting(threshold=AUTO, hysteresis=hysteresis_flag or 0)
+        if hysteresis_flag is not None:
+            raise ValueError(
+                f"{HYSTERESIS_FLAG} applies to a fixed {THRESHOLD_FLAG} N; with `auto` the "
+                "controller keeps its own hysteresis (on the estimate and on the batch size): "
+                "drop the hysteresis flag or give a number"
+            )
+        return Setting(threshold=AUTO, hysteresis=0)
     assert isinstance(threshold, int)
     hysteresis = default_hysteresis(threshold) if hysteresis_flag is None else hysteresis_flag
     if hysteresis >= threshold:
@@ -221,6 +222,9 @@ class Metrics:
 
     def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
         """The mode now and the steps taken since the last call."""
+
+    def observe_crossover(self, crossover: int) -> None:
+        """`auto`: the batch size up to which the server speculates now."""
 
 
 class SpecDisableController:

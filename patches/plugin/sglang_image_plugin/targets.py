@@ -28,6 +28,7 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(f"{_SERVER_ARGS}.from_cli_args", "around", "keeps the flag values on the record"),
     HookSpec(f"{_SERVER_ARGS}.check_server_args", "after", "resolves flag/env and validates"),
     HookSpec(f"{_WORKER}.__init__", "after", "gives the worker the threshold policy"),
+    HookSpec(f"{_WORKER}.init_cuda_graphs", "before", "gives the worker the auto policy"),
     HookSpec(
         "sglang.srt.managers.scheduler.Scheduler.__init__",
         "after",
