@@ -252,7 +252,7 @@ class E2E:
     def bench_key(self) -> str:
         """One bench per model size, mode and options: a later call with other ones runs its own, and
         the report keeps both."""
-        return self.a.bench_size + "-" + self.options_digest("bench")
+        return str(self.a.bench_size) + "-" + self.options_digest("bench")
 
     def resumable(self, ph: str) -> dict[str, Any]:
         """The resume state of the smoke or comm phase, emptied when its options changed."""
@@ -443,7 +443,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--deadline", type=float, default=560, help="seconds from the start")
     ap.add_argument("--phases", default="all", help=f"'all' or a comma list of {','.join(PHASES)}")
-    ap.add_argument("--flavor", default="sglang-0.5.17")
+    ap.add_argument("--flavor", help="the flavor whose series to apply (default: the bundle's, from "
+                    "BUNDLE/bundle.json as `nox -s gpu-e2e` wrote it)")
     ap.add_argument("--threshold", type=int, default=runner.DEFAULT_THRESHOLD, help="smoke threshold N")
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
     ap.add_argument("--bench-draft-accept", type=float, default=0.85,
@@ -468,4 +469,10 @@ def main(a: argparse.Namespace) -> int:
     if bad:
         raise SystemExit(f"--comm-runs: unknown {bad}; choose from {','.join(comm_mod.RUN_NAMES)}")
     bench_mod.tuning_options(a, "bench-")  # exits naming a bad --bench-* value before any work
+    if a.flavor is None:
+        meta = a.bundle / "bundle.json"
+        if not meta.is_file():
+            raise SystemExit(f"--flavor not given and {meta} is missing: build the bundle with "
+                             "nox -s gpu-e2e -- --flavor F, or pass --flavor")
+        a.flavor = str(json.loads(meta.read_text())["flavor"])
     return E2E(a).run()

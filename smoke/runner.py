@@ -61,9 +61,6 @@ class SmokeError(Exception):
         return out
 
 
-# The former name, still used by smoke/bench.py and tests/test_comm.py: remove once they say SmokeError.
-SmokeFailure = SmokeError
-
 
 # ----------------------------------------------------------------------------- checks (pure)
 def check_start_log(log_text: str, threshold: int) -> None:

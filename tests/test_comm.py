@@ -19,7 +19,7 @@ if str(REPO) not in sys.path:
 from smoke import comm, models
 from smoke.__main__ import build_parser
 from smoke.client import Result
-from smoke.runner import Deadline, SmokeFailure, check_outputs
+from smoke.runner import Deadline, SmokeError, check_outputs
 
 LOG_HEAD = """\
 $ python3 -m sglang.launch_server --model-path /tmp/smoke-state/models/qwen3/target --host 127.0.0.1 --port 30000 --tp-size 2
@@ -89,21 +89,21 @@ def test_expected_lines_are_found_in_the_real_messages(real_lines):
 
 
 def test_missing_or_unwanted_lines_fail_with_the_cause(real_lines):
-    with pytest.raises(SmokeFailure) as e:  # symm mem asked for, but only the first line came
+    with pytest.raises(SmokeError) as e:  # symm mem asked for, but only the first line came
         comm.check_log_lines(LOG_HEAD + real_lines["two_shot"] + "\n", _run("tp2_symm_mem"))
     assert "missing" in e.value.cause and "first all-reduce via two_shot_all_reduce_" in e.value.cause
-    with pytest.raises(SmokeFailure) as e:  # multimem instead of two-shot is not the proof either
+    with pytest.raises(SmokeError) as e:  # multimem instead of two-shot is not the proof either
         comm.check_log_lines(LOG_HEAD + real_lines["two_shot"] + "\n"
                              + real_lines["first_call"].replace("two_shot_all_reduce_", "multimem_all_reduce_"),
                              _run("tp2_symm_mem"))
     assert "two_shot_all_reduce_" in e.value.cause
-    with pytest.raises(SmokeFailure) as e:
+    with pytest.raises(SmokeError) as e:
         comm.check_log_lines(LOG_HEAD, _run("tp2_fusion"))
     assert "fused allreduce+residual+RMSNorm kernel launched" in e.value.cause
-    with pytest.raises(SmokeFailure) as e:  # the reference must not use either path
+    with pytest.raises(SmokeError) as e:  # the reference must not use either path
         comm.check_log_lines(LOG_HEAD + real_lines["fused"], _run("tp2_ref"))
     assert "unexpected" in e.value.cause and "TP1] FlashInfer allreduce fusion: fused" in e.value.cause
-    with pytest.raises(SmokeFailure):  # TP=1: the fused kernel must not run, the warning must be there
+    with pytest.raises(SmokeError):  # TP=1: the fused kernel must not run, the warning must be there
         comm.check_log_lines(LOG_HEAD + real_lines["fused"], _run("tp1_fusion"))
     found = comm.find_lines(LOG_HEAD, ("x",), (comm.FUSION_LAUNCHED,))
     assert found == {"x": None, comm.FUSION_LAUNCHED: None}
@@ -162,10 +162,10 @@ def test_output_comparison_and_hf_check(qwen3_model):
     ref = {"hf": list(exp["greedy_ids"]), "c00": [5, 6, 7, 8]}
     comm.check_hf(exp, ref, "tp2_ref")
     check_outputs(ref, [Result("hf", list(exp["greedy_ids"])), Result("c00", [5, 6, 7, 8])], "x")
-    with pytest.raises(SmokeFailure) as e:
+    with pytest.raises(SmokeError) as e:
         check_outputs(ref, [Result("c00", [5, 6, 9, 8])], "tp2_fusion vs tp2_ref")
     assert "first difference at token 2" in e.value.cause and "tp2_fusion vs tp2_ref" in e.value.cause
-    with pytest.raises(SmokeFailure) as e:
+    with pytest.raises(SmokeError) as e:
         comm.check_hf(exp, {"hf": exp["greedy_ids"][:-1] + [0]}, "tp1_ref")
     assert "tp1_ref" in e.value.cause
 
