@@ -339,7 +339,11 @@ def launch(opts: BenchOptions, name: str, mem_fraction: float, tokens: int) -> S
     """Start one bench server (its port from its place among the configs) and wait until healthy."""
     k = server_names(opts).index(name)
     srv = Server(server_config(name, opts, mem_fraction, tokens), opts.port + k, opts.out / f"server_bench_{name}.log")
-    srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
+    try:
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
+    except BaseException:
+        srv.stop()  # a server that never became healthy must not hold the GPU or the port
+        raise
     return srv
 
 

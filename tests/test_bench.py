@@ -200,6 +200,7 @@ class FakeLab:
         self.windows: list[tuple[str, int, str]] = []  # (server, concurrency, first prompt key)
         self.ramps: list[str] = []
         self.opts: bench.BenchOptions | None = None
+        self.deadline = Deadline(0.0)  # the one the bench's options hold
         self.tmp_path = tmp_path
         (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
         (tmp_path / "log").write_text("")
@@ -216,11 +217,11 @@ class FakeLab:
               "ramp_hold_s": 5.0, "window_s": 20.0, **kw}
         self.opts = bench.BenchOptions(models=self.tmp_path, out=self.tmp_path / "out",
                                        deadline=Deadline(__import__("time").time() + seconds), **kw)
+        self.deadline = self.opts.deadline
         return self.opts
 
     def spend(self, seconds: float) -> None:
-        assert self.opts is not None
-        self.opts.deadline.at -= seconds
+        self.deadline.at -= seconds
 
     def launch(self, opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int) -> FakeServer:
         self.spend(60)
@@ -326,6 +327,34 @@ def test_a_call_with_only_ramps_left_starts_one_server_at_a_time(lab):
     lab.launched.clear()
     assert not bench.run_bench(lab.options(600, ramp_cycles=0), {})["skipped"]
     assert lab.launched == ["plain", "eagle3"]  # without ramps the run ends with the closed loop
+
+
+def test_e2e_keeps_each_unit_and_its_next_call_goes_on(lab, tmp_path):
+    """The bench phase of `smoke e2e` writes its state after every unit (a call killed at its limit
+    keeps them) and its next call on the same state dir measures only what is left."""
+    from smoke import e2e
+
+    def driver(seconds: float) -> e2e.E2E:
+        drv = e2e.E2E(build_parser().parse_args([
+            "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
+            str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1,4",
+            "--bench-ramp-cycles", "1", "--bench-ramp-hold", "5", "--bench-window-s", "20"]))
+        drv.deadline.at = __import__("time").time() + seconds
+        lab.deadline = drv.deadline
+        return drv
+
+    models = tmp_path / "state" / "models" / "1b"
+    models.mkdir(parents=True)
+    (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+    with pytest.raises(e2e.Deadline_):
+        driver(340).phase_bench()  # returns without saving: what is on disk came from the progress calls
+    on_disk = json.loads((tmp_path / "state" / "state.json").read_text())
+    run = next(iter(on_disk["bench_runs"].values()))
+    assert run["windows_done"] == ["0:1", "0:4", "1:1"]
+    assert "closed loop round 2 at concurrency 4" in (tmp_path / "out" / "summary.txt").read_text()
+    lab.windows.clear()
+    driver(600).phase_bench()
+    assert sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")] and lab.ramps == ["plain", "eagle3"]
 
 
 def test_a_window_lasts_its_minimum_time_and_requests(monkeypatch):
