@@ -357,6 +357,80 @@ def test_e2e_keeps_each_unit_and_its_next_call_goes_on(lab, tmp_path):
     assert sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")] and lab.ramps == ["plain", "eagle3"]
 
 
+FAKE_SGLANG = """
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+NAME = sys.argv[2]
+
+
+class H(BaseHTTPRequestHandler):
+    def answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path.startswith("/v1/loads"):
+            return self.answer({"loads": [{"num_used_tokens": 0, "max_total_num_tokens": 5000}]})
+        if self.path == "/server_info":
+            return self.answer({"internal_states": [{"speculative_disable": {
+                "threshold": 16, "mode": "speculative", "speculative_steps": 9, "plain_steps": 0, "mode_changes": 0}}]})
+        return self.answer({})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path != "/generate":
+            return self.answer({})
+        n = req["sampling_params"]["max_new_tokens"]
+        time.sleep(0.002 * n / (2 if NAME == "eagle3" else 1))
+        meta = {"spec_accept_length": 2.5} if NAME != "plain" else {}
+        return self.answer({"output_ids": [(sum(req["input_ids"]) + j) % 97 for j in range(n)], "meta_info": meta})
+
+    def log_message(self, *a):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_whole_run_on_real_processes(tmp_path, monkeypatch):
+    """run_bench end to end with server processes that answer as sglang does (no GPU): windows of
+    their minimum length on every server, ramps, outputs compared, KV pool checked, the files."""
+    import os
+    import sys
+
+    from smoke.server import ServerConfig
+
+    class FakeSglang(ServerConfig):
+        def argv(self, port: int) -> list[str]:
+            return [sys.executable, "-c", FAKE_SGLANG, str(port), self.name]
+
+    monkeypatch.setattr(bench, "server_config", lambda name, opts, mem, tokens: FakeSglang(name, tmp_path))
+    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path / "out", configs=("plain", "eagle3", "eagle3_thr"),
+                              concurrency=(1, 4), rounds=2, window_s=0.4, ramp_cycles=1, ramp_hold_s=0.3,
+                              output_len=8, port=31000 + os.getpid() % 1000 * 4, deadline=Deadline(__import__("time").time() + 900))
+    state: dict[str, Any] = {}
+    result = bench.run_bench(opts, state)
+    assert not result["failures"] and not result["skipped"] and state["result"] is result
+    for c in ("1", "4"):
+        for name in ("plain", "eagle3", "eagle3_thr16"):
+            ms = result["levels"][c][name]
+            assert [m["round"] for m in ms] == [1, 2]
+            assert all(m["seconds"] >= 0.4 and m["requests"] >= bench.window_requests(int(c), 3) for m in ms)
+    assert bench_report.level_table(result)["1"]["eagle3"]["vs_plain"] > 1.3  # half the time per token
+    assert set(result["ramp"]) == {"plain", "eagle3", "eagle3_thr16"} and result["calls"] == 1
+    assert result["servers"]["eagle3_thr16"]["speculative_disable"]["threshold"] == 16
+    assert all(info["kv_used_after_flush"] == 0 for info in result["servers"].values())
+    assert "every output equal to plain decoding's" in result["table"]
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"bench.json", "bench.md"}
+
+
 def test_a_window_lasts_its_minimum_time_and_requests(monkeypatch):
     """The real measure() against a fake generate: a window sends until it has lasted --window-s
     and sent --window-waves requests per client, then lets the requests in flight finish."""
