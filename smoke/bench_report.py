@@ -96,8 +96,10 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [f"# Decode throughput, {result.get('date', '')}", "",
              (f"Model: {model.get('size')}-shaped target ({model.get('layers')} layers, hidden {model.get('hidden')}), "
              f"{model.get('draft')} EAGLE-3 draft (designed accept length {model.get('designed_accept_length')}); "
-             f"greedy, {result.get('output_len')} output tokens per request; every server up at once, each load "
-             "sent to each in turn (order alternating)."), ""]
+             f"greedy, {result.get('output_len')} output tokens per request; for the closed loop every server up "
+             "at once, each load sent to each in turn (order alternating)"
+             + (f"; measured over {result['calls']} calls, the servers started again in each." if (result.get("calls") or 0) > 1
+                else ".")), ""]
     table = level_table(result)
     if table:
         window = (f"; each window at least {result['window_s']:g} s and {result.get('window_waves')} requests per "
