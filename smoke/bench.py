@@ -609,7 +609,7 @@ def finish(result: dict[str, Any], st: dict[str, Any], notes: list[str], names: 
         {n: digests[n] for n in names if n in digests}, "ramp")
     result["failures"] = result["checks"] + result["mismatches"] + errors(result)
     left = remaining(result, st, names)
-    result["skipped"] = left + ([f"({'; '.join(notes)}: run the same command again to go on)"] if left and notes else [])
+    result["skipped"] = left + ([f"(this call: {'; '.join(notes)})"] if left and notes else [])
     result["table"] = bench_report.markdown(result)
     return result
 
@@ -790,4 +790,7 @@ def main(a: argparse.Namespace) -> int:
     print("\n".join(result["files"]))
     for f in result["failures"]:
         print("BENCH FAILED:", f)
+    if result["skipped"]:
+        again = "the same command" if a.state else "the same command with --state FILE (this run kept nothing)"
+        print(f"BENCH INCOMPLETE: {'; '.join(result['skipped'])}\nRun {again} to measure what is left.")
     return 1 if result["failures"] or result["skipped"] else 0

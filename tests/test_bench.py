@@ -224,6 +224,7 @@ class FakeLab:
         self.deadline.at -= seconds
 
     def launch(self, opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int) -> FakeServer:
+        self.deadline = opts.deadline
         self.spend(60)
         self.launched.append(name)
         return FakeServer(name, self.tmp_path / "log")
@@ -429,6 +430,24 @@ def test_a_whole_run_on_real_processes(tmp_path, monkeypatch):
     assert all(info["kv_used_after_flush"] == 0 for info in result["servers"].values())
     assert "every output equal to plain decoding's" in result["table"]
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"bench.json", "bench.md"}
+
+
+def test_command_line_state_file_resumes(lab, tmp_path, capsys):
+    """`smoke bench --state FILE`: a run stopped by --deadline says what is left and how to go on;
+    the same command measures the rest."""
+    argv = ["bench", "--models", str(tmp_path), "--out", str(tmp_path / "out"), "--configs", "plain,eagle3",
+            "--concurrency", "1,4", "--ramp-cycles", "0", "--window-s", "20", "--state", str(tmp_path / "st.json")]
+    a = build_parser().parse_args([*argv, "--deadline", "340"])
+    assert a.main(a) == 1
+    out = capsys.readouterr().out
+    assert "BENCH INCOMPLETE: closed loop round 2 at concurrency 4" in out and "Run the same command to" in out
+    lab.windows.clear()
+    a = build_parser().parse_args([*argv, "--deadline", "600"])
+    assert a.main(a) == 0 and sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")]
+    assert "BENCH INCOMPLETE" not in capsys.readouterr().out
+    a = build_parser().parse_args([*argv, "--deadline", "340", "--rounds", "3"])
+    with pytest.raises(SystemExit, match="other options"):
+        a.main(a)
 
 
 def test_a_window_lasts_its_minimum_time_and_requests(monkeypatch):
