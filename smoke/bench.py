@@ -546,15 +546,15 @@ class Bench:
                 continue
             if name not in self.servers:
                 need = self.start_cost([name]) + self.unit_cost(units[0])
-                if self.servers or not self.fits(need, 1):
-                    self.notes.append(f"{', '.join(units)} of {name}: not started ({self.opts.deadline.left():.0f}s "
-                                      f"left, ~{need + self.reserve(1):.0f}s needed)")
-                    continue
+                if not self.fits(need, 1):
+                    self.notes.append(f"{', '.join(units)} of {name} and after: not started "
+                                      f"({self.opts.deadline.left():.0f}s left, ~{need + self.reserve(1):.0f}s needed)")
+                    return
                 self.start([name])
             for unit in units:
                 if not self.fits(self.unit_cost(unit), len(self.servers)):
-                    self.notes.append(f"{unit} of {name}: not started (the deadline)")
-                    break
+                    self.notes.append(f"{unit} of {name} and after: not started (the deadline)")
+                    return
                 (self.ramp if unit == "ramp" else self.diagnose)(name)
                 self.saved()
             if len(self.servers) == 1:  # started alone: make room for the next one

@@ -191,13 +191,17 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
     for name in result.get("configs", []):
         xs = [int(c) for c in levels if name in table[c]]
         ax.plot(xs, [table[str(c)][name]["tok_per_s"] or 0.0 for c in xs], marker="o", label=label(name))
-        ratio.plot(xs, [table[str(c)][name]["vs_plain"] or 0.0 for c in xs], marker="o")
+        line = ratio.plot(xs, [table[str(c)][name]["vs_plain"] or 0.0 for c in xs], marker="o")[0]
+        if name != "plain":  # the min-max of the per-round ratios: the noise
+            ratio.fill_between(xs, [table[str(c)][name]["vs_plain_min"] or 0.0 for c in xs],
+                               [table[str(c)][name]["vs_plain_max"] or 0.0 for c in xs],
+                               color=line.get_color(), alpha=0.15, linewidth=0)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ratio.set_xticks([int(c) for c in levels], labels=levels)
     ratio.set_xlabel("concurrent requests (closed loop)")
     ax.set_ylabel("output tokens/s")
-    ratio.set_ylabel("x plain")
+    ratio.set_ylabel("x plain (band: min-max\nover the rounds)", fontsize=8)
     ax.set_title(f"{result.get('model', {}).get('size')}-shaped model, {result.get('date', '')}")
     for a in (ax, ratio):
         a.grid(alpha=0.3)
