@@ -8,16 +8,17 @@ speculation-disable threshold and `auto`, on servers started here (a GPU host, n
 
 DIR holds a target and an EAGLE-3 draft (`python -m smoke models DIR --size 1b --draft chain
 --device cuda`).
-All servers run at once and every load goes to each of them in turn, the order reversed every other
-time, so that each ratio compares measurements seconds apart: a host's speed can drift by tens of
+For the closed loop all servers run at once and every load goes to each of them in turn, the order
+reversed every other time, so that each ratio compares measurements seconds apart: a host's speed can drift by tens of
 percent within minutes, which one server measured after another would read as a difference
 between them. Greedy prompts of fixed lengths; every output is compared with plain decoding's.
 
 - Closed loop: at concurrency c, c clients each send their next request when the last one ends,
   for at least --window-s seconds and --window-waves requests per client on each server (a short
   window at low concurrency reads a host's drift as a difference); every round at every level
-  before the next round. The table shows, per level, the median and the spread (min-max) of the
-  per-round ratios to plain: the noise of the figure.
+  before the next round. It lasts about rounds x levels x servers x --window-s (longer where
+  --window-waves requests take longer). The table shows, per level, the median and the spread
+  (min-max) of the per-round ratios to plain: the noise of the figure.
 - Ramp: the number of clients steps through the concurrencies up to the top and back down, several
   times, a level every --ramp-hold seconds; tokens/s per level and, for the threshold servers, the
   mode they are in (and auto's crossover) over time.
