@@ -646,8 +646,11 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
             run.notes.append("ramps wait until the closed loop is done")
     except Exception as exc:  # noqa: BLE001 - SmokeError, HTTPFailure or an unexpected answer
         failed = True
+        logs = {n: s.log_path for n, s in run.servers.items()}
+        if isinstance(exc, SmokeError) and exc.log is not None and exc.log not in logs.values():
+            logs["the server that failed"] = exc.log  # a start that failed: no longer among the servers
         result["checks"].append(f"{getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}\n"
-                                + "\n".join(f"-- {n}\n{log_tail(s.log_path, 20)}" for n, s in run.servers.items()))
+                                + "\n".join(f"-- {n}\n{log_tail(path, 20)}" for n, path in logs.items()))
     finally:
         run.stop_all()
     finish(result, state, run.notes, names)

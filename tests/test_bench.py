@@ -450,6 +450,27 @@ def test_command_line_state_file_resumes(lab, tmp_path, capsys):
         a.main(a)
 
 
+def test_a_server_that_fails_to_start_ends_the_run_with_its_log(lab, monkeypatch, tmp_path):
+    from smoke.runner import SmokeError
+
+    started: list[FakeServer] = []
+    (tmp_path / "eagle3.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
+
+    def launch(opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int) -> FakeServer:
+        if name == "eagle3":
+            raise SmokeError("eagle3: server exited with code 1 before it became healthy", log=tmp_path / "eagle3.log")
+        started.append(FakeServer(name, tmp_path / "log"))
+        return started[-1]
+
+    monkeypatch.setattr(bench, "launch", launch)
+    state: dict[str, Any] = {}
+    result = bench.run_bench(lab.options(600), state)
+    assert result["failures"][0].startswith("eagle3: server exited with code 1")
+    assert "CUDA out of memory" in result["failures"][0] and all(s.stopped for s in started)
+    assert not result["skipped"] and result["not_measured"][0] == "closed loop round 1 at concurrency 1, 4"
+    assert state["result"] is result and "- not measured: closed loop round 1" in result["table"]
+
+
 def test_a_window_lasts_its_minimum_time_and_requests(monkeypatch):
     """The real measure() against a fake generate: a window sends until it has lasted --window-s
     and sent --window-waves requests per client, then lets the requests in flight finish."""
