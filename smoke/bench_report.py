@@ -95,7 +95,7 @@ def markdown(result: dict[str, Any]) -> str:
     model = result.get("model", {})
     lines = [f"# Decode throughput, {result.get('date', '')}", "",
              (f"Model: {model.get('size')}-shaped target ({model.get('layers')} layers, hidden {model.get('hidden')}), "
-             f"{model.get('draft')} EAGLE-3 draft (designed accept length {model.get('designed_accept_length')}); "
+             f"{model.get('draft')} EAGLE-3 draft (designed accept length {fmt2(model.get('designed_accept_length'))}); "
              f"greedy, {result.get('output_len')} output tokens per request; for the closed loop every server up "
              "at once, each load sent to each in turn (order alternating)"
              + (f"; measured over {result['calls']} calls, the servers started again in each." if (result.get("calls") or 0) > 1
@@ -172,6 +172,10 @@ def ratio_text(cell: dict[str, float | None]) -> str:
     lo, hi = cell.get("vs_plain_min"), cell.get("vs_plain_max")
     spread = f", {lo:.2f}-{hi:.2f}" if lo is not None and hi is not None and (cell.get("rounds") or 0) > 1 else ""
     return f" ({cell['vs_plain']:.2f}x{spread})"
+
+
+def fmt2(x: Any) -> str:
+    return f"{x:.2f}" if isinstance(x, float) else str(x)
 
 
 def fmt(x: float | None) -> str:
