@@ -3,16 +3,22 @@ speculation-disable threshold and `auto`, on servers started here (a GPU host, n
 
     python -m smoke bench --models DIR --out docs/bench [--configs plain,eagle3,...]
                           [--concurrency 1,2,4,...,256] [--rounds 2] [--threshold 16[,32,...]]
-                          [--ramp-cycles 3 --ramp-hold 2] [--diagnose]
+                          [--window-s 10 --window-waves 3] [--ramp-cycles 3 --ramp-hold 2]
+                          [--diagnose] [--state FILE] [--deadline S]
 
 DIR holds a target and an EAGLE-3 draft (`python -m smoke models DIR --size 1b --draft chain
 --device cuda`).
-All servers run at once and every load goes to each of them in turn, the order reversed every other
-time, so that each ratio compares measurements seconds apart: a host's speed can drift by tens of
+For the closed loop all servers run at once and every load goes to each of them in turn, the order
+reversed every other time, so that each ratio compares measurements seconds apart: a host's speed can drift by tens of
 percent within minutes, which one server measured after another would read as a difference
 between them. Greedy prompts of fixed lengths; every output is compared with plain decoding's.
 
-- Closed loop: at concurrency c, c clients each send their next request when the last one ends.
+- Closed loop: at concurrency c, c clients each send their next request when the last one ends,
+  for at least --window-s seconds and --window-waves requests per client on each server (a short
+  window at low concurrency reads a host's drift as a difference); every round at every level
+  before the next round. It lasts about rounds x levels x servers x --window-s (longer where
+  --window-waves requests take longer). The table shows, per level, the median and the spread
+  (min-max) of the per-round ratios to plain: the noise of the figure.
 - Ramp: the number of clients steps through the concurrencies up to the top and back down, several
   times, a level every --ramp-hold seconds; tokens/s per level and, for the threshold servers, the
   mode they are in (and auto's crossover) over time.
@@ -21,11 +27,18 @@ Writes under --out: bench.json (every measurement), bench.md (the tables), concu
 ramp.png (matplotlib; `--render bench.json` draws them again elsewhere). `auto` runs only where the
 server has it (the sglang-image-plugin with its auto threshold). --diagnose adds where each
 server's time goes at full load (smoke.diagnose).
+
+Resumable (`--state FILE`, or the state that `smoke e2e` keeps): every closed-loop window (a round
+at a level, on every server), every server's ramp and diagnosis is kept once done, so that the same
+command after a deadline measures only what is left; the report lists what remains. The closed loop
+comes first, then each server's own units, one server started at a time; no server is started
+without the time to finish a unit.
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import importlib.metadata
 import json
 import random
@@ -56,7 +69,10 @@ ADAPTIVE_CONFIG = {
     "32": {"candidate_steps": [0, 1], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
     "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
 }
-START_S_PER_SERVER = 75  # a server's start, budgeted (59-111 s seen on an H200, 1B and 8B shapes)
+START_S_PER_SERVER = 75  # a server's start, budgeted until measured (about a minute or two)
+WARM_S = 30  # its warm-up, budgeted until measured
+MAX_PROMPT_LEN = 64  # prompts of 32-64 tokens
+MIN_WINDOW_REQUESTS = 8
 MODE_POLL_S = 0.5  # how often the ramp asks a threshold server for its mode
 
 
@@ -68,6 +84,8 @@ class BenchOptions:
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     configs: tuple[str, ...] = CONFIGS
     rounds: int = 2  # closed-loop rounds; each level alternates the server order
+    window_s: float = 10.0  # a closed-loop window lasts at least this long on each server
+    window_waves: int = 3  # ... and sends at least this many requests per client
     ramp_cycles: int = 3  # 0: no ramp
     ramp_hold_s: float = 2.0
     output_len: int = 256
@@ -125,13 +143,23 @@ def server_names(opts: BenchOptions) -> list[str]:
     return names
 
 
-def workload(vocab: int, concurrency: int, output_len: int, seed: int) -> list[Prompt]:
-    """Prompts for one closed-loop window: a few seconds of traffic per level (8 per client below 64
-    clients, 3 waves above), the same for every server."""
-    rnd = random.Random(seed * 1000 + concurrency)
-    n = 8 * concurrency if concurrency < 64 else 3 * concurrency
-    return [Prompt(f"c{concurrency}-{i}", tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, 64))),
-                   output_len) for i in range(n)]
+def window_requests(concurrency: int, waves: int) -> int:
+    """The fewest requests of a closed-loop window: `waves` per client, at least MIN_WINDOW_REQUESTS
+    (a window also lasts at least --window-s; it sends more where that takes longer)."""
+    return max(MIN_WINDOW_REQUESTS, waves * concurrency)
+
+
+def window_prompt(vocab: int, concurrency: int, output_len: int, seed: int, i: int) -> Prompt:
+    """The i-th prompt of a closed-loop window's stream: the same on every server, another per round
+    (seed) and level."""
+    rnd = random.Random(f"{seed}-{concurrency}-{i}")
+    return Prompt(f"c{concurrency}-{i}", tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, MAX_PROMPT_LEN))),
+                  output_len)
+
+
+def workload(vocab: int, concurrency: int, output_len: int, seed: int, n: int) -> list[Prompt]:
+    """The first n prompts of a window's stream."""
+    return [window_prompt(vocab, concurrency, output_len, seed, i) for i in range(n)]
 
 
 def ramp_prompt(vocab: int, output_len: int, key: str) -> Prompt:
@@ -149,10 +177,9 @@ def ramp_levels(concurrency: tuple[int, ...], cycles: int) -> list[int]:
     return [*out, levels[0]] if cycles else []
 
 
-def pool_tokens(opts: BenchOptions, vocab: int) -> int:
+def pool_tokens(opts: BenchOptions) -> int:
     """KV room for the top concurrency's running requests with a quarter to spare."""
-    longest = max(len(p.input_ids) for p in workload(vocab, max(opts.concurrency), opts.output_len, 0))
-    return int(1.25 * max(opts.concurrency) * (longest + opts.output_len))
+    return int(1.25 * max(opts.concurrency) * (MAX_PROMPT_LEN + opts.output_len))
 
 
 def switches(name: str) -> bool:
@@ -173,17 +200,46 @@ def flush_cache(base: str) -> None:
         pass
 
 
-def measure(base: str, prompts: list[Prompt], concurrency: int, timeout: float) -> dict[str, Any]:
+def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, min_s: float,
+            min_requests: int, timeout: float, stop_at: float) -> dict[str, Any]:
+    """One closed-loop window: `concurrency` clients each send the stream's next prompt when their
+    last request ends, until the window has lasted `min_s` and sent `min_requests`; the requests in
+    flight then finish. Sending stops early at the first error or at `stop_at` (the call's deadline:
+    the window is then "cut" and not a measurement)."""
     t0 = time.time()
-    res = client.run_concurrent(base, prompts, concurrency, timeout)
+    lock = threading.Lock()
+    sent = [0]
+    cut, failed = [False], [False]
+    results: list[client.Result] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                now = time.time()
+                if now >= stop_at:
+                    cut[0] = True
+                if cut[0] or failed[0] or (sent[0] >= min_requests and now - t0 >= min_s):
+                    return
+                i = sent[0]
+                sent[0] += 1
+            r = client.generate(base, prompt_at(i), timeout)
+            with lock:
+                results.append(r)
+                failed[0] = failed[0] or r.error is not None
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     wall = time.time() - t0
-    errors = [r for r in res if r.error]
-    toks = sum(len(r.output_ids or []) for r in res)
-    lens = [r.meta["spec_accept_length"] for r in res if "spec_accept_length" in r.meta]
-    return {"requests": len(res), "errors": len(errors), "first_error": errors[0].error if errors else None,
-            "output_tokens": toks, "seconds": round(wall, 3), "tok_per_s": round(toks / wall, 1),
-            "accept_length": round(statistics.mean(lens), 3) if lens else None,
-            "outputs": {r.key: r.output_ids for r in res}}
+    errors = [r for r in results if r.error]
+    toks = sum(len(r.output_ids or []) for r in results)
+    lens = [r.meta["spec_accept_length"] for r in results if "spec_accept_length" in r.meta]
+    return {"requests": len(results), "errors": len(errors), "first_error": errors[0].error if errors else None,
+            "output_tokens": toks, "seconds": round(wall, 3), "tok_per_s": round(toks / wall, 1) if wall else 0.0,
+            "accept_length": round(statistics.mean(lens), 3) if lens else None, "cut": cut[0],
+            "outputs": {r.key: r.output_ids for r in results}}
 
 
 def speculation_state(base: str) -> dict[str, Any]:
@@ -274,6 +330,31 @@ def ramp_windows(levels: list[int], hold_s: float, requests: list[tuple[float, f
     return windows
 
 
+# ----------------------------------------------------------------------------- the run
+# The work comes in whole units, each kept in the state once done so that a call with the same
+# state (e2e's next call after a deadline) goes on where the last one stopped: the closed-loop
+# windows, one per (round, concurrency), measured on every server at once; then per server its
+# ramp and (--diagnose) its full-load diagnosis, for which it is started alone when the closed loop
+# is done. No unit is started without the time to finish it, and no server without the time to use it.
+def launch(opts: BenchOptions, name: str, mem_fraction: float, tokens: int) -> Server:
+    """Start one bench server (its port from its place among the configs) and wait until healthy."""
+    k = server_names(opts).index(name)
+    srv = Server(server_config(name, opts, mem_fraction, tokens), opts.port + k, opts.out / f"server_bench_{name}.log")
+    try:
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
+    except BaseException:
+        srv.stop()  # a server that never became healthy must not hold the GPU or the port
+        raise
+    return srv
+
+
+def kv_pool(srv: Server) -> int:
+    try:
+        return int(client.load(srv.base).get("max_total_num_tokens") or 0)
+    except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
+        return 0
+
+
 def warm_up(base: str, opts: BenchOptions) -> None:
     """Short requests at every concurrency outside the measurement: lazy JIT and autotuning per
     batch shape and per mode."""
@@ -297,68 +378,16 @@ def kv_used_after_flush(base: str) -> int | None:
     return used
 
 
-# ----------------------------------------------------------------------------- the run
-def start_servers(opts: BenchOptions, names: list[str], tokens: int, result: dict[str, Any]) -> dict[str, Server]:
-    """One after another, each taking an even share of the memory still free."""
-    servers: dict[str, Server] = {}
-    for k, name in enumerate(names):
-        cfg = server_config(name, opts, opts.mem_share / (len(names) - k), tokens)
-        srv = servers[name] = Server(cfg, opts.port + k, opts.out / f"server_bench_{name}.log")
-        srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
-        result["start_s"][name] = round(srv.start_seconds, 1)
-        try:
-            result["kv_pool_tokens"][name] = int(client.load(srv.base).get("max_total_num_tokens") or 0)
-        except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
-            result["kv_pool_tokens"][name] = 0
-    return servers
+def server_checks(name: str, srv: Server) -> dict[str, Any]:
+    """After a server's load: its KV pool back to empty, its mode counters; its log clean (raises)."""
+    info: dict[str, Any] = {"kv_used_after_flush": kv_used_after_flush(srv.base)}
+    if switches(name):
+        info["speculative_disable"] = speculation_state(srv.base)
+    check_log_clean(srv.log_path.read_text(errors="replace"))
+    return info
 
 
-def closed_loop(servers: dict[str, Server], names: list[str], opts: BenchOptions, vocab: int,
-                result: dict[str, Any]) -> None:
-    """`opts.rounds` rounds over the concurrencies; each level's windows in alternating order."""
-    round_s = 0.0
-    for k in range(opts.rounds):
-        if opts.deadline.left() < round_s + 60:
-            result["skipped"].append(f"closed loop: {k} of {opts.rounds} rounds (deadline)")
-            return
-        t0 = time.time()
-        outputs: dict[str, dict[str, list[int] | None]] = {n: {} for n in names}
-        for i, c in enumerate(opts.concurrency):
-            prompts = workload(vocab, c, opts.output_len, 100 + k)
-            for name in round_order(names, k + i):
-                srv = servers[name]
-                flush_cache(srv.base)
-                before = diagnose.scrape(srv.base) if opts.diagnose else {}
-                m = measure(srv.base, prompts, c, opts.deadline.request_timeout(240))
-                if opts.diagnose:
-                    m["gpu_s"] = diagnose.gpu_seconds(before, diagnose.scrape(srv.base))
-                outputs[name].update(m.pop("outputs"))
-                m["round"] = k + 1
-                result["levels"].setdefault(str(c), {}).setdefault(name, []).append(m)
-        result["mismatches"] += mismatches(outputs, f"round {k + 1}")
-        round_s = time.time() - t0
-
-
-def ramp_all(servers: dict[str, Server], names: list[str], opts: BenchOptions, vocab: int,
-             result: dict[str, Any]) -> None:
-    levels = ramp_levels(opts.concurrency, opts.ramp_cycles)
-    need = opts.ramp_hold_s * len(levels) + 60
-    outputs: dict[str, dict[str, list[int] | None]] = {}
-    for name in names:
-        if opts.deadline.left() < need:
-            result["skipped"].append(f"ramp of {name} (deadline)")
-            continue
-        srv = servers[name]
-        flush_cache(srv.base)
-        poll = functools.partial(mode_of, srv.base) if switches(name) else None
-        r = run_ramp(srv.base, levels, opts.ramp_hold_s, vocab, opts.output_len,
-                     opts.deadline.request_timeout(240), poll)
-        outputs[name] = r.pop("outputs")
-        result["ramp"][name] = r
-    result["mismatches"] += mismatches(outputs, "ramp")
-
-
-def mismatches(outputs: dict[str, dict[str, list[int] | None]], where: str) -> list[str]:
+def mismatches(outputs: dict[str, dict[str, Any]], where: str) -> list[str]:
     """Every config's outputs against plain's for the same prompts (greedy: they must be equal)."""
     ref = outputs.get("plain", {})
     problems = []
@@ -369,71 +398,270 @@ def mismatches(outputs: dict[str, dict[str, list[int] | None]], where: str) -> l
     return problems
 
 
-def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Start the servers, measure, stop them; the result (bench_report's input). A resumed call
-    (the same `state`) returns the finished result."""
+def digest(ids: list[int] | None) -> str | None:
+    """A ramp output as kept in the state until every config's ramp is done (compared with plain's)."""
+    return None if ids is None else hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+class Bench:
+    """One call's work on the state `st` (JSON: e2e keeps it between calls)."""
+
+    def __init__(self, opts: BenchOptions, st: dict[str, Any], vocab: int, names: list[str],
+                 progress: Callable[[dict[str, Any]], None] | None):
+        self.opts, self.st, self.vocab, self.names, self.progress = opts, st, vocab, names, progress
+        self.result: dict[str, Any] = st["partial"]
+        self.tokens = opts.max_total_tokens or pool_tokens(opts)
+        self.servers: dict[str, Server] = {}
+        self.notes: list[str] = []  # why this call left work undone
+
+    # -------------------------------------------------------- what is left, and what it costs
+    def windows_left(self) -> list[tuple[int, int]]:
+        done = set(self.st.setdefault("windows_done", []))
+        return [(k, c) for k in range(self.opts.rounds) for c in self.opts.concurrency if f"{k}:{c}" not in done]
+
+    def solo_left(self, name: str) -> list[str]:
+        """A server's own units still to do: "ramp", "diagnose"."""
+        units = ["ramp"] if self.opts.ramp_cycles and name not in self.result["ramp"] else []
+        return units + (["diagnose"] if self.opts.diagnose and name not in self.result["diagnose"] else [])
+
+    def window_cost(self, c: int) -> float:
+        """A window on every server: the longest seen at this level, else --window-s with room for
+        the requests in flight at its end."""
+        seen = [m["seconds"] for ms in self.result["levels"].get(str(c), {}).values() for m in ms]
+        longest = max((m["seconds"] for by in self.result["levels"].values() for ms in by.values() for m in ms),
+                      default=0.0)
+        return len(self.names) * ((max(seen) if seen else max(self.opts.window_s * 1.5 + 10, 1.5 * longest)) + 2)
+
+    def unit_cost(self, unit: str) -> float:
+        if unit == "ramp":
+            return self.opts.ramp_hold_s * len(ramp_levels(self.opts.concurrency, self.opts.ramp_cycles)) + 30
+        return 60.0  # diagnose: a full-load window with py-spy and the profiler
+
+    def start_cost(self, names: list[str]) -> float:
+        return float(sum(self.result["start_s"].get(n, START_S_PER_SERVER) + self.result["warm_s"].get(n, WARM_S)
+                         for n in names))
+
+    def reserve(self, servers: int) -> float:
+        """The end of a call: the KV and log checks and the stop of each server, the report."""
+        return 20.0 + 12.0 * servers
+
+    def fits(self, cost: float, servers: int) -> bool:
+        return self.opts.deadline.left() >= cost + self.reserve(servers)
+
+    # -------------------------------------------------------- servers
+    def start(self, names: list[str]) -> None:
+        """One after another, each taking an even share of the memory still free (a server started
+        alone takes the share it would have among all: the same start whether alone or not)."""
+        for k, name in enumerate(names):
+            share = self.opts.mem_share / (len(names) - k if len(names) > 1 else len(self.names))
+            t0 = time.time()
+            srv = self.servers[name] = launch(self.opts, name, share, self.tokens)
+            self.result["start_s"][name] = round(srv.start_seconds or time.time() - t0, 1)
+            self.result["kv_pool_tokens"][name] = kv_pool(srv)
+        pools = self.result["kv_pool_tokens"]
+        if len(set(pools.values())) > 1 and not any(f.startswith("unequal KV pools") for f in self.result["checks"]):
+            self.result["checks"].append(f"unequal KV pools {pools}: lower --mem-share or set --max-total-tokens "
+                                         "so that every server holds the same")
+        for name in names:
+            t0 = time.time()
+            warm_up(self.servers[name].base, self.opts)
+            self.result["warm_s"][name] = round(time.time() - t0, 1)
+
+    def stop(self, name: str) -> None:
+        srv = self.servers.pop(name)
+        try:
+            if self.fits(0, 0):
+                self.result["servers"][name] = server_checks(name, srv)
+                used = self.result["servers"][name]["kv_used_after_flush"]
+                if used:
+                    self.result["checks"].append(f"{name}: {used} KV tokens still in use after the load and a cache flush")
+        finally:
+            srv.stop()
+
+    def stop_all(self) -> None:
+        errors = []
+        for name in list(self.servers):
+            try:
+                self.stop(name)
+            except Exception as exc:  # noqa: BLE001 - stop every server, report each failure
+                errors.append(f"{name}: {getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}")
+        self.result["checks"] += errors
+
+    def saved(self) -> None:
+        """A unit is done: the caller keeps the state (e2e writes it out, so a killed call loses nothing)."""
+        if self.progress:
+            self.progress(finish(self.result, self.st, self.notes, self.names))
+
+    # -------------------------------------------------------- units
+    def closed_loop(self) -> None:
+        """The windows left, round by round (every level of a round before the next round), each on
+        every server in turn, the order alternating."""
+        todo = self.windows_left()
+        if not todo:
+            return
+        if not self.fits(self.start_cost(self.names) + self.window_cost(todo[0][1]), len(self.names)):
+            self.notes.append(f"no server started: {self.opts.deadline.left():.0f}s left, ~"
+                              f"{self.start_cost(self.names) + self.window_cost(todo[0][1]) + self.reserve(len(self.names)):.0f}s "
+                              "needed to start them all and measure one closed-loop window")
+            return
+        self.start(self.names)
+        for k, c in todo:
+            if not self.fits(self.window_cost(c), len(self.servers)):
+                self.notes.append(f"closed loop stopped before round {k + 1} at {c} (the deadline)")
+                return
+            if not self.window(k, c):
+                self.notes.append(f"closed loop: round {k + 1} at {c} cut by the deadline (not kept)")
+                return
+            self.saved()
+
+    def window(self, k: int, c: int) -> bool:
+        """Round k's window at concurrency c on every server; kept only when every server finished it."""
+        opts, i = self.opts, self.opts.concurrency.index(c)
+        prompt_at = functools.partial(window_prompt, self.vocab, c, opts.output_len, 100 + k)
+        got: dict[str, dict[str, Any]] = {}
+        outputs: dict[str, dict[str, Any]] = {}
+        for name in round_order(self.names, k + i):
+            srv = self.servers[name]
+            flush_cache(srv.base)
+            before = diagnose.scrape(srv.base) if opts.diagnose else {}
+            m = measure(srv.base, prompt_at, c, opts.window_s, window_requests(c, opts.window_waves),
+                        opts.deadline.request_timeout(240), opts.deadline.at - self.reserve(len(self.servers)))
+            if m.pop("cut"):
+                return False
+            if opts.diagnose:
+                m["gpu_s"] = diagnose.gpu_seconds(before, diagnose.scrape(srv.base))
+            outputs[name] = m.pop("outputs")
+            got[name] = {**m, "round": k + 1}
+        for name in self.names:
+            self.result["levels"].setdefault(str(c), {}).setdefault(name, []).append(got[name])
+        self.result["window_mismatches"] += mismatches(outputs, f"round {k + 1} c={c}")
+        self.st["windows_done"].append(f"{k}:{c}")
+        return True
+
+    def solo(self) -> None:
+        """Per server its ramp, then its diagnosis: on the servers already up, then each server left
+        started alone, when there is the time to start it and finish its first unit."""
+        for name in self.names:
+            units = self.solo_left(name)
+            if not units:
+                continue
+            if name not in self.servers:
+                need = self.start_cost([name]) + self.unit_cost(units[0])
+                if not self.fits(need, 1):
+                    self.notes.append(f"{', '.join(units)} of {name} and after: not started "
+                                      f"({self.opts.deadline.left():.0f}s left, ~{need + self.reserve(1):.0f}s needed)")
+                    return
+                self.start([name])
+            for unit in units:
+                if not self.fits(self.unit_cost(unit), len(self.servers)):
+                    self.notes.append(f"{unit} of {name} and after: not started (the deadline)")
+                    return
+                (self.ramp if unit == "ramp" else self.diagnose)(name)
+                self.saved()
+            if len(self.servers) == 1:  # started alone: make room for the next one
+                self.stop(name)
+
+    def ramp(self, name: str) -> None:
+        srv, opts = self.servers[name], self.opts
+        flush_cache(srv.base)
+        poll = functools.partial(mode_of, srv.base) if switches(name) else None
+        r = run_ramp(srv.base, ramp_levels(opts.concurrency, opts.ramp_cycles), opts.ramp_hold_s, self.vocab,
+                     opts.output_len, opts.deadline.request_timeout(240), poll)
+        self.st.setdefault("ramp_digests", {})[name] = {key: digest(ids) for key, ids in r.pop("outputs").items()}
+        self.result["ramp"][name] = r
+
+    def diagnose(self, name: str) -> None:
+        c = max(self.opts.concurrency)
+        prompts = workload(self.vocab, c, self.opts.output_len, 7, window_requests(c, self.opts.window_waves))
+        self.result["diagnose"][name] = diagnose.full_load(self.servers[name], prompts, c, self.opts.out,
+                                                           self.opts.pyspy_dirs, self.opts.deadline)
+
+
+def new_result(opts: BenchOptions, expected: dict[str, Any]) -> dict[str, Any]:
+    return {"date": time.strftime("%Y-%m-%d"), "thresholds": list(opts.thresholds),
+            "concurrency": list(opts.concurrency), "rounds": opts.rounds, "window_s": opts.window_s,
+            "window_waves": opts.window_waves, "ramp_hold_s": opts.ramp_hold_s, "output_len": opts.output_len,
+            "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept",
+                                                    "designed_accept_length")},
+            "configs": [], "not_run": {}, "start_s": {}, "warm_s": {}, "kv_pool_tokens": {}, "levels": {},
+            "ramp": {}, "servers": {}, "diagnose": {}, "window_mismatches": [], "checks": [], "calls": 0,
+            "mismatches": [], "failures": [], "skipped": []}
+
+
+def remaining(result: dict[str, Any], st: dict[str, Any], names: list[str]) -> list[str]:
+    """What is still to measure, in words (empty when the run is complete)."""
+    done = set(st.get("windows_done", []))
+    left: dict[int, list[int]] = {}
+    for k in range(result["rounds"]):
+        for c in result["concurrency"]:
+            if f"{k}:{c}" not in done:
+                left.setdefault(k + 1, []).append(c)
+    out = [f"closed loop round {k} at concurrency {', '.join(map(str, cs))}" for k, cs in left.items()]
+    ramps = [n for n in names if result.get("ramp_cycles") and n not in result["ramp"]]
+    out += [f"ramp of {', '.join(ramps)}"] if ramps else []
+    diag = [n for n in names if result.get("diagnose_wanted") and n not in result["diagnose"]]
+    return out + ([f"diagnosis of {', '.join(diag)}"] if diag else [])
+
+
+def finish(result: dict[str, Any], st: dict[str, Any], notes: list[str], names: list[str]) -> dict[str, Any]:
+    """The result as the report shows it: outputs compared, failures gathered, what remains."""
+    digests = st.get("ramp_digests", {})
+    result["mismatches"] = result["window_mismatches"] + mismatches(
+        {n: digests[n] for n in names if n in digests}, "ramp")
+    result["failures"] = result["checks"] + result["mismatches"] + errors(result)
+    left = remaining(result, st, names)
+    result["skipped"] = left + ([f"(this call: {'; '.join(notes)})"] if left and notes else [])
+    result["table"] = bench_report.markdown(result)
+    return result
+
+
+def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
+              progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Start the servers, measure, stop them; the result (bench_report's input). Resumable: `state`
+    (JSON) keeps every finished unit, so a call with the state of one that the deadline stopped
+    measures only what is left (and a call after the last one returns the finished result).
+    `progress(result)` after every unit, for the caller to keep the state."""
     state = state if state is not None else {}
     if state.get("result"):
         return dict(state["result"])
     opts.out.mkdir(parents=True, exist_ok=True)
     expected = json.loads((opts.models / "expected.json").read_text())
-    vocab = int(expected["vocab_size"])
     names = server_names(opts)
-    result: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "thresholds": list(opts.thresholds), "concurrency": list(opts.concurrency),
-        "rounds": opts.rounds, "ramp_hold_s": opts.ramp_hold_s, "output_len": opts.output_len,
-        "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept",
-                                                "designed_accept_length")},
-        "configs": [], "not_run": {}, "start_s": {}, "kv_pool_tokens": {}, "levels": {}, "ramp": {},
-        "servers": {}, "diagnose": {}, "mismatches": [], "failures": [], "skipped": []}
+    result: dict[str, Any] = state.setdefault("partial", new_result(opts, expected))
+    result["calls"] += 1
+    result["ramp_cycles"], result["diagnose_wanted"] = opts.ramp_cycles, opts.diagnose
     if "eagle3_auto" in names and not auto_supported():
         names.remove("eagle3_auto")
         result["not_run"]["eagle3_auto"] = "this sglang has no `auto` threshold (the sglang-image-plugin is not installed)"
     if "eagle3_adaptive" in names:
         (opts.out / "adaptive_config.json").write_text(json.dumps(ADAPTIVE_CONFIG, indent=1))
     result["configs"] = names
-    need = START_S_PER_SERVER * len(names) + 120
-    if opts.deadline.left() < need:
-        result["skipped"].append(f"everything: {opts.deadline.left():.0f}s left, ~{need}s needed")
-        result["table"] = bench_report.markdown(result)
-        result["files"] = []
-        return result
-    servers: dict[str, Server] = {}
+    run = Bench(opts, state, int(expected["vocab_size"]), names, progress)
+    failed = False
     try:
-        servers = start_servers(opts, names, opts.max_total_tokens or pool_tokens(opts, vocab), result)
-        if len(set(result["kv_pool_tokens"].values())) > 1:
-            result["failures"].append(f"unequal KV pools {result['kv_pool_tokens']}: lower --mem-share's "
-                                      "servers or --max-total-tokens so that every server holds the same")
-        for srv in servers.values():
-            warm_up(srv.base, opts)
-        closed_loop(servers, names, opts, vocab, result)
-        if opts.ramp_cycles:
-            ramp_all(servers, names, opts, vocab, result)
-        if opts.diagnose:
-            for name, srv in servers.items():
-                prompts = workload(vocab, max(opts.concurrency), opts.output_len, 7)
-                result["diagnose"][name] = diagnose.full_load(srv, prompts, max(opts.concurrency), opts.out,
-                                                              opts.pyspy_dirs, opts.deadline)
-        for name, srv in servers.items():
-            info: dict[str, Any] = {"kv_used_after_flush": kv_used_after_flush(srv.base)}
-            if switches(name):
-                info["speculative_disable"] = speculation_state(srv.base)
-            result["servers"][name] = info
-            if info["kv_used_after_flush"]:
-                result["failures"].append(f"{name}: {info['kv_used_after_flush']} KV tokens still in use "
-                                          "after the load and a cache flush")
-            check_log_clean(srv.log_path.read_text(errors="replace"))
+        run.closed_loop()
+        if not run.windows_left():
+            run.solo()
+        elif run.servers:  # the closed loop is unfinished: the servers' own units wait for the next call
+            run.notes.append("ramps wait until the closed loop is done")
     except Exception as exc:  # noqa: BLE001 - SmokeError, HTTPFailure or an unexpected answer
-        result["failures"].append(f"{getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}\n"
-                                  + "\n".join(f"-- {n}\n{log_tail(s.log_path, 20)}" for n, s in servers.items()))
+        failed = True
+        logs = {n: s.log_path for n, s in run.servers.items()}
+        if isinstance(exc, SmokeError) and exc.log is not None and exc.log not in logs.values():
+            logs["the server that failed"] = exc.log  # a start that failed: no longer among the servers
+        result["checks"].append(f"{getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}\n"
+                                + "\n".join(f"-- {n}\n{log_tail(path, 20)}" for n, path in logs.items()))
     finally:
-        for srv in servers.values():
-            srv.stop()
-    result["failures"] += result["mismatches"] + errors(result)
-    result["table"] = bench_report.markdown(result)
+        run.stop_all()
+    finish(result, state, run.notes, names)
+    if failed:  # the run ends here: a resumed call would meet the same failure
+        result["not_measured"] = remaining(result, state, names)
+        result["skipped"] = []
+        result["table"] = bench_report.markdown(result)
     result["files"] = [str(p) for p in bench_report.write(result, opts.out)]
-    if not result["failures"] and not result["skipped"]:
+    if not result["skipped"]:
         state["result"] = result
+        state.pop("ramp_digests", None)
     return result
 
 
@@ -456,6 +684,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="eagle3_thr's fixed threshold N; a comma list runs one server per N (a sweep)")
     ap.add_argument(p + "rounds", type=int, default=2,
                     help="closed-loop rounds (the server order alternates; 0: the ramp alone)")
+    ap.add_argument(p + "window-s", type=float, default=10.0,
+                    help="a closed-loop window lasts at least this many seconds on each server")
+    ap.add_argument(p + "window-waves", type=int, default=3,
+                    help=f"... and sends at least this many requests per client (and {MIN_WINDOW_REQUESTS} in all)")
     ap.add_argument(p + "ramp-cycles", type=int, default=3, help="ramp up and down this many times (0: none)")
     ap.add_argument(p + "ramp-hold", type=float, default=2.0, help="seconds per ramp level")
     ap.add_argument(p + "mem-share", type=float, default=0.85,
@@ -487,6 +719,10 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("threshold", "give distinct whole numbers >= 1, e.g. 16 or 8,16,32")
     if get("rounds") < 0:
         raise refuse("rounds", "must be >= 0 (0: the ramp alone)")
+    if not get("window-s") > 0:
+        raise refuse("window-s", "must be > 0 seconds (longer windows: less noise, a longer run)")
+    if get("window-waves") < 1:
+        raise refuse("window-waves", "must be >= 1 request per client")
     if get("ramp-cycles") < 0 or get("ramp-hold") <= 0 or get("rounds") + get("ramp-cycles") == 0:
         raise SystemExit(f"--{prefix}ramp-cycles {get('ramp-cycles')} / --{prefix}ramp-hold {get('ramp-hold')}: "
                          f"need cycles >= 0 (> 0 with --{prefix}rounds 0) and a hold > 0 seconds")
@@ -496,7 +732,8 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("max-total-tokens", "must be >= 0 (0: sized for the top concurrency)")
     return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
-            "rounds": get("rounds"), "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
+            "rounds": get("rounds"), "window_s": get("window-s"), "window_waves": get("window-waves"),
+            "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
             "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),
             "server_args": tuple(shlex.split(get("server-args"))), "diagnose": get("diagnose")}
 
@@ -507,6 +744,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--deadline", type=float, default=7200, help="seconds from now")
+    ap.add_argument("--state", type=Path, metavar="FILE",
+                    help="keep what is measured here; the same command again goes on where a deadline stopped it")
     ap.add_argument("--render", type=Path, metavar="BENCH_JSON",
                     help="only write the tables and plots of a saved result into --out")
     add_tuning_arguments(ap)
@@ -521,15 +760,41 @@ def options(a: argparse.Namespace) -> BenchOptions:
                         deadline=Deadline(time.time() + a.deadline), **tuning_options(a))
 
 
+def load_state(path: Path | None, opts: BenchOptions) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+    """`--state FILE`'s state, and the function that writes it after every unit. A state measured
+    with other options is refused: its windows would be mixed with these."""
+    key = json.dumps({k: v for k, v in vars(opts).items() if k not in ("deadline", "out", "port", "health_timeout")},
+                     default=str, sort_keys=True)
+    state: dict[str, Any] = {"options": key}
+    if path is not None and path.exists():
+        state = json.loads(path.read_text())
+        if state.get("options") != key:
+            raise SystemExit(f"--state {path}: measured with other options; give the same options, or another "
+                             "file (or delete it) to start afresh")
+
+    def save(_: dict[str, Any]) -> None:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(state))
+
+    return state, save
+
+
 def main(a: argparse.Namespace) -> int:
     if a.render is not None:
         result = json.loads(a.render.read_text())
         for path in bench_report.write(result, a.out):
             print(path)
         return 0
-    result = run_bench(options(a))
+    opts = options(a)
+    state, save = load_state(a.state, opts)
+    result = run_bench(opts, state, save)
+    save(result)
     print(result["table"])
     print("\n".join(result["files"]))
     for f in result["failures"]:
         print("BENCH FAILED:", f)
+    if result["skipped"]:
+        again = "the same command" if a.state else "the same command with --state FILE (this run kept nothing)"
+        print(f"BENCH INCOMPLETE: {'; '.join(result['skipped'])}\nRun {again} to measure what is left.")
     return 1 if result["failures"] or result["skipped"] else 0

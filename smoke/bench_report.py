@@ -54,7 +54,8 @@ def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
     """Per concurrency and config: median tokens/s over the rounds, the median of the per-round ratios
-    to plain, the median accept length."""
+    to plain and their spread (min, max: the noise between rounds), the median accept length, the
+    rounds measured."""
     out: dict[str, dict[str, dict[str, float | None]]] = {}
     for c, by_name in result.get("levels", {}).items():
         plain = {m["round"]: m["tok_per_s"] for m in by_name.get("plain", [])}
@@ -64,7 +65,10 @@ def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float |
             accepts = [m["accept_length"] for m in ms if m.get("accept_length")]
             row[name] = {"tok_per_s": round(statistics.median(m["tok_per_s"] for m in ms), 1),
                          "vs_plain": round(statistics.median(ratios), 3) if ratios else None,
-                         "accept_length": round(statistics.median(accepts), 2) if accepts else None}
+                         "vs_plain_min": round(min(ratios), 3) if ratios else None,
+                         "vs_plain_max": round(max(ratios), 3) if ratios else None,
+                         "accept_length": round(statistics.median(accepts), 2) if accepts else None,
+                         "rounds": len(ms)}
         out[c] = row
     return out
 
@@ -91,25 +95,31 @@ def markdown(result: dict[str, Any]) -> str:
     model = result.get("model", {})
     lines = [f"# Decode throughput, {result.get('date', '')}", "",
              (f"Model: {model.get('size')}-shaped target ({model.get('layers')} layers, hidden {model.get('hidden')}), "
-             f"{model.get('draft')} EAGLE-3 draft (designed accept length {model.get('designed_accept_length')}); "
-             f"greedy, {result.get('output_len')} output tokens per request; every server up at once, each load "
-             "sent to each in turn (order alternating)."), ""]
+             f"{model.get('draft')} EAGLE-3 draft (designed accept length {fmt2(model.get('designed_accept_length'))}); "
+             f"greedy, {result.get('output_len')} output tokens per request; for the closed loop every server up "
+             "at once, each load sent to each in turn (order alternating)"
+             + (f"; measured over {result['calls']} calls, the servers started again in each." if (result.get("calls") or 0) > 1
+                else ".")), ""]
     table = level_table(result)
     if table:
+        window = (f"; each window at least {result['window_s']:g} s and {result.get('window_waves')} requests per "
+                  "client on each server" if result.get("window_s") else "")
         lines += [("Output tokens/s, closed loop (median of "
-                  f"{result.get('rounds')} rounds; x plain = median of the per-round ratios):"), "",
+                  f"{result.get('rounds')} rounds{window}; x plain = median of the per-round ratios, then their "
+                  "min-max over the rounds: the spread shows the run's noise):"), "",
                   "| concurrency | " + " | ".join(label(n) for n in names) + " |",
                   "|---:|" + "---:|" * len(names)]
         for c in sorted(table, key=int):
+            rounds = max((cell.get("rounds") or 0 for cell in table[c].values()), default=0)
+            partial = f" ({rounds} of {result.get('rounds')} rounds)" if rounds and rounds < (result.get("rounds") or 0) else ""
             cells = []
             for n in names:
                 cell = table[c].get(n)
                 if cell is None:
                     cells.append("-")
                     continue
-                ratio = f" ({cell['vs_plain']:.2f}x)" if cell["vs_plain"] is not None and n != "plain" else ""
-                cells.append(f"{cell['tok_per_s']:.0f}{ratio}")
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+                cells.append(f"{cell['tok_per_s']:.0f}{ratio_text(cell) if n != 'plain' else ''}")
+            lines.append(f"| {c}{partial} | " + " | ".join(cells) + " |")
         lines.append("")
     auto = auto_comparison(result)
     if auto:
@@ -141,7 +151,8 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{st.get('speculative_steps')} speculative / {st.get('plain_steps')} plain steps, "
                          f"{st.get('mode_changes')} mode changes")
     lines += [f"- {label(n)} not run: {why}" for n, why in result.get("not_run", {}).items()]
-    lines += [f"- skipped: {s}" for s in result.get("skipped", [])]
+    lines += [f"- remaining: {s}" for s in result.get("skipped", [])]
+    lines += [f"- not measured: {s}" for s in result.get("not_measured", [])]
     lines += [f"- FAILED: {f.splitlines()[0]}" for f in result.get("failures", [])]
     if not result.get("failures") and (result.get("levels") or result.get("ramp")):
         lines.append("- every output equal to plain decoding's; 0 request errors")
@@ -152,6 +163,19 @@ def markdown(result: dict[str, Any]) -> str:
     for name, diag in result.get("diagnose", {}).items():
         lines += ["", *diagnose.render(name, diag)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def ratio_text(cell: dict[str, float | None]) -> str:
+    """" (0.95x, 0.91-0.99)": the median ratio to plain and, over two rounds or more, its spread."""
+    if cell.get("vs_plain") is None:
+        return ""
+    lo, hi = cell.get("vs_plain_min"), cell.get("vs_plain_max")
+    spread = f", {lo:.2f}-{hi:.2f}" if lo is not None and hi is not None and (cell.get("rounds") or 0) > 1 else ""
+    return f" ({cell['vs_plain']:.2f}x{spread})"
+
+
+def fmt2(x: Any) -> str:
+    return f"{x:.2f}" if isinstance(x, float) else str(x)
 
 
 def fmt(x: float | None) -> str:
@@ -171,13 +195,17 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
     for name in result.get("configs", []):
         xs = [int(c) for c in levels if name in table[c]]
         ax.plot(xs, [table[str(c)][name]["tok_per_s"] or 0.0 for c in xs], marker="o", label=label(name))
-        ratio.plot(xs, [table[str(c)][name]["vs_plain"] or 0.0 for c in xs], marker="o")
+        line = ratio.plot(xs, [table[str(c)][name]["vs_plain"] or 0.0 for c in xs], marker="o")[0]
+        if name != "plain":  # the min-max of the per-round ratios: the noise
+            ratio.fill_between(xs, [table[str(c)][name]["vs_plain_min"] or 0.0 for c in xs],
+                               [table[str(c)][name]["vs_plain_max"] or 0.0 for c in xs],
+                               color=line.get_color(), alpha=0.15, linewidth=0)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ratio.set_xticks([int(c) for c in levels], labels=levels)
     ratio.set_xlabel("concurrent requests (closed loop)")
     ax.set_ylabel("output tokens/s")
-    ratio.set_ylabel("x plain")
+    ratio.set_ylabel("x plain (band: min-max\nover the rounds)", fontsize=8)
     ax.set_title(f"{result.get('model', {}).get('size')}-shaped model, {result.get('date', '')}")
     for a in (ax, ratio):
         a.grid(alpha=0.3)

@@ -267,7 +267,13 @@ class E2E:
         opts = bench_mod.BenchOptions(
             models=self.models / self.a.bench_size, out=self.logs, deadline=self.deadline,
             pyspy_dirs=(self.site / "bin",), **bench_mod.tuning_options(self.a, "bench-"))
-        rep = bench_mod.run_bench(opts, st)
+
+        def progress(rep: dict[str, Any]) -> None:  # every finished unit is kept, even if this call is killed
+            self.state.setdefault("bench_reports", {})[self.bench_key] = rep
+            self.save()
+            self.finish([])
+
+        rep = bench_mod.run_bench(opts, st, progress)
         self.state.setdefault("bench_reports", {})[self.bench_key] = rep
         self.log("\n" + rep["table"])
         if rep.get("skipped"):

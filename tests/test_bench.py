@@ -8,6 +8,7 @@ up to exercise the report; it is not a measurement.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import struct
 import sys
@@ -56,8 +57,9 @@ def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
             for line in first_table.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
     assert list(rows) == ["1", "4", "16", "64", "256"]
     # c=256: plain 60000.0 and 57600.0 -> 58800; EAGLE-3 33000.0 and 31996.8 -> 32498, ratios
-    # 0.55 and 0.5555 -> 0.55
-    assert rows["256"][:2] == ["58800", "32498 (0.55x)"]
+    # 0.55 and 0.5555 -> 0.55, spread 0.55-0.56
+    assert rows["256"][:2] == ["58800", "32498 (0.55x, 0.55-0.56)"]
+    assert "min-max over the rounds" in md
     header = next(line for line in md.splitlines() if line.startswith("| concurrency"))
     assert "EAGLE-3 + threshold 16 | EAGLE-3 + threshold 64 | EAGLE-3 + auto" in header
     # c=64: auto 33660.0 and 32636.7, plain 34000.0 and 32640.0 (better than EAGLE-3 there), the
@@ -74,7 +76,8 @@ def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
 def test_level_table_and_ramp_summary_figures():
     result = json.loads(RESULT.read_text())
     table = bench_report.level_table(result)
-    assert table["256"]["eagle3"] == {"tok_per_s": 32498.4, "vs_plain": 0.553, "accept_length": 3.1}
+    assert table["256"]["eagle3"] == {"tok_per_s": 32498.4, "vs_plain": 0.553, "vs_plain_min": 0.55,
+                                      "vs_plain_max": 0.555, "accept_length": 3.1, "rounds": 2}
     assert table["1"]["plain"]["vs_plain"] == 1.0
     ramp = bench_report.ramp_summary(result)
     assert ramp["eagle3_auto"]["min_share_of_better"] == 0.98
@@ -105,9 +108,10 @@ def test_render_flag_draws_a_saved_result_without_servers(tmp_path):
 
 # ----------------------------------------------------------------------------- the load
 def test_closed_loop_workload_and_ramp_schedule():
-    assert [len(bench.workload(3000, c, 256, 0)) for c in (1, 8, 64, 256)] == [8, 64, 192, 768]
-    assert bench.workload(3000, 8, 256, 0) == bench.workload(3000, 8, 256, 0)  # the same for every server
-    assert bench.workload(3000, 8, 256, 0) != bench.workload(3000, 8, 256, 1)  # another round, other prompts
+    assert bench.workload(3000, 8, 256, 0, 5) == bench.workload(3000, 8, 256, 0, 5)  # the same for every server
+    assert bench.workload(3000, 8, 256, 0, 5) != bench.workload(3000, 8, 256, 1, 5)  # another round, other prompts
+    assert bench.workload(3000, 8, 256, 0, 9)[:5] == bench.workload(3000, 8, 256, 0, 5)  # one stream, cut anywhere
+    assert all(32 <= len(p.input_ids) <= bench.MAX_PROMPT_LEN for p in bench.workload(3000, 8, 256, 0, 50))
     assert bench.ramp_prompt(3000, 64, "ramp-3-1") == bench.ramp_prompt(3000, 64, "ramp-3-1")
     assert bench.ramp_levels((1, 4, 16), 2) == [1, 4, 16, 4, 1, 4, 16, 4, 1]
     assert bench.ramp_levels((1, 4, 16), 0) == []
@@ -172,9 +176,347 @@ def test_a_deadline_too_short_starts_no_server_and_says_so(tmp_path):
     opts = bench.BenchOptions(models=tmp_path, out=tmp_path / "out", deadline=Deadline(0.0),
                               configs=("plain", "eagle3", "eagle3_auto"))
     result = bench.run_bench(opts, {})
-    assert result["skipped"] and result["skipped"][0].startswith("everything:")
+    assert result["skipped"][0] == "closed loop round 1 at concurrency " + ", ".join(map(str, bench.DEFAULT_CONCURRENCY))
+    assert "no server started" in result["skipped"][-1]
     assert result["configs"] == ["plain", "eagle3"] and "eagle3_auto" in result["not_run"]
-    assert "skipped: everything" in result["table"] and not result["levels"]
+    assert "remaining: closed loop round 2" in result["table"] and not result["levels"]
+
+
+# ----------------------------------------------------------------------------- resuming, deadlines
+class FakeServer:
+    def __init__(self, name: str, log: Path):
+        self.base, self.start_seconds, self.log_path, self.stopped = f"http://{name}", 60.0, log, False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class FakeLab:
+    """The bench's contact with servers replaced by fakes that spend the deadline instead of time:
+    a server start 60 s, a warm-up 10 s, a window --window-s, a ramp its schedule. Records the calls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+        self.launched: list[str] = []
+        self.windows: list[tuple[str, int, str]] = []  # (server, concurrency, first prompt key)
+        self.ramps: list[str] = []
+        self.opts: bench.BenchOptions | None = None
+        self.deadline = Deadline(0.0)  # the one the bench's options hold
+        self.tmp_path = tmp_path
+        (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+        (tmp_path / "log").write_text("")
+        monkeypatch.setattr(bench, "launch", self.launch)
+        monkeypatch.setattr(bench, "kv_pool", lambda srv: 5000)
+        monkeypatch.setattr(bench, "warm_up", lambda base, opts: self.spend(10))
+        monkeypatch.setattr(bench, "flush_cache", lambda base: None)
+        monkeypatch.setattr(bench, "measure", self.measure)
+        monkeypatch.setattr(bench, "run_ramp", self.run_ramp)
+        monkeypatch.setattr(bench, "server_checks", lambda name, srv: {"kv_used_after_flush": 0})
+
+    def options(self, seconds: float, **kw: Any) -> bench.BenchOptions:
+        kw = {"configs": ("plain", "eagle3"), "concurrency": (1, 4), "rounds": 2, "ramp_cycles": 1,
+              "ramp_hold_s": 5.0, "window_s": 20.0, **kw}
+        self.opts = bench.BenchOptions(models=self.tmp_path, out=self.tmp_path / "out",
+                                       deadline=Deadline(__import__("time").time() + seconds), **kw)
+        self.deadline = self.opts.deadline
+        return self.opts
+
+    def spend(self, seconds: float) -> None:
+        self.deadline.at -= seconds
+
+    def launch(self, opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int) -> FakeServer:
+        self.deadline = opts.deadline
+        self.spend(60)
+        self.launched.append(name)
+        return FakeServer(name, self.tmp_path / "log")
+
+    def measure(self, base: str, prompt_at: Any, c: int, min_s: float, min_requests: int, timeout: float,
+                stop_at: float) -> dict[str, Any]:
+        self.spend(min_s)
+        name = base.removeprefix("http://")
+        self.windows.append((name, c, prompt_at(0).key))
+        speed = 100.0 * c * (1.2 if name == "eagle3" and c == 1 else 0.8 if name == "eagle3" else 1)
+        keys = [prompt_at(i).key for i in range(min_requests)]
+        return {"requests": min_requests, "errors": 0, "first_error": None, "output_tokens": int(speed * min_s),
+                "seconds": min_s, "tok_per_s": speed, "accept_length": None, "cut": False,
+                "outputs": {k: [len(k)] for k in keys}}
+
+    def run_ramp(self, base: str, levels: list[int], hold_s: float, vocab: int, output_len: int, timeout: float,
+                 poll: Any) -> dict[str, Any]:
+        self.spend(hold_s * len(levels))
+        self.ramps.append(base.removeprefix("http://"))
+        windows = [{"t": i * hold_s, "level": lv, "tok_per_s": 100.0 * lv, "plain_share": None, "crossover": None}
+                   for i, lv in enumerate(levels)]
+        return {"windows": windows, "requests": 3, "errors": 0, "first_error": None, "mode_changes": None,
+                "outputs": {"ramp-0-0": [1, 2], "ramp-0-1": [3]}}
+
+    def measured(self, result: dict[str, Any]) -> list[tuple[str, int, int]]:
+        """(server, concurrency, round) of every window kept in a result."""
+        return sorted((n, int(c), m["round"]) for c, by in result["levels"].items() for n, ms in by.items() for m in ms)
+
+
+@pytest.fixture
+def lab(monkeypatch, tmp_path) -> FakeLab:
+    return FakeLab(monkeypatch, tmp_path)
+
+
+def test_a_resumed_run_measures_only_what_is_left(lab):
+    """Three calls with one state, as e2e makes them after each deadline: no window or ramp is
+    measured twice, the first call's windows stay in the report, the last call starts only the
+    server whose ramp is left, and a call after the end measures nothing. Budgets: the bench plans
+    a start as 75 s + a 30 s warm-up per server until measured, a window it has not seen as
+    1.5 x --window-s + 12 s per server, and keeps 20 s + 12 s per server to stop."""
+    state: dict[str, Any] = {}
+    saved: list[list[str]] = []
+    # plan: 2 x 105 s starts, 2 x 42 s window, 44 s to stop = 338 s; spent: 140 s to start, 40 s a window
+    first = bench.run_bench(lab.options(340), state, lambda r: saved.append(list(r["skipped"])))
+    assert lab.launched == ["plain", "eagle3"]
+    assert lab.measured(first) == sorted([(n, c, 1) for n in ("eagle3", "plain") for c in (1, 4)]
+                                         + [("eagle3", 1, 2), ("plain", 1, 2)])
+    assert first["skipped"][:2] == ["closed loop round 2 at concurrency 4", "ramp of plain, eagle3"]
+    assert "remaining: closed loop round 2 at concurrency 4" in first["table"] and not first["failures"]
+    assert len(saved) == 3 and saved[0][0] == "closed loop round 1 at concurrency 4"  # kept after each window
+    assert "| 4 (1 of 2 rounds) |" in first["table"] and "result" not in state
+    state = json.loads(json.dumps(state))  # e2e keeps it as JSON between calls
+
+    lab.launched.clear(), lab.windows.clear()
+    # plan: starts as measured (60 s), round 2 at 4 (2 x 22 s), a ramp 3 x 5 s + 30 s, each with 44 s to stop
+    second = bench.run_bench(lab.options(275), state)
+    assert lab.launched == ["plain", "eagle3"] and lab.ramps == ["plain"]
+    assert sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")]
+    assert lab.measured(second) == [(n, c, k) for n in ("eagle3", "plain") for c in (1, 4) for k in (1, 2)]
+    assert second["skipped"][0] == "ramp of eagle3"
+    table = bench_report.level_table(second)
+    assert table["1"]["eagle3"]["vs_plain"] == 1.2 and table["1"]["eagle3"]["rounds"] == 2
+    assert "| 1 | 100 | 120 (1.20x, 1.20-1.20) |" in second["table"]
+
+    lab.launched.clear()
+    third = bench.run_bench(lab.options(600), state)
+    assert lab.launched == ["eagle3"] and lab.ramps == ["plain", "eagle3"]  # eagle3 alone, for its ramp
+    assert not third["skipped"] and not third["failures"] and state["result"] is third
+    assert third["calls"] == 3 and set(third["ramp"]) == {"plain", "eagle3"} and "over 3 calls" in third["table"]
+    assert "every output equal to plain decoding's" in third["table"] and "remaining" not in third["table"]
+
+    lab.launched.clear()
+    assert bench.run_bench(lab.options(600), state)["levels"] == third["levels"] and not lab.launched
+
+
+@pytest.mark.parametrize("seconds", range(10, 700, 30))
+def test_a_call_finishes_whole_units_within_its_deadline(lab, seconds):
+    """Whatever the time a call has: it ends within it; every window it keeps was measured on every
+    server and none is measured and thrown away; no server is started without a unit measured on
+    it; the report lists exactly what is left."""
+    result = bench.run_bench(lab.options(seconds, rounds=1, concurrency=(1, 4, 16)), {})
+    assert lab.opts is not None and lab.opts.deadline.left() > 0
+    kept = lab.measured(result)
+    assert len(lab.windows) == len(kept) and {(n, c) for n, c, _ in kept} == {(n, c) for n, c, _ in lab.windows}
+    assert all((other, c, k) in kept for _, c, k in kept for other in ("plain", "eagle3"))
+    assert bool(lab.launched) == bool(kept) and lab.launched in ([], ["plain", "eagle3"])
+    levels_left = [c for c in (1, 4, 16) if str(c) not in result["levels"]]
+    if levels_left:
+        assert result["skipped"][0] == "closed loop round 1 at concurrency " + ", ".join(map(str, levels_left))
+        assert not lab.ramps  # the ramps wait for the closed loop
+    assert len(lab.ramps) == len(result["ramp"])
+    assert ("ramp of plain, eagle3" in result["skipped"]) == (not result["ramp"])
+
+
+def test_a_call_with_only_ramps_left_starts_one_server_at_a_time(lab):
+    state: dict[str, Any] = {"windows_done": [f"{k}:{c}" for k in (0, 1) for c in (1, 4)]}
+    # plan: 105 s start + a ramp 45 s + 32 s to stop = 182 s; spent 70 + 15 s: not enough for eagle3's
+    result = bench.run_bench(lab.options(200), state)
+    assert lab.launched == ["plain"] and lab.ramps == ["plain"] and not lab.windows
+    assert result["skipped"][0] == "ramp of eagle3" and "not started" in result["skipped"][-1]
+    lab.launched.clear()
+    assert not bench.run_bench(lab.options(600, ramp_cycles=0), {})["skipped"]
+    assert lab.launched == ["plain", "eagle3"]  # without ramps the run ends with the closed loop
+
+
+def test_e2e_keeps_each_unit_and_its_next_call_goes_on(lab, tmp_path):
+    """The bench phase of `smoke e2e` writes its state after every unit (a call killed at its limit
+    keeps them) and its next call on the same state dir measures only what is left."""
+    from smoke import e2e
+
+    def driver(seconds: float) -> e2e.E2E:
+        drv = e2e.E2E(build_parser().parse_args([
+            "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
+            str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1,4",
+            "--bench-ramp-cycles", "1", "--bench-ramp-hold", "5", "--bench-window-s", "20"]))
+        drv.deadline.at = __import__("time").time() + seconds
+        lab.deadline = drv.deadline
+        return drv
+
+    models = tmp_path / "state" / "models" / "1b"
+    models.mkdir(parents=True)
+    (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+    with pytest.raises(e2e.Deadline_):
+        driver(340).phase_bench()  # returns without saving: what is on disk came from the progress calls
+    on_disk = json.loads((tmp_path / "state" / "state.json").read_text())
+    run = next(iter(on_disk["bench_runs"].values()))
+    assert run["windows_done"] == ["0:1", "0:4", "1:1"]
+    assert "closed loop round 2 at concurrency 4" in (tmp_path / "out" / "summary.txt").read_text()
+    lab.windows.clear()
+    driver(600).phase_bench()
+    assert sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")] and lab.ramps == ["plain", "eagle3"]
+
+
+FAKE_SGLANG = """
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+NAME = sys.argv[2]
+
+
+class H(BaseHTTPRequestHandler):
+    def answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path.startswith("/v1/loads"):
+            return self.answer({"loads": [{"num_used_tokens": 0, "max_total_num_tokens": 5000}]})
+        if self.path == "/server_info":
+            return self.answer({"internal_states": [{"speculative_disable": {
+                "threshold": 16, "mode": "speculative", "speculative_steps": 9, "plain_steps": 0, "mode_changes": 0}}]})
+        return self.answer({})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path != "/generate":
+            return self.answer({})
+        n = req["sampling_params"]["max_new_tokens"]
+        time.sleep(0.002 * n / (2 if NAME == "eagle3" else 1))
+        meta = {"spec_accept_length": 2.5} if NAME != "plain" else {}
+        return self.answer({"output_ids": [(sum(req["input_ids"]) + j) % 97 for j in range(n)], "meta_info": meta})
+
+    def log_message(self, *a):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_whole_run_on_real_processes(tmp_path, monkeypatch):
+    """run_bench end to end with server processes that answer as sglang does (no GPU): windows of
+    their minimum length on every server, ramps, outputs compared, KV pool checked, the files."""
+    import os
+    import sys
+
+    from smoke.server import ServerConfig
+
+    class FakeSglang(ServerConfig):
+        def argv(self, port: int) -> list[str]:
+            return [sys.executable, "-c", FAKE_SGLANG, str(port), self.name]
+
+    monkeypatch.setattr(bench, "server_config", lambda name, opts, mem, tokens: FakeSglang(name, tmp_path))
+    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path / "out", configs=("plain", "eagle3", "eagle3_thr"),
+                              concurrency=(1, 4), rounds=2, window_s=0.4, ramp_cycles=1, ramp_hold_s=0.3,
+                              output_len=8, port=31000 + os.getpid() % 1000 * 4, deadline=Deadline(__import__("time").time() + 900))
+    state: dict[str, Any] = {}
+    result = bench.run_bench(opts, state)
+    assert not result["failures"] and not result["skipped"] and state["result"] is result
+    for c in ("1", "4"):
+        for name in ("plain", "eagle3", "eagle3_thr16"):
+            ms = result["levels"][c][name]
+            assert [m["round"] for m in ms] == [1, 2]
+            assert all(m["seconds"] >= 0.4 and m["requests"] >= bench.window_requests(int(c), 3) for m in ms)
+    assert bench_report.level_table(result)["1"]["eagle3"]["vs_plain"] > 1.3  # half the time per token
+    assert set(result["ramp"]) == {"plain", "eagle3", "eagle3_thr16"} and result["calls"] == 1
+    assert result["servers"]["eagle3_thr16"]["speculative_disable"]["threshold"] == 16
+    assert all(info["kv_used_after_flush"] == 0 for info in result["servers"].values())
+    assert "every output equal to plain decoding's" in result["table"]
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"bench.json", "bench.md"}
+
+
+def test_command_line_state_file_resumes(lab, tmp_path, capsys):
+    """`smoke bench --state FILE`: a run stopped by --deadline says what is left and how to go on;
+    the same command measures the rest."""
+    argv = ["bench", "--models", str(tmp_path), "--out", str(tmp_path / "out"), "--configs", "plain,eagle3",
+            "--concurrency", "1,4", "--ramp-cycles", "0", "--window-s", "20", "--state", str(tmp_path / "st.json")]
+    a = build_parser().parse_args([*argv, "--deadline", "340"])
+    assert a.main(a) == 1
+    out = capsys.readouterr().out
+    assert "BENCH INCOMPLETE: closed loop round 2 at concurrency 4" in out and "Run the same command to" in out
+    lab.windows.clear()
+    a = build_parser().parse_args([*argv, "--deadline", "600"])
+    assert a.main(a) == 0 and sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")]
+    assert "BENCH INCOMPLETE" not in capsys.readouterr().out
+    a = build_parser().parse_args([*argv, "--deadline", "340", "--rounds", "3"])
+    with pytest.raises(SystemExit, match="other options"):
+        a.main(a)
+
+
+def test_a_server_that_fails_to_start_ends_the_run_with_its_log(lab, monkeypatch, tmp_path):
+    from smoke.runner import SmokeError
+
+    started: list[FakeServer] = []
+    (tmp_path / "eagle3.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
+
+    def launch(opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int) -> FakeServer:
+        if name == "eagle3":
+            raise SmokeError("eagle3: server exited with code 1 before it became healthy", log=tmp_path / "eagle3.log")
+        started.append(FakeServer(name, tmp_path / "log"))
+        return started[-1]
+
+    monkeypatch.setattr(bench, "launch", launch)
+    state: dict[str, Any] = {}
+    result = bench.run_bench(lab.options(600), state)
+    assert result["failures"][0].startswith("eagle3: server exited with code 1")
+    assert "CUDA out of memory" in result["failures"][0] and all(s.stopped for s in started)
+    assert not result["skipped"] and result["not_measured"][0] == "closed loop round 1 at concurrency 1, 4"
+    assert state["result"] is result and "- not measured: closed loop round 1" in result["table"]
+
+
+def test_a_window_lasts_its_minimum_time_and_requests(monkeypatch):
+    """The real measure() against a fake generate: a window sends until it has lasted --window-s
+    and sent --window-waves requests per client, then lets the requests in flight finish."""
+    import time
+
+    from smoke import client
+
+    def generate(base: str, p: client.Prompt, timeout: float = 600, rid: str | None = None) -> client.Result:
+        time.sleep(0.01)
+        return client.Result(p.key, [7] * p.max_new_tokens, {"spec_accept_length": 2.0})
+
+    monkeypatch.setattr(client, "generate", generate)
+    prompt_at = functools.partial(bench.window_prompt, 3000, 2, 4, 100)
+    far = time.time() + 60
+    by_time = bench.measure("b", prompt_at, 2, 0.3, 4, 10, far)
+    assert by_time["seconds"] >= 0.3 and by_time["requests"] > 4 and not by_time["cut"]
+    assert by_time["output_tokens"] == 4 * by_time["requests"] and by_time["accept_length"] == 2.0
+    assert set(by_time["outputs"]) == {f"c2-{i}" for i in range(by_time["requests"])}  # the stream's first ones
+    by_count = bench.measure("b", prompt_at, 2, 0.0, 12, 10, far)
+    assert by_count["requests"] == 12
+    assert bench.measure("b", prompt_at, 2, 5.0, 4, 10, time.time())["cut"]  # past the deadline: not kept
+    assert [bench.window_requests(c, 3) for c in (1, 2, 4, 256)] == [8, 8, 12, 768]
+    assert bench_options("--window-s", "30", "--window-waves", "5").window_s == 30.0
+    assert bench_options().window_s == 10.0 and bench_options().window_waves == 3
+
+
+def test_a_window_stops_sending_at_the_first_error(monkeypatch):
+    from smoke import client
+
+    def generate(base: str, p: client.Prompt, timeout: float = 600, rid: str | None = None) -> client.Result:
+        return client.Result(p.key, error="HTTP 500") if p.key == "c1-2" else client.Result(p.key, [1])
+
+    monkeypatch.setattr(client, "generate", generate)
+    m = bench.measure("b", lambda i: bench.window_prompt(3000, 1, 4, 100, i), 1, 30.0, 8, 10,
+                      __import__("time").time() + 60)
+    assert m["requests"] == 3 and m["errors"] == 1 and m["first_error"] == "HTTP 500"
+
+
+def test_state_file_of_other_options_is_refused(tmp_path):
+    opts = bench_options("--rounds", "2")
+    state, save = bench.load_state(tmp_path / "s.json", opts)
+    state["windows_done"] = ["0:1"]
+    save({})
+    assert bench.load_state(tmp_path / "s.json", bench_options("--rounds", "2"))[0]["windows_done"] == ["0:1"]
+    with pytest.raises(SystemExit, match="--state .*other options"):
+        bench.load_state(tmp_path / "s.json", bench_options("--rounds", "3"))
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -191,7 +533,8 @@ def test_options_and_refused_values():
                         (("--threshold", "auto"), "--threshold"), (("--rounds", "-1"), "--rounds"),
                         (("--rounds", "0", "--ramp-cycles", "0"), "--ramp-cycles"),
                         (("--ramp-hold", "0"), "--ramp-hold"), (("--mem-share", "1.5"), "--mem-share"),
-                        (("--max-total-tokens", "-1"), "--max-total-tokens"), (("--output-len", "0"), "--output-len")):
+                        (("--max-total-tokens", "-1"), "--max-total-tokens"), (("--output-len", "0"), "--output-len"),
+                        (("--window-s", "0"), "--window-s"), (("--window-waves", "0"), "--window-waves")):
         with pytest.raises(SystemExit, match=word):
             bench_options(*flags)
     ap = argparse.ArgumentParser()
