@@ -121,7 +121,7 @@ class E2E:
 
     # ------------------------------------------------------------------ phases
     def series_digest(self) -> str:
-        d = REPO / "patches" / self.a.flavor
+        d = REPO / "patches" / self.flavor
         h = hashlib.sha256()
         for p in sorted(d.glob("*")) if d.is_dir() else []:
             h.update(p.name.encode() + b"\0" + p.read_bytes())
@@ -171,7 +171,7 @@ class E2E:
         if self.state.get("patch"):
             self.log("patch: already applied to this site")
             return
-        series_dir = REPO / "patches" / self.a.flavor
+        series_dir = REPO / "patches" / self.flavor
         manifest = self.state_dir / "patches.json"
         env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
         p = self.sh([sys.executable, "-m", "sglang_image.patch", "apply", "--series-dir", str(series_dir),
@@ -248,6 +248,17 @@ class E2E:
                      "comm": [self.a.comm_runs]}[ph]
         return hashlib.sha256(json.dumps(opts, default=str).encode()).hexdigest()[:10]
 
+    @functools.cached_property
+    def flavor(self) -> str:
+        """--flavor, else the flavor `nox -s gpu-e2e` built the bundle for (BUNDLE/bundle.json)."""
+        if self.a.flavor:
+            return str(self.a.flavor)
+        meta = self.a.bundle / "bundle.json"
+        if not meta.is_file():
+            raise SystemExit(f"--flavor not given and {meta} is missing: build the bundle with "
+                             "nox -s gpu-e2e -- --flavor F, or pass --flavor")
+        return str(json.loads(meta.read_text())["flavor"])
+
     @property
     def bench_key(self) -> str:
         """One bench per model size, mode and options: a later call with other ones runs its own, and
@@ -305,7 +316,7 @@ class E2E:
         if not (self.a.bundle / "wheels.tar.xz").exists() or self.install_key() == installed:
             return None
         return (f"the site in {self.site} holds another bundle or patch series than this tree's "
-                f"({self.a.bundle}, patches/{self.a.flavor}): add install,patch,check to --phases (or use --fresh)")
+                f"({self.a.bundle}, patches/{self.flavor}): add install,patch,check to --phases (or use --fresh)")
 
     def kill_leftover_servers(self) -> None:
         """Servers of an earlier call killed mid-run (setsid: they outlive it) still hold the port."""
@@ -475,10 +486,4 @@ def main(a: argparse.Namespace) -> int:
     if bad:
         raise SystemExit(f"--comm-runs: unknown {bad}; choose from {','.join(comm_mod.RUN_NAMES)}")
     bench_mod.tuning_options(a, "bench-")  # exits naming a bad --bench-* value before any work
-    if a.flavor is None:
-        meta = a.bundle / "bundle.json"
-        if not meta.is_file():
-            raise SystemExit(f"--flavor not given and {meta} is missing: build the bundle with "
-                             "nox -s gpu-e2e -- --flavor F, or pass --flavor")
-        a.flavor = str(json.loads(meta.read_text())["flavor"])
     return E2E(a).run()

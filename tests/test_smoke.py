@@ -278,7 +278,7 @@ def test_partial_manifest_comparison():
 
 def test_nox_side_container_and_device_command(tmp_path):
     pytest.importorskip("docker")
-    from sglang_image import gpu, smoke
+    from sglang_image import gpu, pins, smoke
 
     kw = smoke.container_kwargs(gpu=True, out_dir=tmp_path)
     req = kw["device_requests"][0]
@@ -293,7 +293,8 @@ def test_nox_side_container_and_device_command(tmp_path):
     assert args["carry"] == [".gpu"] and args["timeout_s"] == 600
     assert len(args["command"]) <= 2000 and "python3 -m smoke e2e" in args["command"]
     lines, _ = gpu.bundle_requirements()
-    assert any(line.startswith("sglang==0.5.17") for line in lines)
+    default = pins.load_flavor(pins.DEFAULT_FLAVOR)
+    assert any(line.startswith(f"sglang=={default.sglang_version}") for line in lines)
     assert any(line.startswith("sgl-deep-gemm==") for line in lines)
 
 
@@ -490,6 +491,7 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     (bundle / "wheels.tar.xz").write_bytes(b"wheels")
+    (bundle / "bundle.json").write_text('{"flavor": "sglang-0.5.17"}')  # as nox -s gpu-e2e writes it
     ap = build_parser()
 
     def driver(*extra: str) -> e2e.E2E:
