@@ -13,6 +13,7 @@ import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from docker import DockerClient
@@ -22,9 +23,10 @@ from sglang_image.errors import (
     BuildError,
     DockerUnavailableError,
     HashMismatchError,
+    LockError,
     PatchApplyError,
 )
-from tests.conftest_docker import light_build
+from tests.conftest_docker import ENGINES, light_build, light_image_on
 
 FLAVOR = pins.DEFAULT_FLAVOR
 
@@ -142,13 +144,47 @@ def test_labels_name_versions_base_and_every_patch() -> None:
     got = build.labels(flavor, epoch=0, base_name="python:3.12", base_digest="sha256:" + "0" * 64,
                        patches=[("a.patch", "11" * 32), ("b.patch", "22" * 32)], light=False)
     oci = "org.opencontainers.image"
-    for key in ("version", "revision", "source", "created", "base.name", "base.digest",
-                "licenses"):
+    for key in ("version", "revision", "created", "base.name", "base.digest", "licenses"):
         assert got[f"{oci}.{key}"], key
     assert got[f"{oci}.version"] == (pins.REPO_ROOT / "VERSION").read_text().strip()
     assert got["io.sglang-image.sglang.version"] == flavor.sglang_version
     assert got["io.sglang-image.patches"] == "a.patch,b.patch"
     assert got["io.sglang-image.patch.b.patch"] == "sha256:" + "22" * 32
+
+
+def test_source_label_comes_from_pyproject_not_the_clone(tmp_path: Path) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "x"\n[project.urls]\nSource = "https://example.org/x"\n')
+    assert build.source_url(pyproject) == "https://example.org/x"
+    pyproject.write_text('[project]\nname = "x"\n')
+    assert build.source_url(pyproject) is None  # no label rather than the clone's remote
+
+
+def test_build_refuses_a_stale_lock_before_any_work(tmp_path: Path) -> None:
+    flavor = pins.load_flavor(FLAVOR)
+    stale = dataclasses.replace(flavor, requirements=(*flavor.requirements, "six==1.16.0"))
+    opts = build.BuildOptions(flavor=stale, work_dir=tmp_path, light=True)
+    with pytest.raises(LockError, match=f"stale.*nox -s lock -- {FLAVOR}"):
+        build.build(opts, client=None)  # no engine needed: it stops before connecting
+
+
+def test_build_refuses_an_incomplete_lock(tmp_path: Path) -> None:
+    opts = build.BuildOptions(flavor=pins.load_flavor("sglang-0.5.9"), work_dir=tmp_path)
+    with pytest.raises(LockError, match="incomplete"):
+        build.build(opts, client=None)
+
+
+def test_unverified_base_digest_is_warned_about() -> None:
+    flavor = pins.load_flavor(FLAVOR)
+    unverified = dataclasses.replace(
+        flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=False))
+    warning = build.unverified_base_warning(build.BuildOptions(flavor=unverified))
+    assert warning and "digest_verified = false" in warning and flavor.base_image.digest in warning
+    verified = dataclasses.replace(
+        flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=True))
+    assert build.unverified_base_warning(build.BuildOptions(flavor=verified)) is None
+    # a base the user names is theirs to trust
+    assert build.unverified_base_warning(build.BuildOptions(flavor=unverified, base="x:1")) is None
 
 
 def test_default_tag_is_version_and_flavor() -> None:
@@ -173,9 +209,23 @@ def test_no_engine_says_how_to_start_one(tmp_path: Path, monkeypatch: pytest.Mon
         docker_engine.connect(tmp_path)
 
 
-def test_dockerd_argv_has_no_bridge_and_no_iptables(tmp_path: Path) -> None:
-    argv = docker_engine.dockerd_argv(tmp_path)
-    assert {"--bridge=none", "--iptables=false", "--storage-driver=overlay2"} <= set(argv)
+@pytest.mark.docker
+def test_started_engine_keeps_to_its_state_and_stops(tmp_path: Path) -> None:
+    """start_dockerd: an engine of its own (data root under the state dir, no bridge network,
+    so no iptables needed), and stop() ends that process and nothing else."""
+    if shutil.which("dockerd") is None:
+        pytest.skip("dockerd is not installed: apt-get install -y docker.io")
+    engine = docker_engine.start_dockerd(tmp_path)
+    try:
+        info = engine.client.info()
+        assert info["DockerRootDir"] == str(tmp_path / "data")
+        assert "bridge" not in {n.name for n in engine.client.networks.list()}
+        assert docker_engine.connect_state(tmp_path) is not None
+    finally:
+        pid = engine.pid
+        engine.stop()
+    assert pid is not None and not Path(f"/proc/{pid}").exists()
+    assert docker_engine.connect_state(tmp_path) is None
 
 
 @pytest.mark.network
@@ -290,3 +340,13 @@ def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootst
 def test_missing_base_image_is_a_clear_error(docker_client: DockerClient, tmp_path: Path) -> None:
     with pytest.raises(BuildError, match="base image localhost:1/no-such-base:1 is missing"):
         _build(docker_client, "localhost:1/no-such-base:1", tmp_path, tag="sglang-image-test:nobase")
+
+
+@pytest.mark.docker
+def test_one_commit_one_digest_on_every_engine(engines: Any, base_rootfs: Path,
+                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Engine 20.10 (legacy `docker save` layout, docker_version 20.10 in its config) and a
+    current engine (OCI layout) build the light image of this commit to one image ID."""
+    got = {name: light_image_on(engines, name, base_rootfs, tmp_path_factory).image_id
+           for name in ENGINES}
+    assert len(set(got.values())) == 1, got

@@ -104,11 +104,11 @@ def revision() -> str:
     return _git("rev-parse", "HEAD") or "unknown"
 
 
-def source_url() -> str:
-    """[project.urls] Source of pyproject.toml, else the git remote, else 'unknown'."""
-    data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    urls = data.get("project", {}).get("urls", {})
-    return str(urls.get("Source") or _git("config", "remote.origin.url") or "unknown")
+def source_url(pyproject: Path = REPO_ROOT / "pyproject.toml") -> str | None:
+    """[project.urls] Source of pyproject.toml, or None: the project's address, never the clone's
+    remote (clones of one commit with different remotes must give one digest)."""
+    source = tomllib.loads(pyproject.read_text()).get("project", {}).get("urls", {}).get("Source")
+    return str(source) if source else None
 
 
 def dependency_closure(lock_text: str, roots: Iterable[str]) -> set[str]:
@@ -159,7 +159,6 @@ def labels(flavor: Flavor, *, epoch: int, base_name: str, base_digest: str,
         f"{oci}.title": "sglang-image",
         f"{oci}.version": version(),
         f"{oci}.revision": revision(),
-        f"{oci}.source": source_url(),
         f"{oci}.created": normalize.iso_time(epoch),
         f"{oci}.base.name": base_name,
         f"{oci}.base.digest": base_digest,
@@ -170,6 +169,9 @@ def labels(flavor: Flavor, *, epoch: int, base_name: str, base_digest: str,
         f"{LABEL_PREFIX}.patches": ",".join(name for name, _ in patches),
         f"{LABEL_PREFIX}.sbom": SBOM_PATH,
     }
+    source = source_url()
+    if source:  # set once the project declares where it is published
+        out[f"{oci}.source"] = source
     for name, digest in patches:
         out[f"{LABEL_PREFIX}.patch.{name}"] = f"sha256:{digest}"
     if light:
@@ -194,6 +196,17 @@ def context_tar(root: Path, dest: Any, epoch: int = normalize.LAYER_EPOCH) -> No
                     tar.addfile(info, fh)
 
 
+def unverified_base_warning(opts: BuildOptions) -> str | None:
+    """What to say when the build uses a pinned base whose digest nobody checked."""
+    base = opts.flavor.base_image
+    if opts.base is not None or base.digest_verified:
+        return None
+    return (f"the base digest in {opts.flavor.toml_path.name} is unverified (digest_verified = "
+            f"false): {base.ref} was pinned without checking it against its registry. Check it "
+            f"where the hub is reachable (docker pull {base.name}; compare RepoDigests), then set "
+            f"digest_verified = true")
+
+
 # --- the build --------------------------------------------------------------------------------
 
 def _link(src: Path, dest: Path) -> None:
@@ -207,7 +220,7 @@ def _link(src: Path, dest: Path) -> None:
 def prepare_context(opts: BuildOptions, ctx: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Fills `ctx` (Dockerfile, requirements, wheelhouse, patches, tool); returns build facts."""
     flavor = opts.flavor
-    entries = lock.read_lock(flavor.lock_path)
+    entries = lock.require_complete(flavor)
     by_name = {e.name: e for e in entries}
     sglang_name = lock.normalize("sglang")
     if opts.light:
@@ -267,9 +280,11 @@ def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], 
         except docker.errors.APIError as exc:
             raise BuildError(
                 f"base image {ref} is missing: not in the engine and the pull failed "
-                f"({exc.explanation or exc}). Load it (docker load -i FILE / docker pull {ref} "
-                f"where a registry is reachable) or build from another: nox -s build -- --base "
-                f"IMAGE") from exc
+                f"({exc.explanation or exc}). Without an image hub, make a base from Debian "
+                f"packages and build on it: nox -s base -- --flavor {opts.flavor.name}, then "
+                f"nox -s build -- --flavor {opts.flavor.name} --base TAG (the tag it prints). "
+                f"Or load the pinned one (docker load -i FILE / docker pull {ref} where a "
+                f"registry is reachable)") from exc
     if "@" in ref:
         digest = ref.split("@", 1)[1]
     else:
@@ -349,6 +364,10 @@ def build(opts: BuildOptions, console: Console | None = None,
     flavor = opts.flavor
     tag = opts.tag or default_tag(flavor)
     tags = [tag] if ":" in tag else [f"{tag}:latest"]
+    lock.require_complete(flavor)  # a stale or incomplete lock stops here, before any work
+    warning = unverified_base_warning(opts)
+    if warning:
+        log(f"[yellow]warning:[/] {escape(warning)}")
     client = client or connect().client
     epoch = source_date_epoch()
     base_ref, base_name, base_digest, base_layers, base_history = resolve_base(client, opts, log)
