@@ -34,6 +34,13 @@ def build(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def base(session: nox.Session) -> None:
+    """Make a base image from Debian packages (debootstrap, g++, the flavor's Python) where no image hub is reachable (-- --flavor F)."""
+    _install(session)
+    session.run("python", "-m", "sglang_image.base", *session.posargs)
+
+
+@nox.session(default=False)
 def smoke(session: nox.Session) -> None:
     """Start the server in the built image with a threshold and prove the output (-- --image T --threshold N)."""
     _install(session)
@@ -71,7 +78,7 @@ def publish(session: nox.Session) -> None:
 
 @nox.session(name="gpu-e2e", default=False)
 def gpu_e2e(session: nox.Session) -> None:
-    """Prepare the wheel bundle for the GPU machine and print the command that runs the GPU checks there."""
+    """Prepare the wheel bundle for a GPU host without Docker and print the command to run there."""
     _install(session)
     _run(session, "gpu-e2e")
 

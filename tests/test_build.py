@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import docker.errors
 import pytest
 from docker import DockerClient
 
@@ -84,6 +85,7 @@ def _layer(entries: list[tuple[str, bytes, float]]) -> bytes:
         for name, data, mtime in entries:
             info = tarfile.TarInfo(name)
             info.size, info.mtime = len(data), mtime
+            info.uname, info.gname = "root", "root"  # Engine 20.10 writes names, 26 does not
             info.pax_headers = {"atime": "123.5", "SCHILY.xattr.user.k": "v"}
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
@@ -102,6 +104,7 @@ def test_rewrite_layer_sets_times_and_keeps_the_rest() -> None:
         assert [m.name for m in members] == ["z", "a"]  # order kept
         assert {m.mtime for m in members} == {1000}
         assert "atime" not in members[0].pax_headers
+        assert {(m.uname, m.gname) for m in members} == {("", "")}
         assert members[0].pax_headers["SCHILY.xattr.user.k"] == "v"
         assert tar.extractfile(members[1]).read() == b"22"  # type: ignore[union-attr]
 
@@ -137,6 +140,21 @@ def test_normalized_config_fixes_build_times_keeps_base() -> None:
     assert "container" not in out and "container_config" not in out
     assert out["config"] == {"Labels": {"a": "1", "b": "2"}}
     assert out["rootfs"]["diff_ids"] == ["sha256:new"]
+
+
+def test_history_steps_read_the_same_on_every_engine() -> None:
+    # Engine 20.10 and 26 hash a COPY source differently and print a HEALTHCHECK differently.
+    copy_20 = "/bin/sh -c #(nop) COPY dir:" + "6" * 64 + " in /opt/venv "
+    copy_26 = "/bin/sh -c #(nop) COPY dir:" + "e" * 64 + " in /opt/venv "
+    health_20 = '/bin/sh -c #(nop)  HEALTHCHECK &{["CMD" "x"] "30s" "5s" "15m0s" \'\\x03\'}'
+    health_26 = '/bin/sh -c #(nop)  HEALTHCHECK &{["CMD" "x"] "30s" "5s" "15m0s" "0s" \'\\x03\'}'
+    check = '{"Test": ["CMD", "x"]}'
+    assert normalize.engine_neutral_step(copy_20, check) == \
+        normalize.engine_neutral_step(copy_26, check) == "/bin/sh -c #(nop) COPY dir in /opt/venv "
+    assert normalize.engine_neutral_step(health_20, check) == \
+        normalize.engine_neutral_step(health_26, check) == f"/bin/sh -c #(nop)  HEALTHCHECK {check}"
+    run = "/bin/sh -c useradd sglang"
+    assert normalize.engine_neutral_step(run, check) == run
 
 
 def test_labels_name_versions_base_and_every_patch() -> None:
@@ -274,7 +292,7 @@ def test_light_image_labels_layers_and_sbom(light_image: build.BuildResult,
     # Heavy first: the venv layer comes before SGLang's, the patches and the SBOM come last.
     steps = [created_by for created_by, _ in light_image.layers]
     order = [next(i for i, s in enumerate(steps) if marker in s)
-             for marker in ("in /opt/venv", "COPY dir:", "sglang_image.patch apply", "cyclonedx-py")]
+             for marker in ("in /opt/venv", "COPY dir in /", "sglang_image.patch apply", "cyclonedx-py")]
     assert order == sorted(order), steps
     sbom = json.loads(light_image.sbom.read_text())
     names = {c["name"]: c["version"] for c in sbom["components"]}
@@ -318,6 +336,23 @@ def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult
                    no_cache=True)
     assert again.raw_image_id != light_image.raw_image_id  # really rebuilt
     assert again.image_id == light_image.image_id
+    # The builder's image stays tagged as the build cache; the one it replaced is gone, not left
+    # dangling.
+    cache = docker_client.images.get(f"sglang-image-build-cache:{FLAVOR}-light")
+    assert cache.id == again.raw_image_id
+    with pytest.raises(docker.errors.ImageNotFound):
+        docker_client.images.get(light_image.raw_image_id)
+
+
+@pytest.mark.docker
+def test_unchanged_inputs_reuse_the_image(light_image: build.BuildResult,
+                                          docker_client: DockerClient,
+                                          debootstrap_base: str) -> None:
+    again = _build(docker_client, debootstrap_base, light_image.output_dir.parent,
+                   tag="sglang-image-test:light-c")
+    assert again.image_id == light_image.image_id and again.raw_image_id == ""
+    assert [name for name, _ in again.phases] == ["lock and base", "fetch wheels",
+                                                   "tag and copy out"]
 
 
 @pytest.mark.docker

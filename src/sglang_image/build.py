@@ -55,7 +55,6 @@ class BuildOptions:
     # Light: SGLang, the patch targets and the SBOM tool only, none of their heavy dependencies.
     # Same Dockerfile, same stages; for tests (seconds, megabytes) - not a working server.
     light: bool = False
-    keep_raw: bool = False  # keep the builder's un-normalised image (debugging)
     wheel_cache: Path = WHEEL_CACHE
     work_dir: Path = REPO_ROOT / ".cache" / "build"
     output_dir: Path | None = None  # default: build/<tag with ':' as '-'>
@@ -72,8 +71,9 @@ class BuildResult:
     output_dir: Path
     seconds: float
     epoch: int = 0
-    raw_image_id: str = ""
+    raw_image_id: str = ""  # empty when the inputs were unchanged and nothing was built
     notes: tuple[str, ...] = field(default_factory=tuple)
+    phases: tuple[tuple[str, float], ...] = ()  # (phase, seconds) in order
 
 
 # --- pure helpers (tested without Docker) -------------------------------------------------------
@@ -356,11 +356,73 @@ def layer_table(client: DockerClient, image_id: str) -> tuple[tuple[str, int], .
     return tuple(rows)
 
 
+class _Phases:
+    """Wall-clock seconds per phase of one build, printed at the end."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, float]] = []
+        self._mark = time.monotonic()
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.rows.append((name, now - self._mark))
+        self._mark = now
+
+
+def build_key(ctx: Path, buildargs: dict[str, str], base_id: str,
+              build_labels: dict[str, str], no_cache: bool) -> str:
+    """What the image is made of: the context (wheels by name; their hashes are in the
+    requirements files), the build arguments, the base image ID and the labels. The same key
+    gives the same image, so an unchanged tree reuses it instead of building."""
+    digest = hashlib.sha256(json.dumps([buildargs, base_id, build_labels, no_cache],
+                                       sort_keys=True).encode())
+    for path in sorted(ctx.rglob("*")):
+        rel = path.relative_to(ctx).as_posix()
+        digest.update(rel.encode() + b"\0")
+        if path.is_file() and not rel.startswith("wheelhouse/"):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _remember(index: Path, key: str, image_id: str) -> None:
+    known = json.loads(index.read_text()) if index.exists() else {}
+    known[key] = image_id
+    index.write_text(json.dumps(known, indent=1) + "\n")
+
+
+def _known(client: DockerClient, index: Path, key: str) -> str | None:
+    image_id = (json.loads(index.read_text()) if index.exists() else {}).get(key)
+    if not image_id:
+        return None
+    try:
+        return str(client.images.get(image_id).id)
+    except docker.errors.ImageNotFound:
+        return None
+
+
+def _retag(client: DockerClient, image_id: str, tags: list[str]) -> None:
+    """Points `tags` at `image_id`; an image a tag leaves without any tag is removed (a build
+    leaves no dangling image behind)."""
+    for tag in tags:
+        try:
+            previous = client.images.get(tag).id
+        except docker.errors.ImageNotFound:
+            previous = None
+        repo, _, name = tag.rpartition(":")
+        client.api.tag(image_id, repo, name)
+        if previous and previous != image_id and not client.images.get(previous).tags:
+            try:
+                client.images.remove(previous)
+            except docker.errors.APIError:
+                pass  # still used by a container: the user's to remove
+
+
 def build(opts: BuildOptions, console: Console | None = None,
           client: DockerClient | None = None) -> BuildResult:
     console = console or Console(stderr=True)
     log: Callable[[str], None] = lambda msg: console.print(f"[bold]»[/] {msg}", highlight=False)
     started = time.monotonic()
+    phases = _Phases()
     flavor = opts.flavor
     tag = opts.tag or default_tag(flavor)
     tags = [tag] if ":" in tag else [f"{tag}:latest"]
@@ -371,6 +433,7 @@ def build(opts: BuildOptions, console: Console | None = None,
     client = client or connect().client
     epoch = source_date_epoch()
     base_ref, base_name, base_digest, base_layers, base_history = resolve_base(client, opts, log)
+    phases.done("lock and base")
     work = opts.work_dir / (flavor.name + ("-light" if opts.light else ""))
     ctx = work / "context"
     facts = prepare_context(opts, ctx, log)
@@ -379,32 +442,48 @@ def build(opts: BuildOptions, console: Console | None = None,
     buildargs = {"BASE_IMAGE": base_ref, "PYTHON_VERSION": flavor.python_version,
                  "SOURCE_DATE_EPOCH": str(epoch), "CUDA_HOME": facts["cuda_home"],
                  "TORCH_CUDA_ARCH_LIST": flavor.cuda_arch_list}
-    size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
-    log(f"build: {flavor.name} on {base_ref}, {facts['wheels']} wheels, "
-        f"{size / 1e9:.2f} GB of context, network off")
-    raw_id = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
-                       console=console)
+    key = build_key(ctx, buildargs, str(client.images.get(base_ref).id), build_labels,
+                    opts.no_cache)
+    phases.done("fetch wheels")
+    index = work / "built.json"
+    raw_id = ""
+    image_id = None if opts.no_cache else _known(client, index, key)
+    if image_id:
+        log(f"build: inputs unchanged, reusing {image_id[:19]}")
+    else:
+        size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
+        log(f"build: {flavor.name} on {base_ref}, {facts['wheels']} wheels, "
+            f"{size / 1e9:.2f} GB of context, network off")
+        raw_id = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
+                           console=console)
+        phases.done("docker build")
+        image_id = normalize.normalize_image(
+            client, raw_id, epoch=epoch, tags=[], base_diff_ids=base_layers,
+            labels=build_labels, base_history=base_history, log=log,
+            cache=opts.work_dir / "normalized-layers.json")
+        # The builder's own image stays, tagged, so that its stages stay cached (the venv copy
+        # into the last stage); the one it replaces goes, with the cache only that one used.
+        _retag(client, raw_id, [f"{IMAGE_REPO}-build-cache:{work.name}"])
+        phases.done("normalise")
+        _remember(index, key, image_id)
     shutil.rmtree(ctx, ignore_errors=True)
-    image_id = normalize.normalize_image(client, raw_id, epoch=epoch, tags=tags,
-                                         base_diff_ids=base_layers, labels=build_labels,
-                                         base_history=base_history, log=log)
-    if not opts.keep_raw:
-        # The builder's own image duplicates the normalised one on disk; the stages before it
-        # (the heavy venv) stay as cache, and re-copying from them takes a minute at most.
-        client.images.remove(raw_id)
+    _retag(client, image_id, tags)
     out = opts.output_dir or REPO_ROOT / "build" / tag.replace("/", "_").replace(":", "-")
     out.mkdir(parents=True, exist_ok=True)
     copy_out(client, image_id, SBOM_PATH, out / "sbom.cdx.json")
     copy_out(client, image_id, MANIFEST_PATH, out / "patches.json")
     image = client.images.get(image_id)
+    phases.done("tag and copy out")
     result = BuildResult(image_id=image_id, tags=tuple(tags), size=int(image.attrs["Size"]),
                          layers=layer_table(client, image_id), labels=build_labels,
                          sbom=out / "sbom.cdx.json", output_dir=out,
-                         seconds=time.monotonic() - started, epoch=epoch, raw_image_id=raw_id)
+                         seconds=time.monotonic() - started, epoch=epoch, raw_image_id=raw_id,
+                         phases=tuple(phases.rows))
     (out / "build.json").write_text(json.dumps(
         {"image_id": image_id, "tags": tags, "size": result.size, "epoch": epoch,
          "layers": [{"created_by": c, "size": s} for c, s in result.layers],
-         "labels": build_labels, "seconds": round(result.seconds, 1)}, indent=1) + "\n")
+         "labels": build_labels, "seconds": round(result.seconds, 1),
+         "phases": {n: round(t, 1) for n, t in result.phases}}, indent=1) + "\n")
     return result
 
 
@@ -418,7 +497,9 @@ def print_result(result: BuildResult, console: Console) -> None:
     console.print(f"[bold green]digest[/] {result.image_id}\n[bold green]size[/]   "
                   f"{result.size / 1e9:.2f} GB\n[bold green]tags[/]   {', '.join(result.tags)}\n"
                   f"[bold green]SBOM[/]   {result.sbom}\n[bold green]time[/]   "
-                  f"{result.seconds:.0f} s", highlight=False)
+                  f"{result.seconds:.0f} s ("
+                  + ", ".join(f"{name} {sec:.0f} s" for name, sec in result.phases) + ")",
+                  highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:

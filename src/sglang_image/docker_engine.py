@@ -45,6 +45,7 @@ class Engine:
     host: str
     pid: int | None = None  # set when we started dockerd: stop() ends only that process
     state: Path | None = None
+    process: subprocess.Popen[bytes] | None = None
 
     def stop(self) -> None:
         if self.pid is None:
@@ -54,12 +55,19 @@ class Engine:
             os.kill(self.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        for _ in range(100):
+        if self.process is not None:  # our child: wait reaps it (no zombie left behind)
             try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        else:
+            for _ in range(300):
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
         # dockerd leaves its default network namespace mounted.
         assert self.state is not None
         subprocess.run(["umount", str(exec_root(self.state) / "netns" / "default")], check=False,
@@ -113,6 +121,7 @@ def start_dockerd(state: Path = DEFAULT_STATE, timeout: float = 60,
                   dockerd: str = "dockerd") -> Engine:
     """Starts `dockerd` (a name on PATH or a path) in the background with its state under
     `state`; returns when it answers."""
+    state = state.resolve()  # the daemon's paths and socket must not depend on the cwd
     if shutil.which(dockerd) is None:
         raise DockerUnavailableError("no Docker engine answers and dockerd is not installed; "
                                      "install it: apt-get install -y docker.io")
@@ -134,7 +143,7 @@ def start_dockerd(state: Path = DEFAULT_STATE, timeout: float = 60,
                                          f"{state / 'dockerd.log'}")
         client = _try(host, timeout=600)
         if client is not None:
-            return Engine(client, host, proc.pid, state)
+            return Engine(client, host, proc.pid, state, proc)
         time.sleep(0.3)
     proc.terminate()
     raise DockerUnavailableError(f"dockerd did not answer within {timeout:.0f}s; see "

@@ -24,11 +24,13 @@ import hashlib
 import io
 import json
 import queue
+import re
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import IO, Any
 
 from docker import DockerClient
@@ -107,7 +109,8 @@ class _Sink:
 
 
 def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH) -> None:
-    """Copies a layer tar entry by entry, every mtime set to `epoch`, atime/ctime dropped.
+    """Copies a layer tar entry by entry, every mtime set to `epoch`, atime/ctime and owner
+    names dropped.
 
     Set, not clamped: a layer reused from the build cache must not depend on when the cache
     was filled."""
@@ -115,8 +118,11 @@ def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH) -> None:
             tarfile.open(fileobj=dst, mode="w|", format=tarfile.PAX_FORMAT) as tout:
         for info in tin:
             info.mtime = epoch
+            # Owner names: Engine 20.10 writes them, Engine 25+ leaves them empty; the numeric
+            # IDs are what a container sees.
+            info.uname = info.gname = ""
             info.pax_headers = {k: v for k, v in info.pax_headers.items()
-                                if k not in ("mtime", "atime", "ctime")}
+                                if k not in ("mtime", "atime", "ctime", "uname", "gname")}
             tout.addfile(info, tin.extractfile(info) if info.isreg() else None)
 
 
@@ -133,7 +139,8 @@ def _export(client: DockerClient, image_id: str) -> tarfile.TarFile:
     return tarfile.open(fileobj=io.BufferedReader(_ChunkReader(iter(chunks)), CHUNK), mode="r|")
 
 
-def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int
+def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int,
+          known: dict[str, list[Any]] | None = None
           ) -> tuple[dict[str, _Layer], dict[str, Any], list[dict[str, Any]]]:
     """Pass 1: every layer's rewritten diff ID and size, keyed by its member in the export.
 
@@ -154,7 +161,14 @@ def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int
                 continue
             blob = member.name.removeprefix("blobs/sha256/") \
                 if member.name.startswith("blobs/sha256/") else None
-            if member.name.endswith("/layer.tar") or (blob and f"sha256:{blob}" in raw_diff_ids):
+            is_layer = member.name.endswith("/layer.tar") or \
+                bool(blob and f"sha256:{blob}" in raw_diff_ids)
+            if blob and is_layer and known and f"sha256:{blob}" in known:
+                # rewritten before (the cache is keyed by the layer's own digest): no rewrite
+                new, size = known[f"sha256:{blob}"]
+                raw = f"sha256:{blob}"
+                layers[member.name] = _Layer(raw, new, int(size), raw == new)
+            elif is_layer:
                 reader = _HashingReader(fh)
                 sink = _Sink()
                 rewrite_layer(reader, sink)  # type: ignore[arg-type]
@@ -183,6 +197,14 @@ RUN_CONFIG_KEYS = ("User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes"
 HISTORY_KEYS = ("created", "created_by", "author", "comment", "empty_layer")
 
 
+def engine_neutral_step(created_by: str, healthcheck: str) -> str:
+    """A history entry's command without what each engine writes its own way: the builder's
+    hash of a COPY source (the layer's diff ID already pins the content) and the Go print of a
+    HEALTHCHECK (the config holds the health check itself)."""
+    step = re.sub(r"\b((?:COPY|ADD) (?:dir|file|multi)):[0-9a-f]{64}\b", r"\1", created_by)
+    return re.sub(r"HEALTHCHECK &\{.*\}$", f"HEALTHCHECK {healthcheck}", step)
+
+
 def normalized_config(config: dict[str, Any], diff_ids: list[str], epoch: int,
                       labels: dict[str, str] | None = None, base_history: int = 0) -> bytes:
     """The config with this build's times set to `epoch` (the base's first `base_history`
@@ -198,6 +220,10 @@ def normalized_config(config: dict[str, Any], diff_ids: list[str], epoch: int,
     out["created"] = stamp
     history = [{k: v for k, v in h.items() if k in HISTORY_KEYS and v not in (None, "", False)}
                for h in out.get("history", [])]
+    healthcheck = json.dumps(inner.get("Healthcheck"), sort_keys=True)
+    for i, entry in enumerate(history):
+        if i >= base_history and "created_by" in entry:
+            entry["created_by"] = engine_neutral_step(entry["created_by"], healthcheck)
     out["history"] = [h if i < base_history else {**h, "created": stamp}
                       for i, h in enumerate(history)]
     out["rootfs"] = {"type": "layers", "diff_ids": diff_ids}
@@ -258,11 +284,22 @@ def _present_chains(client: DockerClient) -> set[tuple[str, ...]]:
 
 def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: list[str],
                     base_diff_ids: list[str], labels: dict[str, str] | None = None,
-                    base_history: int = 0, log: Callable[[str], None] = print) -> str:
-    """Rewrites `image_id` as described above, loads it tagged `tags`; returns the new image ID."""
+                    base_history: int = 0, log: Callable[[str], None] = print,
+                    cache: Path | None = None) -> str:
+    """Rewrites `image_id` as described above, loads it tagged `tags`; returns the new image ID.
+
+    `cache`: a JSON file of {raw diff ID: [rewritten diff ID, size]}; a layer found there is not
+    rewritten in pass 1 (OCI layout only: there a layer's name is its raw diff ID before it is
+    read; in the legacy layout its digest is known only after reading it)."""
     keep = set(base_diff_ids)
+    known = json.loads(cache.read_text()) if cache and cache.exists() else {}
     log("normalise: pass 1/2, hashing rewritten layers")
-    layers, config, manifest = _scan(client, image_id, keep, epoch)
+    layers, config, manifest = _scan(client, image_id, keep, epoch, known)
+    if cache is not None:
+        known.update({layer.raw: [layer.new, layer.size] for layer in layers.values()
+                      if not layer.passthrough})
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known, indent=0, sort_keys=True) + "\n")
     folder_of = {layers[m].raw: m for m in manifest[0]["Layers"]}
     raw_ids: list[str] = config["rootfs"]["diff_ids"]
     new_ids = [layers[folder_of[raw]].new for raw in raw_ids]
