@@ -332,6 +332,7 @@ def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult
                                                   docker_client: DockerClient,
                                                   debootstrap_base: str, tmp_path: Path) -> None:
     time.sleep(1.1)  # a second apart: wall-clock times would differ if any leaked
+    dangling = {i.id for i in docker_client.images.list(filters={"dangling": True})}
     again = _build(docker_client, debootstrap_base, tmp_path, tag="sglang-image-test:light-b",
                    no_cache=True)
     assert again.raw_image_id != light_image.raw_image_id  # really rebuilt
@@ -342,6 +343,7 @@ def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult
     assert cache.id == again.raw_image_id
     with pytest.raises(docker.errors.ImageNotFound):
         docker_client.images.get(light_image.raw_image_id)
+    assert {i.id for i in docker_client.images.list(filters={"dangling": True})} <= dangling
 
 
 @pytest.mark.docker

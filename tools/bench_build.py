@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(name, *(f"{by_phase[p]:.1f} s" if p in by_phase else "-" for p in phase_names),
                       f"{result.seconds:.1f} s", f"{result.size / 1e9:.2f}", f"{disk:.1f}",
                       str(dangling))
-    Console().print(table)
+    Console(width=200).print(table)
     return 0
 
 

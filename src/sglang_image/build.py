@@ -298,12 +298,19 @@ _PATCH_ERROR = re.compile(r"^error: (.+\.patch: .+)$", re.MULTILINE)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the builder colours a step's stderr
 
 
+_STAGE = re.compile(r"^Step \d+/\d+ : FROM \S+ AS (\S+)", re.IGNORECASE)
+_STEP_IMAGE = re.compile(r"^ ---> ([0-9a-f]{12})$")
+
+
 def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
-              no_cache: bool, console: Console) -> str:
+              no_cache: bool, console: Console) -> tuple[str, dict[str, str]]:
     """Streams the context up (no tar on disk) and the classic builder's log back; returns the
-    built image ID or raises with the log's tail."""
+    built image ID and the last image of each earlier stage (read from the log), or raises with
+    the log's tail."""
     tail: list[str] = []
     image_id = None
+    stages: dict[str, str] = {}
+    stage, last_step = "", ""
     upload = normalize.pipe(lambda put: context_tar(ctx, normalize.Writer(put)))
     stream = client.api.build(fileobj=upload, custom_context=True,  # type: ignore[arg-type]
                               buildargs=buildargs, nocache=no_cache, rm=True, forcerm=True,
@@ -313,6 +320,12 @@ def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
             text = _ANSI.sub("", str(chunk["stream"]))
             for line in text.splitlines():
                 tail = (tail + [line])[-60:]
+                if (new_stage := _STAGE.match(line)) is not None:
+                    if stage and last_step:
+                        stages[stage] = last_step
+                    stage = new_stage.group(1)
+                elif (step := _STEP_IMAGE.match(line)) is not None:
+                    last_step = step.group(1)
                 if line.startswith("Step "):
                     console.print(f"[bold cyan]{escape(line)}[/]", highlight=False)
                 elif line.strip():
@@ -329,7 +342,7 @@ def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
                              f"last lines of the log:\n{log}")
     if image_id is None:
         raise BuildError("the engine finished the build without an image ID")
-    return image_id
+    return image_id, stages
 
 
 def copy_out(client: DockerClient, image_id: str, path: str, dest: Path) -> None:
@@ -370,11 +383,11 @@ class _Phases:
 
 
 def build_key(ctx: Path, buildargs: dict[str, str], base_id: str,
-              build_labels: dict[str, str], no_cache: bool) -> str:
+              build_labels: dict[str, str]) -> str:
     """What the image is made of: the context (wheels by name; their hashes are in the
     requirements files), the build arguments, the base image ID and the labels. The same key
     gives the same image, so an unchanged tree reuses it instead of building."""
-    digest = hashlib.sha256(json.dumps([buildargs, base_id, build_labels, no_cache],
+    digest = hashlib.sha256(json.dumps([buildargs, base_id, build_labels],
                                        sort_keys=True).encode())
     for path in sorted(ctx.rglob("*")):
         rel = path.relative_to(ctx).as_posix()
@@ -442,8 +455,7 @@ def build(opts: BuildOptions, console: Console | None = None,
     buildargs = {"BASE_IMAGE": base_ref, "PYTHON_VERSION": flavor.python_version,
                  "SOURCE_DATE_EPOCH": str(epoch), "CUDA_HOME": facts["cuda_home"],
                  "TORCH_CUDA_ARCH_LIST": flavor.cuda_arch_list}
-    key = build_key(ctx, buildargs, str(client.images.get(base_ref).id), build_labels,
-                    opts.no_cache)
+    key = build_key(ctx, buildargs, str(client.images.get(base_ref).id), build_labels)
     phases.done("fetch wheels")
     index = work / "built.json"
     raw_id = ""
@@ -454,15 +466,19 @@ def build(opts: BuildOptions, console: Console | None = None,
         size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
         log(f"build: {flavor.name} on {base_ref}, {facts['wheels']} wheels, "
             f"{size / 1e9:.2f} GB of context, network off")
-        raw_id = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
-                           console=console)
+        raw_id, stages = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
+                                   console=console)
         phases.done("docker build")
         image_id = normalize.normalize_image(
             client, raw_id, epoch=epoch, tags=[], base_diff_ids=base_layers,
             labels=build_labels, base_history=base_history, log=log,
             cache=opts.work_dir / "normalized-layers.json")
-        # The builder's own image stays, tagged, so that its stages stay cached (the venv copy
-        # into the last stage); the one it replaces goes, with the cache only that one used.
+        # The builder's own images stay, tagged, so that every stage stays cached (the venv
+        # install, its copy into the last stage); one a tag leaves goes, with the cache only it
+        # used, so nothing is left dangling.
+        for stage_name, stage_id in stages.items():
+            _retag(client, str(client.images.get(stage_id).id),
+                   [f"{IMAGE_REPO}-build-cache:{work.name}-{stage_name}"])
         _retag(client, raw_id, [f"{IMAGE_REPO}-build-cache:{work.name}"])
         phases.done("normalise")
         _remember(index, key, image_id)
