@@ -34,6 +34,13 @@ def build(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def engine(session: nox.Session) -> None:
+    """Start a Docker engine (Debian's docker.io) in the background where none runs, e.g. without systemd; prints its DOCKER_HOST."""
+    _install(session)
+    session.run("python", "-m", "sglang_image.docker_engine", "start", *session.posargs)
+
+
+@nox.session(default=False)
 def base(session: nox.Session) -> None:
     """Make a base image from Debian packages (debootstrap, g++, the flavor's Python) where no image hub is reachable (-- --flavor F)."""
     _install(session)

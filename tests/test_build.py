@@ -223,7 +223,7 @@ def test_dockerfile_passes_hadolint() -> None:
 
 def test_no_engine_says_how_to_start_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/none.sock")
-    with pytest.raises(DockerUnavailableError, match="sglang_image.docker_engine start"):
+    with pytest.raises(DockerUnavailableError, match="nox -s engine"):
         docker_engine.connect(tmp_path)
 
 
@@ -358,6 +358,36 @@ def test_unchanged_inputs_reuse_the_image(light_image: build.BuildResult,
 
 
 @pytest.mark.docker
+def test_hub_less_base_has_the_flavor_python_and_a_compiler(docker_client: DockerClient,
+                                                            debootstrap_base: str) -> None:
+    """nox -s base: nvcc needs g++ at run time (FlashInfer's JIT); the venv needs the flavor's
+    Python with its headers (torch extensions)."""
+    flavor = pins.load_flavor(FLAVOR)
+    out = _run(docker_client, debootstrap_base, "sh", "-c",
+               f"python{flavor.python_version} -c 'import sys, sysconfig, os; "
+               "print(sys.version.split()[0], os.path.exists(sysconfig.get_path(\"include\") "
+               "+ \"/Python.h\"))' && echo 'int main(){}' > /tmp/a.cc && g++ /tmp/a.cc -o /tmp/a "
+               "&& /tmp/a && echo compiled")
+    version, has_headers, compiled = out.split()
+    assert version.startswith(flavor.python_version + ".") and has_headers == "True", out
+    assert compiled == "compiled"
+
+
+def test_base_without_the_flavor_python_says_how_to_get_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_image import base
+    assert "python3-dev" in base.debs_for(copied_python=False)
+    assert "g++" in base.debs_for(copied_python=True)
+    assert "python3" not in base.debs_for(copied_python=True)
+    if shutil.which("debootstrap") is None:
+        pytest.skip("debootstrap is not installed")
+    monkeypatch.setattr(base, "find_python", lambda version: None)  # a host without CPython 3.12
+    with pytest.raises(BuildError, match=r"ships Python 3\.11.*uv python install 3\.12.*--python-prefix"):
+        base.make_rootfs(tmp_path / "r.tar", python_version="3.12", log=lambda _: None)
+    assert not (tmp_path / "r.tar").exists()
+
+
+@pytest.mark.docker
 def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootstrap_base: str,
                                            tmp_path: Path) -> None:
     flavor = pins.load_flavor(FLAVOR)
@@ -375,7 +405,8 @@ def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootst
 
 @pytest.mark.docker
 def test_missing_base_image_is_a_clear_error(docker_client: DockerClient, tmp_path: Path) -> None:
-    with pytest.raises(BuildError, match="base image localhost:1/no-such-base:1 is missing"):
+    with pytest.raises(BuildError, match=r"base image localhost:1/no-such-base:1 is missing.*"
+                                         r"nox -s base -- --flavor"):
         _build(docker_client, "localhost:1/no-such-base:1", tmp_path, tag="sglang-image-test:nobase")
 
 

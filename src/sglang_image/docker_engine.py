@@ -1,7 +1,7 @@
 """Find a Docker engine, or start one (Debian's docker.io) for tests and for machines without one.
 
 `connect()` only finds: the build never starts daemons behind a user's back, it says how.
-`ensure_engine()` finds or starts: tests, CI and `python -m sglang_image.docker_engine start` use it.
+`ensure_engine()` finds or starts one: `nox -s engine` uses it.
 The flags are those seen working on a container-less, systemd-less Debian 12 host (no bridge, no
 iptables, cgroupfs): builds and runs then have `network_mode="none"` or `"host"` only.
 """
@@ -34,9 +34,8 @@ def exec_root(state: Path) -> Path:
     cannot share one)."""
     return Path("/tmp") / f"sgl-dockerd-{hashlib.sha256(str(state.resolve()).encode()).hexdigest()[:8]}"
 
-START_HINT = ("start one: `python -m sglang_image.docker_engine start` (Debian: apt-get install -y "
-              "docker.io first) and export the DOCKER_HOST it prints, or point DOCKER_HOST at a "
-              "running engine")
+START_HINT = ("start one: `nox -s engine` (Debian: apt-get install -y docker.io first) and export "
+              "the DOCKER_HOST it prints, or point DOCKER_HOST at a running engine")
 
 
 @dataclass
