@@ -246,6 +246,18 @@ def test_started_engine_keeps_to_its_state_and_stops(tmp_path: Path) -> None:
     assert docker_engine.connect_state(tmp_path) is None
 
 
+def test_a_dead_daemon_s_pidfile_does_not_block_a_new_one(tmp_path: Path) -> None:
+    """A daemon that ended, even one not yet reaped (a zombie), is not running."""
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while docker_engine.alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not docker_engine.alive(child.pid)  # exited, still a zombie until wait()
+    assert Path(f"/proc/{child.pid}").exists()
+    child.wait()
+    assert docker_engine.alive(os.getpid())
+
+
 @pytest.mark.network
 def test_wrong_wheel_is_a_hash_mismatch(tmp_path: Path) -> None:
     """A wheel in the cache whose bytes differ from the lock's hash stops the build early."""

@@ -38,6 +38,15 @@ START_HINT = ("start one: `nox -s engine` (Debian: apt-get install -y docker.io 
               "the DOCKER_HOST it prints, or point DOCKER_HOST at a running engine")
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie (ended, not yet reaped by its parent) does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 @dataclass
 class Engine:
     client: DockerClient
@@ -62,9 +71,7 @@ class Engine:
                 self.process.wait()
         else:
             for _ in range(300):
-                try:
-                    os.kill(self.pid, 0)
-                except ProcessLookupError:
+                if not alive(self.pid):
                     break
                 time.sleep(0.1)
         # dockerd leaves its default network namespace mounted.
@@ -127,9 +134,8 @@ def start_dockerd(state: Path = DEFAULT_STATE, timeout: float = 60,
     state.mkdir(parents=True, exist_ok=True)
     pidfile = state / "dockerd.pid"
     if pidfile.exists():  # a daemon of a killed session: its pidfile would stop a new one
-        try:
-            os.kill(int(pidfile.read_text().strip()), 0)
-        except (ProcessLookupError, ValueError):
+        pid = pidfile.read_text().strip()
+        if not (pid.isdigit() and alive(int(pid))):
             pidfile.unlink()
     log = (state / "dockerd.log").open("ab")
     proc = subprocess.Popen(dockerd_argv(state, dockerd), stdout=log, stderr=subprocess.STDOUT,
