@@ -34,6 +34,20 @@ def build(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def engine(session: nox.Session) -> None:
+    """Start a Docker engine (Debian's docker.io) in the background where none runs, e.g. without systemd; prints its DOCKER_HOST."""
+    _install(session)
+    session.run("python", "-m", "sglang_image.docker_engine", "start", *session.posargs)
+
+
+@nox.session(default=False)
+def base(session: nox.Session) -> None:
+    """Make a base image from Debian packages (debootstrap, g++, the flavor's Python) where no image hub is reachable (-- --flavor F)."""
+    _install(session)
+    session.run("python", "-m", "sglang_image.base", *session.posargs)
+
+
+@nox.session(default=False)
 def smoke(session: nox.Session) -> None:
     """Start the server in the built image with a threshold and prove the output (-- --image T --threshold N)."""
     _install(session)
@@ -71,7 +85,7 @@ def publish(session: nox.Session) -> None:
 
 @nox.session(name="gpu-e2e", default=False)
 def gpu_e2e(session: nox.Session) -> None:
-    """Prepare the wheel bundle for the GPU machine and print the command that runs the GPU checks there."""
+    """Prepare the wheel bundle for a GPU host without Docker and print the command to run there."""
     _install(session)
     _run(session, "gpu-e2e")
 

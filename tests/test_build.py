@@ -13,7 +13,9 @@ import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import docker.errors
 import pytest
 from docker import DockerClient
 
@@ -22,9 +24,10 @@ from sglang_image.errors import (
     BuildError,
     DockerUnavailableError,
     HashMismatchError,
+    LockError,
     PatchApplyError,
 )
-from tests.conftest_docker import light_build
+from tests.conftest_docker import ENGINES, light_build, light_image_on
 
 FLAVOR = pins.DEFAULT_FLAVOR
 
@@ -82,6 +85,7 @@ def _layer(entries: list[tuple[str, bytes, float]]) -> bytes:
         for name, data, mtime in entries:
             info = tarfile.TarInfo(name)
             info.size, info.mtime = len(data), mtime
+            info.uname, info.gname = "root", "root"  # Engine 20.10 writes names, 26 does not
             info.pax_headers = {"atime": "123.5", "SCHILY.xattr.user.k": "v"}
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
@@ -100,6 +104,7 @@ def test_rewrite_layer_sets_times_and_keeps_the_rest() -> None:
         assert [m.name for m in members] == ["z", "a"]  # order kept
         assert {m.mtime for m in members} == {1000}
         assert "atime" not in members[0].pax_headers
+        assert {(m.uname, m.gname) for m in members} == {("", "")}
         assert members[0].pax_headers["SCHILY.xattr.user.k"] == "v"
         assert tar.extractfile(members[1]).read() == b"22"  # type: ignore[union-attr]
 
@@ -137,18 +142,67 @@ def test_normalized_config_fixes_build_times_keeps_base() -> None:
     assert out["rootfs"]["diff_ids"] == ["sha256:new"]
 
 
+def test_history_steps_read_the_same_on_every_engine() -> None:
+    # Engine 20.10 and 26 hash a COPY source differently and print a HEALTHCHECK differently.
+    copy_20 = "/bin/sh -c #(nop) COPY dir:" + "6" * 64 + " in /opt/venv "
+    copy_26 = "/bin/sh -c #(nop) COPY dir:" + "e" * 64 + " in /opt/venv "
+    health_20 = '/bin/sh -c #(nop)  HEALTHCHECK &{["CMD" "x"] "30s" "5s" "15m0s" \'\\x03\'}'
+    health_26 = '/bin/sh -c #(nop)  HEALTHCHECK &{["CMD" "x"] "30s" "5s" "15m0s" "0s" \'\\x03\'}'
+    check = '{"Test": ["CMD", "x"]}'
+    assert normalize.engine_neutral_step(copy_20, check) == \
+        normalize.engine_neutral_step(copy_26, check) == "/bin/sh -c #(nop) COPY dir in /opt/venv "
+    assert normalize.engine_neutral_step(health_20, check) == \
+        normalize.engine_neutral_step(health_26, check) == f"/bin/sh -c #(nop)  HEALTHCHECK {check}"
+    run = "/bin/sh -c useradd sglang"
+    assert normalize.engine_neutral_step(run, check) == run
+
+
 def test_labels_name_versions_base_and_every_patch() -> None:
     flavor = pins.load_flavor(FLAVOR)
     got = build.labels(flavor, epoch=0, base_name="python:3.12", base_digest="sha256:" + "0" * 64,
                        patches=[("a.patch", "11" * 32), ("b.patch", "22" * 32)], light=False)
     oci = "org.opencontainers.image"
-    for key in ("version", "revision", "source", "created", "base.name", "base.digest",
-                "licenses"):
+    for key in ("version", "revision", "created", "base.name", "base.digest", "licenses"):
         assert got[f"{oci}.{key}"], key
     assert got[f"{oci}.version"] == (pins.REPO_ROOT / "VERSION").read_text().strip()
     assert got["io.sglang-image.sglang.version"] == flavor.sglang_version
     assert got["io.sglang-image.patches"] == "a.patch,b.patch"
     assert got["io.sglang-image.patch.b.patch"] == "sha256:" + "22" * 32
+
+
+def test_source_label_comes_from_pyproject_not_the_clone(tmp_path: Path) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "x"\n[project.urls]\nSource = "https://example.org/x"\n')
+    assert build.source_url(pyproject) == "https://example.org/x"
+    pyproject.write_text('[project]\nname = "x"\n')
+    assert build.source_url(pyproject) is None  # no label rather than the clone's remote
+
+
+def test_build_refuses_a_stale_lock_before_any_work(tmp_path: Path) -> None:
+    flavor = pins.load_flavor(FLAVOR)
+    stale = dataclasses.replace(flavor, requirements=(*flavor.requirements, "six==1.16.0"))
+    opts = build.BuildOptions(flavor=stale, work_dir=tmp_path, light=True)
+    with pytest.raises(LockError, match=f"stale.*nox -s lock -- {FLAVOR}"):
+        build.build(opts, client=None)  # no engine needed: it stops before connecting
+
+
+def test_build_refuses_an_incomplete_lock(tmp_path: Path) -> None:
+    opts = build.BuildOptions(flavor=pins.load_flavor("sglang-0.5.9"), work_dir=tmp_path)
+    with pytest.raises(LockError, match="incomplete"):
+        build.build(opts, client=None)
+
+
+def test_unverified_base_digest_is_warned_about() -> None:
+    flavor = pins.load_flavor(FLAVOR)
+    unverified = dataclasses.replace(
+        flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=False))
+    warning = build.unverified_base_warning(build.BuildOptions(flavor=unverified))
+    assert warning and "digest_verified = false" in warning and flavor.base_image.digest in warning
+    verified = dataclasses.replace(
+        flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=True))
+    assert build.unverified_base_warning(build.BuildOptions(flavor=verified)) is None
+    # a base the user names is theirs to trust
+    assert build.unverified_base_warning(build.BuildOptions(flavor=unverified, base="x:1")) is None
 
 
 def test_default_tag_is_version_and_flavor() -> None:
@@ -169,13 +223,39 @@ def test_dockerfile_passes_hadolint() -> None:
 
 def test_no_engine_says_how_to_start_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/none.sock")
-    with pytest.raises(DockerUnavailableError, match="sglang_image.docker_engine start"):
+    with pytest.raises(DockerUnavailableError, match="nox -s engine"):
         docker_engine.connect(tmp_path)
 
 
-def test_dockerd_argv_has_no_bridge_and_no_iptables(tmp_path: Path) -> None:
-    argv = docker_engine.dockerd_argv(tmp_path)
-    assert {"--bridge=none", "--iptables=false", "--storage-driver=overlay2"} <= set(argv)
+@pytest.mark.docker
+def test_started_engine_keeps_to_its_state_and_stops(tmp_path: Path) -> None:
+    """start_dockerd: an engine of its own (data root under the state dir, no bridge network,
+    so no iptables needed), and stop() ends that process and nothing else."""
+    if shutil.which("dockerd") is None:
+        pytest.skip("dockerd is not installed: apt-get install -y docker.io")
+    engine = docker_engine.start_dockerd(tmp_path)
+    try:
+        info = engine.client.info()
+        assert info["DockerRootDir"] == str(tmp_path / "data")
+        assert "bridge" not in {n.name for n in engine.client.networks.list()}
+        assert docker_engine.connect_state(tmp_path) is not None
+    finally:
+        pid = engine.pid
+        engine.stop()
+    assert pid is not None and not Path(f"/proc/{pid}").exists()
+    assert docker_engine.connect_state(tmp_path) is None
+
+
+def test_a_dead_daemon_s_pidfile_does_not_block_a_new_one(tmp_path: Path) -> None:
+    """A daemon that ended, even one not yet reaped (a zombie), is not running."""
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while docker_engine.alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not docker_engine.alive(child.pid)  # exited, still a zombie until wait()
+    assert Path(f"/proc/{child.pid}").exists()
+    child.wait()
+    assert docker_engine.alive(os.getpid())
 
 
 @pytest.mark.network
@@ -224,7 +304,7 @@ def test_light_image_labels_layers_and_sbom(light_image: build.BuildResult,
     # Heavy first: the venv layer comes before SGLang's, the patches and the SBOM come last.
     steps = [created_by for created_by, _ in light_image.layers]
     order = [next(i for i, s in enumerate(steps) if marker in s)
-             for marker in ("in /opt/venv", "COPY dir:", "sglang_image.patch apply", "cyclonedx-py")]
+             for marker in ("in /opt/venv", "COPY dir in /", "sglang_image.patch apply", "cyclonedx-py")]
     assert order == sorted(order), steps
     sbom = json.loads(light_image.sbom.read_text())
     names = {c["name"]: c["version"] for c in sbom["components"]}
@@ -264,10 +344,59 @@ def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult
                                                   docker_client: DockerClient,
                                                   debootstrap_base: str, tmp_path: Path) -> None:
     time.sleep(1.1)  # a second apart: wall-clock times would differ if any leaked
+    dangling = {i.id for i in docker_client.images.list(filters={"dangling": True})}
     again = _build(docker_client, debootstrap_base, tmp_path, tag="sglang-image-test:light-b",
                    no_cache=True)
     assert again.raw_image_id != light_image.raw_image_id  # really rebuilt
     assert again.image_id == light_image.image_id
+    # The builder's image stays tagged as the build cache; the one it replaced is gone, not left
+    # dangling.
+    cache = docker_client.images.get(f"sglang-image-build-cache:{FLAVOR}-light")
+    assert cache.id == again.raw_image_id
+    with pytest.raises(docker.errors.ImageNotFound):
+        docker_client.images.get(light_image.raw_image_id)
+    assert {i.id for i in docker_client.images.list(filters={"dangling": True})} <= dangling
+
+
+@pytest.mark.docker
+def test_unchanged_inputs_reuse_the_image(light_image: build.BuildResult,
+                                          docker_client: DockerClient,
+                                          debootstrap_base: str) -> None:
+    again = _build(docker_client, debootstrap_base, light_image.output_dir.parent,
+                   tag="sglang-image-test:light-c")
+    assert again.image_id == light_image.image_id and again.raw_image_id == ""
+    assert [name for name, _ in again.phases] == ["lock and base", "fetch wheels",
+                                                   "tag and copy out"]
+
+
+@pytest.mark.docker
+def test_hub_less_base_has_the_flavor_python_and_a_compiler(docker_client: DockerClient,
+                                                            debootstrap_base: str) -> None:
+    """nox -s base: nvcc needs g++ at run time (FlashInfer's JIT); the venv needs the flavor's
+    Python with its headers (torch extensions)."""
+    flavor = pins.load_flavor(FLAVOR)
+    out = _run(docker_client, debootstrap_base, "sh", "-c",
+               f"python{flavor.python_version} -c 'import sys, sysconfig, os; "
+               "print(sys.version.split()[0], os.path.exists(sysconfig.get_path(\"include\") "
+               "+ \"/Python.h\"))' && echo 'int main(){}' > /tmp/a.cc && g++ /tmp/a.cc -o /tmp/a "
+               "&& /tmp/a && echo compiled")
+    version, has_headers, compiled = out.split()
+    assert version.startswith(flavor.python_version + ".") and has_headers == "True", out
+    assert compiled == "compiled"
+
+
+def test_base_without_the_flavor_python_says_how_to_get_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang_image import base
+    assert "python3-dev" in base.debs_for(copied_python=False)
+    assert "g++" in base.debs_for(copied_python=True)
+    assert "python3" not in base.debs_for(copied_python=True)
+    if shutil.which("debootstrap") is None:
+        pytest.skip("debootstrap is not installed")
+    monkeypatch.setattr(base, "find_python", lambda version: None)  # a host without CPython 3.12
+    with pytest.raises(BuildError, match=r"ships Python 3\.11.*uv python install 3\.12.*--python-prefix"):
+        base.make_rootfs(tmp_path / "r.tar", python_version="3.12", log=lambda _: None)
+    assert not (tmp_path / "r.tar").exists()
 
 
 @pytest.mark.docker
@@ -288,5 +417,16 @@ def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootst
 
 @pytest.mark.docker
 def test_missing_base_image_is_a_clear_error(docker_client: DockerClient, tmp_path: Path) -> None:
-    with pytest.raises(BuildError, match="base image localhost:1/no-such-base:1 is missing"):
+    with pytest.raises(BuildError, match=r"base image localhost:1/no-such-base:1 is missing.*"
+                                         r"nox -s base -- --flavor"):
         _build(docker_client, "localhost:1/no-such-base:1", tmp_path, tag="sglang-image-test:nobase")
+
+
+@pytest.mark.docker
+def test_one_commit_one_digest_on_every_engine(engines: Any, base_rootfs: Path,
+                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Engine 20.10 (legacy `docker save` layout, docker_version 20.10 in its config) and a
+    current engine (OCI layout) build the light image of this commit to one image ID."""
+    got = {name: light_image_on(engines, name, base_rootfs, tmp_path_factory).image_id
+           for name in ENGINES}
+    assert len(set(got.values())) == 1, got

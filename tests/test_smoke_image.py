@@ -11,6 +11,12 @@ from sglang_image.build import BuildResult
 pytestmark = pytest.mark.docker
 
 
+@pytest.fixture(autouse=True)
+def _engine_under_test(docker_host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """smoke finds its engine through DOCKER_HOST: the one the light image was built on."""
+    monkeypatch.setenv("DOCKER_HOST", docker_host)
+
+
 def test_partial_smoke_passes_on_the_light_image(light_image: BuildResult, tmp_path: Path) -> None:
     res = smoke.run_smoke(light_image.tags[0], gpu=False, out_dir=tmp_path)
     assert res.mode == "partial" and res.report.get("light") is True, res.log_tail

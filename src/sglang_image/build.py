@@ -55,7 +55,6 @@ class BuildOptions:
     # Light: SGLang, the patch targets and the SBOM tool only, none of their heavy dependencies.
     # Same Dockerfile, same stages; for tests (seconds, megabytes) - not a working server.
     light: bool = False
-    keep_raw: bool = False  # keep the builder's un-normalised image (debugging)
     wheel_cache: Path = WHEEL_CACHE
     work_dir: Path = REPO_ROOT / ".cache" / "build"
     output_dir: Path | None = None  # default: build/<tag with ':' as '-'>
@@ -72,8 +71,9 @@ class BuildResult:
     output_dir: Path
     seconds: float
     epoch: int = 0
-    raw_image_id: str = ""
+    raw_image_id: str = ""  # empty when the inputs were unchanged and nothing was built
     notes: tuple[str, ...] = field(default_factory=tuple)
+    phases: tuple[tuple[str, float], ...] = ()  # (phase, seconds) in order
 
 
 # --- pure helpers (tested without Docker) -------------------------------------------------------
@@ -104,11 +104,11 @@ def revision() -> str:
     return _git("rev-parse", "HEAD") or "unknown"
 
 
-def source_url() -> str:
-    """[project.urls] Source of pyproject.toml, else the git remote, else 'unknown'."""
-    data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    urls = data.get("project", {}).get("urls", {})
-    return str(urls.get("Source") or _git("config", "remote.origin.url") or "unknown")
+def source_url(pyproject: Path = REPO_ROOT / "pyproject.toml") -> str | None:
+    """[project.urls] Source of pyproject.toml, or None: the project's address, never the clone's
+    remote (clones of one commit with different remotes must give one digest)."""
+    source = tomllib.loads(pyproject.read_text()).get("project", {}).get("urls", {}).get("Source")
+    return str(source) if source else None
 
 
 def dependency_closure(lock_text: str, roots: Iterable[str]) -> set[str]:
@@ -159,7 +159,6 @@ def labels(flavor: Flavor, *, epoch: int, base_name: str, base_digest: str,
         f"{oci}.title": "sglang-image",
         f"{oci}.version": version(),
         f"{oci}.revision": revision(),
-        f"{oci}.source": source_url(),
         f"{oci}.created": normalize.iso_time(epoch),
         f"{oci}.base.name": base_name,
         f"{oci}.base.digest": base_digest,
@@ -170,6 +169,9 @@ def labels(flavor: Flavor, *, epoch: int, base_name: str, base_digest: str,
         f"{LABEL_PREFIX}.patches": ",".join(name for name, _ in patches),
         f"{LABEL_PREFIX}.sbom": SBOM_PATH,
     }
+    source = source_url()
+    if source:  # set once the project declares where it is published
+        out[f"{oci}.source"] = source
     for name, digest in patches:
         out[f"{LABEL_PREFIX}.patch.{name}"] = f"sha256:{digest}"
     if light:
@@ -194,6 +196,17 @@ def context_tar(root: Path, dest: Any, epoch: int = normalize.LAYER_EPOCH) -> No
                     tar.addfile(info, fh)
 
 
+def unverified_base_warning(opts: BuildOptions) -> str | None:
+    """What to say when the build uses a pinned base whose digest nobody checked."""
+    base = opts.flavor.base_image
+    if opts.base is not None or base.digest_verified:
+        return None
+    return (f"the base digest in {opts.flavor.toml_path.name} is unverified (digest_verified = "
+            f"false): {base.ref} was pinned without checking it against its registry. Check it "
+            f"where the hub is reachable (docker pull {base.name}; compare RepoDigests), then set "
+            f"digest_verified = true")
+
+
 # --- the build --------------------------------------------------------------------------------
 
 def _link(src: Path, dest: Path) -> None:
@@ -207,7 +220,7 @@ def _link(src: Path, dest: Path) -> None:
 def prepare_context(opts: BuildOptions, ctx: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Fills `ctx` (Dockerfile, requirements, wheelhouse, patches, tool); returns build facts."""
     flavor = opts.flavor
-    entries = lock.read_lock(flavor.lock_path)
+    entries = lock.require_complete(flavor)
     by_name = {e.name: e for e in entries}
     sglang_name = lock.normalize("sglang")
     if opts.light:
@@ -267,9 +280,11 @@ def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], 
         except docker.errors.APIError as exc:
             raise BuildError(
                 f"base image {ref} is missing: not in the engine and the pull failed "
-                f"({exc.explanation or exc}). Load it (docker load -i FILE / docker pull {ref} "
-                f"where a registry is reachable) or build from another: nox -s build -- --base "
-                f"IMAGE") from exc
+                f"({exc.explanation or exc}). Without an image hub, make a base from Debian "
+                f"packages and build on it: nox -s base -- --flavor {opts.flavor.name}, then "
+                f"nox -s build -- --flavor {opts.flavor.name} --base TAG (the tag it prints). "
+                f"Or load the pinned one (docker load -i FILE / docker pull {ref} where a "
+                f"registry is reachable)") from exc
     if "@" in ref:
         digest = ref.split("@", 1)[1]
     else:
@@ -283,12 +298,19 @@ _PATCH_ERROR = re.compile(r"^error: (.+\.patch: .+)$", re.MULTILINE)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the builder colours a step's stderr
 
 
+_STAGE = re.compile(r"^Step \d+/\d+ : FROM \S+ AS (\S+)", re.IGNORECASE)
+_STEP_IMAGE = re.compile(r"^ ---> ([0-9a-f]{12})$")
+
+
 def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
-              no_cache: bool, console: Console) -> str:
+              no_cache: bool, console: Console) -> tuple[str, dict[str, str]]:
     """Streams the context up (no tar on disk) and the classic builder's log back; returns the
-    built image ID or raises with the log's tail."""
+    built image ID and the last image of each earlier stage (read from the log), or raises with
+    the log's tail."""
     tail: list[str] = []
     image_id = None
+    stages: dict[str, str] = {}
+    stage, last_step = "", ""
     upload = normalize.pipe(lambda put: context_tar(ctx, normalize.Writer(put)))
     stream = client.api.build(fileobj=upload, custom_context=True,  # type: ignore[arg-type]
                               buildargs=buildargs, nocache=no_cache, rm=True, forcerm=True,
@@ -298,6 +320,12 @@ def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
             text = _ANSI.sub("", str(chunk["stream"]))
             for line in text.splitlines():
                 tail = (tail + [line])[-60:]
+                if (new_stage := _STAGE.match(line)) is not None:
+                    if stage and last_step:
+                        stages[stage] = last_step
+                    stage = new_stage.group(1)
+                elif (step := _STEP_IMAGE.match(line)) is not None:
+                    last_step = step.group(1)
                 if line.startswith("Step "):
                     console.print(f"[bold cyan]{escape(line)}[/]", highlight=False)
                 elif line.strip():
@@ -314,7 +342,7 @@ def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
                              f"last lines of the log:\n{log}")
     if image_id is None:
         raise BuildError("the engine finished the build without an image ID")
-    return image_id
+    return image_id, stages
 
 
 def copy_out(client: DockerClient, image_id: str, path: str, dest: Path) -> None:
@@ -341,17 +369,84 @@ def layer_table(client: DockerClient, image_id: str) -> tuple[tuple[str, int], .
     return tuple(rows)
 
 
+class _Phases:
+    """Wall-clock seconds per phase of one build, printed at the end."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, float]] = []
+        self._mark = time.monotonic()
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.rows.append((name, now - self._mark))
+        self._mark = now
+
+
+def build_key(ctx: Path, buildargs: dict[str, str], base_id: str,
+              build_labels: dict[str, str]) -> str:
+    """What the image is made of: the context (wheels by name; their hashes are in the
+    requirements files), the build arguments, the base image ID and the labels. The same key
+    gives the same image, so an unchanged tree reuses it instead of building."""
+    digest = hashlib.sha256(json.dumps([buildargs, base_id, build_labels],
+                                       sort_keys=True).encode())
+    for path in sorted(ctx.rglob("*")):
+        rel = path.relative_to(ctx).as_posix()
+        digest.update(rel.encode() + b"\0")
+        if path.is_file() and not rel.startswith("wheelhouse/"):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _remember(index: Path, key: str, image_id: str) -> None:
+    known = json.loads(index.read_text()) if index.exists() else {}
+    known[key] = image_id
+    index.write_text(json.dumps(known, indent=1) + "\n")
+
+
+def _known(client: DockerClient, index: Path, key: str) -> str | None:
+    image_id = (json.loads(index.read_text()) if index.exists() else {}).get(key)
+    if not image_id:
+        return None
+    try:
+        return str(client.images.get(image_id).id)
+    except docker.errors.ImageNotFound:
+        return None
+
+
+def _retag(client: DockerClient, image_id: str, tags: list[str]) -> None:
+    """Points `tags` at `image_id`; an image a tag leaves without any tag is removed (a build
+    leaves no dangling image behind)."""
+    for tag in tags:
+        try:
+            previous = client.images.get(tag).id
+        except docker.errors.ImageNotFound:
+            previous = None
+        repo, _, name = tag.rpartition(":")
+        client.api.tag(image_id, repo, name)
+        if previous and previous != image_id and not client.images.get(previous).tags:
+            try:
+                client.images.remove(previous)
+            except docker.errors.APIError:
+                pass  # still used by a container: the user's to remove
+
+
 def build(opts: BuildOptions, console: Console | None = None,
           client: DockerClient | None = None) -> BuildResult:
     console = console or Console(stderr=True)
     log: Callable[[str], None] = lambda msg: console.print(f"[bold]»[/] {msg}", highlight=False)
     started = time.monotonic()
+    phases = _Phases()
     flavor = opts.flavor
     tag = opts.tag or default_tag(flavor)
     tags = [tag] if ":" in tag else [f"{tag}:latest"]
+    lock.require_complete(flavor)  # a stale or incomplete lock stops here, before any work
+    warning = unverified_base_warning(opts)
+    if warning:
+        log(f"[yellow]warning:[/] {escape(warning)}")
     client = client or connect().client
     epoch = source_date_epoch()
     base_ref, base_name, base_digest, base_layers, base_history = resolve_base(client, opts, log)
+    phases.done("lock and base")
     work = opts.work_dir / (flavor.name + ("-light" if opts.light else ""))
     ctx = work / "context"
     facts = prepare_context(opts, ctx, log)
@@ -360,32 +455,51 @@ def build(opts: BuildOptions, console: Console | None = None,
     buildargs = {"BASE_IMAGE": base_ref, "PYTHON_VERSION": flavor.python_version,
                  "SOURCE_DATE_EPOCH": str(epoch), "CUDA_HOME": facts["cuda_home"],
                  "TORCH_CUDA_ARCH_LIST": flavor.cuda_arch_list}
-    size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
-    log(f"build: {flavor.name} on {base_ref}, {facts['wheels']} wheels, "
-        f"{size / 1e9:.2f} GB of context, network off")
-    raw_id = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
-                       console=console)
+    key = build_key(ctx, buildargs, str(client.images.get(base_ref).id), build_labels)
+    phases.done("fetch wheels")
+    index = work / "built.json"
+    raw_id = ""
+    image_id = None if opts.no_cache else _known(client, index, key)
+    if image_id:
+        log(f"build: inputs unchanged, reusing {image_id[:19]}")
+    else:
+        size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
+        log(f"build: {flavor.name} on {base_ref}, {facts['wheels']} wheels, "
+            f"{size / 1e9:.2f} GB of context, network off")
+        raw_id, stages = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
+                                   console=console)
+        phases.done("docker build")
+        image_id = normalize.normalize_image(
+            client, raw_id, epoch=epoch, tags=[], base_diff_ids=base_layers,
+            labels=build_labels, base_history=base_history, log=log,
+            cache=opts.work_dir / "normalized-layers.json")
+        # The builder's own images stay, tagged, so that every stage stays cached (the venv
+        # install, its copy into the last stage); one a tag leaves goes, with the cache only it
+        # used, so nothing is left dangling.
+        for stage_name, stage_id in stages.items():
+            _retag(client, str(client.images.get(stage_id).id),
+                   [f"{IMAGE_REPO}-build-cache:{work.name}-{stage_name}"])
+        _retag(client, raw_id, [f"{IMAGE_REPO}-build-cache:{work.name}"])
+        phases.done("normalise")
+        _remember(index, key, image_id)
     shutil.rmtree(ctx, ignore_errors=True)
-    image_id = normalize.normalize_image(client, raw_id, epoch=epoch, tags=tags,
-                                         base_diff_ids=base_layers, labels=build_labels,
-                                         base_history=base_history, log=log)
-    if not opts.keep_raw:
-        # The builder's own image duplicates the normalised one on disk; the stages before it
-        # (the heavy venv) stay as cache, and re-copying from them takes a minute at most.
-        client.images.remove(raw_id)
+    _retag(client, image_id, tags)
     out = opts.output_dir or REPO_ROOT / "build" / tag.replace("/", "_").replace(":", "-")
     out.mkdir(parents=True, exist_ok=True)
     copy_out(client, image_id, SBOM_PATH, out / "sbom.cdx.json")
     copy_out(client, image_id, MANIFEST_PATH, out / "patches.json")
     image = client.images.get(image_id)
+    phases.done("tag and copy out")
     result = BuildResult(image_id=image_id, tags=tuple(tags), size=int(image.attrs["Size"]),
                          layers=layer_table(client, image_id), labels=build_labels,
                          sbom=out / "sbom.cdx.json", output_dir=out,
-                         seconds=time.monotonic() - started, epoch=epoch, raw_image_id=raw_id)
+                         seconds=time.monotonic() - started, epoch=epoch, raw_image_id=raw_id,
+                         phases=tuple(phases.rows))
     (out / "build.json").write_text(json.dumps(
         {"image_id": image_id, "tags": tags, "size": result.size, "epoch": epoch,
          "layers": [{"created_by": c, "size": s} for c, s in result.layers],
-         "labels": build_labels, "seconds": round(result.seconds, 1)}, indent=1) + "\n")
+         "labels": build_labels, "seconds": round(result.seconds, 1),
+         "phases": {n: round(t, 1) for n, t in result.phases}}, indent=1) + "\n")
     return result
 
 
@@ -399,7 +513,9 @@ def print_result(result: BuildResult, console: Console) -> None:
     console.print(f"[bold green]digest[/] {result.image_id}\n[bold green]size[/]   "
                   f"{result.size / 1e9:.2f} GB\n[bold green]tags[/]   {', '.join(result.tags)}\n"
                   f"[bold green]SBOM[/]   {result.sbom}\n[bold green]time[/]   "
-                  f"{result.seconds:.0f} s", highlight=False)
+                  f"{result.seconds:.0f} s ("
+                  + ", ".join(f"{name} {sec:.0f} s" for name, sec in result.phases) + ")",
+                  highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:

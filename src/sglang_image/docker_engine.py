@@ -1,10 +1,9 @@
 """Find a Docker engine, or start one (Debian's docker.io) for tests and for machines without one.
 
 `connect()` only finds: the build never starts daemons behind a user's back, it says how.
-`ensure_engine()` finds or starts: tests, CI and `python -m sglang_image.docker_engine start` use it.
+`ensure_engine()` finds or starts one: `nox -s engine` uses it.
 The flags are those seen working on a container-less, systemd-less Debian 12 host (no bridge, no
 iptables, cgroupfs): builds and runs then have `network_mode="none"` or `"host"` only.
-`import_debootstrap_base()` makes a base image without any image hub (tests, local full builds).
 """
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +22,7 @@ import docker
 import docker.errors
 from docker import DockerClient
 
-from sglang_image.errors import BuildError, DockerUnavailableError, SglangImageError
+from sglang_image.errors import DockerUnavailableError, SglangImageError
 from sglang_image.pins import REPO_ROOT
 
 # Short paths: dockerd's unix sockets (containerd, netns) break beyond ~100 characters.
@@ -37,9 +34,17 @@ def exec_root(state: Path) -> Path:
     cannot share one)."""
     return Path("/tmp") / f"sgl-dockerd-{hashlib.sha256(str(state.resolve()).encode()).hexdigest()[:8]}"
 
-START_HINT = ("start one: `python -m sglang_image.docker_engine start` (Debian: apt-get install -y "
-              "docker.io first) and export the DOCKER_HOST it prints, or point DOCKER_HOST at a "
-              "running engine")
+START_HINT = ("start one: `nox -s engine` (Debian: apt-get install -y docker.io first) and export "
+              "the DOCKER_HOST it prints, or point DOCKER_HOST at a running engine")
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie (ended, not yet reaped by its parent) does not."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 @dataclass
@@ -48,6 +53,7 @@ class Engine:
     host: str
     pid: int | None = None  # set when we started dockerd: stop() ends only that process
     state: Path | None = None
+    process: subprocess.Popen[bytes] | None = None
 
     def stop(self) -> None:
         if self.pid is None:
@@ -57,12 +63,17 @@ class Engine:
             os.kill(self.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        for _ in range(100):
+        if self.process is not None:  # our child: wait reaps it (no zombie left behind)
             try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.1)
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        else:
+            for _ in range(300):
+                if not alive(self.pid):
+                    break
+                time.sleep(0.1)
         # dockerd leaves its default network namespace mounted.
         assert self.state is not None
         subprocess.run(["umount", str(exec_root(self.state) / "netns" / "default")], check=False,
@@ -96,28 +107,38 @@ def connect(state: Path = DEFAULT_STATE) -> Engine:
                                  f"{os.environ.get('DOCKER_HOST', 'unset')}); {START_HINT}")
 
 
-def dockerd_argv(state: Path) -> list[str]:
-    """The daemon command line (pure: tested without Docker)."""
-    return ["dockerd", "--data-root", str(state / "data"), "--exec-root", str(exec_root(state)),
+def connect_state(state: Path) -> Engine | None:
+    """The engine whose state is under `state` (started earlier by start_dockerd), if it answers."""
+    host = f"unix://{state / 'docker.sock'}"
+    client = _try(host, timeout=600)
+    return Engine(client, host) if client is not None else None
+
+
+def dockerd_argv(state: Path, dockerd: str = "dockerd") -> list[str]:
+    """The daemon command line: state under `state`, no bridge, no iptables (none needed: builds
+    and runs use network_mode none or host)."""
+    return [dockerd, "--data-root", str(state / "data"), "--exec-root", str(exec_root(state)),
             "--pidfile", str(state / "dockerd.pid"), "-H", f"unix://{state / 'docker.sock'}",
             "--storage-driver=overlay2", "--iptables=false", "--ip6tables=false",
             "--bridge=none", "--exec-opt", "native.cgroupdriver=cgroupfs"]
 
 
-def start_dockerd(state: Path = DEFAULT_STATE, timeout: float = 60) -> Engine:
-    """Starts dockerd in the background with its state under `state`; returns when it answers."""
-    if shutil.which("dockerd") is None:
+def start_dockerd(state: Path = DEFAULT_STATE, timeout: float = 60,
+                  dockerd: str = "dockerd") -> Engine:
+    """Starts `dockerd` (a name on PATH or a path) in the background with its state under
+    `state`; returns when it answers."""
+    state = state.resolve()  # the daemon's paths and socket must not depend on the cwd
+    if shutil.which(dockerd) is None:
         raise DockerUnavailableError("no Docker engine answers and dockerd is not installed; "
                                      "install it: apt-get install -y docker.io")
     state.mkdir(parents=True, exist_ok=True)
     pidfile = state / "dockerd.pid"
     if pidfile.exists():  # a daemon of a killed session: its pidfile would stop a new one
-        try:
-            os.kill(int(pidfile.read_text().strip()), 0)
-        except (ProcessLookupError, ValueError):
+        pid = pidfile.read_text().strip()
+        if not (pid.isdigit() and alive(int(pid))):
             pidfile.unlink()
     log = (state / "dockerd.log").open("ab")
-    proc = subprocess.Popen(dockerd_argv(state), stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(dockerd_argv(state, dockerd), stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     host = f"unix://{state / 'docker.sock'}"
     deadline = time.monotonic() + timeout
@@ -127,7 +148,7 @@ def start_dockerd(state: Path = DEFAULT_STATE, timeout: float = 60) -> Engine:
                                          f"{state / 'dockerd.log'}")
         client = _try(host, timeout=600)
         if client is not None:
-            return Engine(client, host, proc.pid, state)
+            return Engine(client, host, proc.pid, state, proc)
         time.sleep(0.3)
     proc.terminate()
     raise DockerUnavailableError(f"dockerd did not answer within {timeout:.0f}s; see "
@@ -142,107 +163,17 @@ def ensure_engine(state: Path = DEFAULT_STATE) -> Engine:
         return start_dockerd(state)
 
 
-# --- a base image without an image hub ---------------------------------------------------------
-
-# Runtime libraries of a CPython built on Debian 12 (pyenv), so it runs in a minbase root.
-PYTHON_RUNTIME_DEBS = ("ca-certificates", "libssl3", "libffi8", "libsqlite3-0", "libbz2-1.0",
-                       "liblzma5", "libreadline8", "zlib1g", "libncursesw6", "libuuid1",
-                       "libexpat1", "libgdbm6", "libtirpc3", "libnsl2", "libcrypt1")
-
-
-def find_local_python(version: str) -> Path | None:
-    """A CPython `version` installation prefix on this host (pyenv's), or None."""
-    pyenv_root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
-    found = sorted(pyenv_root.glob(f"versions/{version}.*"),
-                   key=lambda p: [int(x) for x in p.name.split(".") if x.isdigit()])
-    found = [p for p in found if (p / "bin" / f"python{version}").exists()]
-    return found[-1] if found else None
-
-
-def import_debootstrap_base(client: DockerClient, tag: str, *, python_version: str | None = None,
-                            extra_debs: tuple[str, ...] = (), suite: str = "bookworm") -> str:
-    """Imports `debootstrap --variant=minbase <suite>` plus a Python as image `tag`; returns its id.
-
-    python_version None: Debian's python3. "3.12": the host's pyenv CPython copied to /usr/local,
-    the layout of the official python images (which this stands in for, as no hub is reachable).
-    """
-    if shutil.which("debootstrap") is None:
-        raise BuildError("debootstrap is not installed: apt-get install -y debootstrap")
-    debs = list(extra_debs)
-    prefix = None
-    if python_version is None:
-        debs += ["python3", "python3-venv"]
-    else:
-        prefix = find_local_python(python_version)
-        if prefix is None:
-            raise BuildError(f"no CPython {python_version} on this host to copy into the base "
-                             f"(looked in pyenv); install one: pyenv install {python_version}")
-        debs += PYTHON_RUNTIME_DEBS
-    with tempfile.TemporaryDirectory(prefix="sgl-base-") as tmp:
-        root = Path(tmp) / "root"
-        cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(debs)}", suite, str(root),
-               os.environ.get("DEBIAN_MIRROR", "http://deb.debian.org/debian")]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise BuildError(f"debootstrap failed ({proc.returncode}):\n{proc.stdout[-2000:]}"
-                             f"{proc.stderr[-2000:]}")
-        if prefix is not None:
-            _copy_python(prefix, root / "usr" / "local", python_version or "")
-        # Apt's lists and caches are host state, not part of a base image.
-        for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            shutil.rmtree(root / junk, ignore_errors=True)
-        tar_path = Path(tmp) / "root.tar"
-        with tarfile.open(tar_path, "w") as tar:
-            tar.add(root, arcname=".")
-        repo, _, version = tag.rpartition(":")
-        client.api.import_image(src=str(tar_path), repository=repo or version,
-                                tag=version if repo else "latest", changes=['CMD ["/bin/bash"]'])
-    return str(client.images.get(tag).id)
-
-
-def _copy_python(prefix: Path, dest: Path, version: str) -> None:
-    """Copies a CPython prefix without its third-party packages (pip comes from ensurepip)."""
-    def ignore(directory: str, names: list[str]) -> set[str]:
-        skip = {"__pycache__", "test", "idlelib", "tkinter", "turtledemo"}
-        if directory.endswith("site-packages"):
-            return set(names) - {"README.txt"}
-        return {n for n in names if n in skip}
-
-    for sub in ("bin", "lib", "include"):
-        shutil.copytree(prefix / sub, dest / sub, symlinks=True, ignore=ignore, dirs_exist_ok=True)
-    bindir = dest / "bin"
-    for script in list(bindir.iterdir()):  # pyenv's pip/idle scripts point at the old prefix
-        if not script.name.startswith("python") or script.name.endswith("-config"):
-            script.unlink()
-    for link in ("python", "python3"):
-        (bindir / link).unlink(missing_ok=True)
-        (bindir / link).symlink_to(f"python{version}")
-    # ld.so finds libpython in /usr/local/lib once the cache knows it.
-    (dest.parent.parent / "etc" / "ld.so.conf.d").mkdir(parents=True, exist_ok=True)
-    subprocess.run(["ldconfig", "-r", str(dest.parent.parent)], check=False, capture_output=True)
-
-
 def _cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_image.docker_engine",
                                      description="Find or start a Docker engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start dockerd in the background unless one answers")
     start.add_argument("--state", type=Path, default=DEFAULT_STATE)
-    base = sub.add_parser("base", help="import a debootstrap base image (no image hub needed)")
-    base.add_argument("--tag", required=True)
-    base.add_argument("--python", dest="python_version", help="copy the host's CPython X.Y")
-    base.add_argument("--deb", action="append", default=[], help="extra Debian package")
     args = parser.parse_args(argv)
     try:
-        if args.command == "start":
-            engine = ensure_engine(args.state)
-            how = f"started, pid {engine.pid}" if engine.pid else "already running"
-            print(f"# Docker engine {how}\nexport DOCKER_HOST={engine.host}")
-        else:
-            engine = connect()
-            image_id = import_debootstrap_base(engine.client, args.tag, python_version=
-                                               args.python_version, extra_debs=tuple(args.deb))
-            print(f"{args.tag} {image_id}")
+        engine = ensure_engine(args.state)
+        how = f"started, pid {engine.pid}" if engine.pid else "already running"
+        print(f"# Docker engine {how}\nexport DOCKER_HOST={engine.host}")
     except SglangImageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

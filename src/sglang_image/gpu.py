@@ -1,11 +1,12 @@
-"""Prepare the GPU end-to-end run (`nox -s gpu-e2e`) and print the device command.
+"""Prepare the GPU end-to-end run (`nox -s gpu-e2e`) for a GPU host without Docker.
 
-The GPU machine has Python 3.12 + torch 2.11.0 (cu130) but no sglang stack, no registry and no
-Docker. Every wheel it lacks travels in the working tree (64 MiB per call, repository included), so
-this module downloads them from PyPI here, slims the big ones (dropping shared objects the smoke
-never loads), and packs them into `.gpu/wheels.tar.xz` (an ignored folder, carried with the call).
+The GPU host needs Python 3.12 with the flavor's torch (CUDA 13) and an NVIDIA driver, nothing
+else: no Docker, no registry, no internet. This module downloads every other wheel the smoke needs
+from PyPI on the build machine, slims the big ones (dropping shared objects the smoke never loads),
+and packs them into `.gpu/wheels.tar.xz` (an ignored folder). Copy the repository with `.gpu/` to
+the GPU host and run the printed command there.
 
-On the GPU machine `python3 -m smoke e2e --bundle .gpu ...` installs them with
+There `python3 -m smoke e2e --bundle .gpu ...` installs them with
 `pip install --no-index --no-deps --target /tmp/site`, applies patches/<flavor>/series on top,
 builds the tiny models and runs the smoke checks and the benchmark (see smoke/e2e.py).
 
@@ -36,9 +37,7 @@ from sglang_image.lock import LockEntry, normalize, read_lock
 from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, Flavor, load_flavor
 
 BUNDLE_DIR = REPO_ROOT / ".gpu"
-MAX_TREE_BYTES = 64 * 1024 * 1024
-DEVICE_TIMEOUT_S = 600
-# What the GPU machine lacks for `python -m sglang.launch_server` with EAGLE-3 and CUDA graphs
+# What a GPU host with only Python and torch lacks for `python -m sglang.launch_server` with EAGLE-3 and CUDA graphs
 # (sgl-deep-gemm: the EAGLE draft CUDA-graph capture imports deep_gemm at module level).
 # Versions: the flavor's lock.
 GPU_BUNDLE: tuple[str, ...] = (
@@ -69,7 +68,7 @@ class Slim:
 
 
 # Keys: normalized distribution names. Only files the smoke never loads are dropped: the FA3/FlashMLA/
-# SM100 kernels (the GPU is SM90 and the smoke uses --attention-backend triton), sglang's gRPC/
+# SM100 kernels (the smoke uses --attention-backend triton), sglang's gRPC/
 # multimodal/server native cores (not used by `launch_server` for a Llama text model).
 SLIMMING: dict[str, Slim] = {
     "sglang": Slim(drop=("sglang/srt/server/_core*.so", "sglang/srt/grpc/_core*.so",
@@ -81,8 +80,8 @@ SLIMMING: dict[str, Slim] = {
     "setproctitle": Slim(strip_debug=True), "torch-memory-saver": Slim(strip_debug=True),
 }
 
-# sglang/utils.py imports IPython at module level (only print_highlight uses it); the GPU machine has
-# no IPython. A stub module keeps sglang's files pristine, so the patch series applies to upstream text.
+# sglang/utils.py imports IPython at module level (only print_highlight uses it); the GPU host need
+# not have IPython. A stub module keeps sglang's files pristine, so the patch series applies to upstream text.
 IPYTHON_STUB = {
     "IPython/__init__.py": '"""Stub for the GPU smoke run: sglang imports IPython.display at module level."""\n',
     "IPython/display.py": "HTML = None\ndisplay = None\n",
@@ -214,40 +213,17 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
     return BundleReport(tar_path, tar_path.stat().st_size, sizes, source)
 
 
-def tree_bytes(root: Path = REPO_ROOT) -> int:
-    """Bytes that would travel without carry: tracked + untracked-not-ignored files."""
-    try:
-        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
-                              "--exclude-standard"], capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return 0
-    total = 0
-    for rel in out.decode().split("\0"):
-        p = root / rel
-        if rel and p.is_file():
-            total += p.stat().st_size
-    return total
-
-
-def device_command(*, phases: str = "all", deadline_s: int = 560) -> str:
-    """The shell command for the device `run` tool (at most 2000 characters)."""
-    cmd = ("export PYTHONUNBUFFERED=1; mkdir -p /tmp/smoke-state; "
-           f"python3 -m smoke e2e --bundle .gpu --state /tmp/smoke-state --out \"$OUT\" "
-           f"--deadline {deadline_s} --phases {phases}")
-    assert len(cmd) <= 2000
-    return cmd
-
-
-def run_arguments(*, phases: str = "all") -> dict[str, object]:
-    return {"command": device_command(phases=phases), "carry": [".gpu"], "timeout_s": DEVICE_TIMEOUT_S,
-            "kind": "nvidia-h200"}
+def host_command(*, phases: str = "all", out: str = "out/gpu-e2e") -> str:
+    """The command to run in the repository's root on the GPU host (the bundle in .gpu/)."""
+    return (f"mkdir -p {out} && PYTHONUNBUFFERED=1 python3 -m smoke e2e --bundle .gpu "
+            f"--state /tmp/smoke-state --out {out} --phases {phases}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_image.gpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flavor", default=DEFAULT_FLAVOR)
-    ap.add_argument("--skip-build", action="store_true", help="only print the device command")
+    ap.add_argument("--skip-build", action="store_true", help="only print the command")
     ap.add_argument("--force", action="store_true", help="rebuild the bundle even if it is current")
     a = ap.parse_args(argv)
     try:
@@ -258,22 +234,14 @@ def main(argv: list[str] | None = None) -> int:
         bundle = BUNDLE_DIR / "wheels.tar.xz"
         if not bundle.is_file():
             raise SglangImageError(f"{bundle} missing; build it with: nox -s gpu-e2e")
-        carried = sum(p.stat().st_size for p in BUNDLE_DIR.rglob("*") if p.is_file())
-        tree = tree_bytes()
-        total = carried + tree
-        print(f"travels: repo {tree / 2**20:.1f} MiB + .gpu {carried / 2**20:.1f} MiB = "
-              f"{total / 2**20:.1f} MiB of 64 MiB")
-        if total > MAX_TREE_BYTES:
-            raise SglangImageError(f"{total} bytes would travel, over the 64 MiB limit; "
-                                   "remove large untracked files or slim the bundle")
     except SglangImageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print("\nDevice run (the lead calls the `run` tool; the same arguments twice if the first call's"
-          " deadline leaves phases undone - the second call resumes on the warm machine). When a call"
-          " brings back jit-cache.tar.xz, copy it into .gpu/: the next fresh machine then starts with"
-          " its kernels compiled (about a minute sooner):")
-    print(json.dumps(run_arguments(), indent=1))
+    print("\nCopy this repository with .gpu/ to the GPU host (Python 3.12, the flavor's torch, an "
+          "NVIDIA driver) and run in its root:\n"
+          f"  {host_command()}\n"
+          "When it writes jit-cache.tar.xz to its output folder, copy that into .gpu/: the next run "
+          "on a fresh host then starts with its kernels compiled.")
     return 0
 
 

@@ -8,9 +8,10 @@ from the SDK, and Docker 20.10's embedded BuildKit predates it).
 
 So the built image is exported (`GET /images/{id}/get`), each of its own layers rewritten with
 every mtime set to LAYER_EPOCH (entry order, content, owners, modes, xattrs kept; atime and
-ctime dropped), the config's times of this build set to SOURCE_DATE_EPOCH, the fields naming the build
-container and the builder's intermediate image dropped, the labels added, and the
-result loaded back (`POST /images/load`). The base image's layers pass through byte for byte.
+ctime dropped), the config's times of this build set to SOURCE_DATE_EPOCH, the config cut down to
+the OCI image spec's fields (no engine version, build container or intermediate image: one commit,
+one digest on every engine), the labels added, and the result loaded back (`POST /images/load`).
+The base image's layers pass through byte for byte. Both layouts of `docker save` are read.
 
 Two streaming passes, no copy on disk: pass 1 computes each rewritten layer's sha256 and size
 (the tar header must carry the size before the data), pass 2 streams the archive into the
@@ -23,11 +24,13 @@ import hashlib
 import io
 import json
 import queue
+import re
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import IO, Any
 
 from docker import DockerClient
@@ -106,7 +109,8 @@ class _Sink:
 
 
 def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH) -> None:
-    """Copies a layer tar entry by entry, every mtime set to `epoch`, atime/ctime dropped.
+    """Copies a layer tar entry by entry, every mtime set to `epoch`, atime/ctime and owner
+    names dropped.
 
     Set, not clamped: a layer reused from the build cache must not depend on when the cache
     was filled."""
@@ -114,8 +118,11 @@ def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH) -> None:
             tarfile.open(fileobj=dst, mode="w|", format=tarfile.PAX_FORMAT) as tout:
         for info in tin:
             info.mtime = epoch
+            # Owner names: Engine 20.10 writes them, Engine 25+ leaves them empty; the numeric
+            # IDs are what a container sees.
+            info.uname = info.gname = ""
             info.pax_headers = {k: v for k, v in info.pax_headers.items()
-                                if k not in ("mtime", "atime", "ctime")}
+                                if k not in ("mtime", "atime", "ctime", "uname", "gname")}
             tout.addfile(info, tin.extractfile(info) if info.isreg() else None)
 
 
@@ -132,18 +139,36 @@ def _export(client: DockerClient, image_id: str) -> tarfile.TarFile:
     return tarfile.open(fileobj=io.BufferedReader(_ChunkReader(iter(chunks)), CHUNK), mode="r|")
 
 
-def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int
+def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int,
+          known: dict[str, list[Any]] | None = None
           ) -> tuple[dict[str, _Layer], dict[str, Any], list[dict[str, Any]]]:
-    """Pass 1: every layer's rewritten diff ID and size, keyed by its folder in the export."""
+    """Pass 1: every layer's rewritten diff ID and size, keyed by its member in the export.
+
+    Reads both layouts of `docker save`: the legacy one (`<id>/layer.tar`, config `<id>.json`)
+    of Engine 20.10-24, and the OCI one of Engine 25 and later (`blobs/sha256/<hex>` for layers
+    and config, `manifest.json` pointing into `blobs/`). In the OCI layout a layer blob is the
+    uncompressed tar, so its name is its diff ID; the config blob is named by the image ID."""
     layers: dict[str, _Layer] = {}
     config: dict[str, Any] = {}
     manifest: list[dict[str, Any]] = []
+    inspect = client.api.inspect_image(image_id)  # type: ignore[no-untyped-call]
+    raw_diff_ids = set(inspect["RootFS"].get("Layers") or [])
+    config_hex = str(inspect["Id"]).removeprefix("sha256:")
     with _export(client, image_id) as tar:
         for member in tar:
             fh = tar.extractfile(member) if member.isreg() else None
             if fh is None:
                 continue
-            if member.name.endswith("/layer.tar"):
+            blob = member.name.removeprefix("blobs/sha256/") \
+                if member.name.startswith("blobs/sha256/") else None
+            is_layer = member.name.endswith("/layer.tar") or \
+                bool(blob and f"sha256:{blob}" in raw_diff_ids)
+            if blob and is_layer and known and f"sha256:{blob}" in known:
+                # rewritten before (the cache is keyed by the layer's own digest): no rewrite
+                new, size = known[f"sha256:{blob}"]
+                raw = f"sha256:{blob}"
+                layers[member.name] = _Layer(raw, new, int(size), raw == new)
+            elif is_layer:
                 reader = _HashingReader(fh)
                 sink = _Sink()
                 rewrite_layer(reader, sink)  # type: ignore[arg-type]
@@ -154,28 +179,53 @@ def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int
                     layers[member.name] = _Layer(raw, sink.digest(), sink.size, False)
             elif member.name == "manifest.json":
                 manifest = json.loads(fh.read())
-            elif member.name.endswith(".json") and "/" not in member.name:
+            elif member.name in (f"{config_hex}.json", f"blobs/sha256/{config_hex}"):
                 config = json.loads(fh.read())
     if not manifest or not config:
         raise BuildError(f"the export of {image_id} has no manifest or config")
     return layers, config, manifest
 
 
+# What an image config keeps (the OCI image spec's fields, and Docker's Healthcheck): everything
+# else records how and where it was built (docker_version, container, container_config, the
+# builder's intermediate image, empty defaults such as Hostname or AttachStdin), differs between
+# engines, and would give one commit two digests.
+CONFIG_KEYS = ("architecture", "os", "variant", "os.version", "config", "created", "history",
+               "rootfs", "author")
+RUN_CONFIG_KEYS = ("User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes", "WorkingDir",
+                   "Labels", "StopSignal", "Healthcheck", "Shell", "OnBuild", "ArgsEscaped")
+HISTORY_KEYS = ("created", "created_by", "author", "comment", "empty_layer")
+
+
+def engine_neutral_step(created_by: str, healthcheck: str) -> str:
+    """A history entry's command without what each engine writes its own way: the builder's
+    hash of a COPY source (the layer's diff ID already pins the content) and the Go print of a
+    HEALTHCHECK (the config holds the health check itself)."""
+    step = re.sub(r"\b((?:COPY|ADD) (?:dir|file|multi)):[0-9a-f]{64}\b", r"\1", created_by)
+    return re.sub(r"HEALTHCHECK &\{.*\}$", f"HEALTHCHECK {healthcheck}", step)
+
+
 def normalized_config(config: dict[str, Any], diff_ids: list[str], epoch: int,
                       labels: dict[str, str] | None = None, base_history: int = 0) -> bytes:
     """The config with this build's times set to `epoch` (the base's first `base_history`
-    entries keep theirs), the build-container fields dropped and `labels` added (here rather
-    than through the builder, which spends a step on each label)."""
-    out = {k: v for k, v in config.items() if k not in ("container", "container_config")}
-    # config.Image names the builder's last intermediate image: a random ID.
-    inner = {k: v for k, v in (out.get("config") or {}).items() if k != "Image"}
+    entries keep theirs), cut down to CONFIG_KEYS and `labels` added (here rather than through
+    the builder, which spends a step on each label)."""
+    out = {k: config[k] for k in CONFIG_KEYS if config.get(k) not in (None, "", [], {})}
+    inner = {k: v for k, v in (config.get("config") or {}).items()
+             if k in RUN_CONFIG_KEYS and v not in (None, "", [], {}, False)}
     if labels:
         inner["Labels"] = {**(inner.get("Labels") or {}), **labels}
     out["config"] = inner
     stamp = iso_time(epoch)
     out["created"] = stamp
+    history = [{k: v for k, v in h.items() if k in HISTORY_KEYS and v not in (None, "", False)}
+               for h in out.get("history", [])]
+    healthcheck = json.dumps(inner.get("Healthcheck"), sort_keys=True)
+    for i, entry in enumerate(history):
+        if i >= base_history and "created_by" in entry:
+            entry["created_by"] = engine_neutral_step(entry["created_by"], healthcheck)
     out["history"] = [h if i < base_history else {**h, "created": stamp}
-                      for i, h in enumerate(out.get("history", []))]
+                      for i, h in enumerate(history)]
     out["rootfs"] = {"type": "layers", "diff_ids": diff_ids}
     return json.dumps(out, sort_keys=True, separators=(",", ":")).encode()
 
@@ -234,11 +284,22 @@ def _present_chains(client: DockerClient) -> set[tuple[str, ...]]:
 
 def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: list[str],
                     base_diff_ids: list[str], labels: dict[str, str] | None = None,
-                    base_history: int = 0, log: Callable[[str], None] = print) -> str:
-    """Rewrites `image_id` as described above, loads it tagged `tags`; returns the new image ID."""
+                    base_history: int = 0, log: Callable[[str], None] = print,
+                    cache: Path | None = None) -> str:
+    """Rewrites `image_id` as described above, loads it tagged `tags`; returns the new image ID.
+
+    `cache`: a JSON file of {raw diff ID: [rewritten diff ID, size]}; a layer found there is not
+    rewritten in pass 1 (OCI layout only: there a layer's name is its raw diff ID before it is
+    read; in the legacy layout its digest is known only after reading it)."""
     keep = set(base_diff_ids)
+    known = json.loads(cache.read_text()) if cache and cache.exists() else {}
     log("normalise: pass 1/2, hashing rewritten layers")
-    layers, config, manifest = _scan(client, image_id, keep, epoch)
+    layers, config, manifest = _scan(client, image_id, keep, epoch, known)
+    if cache is not None:
+        known.update({layer.raw: [layer.new, layer.size] for layer in layers.values()
+                      if not layer.passthrough})
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known, indent=0, sort_keys=True) + "\n")
     folder_of = {layers[m].raw: m for m in manifest[0]["Layers"]}
     raw_ids: list[str] = config["rootfs"]["diff_ids"]
     new_ids = [layers[folder_of[raw]].new for raw in raw_ids]
