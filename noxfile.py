@@ -98,7 +98,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def lint(session: nox.Session) -> None:
-    """ruff over the code and tests, mypy --strict over src/, smoke/ and this file (light: no torch)."""
+    """ruff over the code and tests, mypy --strict over src/, smoke/, the plugin and this file (light: no torch, no sglang)."""
     _install(session, "lint")
-    session.run("ruff", "check", "src", "tests", "noxfile.py", "smoke")
+    session.run("ruff", "check", "src", "tests", "noxfile.py", "smoke", "patches/plugin")
     session.run("mypy")
