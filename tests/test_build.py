@@ -19,7 +19,7 @@ import docker.errors
 import pytest
 from docker import DockerClient
 
-from sglang_image import build, docker_engine, normalize, pins
+from sglang_image import build, docker_engine, normalize, pins, plugin
 from sglang_image.errors import (
     BuildError,
     DockerUnavailableError,
@@ -337,6 +337,28 @@ def test_light_image_is_patched_and_runs_as_non_root(light_image: build.BuildRes
     assert out.startswith(f"{flavor.sglang_version} {site}/sglang/__init__.py"), out
     assert _run(docker_client, image, "sh", "-c", "command -v python").strip() == \
         "/opt/venv/bin/python"
+
+
+@pytest.mark.docker
+def test_light_image_carries_the_plugin_of_a_plugin_flavor(light_image: build.BuildResult,
+                                                           docker_client: DockerClient,
+                                                           tmp_path: Path) -> None:
+    """A flavor with `plugin = true` gets the project's SGLang plugin installed from the wheel the
+    build made (by hash), visible to SGLang's entry-point discovery, named in the labels."""
+    flavor = pins.load_flavor(FLAVOR)
+    assert flavor.plugin, f"{FLAVOR} is expected to carry the plugin"
+    wheel = plugin.build_wheel(tmp_path)  # byte-identical to the one the build installed
+    labels = docker_client.images.get(light_image.image_id).labels
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    assert labels["io.sglang-image.plugin"] == wheel.name
+    assert labels["io.sglang-image.plugin.sha256"] == f"sha256:{digest}"
+    code = ("import importlib.metadata as m; "
+            "print(sorted(e.value for e in m.entry_points(group='sglang.srt.plugins')), "
+            "m.version('sglang-image-plugin'))")
+    out = _run(docker_client, light_image.image_id, "python", "-c", code).strip()
+    assert out == f"['sglang_image_plugin:register'] {wheel.name.split('-')[1]}", out
+    sbom = json.loads(light_image.sbom.read_text())
+    assert "sglang-image-plugin" in {c["name"] for c in sbom["components"]}
 
 
 @pytest.mark.docker

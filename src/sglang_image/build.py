@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sglang_image import lock, normalize, pins
+from sglang_image import lock, normalize, pins, plugin
 from sglang_image.docker_engine import connect
 from sglang_image.errors import BuildError, PatchApplyError, SglangImageError
 from sglang_image.fetch import WHEEL_CACHE, fetch_wheels
@@ -153,7 +153,8 @@ def cuda_home(wheels: Iterable[Path], python_version: str) -> str:
 
 
 def labels(flavor: Flavor, *, epoch: int, base_name: str, base_digest: str,
-           patches: list[tuple[str, str]], light: bool) -> dict[str, str]:
+           patches: list[tuple[str, str]], light: bool,
+           plugin_wheel: tuple[str, str] | None = None) -> dict[str, str]:
     oci = "org.opencontainers.image"
     out = {
         f"{oci}.title": "sglang-image",
@@ -174,6 +175,9 @@ def labels(flavor: Flavor, *, epoch: int, base_name: str, base_digest: str,
         out[f"{oci}.source"] = source
     for name, digest in patches:
         out[f"{LABEL_PREFIX}.patch.{name}"] = f"sha256:{digest}"
+    if plugin_wheel is not None:
+        out[f"{LABEL_PREFIX}.plugin"] = plugin_wheel[0]
+        out[f"{LABEL_PREFIX}.plugin.sha256"] = f"sha256:{plugin_wheel[1]}"
     if light:
         out[f"{LABEL_PREFIX}.light"] = "true"
     return out
@@ -259,7 +263,21 @@ def prepare_context(opts: BuildOptions, ctx: Path, log: Callable[[str], None]) -
         shutil.copy2(pkg / module, tool / "sglang_image" / module)
     patches = [(p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in series]
     return {"patches": patches, "cuda_home": cuda_home(placed, flavor.python_version),
-            "wheels": len(wheels)}
+            "wheels": len(wheels), "plugin": add_plugin(flavor, image / "plugin")}
+
+
+def add_plugin(flavor: Flavor, dest: Path) -> tuple[str, str] | None:
+    """For a flavor that carries the project's SGLang plugin: builds its wheel reproducibly into
+    `dest` with a hash-pinned requirements file (the image installs it like a locked wheel);
+    returns (wheel file name, sha256). None, and nothing written, for other flavors."""
+    if not flavor.plugin:
+        return None
+    wheel = plugin.build_wheel(dest)
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    name, version = wheel.name.split("-")[:2]
+    (dest / "requirements.txt").write_text(
+        f"{name.replace('_', '-')}=={version} --hash=sha256:{digest}\n")
+    return wheel.name, digest
 
 
 def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], None]
@@ -451,7 +469,7 @@ def build(opts: BuildOptions, console: Console | None = None,
     ctx = work / "context"
     facts = prepare_context(opts, ctx, log)
     build_labels = labels(flavor, epoch=epoch, base_name=base_name, base_digest=base_digest,
-                          patches=facts["patches"], light=opts.light)
+                          patches=facts["patches"], light=opts.light, plugin_wheel=facts["plugin"])
     buildargs = {"BASE_IMAGE": base_ref, "PYTHON_VERSION": flavor.python_version,
                  "SOURCE_DATE_EPOCH": str(epoch), "CUDA_HOME": facts["cuda_home"],
                  "TORCH_CUDA_ARCH_LIST": flavor.cuda_arch_list}
