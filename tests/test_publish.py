@@ -93,6 +93,14 @@ class TinyImage:
     sbom: bytes
 
 
+@pytest.fixture(autouse=True)
+def engine_under_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish.main() finds its engine through DOCKER_HOST, as a user's shell would: point it at
+    the engine the test runs on (the tests run once per engine)."""
+    if "docker_client" in request.fixturenames:
+        monkeypatch.setenv("DOCKER_HOST", request.getfixturevalue("docker_host"))
+
+
 @pytest.fixture(scope="module")
 def tiny_image(docker_client: DockerClient) -> Iterator[TinyImage]:
     """An image of two small files with the labels nox -s build sets and an SBOM where it puts
@@ -117,26 +125,30 @@ def tiny_image(docker_client: DockerClient) -> Iterator[TinyImage]:
 
 
 @pytest.fixture(scope="module")
-def open_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+def open_registry(tmp_path_factory: pytest.TempPathFactory, engine_name: str) -> Iterator[Registry]:
+    # one registry per engine: the engines push different manifests of one image
     with start_registry(tmp_path_factory.mktemp("open-registry")) as registry:
         yield registry
 
 
 @pytest.fixture(scope="module")
-def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+def auth_registry(tmp_path_factory: pytest.TempPathFactory, engine_name: str) -> Iterator[Registry]:
+    # one registry per engine: the engines push different manifests of one image
     with start_registry(tmp_path_factory.mktemp("auth-registry"), users={USER: PASSWORD}) as reg:
         yield reg
 
 
 @pytest.fixture(scope="module")
-def tls_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+def tls_registry(tmp_path_factory: pytest.TempPathFactory, engine_name: str) -> Iterator[Registry]:
+    # one registry per engine: the engines push different manifests of one image
     with start_registry(tmp_path_factory.mktemp("tls-registry"), users={USER: PASSWORD},
                         tls=True) as registry:
         yield registry
 
 
 @pytest.fixture(scope="module")
-def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+def token_registry(tmp_path_factory: pytest.TempPathFactory, engine_name: str) -> Iterator[Registry]:
+    # one registry per engine: the engines push different manifests of one image
     with start_registry(tmp_path_factory.mktemp("token-registry"), users={USER: PASSWORD},
                         token=True) as registry:
         yield registry
