@@ -63,9 +63,16 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def patches(session: nox.Session) -> None:
-    """Apply every flavor's patch series to its real wheels with zero fuzz (-- edit|export F, rebase FROM TO)."""
+    """Apply every flavor's patch series to its real wheels with zero fuzz (-- edit|export F, rebase FROM TO [--continue])."""
     _install(session)
     _run(session, "patches")
+
+
+@nox.session(name="plugin-check", default=False)
+def plugin_check(session: nox.Session) -> None:
+    """Check the plugin's hook targets and relied-on upstream code in an unpacked sglang wheel (-- --site-packages DIR)."""
+    _install(session)
+    _run(session, "plugin-check")
 
 
 @nox.session(default=False)
