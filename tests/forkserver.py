@@ -134,6 +134,17 @@ class ForkServer:
 ProbeRunner = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
+def warm_imports(modules: tuple[str, ...]) -> str:
+    """Code for a server's warm-up: import each module once, so that every forked check finds it
+    loaded (a module a tree cannot import is left to the checks that need it, which then fail)."""
+    return ("import importlib\n"
+            f"for _m in {modules!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(_m)\n"
+            "    except Exception:\n"
+            "        pass\n")
+
+
 @contextmanager
 def forked_probes(warmup: str, server_env: dict[str, str] | None = None) -> Iterator[ProbeRunner]:
     """run(tree, code, env=None, timeout=600), like conftest's run_in_tree, but each tree gets one

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.forkserver import forked_probes
+from tests.forkserver import forked_probes, warm_imports
 from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.17"
@@ -81,14 +81,7 @@ WARM_MODULES = (
     "sglang.srt.layers.logits_processor", "sglang.srt.observability.metrics_collector",
     "sglang.srt.disaggregation.utils", "sglang.srt.models.llama_eagle3",
 )
-WARMUP = PRELUDE + textwrap.dedent(f"""
-    import importlib
-    for _m in {WARM_MODULES!r}:
-        try:
-            importlib.import_module(_m)
-        except Exception:
-            pass
-""")
+WARMUP = PRELUDE + warm_imports(WARM_MODULES)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from tests.forkserver import forked_probes
+from tests.forkserver import forked_probes, warm_imports
 from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.9"
@@ -76,14 +76,7 @@ WARM_MODULES = (
     "sglang.srt.model_executor.cuda_graph_runner", "sglang.srt.model_executor.forward_batch_info",
     "sglang.srt.layers.logits_processor",
 )
-WARMUP = PRELUDE + textwrap.dedent(f"""
-    import importlib
-    for _m in {WARM_MODULES!r}:
-        try:
-            importlib.import_module(_m)
-        except Exception:
-            pass
-""")
+WARMUP = PRELUDE + warm_imports(WARM_MODULES)
 
 
 @pytest.fixture(scope="module")
