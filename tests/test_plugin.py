@@ -295,10 +295,9 @@ SWITCH = textwrap.dedent("""
 """)
 
 
-def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
-    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', '32']\n"
-            "TRACE = [1, 16, 32, 33, 40, 64, 31, 29, 28, 27, 40, 0, 20]\nHF_CONFIG = {}\n")
-    body = """
+# Probe code: a stand-in for upstream's Scheduler with what the observability hooks read, and
+# the plugin's Scheduler.__init__ hook (found in the hooked method's closure) run on it.
+ATTACH_SCHEDULER = """
         class Scheduler:  # what the observability hooks read of upstream's Scheduler
             draft_worker = worker
             spec_algorithm = SpeculativeAlgorithm.EAGLE3
@@ -310,7 +309,14 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
         scheduler_hook = next(c.cell_contents for c in Upstream.__init__.__closure__
                               if getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
         scheduler_hook(None, Scheduler)
-        EAGLEWorkerV2.activate_step_by_batch(worker, 50)
+"""
+
+
+def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', '32']\n"
+            "TRACE = [1, 16, 32, 33, 40, 64, 31, 29, 28, 27, 40, 0, 20]\nHF_CONFIG = {}\n")
+    body = """
+""" + ATTACH_SCHEDULER + """        EAGLEWorkerV2.activate_step_by_batch(worker, 50)
         state_controller = SchedulerInternalStateController(Scheduler, record_step_time=False)
         state = {}
         state_controller._add_speculative(state)   # upstream's, hooked
@@ -462,18 +468,7 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
         crossovers = []
         ramp_steps = run(ramp, crossovers)
 
-        class Scheduler:  # what the observability hooks read of upstream's Scheduler
-            draft_worker = worker
-            spec_algorithm = SpeculativeAlgorithm.EAGLE3
-            class metrics_reporter:
-                spec_total_num_forward_ct = 0
-            class metrics_collector:
-                labels = {"model_name": "m", "engine_type": "unified"}
-        from sglang.srt.managers.scheduler import Scheduler as Upstream
-        scheduler_hook = next(c.cell_contents for c in Upstream.__init__.__closure__
-                              if getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
-        scheduler_hook(None, Scheduler)
-        state = {}
+""" + ATTACH_SCHEDULER + """        state = {}
         SchedulerInternalStateController(Scheduler, record_step_time=False)._add_speculative(state)
         from prometheus_client import REGISTRY
         emit({"policy": policy, "is_auto_policy": isinstance(controller.params, AutoPolicy),
