@@ -6,9 +6,11 @@ continuation of a model generated here. Nothing pretends to be an sglang server.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -558,6 +560,15 @@ def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
     assert "nothing under" in jitcache.pack(tmp_path / "none", tmp_path / "x.tar.xz", "k")[1]
     (tmp_path / "bad.tar.xz").write_bytes(b"not xz")
     assert "unreadable" in jitcache.seed(tmp_path / "bad.tar.xz", fresh, "key-1")[1]
+    # a member that would land outside the JIT folder is refused, on every Python the tool runs on
+    evil = tmp_path / "evil.tar.xz"
+    with tarfile.open(evil, "w:xz") as tar:
+        for name, data in ((jitcache.MANIFEST, json.dumps({"key": "key-1"}).encode()), ("../escaped", b"x")):
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            tar.addfile(ti, io.BytesIO(data))
+    added, why = jitcache.seed(evil, tmp_path / "evil-jit", "key-1")
+    assert added == 0 and "refusing '../escaped'" in why and not (tmp_path / "escaped").exists()
     # the key follows the wheels and the patches outside sglang/ (FlashInfer's), not sglang's Python
     # (the manifest `sglang_image.patch apply` writes: name, sha256, files, here of the real series)
     from sglang_image.patch import parse_patch
