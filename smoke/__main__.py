@@ -1,4 +1,4 @@
-"""python -m smoke {models,run,bench,e2e,comm,partial} ... (see each module's docstring)."""
+"""python -m smoke {models,run,bench,e2e,comm,partial,features} ... (see each module's docstring)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from smoke import bench, comm, e2e, models, partial, runner
+    from smoke import bench, comm, e2e, features, models, partial, runner
 
     ap = argparse.ArgumentParser(prog="python -m smoke", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -15,7 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
                              ("bench", bench, "throughput: plain / EAGLE-3 / EAGLE-3 + threshold"),
                              ("e2e", e2e, "the whole GPU run: install, patch, models, smoke, bench"),
                              ("comm", comm, "2-GPU all-reduce proof: e2e's install,patch,models,comm"),
-                             ("partial", partial, "image checks that need no GPU (PARTIAL)")):
+                             ("partial", partial, "image checks that need no GPU (PARTIAL)"),
+                             ("features", features, "what users send, across the mode changes")):
         p = sub.add_parser(name, help=help_, description=mod.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)

@@ -15,6 +15,8 @@ patch series is refused unless this call installs again):
   models   tiny smoke models and the 1B-shaped bench models (--device cuda: seconds)
   smoke    plain reference server, EAGLE-3 + threshold (overlap on, CUDA graphs) and
            (--disable-overlap-schedule, no CUDA graphs) with every check of smoke.runner
+  features the feature matrix of smoke.features (sampling, logprobs, stops, streams, grammars,
+           penalties, n > 1, chunked prefill, KV pressure, aborts) across the mode changes
   bench    plain / always-on EAGLE-3 / EAGLE-3 + threshold at concurrency 1, 8, 256 (CUDA graphs)
   comm     TP=2/TP=1 runs of a tiny Qwen3 with torch symm mem / FlashInfer allreduce fusion (smoke.comm;
            needs 2 GPUs; `python3 -m smoke comm` = this driver with install,patch,models,comm)
@@ -44,16 +46,18 @@ from typing import Any
 
 from smoke import bench as bench_mod
 from smoke import comm as comm_mod
+from smoke import features as features_mod
 from smoke import jitcache, runner
 from smoke.runner import Deadline
 
-PHASES = ("install", "patch", "check", "models", "smoke", "bench", "comm")
-RUN_PHASES = ("smoke", "bench", "comm")  # marked done in the state once complete
+PHASES = ("install", "patch", "check", "models", "smoke", "features", "bench", "comm")
+RUN_PHASES = ("smoke", "features", "bench", "comm")  # marked done in the state once complete
 # state of the installed site, and prefixes of the results measured on it: a new site drops both
 SITE_STATE = ("patch", "check")
-RESULT_STATE = ("smoke", "bench_", "comm")
+RESULT_STATE = ("smoke", "features", "bench_", "comm")
 # model dir -> (`smoke models` args, the phase that needs it)
 MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], "smoke"),
+          "features": (["--size", "tiny", "--draft", "first"], "features"),
           "1b": (["--size", "1b", "--draft", "chain"], "bench"),
           "8b": (["--size", "8b", "--draft", "chain"], "bench"),
           "qwen3": (["--arch", "qwen3", "--size", "tp2"], "comm")}
@@ -241,10 +245,22 @@ class E2E:
         if rep.get("skipped"):
             raise Deadline_(f"smoke: skipped {rep['skipped']}")
 
+    def phase_features(self) -> None:
+        st = self.resumable("features")
+        opts = features_mod.FeatureOptions(models=self.models / "features", out=self.logs,
+                                           threshold=self.a.threshold, deadline=self.deadline,
+                                           variants=tuple(self.a.feature_variants.split(",")))
+        rep = features_mod.run_features(opts, st)
+        self.state["features_report"] = rep
+        self.log("\n" + features_mod.summarize(rep))
+        if rep.get("skipped"):
+            raise Deadline_(f"features: skipped {rep['skipped']}")
+
     def options_digest(self, ph: str) -> str:
         """The options a run phase's result depends on: a later call that changes any of them runs the
         phase again instead of reporting the earlier result as its own."""
         opts: Any = {"smoke": [self.a.threshold, self.a.smoke_variants],
+                     "features": [self.a.threshold, self.a.feature_variants],
                      "bench": [self.a.bench_size, self.a.bench_draft_accept,
                                bench_mod.tuning_options(self.a, "bench-")],
                      "comm": [self.a.comm_runs]}[ph]
@@ -346,7 +362,8 @@ class E2E:
         self.kill_leftover_servers()
         steps: dict[str, Callable[[], None]] = {
             "install": self.phase_install, "patch": self.phase_patch, "check": self.phase_check,
-            "models": self.phase_models, "smoke": self.phase_smoke, "bench": self.phase_bench,
+            "models": self.phase_models, "smoke": self.phase_smoke, "features": self.phase_features,
+            "bench": self.phase_bench,
             "comm": self.phase_comm}
         stale = self.stale_site()
         if stale:
@@ -392,6 +409,9 @@ class E2E:
         out = list(self.failures)
         smoke = self.state.get("smoke_report") or {}
         out += [f"smoke {f['variant']}: {f['cause']}" for f in smoke.get("failures", [])]
+        feats = self.state.get("features_report") or {}
+        out += [f"features {f['variant']} {f['case']} {f['mode']}: {f['cause']}"
+                for f in feats.get("failures", [])]
         for key, bench in self.state.get("bench_reports", {}).items():
             out += [f"bench {key}: {f.splitlines()[0]}" for f in bench.get("failures", [])]
         comm = self.state.get("comm_report") or {}
@@ -423,12 +443,15 @@ class E2E:
     def finish(self, incomplete: list[str]) -> None:
         report: dict[str, Any] = {"elapsed_s": round(time.time() - self.t0, 1), "failures": self.all_failures(),
                   "incomplete": incomplete, "patches": self.state.get("patch"),
-                  "smoke": self.state.get("smoke_report"), "bench": self.state.get("bench_reports") or None,
+                  "smoke": self.state.get("smoke_report"),
+                  "features": self.state.get("features_report"), "bench": self.state.get("bench_reports") or None,
                   "comm": self.state.get("comm_report")}
         (self.out / "report.json").write_text(json.dumps(report, indent=1))
         parts = []
         if report["smoke"]:
             parts.append(runner.summarize(report["smoke"]))
+        if report["features"]:
+            parts.append(features_mod.summarize(report["features"]))
         for key, bench in (report["bench"] or {}).items():
             parts.append(f"bench {key}:\n{bench['table']}")
         if report["comm"]:
@@ -466,6 +489,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "BUNDLE/bundle.json as `nox -s gpu-e2e` wrote it)")
     ap.add_argument("--threshold", type=int, default=runner.DEFAULT_THRESHOLD, help="smoke threshold N")
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
+    ap.add_argument("--feature-variants", default="overlap,sync",
+                    help="features phase: comma list of overlap,sync (CUDA graphs on in both)")
     ap.add_argument("--bench-draft-accept", type=float, default=0.85,
                     help="chain draft of the 1B-shaped models: designed accept length ~3.2 (3 steps)")
     ap.add_argument("--bench-size", default="1b", choices=[n for n, (_, ph) in MODELS.items() if ph == "bench"],
@@ -484,6 +509,9 @@ def main(a: argparse.Namespace) -> int:
     bad = [v for v in a.smoke_variants.split(",") if v not in runner.VARIANTS]
     if bad:
         raise SystemExit(f"--smoke-variants: unknown {bad}; choose from {','.join(runner.VARIANTS)}")
+    bad = [v for v in a.feature_variants.split(",") if v not in features_mod.VARIANT_FLAGS]
+    if bad:
+        raise SystemExit(f"--feature-variants: unknown {bad}; choose from {','.join(features_mod.VARIANT_FLAGS)}")
     bad = [r for r in a.comm_runs.split(",") if r not in comm_mod.RUN_NAMES]
     if bad:
         raise SystemExit(f"--comm-runs: unknown {bad}; choose from {','.join(comm_mod.RUN_NAMES)}")

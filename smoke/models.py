@@ -46,6 +46,8 @@ from typing import Any
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 PROMPT = "def fibonacci(n):\n    return"
+CHAT_TEMPLATE = ("{% for m in messages %}" + BOS + "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,10 @@ def make_tokenizer(vocab_size: int, max_bytes: int) -> Any:
                                   show_progress=False)
     texts = corpus(max_bytes)
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS,
                                    pad_token=PAD, model_max_length=4096)
+    fast.chat_template = CHAT_TEMPLATE  # /v1/chat/completions (the feature matrix) needs one
+    return fast
 
 
 # ----------------------------------------------------------------------------- weights

@@ -44,6 +44,9 @@ NOT_CHECKED_WITHOUT_GPU = (
     "EAGLE-3 greedy outputs equal to plain decoding below and above the threshold",
     "speculation switching off and on with load (server info counters), accept length",
     "aborted requests in both modes and the KV pool returning to empty",
+    ("the feature matrix below, above and across the threshold (python -m smoke features): greedy, "
+     "logprobs, sampling, penalties, n2, long_prompt (chunked prefill), json_schema, regex, "
+     "completions_stream, chat_stream, abort_stream, stop, kv_pressure (retraction)"),
 )
 
 
@@ -125,7 +128,9 @@ def host_has_gpu() -> bool:
 
 def full_command(threshold: int = 4) -> list[str]:
     script = ("set -e; python3 -m smoke models /tmp/models --device cuda; "
-              f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT} --threshold {threshold}")
+              f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT} --threshold {threshold}; "
+              f"python3 -m smoke features --models /tmp/models --out {OUT_MOUNT}/features "
+              f"--threshold {threshold}")
     return ["bash", "-c", script]
 
 

@@ -1,0 +1,699 @@
+"""Feature matrix: what users send, checked across the threshold server's mode changes.
+
+    python -m smoke features --models DIR --out DIR [--threshold N] [--variants overlap,sync]
+
+A plain server (the reference) and an EAGLE-3 server with the threshold run side by side. Each case
+sends the same requests to both; on the threshold server it runs four times, under four loads:
+  below       alone: the batch stays under the threshold (speculative steps only)
+  above       while a filler load of 4N long greedy requests runs (plain steps only)
+  cross_up    the filler arrives while the case's requests run (speculative -> plain mid-request)
+  cross_down  the filler leaves while they run (plain -> speculative mid-request)
+A crossing is not assumed from timing: the runner watches the server's mode and fails the case if
+the change did not happen while the case's requests were in flight. After every run of a case the
+KV pool must be back to its idle size. The KV-pressure case runs once per server, with 256
+concurrent requests against a small pool, so that the scheduler retracts requests in both modes.
+
+What "equal" means per case (the reference is always the plain server):
+  greedy, stop, constrained, penalties, n>1, long prompts, KV pressure: token ids (and finish reason)
+    equal; streams: the streamed text equal.
+  logprobs: token ids equal; each returned logprob within LOGPROB_TOL of the plain server's.
+  sampling (temperature > 0): speculative sampling draws other random numbers than plain decoding,
+    so outputs cannot be equal token for token (upstream guarantees that only under
+    --enable-deterministic-inference, which changes the kernels under test). The check is
+    statistical: the mean logprob of the sampled tokens, per request, must not differ from the plain
+    server's by more than SAMPLING_Z standard errors (a biased sampler, one that accepts draft
+    tokens too often, samples likelier tokens and moves the mean).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smoke import client
+from smoke.runner import (
+    DEFAULT_THRESHOLD,
+    Deadline,
+    SmokeError,
+    check_kv_back,
+    check_log_clean,
+    spec_state,
+    wait_idle,
+)
+from smoke.server import Server, ServerConfig, log_tail
+
+MODES = ("below", "above", "cross_up", "cross_down")
+CASE_NAMES = ("greedy", "logprobs", "sampling", "penalties", "n2", "long_prompt", "json_schema", "regex",
+              "completions_stream", "chat_stream", "abort_stream", "stop", "kv_pressure")
+LOGPROB_TOL = 0.05       # nats; decode and verify kernels round differently in bf16
+SAMPLING_Z = 4.5         # a false alarm about once in 150,000 checks
+SAMPLES = 24             # sampled requests per run of the sampling case
+POOL_TOKENS = 16384      # --max-total-tokens of both servers: small enough for the pressure case
+CHUNKED_PREFILL = 512    # --chunked-prefill-size: the long-prompt case is longer
+PRESSURE_REQUESTS = 256
+CASE_TOKENS = 192        # new tokens per request: long enough for a mode change mid-request
+ATTEMPTS = 3             # runs of a case under a crossing mode before "the mode did not change" fails
+RETRACT_LOG = re.compile(r"retract", re.IGNORECASE)
+
+
+class CaseFailure(Exception):
+    """One case failed under one mode: the cause, and nothing else stops."""
+
+
+class NotExercised(CaseFailure):
+    """The load did not move the mode as the run needed (timing): tried again, then a failure."""
+
+
+# ----------------------------------------------------------------------------- requests
+@dataclass(frozen=True)
+class Request:
+    """One request of a case: `kind` picks the endpoint and how its answer is read."""
+    kind: str                       # generate | completions_stream | chat_stream | abort_stream
+    payload: dict[str, Any]
+
+
+@dataclass
+class Outcome:
+    ids: list[list[int]] = field(default_factory=list)      # one list per choice (n > 1: several)
+    text: list[str] = field(default_factory=list)
+    finish: list[Any] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    top: list[list[list[tuple[int, float]]]] = field(default_factory=list)
+    error: str | None = None
+
+
+def _finish(meta: dict[str, Any]) -> Any:
+    fr = meta.get("finish_reason")
+    if isinstance(fr, dict):  # {"type": "stop", "matched": id or str} / {"type": "length", ...}
+        return [fr.get("type"), fr.get("matched")]
+    return fr
+
+
+def read_generate(answer: Any) -> Outcome:
+    out = Outcome()
+    for item in answer if isinstance(answer, list) else [answer]:
+        meta = item.get("meta_info") or {}
+        if item.get("output_ids") is None:
+            raise CaseFailure(f"no output_ids in the answer: {str(item)[:300]}")
+        out.ids.append(list(item["output_ids"]))
+        out.text.append(item.get("text") or "")
+        out.finish.append(_finish(meta))
+        out.logprobs.append([float(t[0]) for t in meta.get("output_token_logprobs") or []])
+        out.top.append([[(int(t[1]), float(t[0])) for t in pos or []]
+                        for pos in meta.get("output_top_logprobs") or []])
+    return out
+
+
+def sse_events(url: str, payload: dict[str, Any], timeout: float,
+               stop_after: int | None = None) -> list[dict[str, Any]]:
+    """The JSON events of a server-sent-events answer; with stop_after, the connection is closed
+    after that many (the server must abort the request)."""
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events: list[dict[str, Any]] = []
+    with urllib.request.urlopen(req, timeout=timeout) as answer:
+        for raw in answer:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            events.append(json.loads(data))
+            if stop_after is not None and len(events) >= stop_after:
+                break
+    return events
+
+
+def read_stream(events: list[dict[str, Any]], chat: bool) -> Outcome:
+    text, finish = [], None
+    for ev in events:
+        if "error" in ev:
+            raise CaseFailure(f"error event in the stream: {str(ev)[:300]}")
+        for ch in ev.get("choices") or []:
+            piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            text.append(piece or "")
+            finish = ch.get("finish_reason") or finish
+    return Outcome(text=["".join(text)], finish=[finish])
+
+
+def send(base: str, req: Request, timeout: float) -> Outcome:
+    try:
+        if req.kind == "generate":
+            return read_generate(client.post_json(base + "/generate", req.payload, timeout))
+        if req.kind in ("completions_stream", "chat_stream"):
+            path = "/v1/chat/completions" if req.kind == "chat_stream" else "/v1/completions"
+            return read_stream(sse_events(base + path, req.payload, timeout), req.kind == "chat_stream")
+        if req.kind == "abort_stream":
+            events = sse_events(base + "/generate", req.payload, timeout, stop_after=4)
+            return Outcome(text=[str(len(events))])
+        raise ValueError(f"unknown request kind {req.kind}")
+    except CaseFailure as exc:
+        return Outcome(error=str(exc))
+    except (client.HTTPFailure, OSError, ValueError) as exc:
+        return Outcome(error=f"{type(exc).__name__}: {exc}"[:600])
+
+
+def send_all(base: str, reqs: Sequence[Request], concurrency: int, timeout: float) -> list[Outcome]:
+    if concurrency <= 1:
+        return [send(base, r, timeout) for r in reqs]
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(lambda r: send(base, r, timeout), reqs))
+
+
+# ----------------------------------------------------------------------------- comparisons
+def no_errors(outs: Sequence[Outcome], who: str) -> None:
+    bad = [o.error for o in outs if o.error]
+    if bad:
+        raise CaseFailure(f"{who}: {len(bad)} request(s) failed, first: {bad[0]}")
+
+
+def equal_tokens(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]:
+    no_errors(got, "threshold server")
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if (g.ids, g.finish) != (r.ids, r.finish):
+            for c, (a, b) in enumerate(zip(g.ids, r.ids)):
+                if a != b:
+                    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    raise CaseFailure(f"request {i} choice {c}: first difference at token {at}: got "
+                                      f"{a[at:at + 5]} expected {b[at:at + 5]} (lengths {len(a)}/{len(b)})")
+            raise CaseFailure(f"request {i}: finish {g.finish} / {len(g.ids)} choice(s), plain server "
+                              f"{r.finish} / {len(r.ids)}")
+    return {"requests": len(got)}
+
+
+def equal_text(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]:
+    no_errors(got, "threshold server")
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if g.text != r.text or g.finish != r.finish:
+            a, b = g.text[0], r.text[0]
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            raise CaseFailure(f"stream {i}: text differs at character {at}: got {a[at:at + 20]!r} "
+                              f"expected {b[at:at + 20]!r}; finish {g.finish} vs {r.finish}")
+    return {"requests": len(got), "chars": sum(len(o.text[0]) for o in got)}
+
+
+def close_logprobs(ref: Sequence[Outcome], got: Sequence[Outcome], tol: float = LOGPROB_TOL) -> dict[str, Any]:
+    equal_tokens(ref, got)
+    worst = 0.0
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if len(g.logprobs[0]) != len(r.logprobs[0]) or not r.logprobs[0]:
+            raise CaseFailure(f"request {i}: {len(g.logprobs[0])} output logprobs, plain server "
+                              f"{len(r.logprobs[0])}")
+        for k, (a, b) in enumerate(zip(g.logprobs[0], r.logprobs[0])):
+            worst = max(worst, abs(a - b))
+            if abs(a - b) > tol:
+                raise CaseFailure(f"request {i} token {k}: logprob {a:.4f}, plain server {b:.4f} "
+                                  f"(tolerance {tol})")
+        if len(g.top[0]) != len(r.top[0]):
+            raise CaseFailure(f"request {i}: top logprobs at {len(g.top[0])} positions, plain "
+                              f"server {len(r.top[0])}")
+        for k, (gt, rt) in enumerate(zip(g.top[0], r.top[0])):
+            want = dict(rt)
+            for tok, lp in gt:
+                if tok in want:
+                    worst = max(worst, abs(lp - want[tok]))
+                    if abs(lp - want[tok]) > tol:
+                        raise CaseFailure(f"request {i} position {k}: top logprob of token {tok} "
+                                          f"{lp:.4f}, plain server {want[tok]:.4f}")
+            if gt[:1] and rt[:1] and gt[0][0] != rt[0][0]:
+                raise CaseFailure(f"request {i} position {k}: top-1 token {gt[0][0]}, plain server "
+                                  f"{rt[0][0]}")
+    return {"requests": len(got), "max_logprob_diff": round(worst, 5)}
+
+
+def mean_logprob(outs: Sequence[Outcome]) -> list[float]:
+    return [statistics.fmean(o.logprobs[0]) for o in outs if o.logprobs and o.logprobs[0]]
+
+
+def same_distribution(ref: Sequence[Outcome], got: Sequence[Outcome], z_max: float = SAMPLING_Z) -> dict[str, Any]:
+    """Welch's z of the per-request mean logprob of the sampled tokens, threshold vs plain server."""
+    no_errors(got, "threshold server")
+    a, b = mean_logprob(got), mean_logprob(ref)
+    if len(a) < 2 or len(b) < 2:
+        raise CaseFailure(f"sampling: too few requests with logprobs ({len(a)}, plain {len(b)})")
+    se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    z = diff / se if se > 0 else (0.0 if diff == 0 else math.inf)
+    distinct = len({tuple(o.ids[0]) for o in got})
+    if abs(z) > z_max:
+        raise CaseFailure(f"sampling: mean logprob of sampled tokens {statistics.fmean(a):.4f} vs "
+                          f"plain {statistics.fmean(b):.4f}: z = {z:.2f} (limit {z_max})")
+    return {"requests": len(got), "mean_logprob": round(statistics.fmean(a), 4),
+            "plain_mean_logprob": round(statistics.fmean(b), 4), "z": round(z, 2),
+            "distinct_outputs": distinct}
+
+
+def streams_closed(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]:
+    """Streams closed by the client after a few events: each must have started (the KV pool check
+    after the run shows that the server let go of them)."""
+    no_errors(got, "threshold server")
+    events = [int(o.text[0]) for o in got]
+    if min(events) < 1:
+        raise CaseFailure(f"a stream closed early sent no event before the close ({events})")
+    return {"requests": len(got), "events_before_close": events}
+
+
+# ----------------------------------------------------------------------------- cases
+@dataclass(frozen=True)
+class Case:
+    name: str
+    requests: tuple[Request, ...]
+    check: Callable[[Sequence[Outcome], Sequence[Outcome]], dict[str, Any]]
+    concurrency: int = 1
+    note: str = ""
+    modes: tuple[str, ...] = MODES
+
+
+def _gen(ids: Sequence[int], *, logprobs: int | None = None, **sampling: Any) -> Request:
+    """A /generate request; logprobs: return them, with that many top logprobs per position."""
+    params = {"temperature": 0, "max_new_tokens": CASE_TOKENS, "ignore_eos": True, **sampling}
+    payload: dict[str, Any] = {"input_ids": list(ids), "sampling_params": params}
+    if logprobs is not None:
+        payload.update(return_logprob=True, top_logprobs_num=logprobs)
+    return Request("generate", payload)
+
+
+def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int = 0) -> list[Case]:
+    """The matrix's cases (references come from the plain server; no case needs a tokenizer here)."""
+    rnd = random.Random(seed)
+    vocab = int(expected["vocab_size"])
+
+    def ids(n: int) -> list[int]:
+        return [rnd.randrange(3, vocab) for _ in range(n)]
+
+    # at most threshold - 1 running at once: "below" must stay below (n=2 counts twice)
+    conc = max(1, min(2, threshold - 1))
+    prompt_text = str(expected.get("prompt") or "def fibonacci(n):")
+    # a temperature at which the first and second choice of the model are about 2:1 (the models'
+    # top-1/top-2 margin is many logits, so temperature 1 would sample the greedy token every time)
+    temperature = max(1.0, float(expected.get("mean_top1_top2_margin", 1.0)) / math.log(2))
+    cases = [
+        Case("greedy", tuple(_gen(ids(24)) for _ in range(2)), equal_tokens, conc),
+        Case("logprobs", tuple(_gen(ids(24), logprobs=5) for _ in range(2)),
+             close_logprobs, conc),
+        Case("sampling", tuple(_gen(ids(16), logprobs=0, temperature=round(temperature, 3), top_p=1.0,
+                                    max_new_tokens=48) for _ in range(SAMPLES)),
+             same_distribution, conc, note=f"temperature {temperature:.2f}; statistical check"),
+        Case("penalties", (_gen(ids(24), frequency_penalty=1.5), _gen(ids(24), presence_penalty=1.5),
+                           _gen(ids(24), repetition_penalty=1.5)), equal_tokens, conc),
+        Case("n2", (_gen(ids(24), n=2, max_new_tokens=96),), equal_tokens, 1),
+        Case("long_prompt", (_gen(ids(3 * CHUNKED_PREFILL + 37), max_new_tokens=96),), equal_tokens, 1,
+             note=f"{3 * CHUNKED_PREFILL + 37} prompt tokens, chunked prefill {CHUNKED_PREFILL}"),
+        Case("json_schema", (_gen(ids(16), json_schema=json.dumps(
+            {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                              "n": {"type": "integer"}},
+             "required": ["name", "n"]}), ignore_eos=False),), equal_tokens, 1),
+        Case("regex", (_gen(ids(16), regex="(yes|no) [0-9]{2,40}[a-f]+", ignore_eos=False),),
+             equal_tokens, 1),
+        Case("completions_stream", (Request("completions_stream", {
+            "model": model, "prompt": ids(24), "max_tokens": CASE_TOKENS, "temperature": 0,
+            "stream": True}),), equal_text, 1),
+        Case("chat_stream", (Request("chat_stream", {
+            "model": model, "messages": [{"role": "user", "content": prompt_text}],
+            "max_tokens": CASE_TOKENS, "temperature": 0, "stream": True}),), equal_text, 1),
+        Case("abort_stream", tuple(Request("abort_stream", {
+            "input_ids": ids(24), "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 2048, "ignore_eos": True}})
+            for _ in range(2)), streams_closed, conc, modes=("below", "above"),
+            note="the client closes the stream after 4 events, in each mode"),
+    ]
+    return cases
+
+
+def stop_cases(base: Outcome, p: list[int]) -> list[Case]:
+    """Stop token ids, stop strings and min_new_tokens, chosen from the plain server's own greedy
+    output so that each stops early (a stop that never triggers would prove nothing)."""
+    out_ids, text = base.ids[0], base.text[0]
+    first: dict[int, int] = {}
+    for i, t in enumerate(out_ids):
+        first.setdefault(t, i)
+    stop_at = next(i for i, t in enumerate(out_ids) if i >= 12 and first[t] == i)
+    early = next(i for i, t in enumerate(out_ids) if i >= 2 and first[t] == i)
+    later = next(i for i, t in enumerate(out_ids) if i >= early + 10 and first[t] == i)
+    reqs = [_gen(p, stop_token_ids=[out_ids[stop_at]], ignore_eos=False),
+            # the earlier stop id comes before min_new_tokens: only the later one may stop it
+            _gen(p, stop_token_ids=[out_ids[early], out_ids[later]], min_new_tokens=early + 5,
+                 ignore_eos=False)]
+    piece = text[len(text) // 3: len(text) // 3 + 3]
+    if piece.strip():
+        reqs.append(_gen(p, stop=[piece], ignore_eos=False))
+    return [Case("stop", tuple(reqs), equal_tokens, 1,
+                 note=f"stop id at token {stop_at}; min_new_tokens past a stop id at {early}, stop at {later}; "
+                      f"stop string {piece!r}")]
+
+
+# ----------------------------------------------------------------------------- load modes
+class Filler:
+    """4N greedy requests that keep the threshold server's batch above the threshold. `rolling`: each
+    slot sends its next request when one ends, until stop(); else each slot sends one."""
+
+    def __init__(self, base: str, prompts: list[list[int]], max_new: int, tag: str, timeout: float,
+                 rolling: bool):
+        self.base, self.max_new, self.tag, self.timeout, self.rolling = base, max_new, tag, timeout, rolling
+        self.stopping = False
+        self.current: dict[int, str] = {}
+        self.pool = ThreadPoolExecutor(max_workers=len(prompts))
+        self.futures = [self.pool.submit(self._slot, i, p) for i, p in enumerate(prompts)]
+
+    def _slot(self, i: int, ids: list[int]) -> str | None:
+        k = 0
+        while not self.stopping:
+            rid = self.current[i] = f"{self.tag}-{i}-{k}"
+            payload = {"input_ids": ids, "rid": rid, "sampling_params": {
+                "temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True}}
+            try:
+                client.post_json(self.base + "/generate", payload, self.timeout)
+            except client.HTTPFailure as exc:
+                if not self.stopping:
+                    return f"filler request {rid}: {exc}"[:400]
+            k += 1
+            if not self.rolling:
+                break
+        return None
+
+    def stop(self) -> None:
+        self.stopping = True
+        for rid in list(self.current.values()):
+            try:
+                client.abort(self.base, rid)
+            except client.HTTPFailure:
+                pass
+        self.wait()
+
+    def wait(self) -> None:
+        errors = [e for e in (f.result() for f in self.futures) if e]
+        self.pool.shutdown()
+        if errors:
+            raise CaseFailure(errors[0])
+
+
+def wait_mode(base: str, mode: str, timeout: float = 20) -> bool:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if spec_state(client.server_info(base))["mode"] == mode:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def wait_running(base: str, n: int, timeout: float = 10) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout and client.load(base).get("num_running_reqs", 0) < n:
+        time.sleep(0.01)
+
+
+def run_under(mode: str, base: str, case: Case, filler_prompts: list[list[int]],
+              timeout: float) -> tuple[list[Outcome], dict[str, Any]]:
+    """The case's requests on the threshold server under one load mode; what the mode did."""
+    tag = f"filler-{case.name}-{mode}-{int(time.time() * 1000)}"
+
+    def case_run() -> list[Outcome]:
+        return send_all(base, case.requests, case.concurrency, timeout)
+
+    seen: dict[str, Any] = {}
+    if mode == "below":
+        return case_run(), seen
+    with ThreadPoolExecutor(max_workers=1) as one:
+        if mode == "above":
+            filler = Filler(base, filler_prompts, 400, tag, timeout, rolling=True)
+            seen["plain_before"] = wait_mode(base, "plain")
+            outs = case_run()
+            seen["plain_after"] = spec_state(client.server_info(base))["mode"] == "plain"
+            filler.stop()
+            if not (seen["plain_before"] and seen["plain_after"]):
+                raise NotExercised(f"above: the server was not in plain mode for the whole case ({seen})")
+            return outs, seen
+        if mode == "cross_up":
+            fut = one.submit(case_run)
+            wait_running(base, 1)  # the case's first request is in the batch
+            filler = Filler(base, filler_prompts, 400, tag, timeout, rolling=True)
+            seen["crossed_in_flight"] = wait_mode(base, "plain") and not fut.done()
+            outs = fut.result()
+            filler.stop()
+        elif mode == "cross_down":
+            # short: it ends while the case's requests (CASE_TOKENS new tokens) still run
+            filler = Filler(base, filler_prompts, 64, tag, timeout, rolling=False)
+            plain_before = wait_mode(base, "plain")
+            fut = one.submit(case_run)
+            seen["crossed_in_flight"] = plain_before and wait_mode(base, "speculative") and not fut.done()
+            outs = fut.result()
+            filler.wait()
+        else:
+            raise ValueError(mode)
+    if not seen.get("crossed_in_flight"):
+        raise NotExercised(f"{mode}: the mode did not change while the case's requests were in flight "
+                          f"({seen}): the run proved nothing")
+    return outs, seen
+
+
+# ----------------------------------------------------------------------------- the matrix
+@dataclass
+class FeatureOptions:
+    models: Path
+    out: Path
+    threshold: int = DEFAULT_THRESHOLD
+    variants: tuple[str, ...] = ("overlap", "sync")
+    port: int = 30100
+    mem_fraction: float = 0.12
+    deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
+    health_timeout: float = 480
+    min_server_s: float = 150
+
+
+VARIANT_FLAGS = {"overlap": True, "sync": False}  # CUDA graphs on in both
+
+
+def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool = True) -> ServerConfig:
+    # metrics on for the threshold server only; xgrammar for the constrained cases; a small pool and
+    # chunked prefill for the pressure and long-prompt cases
+    extra = ("--grammar-backend", "xgrammar", "--max-total-tokens", str(POOL_TOKENS),
+             "--chunked-prefill-size", str(CHUNKED_PREFILL))
+    n = opts.threshold
+    return ServerConfig(name, opts.models / "target", draft=(opts.models / "draft") if draft else None,
+                        threshold=n if draft else None, overlap=overlap, cuda_graph=True,
+                        cuda_graph_max_bs=64, max_running=PRESSURE_REQUESTS,
+                        mem_fraction=opts.mem_fraction, enable_metrics=draft, extra=extra)
+
+
+def pressure_requests(seed: int, vocab: int) -> tuple[Request, ...]:
+    rnd = random.Random(seed + 7)
+    return tuple(_gen([rnd.randrange(3, vocab) for _ in range(rnd.randint(24, 64))],
+                      max_new_tokens=rnd.choice([96, 128, 160])) for _ in range(PRESSURE_REQUESTS))
+
+
+def retractions(log: Path) -> int:
+    return sum(1 for line in log.read_text(errors="replace").splitlines() if RETRACT_LOG.search(line))
+
+
+def run_case_mode(case: Case, mode: str, ref: list[Outcome], base: str, baseline: dict[str, Any],
+                  filler_prompts: list[list[int]], timeout: float) -> dict[str, Any]:
+    before = spec_state(client.server_info(base))
+    try:
+        outs, seen = run_under(mode, base, case, filler_prompts, timeout)
+        detail = case.check(ref, outs)
+        after = spec_state(client.server_info(base))
+        if mode == "below" and after["plain_steps"] - before["plain_steps"] > 1:
+            raise CaseFailure(f"below: {after['plain_steps'] - before['plain_steps']} plain steps "
+                              "while the batch stayed under the threshold")
+        idle = wait_idle(base, baseline)
+        try:
+            check_kv_back(baseline, idle)
+        except SmokeError as exc:
+            raise CaseFailure(exc.cause) from exc
+        return {"ok": True, **detail, **seen, "mode_changes": after["mode_changes"] - before["mode_changes"]}
+    except CaseFailure as exc:
+        wait_idle(base, baseline)
+        return {"ok": False, "cause": str(exc), "not_exercised": isinstance(exc, NotExercised)}
+
+
+def run_case_modes(case: Case, ref: list[Outcome], base: str, baseline: dict[str, Any],
+                   filler_prompts: list[list[int]], timeout: float) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for mode in case.modes:
+        for attempt in range(1, ATTEMPTS + 1):
+            rows[mode] = run_case_mode(case, mode, ref, base, baseline, filler_prompts, timeout)
+            rows[mode]["attempts"] = attempt
+            if rows[mode]["ok"] or not rows[mode].get("not_exercised"):
+                break
+    return rows
+
+
+def references(opts: FeatureOptions, cases: list[Case], stop_prompt: list[int],
+               state: dict[str, Any]) -> tuple[list[Case], dict[str, list[Outcome]]]:
+    """Every case's answers from the plain server (kept in `state` between calls). The stop case is
+    made from the plain server's greedy output for stop_prompt, so it is added here."""
+    if "refs" not in state:
+        log = opts.out / "features_plain.log"
+        with Server(server_config("features_plain", opts, draft=False), opts.port, log) as srv:
+            srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
+            timeout = opts.deadline.request_timeout(600)
+            base_out = send(srv.base, _gen(stop_prompt, max_new_tokens=64), timeout)
+            if base_out.error:
+                raise SmokeError(f"plain server: {base_out.error}", log=log)
+            state["stop_base"] = base_out.__dict__
+            refs = {c.name: [o.__dict__ for o in send_all(srv.base, c.requests, 8, timeout)]
+                    for c in cases + stop_cases(base_out, stop_prompt)}
+            for name, outs in refs.items():
+                errs = [o["error"] for o in outs if o["error"]]
+                if errs:
+                    raise SmokeError(f"plain server, case {name}: {errs[0]}", log=log)
+            check_log_clean(log.read_text(errors="replace"))
+        state["refs"] = refs
+    all_cases = cases + stop_cases(Outcome(**state["stop_base"]), stop_prompt)
+    return all_cases, {k: [Outcome(**o) for o in v] for k, v in state["refs"].items()}
+
+
+def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    state = state if state is not None else {}
+    opts.out.mkdir(parents=True, exist_ok=True)
+    expected = json.loads((opts.models / "expected.json").read_text())
+    vocab = int(expected["vocab_size"])
+    rnd = random.Random(99)
+    stop_prompt = [rnd.randrange(3, vocab) for _ in range(24)]
+    pressure = Case("kv_pressure", pressure_requests(0, vocab), equal_tokens, PRESSURE_REQUESTS,
+                    modes=("above",),
+                    note=f"{PRESSURE_REQUESTS} concurrent requests, pool of {POOL_TOKENS} tokens")
+    report: dict[str, Any] = {"threshold": opts.threshold, "variants": {}, "failures": [],
+                              "pool_tokens": POOL_TOKENS}
+    try:
+        cases, refs = references(opts, make_cases(expected, opts.threshold, str(opts.models / "target"))
+                                 + [pressure], stop_prompt, state)
+    except (SmokeError, client.HTTPFailure) as exc:
+        cause = exc.cause if isinstance(exc, SmokeError) else str(exc)
+        report["failures"].append({"variant": "plain", "case": "-", "mode": "-", "cause": cause,
+                                   "log_tail": log_tail(opts.out / "features_plain.log")})
+        return report
+    report["cases"] = {c.name: c.note for c in cases}
+    done = state.setdefault("variants", {})
+    for key in opts.variants:
+        if key in done:
+            report["variants"][key] = done[key]
+            continue
+        if opts.deadline.left() < opts.min_server_s:
+            report.setdefault("skipped", []).append(key)
+            continue
+        rep = run_variant(opts, key, [c for c in cases if c is not pressure], refs, pressure, vocab)
+        report["variants"][key] = rep
+        if not rep.get("skipped"):
+            done[key] = rep
+    for key, rep in report["variants"].items():
+        if rep.get("cause"):
+            report["failures"].append({"variant": key, "case": "-", "mode": "-", "cause": rep["cause"],
+                                       "log_tail": rep.get("log_tail")})
+        for name in rep.get("skipped", []):
+            report.setdefault("skipped", []).append(f"{key}: {name}")
+        for name, rows in rep.get("cases", {}).items():
+            for mode, row in rows.items():
+                if isinstance(row, dict) and not row.get("ok"):
+                    report["failures"].append({"variant": key, "case": name, "mode": mode,
+                                               "cause": row.get("cause")})
+    return report
+
+
+def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[str, Any],
+                pressure: Case, vocab: int) -> dict[str, Any]:
+    log = opts.out / f"features_{key}.log"
+    cfg = server_config(f"features_{key}", opts, draft=True, overlap=VARIANT_FLAGS[key])
+    rep: dict[str, Any] = {"overlap": VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}}
+    rnd = random.Random(5)
+    filler_prompts = [[rnd.randrange(3, vocab) for _ in range(32)] for _ in range(4 * opts.threshold)]
+    srv = Server(cfg, opts.port + 1, log)
+    try:
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
+        rep["start_s"] = round(srv.start_seconds, 1)
+        base = srv.base
+        baseline = wait_idle(base, client.load(base))
+        timeout = opts.deadline.request_timeout(600)
+        for case in cases:
+            if opts.deadline.left() < 60:
+                rep.setdefault("skipped", []).append(case.name)
+                continue
+            t0 = time.time()
+            rep["cases"][case.name] = run_case_modes(case, refs[case.name], base, baseline,
+                                                     filler_prompts, timeout)
+            rep["cases"][case.name]["seconds"] = round(time.time() - t0, 1)
+        # KV pressure: 256 at once into a small pool; retractions must happen and change nothing
+        retract_before = retractions(log)
+        before = spec_state(client.server_info(base))
+        outs = send_all(base, pressure.requests, pressure.concurrency, timeout)
+        row: dict[str, Any]
+        try:
+            row = {"ok": True, **equal_tokens(refs[pressure.name], outs)}
+            after = spec_state(client.server_info(base))
+            row["mode_changes"] = after["mode_changes"] - before["mode_changes"]
+            row["retract_log_lines"] = retractions(log) - retract_before
+            if row["retract_log_lines"] == 0:
+                raise CaseFailure("no request was retracted: the pool was not under pressure")
+            check_kv_back(baseline, wait_idle(base, baseline, timeout=60))
+        except (CaseFailure, SmokeError) as exc:
+            row = {"ok": False, "cause": getattr(exc, "cause", str(exc))}
+        rep["cases"][pressure.name] = {"above": row}
+        if not srv.alive():
+            raise SmokeError("server process died during the matrix")
+        check_log_clean(log.read_text(errors="replace"))
+    except (SmokeError, client.HTTPFailure) as exc:
+        rep["cause"] = exc.cause if isinstance(exc, SmokeError) else f"HTTP failure: {exc}"
+        rep["log_tail"] = log_tail(log, 40)
+    finally:
+        srv.stop()
+    return rep
+
+
+def summarize(report: dict[str, Any]) -> str:
+    lines = [f"features: threshold={report['threshold']} pool={report.get('pool_tokens')} tokens"]
+    for key, rep in report.get("variants", {}).items():
+        lines.append(f"  {key}: overlap={rep.get('overlap')} cuda_graph={rep.get('cuda_graph')} "
+                     f"start {rep.get('start_s')}s")
+        for name, rows in rep.get("cases", {}).items():
+            cells = [f"{mode} " + (f"PASS({row.get('mode_changes')})" if row.get("ok") else "FAIL")
+                     for mode, row in rows.items() if isinstance(row, dict)]
+            lines.append(f"    {name:20s} " + "  ".join(cells) + f"  [{rows.get('seconds', '-')}s]")
+    for s in report.get("skipped", []):
+        lines.append(f"  SKIPPED {s}")
+    for f in report.get("failures", []):
+        lines.append(f"FEATURE FAILED [{f['variant']} {f['case']} {f['mode']}]: {f['cause']}")
+    return "\n".join(lines)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--models", type=Path, required=True, help="dir from `python -m smoke models`")
+    ap.add_argument("--out", type=Path, required=True, help="logs and features.json go here")
+    ap.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD)
+    ap.add_argument("--variants", default="overlap,sync",
+                    help="comma list of: overlap, sync (--disable-overlap-schedule); CUDA graphs on")
+    ap.add_argument("--port", type=int, default=30100)
+    ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
+
+
+def options(a: argparse.Namespace) -> FeatureOptions:
+    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANT_FLAGS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANT_FLAGS)}")
+    if a.threshold < 2:
+        raise SystemExit("--threshold must be >= 2 (the 'below' runs need one request under it)")
+    return FeatureOptions(models=a.models, out=a.out, threshold=a.threshold, variants=variants,
+                          port=a.port, deadline=Deadline(time.time() + a.deadline))
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    return 1 if report.get("failures") or report.get("skipped") else 0
+
+
+def main(a: argparse.Namespace) -> int:
+    opts = options(a)
+    report = run_features(opts)
+    (opts.out / "features.json").write_text(json.dumps(report, indent=1))
+    print(summarize(report))
+    return exit_code(report)

@@ -1,0 +1,168 @@
+"""The feature matrix's own logic (smoke.features): how answers are read and compared. The matrix
+itself needs a GPU and runs in `python -m smoke e2e --phases ...,features` (docs/validation.md)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from smoke import features as F
+from smoke.__main__ import build_parser
+
+
+def outcome(ids: list[int], finish: object = None, lps: list[float] | None = None,
+            top: list[list[tuple[int, float]]] | None = None) -> F.Outcome:
+    return F.Outcome(ids=[ids], text=[" ".join(map(str, ids))], finish=[finish],
+                     logprobs=[lps or []], top=[top or []])
+
+
+def test_generate_answers_are_read_for_one_and_for_n_choices():
+    one = {"output_ids": [5, 6], "text": "ab", "meta_info": {
+        "finish_reason": {"type": "stop", "matched": 6},
+        "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+        "output_top_logprobs": [[[-0.1, 5, None], [-3.0, 9, None]], [[-0.2, 6, None]]]}}
+    o = F.read_generate(one)
+    assert o.ids == [[5, 6]] and o.finish == [["stop", 6]] and o.logprobs == [[-0.1, -0.2]]
+    assert o.top == [[[(5, -0.1), (9, -3.0)], [(6, -0.2)]]]
+    two = F.read_generate([one, dict(one, output_ids=[7])])
+    assert two.ids == [[5, 6], [7]]
+    with pytest.raises(F.CaseFailure, match="no output_ids"):
+        F.read_generate({"error": "boom"})
+
+
+def test_streams_are_joined_and_an_error_event_fails():
+    events = [{"choices": [{"text": "he"}]}, {"choices": [{"text": "llo", "finish_reason": "length"}]}]
+    assert F.read_stream(events, chat=False).text == ["hello"]
+    chat = [{"choices": [{"delta": {"role": "assistant"}}]}, {"choices": [{"delta": {"content": "hi"}}]},
+            {"choices": [{"delta": {}, "finish_reason": "stop"}]}]
+    got = F.read_stream(chat, chat=True)
+    assert got.text == ["hi"] and got.finish == ["stop"]
+    with pytest.raises(F.CaseFailure, match="error event"):
+        F.read_stream([{"error": {"message": "x"}}], chat=False)
+
+
+def test_token_comparison_names_the_first_difference():
+    ref = [outcome([1, 2, 3, 4], "length")]
+    assert F.equal_tokens(ref, [outcome([1, 2, 3, 4], "length")]) == {"requests": 1}
+    with pytest.raises(F.CaseFailure, match=r"first difference at token 2: got \[9, 4\] expected \[3, 4\]"):
+        F.equal_tokens(ref, [outcome([1, 2, 9, 4], "length")])
+    with pytest.raises(F.CaseFailure, match="finish"):
+        F.equal_tokens(ref, [outcome([1, 2, 3, 4], ["stop", 4])])
+    with pytest.raises(F.CaseFailure, match="1 request"):
+        F.equal_tokens(ref, [F.Outcome(error="HTTP 500")])
+
+
+def test_logprobs_must_agree_within_the_tolerance():
+    ref = [outcome([1, 2], lps=[-0.10, -0.20], top=[[(1, -0.1), (7, -4.0)], [(2, -0.2)]])]
+    near = [outcome([1, 2], lps=[-0.11, -0.19], top=[[(1, -0.11), (7, -4.02)], [(2, -0.19)]])]
+    assert F.close_logprobs(ref, near)["max_logprob_diff"] == pytest.approx(0.02)
+    far = [outcome([1, 2], lps=[-0.10, -0.40], top=[[(1, -0.1)], [(2, -0.4)]])]
+    with pytest.raises(F.CaseFailure, match="token 1: logprob -0.4000"):
+        F.close_logprobs(ref, far)
+    missing = [outcome([1, 2], lps=[], top=[])]
+    with pytest.raises(F.CaseFailure, match="0 output logprobs"):
+        F.close_logprobs(ref, missing)
+    other_top = [outcome([1, 2], lps=[-0.10, -0.20], top=[[(8, -0.1)], [(2, -0.2)]])]
+    with pytest.raises(F.CaseFailure, match="top-1 token 8"):
+        F.close_logprobs(ref, other_top)
+
+
+def test_sampling_check_passes_one_distribution_and_catches_a_biased_sampler():
+    rnd = random.Random(1)
+
+    def draws(bias: float) -> list[F.Outcome]:
+        # per-token logprob of a sampled token: the greedy one (-0.7) with p, another (-1.4) else
+        return [outcome([1] * 48, lps=[-0.7 if rnd.random() < 0.5 + bias else -1.4 for _ in range(48)])
+                for _ in range(F.SAMPLES)]
+
+    same = F.same_distribution(draws(0.0), draws(0.0))
+    assert abs(same["z"]) < F.SAMPLING_Z
+    with pytest.raises(F.CaseFailure, match="z = "):
+        F.same_distribution(draws(0.0), draws(0.25))  # accepts the likelier token too often
+
+
+def test_stop_cases_are_chosen_to_stop_early_from_the_plain_output():
+    out_ids = [10, 11, 12, 10, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    base = F.Outcome(ids=[out_ids], text=["abcdefghijklmnopqrstuvwxyz"], finish=["length"])
+    (case,) = F.stop_cases(base, [3, 4, 5])
+    first, second, by_string = (r.payload["sampling_params"] for r in case.requests)
+    assert first["stop_token_ids"] == [out_ids[12]] and first["ignore_eos"] is False
+    early_id, later_id = second["stop_token_ids"]
+    early, later = out_ids.index(early_id), out_ids.index(later_id)
+    assert early < second["min_new_tokens"] <= later  # only the later stop id may end it
+    assert by_string["stop"] == ["ijk"]
+
+
+def test_cases_keep_below_under_the_threshold_and_are_plain_json():
+    expected = {"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}
+    for threshold in (2, 4, 16):
+        for case in F.make_cases(expected, threshold, "m"):
+            n = max(int(r.payload.get("sampling_params", {}).get("n", 1)) for r in case.requests)
+            assert case.concurrency * n < threshold or case.concurrency * n == 2, case.name
+            json.dumps([r.payload for r in case.requests])
+            assert set(case.modes) <= set(F.MODES)
+
+
+def test_e2e_and_cli_take_the_features_phase():
+    a = build_parser().parse_args(["e2e", "--phases", "models,features", "--feature-variants", "sync"])
+    assert a.phases == "models,features" and a.feature_variants == "sync"
+    a = build_parser().parse_args(["features", "--models", "m", "--out", "o", "--threshold", "1"])
+    with pytest.raises(SystemExit, match="threshold must be >= 2"):
+        F.options(a)
+
+
+ACCEPTS = """
+import dataclasses, json, sys
+sys.path.insert(0, {repo!r})
+from smoke import features as F
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+expected = {{"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}}
+base = F.Outcome(ids=[list(range(10, 60))], text=["abcdefghijklmnopqrstuvwxyz"], finish=["length"])
+cases = F.make_cases(expected, 4, "m") + F.stop_cases(base, [3, 4]) + [
+    F.Case("kv_pressure", F.pressure_requests(0, 3000), F.equal_tokens)]
+fields = {{f.name for f in dataclasses.fields(GenerateReqInput)}}
+checked = 0
+for case in cases:
+    for r in case.requests:
+        if r.kind in ("generate", "abort_stream"):
+            unknown = set(r.payload) - fields
+            assert not unknown, (case.name, unknown)
+            req = GenerateReqInput(**r.payload)
+            req.normalize_batch_and_arguments()
+            SamplingParams(**r.payload["sampling_params"]).verify(3000)
+        elif r.kind == "chat_stream":
+            ChatCompletionRequest(**r.payload)
+        else:
+            CompletionRequest(**r.payload)
+        checked += 1
+print("checked", checked)
+"""
+
+
+@pytest.mark.parametrize("flavor", ["sglang-0.5.17", "sglang-0.5.23"])
+def test_every_request_of_the_matrix_is_one_the_real_server_accepts(flavor, sglang_tree, run_in_tree):
+    """Each case's payload goes through the flavor's own request classes (GenerateReqInput with its
+    normalisation, SamplingParams.verify, the OpenAI protocol models): a misplaced field (say,
+    return_logprob inside sampling_params) fails here, not after a GPU server started."""
+    from pathlib import Path
+
+    tree = sglang_tree(flavor, False)
+    p = run_in_tree(tree, ACCEPTS.format(repo=str(Path(__file__).resolve().parents[1])))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "checked" in p.stdout
+
+
+def test_the_partial_smoke_names_every_case_it_could_not_run():
+    from sglang_image.smoke import NOT_CHECKED_WITHOUT_GPU, full_command
+
+    expected = {"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}
+    base = F.Outcome(ids=[list(range(10, 60))], text=["abcdefghijklmnopqrstuvwxyz"], finish=["length"])
+    names = [c.name for c in F.make_cases(expected, 4, "m") + F.stop_cases(base, [3])] + ["kv_pressure"]
+    assert tuple(names) == F.CASE_NAMES
+    said = " ".join(NOT_CHECKED_WITHOUT_GPU)
+    assert [n for n in F.CASE_NAMES if n not in said] == []
+    assert "python3 -m smoke features" in full_command(4)[-1]  # the full smoke runs the matrix too
