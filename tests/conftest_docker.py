@@ -129,10 +129,10 @@ def debootstrap_base(docker_client: DockerClient, base_rootfs: Path) -> str:
 
 def light_build(client: DockerClient, base_ref: str, tmp: Path, **kw: Any) -> build.BuildResult:
     """A light build (SGLang + patch targets + SBOM tool, no heavy dependencies) of the default
-    flavor from images/Dockerfile, its output under `tmp`."""
+    flavor, its output under `tmp` (output_dir=, work_dir= to put them elsewhere)."""
     flavor = kw.pop("flavor", None) or pins.load_flavor(pins.DEFAULT_FLAVOR)
-    opts = build.BuildOptions(flavor=flavor, base=base_ref, light=True, output_dir=tmp / "out",
-                              work_dir=tmp / "work", **kw)
+    opts = build.BuildOptions(flavor=flavor, base=base_ref, light=True,
+                              **{"output_dir": tmp / "out", "work_dir": tmp / "work", **kw})
     return build.build(opts, Console(file=io.StringIO()), client)
 
 

