@@ -166,3 +166,14 @@ def test_the_partial_smoke_names_every_case_it_could_not_run():
     said = " ".join(NOT_CHECKED_WITHOUT_GPU)
     assert [n for n in F.CASE_NAMES if n not in said] == []
     assert "python3 -m smoke features" in full_command(4)[-1]  # the full smoke runs the matrix too
+
+
+def test_the_smoke_checks_an_image_against_the_series_of_its_own_flavor():
+    from sglang_image.errors import SmokeError
+    from sglang_image.smoke import image_flavor
+
+    labels = {"io.sglang-image.flavor": "sglang-0.5.17"}
+    assert image_flavor("img", labels, None) == "sglang-0.5.17"
+    assert image_flavor("img", {}, None) is None  # the default flavor
+    with pytest.raises(SmokeError, match="built for flavor sglang-0.5.17, not sglang-0.5.23"):
+        image_flavor("img", labels, "sglang-0.5.23")

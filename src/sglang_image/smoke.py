@@ -158,6 +158,16 @@ def container_kwargs(*, gpu: bool, out_dir: Path) -> dict[str, Any]:
     return kw
 
 
+def image_flavor(image: str, labels: dict[str, str], flavor: str | None) -> str | None:
+    """The flavor whose series the image must carry: its label's, unless --flavor says otherwise,
+    which is refused (the comparison would fail for the wrong reason)."""
+    built = labels.get("io.sglang-image.flavor")
+    if flavor and built and flavor != built:
+        raise SmokeError(f"{image} was built for flavor {built}, not {flavor}: drop --flavor, or "
+                         f"pass the image of {flavor} (nox -s build -- --flavor {flavor})")
+    return flavor or built
+
+
 def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
               out_dir: Path | None = None, threshold: int = 4) -> SmokeResult:
     import docker.errors
@@ -168,7 +178,6 @@ def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
     out_dir = (out_dir or REPO_ROOT / "out" / "smoke").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir.chmod(0o777)  # the image runs as uid 1000: let it read the series and write reports
-    (out_dir / "expected-series.json").write_text(json.dumps(expected_series(flavor), indent=1))
     engine = connect()
     try:
         found = engine.client.images.get(image)
@@ -176,6 +185,8 @@ def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
         raise SmokeError(f"image {image} not found: {exc}; build it first: nox -s build") from exc
     # Run the image by its ID: the record names exactly what ran, even if the tag moves.
     image_id, labels = str(found.id), found.labels or {}
+    flavor = image_flavor(image, labels, flavor)
+    (out_dir / "expected-series.json").write_text(json.dumps(expected_series(flavor), indent=1))
     light = labels.get("io.sglang-image.light") == "true"
     cmd = full_command(threshold) if gpu and not light else partial_command(light)
     try:
@@ -238,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("image_pos", nargs="?", metavar="IMAGE", help="image reference (or --image)")
     ap.add_argument("--image", default=None, help="default: the build's tag of the flavor")
-    ap.add_argument("--flavor", default=None)
+    ap.add_argument("--flavor", default=None,
+                    help="default: the image's io.sglang-image.flavor label (for the default image "
+                         "tag: the default flavor)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--gpu", dest="gpu", action="store_true", default=None)
     g.add_argument("--no-gpu", dest="gpu", action="store_false")
