@@ -427,6 +427,8 @@ def test_patch_only_change_rebuilds_part_2_alone(light_image: build.BuildResult,
     first = series / flavor.series()[0].name
     first.write_text("X-Test: a header line more\n" + first.read_text())
     dangling = {i.id for i in docker_client.images.list(filters={"dangling": True})}
+    legacy = f"sglang-image-build-cache:{FLAVOR}-light-deps"  # what the one-stage build kept
+    docker_client.api.tag(debootstrap_base, *legacy.split(":"))
     again = _build(docker_client, debootstrap_base, light_image.output_dir.parent,
                    flavor=dataclasses.replace(flavor, patch_dir=series), tag="sglang-image-test:light-p",
                    output_dir=tmp_path / "out")
@@ -438,6 +440,8 @@ def test_patch_only_change_rebuilds_part_2_alone(light_image: build.BuildResult,
     assert after[:-1] == before[:-1] and after[-1] != before[-1]
     assert "runtime base" in dict(again.phases)
     assert {i.id for i in docker_client.images.list(filters={"dangling": True})} <= dangling
+    with pytest.raises(docker.errors.ImageNotFound):
+        docker_client.images.get(legacy)
     manifest = json.loads((again.output_dir / "patches.json").read_text())
     assert manifest[0]["sha256"] == hashlib.sha256(first.read_bytes()).hexdigest()
 

@@ -50,6 +50,9 @@ IMAGE_REPO = "sglang-image"
 SBOM_PATH = "/opt/sglang-image/sbom.cdx.json"
 MANIFEST_PATH = "/opt/sglang-image/patches.json"
 LABEL_PREFIX = "io.sglang-image"
+# Stages of the one-stage Dockerfile (before the runtime base and part 2) whose cache images an
+# engine may still hold tagged: each build removes them.
+LEGACY_CACHE_STAGES = ("deps", "sglang")
 # Installed in the light build besides SGLang and the patch targets: what the SBOM step runs.
 SBOM_TOOL = "cyclonedx-bom"
 
@@ -569,6 +572,8 @@ def build(opts: BuildOptions, console: Console | None = None,
             _retag(client, str(client.images.get(stage_id).id),
                    [f"{IMAGE_REPO}-build-cache:{work.name}-{stage_name}"])
         _retag(client, raw_id, [f"{IMAGE_REPO}-build-cache:{work.name}"])
+        for stage_name in LEGACY_CACHE_STAGES:  # gigabytes the one-stage build left behind
+            _remove_quietly(client, f"{IMAGE_REPO}-build-cache:{work.name}-{stage_name}")
         phases.done("part 2")
         layer_file = work / "part2-layer.tar"
         diff_id, size = normalize.export_layer(client, raw_id, layer_file)
