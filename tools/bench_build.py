@@ -3,9 +3,10 @@
     PYTHONPATH=src python tools/bench_build.py [--flavor F] [--base TAG] [--light] [--skip-cold]
 
 Scenarios, in this order, on the engine DOCKER_HOST names (or the one `connect()` finds):
-  cold        --no-cache: every layer built again (the wheels already fetched)
+  cold        --no-cache: the runtime base and part 2 built again (the wheels already fetched)
   unchanged   the same inputs again: what a rebuild of an unchanged tree costs
-  patch-only  one patch's header changed: SGLang's layers cached, the patch layer and after rebuilt
+  patch-only  one patch's header changed: the runtime base reused, part 2 rebuilt from its cached
+              SGLang install, its one layer composed onto the base
 Prints one row per scenario with the seconds of each phase, the total, the engine's disk use
 and the dangling images left behind. Numbers only: it asserts nothing.
 """
