@@ -55,12 +55,11 @@ RUN_PHASES = ("smoke", "features", "bench", "comm")  # marked done in the state 
 # state of the installed site, and prefixes of the results measured on it: a new site drops both
 SITE_STATE = ("patch", "check")
 RESULT_STATE = ("smoke", "features", "bench_", "comm")
-# model dir -> (`smoke models` args, the phase that needs it)
-MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], "smoke"),
-          "features": (["--size", "tiny", "--draft", "first"], "features"),
-          "1b": (["--size", "1b", "--draft", "chain"], "bench"),
-          "8b": (["--size", "8b", "--draft", "chain"], "bench"),
-          "qwen3": (["--arch", "qwen3", "--size", "tp2"], "comm")}
+# model dir -> (`smoke models` args, the phases that use it)
+MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], ("smoke", "features")),
+          "1b": (["--size", "1b", "--draft", "chain"], ("bench",)),
+          "8b": (["--size", "8b", "--draft", "chain"], ("bench",)),
+          "qwen3": (["--arch", "qwen3", "--size", "tp2"], ("comm",))}
 REPO = Path(__file__).resolve().parents[1]
 FLAG = "--speculative-disable-batch-threshold"
 
@@ -215,12 +214,12 @@ class E2E:
     def phase_models(self) -> None:
         # in a subprocess: the driver must not keep GPU memory while the servers run
         phases = set(self.phases)
-        wanted = [n for n, (_, ph) in MODELS.items() if ph in phases] or list(MODELS)
+        wanted = [n for n, (_, used_by) in MODELS.items() if phases & set(used_by)] or list(MODELS)
         # the bench runs on one model size (--bench-size)
-        wanted = [n for n in wanted if MODELS[n][1] != "bench" or n == self.a.bench_size]
+        wanted = [n for n in wanted if "bench" not in MODELS[n][1] or n == self.a.bench_size]
         for name in wanted:
             args = list(MODELS[name][0])
-            if MODELS[name][1] == "bench":
+            if "bench" in MODELS[name][1]:
                 args += ["--draft-accept", str(self.a.bench_draft_accept)]
             d = self.models / name
             if (d / "expected.json").exists() and self.state.get(f"models_{name}") == args:
@@ -247,7 +246,7 @@ class E2E:
 
     def phase_features(self) -> None:
         st = self.resumable("features")
-        opts = features_mod.FeatureOptions(models=self.models / "features", out=self.logs,
+        opts = features_mod.FeatureOptions(models=self.models / "tiny", out=self.logs,
                                            threshold=self.a.threshold, deadline=self.deadline,
                                            variants=tuple(self.a.feature_variants.split(",")))
         rep = features_mod.run_features(opts, st)
@@ -493,7 +492,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="features phase: comma list of overlap,sync (CUDA graphs on in both)")
     ap.add_argument("--bench-draft-accept", type=float, default=0.85,
                     help="chain draft of the 1B-shaped models: designed accept length ~3.2 (3 steps)")
-    ap.add_argument("--bench-size", default="1b", choices=[n for n, (_, ph) in MODELS.items() if ph == "bench"],
+    ap.add_argument("--bench-size", default="1b", choices=[n for n, (_, used_by) in MODELS.items() if "bench" in used_by],
                     help="bench model shape: 1b (host-bound at high load on a fast GPU) or 8b (GPU-bound)")
     bench_mod.add_tuning_arguments(ap, "bench-")
     ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
@@ -503,17 +502,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def main(a: argparse.Namespace) -> int:
     if a.phases != "all":
-        bad = [p for p in a.phases.split(",") if p not in PHASES]
-        if bad:
-            raise SystemExit(f"--phases: unknown {bad}; choose from {','.join(PHASES)}")
-    bad = [v for v in a.smoke_variants.split(",") if v not in runner.VARIANTS]
-    if bad:
-        raise SystemExit(f"--smoke-variants: unknown {bad}; choose from {','.join(runner.VARIANTS)}")
-    bad = [v for v in a.feature_variants.split(",") if v not in features_mod.VARIANT_FLAGS]
-    if bad:
-        raise SystemExit(f"--feature-variants: unknown {bad}; choose from {','.join(features_mod.VARIANT_FLAGS)}")
-    bad = [r for r in a.comm_runs.split(",") if r not in comm_mod.RUN_NAMES]
-    if bad:
-        raise SystemExit(f"--comm-runs: unknown {bad}; choose from {','.join(comm_mod.RUN_NAMES)}")
+        runner.comma_list(a.phases, PHASES, "--phases")
+    runner.comma_list(a.smoke_variants, runner.VARIANTS, "--smoke-variants")
+    runner.comma_list(a.feature_variants, features_mod.VARIANT_FLAGS, "--feature-variants")
+    runner.comma_list(a.comm_runs, comm_mod.RUN_NAMES, "--comm-runs")
     bench_mod.tuning_options(a, "bench-")  # exits naming a bad --bench-* value before any work
     return E2E(a).run()

@@ -47,6 +47,8 @@ from smoke.runner import (
     SmokeError,
     check_kv_back,
     check_log_clean,
+    comma_list,
+    exit_code,
     spec_state,
     wait_idle,
 )
@@ -684,18 +686,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def options(a: argparse.Namespace) -> FeatureOptions:
-    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
-    unknown = [v for v in variants if v not in VARIANT_FLAGS]
-    if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANT_FLAGS)}")
+    variants = comma_list(a.variants, VARIANT_FLAGS, "--variants")
     if a.threshold < 2:
         raise SystemExit("--threshold must be >= 2 (the 'below' runs need one request under it)")
     return FeatureOptions(models=a.models, out=a.out, threshold=a.threshold, variants=variants,
                           port=a.port, deadline=Deadline(time.time() + a.deadline))
-
-
-def exit_code(report: dict[str, Any]) -> int:
-    return 1 if report.get("failures") or report.get("skipped") else 0
 
 
 def main(a: argparse.Namespace) -> int:

@@ -608,11 +608,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
 
 
-def options(a: argparse.Namespace) -> SmokeOptions:
-    variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
-    unknown = [v for v in variants if v not in VARIANTS]
+def comma_list(text: str, known: Iterable[str], flag: str) -> tuple[str, ...]:
+    """The names of a comma list option, each one of `known`; else exits naming the option."""
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    choices = list(known)
+    unknown = [v for v in names if v not in choices]
     if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+        raise SystemExit(f"{flag}: unknown {unknown}; choose from {','.join(choices)}")
+    return names
+
+
+def options(a: argparse.Namespace) -> SmokeOptions:
+    variants = comma_list(a.variants, VARIANTS, "--variants")
     if a.threshold < 1:
         raise SystemExit("--threshold must be >= 1")
     return SmokeOptions(models=a.models, out=a.out, threshold=a.threshold, variants=variants,

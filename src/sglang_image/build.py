@@ -458,10 +458,7 @@ def _retag(client: DockerClient, image_id: str, tags: list[str]) -> None:
         repo, _, name = tag.rpartition(":")
         client.api.tag(image_id, repo, name)
         if previous and previous != image_id and not client.images.get(previous).tags:
-            try:
-                client.images.remove(previous)
-            except docker.errors.APIError:
-                pass  # still used by a container: the user's to remove
+            _remove_quietly(client, previous)
 
 
 def runtime_base_key(ctx: Path, buildargs: dict[str, str], base_id: str) -> str:

@@ -341,7 +341,6 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
     raw_ids = [raw for raw, gone in zip(all_raw_ids, dropped) if not gone]
     new_ids = [layers[folder_of[raw]].new for raw in raw_ids]
     config_bytes = normalized_config(config, new_ids, epoch, labels, base_history)
-    new_id = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
     if config_out is not None:
         config_out.parent.mkdir(parents=True, exist_ok=True)
         config_out.write_bytes(config_bytes)
@@ -349,10 +348,8 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
     needed = {folder_of[raw] for i, raw in enumerate(raw_ids)
               if tuple(new_ids[: i + 1]) not in present}
     log(f"normalise: pass 2/2, loading {len(needed)} of {len(raw_ids)} layers")
-    new_manifest = [{"Config": new_id[7:] + ".json", "RepoTags": tags,
-                     "Layers": [f"{new[7:]}/layer.tar" for new in new_ids]}]
 
-    def produce(put: Callable[[bytes], None]) -> None:
+    def put_layers(put: Callable[[bytes], None]) -> None:
         with _export(client, image_id) as tar:
             for member in tar:
                 if member.name not in needed:
@@ -371,19 +368,31 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
                     raise BuildError(f"layer {member.name} rewrote differently twice "
                                      "(non-deterministic export?)")
                 put(b"\0" * (-sink.size % BLOCK))
+
+    return _load(client, config_bytes, put_layers, tags)
+
+
+def _load(client: DockerClient, config_bytes: bytes,
+          put_layers: Callable[[Callable[[bytes], None]], None], tags: list[str]) -> str:
+    """Streams an archive into the engine (`POST /images/load`): the layers put_layers writes
+    (those whose chain the engine lacks), the config and a manifest naming every layer of the
+    config; checks that the engine loaded the config's image ID and returns it."""
+    new_id = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
+    diff_ids: list[str] = json.loads(config_bytes)["rootfs"]["diff_ids"]
+    manifest = [{"Config": new_id[7:] + ".json", "RepoTags": tags,
+                 "Layers": [f"{d[7:]}/layer.tar" for d in diff_ids]}]
+
+    def produce(put: Callable[[bytes], None]) -> None:
+        put_layers(put)
         for name, data in ((new_id[7:] + ".json", config_bytes),
-                           ("manifest.json", json.dumps(new_manifest).encode())):
+                           ("manifest.json", json.dumps(manifest).encode())):
             put(_header(name, len(data)) + data + b"\0" * (-len(data) % BLOCK))
         put(b"\0" * (2 * BLOCK))
 
-    loaded = None
     for line in client.api.load_image(pipe(produce)):  # type: ignore[no-untyped-call]
-        text = str(line.get("stream", "")) + str(line.get("error", ""))
         if "error" in line:
-            raise BuildError(f"loading the normalised image failed: {text.strip()}")
-        if "Loaded image ID:" in text:
-            loaded = text.split("Loaded image ID:")[1].strip()
-    got = client.images.get(tags[0]).id if tags else loaded
+            raise BuildError(f"loading the image failed: {str(line.get('error')).strip()}")
+    got = client.images.get(tags[0]).id if tags else client.images.get(new_id).id
     if got != new_id:
         raise BuildError(f"the engine loaded {got}, expected {new_id}")
     return new_id
@@ -412,33 +421,21 @@ def load_composed(client: DockerClient, config_bytes: bytes, new_layers: dict[st
                   tags: list[str]) -> str:
     """Loads the image of `config_bytes` whose layers are in the engine already, except those in
     `new_layers` (diff ID -> layer tar); returns its ID."""
-    new_id = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
     diff_ids: list[str] = json.loads(config_bytes)["rootfs"]["diff_ids"]
     present = _present_chains(client)
     missing = [d for i, d in enumerate(diff_ids) if tuple(diff_ids[: i + 1]) not in present
                and d not in new_layers]
     if missing:
-        raise BuildError(f"cannot load {new_id[:19]}: layers {missing} are neither in the engine "
+        raise BuildError(f"cannot load the image: layers {missing} are neither in the engine "
                          "nor given")
-    manifest = [{"Config": new_id[7:] + ".json", "RepoTags": tags,
-                 "Layers": [f"{d[7:]}/layer.tar" for d in diff_ids]}]
 
-    def produce(put: Callable[[bytes], None]) -> None:
+    def put_layers(put: Callable[[bytes], None]) -> None:
         for diff_id, path in new_layers.items():
-            put(_header(f"{diff_id[7:]}/layer.tar", path.stat().st_size))
+            size = path.stat().st_size
+            put(_header(f"{diff_id[7:]}/layer.tar", size))
             with path.open("rb") as fh:
                 while block := fh.read(CHUNK):
                     put(block)
-            put(b"\0" * (-path.stat().st_size % BLOCK))
-        for name, data in ((new_id[7:] + ".json", config_bytes),
-                           ("manifest.json", json.dumps(manifest).encode())):
-            put(_header(name, len(data)) + data + b"\0" * (-len(data) % BLOCK))
-        put(b"\0" * (2 * BLOCK))
+            put(b"\0" * (-size % BLOCK))
 
-    for line in client.api.load_image(pipe(produce)):  # type: ignore[no-untyped-call]
-        if "error" in line:
-            raise BuildError(f"loading the image failed: {str(line.get('error')).strip()}")
-    got = client.images.get(tags[0]).id if tags else client.images.get(new_id).id
-    if got != new_id:
-        raise BuildError(f"the engine loaded {got}, expected {new_id}")
-    return new_id
+    return _load(client, config_bytes, put_layers, tags)
