@@ -64,6 +64,51 @@ REPO = Path(__file__).resolve().parents[1]
 FLAG = "--speculative-disable-batch-threshold"
 
 
+def bundle_archive(bundle: Path) -> Path:
+    """BUNDLE/wheels.tar.xz; where it travelled in parts (wheels.tar.xz.part-NN), joined first."""
+    whole = bundle / "wheels.tar.xz"
+    parts = sorted(bundle.glob("wheels.tar.xz.part-*"))
+    if not whole.is_file() and parts:
+        tmp = whole.with_suffix(".joining")
+        with tmp.open("wb") as out:
+            for part in parts:
+                out.write(part.read_bytes())
+        tmp.replace(whole)
+    if not whole.is_file():
+        raise SystemExit(f"{whole} is missing: build the bundle with nox -s gpu-e2e, then copy "
+                         ".gpu/ (or its parts) to this host")
+    return whole
+
+
+def pth_paths(site: Path) -> list[str]:
+    """The folders the site's .pth files add (what `site` would do for a site-packages folder;
+    PYTHONPATH entries and `pip --target` sites do not run them). `import` lines are not run."""
+    found: list[str] = []
+    for pth in sorted(site.glob("*.pth")) if site.is_dir() else []:
+        for line in pth.read_text(errors="replace").splitlines():
+            line = line.strip()
+            if not line or line.startswith(("#", "import ", "import\t")):
+                continue
+            folder = (site / line).resolve()
+            if folder.is_dir() and str(folder) not in found:
+                found.append(str(folder))
+    return found
+
+
+def host_stack_problems(expected: dict[str, str], found: dict[str, str | None]) -> list[str]:
+    """One line per distribution of the flavor's torch stack that the host lacks or has at another
+    version (a local version suffix such as +cu130 counts as the same release)."""
+    lines = []
+    for name, want in sorted(expected.items()):
+        have = found.get(name)
+        if have is None:
+            lines.append(f"{name} {want} is not installed here")
+        elif have.split("+")[0] != want.split("+")[0]:
+            lines.append(f"{name} is {have} here, the flavor pins {want}: servers run on this "
+                         "host's stack, not the image's (bring the flavor's stack: MAINTAINING.md)")
+    return lines
+
+
 class E2E:
     def __init__(self, a: argparse.Namespace):
         self.a = a
@@ -98,9 +143,10 @@ class E2E:
     def env(self) -> None:
         """Environment for this process and every server it starts."""
         jit = self.state_dir / "jit"
+        own = [str(self.site), *pth_paths(self.site), str(self.state_dir / "stubs")]
         os.environ.update({
-            "PYTHONPATH": os.pathsep.join([str(self.site), str(self.state_dir / "stubs")]
-                                          + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+            "PYTHONPATH": os.pathsep.join(own + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                 if p and p not in own]),
             "SMOKE_SERVER_PIDFILE": str(self.state_dir / "servers.pid"),
             "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -111,7 +157,7 @@ class E2E:
             **comm_mod.NO_MULTICAST_ENV,  # NVLink multicast is off on the lent machines
         })
         os.environ["PATH"] = f"{os.environ['CUDA_HOME']}/bin:{os.environ.get('PATH', '')}"
-        for p in (str(self.site), str(self.state_dir / "stubs")):
+        for p in reversed(own):
             if p not in sys.path:
                 sys.path.insert(0, p)
 
@@ -132,8 +178,8 @@ class E2E:
 
     @functools.cached_property
     def wheels_digest(self) -> str:
-        """sha256 of the bundle's wheels (~40 MB: read once per call)."""
-        return hashlib.sha256((self.a.bundle / "wheels.tar.xz").read_bytes()).hexdigest()
+        """sha256 of the bundle's wheels (tens of MB: read once per call)."""
+        return hashlib.sha256(bundle_archive(self.a.bundle).read_bytes()).hexdigest()
 
     def install_key(self) -> str:
         """What the site is made of: the bundle's wheels and the patch series."""
@@ -143,7 +189,7 @@ class E2E:
         return jitcache.kernel_key(self.wheels_digest, self.state.get("patch") or [])
 
     def phase_install(self) -> None:
-        tarball = self.a.bundle / "wheels.tar.xz"
+        tarball = bundle_archive(self.a.bundle)
         key = self.install_key()
         if self.state.get("install") == key and (self.site / ".installed").exists():
             self.log("install: site already holds this bundle and series")
@@ -197,6 +243,7 @@ class E2E:
         if self.state.get("check"):
             self.log("check: done for this site")
             return
+        self.check_host_stack()
         code = ("import importlib.metadata as md, torch, sys\n"
                 "print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(0))\n"
                 "for p in ['sglang','sglang-kernel','flashinfer-python','transformers','tokenizers']:\n"
@@ -210,6 +257,27 @@ class E2E:
         if FLAG not in h.stdout:
             raise RuntimeError(f"`launch_server --help` does not show {FLAG} (patch not applied?)")
         self.state["check"] = True
+
+    def check_host_stack(self) -> None:
+        """One line before any server starts where the host's torch stack is not the flavor's (the
+        import chain would otherwise fail deep inside, or run on another torch)."""
+        meta = self.a.bundle / "bundle.json"
+        expected = json.loads(meta.read_text()).get("host_stack", {}) if meta.is_file() else {}
+        code = ("import importlib.metadata as md, json, sys\n"
+                "out = {}\n"
+                "for name in json.loads(sys.argv[1]):\n"
+                "    try: out[name] = md.version(name)\n"
+                "    except md.PackageNotFoundError: out[name] = None\n"
+                "print(json.dumps(out))\n")
+        p = self.sh([sys.executable, "-c", code, json.dumps(sorted(expected))], "setup.log")
+        found = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {}
+        problems = host_stack_problems(expected, found)
+        for line in problems:
+            self.log(f"host stack: {line}")
+        self.state["host_stack"] = {"expected": expected, "found": found, "problems": problems}
+        if any(found.get(name) is None for name in expected if name == "torch"):
+            raise RuntimeError("host stack: torch is not installed on this host: install the "
+                               f"flavor's torch {expected.get('torch')} first (MAINTAINING.md)")
 
     def phase_models(self) -> None:
         # in a subprocess: the driver must not keep GPU memory while the servers run

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 import os
 import signal
 import socket
@@ -23,6 +25,19 @@ EAGLE_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "
                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
 
 
+@functools.cache
+def installed_sglang() -> tuple[int, ...]:
+    """The release of the sglang this process would start (its distribution's version)."""
+    version = importlib.metadata.version("sglang")
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+
+
+def cuda_graph_max_bs_flag(release: tuple[int, ...]) -> str:
+    """The largest captured decode batch: `--cuda-graph-max-bs` until 0.5.17; later releases split
+    it per phase, and the old spelling is an ambiguous prefix there."""
+    return "--cuda-graph-max-bs" if release <= (0, 5, 17) else "--cuda-graph-max-bs-decode"
+
+
 @dataclass
 class ServerConfig:
     name: str
@@ -38,13 +53,15 @@ class ServerConfig:
     extra: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     cpus: tuple[int, ...] = ()         # CPU affinity of the server's processes (none: the OS's choice)
+    release: tuple[int, ...] | None = None  # the sglang release's flags (None: the installed one)
 
     def argv(self, port: int) -> list[str]:
         a = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
              "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", str(self.mem_fraction),
              "--max-running-requests", str(self.max_running), *BASE_FLAGS]
         if self.cuda_graph:
-            a += ["--cuda-graph-max-bs", str(self.cuda_graph_max_bs)]
+            release = self.release if self.release is not None else installed_sglang()
+            a += [cuda_graph_max_bs_flag(release), str(self.cuda_graph_max_bs)]
         else:
             a += ["--disable-cuda-graph"]
         if self.draft is not None:

@@ -128,9 +128,16 @@ def test_wheel_is_reproducible_and_declares_the_entry_point(tmp_path: Path) -> N
     assert first.read_bytes() == second.read_bytes()
     with zipfile.ZipFile(first) as zf:
         entry_points = zf.read("sglang_image_plugin-0.1.0.dist-info/entry_points.txt").decode()
+        metadata = zf.read("sglang_image_plugin-0.1.0.dist-info/METADATA").decode()
         names = set(zf.namelist())
     assert "[sglang.srt.plugins]\nsglang_image = sglang_image_plugin:register" in entry_points
     assert "sglang_image_plugin/upstream_digests.json" in names
+    # Python: the plugin uses enum.StrEnum (3.11). sglang: exactly the releases whose relied-on
+    # code was reviewed (the digests' versions), which the plugin also enforces at start.
+    assert "\nRequires-Python: >=3.11\n" in metadata
+    pinned = sorted(line.split("==")[1] for line in metadata.splitlines()
+                    if line.startswith("Requires-Dist: sglang=="))
+    assert pinned == sorted(plugin.load_digests())
 
 
 def test_discovered_applied_and_checked_at_start(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
@@ -153,11 +160,14 @@ def test_discovered_applied_and_checked_at_start(run_in_tree, tree, plugin_site)
 
 def test_a_hook_that_does_not_take_stops_the_process(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # A release without one of the targets: the framework would log and carry on.
+    # The check runs in the first hook of the process: the launcher's CLI hook.
     code = PRELUDE + textwrap.dedent("""
         from sglang.srt.managers.scheduler_components import internal_state
         del internal_state.SchedulerInternalStateController._add_speculative
         from sglang.srt.plugins import load_plugins
         load_plugins()
+        from sglang.srt.server_args import prepare_server_args
+        prepare_server_args(["--model-path", "unused"])
         emit({"still": "running"})
     """)
     proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}"}, timeout=900)
@@ -215,6 +225,115 @@ def test_flag_env_and_validation_through_the_launcher(run_in_tree, tree, plugin_
         emit(launch({str(model_dir)!r}, []))
     """, env={ENV: "auto"})
     assert env_auto == {"threshold": "auto", "hysteresis": 0}
+
+
+def test_another_plugin_on_the_same_targets_keeps_its_hooks(run_in_tree, tree, plugin_site, model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A second plugin, discovered after ours, hooks two of our targets. SGLang applies the
+    # hooks once every plugin has registered; a plugin that applied them itself would leave
+    # the later plugin's hooks on those targets unapplied (already-patched targets are skipped).
+    other = tmp_path / "other"
+    (other / "other_plugin").mkdir(parents=True)
+    (other / "other_plugin" / "__init__.py").write_text(textwrap.dedent("""
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        SEEN = []
+        def add_flag(result, parser):
+            parser.add_argument("--other-plugin-flag", default=None)
+        def around_verify(original, worker, *args, **kwargs):
+            SEEN.append("init")
+            return original(worker, *args, **kwargs)
+        def register():
+            HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", add_flag,
+                                  HookType.AFTER)
+            HookRegistry.register(
+                "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input",
+                around_verify, HookType.AROUND)
+    """))
+    dist = other / "other_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: other-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[sglang.srt.plugins]\nother = other_plugin:register\n")
+    out = _probe(run_in_tree, tree, plugin_site, """
+        from importlib.metadata import entry_points
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        import sglang_image_plugin, other_plugin
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+        import argparse
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        ns = parser.parse_args(["--model-path", "m", "--other-plugin-flag", "x",
+                                "--speculative-disable-batch-threshold", "8"])
+        emit({"order": [ep.name for ep in entry_points(group="sglang.srt.plugins")],
+              "not_taken": sglang_image_plugin.hooks_not_taken(),
+              "other": ns.other_plugin_flag, "ours": ns.speculative_disable_batch_threshold,
+              "other_wraps_ours": sglang_image_plugin._wraps_hook(
+                  EAGLEWorkerV2.__dict__["_build_trivial_verify_input"], other_plugin.around_verify)})
+    """, env={"PYTHONPATH": f"{plugin_site}:{other}:{tree}"})
+    assert out["order"] == ["sglang_image", "other"]
+    assert out["not_taken"] == []
+    assert out["other"] == "x" and out["ours"] == 8
+    assert out["other_wraps_ours"]
+
+
+def test_a_release_the_plugin_was_not_checked_on_stops_at_start(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    code = PRELUDE + textwrap.dedent("""
+        import importlib.metadata
+        real = importlib.metadata.version
+        importlib.metadata.version = lambda name: "0.5.99" if name == "sglang" else real(name)
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        emit({"still": "running"})
+    """)
+    proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}"}, timeout=900)
+    assert proc.returncode == 1 and "RESULT" not in proc.stdout
+    assert ("sglang-image-plugin was checked against sglang 0.5.23, and this is sglang 0.5.99"
+            in proc.stderr)
+
+
+def test_what_upstream_refuses_for_its_adaptive_swap_is_refused(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    # Each refusal is upstream's own check run on an adaptive twin of the arguments; the same
+    # arguments without the threshold start (the refusal is the plugin's, not upstream's).
+    lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj"]
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
+        m = {str(model_dir)!r}
+        emit({{"lora": launch(m, ["--speculative-disable-batch-threshold", "8", *{lora!r}]),
+               "lora_plain": launch(m, {lora!r}),
+               "lora_auto": launch(m, ["--speculative-disable-batch-threshold", "auto",
+                                       *{lora!r}])}})
+    """)
+    assert out["lora_plain"] == {"threshold": 0, "hysteresis": 0}
+    for key in ("lora", "lora_auto"):
+        assert "is not supported here: " in out[key]["error"]
+        assert "runtime-state swap does not rebuild LoRA cuda-graph metadata" in out[key]["error"]
+
+
+def test_zero_step_verify_hands_int64_draft_tokens_to_the_tree_kernel(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # Under --disable-overlap-schedule the plain step's draft token is the previous verify's
+    # bonus token as verify wrote it (int32); verify_tree_greedy (kernels/jit/csrc/speculative/
+    # tree.cuh) accepts only int64 candidates and stopped the scheduler at its first plain step.
+    out = _probe(run_in_tree, tree, plugin_site, """
+        import torch
+        from types import SimpleNamespace as NS
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        worker = EAGLEWorkerV2.__new__(EAGLEWorkerV2)
+        worker.device, worker.topk = "cpu", 1
+        worker._target_worker = NS(model_runner=NS(attn_backend=NS(verify_mask=None,
+                                                                   max_context_len=64)))
+        batch = NS(forward_mode=ForwardMode.DECODE, seq_lens=torch.tensor([5, 7, 9]),
+                   seq_lens_sum=21, seq_lens_cpu=None,
+                   spec_info=EagleDraftInput(bonus_tokens=torch.tensor([11, 12, 13],
+                                                                       dtype=torch.int32)))
+        verify = EAGLEWorkerV2._build_trivial_verify_input(worker, batch)
+        candidates = verify.draft_token.reshape(3, verify.draft_token_num)
+        emit({"dtype": str(candidates.dtype), "tokens": candidates.flatten().tolist(),
+              "retrieve": str(verify.retrieve_index.dtype)})
+    """)
+    assert out == {"dtype": "torch.int64", "tokens": [11, 12, 13], "retrieve": "torch.int64"}
 
 
 def test_without_the_plugin_the_flag_does_not_exist(run_in_tree, tree, model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -519,3 +638,33 @@ def test_worker_auto_from_the_environment(run_in_tree, tree, plugin_site, model_
     # cold start: speculative, after one burst measuring plain (nothing measured yet)
     assert out == {"policy": "AutoThresholdPolicy", "steps": [0, 0, 0, 0, 3, 3],
                    "start": ["Dynamic speculation disable enabled: threshold=auto"]}
+
+
+ENTRYPOINT = pins.REPO_ROOT / "images" / "tool" / "entrypoint.sh"
+
+
+@pytest.mark.parametrize(("plugins", "argv", "env_threshold", "starts"), [
+    ("other", ["--speculative-disable-batch-threshold", "8"], None, False),
+    ("other, extra", [], "16", False),
+    ("other,sglang_image", ["--speculative-disable-batch-threshold", "8"], "16", True),
+    ("", ["--speculative-disable-batch-threshold", "8"], None, True),  # empty: every plugin
+    ("other", ["--model-path", "m"], None, True),  # the feature is not asked for
+])
+def test_image_entrypoint_refuses_a_plugin_allowlist_without_ours(
+        tmp_path: Path, plugins: str, argv: list[str], env_threshold: str | None,
+        starts: bool) -> None:
+    # SGLang would skip the plugin and ignore the environment variable without a word.
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho STARTED \"$@\"\n")
+    python.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "SGLANG_PYTHON": str(python), "SGLANG_PLUGINS": plugins}
+    if env_threshold is not None:
+        env["SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"] = env_threshold
+    proc = subprocess.run(["sh", str(ENTRYPOINT), *argv], env=env, capture_output=True,
+                          text=True, check=False)
+    if starts:
+        assert proc.returncode == 0 and proc.stdout.startswith("STARTED -m sglang.launch_server")
+    else:
+        assert proc.returncode == 2 and "STARTED" not in proc.stdout
+        assert f"SGLANG_PLUGINS={plugins} leaves out sglang_image" in proc.stderr
+        assert "add sglang_image to SGLANG_PLUGINS" in proc.stderr

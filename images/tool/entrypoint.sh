@@ -2,5 +2,26 @@
 # Starts the SGLang server with the given arguments. --host/--port come first so that the
 # HEALTHCHECK finds it; arguments given after them win (argparse keeps the last).
 set -eu
-exec /opt/venv/bin/python -m sglang.launch_server \
+# SGLANG_PLUGINS is SGLang's allowlist of plugins. Dynamic speculation disable is our plugin
+# (sglang_image): an allowlist without it would ignore SGLANG_SPEC_DISABLE_BATCH_THRESHOLD
+# silently, so refuse to start instead.
+plugins=$(printf '%s' "${SGLANG_PLUGINS:-}" | tr -d ' \t')
+if [ -n "$plugins" ]; then
+  case ",$plugins," in
+    *,sglang_image,*) ;;
+    *)
+      wants=${SGLANG_SPEC_DISABLE_BATCH_THRESHOLD:-}
+      for arg in "$@"; do
+        case "$arg" in --speculative-disable-*) wants=$arg ;; esac
+      done
+      if [ -n "$wants" ]; then
+        echo "error: SGLANG_PLUGINS=$SGLANG_PLUGINS leaves out sglang_image, the plugin behind" \
+          "dynamic speculation disable ($wants would be ignored or refused): add sglang_image" \
+          "to SGLANG_PLUGINS, or unset SGLANG_PLUGINS to load every installed plugin" >&2
+        exit 2
+      fi
+      ;;
+  esac
+fi
+exec "${SGLANG_PYTHON:-/opt/venv/bin/python}" -m sglang.launch_server \
   --host "${SGLANG_HOST:-0.0.0.0}" --port "${SGLANG_PORT:-30000}" "$@"

@@ -31,24 +31,77 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sglang_image import plugin
 from sglang_image.errors import FetchError, SglangImageError
 from sglang_image.fetch import WHEEL_CACHE, fetch_entries, fetch_wheels
-from sglang_image.lock import LockEntry, normalize, read_lock
+from sglang_image.lock import LockEntry, normalize, reachable, read_lock, read_requirements_graph
 from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, Flavor, load_flavor
 
 BUNDLE_DIR = REPO_ROOT / ".gpu"
-# What a GPU host with only Python and torch lacks for `python -m sglang.launch_server` with EAGLE-3 and CUDA graphs
-# (sgl-deep-gemm: the EAGLE draft CUDA-graph capture imports deep_gemm at module level).
-# Versions: the flavor's lock.
-GPU_BUNDLE: tuple[str, ...] = (
-    "sglang", "sglang-kernel", "flashinfer-python", "apache-tvm-ffi", "transformers", "tokenizers",
-    "xgrammar", "fastapi", "starlette", "uvicorn", "python-multipart", "opentelemetry-api",
-    "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
-    "pyzmq", "orjson", "msgspec", "pybase64", "setproctitle", "partial-json-parser", "zstandard",
-    "watchfiles", "dill", "openai", "distro", "jiter", "sniffio", "torch-memory-saver",
-    "compressed-tensors", "loguru", "gguf", "jsonschema", "jsonschema-specifications",
-    "referencing", "rpds-py", "soundfile", "cffi", "pycparser", "sgl-deep-gemm",
-)
+
+# The GPU host's own stack: these distributions and everything they require in the lock (torch's
+# CUDA runtime wheels, triton, numpy, ...). The host provides them at the lock's versions; where it
+# has another torch, the flavor's stack is brought there first (MAINTAINING.md, "The GPU host"),
+# and the e2e run says so in one line before any server starts.
+HOST_ROOTS: tuple[str, ...] = ("torch", "torchvision", "torchaudio")
+
+# Distributions that sglang requires (directly or not) but that a server of the smoke, feature and
+# bench models (Llama + EAGLE-3, CUDA graphs, triton attention) does not import. Everything else
+# sglang requires in the lock goes into the bundle, so a dependency a new release adds is carried
+# by default; tests/test_gpu_bundle.py imports the server's launch path with the bundle alone and
+# fails when one of these (or anything else) turns out to be needed.
+NOT_ON_LAUNCH_PATH: dict[str, str] = {
+    "nvidia-cuda-nvcc": "the host's CUDA toolkit compiles run-time kernels (CUDA_HOME)",
+    "nvidia-cuda-crt": "part of the CUDA toolkit (CUDA_HOME)",
+    "nvidia-nvvm": "part of the CUDA toolkit (CUDA_HOME)",
+    "nvidia-cuda-cccl": "part of the CUDA toolkit (CUDA_HOME)",
+    "nvidia-mathdx": "cuBLASDx/cuFFTDx headers for kernels the smoke does not compile",
+    "nvidia-cutlass-dsl-libs-cu12": "CuTe DSL for CUDA 12 (the flavor runs CUDA 13)",
+    "flash-attn-4": "FA4 attention backend (the smoke runs triton attention)",
+    "tilelang": "DSA/NSA kernels of DeepSeek-style models",
+    "z3-solver": "tilelang's solver",
+    "quack-kernels": "CuTe-DSL kernels of other backends",
+    "humming-kernels": "quantized MoE kernels",
+    "kernels": "Hugging Face kernel hub loader",
+    "kernels-data": "Hugging Face kernel hub loader",
+    "sgl-deep-ep": "expert-parallel all-to-all (MoE)",
+    "nvshmem4py-cu13": "expert-parallel all-to-all (MoE)",
+    "nccl-extensions": "expert-parallel all-to-all (MoE)",
+    "nccl4py": "expert-parallel all-to-all (MoE)",
+    "cuda-tile": "cuTile kernels of other backends",
+    "timm": "vision encoders of multimodal models",
+    "torchcodec": "video input of multimodal models",
+    "mistral-common": "Mistral tokenizers",
+    "tiktoken": "tiktoken tokenizers (the smoke models ship a BPE tokenizer.json)",
+    "sentencepiece": "sentencepiece tokenizers (the smoke models ship a BPE tokenizer.json)",
+    "openai-harmony": "gpt-oss chat format",
+    "tml-renderers": "chat renderers of other models",
+    "deepseek-recipe": "DeepSeek chat format",
+    "anthropic": "the Anthropic-compatible API",
+    "outlines": "the outlines grammar backend (the smoke uses xgrammar or none)",
+    "outlines-core": "the outlines grammar backend",
+    "llguidance": "the llguidance grammar backend",
+    "smg-grpc-proto": "the gRPC server",
+    "smg-grpc-servicer": "the gRPC server",
+    "grpcio": "the gRPC server",
+    "grpcio-health-checking": "the gRPC server",
+    "grpcio-reflection": "the gRPC server",
+    "datasets": "benchmark datasets (the bench generates its prompts)",
+    "pyarrow": "benchmark datasets",
+    "pandas": "benchmark datasets",
+    "modelscope": "downloads from ModelScope (models are local)",
+    "modelscope-hub": "downloads from ModelScope",
+    "hf-xet": "downloads from the Hugging Face hub (models are local)",
+    "cyclonedx-bom": "the image's SBOM tool",
+    "ipython": "notebook helpers (a stub answers sglang's module-level import)",
+    "numba": "JIT helpers of other models",
+    "llvmlite": "numba's compiler",
+    "scipy": "helpers of other models and samplers",
+    "py-spy": "a diagnostic (the bundle carries its own pin: DIAGNOSTIC_WHEELS)",
+    "blobfile": "remote model storage",
+    "lxml": "remote model storage",
+    "pycryptodomex": "remote model storage",
+}
 
 # Diagnostics that travel with the bundle but are not in the image: py-spy samples the scheduler's
 # stacks from outside (the bench's --pyspy-seconds), so host time is seen without profiler overhead.
@@ -96,15 +149,30 @@ class BundleReport:
     source: str = ""
 
 
+def host_stack(flavor: Flavor) -> set[str]:
+    """The distributions the GPU host provides: HOST_ROOTS and what they require in the lock."""
+    return reachable(read_requirements_graph(flavor.lock_path), HOST_ROOTS)
+
+
+def bundle_members(flavor: Flavor) -> list[str]:
+    """The bundled distributions: sglang and everything it requires in the flavor's lock, less
+    the host's stack and NOT_ON_LAUNCH_PATH (and what only those require)."""
+    graph = read_requirements_graph(flavor.lock_path)
+    unknown = sorted(set(NOT_ON_LAUNCH_PATH) - set(graph))
+    if unknown:
+        raise FetchError(f"GPU bundle: {unknown} (NOT_ON_LAUNCH_PATH in sglang_image/gpu.py) are "
+                         f"not in {flavor.lock_path.name}: remove them there")
+    stop = host_stack(flavor) | set(NOT_ON_LAUNCH_PATH)
+    return sorted(reachable(graph, ["sglang"], stop=stop))
+
+
 def bundle_requirements(flavor_name: str = DEFAULT_FLAVOR) -> tuple[list[str], str]:
     """`name==version` of each bundled wheel, from the flavor's lock, and where they came from."""
     flavor = load_flavor(flavor_name)
     locked = {e.name: e.version for e in read_lock(flavor.lock_path)}
-    missing = [n for n in GPU_BUNDLE if normalize(n) not in locked]
-    if missing:
-        raise FetchError(f"GPU bundle: {missing} not in {flavor.lock_path.name}")
-    return ([f"{n}=={locked[normalize(n)]}" for n in GPU_BUNDLE],
-            f"versions from {flavor.lock_path.relative_to(REPO_ROOT)}")
+    source = (f"sglang's requirements in {flavor.lock_path.relative_to(REPO_ROOT)} less the "
+              f"host's torch stack and {len(NOT_ON_LAUNCH_PATH)} not on the launch path")
+    return [f"{n}=={locked[n]}" for n in bundle_members(flavor)], source
 
 
 def _record_hash(data: bytes) -> str:
@@ -159,18 +227,47 @@ def fetch_diagnostics(flavor: Flavor, dest: Path, cache: Path = WHEEL_CACHE) -> 
     return fetch_entries(list(DIAGNOSTIC_WHEELS), flavor, dest, cache, "sglang_image/gpu.py DIAGNOSTIC_WHEELS")
 
 
-def bundle_key(requirements: list[str]) -> str:
-    """Changes when a pin, a hash, the slimming or the stub changes: the bundle is then rebuilt."""
+def plugin_digest() -> str:
+    """sha256 over the plugin's sources (its wheel is rebuilt from them, byte for byte)."""
+    digest = hashlib.sha256()
+    for path in sorted(plugin.PLUGIN_DIR.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(plugin.PLUGIN_DIR)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def bundle_key(requirements: list[str], plugin_sources: str = "") -> str:
+    """Changes when a pin, a hash, the slimming, the stub or the plugin changes: the bundle is
+    then rebuilt."""
     text = json.dumps([requirements, sorted((k, v.drop, v.strip_debug) for k, v in SLIMMING.items()),
-                       IPYTHON_STUB, [(e.requirement, e.hashes) for e in DIAGNOSTIC_WHEELS]],
+                       IPYTHON_STUB, [(e.requirement, e.hashes) for e in DIAGNOSTIC_WHEELS],
+                       plugin_sources],
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def stage_bundle(flavor: Flavor, tmp: Path, cache: Path = WHEEL_CACHE) -> Path:
+    """The bundle's files under tmp: wheels/ (fetched by hash, slimmed) and stubs/; returns
+    tmp/wheels. tmp/fetched holds the wheels as fetched."""
+    wheels = fetch_wheels(flavor, tmp / "fetched", only=bundle_members(flavor), cache=cache)
+    wheels += fetch_diagnostics(flavor, tmp / "fetched", cache)
+    if flavor.plugin:  # the same wheel, by hash, as the image installs
+        wheels.append(plugin.build_wheel(tmp / "fetched"))
+    stage = tmp / "wheels"
+    stage.mkdir()
+    for whl in wheels:
+        repack(whl, stage, SLIMMING.get(normalize(whl.name.split("-")[0]), Slim()))
+    for rel, text in IPYTHON_STUB.items():
+        p = tmp / "stubs" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return stage
 
 
 def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DIR,
                  cache: Path = WHEEL_CACHE, force: bool = False) -> BundleReport:
     requirements, source = bundle_requirements(flavor_name)
-    key = bundle_key(requirements)
+    key = bundle_key(requirements, plugin_digest() if load_flavor(flavor_name).plugin else "")
     tar_path = bundle_dir / "wheels.tar.xz"
     meta_path = bundle_dir / "bundle.json"
     if not force and tar_path.is_file() and meta_path.is_file():
@@ -181,19 +278,9 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
                                 meta["source"] + " (cached bundle)")
     bundle_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        flavor = load_flavor(flavor_name)
-        wheels = fetch_wheels(flavor, Path(tmp, "fetched"), only=GPU_BUNDLE, cache=cache)
-        wheels += fetch_diagnostics(flavor, Path(tmp, "fetched"), cache)
-        stage = Path(tmp, "wheels")
-        stage.mkdir()
-        for whl in wheels:
-            repack(whl, stage, SLIMMING.get(normalize(whl.name.split("-")[0]), Slim()))
-        for rel, text in IPYTHON_STUB.items():
-            p = Path(tmp, "stubs", rel)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
+        stage = stage_bundle(load_flavor(flavor_name), Path(tmp), cache)
         tmp_tar = tar_path.with_suffix(".tmp")
-        with (lzma.open(tmp_tar, "wb", preset=9 | lzma.PRESET_EXTREME) as xz,
+        with (lzma.open(tmp_tar, "wb", preset=9) as xz,
               tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar):
             for p in sorted(Path(tmp).rglob("*")):
                 if p.is_file() and p.parent.name != "fetched":
@@ -206,7 +293,10 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
         tmp_tar.replace(tar_path)
         sizes = [(w.name, w.stat().st_size) for w in sorted(stage.glob("*.whl"))]
     digest = hashlib.sha256(tar_path.read_bytes()).hexdigest()
+    locked = {e.name: e.version for e in read_lock(load_flavor(flavor_name).lock_path)}
+    host = {n: locked[n] for n in (*HOST_ROOTS, "triton") if n in locked}
     manifest = {"flavor": flavor_name, "source": source, "key": key, "sha256": digest,
+                "host_stack": host,
                 "size": tar_path.stat().st_size, "requirements": [r.split()[0] for r in requirements],
                 "wheels": [{"name": n, "stored_size": s} for n, s in sizes]}
     (bundle_dir / "bundle.json").write_text(json.dumps(manifest, indent=1) + "\n")

@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,47 @@ def read_lock(path: Path) -> list[LockEntry]:
     if missing:
         raise LockError(f"{path}: entries without --hash: {missing}; regenerate: nox -s lock")
     return entries
+
+
+def read_requirements_graph(path: Path) -> dict[str, set[str]]:
+    """Each locked distribution -> the locked distributions it requires, from the lock's
+    `# via` lines (uv writes, under every entry, the entries that require it)."""
+    graph: dict[str, set[str]] = {e.name: set() for e in read_lock(path)}
+    current: str | None = None
+    in_via = False
+    for line in path.read_text().splitlines():
+        match = _ENTRY_RE.match(line)
+        if match:
+            current, in_via = normalize(match.group(1)), False
+            continue
+        stripped = line.strip()
+        if current is None or not stripped.startswith("#"):
+            continue
+        if stripped.startswith("# via"):
+            parent = stripped[len("# via"):].strip()
+            in_via = not parent
+            if parent and not parent.startswith("-r"):
+                graph.setdefault(normalize(parent), set()).add(current)
+        elif in_via and stripped.startswith("#   "):
+            parent = stripped[1:].strip()
+            if not parent.startswith("-r"):
+                graph.setdefault(normalize(parent), set()).add(current)
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], roots: Iterable[str],
+              stop: Iterable[str] = ()) -> set[str]:
+    """The distributions the roots require, transitively, without passing through `stop`."""
+    blocked = set(stop)
+    seen: set[str] = set()
+    todo = [normalize(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in seen or name in blocked:
+            continue
+        seen.add(name)
+        todo.extend(graph.get(name, ()))
+    return seen
 
 
 def check_fresh(flavor: Flavor) -> None:

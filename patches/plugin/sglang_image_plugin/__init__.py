@@ -1,20 +1,27 @@
 """sglang-image's changes to SGLang as a plugin (entry point group `sglang.srt.plugins`).
 
 SGLang calls `register` in every process it starts (launcher, scheduler,
-detokenizer, DP controller). It registers the hooks of targets.HOOKS, applies them
-and checks that each one took: SGLang logs and skips a plugin or hook that fails,
-and a server silently without its flag or switch is worse than one that stops.
+detokenizer, DP controller). It refuses an sglang release the plugin was not checked
+against and registers the hooks of targets.HOOKS; SGLang's loader applies them once
+every plugin has registered (another plugin's hooks on the same targets are applied
+with ours). The first hook that runs in a process (the CLI hook in the launcher, the
+worker hook in the scheduler) checks that every hook took: SGLang logs and skips a
+plugin or hook that fails, and a server silently without its flag or switch is worse
+than one that stops.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import logging
 import pkgutil
 from collections.abc import Callable
+from importlib import resources
 from typing import Any
 
-from sglang_image_plugin.hooks import FUNCTIONS
-from sglang_image_plugin.targets import HOOKS
+from sglang_image_plugin.hooks import FUNCTIONS, set_hook_check
+from sglang_image_plugin.targets import DIGESTS_FILE, HOOKS
 
 logger = logging.getLogger(__name__)
 
@@ -72,24 +79,50 @@ def hooks_not_taken() -> list[str]:
     return problems
 
 
-def register() -> None:
-    """Entry point: register, apply and check every hook; stop the process if one
-    did not take."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+def checked_sglang_versions() -> list[str]:
+    """The sglang releases the plugin was reviewed against: those with recorded digests
+    of the upstream code it relies on (upstream_digests.json)."""
+    text = resources.files(__package__).joinpath(DIGESTS_FILE).read_text()
+    return sorted(json.loads(text))
 
-    for spec in HOOKS:
-        HookRegistry.register(spec.target, FUNCTIONS[spec.target], HookType(spec.hook_type))
-    # Applied now (the loader applies again after every plugin ran, skipping targets
-    # already patched), so that they can be checked here.
-    HookRegistry.apply_hooks()
+
+def check_sglang_version(installed: str | None = None) -> None:
+    """Stop the process when this sglang release is not one the plugin was checked on."""
+    if installed is None:
+        installed = importlib.metadata.version("sglang")
+    checked = checked_sglang_versions()
+    if installed not in checked:
+        message = (
+            f"sglang-image-plugin was checked against sglang {', '.join(checked)}, and this "
+            f"is sglang {installed}: its hooks reach into upstream code that may have changed. "
+            "Install the plugin built for this release (the image of its flavor), or check it: "
+            "`nox -s plugin-check -- --site-packages DIR` on this release's unpacked wheel"
+        )
+        logger.critical(message)
+        raise PluginHookError(message)
+
+
+def ensure_hooks_applied() -> None:
+    """Stop the process if a hook is not in place (called by the first hook that runs)."""
     problems = hooks_not_taken()
     if problems:
         message = (
             "sglang-image-plugin: hooks did not take, so dynamic speculation disable "
             "(--speculative-disable-batch-threshold) cannot work; this sglang release "
-            "needs a plugin update (run `python -m sglang_image plugin-check` on its "
-            "wheel):\n  " + "\n  ".join(problems)
+            "needs a plugin update (run `nox -s plugin-check` on its wheel):\n  "
+            + "\n  ".join(problems)
         )
         logger.critical(message)
         raise PluginHookError(message)
     logger.info("sglang-image-plugin: %d hooks applied", len(HOOKS))
+
+
+def register() -> None:
+    """Entry point: check the sglang release and register every hook (SGLang's
+    loader applies them after all plugins ran)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    check_sglang_version()
+    for spec in HOOKS:
+        HookRegistry.register(spec.target, FUNCTIONS[spec.target], HookType(spec.hook_type))
+    set_hook_check(ensure_hooks_applied)

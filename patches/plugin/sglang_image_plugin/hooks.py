@@ -6,6 +6,7 @@ sglang is imported inside the hooks only: they run in a process that has it.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 from collections.abc import Callable
@@ -28,9 +29,26 @@ CONTROLLER_ATTR = "sglang_image_spec_disable"
 AUTO_PENDING_ATTR = "_sglang_image_spec_disable_auto_pending"
 SKIP_DRAFT_EXTEND_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
 
+# Set by register(): checks once per process, from the first hook that runs, that every
+# hook is in place (the loader applies them only after all plugins have registered).
+_hook_check: Callable[[], None] | None = None
+
+
+def set_hook_check(check: Callable[[], None]) -> None:
+    global _hook_check
+    _hook_check = check
+
+
+def _check_hooks_once() -> None:
+    global _hook_check
+    check, _hook_check = _hook_check, None
+    if check is not None:
+        check()
+
 
 def add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
     """AFTER ServerArgs.add_cli_args: the two flags."""
+    _check_hooks_once()
     spec_disable.add_cli_args(parser)
 
 
@@ -60,12 +78,11 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
         return spec_disable.OFF
 
     from sglang.srt.arg_groups.overrides import resolving_view
-    from sglang.srt.speculative.adaptive_spec_params import adaptive_unsupported_reason
 
     cfg = resolving_view(server_args)
     reason = None
     if cfg.speculative_algorithm in spec_disable.SUPPORTED_ALGORITHMS:
-        reason = adaptive_unsupported_reason(server_args)
+        reason = upstream_adaptive_refusal(server_args)
         if reason is None and (cfg.pp_size or 1) > 1:
             reason = "pipeline parallelism (--pp-size > 1) is not supported"
         if reason is None and environ.get(SKIP_DRAFT_EXTEND_ENV, "").strip() not in ("", "0", "false"):
@@ -84,6 +101,58 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
         server=view,
         environ=environ,
     )
+
+
+# Upstream's own refusals of its adaptive state swap, which the threshold drives too.
+# Each runs on a copy of the server arguments with --speculative-adaptive on: what it
+# refuses there (and not for the arguments as given) is refused for the threshold, in
+# upstream's words, so a refusal upstream adds to these checks reaches us unchanged.
+ADAPTIVE_CHECKS: tuple[str, ...] = (
+    # the worker-level conditions (topk, attention DP, multi-layer EAGLE, TBO, ...)
+    "sglang.srt.speculative.adaptive_spec_params.adaptive_unsupported_reason",
+    # the cross-family validation: LoRA (cuda-graph metadata not rebuilt by the swap),
+    # PP speculation, ...
+    "sglang.srt.arg_groups.validation_hook.check_server_args",
+    # HiSparse's statically sized swap state (a resolution pass, not in the above)
+    "sglang.srt.arg_groups.hisparse_hook.validate_hisparse",
+)
+_ADAPTIVE_SOURCE = "sglang-image-plugin: adaptive twin"
+
+
+def _adaptive_twin(server_args: Any) -> Any:
+    """A deep copy of the server arguments that reads --speculative-adaptive as on."""
+    twin = copy.deepcopy(server_args)
+    object.__setattr__(twin, "speculative_adaptive", True)
+    overrides = list(getattr(twin, "_resolved_overrides", None) or ())
+    overrides.append((_ADAPTIVE_SOURCE, {"speculative_adaptive": True}))
+    object.__setattr__(twin, "_resolved_overrides", overrides)
+    return twin
+
+
+def _run_check(check: Any, server_args: Any) -> str | None:
+    """What one upstream check refuses (its message), None when it passes."""
+    try:
+        result = check(server_args)
+    except (ValueError, AssertionError, NotImplementedError) as e:
+        return str(e) or type(e).__name__
+    return result if isinstance(result, str) else None
+
+
+def upstream_adaptive_refusal(server_args: Any) -> str | None:
+    """Why upstream would refuse its adaptive swap for these arguments; None if it would not."""
+    import pkgutil
+
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    twin = _adaptive_twin(server_args)
+    for dotted in ADAPTIVE_CHECKS:
+        check = pkgutil.resolve_name(dotted)
+        if dotted.endswith("validate_hisparse") and not resolving_view(server_args).enable_hisparse:
+            continue  # upstream runs it only for --enable-hisparse
+        refused = _run_check(check, twin)
+        if refused is not None and _run_check(check, server_args) is None:
+            return refused
+    return None
 
 
 def check_server_args(result: None, server_args: Any) -> None:
@@ -108,6 +177,7 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER EAGLEWorkerV2.__init__: above the threshold the worker runs upstream's
     zero-step state; the switch is upstream's AdaptiveController with our policy (for
     `auto`, installed by worker_init_cuda_graphs, once the server's batch limit is known)."""
+    _check_hooks_once()
     server_args = worker.server_args
     setting = getattr(server_args, SETTING_ATTR, None)
     if setting is None:  # a launch path that skipped check_server_args
@@ -137,6 +207,26 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
         )
         setattr(worker, CONTROLLER_ATTR, controller)
     _log_on_rank0(spec_disable.start_log_line(setting.threshold))
+
+
+def trivial_verify_input(original: Callable[..., Any], worker: Any, batch: Any) -> Any:
+    """AROUND EAGLEWorkerV2._build_trivial_verify_input: the zero-step verify's draft
+    token as int64. Upstream roots it at the previous bonus token, which verify()
+    writes as int32; the overlap scheduler's future map hands it back as int64, but
+    the synchronous scheduler (--disable-overlap-schedule) passes verify's own
+    tensor on, and verify_tree_greedy accepts only int64 candidates (it stopped the
+    scheduler at its first plain step)."""
+    verify_input = original(worker, batch)
+    draft_token = getattr(verify_input, "draft_token", None)
+    if draft_token is not None and draft_token.dtype != _int64():
+        verify_input.draft_token = draft_token.to(_int64())
+    return verify_input
+
+
+def _int64() -> Any:
+    import torch
+
+    return torch.int64
 
 
 def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
@@ -286,6 +376,8 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sglang.srt.server_args.ServerArgs.check_server_args": check_server_args,
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__": worker_init,
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.init_cuda_graphs": worker_init_cuda_graphs,
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input":
+        trivial_verify_input,
     "sglang.srt.managers.scheduler.Scheduler.__init__": scheduler_init,
     "sglang.srt.managers.scheduler_components.internal_state."
     "SchedulerInternalStateController._add_speculative": add_speculative_state,

@@ -30,6 +30,11 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec(f"{_WORKER}.__init__", "after", "gives the worker the threshold policy"),
     HookSpec(f"{_WORKER}.init_cuda_graphs", "before", "gives the worker the auto policy"),
     HookSpec(
+        f"{_WORKER}._build_trivial_verify_input",
+        "around",
+        "int64 draft token for the zero-step verify under the synchronous scheduler",
+    ),
+    HookSpec(
         "sglang.srt.managers.scheduler.Scheduler.__init__",
         "after",
         "exports the controller's Prometheus metrics",
@@ -60,6 +65,25 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.speculative.adaptive_runtime_state.AdaptiveController",
     "sglang.srt.speculative.adaptive_runtime_state.AdaptiveSpecPolicy",
     "sglang.srt.speculative.adaptive_spec_params.adaptive_unsupported_reason",
+    # Upstream's refusals of its adaptive swap, run on an adaptive twin of the arguments
+    # (hooks.ADAPTIVE_CHECKS), and what they read.
+    "sglang.srt.arg_groups.validation_hook.check_server_args",
+    "sglang.srt.arg_groups.lora_hook.check_lora_speculative_compatibility",
+    "sglang.srt.arg_groups.hisparse_hook.validate_hisparse",
+    "sglang.srt.arg_groups.model_override_base.resolving_view",
+    "sglang.srt.arg_groups.model_override_base._declaration_overlay",
+    # The switch is driven per verify and per batch from the scheduler's loop.
+    f"{_WORKER}.on_verify_complete_cpu",
+    (
+        "sglang.srt.managers.scheduler_components.batch_result_processor."
+        "SchedulerBatchResultProcessor._resolve_spec_v2_tokens"
+    ),
+    # The tensor-parallel rank and group the plugin logs on and agrees over.
+    "sglang.srt.runtime_context.get_parallel",
+    # How the hooks are applied: the wrapper shape hooks_not_taken() inspects.
+    "sglang.srt.plugins.load_plugins",
+    "sglang.srt.plugins.hook_registry.HookRegistry",
+    "sglang.srt.plugins.hook_registry._wrap_fn",
 )
 
 DIGESTS_FILE = "upstream_digests.json"
