@@ -35,9 +35,9 @@ def build(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def engine(session: nox.Session) -> None:
-    """Start a Docker engine (Debian's docker.io) in the background where none runs, e.g. without systemd; prints its DOCKER_HOST."""
+    """Start the project's own Docker engine where none answers (prints its DOCKER_HOST), or stop it (-- stop)."""
     _install(session)
-    session.run("python", "-m", "sglang_image.docker_engine", "start", *session.posargs)
+    session.run("python", "-m", "sglang_image.docker_engine", *session.posargs)
 
 
 @nox.session(default=False)
@@ -100,12 +100,12 @@ def gpu_e2e(session: nox.Session) -> None:
 @nox.session(venv_backend="none", default=False)
 def bench(session: nox.Session) -> None:
     """Tokens/s of plain, EAGLE-3, adaptive, threshold and auto servers of this Python's sglang on a GPU host (-- --models DIR --out docs/bench)."""
-    session.run("python", "-m", "smoke", "bench", *session.posargs)
+    session.run("python", "-m", "bench", "run", *session.posargs)
 
 
 @nox.session(default=False)
 def lint(session: nox.Session) -> None:
-    """ruff over the code and tests, mypy --strict over src/, smoke/, the plugin and this file (light: no torch, no sglang)."""
+    """ruff over the code and tests, mypy --strict over src/, smoke/, bench/, the plugin and this file (light: no torch, no sglang)."""
     _install(session, "lint")
-    session.run("ruff", "check", "src", "tests", "noxfile.py", "smoke", "patches/plugin")
+    session.run("ruff", "check", "src", "tests", "noxfile.py", "smoke", "bench", "patches/plugin")
     session.run("mypy")

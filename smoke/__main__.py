@@ -1,20 +1,17 @@
-"""python -m smoke {models,run,bench,e2e,comm,partial,features} ... (see each module's docstring)."""
+"""python -m smoke {models,run,partial,features} ... (see each module's docstring)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from smoke import features, models, partial, runner
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from smoke import bench, comm, e2e, features, models, partial, runner
-
     ap = argparse.ArgumentParser(prog="python -m smoke", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     for name, mod, help_ in (("models", models, "generate the tiny/1B-shaped models offline"),
                              ("run", runner, "smoke checks against servers started here"),
-                             ("bench", bench, "throughput: plain / EAGLE-3 / EAGLE-3 + threshold"),
-                             ("e2e", e2e, "the whole GPU run: install, patch, models, smoke, bench"),
-                             ("comm", comm, "2-GPU all-reduce proof: e2e's install,patch,models,comm"),
                              ("partial", partial, "image checks that need no GPU (PARTIAL)"),
                              ("features", features, "what users send, across the mode changes")):
         p = sub.add_parser(name, help=help_, description=mod.__doc__,

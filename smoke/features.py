@@ -44,7 +44,6 @@ from smoke import client
 from smoke.runner import (
     DEFAULT_THRESHOLD,
     Deadline,
-    SmokeError,
     check_kv_back,
     check_log_clean,
     comma_list,
@@ -52,7 +51,7 @@ from smoke.runner import (
     spec_state,
     wait_idle,
 )
-from smoke.server import Server, ServerConfig, log_tail
+from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 MODES = ("below", "above", "cross_up", "cross_down")
 CASE_NAMES = ("greedy", "logprobs", "sampling", "penalties", "n2", "long_prompt", "json_schema", "regex",

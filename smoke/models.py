@@ -3,7 +3,7 @@
     python -m smoke models OUT_DIR [--size tiny|1b|8b|tp2] [--draft first|chain] [--draft-accept Q]
                                    [--device cpu|cuda|auto] [--seed 0] [--arch llama|qwen3]
 
---arch qwen3 (for `smoke comm`): OUT_DIR/target is a Qwen3ForCausalLM (q_norm/k_norm per head, sglang
+--arch qwen3 (for `bench comm`): OUT_DIR/target is a Qwen3ForCausalLM (q_norm/k_norm per head, sglang
 runs it through LayerCommunicator, so the allreduce fusion applies) with the same structured weights,
 no draft; --size tp2 gives heads/kv heads divisible by 2 (8/4, head_dim 64) for TP=2.
 

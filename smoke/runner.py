@@ -23,7 +23,7 @@ from typing import Any
 
 from smoke import client
 from smoke.client import Prompt, Result
-from smoke.server import Server, ServerConfig, log_tail
+from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 START_LINE = "Dynamic speculation disable enabled: threshold={n}"
 KV_ONLY_LINE = "write only the draft's K/V"
@@ -40,26 +40,6 @@ BAD_LOG_PATTERNS = (
     re.compile(r"KV double free|use-after-free", re.IGNORECASE),
     re.compile(r"CUDA error|illegal memory access", re.IGNORECASE),
 )
-
-
-class SmokeError(Exception):
-    """A smoke check failed: `cause` says which and why; `log` is the server log to show the tail of.
-
-    The host's `nox -s smoke` reports the same failure as `sglang_image.errors.SmokeError` (exit code
-    9): this package runs inside the image and on a bare GPU host, where that package is absent.
-    """
-
-    def __init__(self, cause: str, *, log: Path | None = None):
-        super().__init__(cause)
-        self.cause = cause
-        self.log = log
-
-    def render(self, lines: int = 40) -> str:
-        out = f"SMOKE FAILED: {self.cause}"
-        if self.log is not None:
-            out += f"\n--- tail of {self.log} ---\n{log_tail(self.log, lines)}"
-        return out
-
 
 
 # ----------------------------------------------------------------------------- checks (pure)

@@ -118,8 +118,6 @@ class Server:
         self.start_seconds = 0.0
 
     def start(self, timeout: float) -> None:
-        from smoke.runner import SmokeError  # local: runner imports this module
-
         for _ in range(30):
             if port_free(self.port):
                 break
@@ -184,6 +182,25 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class SmokeError(Exception):
+    """A smoke check failed: `cause` says which and why; `log` is the server log to show the tail of.
+
+    Defined here, beside the server whose log it shows; smoke.runner raises it too. The host's `nox -s smoke` reports the same failure as `sglang_image.errors.SmokeError` (exit code
+    9): this package runs inside the image and on a bare GPU host, where that package is absent.
+    """
+
+    def __init__(self, cause: str, *, log: Path | None = None):
+        super().__init__(cause)
+        self.cause = cause
+        self.log = log
+
+    def render(self, lines: int = 40) -> str:
+        out = f"SMOKE FAILED: {self.cause}"
+        if self.log is not None:
+            out += f"\n--- tail of {self.log} ---\n{log_tail(self.log, lines)}"
+        return out
 
 
 def log_tail(path: Path | None, lines: int = 40, width: int = 400) -> str:

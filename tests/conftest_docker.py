@@ -20,7 +20,7 @@ import pytest
 from docker import DockerClient
 from rich.console import Console
 
-from sglang_image import base, build, docker_engine, pins
+from sglang_image import base, build, docker_engine, pins, plan
 from sglang_image.errors import SglangImageError
 
 REPO_ROOT = pins.REPO_ROOT
@@ -131,7 +131,7 @@ def light_build(client: DockerClient, base_ref: str, tmp: Path, **kw: Any) -> bu
     """A light build (SGLang + patch targets + SBOM tool, no heavy dependencies) of the default
     flavor, its output under `tmp` (output_dir=, work_dir= to put them elsewhere)."""
     flavor = kw.pop("flavor", None) or pins.load_flavor(pins.DEFAULT_FLAVOR)
-    opts = build.BuildOptions(flavor=flavor, base=base_ref, light=True,
+    opts = plan.BuildOptions(flavor=flavor, base=base_ref, light=True,
                               **{"output_dir": tmp / "out", "work_dir": tmp / "work", **kw})
     return build.build(opts, Console(file=io.StringIO()), client)
 

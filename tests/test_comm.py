@@ -1,4 +1,4 @@
-"""smoke.comm (the 2-GPU all-reduce proof) on CPU: the log-line checks on the messages the patched
+"""bench.comm (the 2-GPU all-reduce proof) on CPU: the log-line checks on the messages the patched
 sglang 0.5.17 and 0.5.23 really log, the output comparison, the Qwen3 model generator, the deadline handling and
 the command line. Nothing pretends to be an sglang server.
 """
@@ -16,10 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from smoke import comm, models
-from smoke.__main__ import build_parser
+from bench import comm
+from bench.__main__ import build_parser
+from smoke import models
 from smoke.client import Result
-from smoke.runner import Deadline, SmokeError, check_outputs
+from smoke.runner import Deadline, check_outputs
+from smoke.server import SmokeError
 
 LOG_HEAD = """\
 $ python3 -m sglang.launch_server --model-path /tmp/smoke-state/models/qwen3/target --host 127.0.0.1 --port 30000 --tp-size 2

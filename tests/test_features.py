@@ -1,5 +1,5 @@
 """The feature matrix's own logic (smoke.features): how answers are read and compared. The matrix
-itself needs a GPU and runs in `python -m smoke e2e --phases ...,features` (docs/validation.md)."""
+itself needs a GPU and runs in `python -m bench e2e --phases ...,features` (docs/validation.md)."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from bench.__main__ import build_parser as bench_parser
 from smoke import features as F
 from smoke.__main__ import build_parser
 
@@ -105,7 +106,7 @@ def test_cases_keep_below_under_the_threshold_and_are_plain_json():
 
 
 def test_e2e_and_cli_take_the_features_phase():
-    a = build_parser().parse_args(["e2e", "--phases", "models,features", "--feature-variants", "sync"])
+    a = bench_parser().parse_args(["e2e", "--phases", "models,features", "--feature-variants", "sync"])
     assert a.phases == "models,features" and a.feature_variants == "sync"
     a = build_parser().parse_args(["features", "--models", "m", "--out", "o", "--threshold", "1"])
     with pytest.raises(SystemExit, match="threshold must be >= 2"):

@@ -16,6 +16,7 @@ from docker import DockerClient
 
 from sglang_image import build, publish, smoke
 from sglang_image.errors import PublishError, SmokeError
+from sglang_image.labels import SBOM_PATH
 from tests.registries import Registry, docker_config, start_registry
 
 USER, PASSWORD = "alice", "correct-horse-7"
@@ -115,7 +116,7 @@ def tiny_image(docker_client: DockerClient) -> Iterator[TinyImage]:
     labels = {"org.opencontainers.image.version": "0.1.0",
               "org.opencontainers.image.revision": "0" * 40,
               "org.opencontainers.image.created": "2026-12-01T00:00:00Z",
-              "io.sglang-image.flavor": "sglang-test", "io.sglang-image.sbom": build.SBOM_PATH}
+              "io.sglang-image.flavor": "sglang-test", "io.sglang-image.sbom": SBOM_PATH}
     changes = [f'LABEL "{k}"="{v}"' for k, v in labels.items()] + ['CMD ["/hello.txt"]']
     docker_client.api.import_image_from_data(buf.getvalue(), repository="sglang-image-test",
                                              tag="tiny", changes=changes)

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.__main__ import build_parser as bench_parser
 from smoke import client, models, partial, runner
 from smoke.__main__ import build_parser
 
@@ -254,15 +255,18 @@ def test_argument_parsing(tmp_path):
     assert (a.size, a.draft, a.draft_accept, a.device) == ("1b", "chain", 0.7, "cuda")
     with pytest.raises(SystemExit):
         ap.parse_args(["models", str(tmp_path), "--size", "70b"])
-    from smoke import bench
+    from bench import throughput as bench
 
-    b = bench.options(ap.parse_args(["bench", "--models", "m", "--out", "o", "--concurrency", "1,8,256"]))
+    with pytest.raises(SystemExit):
+        ap.parse_args(["bench", "--models", "m", "--out", "o"])  # the benchmark is not in the image's package
+    ap = bench_parser()
+    b = bench.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--concurrency", "1,8,256"]))
     assert b.concurrency == (1, 8, 256) and b.configs == bench.CONFIGS
     with pytest.raises(SystemExit):
-        bench.options(ap.parse_args(["bench", "--models", "m", "--out", "o", "--configs", "x"]))
+        bench.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--configs", "x"]))
     e = ap.parse_args(["e2e", "--bundle", ".gpu", "--phases", "smoke,bench", "--out", "o"])
     assert e.deadline == 560 and e.phases == "smoke,bench"
-    from smoke import e2e
+    from bench import e2e
 
     with pytest.raises(SystemExit):
         e2e.main(ap.parse_args(["e2e", "--phases", "smoke,nope", "--out", str(tmp_path)]))
@@ -291,7 +295,7 @@ def test_nox_side_container_and_device_command(tmp_path):
     names = [line.split("#")[0].strip() for line in
              (REPO / "patches" / "sglang-0.5.17" / "series").read_text().splitlines()]
     assert [s["name"] for s in series] == [n for n in names if n]
-    assert "python3 -m smoke e2e --bundle .gpu" in gpu.host_command()
+    assert "python3 -m bench e2e --bundle .gpu" in gpu.host_command()
     lines, _ = gpu.bundle_requirements()
     default = pins.load_flavor(pins.DEFAULT_FLAVOR)
     assert any(line.startswith(f"sglang=={default.sglang_version}") for line in lines)
@@ -324,7 +328,7 @@ def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_p
 def test_profile_summary_of_a_real_torch_trace(tmp_path):
     """A real torch-profiler chrome trace (CPU, with Python stacks), summarised per step."""
     torch = pytest.importorskip("torch")
-    from smoke import profile
+    from bench import profile
 
     def step(x):
         return (x @ x).relu().sum()
@@ -360,7 +364,7 @@ def test_abort_check_wants_exact_survivors_and_prefix_aborted():
 
 def test_profile_counts_steps_and_names_the_host_work_during_gpu_idle(tmp_path):
     """A synthetic trace: two batches, each a kernel launch then host work with the GPU idle."""
-    from smoke import profile
+    from bench import profile
 
     def x(cat, name, ts, dur, tid=1):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
@@ -387,7 +391,7 @@ def test_pyspy_finds_the_scheduler_process_and_samples_it(tmp_path):
     import textwrap
     import time
 
-    from smoke import pyspy
+    from bench import pyspy
 
     exe = pyspy.binary((Path(sys.executable).parent,))
     assert exe is not None, "py-spy is a test dependency (pyproject: test)"
@@ -486,13 +490,13 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     phase's done flag and resume state are keyed by its options, and a site installed from another
     bundle or series is refused unless the call installs again (a GPU run of 2026-11-30 got "bench:
     done in an earlier call" for a bench with another --max-total-tokens)."""
-    from smoke import e2e
+    from bench import e2e
 
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     (bundle / "wheels.tar.xz").write_bytes(b"wheels")
     (bundle / "bundle.json").write_text('{"flavor": "sglang-0.5.17"}')  # as nox -s gpu-e2e writes it
-    ap = build_parser()
+    ap = bench_parser()
 
     def driver(*extra: str) -> e2e.E2E:
         return e2e.E2E(ap.parse_args(["e2e", "--bundle", str(bundle), "--state", str(tmp_path / "state"),
@@ -535,7 +539,7 @@ def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
     """The kernels a call compiled come back as OUT/jit-cache.tar.xz and, put into the bundle folder,
     are unpacked by the next call's install: only for the same wheels and kernel patches, never over
     files already there, and not at all when over the size that may come back."""
-    from smoke import e2e, jitcache
+    from bench import e2e, jitcache
 
     jit = tmp_path / "jit"
     (jit / "triton" / "ab12").mkdir(parents=True)
@@ -587,7 +591,7 @@ def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
     assert jitcache.kernel_key(wheels, manifest) != key
     # the driver packs what a call compiled, once, into OUT
     monkeypatch.setattr(e2e.E2E, "kernel_key", lambda self: "key-1")
-    drv = e2e.E2E(build_parser().parse_args(["e2e", "--bundle", str(tmp_path / "bundle"), "--state",
+    drv = e2e.E2E(bench_parser().parse_args(["e2e", "--bundle", str(tmp_path / "bundle"), "--state",
                                              str(tmp_path / "state"), "--out", str(tmp_path / "out")]))
     drv.state["install"] = "site"
     drv.state["jit_fingerprint"] = jitcache.fingerprint(drv.state_dir / "jit")  # what install unpacked

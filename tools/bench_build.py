@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from sglang_image import build, pins
+from sglang_image import build, pins, plan
 from sglang_image.docker_engine import connect
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "cold" and args.skip_cold:
                 continue
             print(f"» {name} ...", file=sys.stderr, flush=True)
-            opts = build.BuildOptions(flavor=fl, base=args.base, light=args.light,
+            opts = plan.BuildOptions(flavor=fl, base=args.base, light=args.light,
                                       no_cache=no_cache, tag=args.tag,
                                       output_dir=Path(tmp) / "out" / name)
             result = build.build(opts, quiet, client)

@@ -5,7 +5,6 @@ noxfile.py stays a table of contents; each session calls one command here.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -13,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sglang_image import lock, patch, patchwork, pins, plugin, trees
+from sglang_image import build, gpu, lock, patch, patchwork, pins, plugin, publish, smoke, trees
 from sglang_image.errors import SglangImageError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -125,44 +124,42 @@ def cmd_lock(args: argparse.Namespace) -> int:
     return 0
 
 
-STAGE_COMMANDS = [
-    ("build", "build", "build a flavor's image through the Docker engine"),
-    ("smoke", "smoke", "smoke-test the built image (full with a GPU, PARTIAL without)"),
-    ("publish", "publish", "push the image, its SBOM and labels to a registry"),
-    ("gpu-e2e", "gpu", "build the GPU machine's wheel bundle and print the device command"),
-    ("plugin-check", "plugin", "check the plugin's hook targets against an unpacked sglang wheel"),
+# Stages with their own argument parsers (each its own `nox -s NAME -- --help`): everything after
+# the command goes to them.
+STAGE_COMMANDS: list[tuple[str, Callable[[list[str]], int], str]] = [
+    ("build", build.main, "build a flavor's image through the Docker engine"),
+    ("smoke", smoke.main, "smoke-test the built image (full with a GPU, PARTIAL without)"),
+    ("publish", publish.main, "push the image, its SBOM and labels to a registry"),
+    ("gpu-e2e", gpu.main, "build the GPU machine's wheel bundle and print the device command"),
+    ("plugin-check", plugin.main, "check the plugin's hook targets against an unpacked sglang wheel"),
 ]
-
-
-def _stage(module: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        stage = importlib.import_module(f"sglang_image.{module}")
-        return int(stage.main(args.rest))
-
-    return run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_image")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("patches", help="check, edit, export or rebase the patch series")
+    p = sub.add_parser("patches", help="check, edit, export or rebase the patch series",
+                       prog="nox -s patches --")
     p.add_argument("words", nargs="*", metavar="[ACTION] FLAVOR",
                    help="check (default) [FLAVOR...] | edit FLAVOR | export FLAVOR | rebase FROM TO"
                         " | rebase --continue [TO]")
     p.add_argument("--continue", dest="cont", action="store_true",
                    help="rebase: resume after fixing the stopped patch's conflicts")
     p.set_defaults(func=cmd_patches)
-    p = sub.add_parser("lock", help="regenerate the hash-pinned lock of flavors")
-    p.add_argument("flavors", nargs="*")
+    p = sub.add_parser("lock", help="regenerate the hash-pinned lock of flavors",
+                       prog="nox -s lock --")
+    p.add_argument("flavors", nargs="*", metavar="FLAVOR",
+                   help=f"the flavors to lock (default: all: {', '.join(pins.flavor_names())})")
     p.set_defaults(func=cmd_lock)
     # Stages with their own argument parsers: everything after the command goes to them.
     # (Listed here for --help; dispatched before argparse, which would eat their options.)
     for command, _, help_text in STAGE_COMMANDS:
         sub.add_parser(command, help=help_text, add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
-    stages = {command: module for command, module, _ in STAGE_COMMANDS}
+    stages = {command: stage_main for command, stage_main, _ in STAGE_COMMANDS}
     if argv and argv[0] in stages:
-        args = argparse.Namespace(func=_stage(stages[argv[0]]), rest=argv[1:])
+        stage_main, rest = stages[argv[0]], argv[1:]
+        args = argparse.Namespace(func=lambda _: stage_main(rest))
     else:
         args = parser.parse_args(argv)
     try:

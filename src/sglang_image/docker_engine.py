@@ -1,7 +1,8 @@
 """Find a Docker engine, or start one (Debian's docker.io) for tests and for machines without one.
 
-`connect()` only finds: the build never starts daemons behind a user's back, it says how.
-`ensure_engine()` finds or starts one: `nox -s engine` uses it.
+`connect()` only finds. `ensure_engine()` finds or starts one: `nox -s engine` and `nox -s build`
+use it (the build says in one line that it started the project's own engine, and how to stop it:
+`nox -s engine -- stop`).
 The flags are those seen working on a container-less, systemd-less Debian 12 host (no bridge, no
 iptables, cgroupfs): builds and runs then have `network_mode="none"` or `"host"` only.
 """
@@ -163,14 +164,49 @@ def ensure_engine(state: Path = DEFAULT_STATE) -> Engine:
         return start_dockerd(state)
 
 
+STOP_HINT = "nox -s engine -- stop"
+
+
+def started_note(engine: Engine) -> str:
+    """The one line a command prints when it started the project's own engine."""
+    return (f"no Docker engine answered: started the project's own (dockerd, pid {engine.pid}, "
+            f"state in {engine.state}); it keeps running, stop it with: {STOP_HINT}")
+
+
+def stop_dockerd(state: Path = DEFAULT_STATE, timeout: float = 30) -> int | None:
+    """Stops the engine started under `state` (its pidfile); returns its pid, None if none runs."""
+    pidfile = state.resolve() / "dockerd.pid"
+    pid_text = pidfile.read_text().strip() if pidfile.is_file() else ""
+    if not pid_text.isdigit() or not alive(int(pid_text)):
+        return None
+    pid = int(pid_text)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive(pid):
+        raise DockerUnavailableError(f"dockerd (pid {pid}) did not stop within {timeout:.0f}s; "
+                                     f"see {state / 'dockerd.log'}")
+    return pid
+
+
 def _cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_image.docker_engine",
-                                     description="Find or start a Docker engine.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    start = sub.add_parser("start", help="start dockerd in the background unless one answers")
-    start.add_argument("--state", type=Path, default=DEFAULT_STATE)
+    parser = argparse.ArgumentParser(
+        prog="nox -s engine --",
+        description="Start the project's own Docker engine (Debian's dockerd, state under "
+                    f"{DEFAULT_STATE}) where none answers, or stop it.")
+    parser.add_argument("command", nargs="?", choices=("start", "stop"), default="start",
+                        help="start (default): start dockerd in the background unless an engine "
+                             "answers, and print the DOCKER_HOST to export; stop: stop the one "
+                             "started here")
+    parser.add_argument("--state", type=Path, default=DEFAULT_STATE,
+                        help=f"the engine's data, socket and log (default: {DEFAULT_STATE})")
     args = parser.parse_args(argv)
     try:
+        if args.command == "stop":
+            pid = stop_dockerd(args.state)
+            print(f"stopped dockerd (pid {pid})" if pid else f"no engine runs under {args.state}")
+            return 0
         engine = ensure_engine(args.state)
         how = f"started, pid {engine.pid}" if engine.pid else "already running"
         print(f"# Docker engine {how}\nexport DOCKER_HOST={engine.host}")

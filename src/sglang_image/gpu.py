@@ -6,9 +6,9 @@ from PyPI on the build machine, slims the big ones (dropping shared objects the 
 and packs them into `.gpu/wheels.tar.xz` (an ignored folder). Copy the repository with `.gpu/` to
 the GPU host and run the printed command there.
 
-There `python3 -m smoke e2e --bundle .gpu ...` installs them with
+There `python3 -m bench e2e --bundle .gpu ...` installs them with
 `pip install --no-index --no-deps --target /tmp/site`, applies patches/<flavor>/series on top,
-builds the tiny models and runs the smoke checks and the benchmark (see smoke/e2e.py).
+builds the tiny models and runs the smoke checks and the benchmark (see bench/e2e.py).
 
 Versions and hashes come from the flavor's lock (images/flavors/<flavor>.lock) and the wheels from
 the same hash-checked fetch as the image build, so the GPU run tests the image's wheels.
@@ -305,7 +305,7 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
 
 def host_command(*, phases: str = "all", out: str = "out/gpu-e2e") -> str:
     """The command to run in the repository's root on the GPU host (the bundle in .gpu/)."""
-    return (f"mkdir -p {out} && PYTHONUNBUFFERED=1 python3 -m smoke e2e --bundle .gpu "
+    return (f"mkdir -p {out} && PYTHONUNBUFFERED=1 python3 -m bench e2e --bundle .gpu "
             f"--state /tmp/smoke-state --out {out} --phases {phases}")
 
 

@@ -38,7 +38,7 @@ WHEEL_EPOCH = 315532800
 class PluginError(SglangImageError):
     """The plugin cannot be built, or does not fit a sglang release."""
 
-    exit_code = 8
+    exit_code = 14
 
 
 def _targets() -> ModuleType:

@@ -38,8 +38,9 @@ from docker import DockerClient
 from rich.console import Console
 from rich.markup import escape
 
-from sglang_image import build, docker_engine, pins, smoke
+from sglang_image import docker_engine, dockerbuild, pins, plan, smoke
 from sglang_image.errors import PublishError, SglangImageError
+from sglang_image.labels import LABEL_PREFIX, SBOM_PATH
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -47,8 +48,8 @@ OCI_EMPTY = "application/vnd.oci.empty.v1+json"
 CYCLONEDX = "application/vnd.cyclonedx+json"
 SBOM_TITLE = "sbom.cdx.json"
 VERSION_LABEL = "org.opencontainers.image.version"
-FLAVOR_LABEL = f"{build.LABEL_PREFIX}.flavor"
-SBOM_LABEL = f"{build.LABEL_PREFIX}.sbom"
+FLAVOR_LABEL = f"{LABEL_PREFIX}.flavor"
+SBOM_LABEL = f"{LABEL_PREFIX}.sbom"
 REQUIRED_LABELS = (VERSION_LABEL, "org.opencontainers.image.revision",
                    "org.opencontainers.image.created", FLAVOR_LABEL)
 DOCKER_CERTS = Path("/etc/docker/certs.d")  # where the engine looks for a registry's CA
@@ -77,7 +78,7 @@ class PublishResult:
     pulled_image_id: str  # what the second engine got back (== the local image ID)
 
 
-def parse_registry(text: str, image_name: str = build.IMAGE_REPO) -> Target:
+def parse_registry(text: str, image_name: str = plan.IMAGE_REPO) -> Target:
     """HOST[:PORT][/NAMESPACE] -> Target (the image goes to NAMESPACE/sglang-image)."""
     if "://" in text or "@" in text:
         raise PublishError(f"--registry {text!r}: give HOST[:PORT]/NAMESPACE, without a scheme "
@@ -413,8 +414,8 @@ def publish(client: DockerClient, image: str, target: Target, *, allow_partial_s
     """Everything `nox -s publish` does, in that order (see the module docstring)."""
     try:
         local = client.images.get(image)
-    except docker.errors.ImageNotFound as exc:
-        raise PublishError(f"image {image} is not in the engine; build it: nox -s build") from exc
+    except docker.errors.ImageNotFound:
+        raise smoke.image_missing(image) from None
     labels = local.labels or {}
     version_tag, flavor_tag = release_tags(labels)
     record = require_smoke(str(local.id), image, allow_partial=allow_partial_smoke,
@@ -455,11 +456,11 @@ def publish(client: DockerClient, image: str, target: Target, *, allow_partial_s
 
 def _image_sbom(client: DockerClient, image_id: str, labels: dict[str, str]) -> bytes:
     """The SBOM inside the image (the label says where): the one built with exactly it."""
-    path = labels.get(SBOM_LABEL, build.SBOM_PATH)
+    path = labels.get(SBOM_LABEL, SBOM_PATH)
     with tempfile.TemporaryDirectory(prefix="sgl-sbom-") as tmp:
         dest = Path(tmp) / SBOM_TITLE
         try:
-            build.copy_out(client, image_id, path, dest)
+            dockerbuild.copy_out(client, image_id, path, dest)
         except (SglangImageError, docker.errors.APIError) as exc:
             raise PublishError(f"the image has no SBOM at {path} ({exc}); rebuild it: "
                                "nox -s build") from exc
@@ -494,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.registry:
             parser.error("--registry HOST[:PORT]/NAMESPACE is required")
         target = parse_registry(args.registry)
-        image = args.image or build.default_tag(pins.load_flavor(args.flavor))
+        image = args.image or plan.default_tag(pins.load_flavor(args.flavor))
         verify = DockerClient(base_url=args.verify_host) if args.verify_host else None
         result = publish(docker_engine.connect().client, image, target,
                          allow_partial_smoke=args.allow_partial_smoke,

@@ -1,19 +1,17 @@
-"""`nox -s smoke`: run the smoke runner (smoke/, mounted read-only) inside the built image.
+"""`nox -s smoke`: serve a generated model with EAGLE-3 and a threshold inside the built image and
+check its output token for token against plain decoding.
 
-With a GPU (the engine can pass one: `docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])`):
-  python -m smoke models /tmp/models --device cuda && python -m smoke run --models /tmp/models --out /out
-  (plain reference server, EAGLE-3 + --speculative-disable-batch-threshold with overlap on and off,
-  every check; logs and report.json land in the host's out dir).
-Without a GPU: a clearly labelled PARTIAL check (python -m smoke partial): imports,
-`launch_server --help` shows the threshold flag, /opt/sglang-image/patches.json matches
-patches/<flavor>/series, `pip check` — and it says that the full smoke needs a GPU.
-The container has no network (network_mode="none"): nothing is downloaded.
+With a GPU: the full smoke. The image serves a tiny Llama target and EAGLE-3 draft generated
+offline (nothing is downloaded, the container has no network); a plain server records the
+reference outputs, then EAGLE-3 servers with the threshold (overlap scheduler with CUDA graphs, and
+sync mode without) take load below, at and above it, and the feature matrix runs against them.
+Logs and report.json land in --out.
+Without a GPU: a clearly labelled PARTIAL check (the image's imports, the threshold flag in the
+server's --help, its patch manifest against patches/<flavor>/series, pip check), and the list of
+what it did not check.
 
-Exit codes, for scripts: 0 only when the full GPU smoke passed; PARTIAL_EXIT_CODE (11) when the
-PARTIAL check passed (0 with --accept-partial); SmokeError's 9 when a check failed.
-A passed smoke leaves a record keyed by the image's digest (its config digest, the image ID) in
-out/smoke-records/: `nox -s publish` publishes only an image that has one (a PARTIAL one only
-with --allow-partial-smoke).
+A passed smoke is recorded by image digest in out/smoke-records/: `nox -s publish` publishes only
+an image that has one (a PARTIAL one only with --allow-partial-smoke).
 """
 from __future__ import annotations
 
@@ -28,14 +26,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_image.errors import DockerUnavailableError, SglangImageError, SmokeError
-from sglang_image.pins import REPO_ROOT, load_flavor
+from sglang_image.errors import (
+    EXIT_CODES,
+    PARTIAL_EXIT_CODE,
+    ImageNotFoundError,
+    SglangImageError,
+    SmokeError,
+    UsageError,
+)
+from sglang_image.pins import REPO_ROOT, flavor_names, load_flavor
+from sglang_image.plan import default_tag
 
 MOUNT = "/opt/sglang-smoke"
 OUT_MOUNT = "/out"
 FULL_TIMEOUT_S = 3600
 PARTIAL_TIMEOUT_S = 900
-PARTIAL_EXIT_CODE = 11  # the PARTIAL check passed: not a pass of the smoke, unless accepted
 RECORDS_DIR = REPO_ROOT / "out" / "smoke-records"
 # What only the full smoke checks: said whenever a PARTIAL result is shown.
 NOT_CHECKED_WITHOUT_GPU = (
@@ -113,8 +118,6 @@ def expected_series(flavor_name: str | None = None) -> list[dict[str, str]]:
 
 def default_image(flavor_name: str | None = None) -> str:
     """The tag `nox -s build` gives the flavor's image."""
-    from sglang_image.build import default_tag
-
     return default_tag(load_flavor(flavor_name))
 
 
@@ -126,7 +129,32 @@ def host_has_gpu() -> bool:
     return p.returncode == 0 and "GPU" in p.stdout
 
 
-def full_command(threshold: int = 4) -> list[str]:
+DEFAULT_THRESHOLD = 4
+AUTO = "auto"  # the server finds the crossover itself: flavors with the plugin only
+
+
+def threshold_value(text: str) -> int | str:
+    """--threshold: a number of running requests >= 1, or `auto`."""
+    if text == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor 'auto'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: the threshold must be 1 or more")
+    return value
+
+
+def check_threshold(threshold: int | str, flavor_name: str | None) -> None:
+    """`auto` only where the flavor's image carries the plugin that implements it."""
+    if threshold == AUTO and flavor_name is not None and not load_flavor(flavor_name).plugin:
+        having = ", ".join(n for n in flavor_names() if load_flavor(n).plugin) or "none"
+        raise UsageError(f"--threshold auto: the {flavor_name} image has no automatic threshold "
+                         f"(flavors that have it: {having}); give a number of requests instead")
+
+
+def full_command(threshold: int | str = DEFAULT_THRESHOLD) -> list[str]:
     script = ("set -e; python3 -m smoke models /tmp/models --device cuda; "
               f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT} --threshold {threshold}; "
               f"python3 -m smoke features --models /tmp/models --out {OUT_MOUNT}/features "
@@ -168,8 +196,13 @@ def image_flavor(image: str, labels: dict[str, str], flavor: str | None) -> str 
     return flavor or built
 
 
+def image_missing(image: str) -> ImageNotFoundError:
+    return ImageNotFoundError(f"image {image} is not in the Docker engine: build it (nox -s build, "
+                              f"or nox -s build -- --flavor FLAVOR), or name another with --image")
+
+
 def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
-              out_dir: Path | None = None, threshold: int = 4) -> SmokeResult:
+              out_dir: Path | None = None, threshold: int | str = DEFAULT_THRESHOLD) -> SmokeResult:
     import docker.errors
 
     from sglang_image.docker_engine import connect
@@ -181,11 +214,12 @@ def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
     engine = connect()
     try:
         found = engine.client.images.get(image)
-    except docker.errors.ImageNotFound as exc:
-        raise SmokeError(f"image {image} not found: {exc}; build it first: nox -s build") from exc
+    except docker.errors.ImageNotFound:
+        raise image_missing(image) from None
     # Run the image by its ID: the record names exactly what ran, even if the tag moves.
     image_id, labels = str(found.id), found.labels or {}
     flavor = image_flavor(image, labels, flavor)
+    check_threshold(threshold, flavor)
     (out_dir / "expected-series.json").write_text(json.dumps(expected_series(flavor), indent=1))
     light = labels.get("io.sglang-image.light") == "true"
     cmd = full_command(threshold) if gpu and not light else partial_command(light)
@@ -193,8 +227,8 @@ def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
         # The image's entrypoint starts the server: replace it, the command is the runner.
         container = engine.client.containers.run(image_id, entrypoint=cmd,
                                                  **container_kwargs(gpu=gpu, out_dir=out_dir))
-    except docker.errors.ImageNotFound as exc:
-        raise SmokeError(f"image {image} not found: {exc}; build it first: nox -s build") from exc
+    except docker.errors.ImageNotFound:
+        raise image_missing(image) from None
     except docker.errors.APIError as exc:
         hint = (" (no GPU support in this engine? install the NVIDIA container toolkit, or run "
                 "without a GPU for the PARTIAL check)") if gpu else ""
@@ -244,28 +278,40 @@ def describe(res: SmokeResult) -> str:
             f"{res.out_dir}\n{res.log_tail}")
 
 
+def exit_code_table() -> str:
+    return "exit codes:\n" + "\n".join(f"  {code:>2}  {cause}" for code, cause in sorted(EXIT_CODES.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_image.smoke", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("image_pos", nargs="?", metavar="IMAGE", help="image reference (or --image)")
-    ap.add_argument("--image", default=None, help="default: the build's tag of the flavor")
+    ap = argparse.ArgumentParser(
+        prog="nox -s smoke --", description=__doc__, epilog=exit_code_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("image_pos", nargs="?", metavar="IMAGE", help="the image to test (or --image)")
+    ap.add_argument("--image", default=None,
+                    help="the image to test (default: the tag nox -s build gives the flavor, "
+                         "sglang-image:VERSION-FLAVOR)")
     ap.add_argument("--flavor", default=None,
-                    help="default: the image's io.sglang-image.flavor label (for the default image "
-                         "tag: the default flavor)")
+                    help="the flavor whose patch series the image must carry (default: the one "
+                         "the image was built for; without an image: the default flavor)")
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--gpu", dest="gpu", action="store_true", default=None)
-    g.add_argument("--no-gpu", dest="gpu", action="store_false")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--threshold", type=int, default=4)
+    g.add_argument("--gpu", dest="gpu", action="store_true", default=None,
+                   help="run the full smoke on the GPUs (default: when nvidia-smi lists a GPU)")
+    g.add_argument("--no-gpu", dest="gpu", action="store_false",
+                   help="run only the PARTIAL check, even on a GPU host")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where logs and reports go (default: out/smoke)")
+    ap.add_argument("--threshold", type=threshold_value, default=DEFAULT_THRESHOLD,
+                    help=f"the EAGLE-3 servers' --speculative-disable-batch-threshold: N running "
+                         f"requests, or auto where the flavor has it (default: {DEFAULT_THRESHOLD})")
     ap.add_argument("--accept-partial", action="store_true",
-                    help=f"exit 0 when the PARTIAL check passes (else {PARTIAL_EXIT_CODE})")
+                    help=f"exit 0 when the PARTIAL check passes (default: exit {PARTIAL_EXIT_CODE})")
     ap.add_argument("--records", type=Path, default=None,
-                    help=f"where passed smokes are recorded (default: {RECORDS_DIR})")
+                    help="where passed smokes are recorded (default: out/smoke-records)")
     a = ap.parse_args(argv)
     try:
         image = a.image or a.image_pos or default_image(a.flavor)
         res = run_smoke(image, flavor=a.flavor, gpu=a.gpu, out_dir=a.out, threshold=a.threshold)
-    except (SglangImageError, DockerUnavailableError) as exc:
+    except SglangImageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     print(describe(res))

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: a torch-profiler window of N steps at full load, summarised.
 
-Used by `smoke bench --diagnose` (smoke.diagnose) on every server at full load, so that servers
+Used by `bench run --diagnose` (bench.diagnose) on every server at full load, so that servers
 are compared step for step: wall time per step, GPU busy time per step, and how
 many kernel launches, graph launches, copies and host syncs each step issues (a CUDA-graph step
 should be a handful of launches; hundreds mean eager work on the host's critical path). The top

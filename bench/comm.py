@@ -1,9 +1,9 @@
 """GPU proof of the SM120 all-reduce patches (torch symmetric memory two-shot, FlashInfer allreduce
 fusion) on a 2-GPU machine, with a tiny Qwen3 model (sglang runs it through LayerCommunicator).
 
-    python3 -m smoke comm --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
+    python3 -m bench comm --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
 
-= `python3 -m smoke e2e --phases install,patch,models,comm` (same options; every phase resumes from
+= `python3 -m bench e2e --phases install,patch,models,comm` (same options; every phase resumes from
 the state dir, so the same command on the warm machine continues where the deadline stopped it).
 
 Runs, in priority order, each with the same greedy prompts (token-for-token comparison):
@@ -20,7 +20,6 @@ server's environment (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NV
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -31,8 +30,8 @@ from typing import Any
 
 from smoke import client
 from smoke.client import Prompt
-from smoke.runner import Deadline, SmokeError, check_log_clean, check_no_errors, check_outputs
-from smoke.server import Server, ServerConfig, log_tail
+from smoke.runner import Deadline, check_log_clean, check_no_errors, check_outputs
+from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                     "NVSHMEM_DISABLE_NVLS": "1"}
@@ -247,17 +246,3 @@ def summarize(report: dict[str, Any]) -> str:
     for s in report.get("skipped", []):
         lines.append(f"  SKIPPED {s}")
     return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- CLI = e2e with comm phases
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from smoke import e2e
-
-    e2e.add_arguments(ap)  # --comm-runs is there too
-    ap.set_defaults(phases="install,patch,models,comm")
-
-
-def main(a: argparse.Namespace) -> int:
-    from smoke import e2e
-
-    return e2e.main(a)

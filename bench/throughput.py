@@ -1,7 +1,7 @@
 """Output tokens/s of plain decoding, always-on EAGLE-3, upstream's adaptive EAGLE-3, a fixed
 speculation-disable threshold and `auto`, on servers started here (a GPU host, no Docker needed).
 
-    python -m smoke bench --models DIR --out docs/bench [--configs plain,eagle3,...]
+    python -m bench run --models DIR --out docs/bench [--configs plain,eagle3,...]
                           [--concurrency 1,2,4,...,256] [--rounds 2] [--threshold 16[,32,...]]
                           [--window-s 10 --window-waves 3] [--ramp-cycles 3 --ramp-hold 2]
                           [--diagnose] [--state FILE] [--deadline S]
@@ -26,9 +26,9 @@ between them. Greedy prompts of fixed lengths; every output is compared with pla
 Writes under --out: bench.json (every measurement), bench.md (the tables), concurrency.png and
 ramp.png (matplotlib; `--render bench.json` draws them again elsewhere). `auto` runs only where the
 server has it (the sglang-image-plugin with its auto threshold). --diagnose adds where each
-server's time goes at full load (smoke.diagnose).
+server's time goes at full load (bench.diagnose).
 
-Resumable (`--state FILE`, or the state that `smoke e2e` keeps): every closed-loop window (a round
+Resumable (`--state FILE`, or the state that `bench e2e` keeps): every closed-loop window (a round
 at a level, on every server), every server's ramp and diagnosis is kept once done, so that the same
 command after a deadline measures only what is left; the report lists what remains. The closed loop
 comes first, then each server's own units, one server started at a time; no server is started
@@ -51,10 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smoke import bench_report, client, diagnose
+from bench import diagnose
+from bench import report as bench_report
+from smoke import client
 from smoke.client import Prompt
-from smoke.runner import Deadline, SmokeError, check_log_clean, spec_state
-from smoke.server import Server, ServerConfig, log_tail
+from smoke.runner import Deadline, check_log_clean, spec_state
+from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 CONFIGS = ("plain", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto")
 THRESHOLD_FLAG = "--speculative-disable-batch-threshold"

@@ -1,6 +1,6 @@
 """The benchmark's result as files: bench.json, bench.md (tables) and two PNG plots.
 
-Works on a saved result alone (`python -m smoke bench --render bench.json --out DIR`), so the
+Works on a saved result alone (`python -m bench run --render bench.json --out DIR`), so the
 tables and plots can be drawn where matplotlib is installed, away from the GPU host.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from smoke import diagnose
+from bench import diagnose
 
 LABELS = {"plain": "plain", "eagle3": "EAGLE-3", "eagle3_adaptive": "EAGLE-3 adaptive (upstream)",
           "eagle3_thr": "EAGLE-3 + threshold", "eagle3_auto": "EAGLE-3 + auto"}
@@ -262,7 +262,7 @@ def write(result: dict[str, Any], out: Path) -> list[Path]:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        text += "\n(no plots: matplotlib is not installed here; `python -m smoke bench --render bench.json` draws them)\n"
+        text += "\n(no plots: matplotlib is not installed here; `python -m bench run --render bench.json` draws them)\n"
     else:
         for key, name, plot, caption in (("levels", "concurrency.png", plot_concurrency, "tokens/s by concurrency"),
                                          ("ramp", "ramp.png", plot_ramp, "tokens/s on the ramp, with the mode")):

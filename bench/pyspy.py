@@ -1,12 +1,12 @@
 """Where the scheduler's host time goes, without the profiler's overhead: py-spy samples.
 
-The torch profiler (smoke.profile) records every Python call when `with_stack` is on, which slows
+The torch profiler (bench.profile) records every Python call when `with_stack` is on, which slows
 the host several times over; a step that is GPU-bound unprofiled becomes host-bound under it. py-spy
 reads the scheduler's stacks from outside at a fixed rate (`--nonblocking`: the process is never
 paused), so the shares it reports are those of the unprofiled server. `--idle` keeps samples where
 the thread waits (a CUDA sync, a lock): a blocked host is exactly what we look for.
 
-Used by `smoke bench --diagnose` (smoke.diagnose) on every server at full load: the share of the
+Used by `bench run --diagnose` (bench.diagnose) on every server at full load: the share of the
 scheduler thread's samples in each function (inclusive and self), and ms per step when the step
 time is known (from the load's tokens/s at that batch size).
 """

@@ -1,6 +1,6 @@
 """The whole GPU run as one resumable driver (for the device machine: no Docker, no internet).
 
-    python3 -m smoke e2e --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
+    python3 -m bench e2e --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
                          [--phases all|install,patch,models,smoke,bench,comm] [--fresh]
 
 Phases, each skipped when the state dir says it is done (a warm machine keeps /tmp between calls,
@@ -10,7 +10,7 @@ patch series is refused unless this call installs again):
   install  unpack .gpu/wheels.tar.xz, pip install --no-index --no-deps --target SITE, IPython stub
   patch    PYTHONPATH=src python -m sglang_image.patch apply --series-dir patches/<flavor>
            --site-packages SITE --manifest STATE/patches.json (on a fresh SITE only: never twice)
-           then unpacks the bundle's jit-cache.tar.xz for these wheels and patches (smoke.jitcache)
+           then unpacks the bundle's jit-cache.tar.xz for these wheels and patches (bench.jitcache)
   check    imports the server chain; `launch_server --help` must show the threshold flag
   models   tiny smoke models and the 1B-shaped bench models (--device cuda: seconds)
   smoke    plain reference server, EAGLE-3 + threshold (overlap on, CUDA graphs) and
@@ -18,12 +18,12 @@ patch series is refused unless this call installs again):
   features the feature matrix of smoke.features (sampling, logprobs, stops, streams, grammars,
            penalties, n > 1, chunked prefill, KV pressure, aborts) across the mode changes
   bench    plain / always-on EAGLE-3 / EAGLE-3 + threshold at concurrency 1, 8, 256 (CUDA graphs)
-  comm     TP=2/TP=1 runs of a tiny Qwen3 with torch symm mem / FlashInfer allreduce fusion (smoke.comm;
-           needs 2 GPUs; `python3 -m smoke comm` = this driver with install,patch,models,comm)
+  comm     TP=2/TP=1 runs of a tiny Qwen3 with torch symm mem / FlashInfer allreduce fusion (bench.comm;
+           needs 2 GPUs; `python3 -m bench comm` = this driver with install,patch,models,comm)
 The models phase builds only the models of the selected phases (all when none of smoke/bench/comm is).
 No server is started with less than ~150 s left before the deadline; what is done is written to
 OUT (report.json, summary.txt, e2e.log, logs.tar.gz: at most 8 files come back), and the kernels
-compiled in this call as jit-cache.tar.xz, for the bundle folder (smoke.jitcache).
+compiled in this call as jit-cache.tar.xz, for the bundle folder (bench.jitcache).
 """
 from __future__ import annotations
 
@@ -44,10 +44,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from smoke import bench as bench_mod
-from smoke import comm as comm_mod
+from bench import comm as comm_mod
+from bench import jitcache
+from bench import throughput as bench_mod
 from smoke import features as features_mod
-from smoke import jitcache, runner
+from smoke import runner
 from smoke.runner import Deadline
 
 PHASES = ("install", "patch", "check", "models", "smoke", "features", "bench", "comm")

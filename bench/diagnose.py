@@ -1,4 +1,4 @@
-"""`smoke bench --diagnose`: where each server's time goes, for a benchmark figure that needs
+"""`bench run --diagnose`: where each server's time goes, for a benchmark figure that needs
 explaining.
 
 - GPU seconds per forward category (decode, extend, the draft's K/V-only writes, ...) in every
@@ -6,7 +6,7 @@ explaining.
   around each forward); the rest of a window's wall time is the GPU waiting for the host.
 - At full load: the scheduler's stacks sampled by py-spy (the host's share per function, in ms
   per step) and a torch-profiler window of a few steps (launches, syncs, GPU busy time per step:
-  smoke.profile).
+  bench.profile).
 
 The device timer and the profiler cost time themselves: compare servers with each other under
 --diagnose, not with a run without it.
@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from smoke import client, profile, pyspy
+from bench import profile, pyspy
+from smoke import client
 from smoke.client import Prompt
 from smoke.runner import Deadline
 from smoke.server import Server

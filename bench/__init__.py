@@ -1,0 +1,6 @@
+"""Benchmark and GPU-host driver of a patched sglang runtime: `python -m bench {run,e2e,comm}`.
+
+Runs on a GPU host whose Python has the image's sglang (or the wheel bundle of `nox -s gpu-e2e`),
+never inside the image: it drives the servers of the in-image smoke package (`smoke`), which it
+imports, and nothing in `smoke` imports it. Standard library only at import time.
+"""

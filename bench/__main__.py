@@ -1,0 +1,39 @@
+"""python -m bench {run,e2e,comm} ... (see each module's docstring)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench import comm, e2e, throughput
+
+
+def _add_comm_arguments(ap: argparse.ArgumentParser) -> None:
+    """`comm` is the e2e driver with the phases that prove the 2-GPU all-reduce (bench/comm.py)."""
+    e2e.add_arguments(ap)  # --comm-runs is there too
+    ap.set_defaults(phases="install,patch,models,comm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, doc, add_arguments, run, help_ in (
+            ("run", throughput.__doc__, throughput.add_arguments, throughput.main,
+             "throughput: plain / EAGLE-3 / EAGLE-3 + threshold, side by side"),
+            ("e2e", e2e.__doc__, e2e.add_arguments, e2e.main,
+             "the whole GPU-host run: install, patch, models, smoke, bench"),
+            ("comm", comm.__doc__, _add_comm_arguments, e2e.main,
+             "2-GPU all-reduce proof: e2e's install,patch,models,comm")):
+        p = sub.add_parser(name, help=help_, description=doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(p)
+        p.set_defaults(main=run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    return int(a.main(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The Docker engine's side of a build: the classic builder run with networking off and its log
+streamed, the runtime base built once per key and kept tagged, build-cache tags that leave no
+dangling image, files copied out of an image, and its layer table."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
+import docker.errors
+from docker import DockerClient
+from rich.console import Console
+from rich.markup import escape
+
+from sglang_image import normalize
+from sglang_image.context import context_tar
+from sglang_image.errors import BuildError, PatchApplyError
+from sglang_image.plan import IMAGE_REPO, BuildPlan
+
+# Stages of the one-stage Dockerfile (before the runtime base and part 2) whose cache images an
+# engine may still hold tagged: each build removes them.
+LEGACY_CACHE_STAGES = ("deps", "sglang")
+
+
+_PATCH_ERROR = re.compile(r"^error: (.+\.patch: .+)$", re.MULTILINE)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the builder colours a step's stderr
+
+
+_STAGE = re.compile(r"^Step \d+/\d+ : FROM \S+ AS (\S+)", re.IGNORECASE)
+_STEP_IMAGE = re.compile(r"^ ---> ([0-9a-f]{12})$")
+
+
+def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
+              no_cache: bool, console: Console, target: str) -> tuple[str, dict[str, str]]:
+    """Streams the context up (no tar on disk) and the classic builder's log back; returns the
+    built image ID and the last image of each earlier stage (read from the log), or raises with
+    the log's tail."""
+    tail: list[str] = []
+    image_id = None
+    stages: dict[str, str] = {}
+    stage, last_step = "", ""
+    upload = normalize.pipe(lambda put: context_tar(ctx, normalize.Writer(put)))
+    stream = client.api.build(fileobj=upload, custom_context=True,  # type: ignore[arg-type]
+                              buildargs=buildargs, nocache=no_cache, rm=True, forcerm=True,
+                              pull=False, network_mode="none", target=target, decode=True)
+    for chunk in stream:
+        if "stream" in chunk:
+            text = _ANSI.sub("", str(chunk["stream"]))
+            for line in text.splitlines():
+                tail = (tail + [line])[-60:]
+                if (new_stage := _STAGE.match(line)) is not None:
+                    if stage and last_step:
+                        stages[stage] = last_step
+                    stage = new_stage.group(1)
+                elif (step := _STEP_IMAGE.match(line)) is not None:
+                    last_step = step.group(1)
+                if line.startswith("Step "):
+                    console.print(f"[bold cyan]{escape(line)}[/]", highlight=False)
+                elif line.strip():
+                    console.print(f"  {line}", highlight=False, markup=False)
+        if "aux" in chunk and "ID" in chunk["aux"]:
+            image_id = str(chunk["aux"]["ID"])
+        if "error" in chunk:
+            log = "\n".join(tail)
+            patch_error = _PATCH_ERROR.search(log)
+            if patch_error:
+                raise PatchApplyError(f"the patch series does not apply inside the image: "
+                                      f"{patch_error.group(1)}\nRebase it: nox -s patches")
+            raise BuildError(f"the image build failed: {chunk['error'].strip()}\n"
+                             f"last lines of the log:\n{log}")
+    if image_id is None:
+        raise BuildError("the engine finished the build without an image ID")
+    return image_id, stages
+
+
+def copy_out(client: DockerClient, image_id: str, path: str, dest: Path) -> None:
+    """Copies one file out of an image (a created, never started, container)."""
+    container = client.containers.create(image_id, network_mode="none")
+    try:
+        bits, _ = container.get_archive(path)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(bits))) as tar:
+            member = tar.next()
+            fh = tar.extractfile(member) if member else None
+            if fh is None:
+                raise BuildError(f"{path} is not a file in {image_id}")
+            dest.write_bytes(fh.read())
+    finally:
+        container.remove(force=True)
+
+
+def layer_table(client: DockerClient, image_id: str) -> tuple[tuple[str, int], ...]:
+    rows = []
+    for entry in reversed(client.api.history(image_id)):  # type: ignore[no-untyped-call]
+        if entry.get("Size", 0) or "#(nop)" not in entry.get("CreatedBy", ""):
+            created_by = re.sub(r"\s+", " ", entry.get("CreatedBy", "")).strip()
+            rows.append((created_by, int(entry.get("Size", 0))))
+    return tuple(rows)
+
+
+def build_key(ctx: Path, buildargs: dict[str, str], base_id: str,
+              build_labels: dict[str, str]) -> str:
+    """What the image is made of: the context (wheels by name; their hashes are in the
+    requirements files), the build arguments, the base image ID and the labels. The same key
+    gives the same image, so an unchanged tree reuses it instead of building."""
+    digest = hashlib.sha256(json.dumps([buildargs, base_id, build_labels],
+                                       sort_keys=True).encode())
+    for path in sorted(ctx.rglob("*")):
+        rel = path.relative_to(ctx).as_posix()
+        digest.update(rel.encode() + b"\0")
+        if path.is_file() and not {"wheelhouse", "wheels"} & set(path.relative_to(ctx).parts):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _remember(index: Path, key: str, image_id: str) -> None:
+    known = json.loads(index.read_text()) if index.exists() else {}
+    known[key] = image_id
+    index.write_text(json.dumps(known, indent=1) + "\n")
+
+
+def _known(client: DockerClient, index: Path, key: str) -> str | None:
+    image_id = (json.loads(index.read_text()) if index.exists() else {}).get(key)
+    if not image_id:
+        return None
+    try:
+        return str(client.images.get(image_id).id)
+    except docker.errors.ImageNotFound:
+        return None
+
+
+def _retag(client: DockerClient, image_id: str, tags: list[str]) -> None:
+    """Points `tags` at `image_id`; an image a tag leaves without any tag is removed (a build
+    leaves no dangling image behind)."""
+    for tag in tags:
+        try:
+            previous = client.images.get(tag).id
+        except docker.errors.ImageNotFound:
+            previous = None
+        repo, _, name = tag.rpartition(":")
+        client.api.tag(image_id, repo, name)
+        if previous and previous != image_id and not client.images.get(previous).tags:
+            _remove_quietly(client, previous)
+
+
+def runtime_base_key(ctx: Path, buildargs: dict[str, str], base_id: str) -> str:
+    """What part 1 is made of: its Dockerfile, the locked wheels (their hashes are in deps.txt),
+    its build arguments and the base image."""
+    digest = hashlib.sha256(json.dumps([buildargs, base_id], sort_keys=True).encode())
+    for name in ("Dockerfile", "build-inputs/deps.txt"):
+        digest.update((ctx / name).read_bytes())
+    return digest.hexdigest()
+
+
+def _remove_quietly(client: DockerClient, ref: str) -> None:
+    try:
+        client.images.remove(ref)
+    except docker.errors.APIError:
+        pass  # in use (a container, a child image): the user's to remove
+
+
+def runtime_base(client: DockerClient, plan: BuildPlan, ctx: Path, *, buildargs: dict[str, str],
+                 console: Console, log: Callable[[str], None]) -> tuple[str, bytes]:
+    """Part 1, built and normalised once per key and kept tagged; returns (tag, its config)."""
+    opts, work, base = plan.options, plan.work, plan.base
+    key = runtime_base_key(ctx, buildargs, base.image_id)[:16]
+    tag = f"{IMAGE_REPO}-runtime-base:{work.name}-{key}"
+    config_file = opts.work_dir / "runtime-base" / f"{work.name}-{key}.json"
+    if not opts.no_cache and config_file.exists():
+        try:
+            if client.images.get(tag).id == "sha256:" + hashlib.sha256(config_file.read_bytes()).hexdigest():
+                log(f"runtime base: unchanged, reusing {tag}")
+                return tag, config_file.read_bytes()
+        except docker.errors.ImageNotFound:
+            pass
+    size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
+    log(f"runtime base: building {tag} ({size / 1e9:.2f} GB of context, network off)")
+    raw_id, stages = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
+                               console=console, target="runtime-base")
+    normalize.normalize_image(client, raw_id, epoch=plan.epoch, tags=[tag],
+                              base_diff_ids=list(base.diff_ids), base_history=base.history, log=log,
+                              cache=opts.work_dir / "normalized-layers.json", config_out=config_file,
+                              drop=normalize.BUILD_INPUTS)
+    # The builder's images (with the wheelhouse and the venv) are gigabytes that only a rebuild of
+    # this very key would reuse: they go. So do earlier runtime bases of this flavor.
+    for image_id in [*stages.values(), raw_id]:
+        _remove_quietly(client, image_id)
+    for image in client.images.list(name=f"{IMAGE_REPO}-runtime-base"):
+        for old in image.tags:
+            if old.startswith(f"{IMAGE_REPO}-runtime-base:{work.name}-") and old != tag:
+                _remove_quietly(client, old)
+    return tag, config_file.read_bytes()

@@ -1,0 +1,185 @@
+"""The build plan: what `nox -s build` was asked for, resolved once into one typed value.
+
+`make_plan` checks the flavor's lock once (a stale or incomplete lock stops here, before any work),
+keeps its verified entries (those of a light build only, for tests), finds the base image in the
+engine (pulling a pinned one it lacks) and fixes the tags and the commit's time. Every later step
+(context, labels, the builds) reads the plan, never the lock or the options again.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker.errors
+from docker import DockerClient
+
+from sglang_image import lock
+from sglang_image.errors import BuildError
+from sglang_image.fetch import WHEEL_CACHE
+from sglang_image.lock import LockEntry
+from sglang_image.pins import REPO_ROOT, Flavor
+
+IMAGE_REPO = "sglang-image"
+# Installed in the light build besides SGLang and the patch targets: what the SBOM step runs.
+SBOM_TOOL = "cyclonedx-bom"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildOptions:
+    flavor: Flavor
+    tag: str | None = None  # default: sglang-image:<VERSION>-<flavor>
+    base: str | None = None  # an image reference that replaces the flavor's pinned base
+    no_cache: bool = False
+    # Light: SGLang, the patch targets and the SBOM tool only, none of their heavy dependencies.
+    # Same Dockerfile, same stages; for tests (seconds, megabytes) - not a working server.
+    light: bool = False
+    wheel_cache: Path = WHEEL_CACHE
+    work_dir: Path = REPO_ROOT / ".cache" / "build"
+    output_dir: Path | None = None  # default: build/<tag with ':' as '-'>
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseImage:
+    """The image part 1 is built FROM, as found in the engine."""
+
+    ref: str  # the reference for FROM (the pinned name@digest, or --base)
+    name: str  # without the digest: the base.name label
+    digest: str  # the base.digest label
+    image_id: str  # sha256:<hex> of its config: part of the build keys
+    diff_ids: tuple[str, ...]  # its layers, from the bottom up
+    history: int  # its number of history entries
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildPlan:
+    """One build, resolved: the options, the flavor's verified lock entries, the base, the tags."""
+
+    options: BuildOptions
+    entries: tuple[LockEntry, ...]  # verified, all hash-pinned; a light build's subset
+    base: BaseImage
+    tags: tuple[str, ...]
+    epoch: int  # SOURCE_DATE_EPOCH: the time every layer, the config and the labels carry
+
+    @property
+    def flavor(self) -> Flavor:
+        return self.options.flavor
+
+    @property
+    def work(self) -> Path:
+        """This flavor's build folder (a light build has its own)."""
+        return self.options.work_dir / (self.flavor.name + ("-light" if self.options.light else ""))
+
+
+def version() -> str:
+    return (REPO_ROOT / "VERSION").read_text().strip()
+
+
+def default_tag(flavor: Flavor) -> str:
+    return f"{IMAGE_REPO}:{version()}-{flavor.name}"
+
+
+def _git(*args: str) -> str | None:
+    proc = subprocess.run(["git", "-C", str(REPO_ROOT), *args], check=False,
+                          capture_output=True, text=True)
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def source_date_epoch() -> int:
+    """SOURCE_DATE_EPOCH if set, else the last commit's time, else 0 (a tree with no commit)."""
+    if os.environ.get("SOURCE_DATE_EPOCH", "").isdigit():
+        return int(os.environ["SOURCE_DATE_EPOCH"])
+    stamp = _git("log", "-1", "--format=%ct")
+    return int(stamp) if stamp and stamp.isdigit() else 0
+
+
+def revision() -> str:
+    return _git("rev-parse", "HEAD") or "unknown"
+
+
+def dependency_closure(lock_text: str, roots: Iterable[str]) -> set[str]:
+    """Names reachable from `roots` through the lock's `# via` comments (uv pip compile)."""
+    parents: dict[str, set[str]] = {}
+    current = None
+    for line in lock_text.splitlines():
+        head = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", line)
+        if head:
+            current = lock.normalize(head.group(1))
+            parents[current] = set()
+            continue
+        by = re.match(r"^\s+#\s+(?:via\s+)?([A-Za-z0-9][A-Za-z0-9._-]*)\s*$", line)
+        if current and by and by.group(1) != "via":
+            parents[current].add(lock.normalize(by.group(1)))
+    wanted = {lock.normalize(r) for r in roots}
+    changed = True
+    while changed:
+        changed = False
+        for name, via in parents.items():
+            if name not in wanted and via & wanted:
+                wanted.add(name)
+                changed = True
+    return wanted
+
+
+def unverified_base_warning(opts: BuildOptions) -> str | None:
+    """What to say when the build uses a pinned base whose digest nobody checked."""
+    base = opts.flavor.base_image
+    if opts.base is not None or base.digest_verified:
+        return None
+    return (f"the base digest in {opts.flavor.toml_path.name} is unverified (digest_verified = "
+            f"false): {base.ref} was pinned without checking it against its registry. Check it "
+            f"where the hub is reachable (docker pull {base.name}; compare RepoDigests), then set "
+            f"digest_verified = true")
+
+
+def locked_entries(opts: BuildOptions) -> tuple[LockEntry, ...]:
+    """The flavor's lock, checked once: fresh, complete, every entry verified; for a light build
+    only SGLang, the patch targets and the SBOM tool with their dependencies."""
+    flavor = opts.flavor
+    entries = lock.require_complete(flavor)
+    if opts.light:
+        wanted = dependency_closure(flavor.lock_path.read_text(), [SBOM_TOOL])
+        wanted |= {lock.normalize(t) for t in flavor.patch_targets} | {lock.normalize("sglang")}
+        entries = [e for e in entries if e.name in wanted]
+    return tuple(entries)
+
+
+def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], None]) -> BaseImage:
+    """The base image in the engine; pulls a pinned base that is not there."""
+    if opts.base:
+        ref, name = opts.base, opts.base.split("@")[0]
+    else:
+        ref, name = opts.flavor.base_image.ref, opts.flavor.base_image.name
+    try:
+        image = client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        log(f"base: {ref} is not in the engine, pulling it")
+        try:
+            repo, _, digest = ref.partition("@")
+            image = client.images.pull(repo, tag=digest or None)
+        except docker.errors.APIError as exc:
+            raise BuildError(
+                f"base image {ref} is missing: not in the engine and the pull failed "
+                f"({exc.explanation or exc}). Without an image hub, make a base from Debian "
+                f"packages and build on it: nox -s base -- --flavor {opts.flavor.name}, then "
+                f"nox -s build -- --flavor {opts.flavor.name} --base TAG (the tag it prints). "
+                f"Or load the pinned one (docker load -i FILE / docker pull {ref} where a "
+                f"registry is reachable)") from exc
+    if "@" in ref:
+        digest = ref.split("@", 1)[1]
+    else:
+        repo_digests = image.attrs.get("RepoDigests") or []
+        digest = repo_digests[0].split("@", 1)[1] if repo_digests else str(image.id)
+    return BaseImage(ref=ref, name=name, digest=digest, image_id=str(image.id),
+                     diff_ids=tuple(image.attrs["RootFS"].get("Layers") or ()),
+                     history=len(client.api.history(image.id)))  # type: ignore[no-untyped-call]
+
+
+def make_plan(opts: BuildOptions, client: DockerClient, log: Callable[[str], None]) -> BuildPlan:
+    entries = locked_entries(opts)  # a stale or incomplete lock stops here, before any work
+    tag = opts.tag or default_tag(opts.flavor)
+    return BuildPlan(options=opts, entries=entries, base=resolve_base(client, opts, log),
+                     tags=(tag if ":" in tag else f"{tag}:latest",), epoch=source_date_epoch())
