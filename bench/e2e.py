@@ -82,18 +82,21 @@ def bundle_archive(bundle: Path) -> Path:
 
 
 def pth_paths(site: Path) -> list[str]:
-    """The folders the site's .pth files add (what `site` would do for a site-packages folder;
-    PYTHONPATH entries and `pip --target` sites do not run them). `import` lines are not run."""
-    found: list[str] = []
-    for pth in sorted(site.glob("*.pth")) if site.is_dir() else []:
-        for line in pth.read_text(errors="replace").splitlines():
-            line = line.strip()
-            if not line or line.startswith(("#", "import ", "import\t")):
-                continue
-            folder = (site / line).resolve()
-            if folder.is_dir() and str(folder) not in found:
-                found.append(str(folder))
-    return found
+    """The folders the site's .pth files add to sys.path, as `site` would add them for a
+    site-packages folder (path lines, and `import` lines such as nvidia-cutlass-dsl's, which puts
+    its dsl_packages folder first): a PYTHONPATH entry or a `pip --target` site runs none of them,
+    so they are asked of `site.addsitedir` in a child interpreter and put on PYTHONPATH."""
+    if not site.is_dir() or not any(site.glob("*.pth")):
+        return []
+    code = ("import json, site, sys\n"
+            "before = list(sys.path)\n"
+            "site.addsitedir(sys.argv[1])\n"
+            "print(json.dumps([p for p in sys.path if p not in before and p != sys.argv[1]]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True,
+                          check=False, env={**os.environ, "PYTHONPATH": str(site)})
+    if proc.returncode != 0:
+        raise SystemExit(f"the .pth files of {site} fail: {proc.stderr.strip()[-800:]}")
+    return [str(p) for p in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 def host_stack_problems(expected: dict[str, str], found: dict[str, str | None]) -> list[str]:
@@ -183,8 +186,25 @@ class E2E:
         return hashlib.sha256(bundle_archive(self.a.bundle).read_bytes()).hexdigest()
 
     def install_key(self) -> str:
-        """What the site is made of: the bundle's wheels and the patch series."""
-        return f"{self.wheels_digest}:{self.series_digest()}"
+        """What the site is made of: the bundle's wheels, the plugin wheel beside them and the
+        patch series."""
+        plugin = self.plugin_wheel()
+        plugin_digest = hashlib.sha256(plugin.read_bytes()).hexdigest() if plugin else "-"
+        return f"{self.wheels_digest}:{plugin_digest}:{self.series_digest()}"
+
+    def plugin_wheel(self) -> Path | None:
+        """The plugin wheel beside the archive (plugin flavors), checked against bundle.json."""
+        meta = self.a.bundle / "bundle.json"
+        entry = json.loads(meta.read_text()).get("plugin_wheel") if meta.is_file() else None
+        if not entry:
+            return None
+        wheel: Path = self.a.bundle / str(entry["name"])
+        if not wheel.is_file():
+            raise SystemExit(f"{wheel} is missing: copy it with the bundle (nox -s gpu-e2e writes it)")
+        if hashlib.sha256(wheel.read_bytes()).hexdigest() != entry["sha256"]:
+            raise SystemExit(f"{wheel}: sha256 differs from {meta}: rebuild the bundle "
+                             "(nox -s gpu-e2e) and copy both")
+        return wheel
 
     def kernel_key(self) -> str:
         return jitcache.kernel_key(self.wheels_digest, self.state.get("patch") or [])
@@ -212,11 +232,19 @@ class E2E:
                     "setup.log")
         if p.returncode != 0:
             raise RuntimeError(f"pip install failed: {p.stderr[-1500:]}")
+        plugin = self.plugin_wheel()
+        if plugin is not None:  # over any older copy an archive may hold
+            p = self.sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                         "--no-compile", "--disable-pip-version-check", "--upgrade", "--target",
+                         str(self.site), str(plugin)], "setup.log")
+            if p.returncode != 0:
+                raise RuntimeError(f"pip install of the plugin failed: {p.stderr[-1500:]}")
         shutil.rmtree(self.state_dir / "stubs", ignore_errors=True)
         shutil.copytree(stage / "stubs", self.state_dir / "stubs")
         shutil.rmtree(stage)
         (self.site / ".installed").write_text(key)
         self.state["install"] = key
+        self.env()  # the new site's .pth folders on the path of every server from here on
         self.log(f"install: {len(wheels)} wheels into {self.site}")
 
     def phase_patch(self) -> None:
@@ -304,7 +332,9 @@ class E2E:
 
     def phase_smoke(self) -> None:
         st = self.resumable("smoke")
-        opts = runner.SmokeOptions(models=self.models / "tiny", out=self.logs, threshold=self.a.threshold,
+        auto = str(self.a.threshold).lower() == runner.AUTO
+        opts = runner.SmokeOptions(models=self.models / "tiny", out=self.logs, auto=auto,
+                                   threshold=runner.DEFAULT_THRESHOLD if auto else int(self.a.threshold),
                                    deadline=self.deadline, mem_fraction=0.15,
                                    variants=tuple(self.a.smoke_variants.split(",")))
         rep = runner.run_smoke(opts, st)
@@ -315,8 +345,10 @@ class E2E:
 
     def phase_features(self) -> None:
         st = self.resumable("features")
+        threshold = (runner.DEFAULT_THRESHOLD if str(self.a.threshold).lower() == runner.AUTO
+                     else int(self.a.threshold))
         opts = features_mod.FeatureOptions(models=self.models / "tiny", out=self.logs,
-                                           threshold=self.a.threshold, deadline=self.deadline,
+                                           threshold=threshold, deadline=self.deadline,
                                            variants=tuple(self.a.feature_variants.split(",")))
         rep = features_mod.run_features(opts, st)
         self.state["features_report"] = rep
@@ -555,7 +587,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--phases", default="all", help=f"'all' or a comma list of {','.join(PHASES)}")
     ap.add_argument("--flavor", help="the flavor whose series to apply (default: the bundle's, from "
                     "BUNDLE/bundle.json as `nox -s gpu-e2e` wrote it)")
-    ap.add_argument("--threshold", type=int, default=runner.DEFAULT_THRESHOLD, help="smoke threshold N")
+    ap.add_argument("--threshold", default=str(runner.DEFAULT_THRESHOLD),
+                    help=f"smoke threshold N (default {runner.DEFAULT_THRESHOLD}), or auto (the smoke "
+                         f"phase's servers run auto; the feature matrix keeps N={runner.DEFAULT_THRESHOLD})")
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
     ap.add_argument("--feature-variants", default="overlap,sync",
                     help="features phase: comma list of overlap,sync (CUDA graphs on in both)")

@@ -32,6 +32,7 @@ MODE_CHANGE = "Speculation mode ->"
 # The smoke's threshold: small, so that the tiny model's load crosses it both ways in seconds. Every
 # smoke entry point (here, e2e, `nox -s smoke`) takes its default from this one name.
 DEFAULT_THRESHOLD = 4
+AUTO = "auto"
 REQUEST_TIMEOUT_S = 180  # a tiny-model request takes seconds; a hang must not outlive the deadline
 # Lines that mean the server is broken even if every request came back.
 BAD_LOG_PATTERNS = (
@@ -43,7 +44,7 @@ BAD_LOG_PATTERNS = (
 
 
 # ----------------------------------------------------------------------------- checks (pure)
-def check_start_log(log_text: str, threshold: int) -> None:
+def check_start_log(log_text: str, threshold: int | str) -> None:
     want = START_LINE.format(n=threshold)
     for line in log_text.splitlines():
         if want in line:
@@ -291,7 +292,8 @@ class Deadline:
 class SmokeOptions:
     models: Path
     out: Path
-    threshold: int = DEFAULT_THRESHOLD
+    threshold: int = DEFAULT_THRESHOLD  # shapes the loads (N, 8N); the server's too unless auto
+    auto: bool = False  # the EAGLE-3 servers run --speculative-disable-batch-threshold auto
     variants: tuple[str, ...] = ("overlap", "sync")
     port: int = 30000
     mem_fraction: float = 0.15
@@ -452,6 +454,79 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
     return rep
 
 
+def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
+                     refs: dict[str, list[int]]) -> dict[str, Any]:
+    """One EAGLE-3 server with `auto`: what holds whatever crossover it learns. The start line,
+    the crossover in the server info and in /metrics, outputs equal to plain decoding below, far
+    above and across any crossover (1, 8N at once, bursts of 4N beside long requests), no errors,
+    the KV pool back to its idle size, a clean log."""
+    n = opts.threshold
+    cfg = ServerConfig(v.name, opts.models / "target", draft=draft, threshold=AUTO,
+                       overlap=v.overlap, cuda_graph=v.cuda_graph and opts.cuda_graph,
+                       cuda_graph_max_bs=max(64, 8 * n), max_running=max(64, 8 * n),
+                       mem_fraction=opts.mem_fraction)
+    log = opts.out / f"server_{v.name}_auto.log"
+    rep: dict[str, Any] = {"name": v.name, "overlap": v.overlap, "cuda_graph": cfg.cuda_graph,
+                           "threshold": AUTO, "phases": {}}
+    srv = Server(cfg, opts.port, log)
+    try:
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
+        rep["start_s"] = round(srv.start_seconds, 1)
+        base = srv.base
+        check_start_log(log.read_text(errors="replace"), AUTO)
+        st0 = spec_state(client.server_info(base))
+        if "crossover" not in st0:
+            raise SmokeError(f"server info of an auto server has no crossover: {st0}")
+        baseline = wait_idle(base, client.load(base))
+        rep["kv_baseline"] = {k: baseline.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
+        results: list[Result] = []
+        for name, conc in (("below", 1), ("above", 8 * n), ("after", 1)):
+            got = client.run_concurrent(base, sets[name], conc, opts.request_timeout())
+            check_no_errors(got, name)
+            check_outputs(refs, got, name)
+            results += got
+            rep["phases"][name] = {"requests": len(got), **accept_stats(got)}
+        longs = client.in_background(
+            lambda: client.run_concurrent(base, sets["ramp_long"], 2, opts.request_timeout()))
+        ramp: list[Result] = []
+        for i in range(3):
+            time.sleep(0.3)
+            ramp += client.run_concurrent(base, sets[f"ramp_burst{i}"], 4 * n, opts.request_timeout())
+        ramp += longs.result()
+        check_no_errors(ramp, "ramp")
+        check_outputs(refs, ramp, "ramp")
+        results += ramp
+        final = wait_idle(base, baseline)
+        rep["kv_final"] = {k: final.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
+        check_kv_back(baseline, final)
+        metrics = client.metrics(base)
+        rep["metrics"] = {k: client.metric(metrics, k) for k in (
+            "sglang:spec_disable_crossover", "sglang:spec_disable_speculative_steps_total",
+            "sglang:spec_disable_plain_steps_total")}
+        if rep["metrics"]["sglang:spec_disable_crossover"] is None:
+            raise SmokeError("Prometheus metric sglang:spec_disable_crossover missing (auto)")
+        if not srv.alive():
+            raise SmokeError("server process died during the test")
+        text = log.read_text(errors="replace")
+        check_log_clean(text)
+        rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE in line)
+        rep["spec_disable_final"] = spec_state(client.server_info(base))
+        rep["errors"] = sum(1 for r in results if r.error)
+        rep["ok"] = True
+    except SmokeError as exc:
+        record_failure(rep, exc, log)
+    except client.HTTPFailure as exc:
+        record_failure(rep, SmokeError(f"HTTP failure talking to the server: {exc}"), log)
+    except Exception as exc:  # noqa: BLE001 - an unexpected answer must still give cause + log
+        import traceback
+
+        record_failure(rep, SmokeError(f"runner error: {type(exc).__name__}: {exc}\n"
+                                       f"{traceback.format_exc()[-1200:]}"), log)
+    finally:
+        srv.stop()
+    return rep
+
+
 def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[int]], rep: dict[str, Any],
                 opts: SmokeOptions, st_before: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
     tag = f"{int(time.time() * 1000)}"  # rids unique across calls on the same server
@@ -515,7 +590,8 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
     opts.out.mkdir(parents=True, exist_ok=True)
     expected = json.loads((opts.models / "expected.json").read_text())
     sets = make_prompts(expected, opts.threshold)
-    report: dict[str, Any] = {"threshold": opts.threshold, "models": str(opts.models),
+    report: dict[str, Any] = {"threshold": AUTO if opts.auto else opts.threshold,
+                              "models": str(opts.models),
                               "designed_accept_length": expected.get("designed_accept_length"),
                               "variants": {}, "failures": []}
     refs = state.get("refs")
@@ -543,7 +619,8 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
         if opts.deadline.left() < opts.min_server_s:
             report.setdefault("skipped", []).append(f"{v.name} (deadline)")
             continue
-        rep = run_variant(opts, v, opts.models / "draft", sets, refs)
+        run = run_auto_variant if opts.auto else run_variant
+        rep = run(opts, v, opts.models / "draft", sets, refs)
         report["variants"][v.name] = rep
         if rep.get("ok"):
             done[v.name] = rep
@@ -579,7 +656,10 @@ def summarize(report: dict[str, Any]) -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", type=Path, required=True, help="dir from `python -m smoke models`")
     ap.add_argument("--out", type=Path, required=True, help="logs and report.json go here")
-    ap.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD)
+    ap.add_argument("--threshold", default=str(DEFAULT_THRESHOLD),
+                    help=f"the servers' threshold N >= 1 (default {DEFAULT_THRESHOLD}), or `auto`: "
+                         "the server finds its crossover; the loads are then shaped for "
+                         f"N={DEFAULT_THRESHOLD} and the checks are those that hold for any crossover")
     ap.add_argument("--variants", default="overlap,sync",
                     help="comma list of: overlap (CUDA graphs on), sync (--disable-overlap-schedule)")
     ap.add_argument("--port", type=int, default=30000)
@@ -600,9 +680,11 @@ def comma_list(text: str, known: Iterable[str], flag: str) -> tuple[str, ...]:
 
 def options(a: argparse.Namespace) -> SmokeOptions:
     variants = comma_list(a.variants, VARIANTS, "--variants")
-    if a.threshold < 1:
-        raise SystemExit("--threshold must be >= 1")
-    return SmokeOptions(models=a.models, out=a.out, threshold=a.threshold, variants=variants,
+    auto = str(a.threshold).strip().lower() == AUTO
+    if not auto and not (str(a.threshold).isdigit() and int(a.threshold) >= 1):
+        raise SystemExit(f"--threshold {a.threshold}: give a whole number >= 1, or auto")
+    threshold = DEFAULT_THRESHOLD if auto else int(a.threshold)
+    return SmokeOptions(models=a.models, out=a.out, threshold=threshold, auto=auto, variants=variants,
                         port=a.port, mem_fraction=a.mem_fraction, cuda_graph=not a.no_cuda_graph,
                         deadline=Deadline(time.time() + a.deadline))
 

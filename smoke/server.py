@@ -43,7 +43,7 @@ class ServerConfig:
     name: str
     model: Path
     draft: Path | None = None          # EAGLE-3 when set
-    threshold: int | None = None       # --speculative-disable-batch-threshold
+    threshold: int | str | None = None  # --speculative-disable-batch-threshold (N or auto)
     overlap: bool = True               # False -> --disable-overlap-schedule
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 64

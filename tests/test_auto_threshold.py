@@ -423,3 +423,49 @@ def test_policy_leaves_out_idle_gaps_and_resyncs_after_lost_results():
         AutoPolicy(ctl, 0, clock)
     policy.set_cuda_graph_bs([8, 1, 4])
     assert policy.cuda_graph_bs_for_step(0) == policy.cuda_graph_bs_for_step(3) == [1, 4, 8]
+
+
+def test_policy_charges_no_step_with_the_scheduler_s_idle_gap():
+    # A single-GPU scheduler asks for no zero-size batch when it runs dry: it goes idle (on_idle),
+    # and the next burst's first decode step would time the last step before the pause as the
+    # whole pause (seconds instead of milliseconds), charging that mode at that batch size.
+    clock = Clock()
+    ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
+    policy = AutoPolicy(ctl, 3, clock)
+    policy.get_steps_for_batch(4)
+    clock.now += 0.01
+    policy.get_steps_for_batch(4)  # the first step: 10 ms
+    policy.on_verify_complete([2] * 4, 4)
+    clock.now += 0.01
+    policy.note_idle()  # the burst is over; the second step's result comes with the idle loop
+    policy.on_verify_complete([2] * 4, 4)
+    clock.now += 30.0  # a pause between bursts
+    policy.get_steps_for_batch(4)
+    clock.now += 0.01
+    policy.get_steps_for_batch(4)
+    policy.on_verify_complete([2] * 4, 4)
+    seconds = [rec[2] for rec in ctl.recorded]
+    assert seconds == [pytest.approx(0.01), pytest.approx(0.01)]
+    assert policy.dropped == 1  # the step the pause followed
+    policy.note_idle()
+    policy.note_idle()  # the idle loop runs many times: nothing more to drop
+    assert policy.dropped == 1
+
+
+def test_the_scheduler_idle_hook_reaches_auto_s_policy():
+    from types import SimpleNamespace
+
+    from sglang_image_plugin import hooks
+
+    clock = Clock()
+    ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
+    policy = AutoPolicy(ctl, 3, clock)
+    scheduler = SimpleNamespace(draft_worker=SimpleNamespace(**{hooks.CONTROLLER_ATTR: policy}))
+    policy.get_steps_for_batch(4)
+    hooks.scheduler_idle(scheduler)  # BEFORE Scheduler.on_idle
+    policy.on_verify_complete([2] * 4, 4)
+    assert policy.dropped == 1 and ctl.recorded == []
+    # a fixed threshold's controller has no step clock; a server without the feature, no worker
+    hooks.scheduler_idle(SimpleNamespace(draft_worker=SimpleNamespace(
+        **{hooks.CONTROLLER_ATTR: object()})))
+    hooks.scheduler_idle(SimpleNamespace())

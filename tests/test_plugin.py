@@ -668,3 +668,44 @@ def test_image_entrypoint_refuses_a_plugin_allowlist_without_ours(
         assert proc.returncode == 2 and "STARTED" not in proc.stdout
         assert f"SGLANG_PLUGINS={plugins} leaves out sglang_image" in proc.stderr
         assert "add sglang_image to SGLANG_PLUGINS" in proc.stderr
+
+
+def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    # SGLANG_IMAGE_PLAIN_TARGET_DECODE: the zero-step state's target graph is captured in DECODE
+    # mode (no verify input, hidden states for the draft); every other state, and every state
+    # without the flag or without a threshold, keeps upstream's runner.
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
+        import os
+        from sglang.srt.speculative import eagle_worker_v2
+        from sglang_image_plugin import plain_target
+        from types import SimpleNamespace as NS
+        m = {str(model_dir)!r}
+        seen = []
+        def original(worker, steps, tokens, *a, **k):
+            seen.append([steps, eagle_worker_v2.DecodeCudaGraphRunner.__name__])
+        def run(args, env, steps):
+            os.environ.pop(plain_target.ENV, None)
+            os.environ.update(env)
+            import contextlib, io
+            with contextlib.redirect_stderr(io.StringIO()):
+                sa = prepare_server_args(["--model-path", m, "--skip-tokenizer-init", "--device",
+                    "cpu", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", m,
+                    "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
+                    "--speculative-num-draft-tokens", "4", *args])
+            sa.resolve_once()
+            sa.check_server_args()
+            plain_target.build_runtime_state(original, NS(server_args=sa), steps, 1)
+        on = {{plain_target.ENV: "1"}}
+        run(["--speculative-disable-batch-threshold", "8"], on, 0)
+        run(["--speculative-disable-batch-threshold", "8"], on, 3)
+        run(["--speculative-disable-batch-threshold", "8"], {{}}, 0)
+        run([], on, 0)
+        cls = plain_target.runner_class()
+        emit({{"seen": seen, "base": [b.__name__ for b in cls.__mro__[1:3]],
+               "spec_info": cls.get_spec_info(None, 8),
+               "restored": eagle_worker_v2.DecodeCudaGraphRunner.__name__}})
+    """)
+    assert out["seen"] == [[0, "PlainDecodeCudaGraphRunner"], [3, "DecodeCudaGraphRunner"],
+                           [0, "DecodeCudaGraphRunner"], [0, "DecodeCudaGraphRunner"]]
+    assert out["base"][0] == "DecodeCudaGraphRunner" and out["spec_info"] is None
+    assert out["restored"] == "DecodeCudaGraphRunner"

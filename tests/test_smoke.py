@@ -250,6 +250,18 @@ def test_argument_parsing(tmp_path):
         runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--variants", "bogus"]))
     with pytest.raises(SystemExit):
         runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "0"]))
+    auto = runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "AUTO"]))
+    assert auto.auto and auto.threshold == runner.DEFAULT_THRESHOLD  # loads shaped for N=4
+    for bad in ("auto8", "-1", "lots"):
+        with pytest.raises(SystemExit, match="give a whole number >= 1, or auto"):
+            runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", bad]))
+    from sglang_image import smoke as nox_smoke
+
+    script = nox_smoke.full_command("auto")[-1]
+    assert "smoke run --models /tmp/models --out /out --threshold auto" in script.replace(
+        nox_smoke.OUT_MOUNT, "/out")
+    assert f"features --models /tmp/models --out /out/features --threshold {runner.DEFAULT_THRESHOLD}" in (
+        script.replace(nox_smoke.OUT_MOUNT, "/out"))
     a = ap.parse_args(["models", str(tmp_path), "--size", "1b", "--draft", "chain",
                        "--draft-accept", "0.7", "--device", "cuda"])
     assert (a.size, a.draft, a.draft_accept, a.device) == ("1b", "chain", 0.7, "cuda")

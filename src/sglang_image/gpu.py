@@ -23,6 +23,7 @@ import hashlib
 import io
 import json
 import lzma
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -35,7 +36,7 @@ from sglang_image import plugin
 from sglang_image.errors import FetchError, SglangImageError
 from sglang_image.fetch import WHEEL_CACHE, fetch_entries, fetch_wheels
 from sglang_image.lock import LockEntry, normalize, reachable, read_lock, read_requirements_graph
-from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, Flavor, load_flavor
+from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, Flavor, flavor_names, load_flavor
 
 BUNDLE_DIR = REPO_ROOT / ".gpu"
 
@@ -154,25 +155,33 @@ def host_stack(flavor: Flavor) -> set[str]:
     return reachable(read_requirements_graph(flavor.lock_path), HOST_ROOTS)
 
 
-def bundle_members(flavor: Flavor) -> list[str]:
+def bundle_members(flavor: Flavor, host_provides: tuple[str, ...] = ()) -> list[str]:
     """The bundled distributions: sglang and everything it requires in the flavor's lock, less
-    the host's stack and NOT_ON_LAUNCH_PATH (and what only those require)."""
+    the host's stack, NOT_ON_LAUNCH_PATH and `host_provides` (what the host already has at the
+    lock's version), and what only those require."""
     graph = read_requirements_graph(flavor.lock_path)
     unknown = sorted(set(NOT_ON_LAUNCH_PATH) - set(graph))
     if unknown:
         raise FetchError(f"GPU bundle: {unknown} (NOT_ON_LAUNCH_PATH in sglang_image/gpu.py) are "
                          f"not in {flavor.lock_path.name}: remove them there")
-    stop = host_stack(flavor) | set(NOT_ON_LAUNCH_PATH)
+    provided = {normalize(n) for n in host_provides}
+    if provided - set(graph):
+        raise FetchError(f"--host-provides {','.join(sorted(provided - set(graph)))}: not in "
+                         f"{flavor.lock_path.name}; name distributions of the lock")
+    stop = host_stack(flavor) | set(NOT_ON_LAUNCH_PATH) | provided
     return sorted(reachable(graph, ["sglang"], stop=stop))
 
 
-def bundle_requirements(flavor_name: str = DEFAULT_FLAVOR) -> tuple[list[str], str]:
+def bundle_requirements(flavor_name: str = DEFAULT_FLAVOR,
+                        host_provides: tuple[str, ...] = ()) -> tuple[list[str], str]:
     """`name==version` of each bundled wheel, from the flavor's lock, and where they came from."""
     flavor = load_flavor(flavor_name)
     locked = {e.name: e.version for e in read_lock(flavor.lock_path)}
     source = (f"sglang's requirements in {flavor.lock_path.relative_to(REPO_ROOT)} less the "
               f"host's torch stack and {len(NOT_ON_LAUNCH_PATH)} not on the launch path")
-    return [f"{n}=={locked[n]}" for n in bundle_members(flavor)], source
+    if host_provides:
+        source += f", and {','.join(host_provides)} (--host-provides)"
+    return [f"{n}=={locked[n]}" for n in bundle_members(flavor, host_provides)], source
 
 
 def _record_hash(data: bytes) -> str:
@@ -227,32 +236,37 @@ def fetch_diagnostics(flavor: Flavor, dest: Path, cache: Path = WHEEL_CACHE) -> 
     return fetch_entries(list(DIAGNOSTIC_WHEELS), flavor, dest, cache, "sglang_image/gpu.py DIAGNOSTIC_WHEELS")
 
 
-def plugin_digest() -> str:
-    """sha256 over the plugin's sources (its wheel is rebuilt from them, byte for byte)."""
-    digest = hashlib.sha256()
-    for path in sorted(plugin.PLUGIN_DIR.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts:
-            digest.update(str(path.relative_to(plugin.PLUGIN_DIR)).encode() + path.read_bytes())
-    return digest.hexdigest()
+def place_plugin_wheel(flavor: Flavor, bundle_dir: Path) -> Path | None:
+    """The plugin's wheel in the bundle folder (plugin flavors; older ones removed)."""
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    for old in bundle_dir.glob("sglang_image_plugin-*.whl"):
+        old.unlink()
+    return plugin.build_wheel(bundle_dir) if flavor.plugin else None
 
 
-def bundle_key(requirements: list[str], plugin_sources: str = "") -> str:
-    """Changes when a pin, a hash, the slimming, the stub or the plugin changes: the bundle is
-    then rebuilt."""
+def record_plugin(meta_path: Path, wheel: Path | None) -> None:
+    """bundle.json names the plugin wheel beside the archive and its sha256 (checked on the host)."""
+    meta = json.loads(meta_path.read_text())
+    meta["plugin_wheel"] = (None if wheel is None else
+                            {"name": wheel.name, "sha256": hashlib.sha256(wheel.read_bytes()).hexdigest()})
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def bundle_key(requirements: list[str]) -> str:
+    """Changes when a pin, a hash, the slimming or the stub changes: the archive is then rebuilt."""
     text = json.dumps([requirements, sorted((k, v.drop, v.strip_debug) for k, v in SLIMMING.items()),
-                       IPYTHON_STUB, [(e.requirement, e.hashes) for e in DIAGNOSTIC_WHEELS],
-                       plugin_sources],
+                       IPYTHON_STUB, [(e.requirement, e.hashes) for e in DIAGNOSTIC_WHEELS]],
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def stage_bundle(flavor: Flavor, tmp: Path, cache: Path = WHEEL_CACHE) -> Path:
+def stage_bundle(flavor: Flavor, tmp: Path, cache: Path = WHEEL_CACHE,
+                 host_provides: tuple[str, ...] = ()) -> Path:
     """The bundle's files under tmp: wheels/ (fetched by hash, slimmed) and stubs/; returns
     tmp/wheels. tmp/fetched holds the wheels as fetched."""
-    wheels = fetch_wheels(flavor, tmp / "fetched", only=bundle_members(flavor), cache=cache)
+    wheels = fetch_wheels(flavor, tmp / "fetched", only=bundle_members(flavor, host_provides),
+                          cache=cache)
     wheels += fetch_diagnostics(flavor, tmp / "fetched", cache)
-    if flavor.plugin:  # the same wheel, by hash, as the image installs
-        wheels.append(plugin.build_wheel(tmp / "fetched"))
     stage = tmp / "wheels"
     stage.mkdir()
     for whl in wheels:
@@ -265,42 +279,84 @@ def stage_bundle(flavor: Flavor, tmp: Path, cache: Path = WHEEL_CACHE) -> Path:
 
 
 def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DIR,
-                 cache: Path = WHEEL_CACHE, force: bool = False) -> BundleReport:
-    requirements, source = bundle_requirements(flavor_name)
-    key = bundle_key(requirements, plugin_digest() if load_flavor(flavor_name).plugin else "")
+                 cache: Path = WHEEL_CACHE, force: bool = False,
+                 host_provides: tuple[str, ...] = (), part_mib: int = 0,
+                 xz_level: int = 6) -> BundleReport:
+    """Build (or reuse) BUNDLE/wheels.tar.xz and bundle.json; with part_mib, also the archive in
+    parts of at most that many MiB (wheels.tar.xz.part-NN), for a copy of limited size."""
+    requirements, source = bundle_requirements(flavor_name, host_provides)
+    flavor = load_flavor(flavor_name)
+    key = bundle_key(requirements)
+    # The plugin wheel travels beside the archive (it changes far more often than the hundreds of
+    # MB of wheels): the same bytes, by hash, as the image installs.
+    plugin_wheel = place_plugin_wheel(flavor, bundle_dir)
     tar_path = bundle_dir / "wheels.tar.xz"
     meta_path = bundle_dir / "bundle.json"
     if not force and tar_path.is_file() and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         if meta.get("key") == key and meta.get("sha256") == hashlib.sha256(tar_path.read_bytes()).hexdigest():
+            write_parts(tar_path, part_mib)
+            record_plugin(meta_path, plugin_wheel)
             return BundleReport(tar_path, tar_path.stat().st_size,
                                 [(w["name"], w["stored_size"]) for w in meta["wheels"]],
                                 meta["source"] + " (cached bundle)")
     bundle_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        stage = stage_bundle(load_flavor(flavor_name), Path(tmp), cache)
-        tmp_tar = tar_path.with_suffix(".tmp")
-        with (lzma.open(tmp_tar, "wb", preset=9) as xz,
-              tarfile.open(fileobj=xz, mode="w", format=tarfile.PAX_FORMAT) as tar):
+        stage = stage_bundle(load_flavor(flavor_name), Path(tmp), cache, host_provides)
+        plain_tar = Path(tmp, "bundle.tar")
+        with tarfile.open(plain_tar, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for p in sorted(Path(tmp).rglob("*")):
-                if p.is_file() and p.parent.name != "fetched":
+                if p.is_file() and p.parent.name != "fetched" and p != plain_tar:
                     ti = tar.gettarinfo(str(p), arcname=str(p.relative_to(tmp)))
                     ti.uid = ti.gid = 0
                     ti.uname = ti.gname = ""
                     ti.mtime = 1767225600  # 2026-01-01
                     with open(p, "rb") as fh:
                         tar.addfile(ti, fh)
-        tmp_tar.replace(tar_path)
+        compress(plain_tar, tar_path.with_suffix(".tmp"), xz_level).replace(tar_path)
         sizes = [(w.name, w.stat().st_size) for w in sorted(stage.glob("*.whl"))]
     digest = hashlib.sha256(tar_path.read_bytes()).hexdigest()
     locked = {e.name: e.version for e in read_lock(load_flavor(flavor_name).lock_path)}
-    host = {n: locked[n] for n in (*HOST_ROOTS, "triton") if n in locked}
+    host = {n: locked[n] for n in (*HOST_ROOTS, "triton", *map(normalize, host_provides))
+            if n in locked}
     manifest = {"flavor": flavor_name, "source": source, "key": key, "sha256": digest,
                 "host_stack": host,
                 "size": tar_path.stat().st_size, "requirements": [r.split()[0] for r in requirements],
                 "wheels": [{"name": n, "stored_size": s} for n, s in sizes]}
     (bundle_dir / "bundle.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    record_plugin(meta_path, plugin_wheel)
+    write_parts(tar_path, part_mib)
     return BundleReport(tar_path, tar_path.stat().st_size, sizes, source)
+
+
+def compress(source: Path, dest: Path, level: int = 6) -> Path:
+    """xz of source into dest at `level`: the xz tool on every core where it is installed
+    (hundreds of MB of stored wheels), else Python's lzma on one."""
+    xz = shutil.which("xz")
+    if xz:
+        with dest.open("wb") as out:
+            subprocess.run([xz, f"-{level}", "-T0", "-c", str(source)], stdout=out, check=True)
+    else:
+        with source.open("rb") as src, lzma.open(dest, "wb", preset=level) as out:
+            shutil.copyfileobj(src, out, 2**20)
+    return dest
+
+
+def write_parts(tar_path: Path, part_mib: int) -> list[Path]:
+    """tar_path in parts of at most part_mib MiB beside it (none for 0); `bench e2e` joins them
+    where the whole archive did not travel."""
+    for old in tar_path.parent.glob(tar_path.name + ".part-*"):
+        old.unlink()
+    if part_mib <= 0:
+        return []
+    parts: list[Path] = []
+    size = part_mib * 2**20
+    with tar_path.open("rb") as whole:
+        while chunk := whole.read(size):
+            part = tar_path.with_name(f"{tar_path.name}.part-{len(parts):02d}")
+            part.write_bytes(chunk)
+            parts.append(part)
+    return parts
 
 
 def host_command(*, phases: str = "all", out: str = "out/gpu-e2e") -> str:
@@ -310,15 +366,30 @@ def host_command(*, phases: str = "all", out: str = "out/gpu-e2e") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_image.gpu", description=__doc__,
+    ap = argparse.ArgumentParser(prog="nox -s gpu-e2e --", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--flavor", default=DEFAULT_FLAVOR)
-    ap.add_argument("--skip-build", action="store_true", help="only print the command")
-    ap.add_argument("--force", action="store_true", help="rebuild the bundle even if it is current")
+    ap.add_argument("--flavor", default=DEFAULT_FLAVOR, choices=flavor_names(),
+                    help=f"the flavor whose wheels, series and plugin to bundle (default: {DEFAULT_FLAVOR})")
+    ap.add_argument("--skip-build", action="store_true",
+                    help="only print the command to run on the GPU host (default: build first)")
+    ap.add_argument("--force", action="store_true",
+                    help="rebuild the archive even if it is current (default: reuse it)")
+    ap.add_argument("--host-provides", default="", metavar="DIST,...",
+                    help="distributions of the lock the GPU host already has at the lock's version "
+                         "(e.g. nvidia-cutlass-dsl brought with its torch stack): left out of the "
+                         "bundle, and checked on the host before any server starts (default: none)")
+    ap.add_argument("--part-mib", type=int, default=0, metavar="N",
+                    help="also write the archive in parts of at most N MiB (wheels.tar.xz.part-NN) "
+                         "for a copy of limited size; the host joins them (default: 0, no parts)")
+    ap.add_argument("--xz-level", type=int, default=6, choices=range(10), metavar="0-9",
+                    help="xz level of the archive: 1 packs several times faster on a small or busy "
+                         "machine, some 20%% larger (default: 6)")
     a = ap.parse_args(argv)
     try:
         if not a.skip_build:
-            rep = build_bundle(a.flavor, force=a.force)
+            provides = tuple(n.strip() for n in a.host_provides.split(",") if n.strip())
+            rep = build_bundle(a.flavor, force=a.force, host_provides=provides,
+                               part_mib=a.part_mib, xz_level=a.xz_level)
             print(f"bundle: {rep.path.relative_to(REPO_ROOT)} {rep.size / 2**20:.1f} MiB "
                   f"({len(rep.wheels)} wheels; {rep.source})")
         bundle = BUNDLE_DIR / "wheels.tar.xz"

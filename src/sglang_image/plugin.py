@@ -133,7 +133,7 @@ def check_hook_targets(site_packages: Path, sglang_version: str,
     if recorded is None:
         problems.append(f"no digests recorded for sglang {sglang_version}: review "
                         f"{', '.join(targets.RELIED)} against the plugin, then record them "
-                        f"(python -m sglang_image plugin-check --site-packages DIR --record)")
+                        f"(nox -s plugin-check -- --site-packages DIR --record)")
     for dotted in targets.RELIED:
         source = definition_source(site_packages, dotted)
         if source is None:
@@ -207,7 +207,7 @@ def build_wheel(out_dir: Path) -> Path:
 
 def main(argv: Sequence[str]) -> int:
     """`python -m sglang_image plugin-check --site-packages DIR [--sglang-version V] [--record]`."""
-    parser = argparse.ArgumentParser(prog="python -m sglang_image plugin-check",
+    parser = argparse.ArgumentParser(prog="nox -s plugin-check --",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--site-packages", type=Path, required=True,
                         help="an unpacked sglang wheel (the directory holding sglang/)")

@@ -158,7 +158,8 @@ def full_command(threshold: int | str = DEFAULT_THRESHOLD) -> list[str]:
     script = ("set -e; python3 -m smoke models /tmp/models --device cuda; "
               f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT} --threshold {threshold}; "
               f"python3 -m smoke features --models /tmp/models --out {OUT_MOUNT}/features "
-              f"--threshold {threshold}")
+              # the matrix crosses a fixed N both ways; with auto it runs at the default N
+              f"--threshold {DEFAULT_THRESHOLD if threshold == AUTO else threshold}")
     return ["bash", "-c", script]
 
 

@@ -485,7 +485,8 @@ class AutoPolicy:
     the step time the traffic sees, prefills between decode steps included. Verify results come in
     decode order, usually a step late; each fills the oldest step still waiting for one. A result
     whose batch size differs from that step's means the two sequences lost step: the pending steps
-    are dropped. An idle call (no requests) leaves the pending step without a time."""
+    are dropped. An idle call (no requests), or the scheduler going idle (note_idle), leaves the
+    pending step without a time."""
 
     MAX_PENDING = 8  # steps waiting for their results, at most (overlap keeps one or two)
 
@@ -527,6 +528,15 @@ class AutoPolicy:
             self._pending.pop(0)
             self.dropped += 1
         return 0 if mode is Mode.PLAIN else self.speculative_steps
+
+    def note_idle(self) -> None:
+        """The scheduler found nothing to run: the step before this has no step time (the interval
+        to the next decode step would be the idle gap, and a burst after a pause would charge the
+        whole pause to the last step before it)."""
+        last = self._pending[-1] if self._pending else None
+        if last is not None and last.seconds is None:
+            last.seconds = 0.0
+            self._flush()
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         """The output tokens of the oldest step waiting for them: the accepted drafts plus one per

@@ -6,13 +6,13 @@ sglang is imported inside the hooks only: they run in a process that has it.
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import os
+import pickle
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import spec_disable
+from sglang_image_plugin import plain_target, spec_disable
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, Decision
 from sglang_image_plugin.policy import AutoThresholdPolicy, ThresholdPolicy
 from sglang_image_plugin.spec_disable import Setting
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 # Bookkeeping attributes on ServerArgs (not fields: pickled to the scheduler by
 # ServerArgs.__reduce__, never part of the resolved configuration).
 FLAGS_ATTR = "_sglang_image_spec_disable_flags"
-SETTING_ATTR = "_sglang_image_spec_disable"
+SETTING_ATTR = spec_disable.SETTING_ATTR
 # On EAGLEWorkerV2: the controller (auto: the policy), read by the observability hooks.
 CONTROLLER_ATTR = "sglang_image_spec_disable"
 # On EAGLEWorkerV2: `auto` waits for init_cuda_graphs to install its policy.
@@ -120,12 +120,13 @@ _ADAPTIVE_SOURCE = "sglang-image-plugin: adaptive twin"
 
 
 def _adaptive_twin(server_args: Any) -> Any:
-    """A deep copy of the server arguments that reads --speculative-adaptive as on."""
-    twin = copy.deepcopy(server_args)
-    object.__setattr__(twin, "speculative_adaptive", True)
+    """A copy of the server arguments (as the scheduler receives them: pickled) whose resolved
+    view reads --speculative-adaptive as on: a declaration on top of the resolution's, which
+    every check reads through (the record itself is sealed once resolved)."""
+    twin = pickle.loads(pickle.dumps(server_args))
     overrides = list(getattr(twin, "_resolved_overrides", None) or ())
     overrides.append((_ADAPTIVE_SOURCE, {"speculative_adaptive": True}))
-    object.__setattr__(twin, "_resolved_overrides", overrides)
+    twin._resolved_overrides = overrides
     return twin
 
 
@@ -362,6 +363,15 @@ def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> N
         controller.metrics = PrometheusMetrics(dict(labels))
 
 
+def scheduler_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE Scheduler.on_idle: `auto` times a step until the next decode step; an idle gap
+    between them is no step time (AutoPolicy.note_idle)."""
+    controller = getattr(getattr(scheduler, "draft_worker", None), CONTROLLER_ATTR, None)
+    note_idle = getattr(controller, "note_idle", None)
+    if note_idle is not None:
+        note_idle()
+
+
 def add_speculative_state(result: None, state_controller: Any, state: dict[str, Any]) -> None:
     """AFTER SchedulerInternalStateController._add_speculative: the server info."""
     worker = getattr(state_controller.scheduler, "draft_worker", None)
@@ -378,7 +388,11 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.init_cuda_graphs": worker_init_cuda_graphs,
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input":
         trivial_verify_input,
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.build_adaptive_runtime_state":
+        plain_target.build_runtime_state,
+    "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify": plain_target.prepare_for_verify,
     "sglang.srt.managers.scheduler.Scheduler.__init__": scheduler_init,
+    "sglang.srt.managers.scheduler.Scheduler.on_idle": scheduler_idle,
     "sglang.srt.managers.scheduler_components.internal_state."
     "SchedulerInternalStateController._add_speculative": add_speculative_state,
 }

@@ -35,9 +35,24 @@ HOOKS: tuple[HookSpec, ...] = (
         "int64 draft token for the zero-step verify under the synchronous scheduler",
     ),
     HookSpec(
+        f"{_WORKER}.build_adaptive_runtime_state",
+        "around",
+        "experimental: the zero-step state's target graph in DECODE mode",
+    ),
+    HookSpec(
+        "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify",
+        "around",
+        "experimental: a DECODE forward batch for that graph",
+    ),
+    HookSpec(
         "sglang.srt.managers.scheduler.Scheduler.__init__",
         "after",
         "exports the controller's Prometheus metrics",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler.Scheduler.on_idle",
+        "before",
+        "auto: an idle gap is no step time",
     ),
     HookSpec(
         "sglang.srt.managers.scheduler_components.internal_state."
@@ -84,6 +99,20 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.plugins.load_plugins",
     "sglang.srt.plugins.hook_registry.HookRegistry",
     "sglang.srt.plugins.hook_registry._wrap_fn",
+    # auto's step clock: decode steps, and the idle loop between bursts.
+    "sglang.srt.managers.scheduler.Scheduler.event_loop_overlap",
+    "sglang.srt.managers.scheduler.Scheduler.event_loop_normal",
+    # The experimental plain target (plain_target.py): the verify it stands in for and the
+    # runner and batch it builds.
+    "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify",
+    "sglang.srt.speculative.eagle_worker_common.run_eagle_verify",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.__init__",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.load_batch",
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+    "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
 )
 
 DIGESTS_FILE = "upstream_digests.json"

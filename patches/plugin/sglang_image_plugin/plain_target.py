@@ -1,0 +1,136 @@
+"""Experimental, off by default (SGLANG_IMAGE_PLAIN_TARGET_DECODE=1): the zero-step (plain) step's
+target forward as a DECODE forward under a DECODE CUDA graph, instead of upstream's one-token
+TARGET_VERIFY graph (extend attention with a custom mask over the whole prefix).
+
+Only the target forward changes: upstream's verify bookkeeping (sampling, grammars, penalties,
+logprobs, the stride-1 result) and the draft extend run as before, on the same token, position and
+KV slot. The zero-step runtime state captures its target graph with PlainDecodeCudaGraphRunner (a
+DecodeCudaGraphRunner that captures DECODE with the hidden states the draft needs), and a
+zero-step verify builds its forward batch in DECODE's convention (sequence lengths include the
+token). sglang is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from sglang_image_plugin.spec_disable import SETTING_ATTR
+
+ENV = "SGLANG_IMAGE_PLAIN_TARGET_DECODE"
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+@functools.cache
+def runner_class() -> type:
+    """DecodeCudaGraphRunner capturing DECODE (no verify input) with the target's hidden states."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    class PlainDecodeCudaGraphRunner(DecodeCudaGraphRunner):  # type: ignore[misc]
+        def capture(self) -> None:
+            self.capture_forward_mode = ForwardMode.DECODE
+            self.ragged_verify_mode = False
+            hidden: Any = getattr(self, "capture_hidden_mode")  # noqa: B009 - typed Any
+            self.capture_hidden_mode = max(hidden, CaptureHiddenMode.FULL)
+            super().capture()
+
+        def get_spec_info(self, num_tokens: int) -> None:
+            return None
+
+    return PlainDecodeCudaGraphRunner
+
+
+@contextlib.contextmanager
+def _decode_runner_for_capture() -> Iterator[None]:
+    """build_adaptive_runtime_state looks the target's runner class up in eagle_worker_v2's
+    globals: the plain class for the zero-step state's capture only."""
+    from sglang.srt.speculative import eagle_worker_v2
+
+    saved = eagle_worker_v2.DecodeCudaGraphRunner
+    eagle_worker_v2.DecodeCudaGraphRunner = runner_class()
+    try:
+        yield
+    finally:
+        eagle_worker_v2.DecodeCudaGraphRunner = saved
+
+
+def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_num_steps: int,
+                        speculative_num_draft_tokens: int, *args: Any, **kwargs: Any) -> Any:
+    """AROUND EAGLEWorkerV2.build_adaptive_runtime_state: the zero-step state's target graph in
+    DECODE mode (when enabled and the threshold drives the worker)."""
+    setting = getattr(worker.server_args, SETTING_ATTR, None)
+    if speculative_num_steps != 0 or not enabled() or setting is None or not setting.enabled:
+        return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
+    with _decode_runner_for_capture():
+        return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
+
+
+def prepare_for_verify(original: Callable[..., Any], verify_input: Any, req_to_token_pool: Any,
+                       batch: Any, target_worker: Any) -> Any:
+    """AROUND eagle_utils.eagle_prepare_for_verify: a one-token verify whose target runs the plain
+    DECODE graph gets a DECODE forward batch (lengths include the token, no verify input)."""
+    runner: Any = target_worker.model_runner.decode_cuda_graph_runner
+    if (
+        verify_input.draft_token_num != 1
+        or batch.forward_mode.is_idle()
+        or not isinstance(runner, runner_class())
+        or batch.hisparse_coordinator is not None
+        or getattr(batch, "mamba_track_indices", None) is not None
+    ):
+        return original(verify_input, req_to_token_pool, batch, target_worker)
+    from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_uniform_func
+    from sglang.srt.model_executor.forward_batch_info import (
+        CaptureHiddenMode,
+        ForwardBatch,
+        ForwardMode,
+    )
+
+    bs = len(batch.req_pool_indices)
+    batch.input_ids = verify_input.draft_token
+    if verify_input.prepared_out_cache_loc is not None:
+        batch.out_cache_loc = verify_input.prepared_out_cache_loc
+    else:
+        batch.out_cache_loc = assign_extend_cache_locs_uniform_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=req_to_token_pool.req_to_token,
+            start_offset=batch.seq_lens,
+            batch_size=bs,
+            draft_token_num=1,
+            device=batch.device,
+        )
+    verify_input.seq_lens_cpu = batch.seq_lens_cpu
+    verify_input.seq_lens_sum = (
+        int(batch.seq_lens_cpu.sum()) if batch.seq_lens_cpu is not None else None
+    )
+    saved = (batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info)
+    # DECODE's convention: the lengths include the token fed now (spec v2's exclude it)
+    batch.forward_mode = ForwardMode.DECODE
+    batch.seq_lens = saved[0] + 1
+    batch.seq_lens_cpu = None if saved[1] is None else saved[1] + 1
+    batch.seq_lens_sum = None if saved[2] is None else saved[2] + bs
+    batch.spec_info = None
+    try:
+        forward_batch = ForwardBatch.init_new(
+            batch,
+            target_worker.model_runner,
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            return_hidden_states_before_norm=False,
+            kv_loc_plan=verify_input.kv_loc_plan,
+        )
+    finally:
+        batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.spec_info = saved
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+    plain_runner: Any = runner
+    can_run = bool(plain_runner.can_run_graph(forward_batch))
+    if can_run:
+        plain_runner.load_batch(forward_batch)
+        forward_batch.mark_forward_metadata_ready()
+    return forward_batch, can_run

@@ -1,0 +1,111 @@
+"""Every server the smoke, the feature matrix and the benchmark start gets flags its flavor's sglang
+parses: each configuration's argv goes through the flavor's real `prepare_server_args` (0.5.17 with
+its series, 0.5.23 with the plugin) on a CPU. 0.5.23 split --cuda-graph-max-bs per phase, where the
+old spelling is an ambiguous prefix that stopped every smoke server at start."""
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import throughput
+from sglang_image import plugin
+from smoke import features, runner
+from smoke.server import ServerConfig, cuda_graph_max_bs_flag
+from tests.probe import probe_result
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+
+PARSE = """
+import contextlib, io, json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+out = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            prepare_server_args(argv)
+        out[name] = "ok"
+    except SystemExit as e:
+        out[name] = f"argparse exit {e.code}: {err.getvalue()[-300:]}"
+print("RESULT " + json.dumps(out))
+"""
+
+
+def configurations(models: Path, release: tuple[int, ...], auto: bool) -> dict[str, list[str]]:
+    """The argv (after `-m sglang.launch_server`) of every kind of server the project starts."""
+    smoke_opts = runner.SmokeOptions(models=models, out=models)
+    bench_opts = throughput.BenchOptions(models=models, out=models)
+    feature_opts = features.FeatureOptions(models=models, out=models)
+    configs: dict[str, ServerConfig] = {
+        "smoke_plain": ServerConfig("plain", models / "target", cuda_graph=False),
+        "smoke_overlap": ServerConfig("overlap", models / "target", draft=models / "draft",
+                                      threshold=smoke_opts.threshold),
+        "smoke_sync": ServerConfig("sync", models / "target", draft=models / "draft",
+                                   threshold=smoke_opts.threshold, overlap=False),
+        "feature_plain": features.server_config("plain", feature_opts, draft=False),
+        "feature_sync": features.server_config("thr", feature_opts, draft=True, overlap=False),
+    }
+    for name in ("plain", "eagle3", "eagle3_thr16", "eagle3_adaptive"):
+        configs[f"bench_{name}"] = throughput.server_config(name, bench_opts)
+    if auto:
+        configs["smoke_auto"] = ServerConfig("auto", models / "target", draft=models / "draft",
+                                             threshold=runner.AUTO)
+        configs["bench_eagle3_auto"] = throughput.server_config("eagle3_auto", bench_opts)
+    out = {}
+    for name, cfg in configs.items():
+        cfg.release = release
+        argv = cfg.argv(30000)
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        out[name] = argv[3:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models")
+    for sub in ("target", "draft"):
+        (path / sub).mkdir()
+        (path / sub / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return path
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("plugin")
+    wheel = plugin.build_wheel(out / "dist")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(out / "site")
+    return out / "site"
+
+
+def test_the_flag_of_the_largest_captured_batch_follows_the_release() -> None:
+    assert cuda_graph_max_bs_flag((0, 5, 17)) == "--cuda-graph-max-bs"
+    assert cuda_graph_max_bs_flag((0, 5, 9)) == "--cuda-graph-max-bs"
+    assert cuda_graph_max_bs_flag((0, 5, 23)) == "--cuda-graph-max-bs-decode"
+
+
+@pytest.mark.parametrize(("flavor", "release", "patched", "with_plugin"), [
+    ("sglang-0.5.23", (0, 5, 23), False, True),
+    ("sglang-0.5.17", (0, 5, 17), True, False),
+])
+def test_every_server_configuration_parses_on_its_flavor(
+        sglang_tree: Callable[[str, bool], Path], run_in_tree: Callable[..., Any], models: Path,
+        plugin_site: Path, flavor: str, release: tuple[int, ...], patched: bool,
+        with_plugin: bool) -> None:
+    tree = sglang_tree(flavor, patched)
+    argvs = configurations(models, release, auto=with_plugin)
+    path = f"{plugin_site}:{tree}" if with_plugin else str(tree)
+    proc = run_in_tree(tree, PARSE.replace("sys.argv[1]", repr(json.dumps(argvs))),
+                       env={"PYTHONPATH": path}, timeout=900)
+    result = probe_result(proc)
+    assert result == {name: "ok" for name in argvs}
