@@ -155,7 +155,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"- not measured: {s}" for s in result.get("not_measured", [])]
     lines += [f"- FAILED: {f.splitlines()[0]}" for f in result.get("failures", [])]
     if not result.get("failures") and (result.get("levels") or result.get("ramp")):
-        lines.append("- every output equal to plain decoding's; 0 request errors")
+        compared = "plain" in result.get("servers", {}) or "plain" in result.get("configs", ())
+        lines.append("- every output equal to plain decoding's; 0 request errors" if compared else
+                     "- outputs NOT compared (no plain server in this run); 0 request errors")
     split = diagnose.gpu_split(result.get("levels", {}))
     if split:
         lines += ["", "GPU seconds per forward category in each window (device timer; median over rounds):", "",

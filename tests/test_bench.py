@@ -616,3 +616,14 @@ def test_pyspy_summary_of_a_real_scheduler_sample():
     assert "41 idle ones, with no batch, left out" in text
     assert "pyspy eagle3_thr: no py-spy binary" in diagnose.render("eagle3_thr", {"pyspy": {"error": "no py-spy binary"},
                                                                                    "profile": {"error": "x"}})
+
+
+def test_a_run_without_plain_does_not_claim_equal_outputs():
+    # the outputs are compared with the plain server's of the same run: without one, nothing is
+    result = json.loads(RESULT.read_text())
+    assert "every output equal to plain decoding's" in bench_report.markdown(result)
+    result["configs"] = [c for c in result["configs"] if c != "plain"]
+    result["servers"].pop("plain", None)
+    md = bench_report.markdown(result)
+    assert "every output equal" not in md
+    assert "- outputs NOT compared (no plain server in this run); 0 request errors" in md

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from sglang_image_plugin.spec_disable import SETTING_ATTR
 
 ENV = "SGLANG_IMAGE_PLAIN_TARGET_DECODE"
+logger = logging.getLogger(__name__)
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -69,6 +71,9 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
     setting = getattr(worker.server_args, SETTING_ATTR, None)
     if speculative_num_steps != 0 or not enabled() or setting is None or not setting.enabled:
         return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
+    logger.warning("%s=1: experimental: the plain steps' target forward runs under a DECODE CUDA "
+                   "graph; its outputs have not yet been checked against plain decoding on a GPU",
+                   ENV)
     with _decode_runner_for_capture():
         return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
 
