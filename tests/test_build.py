@@ -276,6 +276,7 @@ def test_started_engine_keeps_to_its_state_and_stops(tmp_path: Path) -> None:
         engine.stop()
     assert pid is not None and not Path(f"/proc/{pid}").exists()
     assert docker_engine.connect_state(tmp_path) is None
+    assert not docker_engine.exec_root(tmp_path).exists()  # nothing left in /tmp
 
 
 def test_a_dead_daemon_s_pidfile_does_not_block_a_new_one(tmp_path: Path) -> None:
