@@ -27,7 +27,7 @@ from sglang_image.errors import (
     LockError,
     PatchApplyError,
 )
-from tests.conftest_docker import ENGINES, light_build, light_image_on
+from tests.conftest_docker import ENGINES, light_build, light_image_on, one_engine
 
 FLAVOR = pins.DEFAULT_FLAVOR
 
@@ -398,6 +398,7 @@ def test_light_image_carries_the_plugin_of_a_plugin_flavor(light_image: build.Bu
 
 
 @pytest.mark.docker
+@one_engine
 def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult,
                                                   docker_client: DockerClient,
                                                   debootstrap_base: str, tmp_path: Path) -> None:
@@ -417,6 +418,7 @@ def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult
 
 
 @pytest.mark.docker
+@one_engine
 def test_patch_only_change_rebuilds_part_2_alone(light_image: build.BuildResult,
                                                  docker_client: DockerClient,
                                                  debootstrap_base: str, tmp_path: Path) -> None:
@@ -489,6 +491,7 @@ def test_base_without_the_flavor_python_says_how_to_get_one(
 
 
 @pytest.mark.docker
+@one_engine
 def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootstrap_base: str,
                                            tmp_path: Path) -> None:
     flavor = pins.load_flavor(FLAVOR)
