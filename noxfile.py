@@ -2,6 +2,7 @@
 
     nox -s build                 build the default flavor's image (nox -s build -- --help)
     nox -s tests                 run the test suite (starts its own Docker engine if needed)
+    nox -s tests -- -m "not docker"   the quick subset: no engine, no image build
     nox -l                       list everything
 """
 from __future__ import annotations

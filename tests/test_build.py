@@ -6,12 +6,13 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -490,12 +491,14 @@ def test_base_without_the_flavor_python_says_how_to_get_one(
     assert not (tmp_path / "r.tar").exists()
 
 
-@pytest.mark.docker
-@one_engine
-def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootstrap_base: str,
-                                           tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def failed_build(docker_client: DockerClient, debootstrap_base: str,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, set[str]]]:
+    """One build whose series does not apply, read by the tests below: its error message and the
+    untagged images it left (removed again afterwards, so that the run leaves none)."""
     flavor = pins.load_flavor(FLAVOR)
-    series = tmp_path / "patches"
+    tmp = tmp_path_factory.mktemp("failed-build")
+    series = tmp / "patches"
     series.mkdir()
     (series / "broken.patch").write_text(
         "Description: does not apply\n---\n"
@@ -503,8 +506,33 @@ def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootst
         "@@ -1,1 +1,1 @@\n-this line is not in the file\n+nor is this one\n")
     (series / "series").write_text("broken.patch\n")
     broken = dataclasses.replace(flavor, patch_dir=series)
-    with pytest.raises(PatchApplyError, match=r"broken\.patch.*sglang/version\.py.*hunk"):
-        _build(docker_client, debootstrap_base, tmp_path, flavor=broken, tag="sglang-image-test:broken")
+    dangling = {i.id for i in docker_client.images.list(filters={"dangling": True})}
+    with pytest.raises(PatchApplyError) as raised:
+        _build(docker_client, debootstrap_base, tmp, flavor=broken, tag="sglang-image-test:broken")
+    left = {i.id for i in docker_client.images.list(filters={"dangling": True})} - dangling
+    yield str(raised.value), left
+    for image_id in left:
+        try:
+            docker_client.images.remove(image_id, force=True)
+        except docker.errors.APIError:
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.docker
+@one_engine
+def test_failing_patch_names_file_and_hunk(failed_build: tuple[str, set[str]]) -> None:
+    message, _ = failed_build
+    assert re.search(r"broken\.patch.*sglang/version\.py.*hunk", message), message
+
+
+@pytest.mark.docker
+@one_engine
+@pytest.mark.xfail(strict=True, reason="build.py: a failed classic build leaves the image of its "
+                   "last good step untagged (1.4 GB); strict: passes once the build removes it")
+def test_a_failed_build_leaves_no_untagged_image(failed_build: tuple[str, set[str]]) -> None:
+    _, left = failed_build
+    assert not left, f"untagged images left by the failed build: {sorted(left)}"
 
 
 @pytest.mark.docker
