@@ -2,10 +2,13 @@
 
     nox -s build                 build the default flavor's image (nox -s build -- --help)
     nox -s tests                 run the test suite (starts its own Docker engine if needed)
+    nox -s tests -- -m "not docker"   the quick subset: no engine, no image build
     nox -l                       list everything
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import nox
@@ -13,13 +16,28 @@ import nox
 nox.needs_version = ">=2025.2.9"
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
+# A session's venv is made once and kept (`nox --reuse-venv=no` makes it anew): a
+# second command starts in about a second instead of reinstalling.
+nox.options.reuse_venv = "yes"
 
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 
 
-def _install(session: nox.Session, *groups: str) -> None:
-    session.install("-e", ".", *(r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)))
+def _install(session: nox.Session, *groups: str, extra: tuple[str, ...] = ()) -> None:
+    """Installs the project (editable) and the groups' requirements, unless the kept venv already
+    holds exactly these: a stamp in the venv records what was installed last."""
+    requirements = ["-e", ".", *(r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)),
+                    *extra]
+    stamp = Path(str(session.virtualenv.location)) / ".sglang-image-installed"
+    key = hashlib.sha256(json.dumps([requirements, PYPROJECT["project"], PYPROJECT["build-system"],
+                                     (ROOT / "VERSION").read_text()]).encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == key:
+        session.log("requirements unchanged since the last install: nothing to install")
+        return
+    stamp.unlink(missing_ok=True)
+    session.install(*requirements)
+    stamp.write_text(key)
 
 
 def _run(session: nox.Session, *command: str) -> None:
@@ -78,8 +96,7 @@ def plugin_check(session: nox.Session) -> None:
 @nox.session(default=False)
 def lock(session: nox.Session) -> None:
     """Regenerate the hash-pinned lock of a flavor (-- FLAVOR) with uv pip compile --generate-hashes."""
-    _install(session)
-    session.install("uv")
+    _install(session, extra=("uv",))
     _run(session, "lock")
 
 

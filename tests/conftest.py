@@ -18,6 +18,25 @@ TREE_CACHE = REPO_ROOT / ".cache" / "trees"
 pytest_plugins = ["tests.conftest_docker"]
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After a run whose temporary folders pytest removed (tmp_path_retention_policy = "failed":
+    a passed run keeps none), remove its per-user root too, so a passed run leaves nothing in the
+    temporary directory. A failed test's folder is kept, and so is the root then."""
+    import getpass
+    import tempfile
+
+    user_root = Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
+    if not user_root.is_dir() or user_root.is_symlink():
+        return
+    for entry in user_root.iterdir():
+        if entry.is_symlink() and not entry.exists():  # pytest-current, pointing at a removed run
+            entry.unlink()
+    try:
+        user_root.rmdir()
+    except OSError:  # not empty: a failed test's folder, or another run's
+        pass
+
+
 # Pure-Python libraries a flavor's sglang imports at module level. A tree carries the flavor's own
 # pin of each whose version differs from this test environment's, so probes import the flavor's
 # sglang with what it was released against (0.5.23 needs transformers 5.19, say).

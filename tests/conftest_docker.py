@@ -91,6 +91,14 @@ def engine_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+# A build scenario whose outcome is the build's own logic (a rebuild without cache, a patch-only
+# change, a patch that does not apply) runs once, on the first engine under test: each extra engine
+# would cost a whole build. What depends on the engine (the light image each one builds, its
+# digest, its layers, pushing it) runs on every engine, and test_one_commit_one_digest_on_every_engine
+# compares the images the engines build.
+one_engine = pytest.mark.parametrize("engine_name", _wanted_engines()[:1], indirect=True)
+
+
 @pytest.fixture(scope="session")
 def docker_client(engines: _Engines, engine_name: str) -> DockerClient:
     """A docker SDK client of the engine under test (started here, its own data root)."""

@@ -6,12 +6,13 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from sglang_image.errors import (
     LockError,
     PatchApplyError,
 )
-from tests.conftest_docker import ENGINES, light_build, light_image_on
+from tests.conftest_docker import ENGINES, light_build, light_image_on, one_engine
 
 FLAVOR = pins.DEFAULT_FLAVOR
 
@@ -276,6 +277,7 @@ def test_started_engine_keeps_to_its_state_and_stops(tmp_path: Path) -> None:
         engine.stop()
     assert pid is not None and not Path(f"/proc/{pid}").exists()
     assert docker_engine.connect_state(tmp_path) is None
+    assert not docker_engine.exec_root(tmp_path).exists()  # nothing left in /tmp
 
 
 def test_a_dead_daemon_s_pidfile_does_not_block_a_new_one(tmp_path: Path) -> None:
@@ -401,6 +403,7 @@ def test_light_image_carries_the_plugin_of_a_plugin_flavor(light_image: build.Bu
 
 
 @pytest.mark.docker
+@one_engine
 def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult,
                                                   docker_client: DockerClient,
                                                   debootstrap_base: str, tmp_path: Path) -> None:
@@ -420,6 +423,7 @@ def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult
 
 
 @pytest.mark.docker
+@one_engine
 def test_patch_only_change_rebuilds_part_2_alone(light_image: build.BuildResult,
                                                  docker_client: DockerClient,
                                                  debootstrap_base: str, tmp_path: Path) -> None:
@@ -491,11 +495,14 @@ def test_base_without_the_flavor_python_says_how_to_get_one(
     assert not (tmp_path / "r.tar").exists()
 
 
-@pytest.mark.docker
-def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootstrap_base: str,
-                                           tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def failed_build(docker_client: DockerClient, debootstrap_base: str,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, set[str]]]:
+    """One build whose series does not apply, read by the tests below: its error message and the
+    untagged images it left (removed again afterwards, so that the run leaves none)."""
     flavor = pins.load_flavor(FLAVOR)
-    series = tmp_path / "patches"
+    tmp = tmp_path_factory.mktemp("failed-build")
+    series = tmp / "patches"
     series.mkdir()
     (series / "broken.patch").write_text(
         "Description: does not apply\n---\n"
@@ -503,8 +510,33 @@ def test_failing_patch_names_file_and_hunk(docker_client: DockerClient, debootst
         "@@ -1,1 +1,1 @@\n-this line is not in the file\n+nor is this one\n")
     (series / "series").write_text("broken.patch\n")
     broken = dataclasses.replace(flavor, patch_dir=series)
-    with pytest.raises(PatchApplyError, match=r"broken\.patch.*sglang/version\.py.*hunk"):
-        _build(docker_client, debootstrap_base, tmp_path, flavor=broken, tag="sglang-image-test:broken")
+    dangling = {i.id for i in docker_client.images.list(filters={"dangling": True})}
+    with pytest.raises(PatchApplyError) as raised:
+        _build(docker_client, debootstrap_base, tmp, flavor=broken, tag="sglang-image-test:broken")
+    left = {i.id for i in docker_client.images.list(filters={"dangling": True})} - dangling
+    yield str(raised.value), left
+    for image_id in left:
+        try:
+            docker_client.images.remove(image_id, force=True)
+        except docker.errors.APIError:
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.docker
+@one_engine
+def test_failing_patch_names_file_and_hunk(failed_build: tuple[str, set[str]]) -> None:
+    message, _ = failed_build
+    assert re.search(r"broken\.patch.*sglang/version\.py.*hunk", message), message
+
+
+@pytest.mark.docker
+@one_engine
+@pytest.mark.xfail(strict=True, reason="build.py: a failed classic build leaves the image of its "
+                   "last good step untagged (1.4 GB); strict: passes once the build removes it")
+def test_a_failed_build_leaves_no_untagged_image(failed_build: tuple[str, set[str]]) -> None:
+    _, left = failed_build
+    assert not left, f"untagged images left by the failed build: {sorted(left)}"
 
 
 @pytest.mark.docker

@@ -17,6 +17,7 @@ from docker import DockerClient
 from sglang_image import build, publish, smoke
 from sglang_image.errors import PublishError, SmokeError
 from sglang_image.labels import SBOM_PATH
+from tests.conftest_docker import one_engine
 from tests.registries import Registry, docker_config, start_registry
 
 USER, PASSWORD = "alice", "correct-horse-7"
@@ -371,6 +372,7 @@ def test_publish_refuses_an_image_without_a_passed_smoke(
 
 
 @pytest.mark.docker
+@one_engine  # pushing and pulling back on every engine: the tiny image's tests above
 @pytest.mark.usefixtures("no_credentials")
 def test_light_image_partial_smoke_then_publish(docker_client: DockerClient,
                                                 open_registry: Registry,

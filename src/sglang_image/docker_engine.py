@@ -75,10 +75,13 @@ class Engine:
                 if not alive(self.pid):
                     break
                 time.sleep(0.1)
-        # dockerd leaves its default network namespace mounted.
+        # dockerd leaves its default network namespace mounted, and its exec root in /tmp.
         assert self.state is not None
-        subprocess.run(["umount", str(exec_root(self.state) / "netns" / "default")], check=False,
+        runtime = exec_root(self.state)
+        subprocess.run(["umount", str(runtime / "netns" / "default")], check=False,
                        capture_output=True)
+        if not alive(self.pid):
+            shutil.rmtree(runtime, ignore_errors=True)
         self.pid = None
 
 
