@@ -532,8 +532,6 @@ def test_failing_patch_names_file_and_hunk(failed_build: tuple[str, set[str]]) -
 
 @pytest.mark.docker
 @one_engine
-@pytest.mark.xfail(strict=True, reason="build.py: a failed classic build leaves the image of its "
-                   "last good step untagged (1.4 GB); strict: passes once the build removes it")
 def test_a_failed_build_leaves_no_untagged_image(failed_build: tuple[str, set[str]]) -> None:
     _, left = failed_build
     assert not left, f"untagged images left by the failed build: {sorted(left)}"

@@ -5,6 +5,7 @@ host's torch stack alone (a module the bundle lacks fails here, not on the GPU h
 from __future__ import annotations
 
 import ast
+import fnmatch
 import importlib.metadata
 import os
 import shutil
@@ -193,22 +194,42 @@ def test_host_stack_lines_name_what_differs() -> None:
 @pytest.mark.network
 def test_launch_path_imports_what_the_bundle_and_the_host_stack_have(tmp_path: Path) -> None:
     flavor = pins.load_flavor(FLAVOR)
-    stage = gpu.stage_bundle(flavor, tmp_path)  # what build_bundle packs, unpacked
-    wheels = sorted(stage.glob("*.whl")) + [plugin.build_wheel(tmp_path / "plugin")]
+    wheels = gpu.fetch_wheels(flavor, tmp_path / "fetched", only=gpu.bundle_members(flavor))
+    wheels.append(plugin.build_wheel(tmp_path / "plugin"))
     site = tmp_path / "site"
-    for wheel in wheels:  # as pip --target lays them out (no install: they are cp312 wheels)
-        with zipfile.ZipFile(wheel) as zf:
-            zf.extractall(site)
-    roots = [site, tmp_path / "stubs", *dsl_packages(site)]
+    for wheel in wheels:
+        lay_out(wheel, site)
+    stubs = tmp_path / "stubs"
+    for rel, text in gpu.IPYTHON_STUB.items():
+        (stubs / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stubs / rel).write_text(text)
+    roots = [site, stubs, *dsl_packages(site)]
     tops = host_tops(flavor)
     assert missing_on_launch(LAUNCH_PATH, roots, tops) == {}
     # and the check can fail: the modules a GPU host lacked on the first 0.5.23 run
     without = tmp_path / "without"
     shutil.copytree(site, without, ignore=shutil.ignore_patterns("flash_mla", "cutlass"))
-    missing = missing_on_launch(LAUNCH_PATH, [without, tmp_path / "stubs", *dsl_packages(without)],
+    missing = missing_on_launch(LAUNCH_PATH, [without, stubs, *dsl_packages(without)],
                                 tops)
     assert {name.split(".")[0] for name in missing} == {"flash_mla", "cutlass"}, missing
     assert missing["flash_mla"] == "sglang.kernels.ops.attention.flash_mla_interface"
+
+
+def lay_out(wheel: Path, site: Path) -> None:
+    """A wheel's files as pip --target lays them out, less what the bundle's slimming drops: the
+    Python sources and .pth files with their bytes, extension modules as empty files (the scan
+    needs their names only; a few hundred MB less on disk)."""
+    slim = gpu.SLIMMING.get(lock.normalize(wheel.name.split("-")[0]), gpu.Slim())
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            if name.endswith("/") or any(fnmatch.fnmatch(name, g) for g in slim.drop):
+                continue
+            if name.endswith((".py", ".pth")):
+                zf.extract(info, site)
+            elif name.endswith(".so") or ".so." in name:
+                (site / name).parent.mkdir(parents=True, exist_ok=True)
+                (site / name).touch()
 
 
 def dsl_packages(site: Path) -> list[Path]:

@@ -33,7 +33,7 @@ for name, argv in json.loads(sys.argv[1]).items():
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            prepare_server_args(argv)
+            prepare_server_args(argv + ["--device", "cpu"])  # this machine has no GPU
         out[name] = "ok"
     except SystemExit as e:
         out[name] = f"argparse exit {e.code}: {err.getvalue()[-300:]}"
@@ -76,6 +76,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for sub in ("target", "draft"):
         (path / sub).mkdir()
         (path / sub / "config.json").write_text(json.dumps(TINY_LLAMA))
+    # what the bench writes beside its out folder for --speculative-adaptive (0.5.17 reads it)
+    (path / "adaptive_config.json").write_text(json.dumps(throughput.ADAPTIVE_CONFIG))
     return path
 
 

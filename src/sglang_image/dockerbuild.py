@@ -65,6 +65,7 @@ def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
         if "aux" in chunk and "ID" in chunk["aux"]:
             image_id = str(chunk["aux"]["ID"])
         if "error" in chunk:
+            remove_untagged(client, last_step)
             log = "\n".join(tail)
             patch_error = _PATCH_ERROR.search(log)
             if patch_error:
@@ -75,6 +76,19 @@ def run_build(client: DockerClient, ctx: Path, *, buildargs: dict[str, str],
     if image_id is None:
         raise BuildError("the engine finished the build without an image ID")
     return image_id, stages
+
+
+def remove_untagged(client: DockerClient, image_id: str) -> None:
+    """The image of a failed build's last good step, and its untagged parents: the classic
+    builder leaves them untagged (gigabytes), and nothing reuses them. A tagged image (the base
+    a build failed on at once) is kept."""
+    if not image_id:
+        return
+    try:
+        if not client.images.get(image_id).tags:
+            client.images.remove(image_id, noprune=False)
+    except docker.errors.APIError:  # gone, or a parent of another image: nothing to free
+        pass
 
 
 def copy_out(client: DockerClient, image_id: str, path: str, dest: Path) -> None:
