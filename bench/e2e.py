@@ -332,9 +332,9 @@ class E2E:
 
     def phase_smoke(self) -> None:
         st = self.resumable("smoke")
-        auto = str(self.a.threshold).lower() == runner.AUTO
+        auto, threshold = self.smoke_threshold()
         opts = runner.SmokeOptions(models=self.models / "tiny", out=self.logs, auto=auto,
-                                   threshold=runner.DEFAULT_THRESHOLD if auto else int(self.a.threshold),
+                                   threshold=threshold,
                                    deadline=self.deadline, mem_fraction=0.15,
                                    variants=tuple(self.a.smoke_variants.split(",")))
         rep = runner.run_smoke(opts, st)
@@ -343,12 +343,16 @@ class E2E:
         if rep.get("skipped"):
             raise Deadline_(f"smoke: skipped {rep['skipped']}")
 
+    def smoke_threshold(self) -> tuple[bool, int]:
+        """--threshold: (auto, N); with auto the loads (and the feature matrix) use the default N."""
+        auto = str(self.a.threshold).lower() == runner.AUTO
+        return auto, runner.DEFAULT_THRESHOLD if auto else int(self.a.threshold)
+
     def phase_features(self) -> None:
         st = self.resumable("features")
-        threshold = (runner.DEFAULT_THRESHOLD if str(self.a.threshold).lower() == runner.AUTO
-                     else int(self.a.threshold))
         opts = features_mod.FeatureOptions(models=self.models / "tiny", out=self.logs,
-                                           threshold=threshold, deadline=self.deadline,
+                                           threshold=self.smoke_threshold()[1],
+                                           deadline=self.deadline,
                                            variants=tuple(self.a.feature_variants.split(",")))
         rep = features_mod.run_features(opts, st)
         self.state["features_report"] = rep

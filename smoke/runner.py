@@ -344,6 +344,22 @@ def record_references(opts: SmokeOptions, expected: dict[str, Any], prompts: lis
     return refs
 
 
+def record_error(rep: dict[str, Any], exc: BaseException, log: Path) -> None:
+    """A variant's failure in its report, with the cause and its server log: a check's own, an
+    HTTP failure, or an unexpected answer (with its traceback). Interrupts propagate."""
+    if isinstance(exc, SmokeError):
+        record_failure(rep, exc, log)
+    elif isinstance(exc, client.HTTPFailure):
+        record_failure(rep, SmokeError(f"HTTP failure talking to the server: {exc}"), log)
+    elif isinstance(exc, Exception):
+        import traceback
+
+        record_failure(rep, SmokeError(f"runner error: {type(exc).__name__}: {exc}\n"
+                                       f"{traceback.format_exc()[-1200:]}"), log)
+    else:
+        raise exc
+
+
 def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
                 refs: dict[str, list[int]]) -> dict[str, Any]:
     """One EAGLE-3 server with the threshold: every check, in order. Returns the variant's report."""
@@ -440,15 +456,8 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
         rep["spec_disable_final"] = spec_state(info)
         rep["errors"] = sum(1 for r in all_results if r.error)
         rep["ok"] = True
-    except SmokeError as exc:
-        record_failure(rep, exc, log)
-    except client.HTTPFailure as exc:
-        record_failure(rep, SmokeError(f"HTTP failure talking to the server: {exc}"), log)
-    except Exception as exc:  # noqa: BLE001 - an unexpected answer must still give cause + log
-        import traceback
-
-        record_failure(rep, SmokeError(f"runner error: {type(exc).__name__}: {exc}\n"
-                                         f"{traceback.format_exc()[-1200:]}"), log)
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
+        record_error(rep, exc, log)
     finally:
         srv.stop()
     return rep
@@ -513,15 +522,8 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
         rep["spec_disable_final"] = spec_state(client.server_info(base))
         rep["errors"] = sum(1 for r in results if r.error)
         rep["ok"] = True
-    except SmokeError as exc:
-        record_failure(rep, exc, log)
-    except client.HTTPFailure as exc:
-        record_failure(rep, SmokeError(f"HTTP failure talking to the server: {exc}"), log)
-    except Exception as exc:  # noqa: BLE001 - an unexpected answer must still give cause + log
-        import traceback
-
-        record_failure(rep, SmokeError(f"runner error: {type(exc).__name__}: {exc}\n"
-                                       f"{traceback.format_exc()[-1200:]}"), log)
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
+        record_error(rep, exc, log)
     finally:
         srv.stop()
     return rep

@@ -614,3 +614,24 @@ def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
     brought.unlink()
     drv.bring_back_jit_cache()
     assert not brought.exists()  # nothing new compiled since
+
+
+def test_a_variant_s_failure_is_reported_with_its_cause_and_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("line 1\nthe server's last words\n")
+    for exc, cause in ((runner.SmokeError("a check failed"), "a check failed"),
+                       (client.HTTPFailure("503 from /generate"),
+                        "HTTP failure talking to the server: 503 from /generate")):
+        rep: dict = {}
+        runner.record_error(rep, exc, log)
+        assert rep["ok"] is False and rep["cause"] == cause
+        assert "the server's last words" in rep["log_tail"]
+    rep = {}
+    try:
+        raise KeyError("missing field")
+    except KeyError as exc:
+        runner.record_error(rep, exc, log)
+    assert rep["cause"].startswith("runner error: KeyError: 'missing field'")
+    assert "Traceback" in rep["cause"]
+    with pytest.raises(KeyboardInterrupt):  # an interrupt is not a smoke failure
+        runner.record_error({}, KeyboardInterrupt(), log)
