@@ -483,8 +483,8 @@ class E2E:
             self.log(f"== {ph} ({self.deadline.left():.0f}s left)")
             try:
                 steps[ph]()
-                if done_key:
-                    self.state[done_key] = True
+                if done_key and not self.phase_failures(ph):
+                    self.state[done_key] = True  # a failed phase runs again on the next call
             except Deadline_ as exc:
                 incomplete.append(str(exc))
                 self.log(f"{ph}: stopped by the deadline: {exc}")
@@ -507,6 +507,12 @@ class E2E:
         for f in failures:
             self.log("  FAILED " + f[:2000])
         return 1 if failures else 0
+
+    def phase_failures(self, ph: str) -> list[Any]:
+        """The failed checks a run phase's report holds (its report from this call)."""
+        report = (self.state.get("bench_reports", {}).get(self.bench_key) if ph == "bench"
+                  else self.state.get(f"{ph}_report"))
+        return list((report or {}).get("failures", []))
 
     def all_failures(self) -> list[str]:
         """This call's phase failures + the checks' failures of every call (kept in the state)."""

@@ -546,6 +546,14 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     broken = driver("--phases", "install,bench", "--bench-size", "8b", "--bench-rounds", "3")
     assert broken.run() == 1 and broken.failures[0].startswith("install: ")
 
+    # a phase whose checks failed is not done: the next call runs it again (a GPU run of
+    # 2026-12-02 had to clear the state by hand to rerun a smoke whose plain server failed)
+    failed = driver("--phases", "smoke")
+    failed.state["smoke_report"] = {"failures": [{"variant": "plain", "cause": "exited"}]}
+    assert failed.phase_failures("smoke") == [{"variant": "plain", "cause": "exited"}]
+    failed.state["smoke_report"] = {"failures": []}
+    assert failed.phase_failures("smoke") == [] and failed.phase_failures("comm") == []
+
 
 def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
     """The kernels a call compiled come back as OUT/jit-cache.tar.xz and, put into the bundle folder,
