@@ -27,8 +27,12 @@ EAGLE_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "
 
 @functools.cache
 def installed_sglang() -> tuple[int, ...]:
-    """The release of the sglang this process would start (its distribution's version)."""
-    version = importlib.metadata.version("sglang")
+    """The release of the sglang this process would start (its distribution's version); () where
+    none is installed (the flags are then 0.5.17's)."""
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return ()
     return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
 
 
