@@ -151,7 +151,12 @@ def upstream_adaptive_refusal(server_args: Any) -> str | None:
         if dotted.endswith("validate_hisparse") and not resolving_view(server_args).enable_hisparse:
             continue  # upstream runs it only for --enable-hisparse
         refused = _run_check(check, twin)
-        if refused is not None and _run_check(check, server_args) is None:
+        if refused is None:
+            continue
+        # A query (it returns the reason) answers for the swap whatever the arguments; a
+        # validator (it raises) that refuses the arguments as given already stopped the launch
+        # with upstream's own message.
+        if dotted.endswith("adaptive_unsupported_reason") or _run_check(check, server_args) is None:
             return refused
     return None
 
