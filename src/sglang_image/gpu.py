@@ -168,18 +168,17 @@ def bundle_members(flavor: Flavor, host_provides: tuple[str, ...] = ()) -> list[
     the host's stack, NOT_ON_LAUNCH_PATH and `host_provides` (what the host already has at the
     lock's version), and what only those require."""
     graph = read_requirements_graph(flavor.lock_path)
-    unknown = sorted(set(NOT_ON_LAUNCH_PATH) - set(graph))
-    if unknown:
-        raise FetchError(f"GPU bundle: {unknown} (NOT_ON_LAUNCH_PATH in sglang_image/gpu.py) are "
-                         f"not in {flavor.lock_path.name}: remove them there")
+    for listed, where, fix in ((NOT_ON_LAUNCH_PATH, "NOT_ON_LAUNCH_PATH", "remove them there"),
+                               (UNDECLARED_IMPORTS, "UNDECLARED_IMPORTS",
+                                "add them to the flavor's requirements")):
+        unknown = sorted(set(listed) - set(graph))
+        if unknown:
+            raise FetchError(f"GPU bundle: {unknown} ({where} in sglang_image/gpu.py) are "
+                             f"not in {flavor.lock_path.name}: {fix}")
     provided = {normalize(n) for n in host_provides}
     if provided - set(graph):
         raise FetchError(f"--host-provides {','.join(sorted(provided - set(graph)))}: not in "
                          f"{flavor.lock_path.name}; name distributions of the lock")
-    unknown = sorted(set(UNDECLARED_IMPORTS) - set(graph))
-    if unknown:
-        raise FetchError(f"GPU bundle: {unknown} (UNDECLARED_IMPORTS in sglang_image/gpu.py) are "
-                         f"not in {flavor.lock_path.name}: add them to the flavor's requirements")
     stop = host_stack(flavor) | set(NOT_ON_LAUNCH_PATH) | provided
     return sorted(reachable(graph, ["sglang", *UNDECLARED_IMPORTS], stop=stop))
 
@@ -314,7 +313,7 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
                                 meta["source"] + " (cached bundle)")
     bundle_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        stage = stage_bundle(load_flavor(flavor_name), Path(tmp), cache, host_provides)
+        stage = stage_bundle(flavor, Path(tmp), cache, host_provides)
         plain_tar = Path(tmp, "bundle.tar")
         with tarfile.open(plain_tar, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for p in sorted(Path(tmp).rglob("*")):
@@ -328,7 +327,7 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
         compress(plain_tar, tar_path.with_suffix(".tmp"), xz_level).replace(tar_path)
         sizes = [(w.name, w.stat().st_size) for w in sorted(stage.glob("*.whl"))]
     digest = hashlib.sha256(tar_path.read_bytes()).hexdigest()
-    locked = {e.name: e.version for e in read_lock(load_flavor(flavor_name).lock_path)}
+    locked = {e.name: e.version for e in read_lock(flavor.lock_path)}
     host = {n: locked[n] for n in (*HOST_ROOTS, "triton", *map(normalize, host_provides))
             if n in locked}
     manifest = {"flavor": flavor_name, "source": source, "key": key, "sha256": digest,
