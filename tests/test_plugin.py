@@ -465,6 +465,43 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
                               "sglang:spec_disable_speculative_steps_total": 0.0}
 
 
+def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    # SGLANG_IMAGE_PLAIN_STEP=decode-kv: once the pools exist (init_cuda_graphs), a one-layer
+    # Llama EAGLE-3 draft gets the catch-up policy (plain states at every captured size, one
+    # plain step with the full draft extend before speculation resumes); another draft keeps
+    # the threshold policy, and the log says why.
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', '32']\n"
+            "TRACE = [1, 33, 40, 20, 20, 1]\nHF_CONFIG = {}\n")
+    llama_draft = """
+        from sglang.srt.models.llama_eagle3 import LlamaModel
+        model = object.__new__(LlamaModel)
+        torch_nn = __import__("torch").nn
+        torch_nn.Module.__init__(model)
+        model.layers, model.is_mrope_enabled = [object()], False
+        worker._draft_worker.draft_runner.model = NS(model=model)
+        worker._draft_worker.draft_runner.token_to_kv_pool = NS(requires_physical_write_loc=False)
+        worker._draft_worker.draft_runner.kv_index_translator = NS(is_translating=False)
+        worker._draft_worker.target_worker = NS(model_runner=NS(kv_index_translator=None))
+"""
+    body = """
+        emit({"policy": policy, "built": built, "steps": steps,
+              "kv_only": getattr(worker._draft_worker, "_sglang_image_kv_only", None) is controller.params,
+              "lines": [r for r in records if r.startswith("SGLANG_IMAGE_PLAIN_STEP")]})
+    """
+    env = {"SGLANG_IMAGE_PLAIN_STEP": "decode-kv"}
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, llama_draft, SWITCH, body, env=env)
+    assert out["policy"] == "CatchUpPolicy" and out["kv_only"]
+    assert out["built"] == [[0, 1, [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]]]
+    assert out["steps"] == [3, 0, 0, 0, 3, 3]  # 20 <= 28 resumes after one catch-up step
+    assert out["lines"] == [("SGLANG_IMAGE_PLAIN_STEP=decode-kv: plain steps write the draft's K/V "
+                            "only, one catch-up step before speculation resumes")]
+    other = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body, env=env)
+    assert other["policy"] == "ThresholdPolicy" and not other["kv_only"]
+    assert other["steps"] == [3, 0, 0, 3, 3, 3]
+    assert other["lines"] == [("SGLANG_IMAGE_PLAIN_STEP=decode-kv: plain steps keep the full draft "
+                              "extend: the draft is NoneType, not a Llama EAGLE-3 draft")]
+
+
 def test_worker_untouched_without_a_threshold(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
     head = f"MODEL = {str(model_dir)!r}\nARGS = []\nTRACE = [1, 64, 1]\nHF_CONFIG = {{}}\n"
     body = """
@@ -671,7 +708,7 @@ def test_image_entrypoint_refuses_a_plugin_allowlist_without_ours(
 
 
 def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
-    # SGLANG_IMAGE_PLAIN_TARGET_DECODE: the zero-step state's target graph is captured in DECODE
+    # SGLANG_IMAGE_PLAIN_STEP=decode (and decode-kv): the zero-step state's target graph is captured in DECODE
     # mode (no verify input, hidden states for the draft); every other state, and every state
     # without the flag or without a threshold, keeps upstream's runner.
     out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
@@ -695,8 +732,10 @@ def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, 
             sa.resolve_once()
             sa.check_server_args()
             plain_target.build_runtime_state(original, NS(server_args=sa), steps, 1)
-        on = {{plain_target.ENV: "1"}}
+        on = {{plain_target.ENV: "decode"}}
+        kv = {{plain_target.ENV: "decode-kv"}}
         run(["--speculative-disable-batch-threshold", "8"], on, 0)
+        run(["--speculative-disable-batch-threshold", "8"], kv, 0)
         run(["--speculative-disable-batch-threshold", "8"], on, 3)
         run(["--speculative-disable-batch-threshold", "8"], {{}}, 0)
         run([], on, 0)
@@ -705,7 +744,189 @@ def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, 
                "spec_info": cls.get_spec_info(None, 8),
                "restored": eagle_worker_v2.DecodeCudaGraphRunner.__name__}})
     """)
-    assert out["seen"] == [[0, "PlainDecodeCudaGraphRunner"], [3, "DecodeCudaGraphRunner"],
+    assert out["seen"] == [[0, "PlainDecodeCudaGraphRunner"], [0, "PlainDecodeCudaGraphRunner"],
+                           [3, "DecodeCudaGraphRunner"],
                            [0, "DecodeCudaGraphRunner"], [0, "DecodeCudaGraphRunner"]]
     assert out["base"][0] == "DecodeCudaGraphRunner" and out["spec_info"] is None
     assert out["restored"] == "DecodeCudaGraphRunner"
+
+
+# A one-layer EAGLE-3 draft of the real 0.5.23 classes (LlamaModel.forward, the EAGLE-3 decoder
+# layer's forward, LlamaAttention's q/k/v preparation) with small leaves in place of the GPU
+# ones: sglang's parallel linears, RMSNorm, rope and RadixAttention (which records the K/V it
+# would write).
+EAGLE3_DRAFT = """
+import torch
+from torch import nn
+from types import SimpleNamespace as NS
+from sglang.srt.models import llama_eagle3 as m, llama
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+torch.manual_seed(0)
+D, TARGET, HEADS, KV_HEADS, HD, VOCAB = 16, 12, 2, 1, 8, 50
+
+class Norm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(d) + 0.5)
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = x + residual
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        return y if residual is None else (y, x)
+
+class Linear2(nn.Module):   # sglang's parallel linears return (out, bias)
+    def __init__(self, i, o):
+        super().__init__()
+        self.lin = nn.Linear(i, o, bias=False)
+    def forward(self, x):
+        return self.lin(x), None
+
+class RecordingAttention:   # in RadixAttention's place: records what would reach the KV cache
+    tp_k_head_num, tp_v_head_num, qk_head_dim, v_head_dim = KV_HEADS, KV_HEADS, HD, HD
+    k_scale = v_scale = None
+    def __init__(self):
+        self.seen = []
+    def __call__(self, q, k, v, forward_batch):
+        self.seen.append((k.reshape(-1, KV_HEADS, HD).clone(), v.reshape(-1, KV_HEADS, HD).clone()))
+        return q
+
+class RecordingPool:
+    def __init__(self):
+        self.writes = []
+    def set_kv_buffer(self, layer, loc, k, v, k_scale=None, v_scale=None):
+        self.writes.append((layer, loc.clone(), k.clone(), v.clone(), k_scale, v_scale))
+
+def rope(positions, q, k):  # position-dependent, like the real one
+    return q * (positions[:, None] + 1.0), k * (positions[:, None] + 2.0)
+
+def make_draft(n_layers=1):
+    model = object.__new__(m.LlamaModel)
+    nn.Module.__init__(model)
+    model.embed_tokens = nn.Embedding(VOCAB, D)
+    model.fc = nn.Linear(3 * TARGET, D, bias=False)
+    model.num_aux_hidden_states, model.input_norm, model.fc_norm = 3, None, None
+    model.is_mrope_enabled, model.norm_output = False, False
+    model.norm = Norm(D)
+    layers = []
+    for i in range(n_layers):
+        layer = object.__new__(m.LlamaDecoderLayer)
+        nn.Module.__init__(layer)
+        layer.is_input_layer = i == 0
+        layer.hidden_norm, layer.input_layernorm, layer.post_attention_layernorm = Norm(D), Norm(D), Norm(D)
+        layer.mlp = nn.Linear(D, D, bias=False)
+        attn = object.__new__(llama.LlamaAttention)
+        nn.Module.__init__(attn)
+        attn.qkv_proj = Linear2(2 * D if i == 0 else D, (HEADS + 2 * KV_HEADS) * HD)
+        attn.o_proj = Linear2(HEADS * HD, D)
+        attn.q_size, attn.kv_size = HEADS * HD, KV_HEADS * HD
+        attn.rotary_emb, attn.attn = rope, RecordingAttention()
+        layer.self_attn = attn
+        layers.append(layer)
+    model.layers = nn.ModuleList(layers)
+    return model
+
+def draft_worker(model, steps=0, pool=None, catch_up=None, translating=False):
+    class Algo:
+        def is_standalone(self):
+            return False
+    runner = NS(model=NS(model=model), token_to_kv_pool=pool if pool is not None else RecordingPool(),
+                kv_index_translator=NS(is_translating=translating), spec_algorithm=Algo(),
+                model_config=NS(spec_hidden_size=D, dtype=torch.float32))
+    w = NS(draft_runner=runner, speculative_num_steps=steps, topk=1, device="cpu",
+           target_worker=NS(model_runner=NS(kv_index_translator=NS(is_translating=False))))
+    if catch_up is not None:
+        setattr(w, "_sglang_image_kv_only", catch_up)
+    return w
+"""
+
+
+def test_draft_kv_only_write_equals_the_full_forward(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # decode-kv: write_draft_kv puts into the draft's KV cache exactly the K/V that upstream's full
+    # forward of the one-layer EAGLE-3 draft hands to attention, at the given slots.
+    out = _probe(run_in_tree, tree, plugin_site, EAGLE3_DRAFT, """
+        from sglang_image_plugin import draft_kv
+        bs = 4
+        model = make_draft()
+        tokens = torch.tensor([3, 17, 42, 8])
+        positions = torch.tensor([5, 9, 0, 30])
+        target_hidden = torch.randn(bs, 3 * TARGET)
+        with torch.no_grad():
+            fb = NS(forward_mode=ForwardMode.DECODE, mm_input_embeds=None,
+                    spec_info=NS(hidden_states=target_hidden), contains_mm_inputs=lambda: False)
+            model.forward(tokens, positions, fb)
+            k_full, v_full = model.layers[0].self_attn.attn.seen[0]
+            pool, loc = RecordingPool(), torch.tensor([70, 71, 12, 99])
+            draft_kv.write_draft_kv(model, tokens, positions, target_hidden, loc, pool)
+            (layer, wloc, k, v, ks, vs), = pool.writes
+            other = RecordingPool()
+            draft_kv.write_draft_kv(model, tokens, positions + 1, target_hidden, loc, other)
+        emit({"k_equal": bool(torch.equal(k, k_full)), "v_equal": bool(torch.equal(v, v_full)),
+              "layer": layer is model.layers[0].self_attn.attn, "loc": wloc.tolist(), "scales": [ks, vs],
+              "position_matters": not torch.equal(other.writes[0][2], k),
+              "one_layer": draft_kv.unsupported_reason(draft_worker(model), False),
+              "two_layers": draft_kv.unsupported_reason(draft_worker(make_draft(2)), False),
+              "translated": draft_kv.unsupported_reason(draft_worker(model, translating=True), False),
+              "rejection": draft_kv.unsupported_reason(draft_worker(model), True)})
+    """)
+    assert out["k_equal"] and out["v_equal"] and out["layer"] and out["position_matters"]
+    assert out["loc"] == [70, 71, 12, 99] and out["scales"] == [None, None]
+    assert out["one_layer"] is None
+    assert out["two_layers"] == "the draft has 2 layers (a deeper layer's K/V need attention)"
+    assert out["translated"] == "the draft's KV slots are translated"
+    assert out["rejection"] == "rejection sampling carries the draft's probabilities between steps"
+
+
+def test_plain_step_writes_draft_kv_only_except_catch_up_speculative_and_idle(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # The hook around EagleDraftWorker._draft_extend_for_decode: a plain (zero-step) step of a
+    # worker set up for decode-kv writes the draft's K/V of the token it sampled, at the slot its
+    # target wrote, and leaves placeholders for the proposal; the catch-up step, a speculative
+    # step, an idle batch and a worker without decode-kv run upstream's full draft extend.
+    out = _probe(run_in_tree, tree, plugin_site, EAGLE3_DRAFT, """
+        from sglang_image_plugin import draft_kv
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        model = make_draft()
+        calls = []
+        def original(worker, batch, result, *a, **k):
+            calls.append(k.get("kv_loc_plan", "none"))
+        def batch(mode=ForwardMode.TARGET_VERIFY):
+            return NS(forward_mode=mode, seq_lens=torch.tensor([5, 9, 30], dtype=torch.int32),
+                      out_cache_loc=torch.tensor([70, 71, 99]))
+        def result():
+            return NS(next_token_ids=torch.tensor([3, 17, 8], dtype=torch.int32),
+                      logits_output=NS(hidden_states=torch.randn(3, 3 * TARGET)),
+                      next_draft_input=NS(topk_p=None, topk_index=None, hidden_states=None))
+        kv_only, full = NS(full_draft_extend=False), NS(full_draft_extend=True)
+        routed = {}
+        for name, worker, b in [("no_setup", draft_worker(model), batch()),
+                                ("speculative", draft_worker(model, steps=3, catch_up=kv_only), batch()),
+                                ("catch_up", draft_worker(model, catch_up=full), batch()),
+                                ("idle", draft_worker(model, catch_up=kv_only), batch(ForwardMode.IDLE))]:
+            n = len(calls)
+            draft_kv.draft_extend_for_decode(original, worker, b, result(), kv_loc_plan="plan")
+            routed[name] = calls[n:] == ["plan"] and not worker.draft_runner.token_to_kv_pool.writes
+        pool = RecordingPool()
+        worker, b, r = draft_worker(model, pool=pool, catch_up=kv_only), batch(), result()
+        with torch.no_grad():
+            draft_kv.draft_extend_for_decode(original, worker, b, r, kv_loc_plan="plan")
+            ref = RecordingPool()
+            draft_kv.write_draft_kv(model, torch.tensor([3, 17, 8]), torch.tensor([5, 9, 30]),
+                                    r.logits_output.hidden_states, torch.tensor([70, 71, 99]), ref)
+        (_, loc, k, v, _, _), = pool.writes
+        nd = r.next_draft_input
+        emit({"routed": routed, "calls": len(calls), "loc": loc.tolist(),
+              "same_kv": bool(torch.equal(k, ref.writes[0][2]) and torch.equal(v, ref.writes[0][3])),
+              "stubs": [list(nd.topk_p.shape), str(nd.topk_p.dtype), list(nd.topk_index.shape),
+                        str(nd.topk_index.dtype), list(nd.hidden_states.shape)]})
+    """)
+    assert out["routed"] == {"no_setup": True, "speculative": True, "catch_up": True, "idle": True}
+    assert out["calls"] == 4  # the K/V-only step did not call upstream's draft extend
+    assert out["loc"] == [70, 71, 99] and out["same_kv"]
+    assert out["stubs"] == [[3, 1], "torch.float32", [3, 1], "torch.int64", [3, 16]]
+
+
+def test_bad_plain_step_variable_stops_the_launch(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
+        emit(launch({str(model_dir)!r}, ["--speculative-disable-batch-threshold", "8"]))
+    """, env={"SGLANG_IMAGE_PLAIN_STEP": "fast"})
+    assert "SGLANG_IMAGE_PLAIN_STEP='fast': give one of zero-step, decode, decode-kv" in out["error"]

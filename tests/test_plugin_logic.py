@@ -12,9 +12,10 @@ from sglang_image.plugin import PLUGIN_DIR
 
 sys.path.insert(0, str(PLUGIN_DIR))
 
+from sglang_image_plugin import plain_target
 from sglang_image_plugin import spec_disable as sd
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, AutoPolicy, Decision
-from sglang_image_plugin.policy import AutoThresholdPolicy, ThresholdPolicy
+from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
 
 EAGLE3 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
                        speculative_adaptive=False)
@@ -137,6 +138,40 @@ def test_policy_maps_the_mode_to_step_counts_and_prunes_graph_sizes() -> None:
     assert policy.on_verify_complete([1, 2], 2) is None
     with pytest.raises(ValueError, match="--speculative-num-steps >= 1"):
         ThresholdPolicy(ctl, speculative_steps=0)
+
+
+def test_catch_up_policy_runs_one_full_plain_step_before_speculation_resumes() -> None:
+    # decode-kv: plain steps write only the draft's K/V; the step that would speculate right
+    # after them runs plain once more with the full draft extend, then speculation resumes.
+    ctl = sd.SpecDisableController(32, 4, log_fn=lambda _: None)
+    policy = CatchUpPolicy(ThresholdPolicy(ctl, speculative_steps=3))
+    assert policy.candidate_steps == [0, 3]
+    policy.set_cuda_graph_bs([64, 1, 2, 4, 8, 16, 24, 32, 40, 48])
+    # a catch-up step runs at or below the resume size: plain graphs at every size
+    assert policy.cuda_graph_bs_for_step(0) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]
+    assert policy.cuda_graph_bs_for_step(3) == [1, 2, 4, 8, 16, 24, 32]
+    seen = []
+    for bs in (4, 33, 40, 0, 20, 20, 33, 10, 36, 5, 5):
+        steps = policy.get_steps_for_batch(bs)
+        seen.append((steps, policy.full_draft_extend))
+    plain_kv, catch_up, spec = (0, False), (0, True), (3, True)
+    assert [s for s, _ in seen] == [3, 0, 0, 0, 0, 3, 0, 0, 0, 0, 3]
+    assert seen[1:3] == [plain_kv, plain_kv]
+    assert seen[3] == plain_kv            # an idle batch changes nothing
+    assert seen[4:6] == [catch_up, spec]  # resume at 20 <= 28: one catch-up step first
+    assert seen[6] == plain_kv and seen[7] == catch_up  # 33 plain, 10 resumes via a catch-up
+    assert seen[8] == plain_kv and seen[9:] == [catch_up, spec]
+    assert policy.catch_up_steps == 3
+    assert policy.controller is ctl and policy.on_verify_complete([1], 1) is None  # delegated
+
+
+def test_plain_step_variant_is_named_and_checked() -> None:
+    assert plain_target.variant({}) == "zero-step" and not plain_target.enabled({})
+    assert plain_target.variant({plain_target.ENV: " Decode-KV "}) == "decode-kv"
+    assert plain_target.enabled({plain_target.ENV: "decode"})
+    with pytest.raises(ValueError, match="SGLANG_IMAGE_PLAIN_STEP='fast': give one of zero-step, "
+                                         "decode, decode-kv"):
+        plain_target.variant({plain_target.ENV: "fast"})
 
 
 class RecordedMetrics(sd.Metrics):

@@ -12,9 +12,9 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import plain_target, spec_disable
+from sglang_image_plugin import draft_kv, plain_target, spec_disable
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, Decision
-from sglang_image_plugin.policy import AutoThresholdPolicy, ThresholdPolicy
+from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
 from sglang_image_plugin.spec_disable import Setting
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
             reason = (
                 f"{SKIP_DRAFT_EXTEND_ENV} leaves the draft's KV cache stale while plain; unset it"
             )
+    plain_target.variant(environ)  # a bad SGLANG_IMAGE_PLAIN_STEP stops the launch here
     view = spec_disable.ServerView(
         speculative_algorithm=cfg.speculative_algorithm,
         speculative_eagle_topk=cfg.speculative_eagle_topk,
@@ -215,6 +216,27 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     _log_on_rank0(spec_disable.start_log_line(setting.threshold))
 
 
+def _with_plain_step(worker: Any, policy: Any) -> Any:
+    """The policy as the worker's adaptive controller runs it: with SGLANG_IMAGE_PLAIN_STEP=
+    decode-kv, and a draft that allows it, plain steps write only the draft's K/V and a
+    catch-up step precedes speculation (CatchUpPolicy); otherwise as given."""
+    if plain_target.variant() != plain_target.DECODE_KV:
+        return policy
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    rejection = bool(resolving_view(worker.server_args).speculative_use_rejection_sampling)
+    reason = draft_kv.unsupported_reason(worker._draft_worker, rejection)
+    if reason is not None:
+        _log_on_rank0(f"{plain_target.ENV}={plain_target.DECODE_KV}: plain steps keep the full "
+                      f"draft extend: {reason}")
+        return policy
+    wrapped = CatchUpPolicy(policy)
+    setattr(worker._draft_worker, draft_kv.KV_ONLY_ATTR, wrapped)
+    _log_on_rank0(f"{plain_target.ENV}={plain_target.DECODE_KV}: plain steps write the draft's "
+                  "K/V only, one catch-up step before speculation resumes")
+    return wrapped
+
+
 def trivial_verify_input(original: Callable[..., Any], worker: Any, batch: Any) -> Any:
     """AROUND EAGLEWorkerV2._build_trivial_verify_input: the zero-step verify's draft
     token as int64. Upstream roots it at the previous bonus token, which verify()
@@ -246,6 +268,10 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
     does and measures the plain mode in each batch-size bucket it meets, at a bounded
     rate (AutoConfig.explore_steps / explore_gap of the steps)."""
     if not getattr(worker, AUTO_PENDING_ATTR, False):
+        # a fixed threshold: its plain step, now that the draft's KV pool exists
+        adaptive = getattr(worker, "adaptive_controller", None)
+        if adaptive is not None and getattr(worker, CONTROLLER_ATTR, None) is not None:
+            adaptive.params = _with_plain_step(worker, adaptive.params)
         return
     setattr(worker, AUTO_PENDING_ATTR, False)
     from sglang.srt.speculative import eagle_worker_v2
@@ -264,7 +290,8 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
         worker.speculative_num_steps,
         log_fn=_log_on_rank0,
     )
-    worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
+    worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
+        worker, _with_plain_step(worker, policy))
     setattr(worker, CONTROLLER_ATTR, policy)
     _log_on_rank0(
         f"Speculation crossover: auto, learned online per batch-size bucket up to "
@@ -396,6 +423,8 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.build_adaptive_runtime_state":
         plain_target.build_runtime_state,
     "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify": plain_target.prepare_for_verify,
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode":
+        draft_kv.draft_extend_for_decode,
     "sglang.srt.managers.scheduler.Scheduler.__init__": scheduler_init,
     "sglang.srt.managers.scheduler.Scheduler.on_idle": scheduler_idle,
     "sglang.srt.managers.scheduler_components.internal_state."

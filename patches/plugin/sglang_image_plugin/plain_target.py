@@ -1,6 +1,11 @@
-"""Experimental, off by default (SGLANG_IMAGE_PLAIN_TARGET_DECODE=1): the zero-step (plain) step's
-target forward as a DECODE forward under a DECODE CUDA graph, instead of upstream's one-token
-TARGET_VERIFY graph (extend attention with a custom mask over the whole prefix).
+"""Experimental, off by default: what a plain step (upstream's zero-step tier) runs, chosen by
+SGLANG_IMAGE_PLAIN_STEP:
+
+- `zero-step` (the default): upstream's one-token TARGET_VERIFY graph (extend attention with a
+  custom mask over the whole prefix) and a full draft extend;
+- `decode`: the target forward as a DECODE forward under a DECODE CUDA graph;
+- `decode-kv`: as `decode`, and the draft writes only its K/V (draft_kv.py), with one full draft
+  extend (the catch-up step) before speculation resumes.
 
 Only the target forward changes: upstream's verify bookkeeping (sampling, grammars, penalties,
 logprobs, the stride-1 result) and the draft extend run as before, on the same token, position and
@@ -21,13 +26,23 @@ from typing import Any
 
 from sglang_image_plugin.spec_disable import SETTING_ATTR
 
-ENV = "SGLANG_IMAGE_PLAIN_TARGET_DECODE"
+ENV = "SGLANG_IMAGE_PLAIN_STEP"
+ZERO_STEP, DECODE, DECODE_KV = "zero-step", "decode", "decode-kv"
+VARIANTS = (ZERO_STEP, DECODE, DECODE_KV)
 logger = logging.getLogger(__name__)
 
 
+def variant(environ: Mapping[str, str] | None = None) -> str:
+    """The plain step asked for; ValueError names the variable and its values."""
+    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower() or ZERO_STEP
+    if value not in VARIANTS:
+        raise ValueError(f"{ENV}={value!r}: give one of {', '.join(VARIANTS)} (default {ZERO_STEP})")
+    return value
+
+
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+    """The target's plain forward runs under a DECODE graph."""
+    return variant(environ) != ZERO_STEP
 
 
 @functools.cache
@@ -71,9 +86,9 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
     setting = getattr(worker.server_args, SETTING_ATTR, None)
     if speculative_num_steps != 0 or not enabled() or setting is None or not setting.enabled:
         return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
-    logger.warning("%s=1: experimental: the plain steps' target forward runs under a DECODE CUDA "
-                   "graph; its outputs have not yet been checked against plain decoding on a GPU",
-                   ENV)
+    logger.warning("%s=%s: experimental: the plain steps' target forward runs under a DECODE "
+                   "CUDA graph%s", ENV, variant(),
+                   " and the draft writes only its K/V" if variant() == DECODE_KV else "")
     with _decode_runner_for_capture():
         return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
 

@@ -67,6 +67,57 @@ class ThresholdPolicy:
         return [v for i, v in enumerate(sizes) if i == 0 or sizes[i - 1] < self.controller.threshold]
 
 
+class CatchUpPolicy:
+    """A policy whose plain steps write only the draft's K/V (draft_kv.py). The step that
+    the wrapped policy would run speculatively right after plain steps runs once more as a
+    plain step with the full draft extend (`full_draft_extend`, the catch-up step), so the
+    speculative step after it drafts from a current proposal. Plain steps then run at every
+    captured batch size (a catch-up step runs at or below the resume size). Everything else
+    is the wrapped policy's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.full_draft_extend = True
+        self.catch_up_steps = 0
+        self._draft_stale = False
+        self._cuda_graph_bs: list[int] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def candidate_steps(self) -> list[int]:
+        steps: list[int] = self.inner.candidate_steps
+        return steps
+
+    def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
+        self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
+        self.inner.set_cuda_graph_bs(cuda_graph_bs)
+
+    def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
+        if step == PLAIN_STEPS:
+            return self._cuda_graph_bs
+        sizes: list[int] | None = self.inner.cuda_graph_bs_for_step(step)
+        return sizes
+
+    def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> Any:
+        return self.inner.on_verify_complete(num_correct_drafts_per_req, batch_size)
+
+    def get_steps_for_batch(self, batch_size: int) -> int:
+        steps: int = self.inner.get_steps_for_batch(batch_size)
+        if batch_size <= 0:  # an idle batch drafts nothing
+            return steps
+        if steps == PLAIN_STEPS:
+            self.full_draft_extend = False
+            self._draft_stale = True
+        elif self._draft_stale:
+            steps = PLAIN_STEPS
+            self.full_draft_extend = True
+            self._draft_stale = False
+            self.catch_up_steps += 1
+        return steps
+
+
 class AutoThresholdPolicy(AutoPolicy):
     """`auto`: AutoPolicy (the self-tuning crossover) as the worker's policy, reporting
     like the fixed threshold does: the mode line whenever the crossover's mode or the

@@ -45,6 +45,11 @@ HOOKS: tuple[HookSpec, ...] = (
         "experimental: a DECODE forward batch for that graph",
     ),
     HookSpec(
+        "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
+        "around",
+        "experimental: a plain step writes only the draft's K/V",
+    ),
+    HookSpec(
         "sglang.srt.managers.scheduler.Scheduler.__init__",
         "after",
         "exports the controller's Prometheus metrics",
@@ -113,6 +118,15 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.load_batch",
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
     "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
+    # The experimental K/V-only plain step (draft_kv.py): the draft extend it stands in for, the
+    # one-layer EAGLE-3 draft whose modules it runs, and the pool write it makes.
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
+    "sglang.srt.speculative.eagle_worker_common.prepare_for_draft_extend",
+    "sglang.srt.models.llama_eagle3.LlamaModel.forward",
+    "sglang.srt.models.llama_eagle3.LlamaDecoderLayer.forward",
+    "sglang.srt.models.llama.LlamaAttention.forward_prepare_native",
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer",
+    "sglang.srt.speculative.eagle_utils.get_draft_recurrent_hidden_state_spec",
 )
 
 DIGESTS_FILE = "upstream_digests.json"

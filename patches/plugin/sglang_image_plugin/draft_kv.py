@@ -1,0 +1,133 @@
+"""A plain step's draft work as the draft's K/V alone (SGLANG_IMAGE_PLAIN_STEP=decode-kv).
+
+Upstream's zero-step tier runs a full draft extend after every plain step: a forward of the
+draft (attention, MLP, LM head) and its top-k, only to produce the next proposal, which the
+next plain step does not use. For a one-layer EAGLE-3 draft the K/V at position p depend only
+on the token sampled there and the target's hidden state at p, so a plain step writes just
+those (embedding, fc, norms, K/V projection, rope, KV write) and hands the scheduler the
+proposal's placeholders. The step that would resume speculation runs one more plain step with
+the full draft extend (the catch-up step, CatchUpPolicy), so the first speculative step
+drafts from a current proposal and the draft's KV cache covers every plain-decoded token.
+
+sglang and torch are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# On EagleDraftWorker: the CatchUpPolicy that says whether this plain step drafts in full.
+KV_ONLY_ATTR = "_sglang_image_kv_only"
+
+
+def unsupported_reason(draft_worker: Any, rejection_sampling: bool) -> str | None:
+    """Why a plain step cannot write the draft's K/V alone here (None: it can)."""
+    from sglang.srt.models.llama_eagle3 import LlamaModel
+
+    runner = draft_worker.draft_runner
+    outer = getattr(runner, "model", None)
+    model = getattr(outer, "model", None)
+    if not isinstance(model, LlamaModel):
+        return f"the draft is {type(outer).__name__}, not a Llama EAGLE-3 draft"
+    if len(model.layers) != 1:
+        return f"the draft has {len(model.layers)} layers (a deeper layer's K/V need attention)"
+    if model.is_mrope_enabled:
+        return "the draft uses mrope positions"
+    if getattr(runner.token_to_kv_pool, "requires_physical_write_loc", False):
+        return f"the draft's KV pool ({type(runner.token_to_kv_pool).__name__}) translates slots"
+    for name, owner in (("draft", runner), ("target", draft_worker.target_worker.model_runner)):
+        translator = getattr(owner, "kv_index_translator", None)
+        if translator is not None and translator.is_translating:
+            return f"the {name}'s KV slots are translated"
+    if getattr(draft_worker, "seed_dsa_topk_from_draft_extend", False):
+        return "the draft seeds its indexer top-k from the draft extend"
+    if rejection_sampling:
+        return "rejection sampling carries the draft's probabilities between steps"
+    return None
+
+
+def write_draft_kv(model: Any, tokens: Any, positions: Any, target_hidden: Any, loc: Any,
+                   pool: Any) -> None:
+    """Write a one-layer EAGLE-3 draft's K/V for these tokens and nothing else: the same
+    modules in the same order as LlamaModel.forward up to its attention, so the cache holds
+    what a full forward writes there."""
+    layer = model.layers[0]
+    attn = layer.self_attn
+    embeds = layer.input_layernorm(model.embed_tokens(tokens))
+    hidden = target_hidden
+    if hidden.shape[-1] != embeds.shape[-1]:
+        if model.input_norm is not None:
+            hidden = model.input_norm(hidden)
+        if model.fc_norm is not None:
+            import torch
+
+            chunks = hidden.chunk(model.num_aux_hidden_states, dim=-1)
+            hidden = torch.cat([norm(c) for norm, c in zip(model.fc_norm, chunks, strict=True)],
+                               dim=-1)
+        hidden = model.fc(hidden)
+    hidden = layer.hidden_norm(hidden)
+    import torch
+
+    qkv, _ = attn.qkv_proj(torch.cat([embeds, hidden], dim=-1))
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    _, k = attn.rotary_emb(positions, q, k)
+    radix = attn.attn
+    pool.set_kv_buffer(
+        radix,
+        loc,
+        k.reshape(-1, radix.tp_k_head_num, radix.qk_head_dim),
+        v.reshape(-1, radix.tp_v_head_num, radix.v_head_dim),
+        radix.k_scale,
+        radix.v_scale,
+    )
+
+
+def stub_proposal(draft_worker: Any, next_draft_input: Any, bs: int) -> None:
+    """Placeholders of the right shapes for the proposal the scheduler relays (the FutureMap
+    stores them); no plain step reads them, and the catch-up step replaces them."""
+    import torch
+    from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
+
+    device = draft_worker.device
+    next_draft_input.topk_p = torch.zeros((bs, draft_worker.topk), dtype=torch.float32,
+                                          device=device)
+    next_draft_input.topk_index = torch.zeros((bs, draft_worker.topk), dtype=torch.int64,
+                                              device=device)
+    hidden_size, hidden_dtype = get_draft_recurrent_hidden_state_spec(draft_worker.draft_runner)
+    if hidden_size is not None:
+        next_draft_input.hidden_states = torch.zeros((bs, hidden_size), dtype=hidden_dtype,
+                                                     device=device)
+
+
+def draft_extend_for_decode(original: Callable[..., Any], draft_worker: Any, batch: Any,
+                            batch_result: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND EagleDraftWorker._draft_extend_for_decode: a plain step other than the catch-up
+    writes the draft's K/V alone (where decode-kv was set up for this worker)."""
+    catch_up = getattr(draft_worker, KV_ONLY_ATTR, None)
+    if (
+        catch_up is None
+        or draft_worker.speculative_num_steps != 0
+        or catch_up.full_draft_extend
+        or batch.forward_mode.is_idle()
+    ):
+        return original(draft_worker, batch, batch_result, *args, **kwargs)
+    import torch
+
+    runner = draft_worker.draft_runner
+    bs = len(batch.seq_lens)
+    # One token per request (stride 1): sampled at position seq_lens, the slot the target's
+    # forward wrote (batch.out_cache_loc), the target's hidden states there.
+    write_draft_kv(
+        runner.model.model,
+        batch_result.next_token_ids.to(torch.int64),
+        batch.seq_lens.to(torch.int64),
+        batch_result.logits_output.hidden_states,
+        batch.out_cache_loc,
+        runner.token_to_kv_pool,
+    )
+    stub_proposal(draft_worker, batch_result.next_draft_input, bs)
+    return None
