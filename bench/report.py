@@ -18,9 +18,11 @@ FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
 
 
 def label(name: str) -> str:
+    name, _, plain_step = name.partition("+")
+    suffix = f" ({plain_step} plain step)" if plain_step else ""
     if name.startswith("eagle3_thr"):
-        return f"EAGLE-3 + threshold {name.removeprefix('eagle3_thr')}"
-    return LABELS.get(name, name)
+        return f"EAGLE-3 + threshold {name.removeprefix('eagle3_thr')}{suffix}"
+    return LABELS.get(name, name) + suffix
 
 
 def per_round(ms: list[dict[str, Any]]) -> dict[int, float]:
@@ -46,7 +48,8 @@ def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if thresholds:
             best = max(thresholds, key=lambda n: statistics.median(thresholds[n].values()))
             vs = [auto[k] / thresholds[best][k] for k in auto if k in thresholds[best]]
-            row["best_fixed"] = int(best.removeprefix("eagle3_thr"))
+            fixed_n = best.removeprefix("eagle3_thr")
+            row["best_fixed"] = int(fixed_n) if fixed_n.isdigit() else fixed_n
             row["vs_best_fixed"] = round(statistics.median(vs), 3) if vs else None
         out[c] = row
     return out

@@ -71,6 +71,10 @@ ADAPTIVE_CONFIG = {
     "32": {"candidate_steps": [0, 1], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
     "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
 }
+# What a switching server's plain step runs (the plugin's SGLANG_IMAGE_PLAIN_STEP); a server of
+# another variant than the first is named with it (eagle3_thr16+decode-kv).
+PLAIN_STEP_ENV = "SGLANG_IMAGE_PLAIN_STEP"
+PLAIN_STEPS = ("zero-step", "decode", "decode-kv")
 START_S_PER_SERVER = 75  # a server's start, budgeted until measured (about a minute or two)
 WARM_S = 30  # its warm-up, budgeted until measured
 MAX_PROMPT_LEN = 64  # prompts of 32-64 tokens
@@ -83,6 +87,7 @@ class BenchOptions:
     models: Path
     out: Path
     thresholds: tuple[int, ...] = (16,)  # eagle3_thr: one server per fixed threshold (a sweep)
+    plain_steps: tuple[str, ...] = ()  # one switching server per variant (empty: the plugin's default)
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     configs: tuple[str, ...] = CONFIGS
     rounds: int = 2  # closed-loop rounds; each level alternates the server order
@@ -123,6 +128,9 @@ def server_config(name: str, opts: BenchOptions, mem_fraction: float = 0.3,
     extra: list[str] = ["--sleep-on-idle"]  # a server waiting for its turn must not spin a core
     if name != "plain":
         cfg.draft = opts.models / "draft"
+    name, _, plain_step = name.partition("+")
+    if plain_step or (switches(name) and opts.plain_steps):
+        cfg.env[PLAIN_STEP_ENV] = plain_step or opts.plain_steps[0]
     if name.startswith("eagle3_thr"):
         cfg.threshold = int(name.removeprefix("eagle3_thr"))
     if name == "eagle3_auto":
@@ -142,7 +150,9 @@ def server_names(opts: BenchOptions) -> list[str]:
     names: list[str] = []
     for name in opts.configs:
         names += [f"eagle3_thr{n}" for n in opts.thresholds] if name == "eagle3_thr" else [name]
-    return names
+    # every switching server once more per further plain-step variant, right after it
+    return [f"{n}+{v}" if i else n for n in names
+            for i, v in enumerate((opts.plain_steps or ("",)) if switches(n) else ("",))]
 
 
 def window_requests(concurrency: int, waves: int) -> int:
@@ -186,7 +196,7 @@ def pool_tokens(opts: BenchOptions) -> int:
 
 def switches(name: str) -> bool:
     """Whether the server switches between speculative and plain steps itself (a threshold, auto)."""
-    return name.startswith("eagle3_thr") or name == "eagle3_auto"
+    return name.startswith("eagle3_thr") or name.partition("+")[0] == "eagle3_auto"
 
 
 def round_order(names: list[str], k: int) -> list[str]:
@@ -684,6 +694,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
     ap.add_argument(p + "threshold", default="16",
                     help="eagle3_thr's fixed threshold N; a comma list runs one server per N (a sweep)")
+    ap.add_argument(p + "plain-steps", default="",
+                    help=f"comma list of {','.join(PLAIN_STEPS)}: what a threshold or auto server's plain "
+                         "step runs (the plugin's SGLANG_IMAGE_PLAIN_STEP), one such server per variant "
+                         "(default: the plugin's own choice)")
     ap.add_argument(p + "rounds", type=int, default=2,
                     help="closed-loop rounds (the server order alternates; 0: the ramp alone)")
     ap.add_argument(p + "window-s", type=float, default=10.0,
@@ -719,6 +733,9 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     thresholds = [x.strip() for x in str(get("threshold")).split(",") if x.strip()]
     if not thresholds or not all(x.isdigit() and int(x) >= 1 for x in thresholds) or len(set(thresholds)) < len(thresholds):
         raise refuse("threshold", "give distinct whole numbers >= 1, e.g. 16 or 8,16,32")
+    plain_steps = [x.strip() for x in get("plain-steps").split(",") if x.strip()]
+    if any(v not in PLAIN_STEPS for v in plain_steps) or len(set(plain_steps)) < len(plain_steps):
+        raise refuse("plain-steps", f"give distinct names among {','.join(PLAIN_STEPS)}")
     if get("rounds") < 0:
         raise refuse("rounds", "must be >= 0 (0: the ramp alone)")
     if not get("window-s") > 0:
@@ -733,7 +750,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     if get("max-total-tokens") < 0:
         raise refuse("max-total-tokens", "must be >= 0 (0: sized for the top concurrency)")
     return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
-            "thresholds": tuple(sorted(int(x) for x in thresholds)),
+            "thresholds": tuple(sorted(int(x) for x in thresholds)), "plain_steps": tuple(plain_steps),
             "rounds": get("rounds"), "window_s": get("window-s"), "window_waves": get("window-waves"),
             "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
             "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),

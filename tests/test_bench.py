@@ -161,6 +161,29 @@ def test_configs_map_to_server_flags(tmp_path):
         == diagnose.SERVER_ENV
 
 
+def test_each_plain_step_variant_gets_its_own_switching_server(tmp_path):
+    # --plain-steps: every threshold and auto server once per variant, the first under its plain
+    # name, each with the plugin's variable set; plain and always-on servers are not doubled.
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16,), concurrency=(1, 64),
+                              configs=("plain", "eagle3_thr", "eagle3_auto"),
+                              plain_steps=("zero-step", "decode-kv"))
+    names = bench.server_names(opts)
+    assert names == ["plain", "eagle3_thr16", "eagle3_thr16+decode-kv", "eagle3_auto", "eagle3_auto+decode-kv"]
+    env = {n: bench.server_config(n, opts).env.get(bench.PLAIN_STEP_ENV) for n in names}
+    assert env == {"plain": None, "eagle3_thr16": "zero-step", "eagle3_thr16+decode-kv": "decode-kv",
+                   "eagle3_auto": "zero-step", "eagle3_auto+decode-kv": "decode-kv"}
+    argv = bench.server_config("eagle3_thr16+decode-kv", opts).argv(30000)
+    assert argv[argv.index(bench.THRESHOLD_FLAG) + 1] == "16" and bench.switches("eagle3_auto+decode-kv")
+    assert bench_report.label("eagle3_thr16+decode-kv") == "EAGLE-3 + threshold 16 (decode-kv plain step)"
+    default = bench.BenchOptions(models=tmp_path, out=tmp_path, configs=("eagle3_thr",))
+    assert bench.server_names(default) == ["eagle3_thr16"]
+    assert bench.server_config("eagle3_thr16", default).env == {}  # the plugin's own default
+    assert bench_options("--plain-steps", "decode,decode-kv").plain_steps == ("decode", "decode-kv")
+    for bad in ("fast", "decode,decode"):
+        with pytest.raises(SystemExit, match="--plain-steps"):
+            bench_options("--plain-steps", bad)
+
+
 def test_auto_runs_only_where_the_plugin_is_installed(tmp_path, monkeypatch):
     """Read from real package metadata: a dist-info listing auto_threshold.py says `auto` is there."""
     assert bench.auto_supported() is False  # the test environment has no plugin installed
