@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from tests.eagle3_draft import EAGLE3_LEAVES
 from tests.forkserver import forked_probes, warm_imports
 from tests.probe import probe_result
 
@@ -803,98 +804,17 @@ def test_controller_catch_up_step_before_speculation_resumes(run_in_tree, patche
 
 # The eagle3 draft model's code (LlamaModel.forward, its decoder layer, LlamaAttention.forward) run
 # for real around small torch leaves (sglang's own layers need a GPU process group to build).
-EAGLE3_LEAVES = """
-import torch
-from torch import nn
-from types import SimpleNamespace as NS
-from sglang.srt.models import llama_eagle3 as m, llama
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-torch.manual_seed(0)
-D, TARGET, HEADS, KV_HEADS, HD, VOCAB = 16, 12, 2, 1, 8, 50
-
-class Norm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.w = nn.Parameter(torch.rand(d) + 0.5)
-    def forward(self, x, residual=None):
-        if residual is not None:
-            x = x + residual
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
-        return y if residual is None else (y, x)
-
-class Linear2(nn.Module):   # sglang's parallel linears return (out, bias)
-    def __init__(self, i, o):
-        super().__init__()
-        self.lin = nn.Linear(i, o, bias=False)
-    def forward(self, x):
-        return self.lin(x), None
-
-class RecordingAttention:   # in RadixAttention's place: records what would reach the KV cache
-    tp_k_head_num, tp_v_head_num, qk_head_dim, v_head_dim = KV_HEADS, KV_HEADS, HD, HD
-    k_scale = v_scale = None
-    def __init__(self):
-        self.seen = []
-    def __call__(self, q, k, v, forward_batch):
-        self.seen.append((k.reshape(-1, KV_HEADS, HD).clone(), v.reshape(-1, KV_HEADS, HD).clone()))
-        return q
-
-def rope(positions, q, k):  # position-dependent, like the real one
-    return q * (positions[:, None] + 1.0), k * (positions[:, None] + 2.0)
-
-def make_draft(n_layers=1):
-    model = object.__new__(m.LlamaModel)
-    nn.Module.__init__(model)
-    model.embed_tokens = nn.Embedding(VOCAB, D)
-    model.fc = nn.Linear(3 * TARGET, D, bias=False)
-    model.num_aux_hidden_states, model.input_norm, model.fc_norm = 3, None, None
-    model.is_mrope_enabled, model.norm_output = False, False
-    layers = []
-    for i in range(n_layers):
-        layer = object.__new__(m.LlamaDecoderLayer)
-        nn.Module.__init__(layer)
-        layer.is_input_layer = i == 0
-        layer.hidden_norm, layer.input_layernorm, layer.post_attention_layernorm = Norm(D), Norm(D), Norm(D)
-        layer.mlp = nn.Linear(D, D, bias=False)
-        attn = object.__new__(llama.LlamaAttention)
-        nn.Module.__init__(attn)
-        attn.qkv_proj = Linear2(2 * D if i == 0 else D, (HEADS + 2 * KV_HEADS) * HD)
-        attn.o_proj = Linear2(HEADS * HD, D)
-        attn.q_size, attn.kv_size = HEADS * HD, KV_HEADS * HD
-        attn.rotary_emb, attn.attn = rope, RecordingAttention()
-        layer.self_attn = attn
-        layers.append(layer)
-    model.layers = nn.ModuleList(layers)
-    model.norm = Norm(D)
-    return model
-
-class RecordingPool:
-    def __init__(self):
-        self.writes = []
-    def set_kv_buffer(self, layer, loc, k, v, k_scale=None, v_scale=None):
-        self.writes.append((layer, loc.clone(), k.clone(), v.clone(), k_scale, v_scale))
-"""
-
-
 def test_draft_kv_only_write_equals_the_full_forward(run_in_tree, patched):
     """write_kv_only puts into the draft KV cache exactly the K/V that a full forward of the
     one-layer EAGLE-3 draft hands to attention, at the given slots; deeper drafts are refused."""
     out = _run(run_in_tree, patched, helpers=EAGLE3_LEAVES, body="""
-        bs = 4
         model = make_draft()
-        tokens = torch.tensor([3, 17, 42, 8])
-        positions = torch.tensor([5, 9, 0, 30])
-        target_hidden = torch.randn(bs, 3 * TARGET)
         with torch.no_grad():
-            fb = NS(forward_mode=ForwardMode.DECODE, mm_input_embeds=None,
-                    spec_info=NS(hidden_states=target_hidden), contains_mm_inputs=lambda: False)
-            model.forward(tokens, positions, fb)
-            k_full, v_full = model.layers[0].self_attn.attn.seen[0]
-            pool, loc = RecordingPool(), torch.tensor([70, 71, 12, 99])
-            model.write_kv_only(tokens, positions, target_hidden, loc, pool)
-            (layer, wloc, k, v, ks, vs), = pool.writes
-            other_pos = RecordingPool()
-            model.write_kv_only(tokens, positions + 1, target_hidden, loc, other_pos)
+            k_full, v_full = full_forward_kv(model, TOKENS, POSITIONS, TARGET_HIDDEN)
+            pool, other_pos = RecordingPool(), RecordingPool()
+            model.write_kv_only(TOKENS, POSITIONS, TARGET_HIDDEN, SLOTS, pool)
+            model.write_kv_only(TOKENS, POSITIONS + 1, TARGET_HIDDEN, SLOTS, other_pos)
+        (layer, wloc, k, v, ks, vs), = pool.writes
         emit({"k_equal": bool(torch.equal(k, k_full)), "v_equal": bool(torch.equal(v, v_full)),
               "layer": layer is model.layers[0].self_attn.attn, "loc": wloc.tolist(), "scales": [ks, vs],
               "position_matters": not torch.equal(other_pos.writes[0][2], k),
