@@ -210,16 +210,23 @@ def test_source_label_comes_from_pyproject_not_the_clone(tmp_path: Path) -> None
     assert labels.source_url(pyproject) is None  # no label rather than the clone's remote
 
 
-def test_build_refuses_a_stale_lock_before_any_work(tmp_path: Path) -> None:
+def _no_engine_wanted() -> docker_engine.Engine:
+    raise AssertionError("the build looked for an engine (and would have started one)")
+
+
+def test_build_refuses_a_stale_lock_before_any_work(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     flavor = pins.load_flavor(FLAVOR)
     stale = dataclasses.replace(flavor, requirements=(*flavor.requirements, "six==1.16.0"))
     opts = plan.BuildOptions(flavor=stale, work_dir=tmp_path, light=True)
+    monkeypatch.setattr(build, "ensure_engine", _no_engine_wanted)
     with pytest.raises(LockError, match=f"stale.*nox -s lock -- {FLAVOR}"):
         build.build(opts, client=None)  # no engine needed: it stops before connecting
 
 
-def test_build_refuses_an_incomplete_lock(tmp_path: Path) -> None:
+def test_build_refuses_an_incomplete_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     opts = plan.BuildOptions(flavor=pins.load_flavor("sglang-0.5.9"), work_dir=tmp_path)
+    monkeypatch.setattr(build, "ensure_engine", _no_engine_wanted)
     with pytest.raises(LockError, match="incomplete"):
         build.build(opts, client=None)
 
