@@ -15,6 +15,11 @@ from sglang_image import lock, pins, trees
 REPO_ROOT = pins.REPO_ROOT
 TREE_CACHE = REPO_ROOT / ".cache" / "trees"
 
+# torch._dynamo, which sglang imports, makes its compile cache folder on import, by default in the
+# temporary directory (/tmp/torchinductor_$USER): the tests and every process they start keep it
+# under .cache instead, so that a run leaves nothing in /tmp.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "torchinductor"))
+
 pytest_plugins = ["tests.conftest_docker"]
 
 
