@@ -5,7 +5,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,37 @@ TREE_CACHE = REPO_ROOT / ".cache" / "trees"
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "torchinductor"))
 
 pytest_plugins = ["tests.conftest_docker"]
+
+# A passed test's tmp_path is removed when it ends (tmp_path_retention_policy = "failed"). Trees of
+# tens of thousands of files take seconds of disk waits to delete: the folder is moved aside at
+# once and deleted by a worker thread while the next tests run; the run waits for it at its end.
+_PASSED = pytest.StashKey[bool]()
+_deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmp-path-deleter")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report = yield
+    if report.when == "call":
+        item.stash[_PASSED] = report.passed
+    return report
+
+
+@pytest.fixture
+def tmp_path(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """pytest's tmp_path (kept when the test failed), deleted beside the next tests when it passed."""
+    yield tmp_path
+    if request.node.stash.get(_PASSED, False) and tmp_path.is_dir():
+        aside = tmp_path.with_name(tmp_path.name + ".deleted")
+        tmp_path.rename(aside)
+        tmp_path.mkdir()  # pytest removes this empty one itself
+        _deleter.submit(shutil.rmtree, aside, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _deleter.shutdown(wait=True)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
