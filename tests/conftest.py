@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_image import lock, pins, trees
+from sglang_image import lock, patch, pins, trees
 
 REPO_ROOT = pins.REPO_ROOT
 TREE_CACHE = REPO_ROOT / ".cache" / "trees"
@@ -124,7 +124,22 @@ def sglang_tree() -> Callable[[str, bool], Path]:
         dest = TREE_CACHE / f"{flavor_name}-{_tree_key(flavor, patched, extras)}"
         if not (dest / ".complete").exists():
             shutil.rmtree(dest, ignore_errors=True)
-            trees.prepare_tree(flavor, dest, patched=patched, extra=extras)
+            if patched:
+                # The pristine tree's files, hard-linked (hundreds of MB each), and a copy of its
+                # own of each file the series changes, which the series then patches.
+                pristine = make(flavor_name, False)
+                shutil.copytree(pristine, dest, copy_function=os.link,
+                                ignore=shutil.ignore_patterns(".complete"))
+                for patch_file in flavor.series():
+                    for fp in patch.parse_patch(patch_file.read_text(), patch_file.name):
+                        for target in {dest / p for p in (fp.old_path, fp.new_path) if p}:
+                            if target.is_file():
+                                data = target.read_bytes()
+                                target.unlink()
+                                target.write_bytes(data)
+                patch.apply_series(flavor.series(), dest)
+            else:
+                trees.prepare_tree(flavor, dest, patched=False, extra=extras)
             (dest / ".complete").write_text("ok\n")
         made[(flavor_name, patched)] = dest
         return dest
