@@ -5,17 +5,54 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from sglang_image import lock, pins, trees
+from sglang_image import lock, patch, pins, trees
 
 REPO_ROOT = pins.REPO_ROOT
 TREE_CACHE = REPO_ROOT / ".cache" / "trees"
 
+# torch._dynamo, which sglang imports, makes its compile cache folder on import, by default in the
+# temporary directory (/tmp/torchinductor_$USER): the tests and every process they start keep it
+# under .cache instead, so that a run leaves nothing in /tmp.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "torchinductor"))
+
 pytest_plugins = ["tests.conftest_docker"]
+
+# A passed test's tmp_path is removed when it ends (tmp_path_retention_policy = "failed"). Trees of
+# tens of thousands of files take seconds of disk waits to delete: the folder is moved aside at
+# once and deleted by a worker thread while the next tests run; the run waits for it at its end.
+_PASSED = pytest.StashKey[bool]()
+_deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tmp-path-deleter")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    report = yield
+    if report.when == "call":
+        item.stash[_PASSED] = report.passed
+    return report
+
+
+@pytest.fixture
+def tmp_path(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """pytest's tmp_path (kept when the test failed), deleted beside the next tests when it passed."""
+    yield tmp_path
+    if request.node.stash.get(_PASSED, False) and tmp_path.is_dir():
+        aside = tmp_path.with_name(tmp_path.name + ".deleted")
+        tmp_path.rename(aside)
+        tmp_path.mkdir()  # pytest removes this empty one itself
+        _deleter.submit(shutil.rmtree, aside, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _deleter.shutdown(wait=True)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -87,7 +124,22 @@ def sglang_tree() -> Callable[[str, bool], Path]:
         dest = TREE_CACHE / f"{flavor_name}-{_tree_key(flavor, patched, extras)}"
         if not (dest / ".complete").exists():
             shutil.rmtree(dest, ignore_errors=True)
-            trees.prepare_tree(flavor, dest, patched=patched, extra=extras)
+            if patched:
+                # The pristine tree's files, hard-linked (hundreds of MB each), and a copy of its
+                # own of each file the series changes, which the series then patches.
+                pristine = make(flavor_name, False)
+                shutil.copytree(pristine, dest, copy_function=os.link,
+                                ignore=shutil.ignore_patterns(".complete"))
+                for patch_file in flavor.series():
+                    for fp in patch.parse_patch(patch_file.read_text(), patch_file.name):
+                        for target in {dest / p for p in (fp.old_path, fp.new_path) if p}:
+                            if target.is_file():
+                                data = target.read_bytes()
+                                target.unlink()
+                                target.write_bytes(data)
+                patch.apply_series(flavor.series(), dest)
+            else:
+                trees.prepare_tree(flavor, dest, patched=False, extra=extras)
             (dest / ".complete").write_text("ok\n")
         made[(flavor_name, patched)] = dest
         return dest

@@ -12,7 +12,11 @@ from __future__ import annotations
 import io
 import os
 import shutil
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +48,34 @@ def _wanted_engines() -> list[str]:
     return [n for n in names if n in ENGINES]
 
 
+@dataclass(frozen=True)
+class Rebuilt:
+    """The light image built once more without any cache, and the untagged images of its engine
+    before and after that build."""
+    result: build.BuildResult
+    dangling_before: set[str]
+    dangling_after: set[str]
+
+
 class _Engines:
-    """Engines started on first use and stopped at the end of the session."""
+    """Engines started on first use and stopped at the end of the session, and the builds the
+    tests read, each made once a session by one worker thread, in the order asked for (see
+    builds_ahead)."""
 
     def __init__(self) -> None:
         self.started: dict[str, docker_engine.Engine] = {}
-        self.light: dict[str, build.BuildResult] = {}
+        self.jobs: dict[tuple[str, str], Future[Any]] = {}  # (engine, what) -> its build
+        self._lock = threading.RLock()  # the test thread and the builder start engines alike
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-builds")
 
     def client(self, name: str) -> DockerClient:
+        with self._lock:
+            return self._client(name)
+
+    def _client(self, name: str) -> DockerClient:
         if name not in self.started:
             dockerd, state = ENGINES[name]
-            running = docker_engine.connect_state(state)  # one a killed session left running
+            running = docker_engine.connect_state(state)  # one a killed session left: stopped too
             if running is not None:
                 self.started[name] = running
                 return running.client
@@ -72,7 +93,56 @@ class _Engines:
                 pytest.skip(f"engine {name}: {exc}")
         return self.started[name].client
 
+    def base(self, name: str, rootfs: Path) -> str:
+        """The test base's tag in engine `name`, loaded there once."""
+        with self._lock:
+            return load_base(self.client(name), rootfs)
+
+    def _job(self, name: str, what: str, make: Callable[[], Any]) -> Future[Any]:
+        with self._lock:
+            if (name, what) not in self.jobs:
+                self.jobs[(name, what)] = self._builder.submit(make)
+            return self.jobs[(name, what)]
+
+    def light_future(self, name: str, rootfs: Callable[[], Path],
+                     tmp_path_factory: pytest.TempPathFactory) -> Future[build.BuildResult]:
+        """The light image of engine `name`, tagged sglang-image-test:light-a."""
+        tmp = tmp_path_factory.mktemp(f"light-{name}") if (name, "light") not in self.jobs else None
+
+        def make() -> build.BuildResult:
+            assert tmp is not None
+            base_ref = self.base(name, rootfs())
+            return light_build(self.client(name), base_ref, tmp, tag="sglang-image-test:light-a")
+
+        return self._job(name, "light", make)
+
+    def rebuilt_future(self, name: str, rootfs: Callable[[], Path],
+                       tmp_path_factory: pytest.TempPathFactory) -> Future[Rebuilt]:
+        """The light image of engine `name` built once more, without cache, a second after the
+        first (wall-clock times would differ if any leaked), tagged sglang-image-test:light-b."""
+        first = self.light_future(name, rootfs, tmp_path_factory)
+        tmp = tmp_path_factory.mktemp(f"rebuilt-{name}") if (name, "rebuilt") not in self.jobs else None
+
+        def make() -> Rebuilt:
+            assert tmp is not None
+            first.result()
+            client = self.client(name)
+            time.sleep(1.1)
+            before = {i.id for i in client.images.list(filters={"dangling": True})}
+            again = light_build(client, self.base(name, rootfs()), tmp,
+                                tag="sglang-image-test:light-b", no_cache=True)
+            after = {i.id for i in client.images.list(filters={"dangling": True})}
+            return Rebuilt(again, before, after)
+
+        return self._job(name, "rebuilt", make)
+
+    def settle(self, name: str) -> None:
+        """Waits for the builds queued on engine `name`: a test that reads the engine's images
+        runs alone on it."""
+        wait([job for (engine, _), job in list(self.jobs.items()) if engine == name])
+
     def stop(self) -> None:
+        self._builder.shutdown(wait=True, cancel_futures=True)
         for engine in self.started.values():
             engine.stop()
 
@@ -101,8 +171,11 @@ one_engine = pytest.mark.parametrize("engine_name", _wanted_engines()[:1], indir
 
 @pytest.fixture(scope="session")
 def docker_client(engines: _Engines, engine_name: str) -> DockerClient:
-    """A docker SDK client of the engine under test (started here, its own data root)."""
-    return engines.client(engine_name)
+    """A docker SDK client of the engine under test (started here, its own data root), once the
+    builds queued on it are done."""
+    client = engines.client(engine_name)
+    engines.settle(engine_name)
+    return client
 
 
 @pytest.fixture(scope="session")
@@ -111,16 +184,25 @@ def docker_host(engines: _Engines, engine_name: str, docker_client: DockerClient
     return engines.started[engine_name].host
 
 
+_rootfs_lock = threading.Lock()
+
+
+def make_base_rootfs() -> Path:
+    """The test base's root file system (`nox -s base`'s code), made once and cached."""
+    rootfs = REPO_ROOT / ".cache" / "base" / f"{BASE_TAG.rsplit(':', 1)[1]}.tar"
+    with _rootfs_lock:
+        if not rootfs.exists():
+            if base.find_python(BASE_PYTHON) is None and not os.environ.get("CI"):
+                pytest.skip(f"no CPython {BASE_PYTHON} on this host to put in the base")
+            rootfs.parent.mkdir(parents=True, exist_ok=True)
+            base.make_rootfs(rootfs, python_version=BASE_PYTHON, log=lambda _: None)
+    return rootfs
+
+
 @pytest.fixture(scope="session")
 def base_rootfs() -> Path:
     """The test base's root file system (`nox -s base`'s code), made once and cached."""
-    rootfs = REPO_ROOT / ".cache" / "base" / f"{BASE_TAG.rsplit(':', 1)[1]}.tar"
-    if not rootfs.exists():
-        if base.find_python(BASE_PYTHON) is None and not os.environ.get("CI"):
-            pytest.skip(f"no CPython {BASE_PYTHON} on this host to put in the base")
-        rootfs.parent.mkdir(parents=True, exist_ok=True)
-        base.make_rootfs(rootfs, python_version=BASE_PYTHON, log=lambda _: None)
-    return rootfs
+    return make_base_rootfs()
 
 
 def load_base(client: DockerClient, rootfs: Path) -> str:
@@ -130,9 +212,10 @@ def load_base(client: DockerClient, rootfs: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def debootstrap_base(docker_client: DockerClient, base_rootfs: Path) -> str:
+def debootstrap_base(engines: _Engines, engine_name: str, docker_client: DockerClient,
+                     base_rootfs: Path) -> str:
     """Tag of the hub-less base in the engine under test."""
-    return load_base(docker_client, base_rootfs)
+    return engines.base(engine_name, base_rootfs)
 
 
 def light_build(client: DockerClient, base_ref: str, tmp: Path, **kw: Any) -> build.BuildResult:
@@ -147,12 +230,7 @@ def light_build(client: DockerClient, base_ref: str, tmp: Path, **kw: Any) -> bu
 def light_image_on(engines: _Engines, name: str, rootfs: Path,
                    tmp_path_factory: pytest.TempPathFactory) -> build.BuildResult:
     """The light image on engine `name`, built once a session, tagged sglang-image-test:light-a."""
-    if name not in engines.light:
-        client = engines.client(name)
-        engines.light[name] = light_build(client, load_base(client, rootfs),
-                                          tmp_path_factory.mktemp(f"light-{name}"),
-                                          tag="sglang-image-test:light-a")
-    return engines.light[name]
+    return engines.light_future(name, lambda: rootfs, tmp_path_factory).result()
 
 
 @pytest.fixture(scope="session")
@@ -160,3 +238,52 @@ def light_image(engines: _Engines, engine_name: str, base_rootfs: Path,
                 tmp_path_factory: pytest.TempPathFactory) -> build.BuildResult:
     """The light image on the engine under test."""
     return light_image_on(engines, engine_name, base_rootfs, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def light_image_rebuilt(engines: _Engines, engine_name: str, light_image: build.BuildResult,
+                        base_rootfs: Path, tmp_path_factory: pytest.TempPathFactory) -> Rebuilt:
+    """The light image built once more without cache on the engine under test (Rebuilt)."""
+    return engines.rebuilt_future(engine_name, lambda: base_rootfs, tmp_path_factory).result()
+
+
+def _builds_read(item: pytest.Item) -> list[tuple[str, str]]:
+    """The builds a test reads, as (engine, what): its engine's light image (and its rebuild
+    without cache), or every engine's light image (the digest comparison asks each for it)."""
+    callspec = getattr(item, "callspec", None)
+    name = callspec.params.get("engine_name") if callspec else None
+    if name in ENGINES:
+        return [(str(name), what) for what, fixture in (("light", "light_image"),
+                                                        ("rebuilt", "light_image_rebuilt"))
+                if fixture in item.fixturenames]
+    if {"engines", "base_rootfs"} <= set(item.fixturenames):
+        return [(engine, "light") for engine in ENGINES]
+    return []
+
+
+def _uses_an_engine(item: pytest.Item) -> bool:
+    return bool({"engines", "docker_client", "light_image"} & set(item.fixturenames))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that need an engine run last, in their order (pytest's grouping by engine kept):
+    the builds they read are made meanwhile, beside the other tests (builds_ahead)."""
+    items[:] = ([i for i in items if not _uses_an_engine(i)]
+                + [i for i in items if _uses_an_engine(i)])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def builds_ahead(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Queues, at the beginning of a run, the builds its tests will read (one worker, one build at
+    a time, in the order the tests come): a build waits on the engine and on the network
+    (debootstrap, wheels) much of the time, and the tests that need no engine run meanwhile."""
+    wanted = list(dict.fromkeys(job for i in request.session.items for job in _builds_read(i)))
+    if not wanted:
+        return
+    engines: _Engines = request.getfixturevalue("engines")
+    for name, what in wanted:
+        if what == "light":
+            engines.light_future(name, make_base_rootfs, tmp_path_factory)
+        else:
+            engines.rebuilt_future(name, make_base_rootfs, tmp_path_factory)

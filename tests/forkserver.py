@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,6 +89,7 @@ class ForkServer:
                     **(env or {})}
         # The server's own stderr (import warnings) goes to a file: a full pipe would block it.
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by close()
+        self._lock = threading.Lock()  # one request at a time, whichever thread asks
         self._proc = subprocess.Popen([sys.executable, "-c", _SERVER, warmup], cwd=tree, env=full_env,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._stderr, text=True)
@@ -113,9 +115,10 @@ class ForkServer:
         """Runs `code` as `__main__` in a forked child with `env` applied (None removes a variable)."""
         stdin = self._proc.stdin
         assert stdin is not None
-        stdin.write(json.dumps({"code": code, "env": env or {}, "timeout": timeout}) + "\n")
-        stdin.flush()
-        a = self._answer()
+        with self._lock:
+            stdin.write(json.dumps({"code": code, "env": env or {}, "timeout": timeout}) + "\n")
+            stdin.flush()
+            a = self._answer()
         return subprocess.CompletedProcess(["<forked probe>"], a["rc"], a["stdout"], a["stderr"])
 
     def close(self) -> None:
@@ -150,11 +153,16 @@ def forked_probes(warmup: str, server_env: dict[str, str] | None = None) -> Iter
     """run(tree, code, env=None, timeout=600), like conftest's run_in_tree, but each tree gets one
     warm ForkServer (started on first use with `warmup` and `server_env`); all close on exit."""
     servers: dict[Path, ForkServer] = {}
+    locks: dict[Path, threading.Lock] = {}
+    guard = threading.Lock()
 
     def run(tree: Path, code: str, env: dict[str, str | None] | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        if tree not in servers:
-            servers[tree] = ForkServer(tree, warmup, server_env)
+        with guard:
+            lock = locks.setdefault(tree, threading.Lock())
+        with lock:  # one server per tree, however many threads ask first; trees start side by side
+            if tree not in servers:
+                servers[tree] = ForkServer(tree, warmup, server_env)
         return servers[tree].run(code, env, timeout)
 
     try:

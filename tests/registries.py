@@ -225,6 +225,8 @@ def start_registry(tmp: Path, users: dict[str, str] | None = None, tls: bool = F
         proc.wait(timeout=30)
         if token_server is not None:
             token_server.stop()
+        # What was pushed (an image of hundreds of MB) goes with the registry, not at the run's end.
+        shutil.rmtree(tmp / "data", ignore_errors=True)
 
 
 def docker_config(directory: Path, registry: str, user: str, password: str,

@@ -28,7 +28,7 @@ from sglang_image.errors import (
     LockError,
     PatchApplyError,
 )
-from tests.conftest_docker import ENGINES, light_build, light_image_on, one_engine
+from tests.conftest_docker import ENGINES, Rebuilt, light_build, light_image_on, one_engine
 
 FLAVOR = pins.DEFAULT_FLAVOR
 
@@ -210,16 +210,23 @@ def test_source_label_comes_from_pyproject_not_the_clone(tmp_path: Path) -> None
     assert labels.source_url(pyproject) is None  # no label rather than the clone's remote
 
 
-def test_build_refuses_a_stale_lock_before_any_work(tmp_path: Path) -> None:
+def _no_engine_wanted() -> docker_engine.Engine:
+    raise AssertionError("the build looked for an engine (and would have started one)")
+
+
+def test_build_refuses_a_stale_lock_before_any_work(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     flavor = pins.load_flavor(FLAVOR)
     stale = dataclasses.replace(flavor, requirements=(*flavor.requirements, "six==1.16.0"))
     opts = plan.BuildOptions(flavor=stale, work_dir=tmp_path, light=True)
+    monkeypatch.setattr(build, "ensure_engine", _no_engine_wanted)
     with pytest.raises(LockError, match=f"stale.*nox -s lock -- {FLAVOR}"):
         build.build(opts, client=None)  # no engine needed: it stops before connecting
 
 
-def test_build_refuses_an_incomplete_lock(tmp_path: Path) -> None:
+def test_build_refuses_an_incomplete_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     opts = plan.BuildOptions(flavor=pins.load_flavor("sglang-0.5.9"), work_dir=tmp_path)
+    monkeypatch.setattr(build, "ensure_engine", _no_engine_wanted)
     with pytest.raises(LockError, match="incomplete"):
         build.build(opts, client=None)
 
@@ -405,12 +412,11 @@ def test_light_image_carries_the_plugin_of_a_plugin_flavor(light_image: build.Bu
 @pytest.mark.docker
 @one_engine
 def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult,
-                                                  docker_client: DockerClient,
-                                                  debootstrap_base: str, tmp_path: Path) -> None:
-    time.sleep(1.1)  # a second apart: wall-clock times would differ if any leaked
-    dangling = {i.id for i in docker_client.images.list(filters={"dangling": True})}
-    again = _build(docker_client, debootstrap_base, tmp_path, tag="sglang-image-test:light-b",
-                   no_cache=True)
+                                                  light_image_rebuilt: Rebuilt,
+                                                  docker_client: DockerClient) -> None:
+    # The second build ran a second after the first (wall-clock times would differ if any
+    # leaked), in its own folder, without any cache (conftest_docker: made while other tests ran).
+    again = light_image_rebuilt.result
     assert again.raw_image_id != light_image.raw_image_id  # really rebuilt
     assert again.image_id == light_image.image_id
     # The builder's image stays tagged as the build cache; the one it replaced is gone, not left
@@ -419,7 +425,7 @@ def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult
     assert cache.id == again.raw_image_id
     with pytest.raises(docker.errors.ImageNotFound):
         docker_client.images.get(light_image.raw_image_id)
-    assert {i.id for i in docker_client.images.list(filters={"dangling": True})} <= dangling
+    assert light_image_rebuilt.dangling_after <= light_image_rebuilt.dangling_before
 
 
 @pytest.mark.docker
@@ -496,10 +502,12 @@ def test_base_without_the_flavor_python_says_how_to_get_one(
 
 
 @pytest.fixture(scope="module")
-def failed_build(docker_client: DockerClient, debootstrap_base: str,
+def failed_build(docker_client: DockerClient, debootstrap_base: str, light_image: build.BuildResult,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, set[str]]]:
     """One build whose series does not apply, read by the tests below: its error message and the
-    untagged images it left (removed again afterwards, so that the run leaves none)."""
+    untagged images it left (removed again afterwards, so that the run leaves none). It shares the
+    light image's work folder, as a second build in one checkout does: the runtime base is reused,
+    and part 2 fails at the series."""
     flavor = pins.load_flavor(FLAVOR)
     tmp = tmp_path_factory.mktemp("failed-build")
     series = tmp / "patches"
@@ -512,7 +520,8 @@ def failed_build(docker_client: DockerClient, debootstrap_base: str,
     broken = dataclasses.replace(flavor, patch_dir=series)
     dangling = {i.id for i in docker_client.images.list(filters={"dangling": True})}
     with pytest.raises(PatchApplyError) as raised:
-        _build(docker_client, debootstrap_base, tmp, flavor=broken, tag="sglang-image-test:broken")
+        _build(docker_client, debootstrap_base, light_image.output_dir.parent, flavor=broken,
+               tag="sglang-image-test:broken", output_dir=tmp / "out")
     left = {i.id for i in docker_client.images.list(filters={"dangling": True})} - dangling
     yield str(raised.value), left
     for image_id in left:

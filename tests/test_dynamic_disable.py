@@ -1452,9 +1452,10 @@ def test_patched_modules_import_and_compile(run_in_tree, patched):
                  "sglang/srt/server_args.py", "sglang/srt/managers/scheduler.py", "sglang/srt/managers/utils.py",
                  "sglang/srt/managers/scheduler_components/batch_result_processor.py",
                  "sglang/srt/observability/metrics_collector.py"]
-        import tempfile
-        for f in files:
-            py_compile.compile(f, cfile=tempfile.mktemp(), doraise=True)
+        import os, tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            for f in files:
+                py_compile.compile(f, cfile=os.path.join(tmp, os.path.basename(f) + "c"), doraise=True)
         for m in ["sglang.srt.speculative.eagle_worker_v2", "sglang.srt.managers.scheduler",
                   "sglang.srt.server_args"]:
             importlib.import_module(m)

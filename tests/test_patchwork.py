@@ -21,7 +21,8 @@ def _flavor(name: str, patch_dir: Path) -> pins.Flavor:
 def _make_patch(repo: Path, rel: str, old: str, new: str, name: str) -> None:
     path = repo / rel
     path.write_text(path.read_text().replace(old, new, 1))
-    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit",
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c",
+                    "gc.auto=0", "commit",
                     "-qam", f"{name}\n\n{HEADER}"], check=True)
 
 
@@ -66,7 +67,8 @@ def test_edit_export_roundtrip_and_rebase(tmp_path: Path) -> None:
 
 
 def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                           "-c", "gc.auto=0", *args],
                           check=True, capture_output=True, text=True).stdout
 
 

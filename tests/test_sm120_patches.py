@@ -1,6 +1,6 @@
 """SM120 patches (patches/<flavor>/sm120-*.patch): the gates choose the intended path.
 
-Each test runs the same probe in a subprocess against the PATCHED tree and the UNPATCHED
+Each test runs the same probe in its own process against the PATCHED tree and the UNPATCHED
 (pristine) tree of a flavor, with the device capability faked as (12, 0), (10, 0) and (9, 0),
 and asserts both the intended patched behaviour and that it differs from the pristine wheel.
 A patch that a flavor dropped has a test showing that flavor's unpatched wheel already behaves,
@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from sglang_image import fetch
+from tests.forkserver import forked_probes, warm_imports
 from tests.probe import probe_result
 
 FLAVORS = ["sglang-0.5.17", "sglang-0.5.9"]
@@ -86,6 +87,22 @@ PRELUDE = textwrap.dedent(
     """
 )
 EPILOGUE = '\nprint("RESULT " + json.dumps(OUT, default=str))\n'
+
+
+@pytest.fixture(scope="module")
+def run_in_tree(run_in_tree):
+    """This module's probes fork from one warm interpreter per tree (tests/forkserver.py) that has
+    imported what every probe imports first, torch and sglang.srt.server_args, with torch honestly
+    CPU-only; each probe fakes the GPU in its own child. A probe with its own PYTHONPATH runs in a
+    fresh interpreter (conftest's run_in_tree): a fork keeps the server's path."""
+    fresh = run_in_tree
+    with forked_probes(warm_imports(("torch", "sglang.srt.server_args"))) as forked:
+        def run(tree, code, env=None, timeout=600):
+            if env:
+                return fresh(tree, code, env=env, timeout=timeout)
+            return forked(tree, code, timeout=timeout)
+
+        yield run
 
 
 def probe(sglang_tree, run_in_tree, flavor: str, patched: bool, body: str,

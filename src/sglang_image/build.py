@@ -43,7 +43,13 @@ from sglang_image.dockerbuild import (
 from sglang_image.errors import EXIT_CODES, SglangImageError
 from sglang_image.labels import MANIFEST_PATH, SBOM_PATH, labels
 from sglang_image.pins import REPO_ROOT
-from sglang_image.plan import IMAGE_REPO, BuildOptions, make_plan, unverified_base_warning
+from sglang_image.plan import (
+    IMAGE_REPO,
+    BuildOptions,
+    locked_entries,
+    make_plan,
+    unverified_base_warning,
+)
 
 # The history entry of part 2's layer in the image config.
 ASSEMBLE_STEP = "sglang-image: SGLang, the patch series, the plugin and the SBOM (images/assemble.Dockerfile)"
@@ -98,6 +104,7 @@ def build(opts: BuildOptions, console: Console | None = None,
     if warning:
         log(f"[yellow]warning:[/] {escape(warning)}")
     if client is None:
+        locked_entries(opts)  # a stale or incomplete lock stops before an engine is found or started
         engine = ensure_engine()
         if engine.pid:
             log(started_note(engine))

@@ -112,10 +112,18 @@ def connect(state: Path = DEFAULT_STATE) -> Engine:
 
 
 def connect_state(state: Path) -> Engine | None:
-    """The engine whose state is under `state` (started earlier by start_dockerd), if it answers."""
+    """The engine whose state is under `state` (started earlier by start_dockerd), if it answers.
+    Its pid comes from the state's pidfile, so stop() ends it and removes its exec root as it
+    does for an engine start_dockerd returned."""
+    state = state.resolve()
     host = f"unix://{state / 'docker.sock'}"
     client = _try(host, timeout=600)
-    return Engine(client, host) if client is not None else None
+    if client is None:
+        return None
+    pidfile = state / "dockerd.pid"
+    pid_text = pidfile.read_text().strip() if pidfile.is_file() else ""
+    pid = int(pid_text) if pid_text.isdigit() and alive(int(pid_text)) else None
+    return Engine(client, host, pid, state)
 
 
 def dockerd_argv(state: Path, dockerd: str = "dockerd") -> list[str]:

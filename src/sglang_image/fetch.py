@@ -6,6 +6,7 @@ again ourselves so the error names the wheel and the fix whatever pip printed.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -105,9 +106,13 @@ def fetch_entries(entries: list[LockEntry], flavor: Flavor, dest: Path, cache: P
                 have[entry.name] = wheel
         return have
 
-    missing = [e for e in entries if e.name not in cached()]
-    if missing:
-        _pip_download(missing, flavor, cache)
+    # One download into a cache at a time (two builds, or a build beside the tests): a wheel another
+    # fetch is still writing is neither fetched twice nor read half written.
+    with (cache / ".fetch.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        missing = [e for e in entries if e.name not in cached()]
+        if missing:
+            _pip_download(missing, flavor, cache)
     have = cached()
     result = []
     for entry in entries:

@@ -28,7 +28,9 @@ from sglang_image.trees import prepare_tree
 WORK_ROOT = REPO_ROOT / ".cache" / "patchwork"
 _DIFF_START = re.compile(r"^(diff --git |--- (a/|/dev/null))", re.MULTILINE)
 _IDENTITY = ["-c", "user.name=sglang-image", "-c", "user.email=maintainers@sglang-image.invalid",
-             "-c", "commit.gpgsign=false", "-c", "core.autocrlf=false"]
+             "-c", "commit.gpgsign=false", "-c", "core.autocrlf=false",
+             # a work tree of tens of thousands of files: no packing after each commit
+             "-c", "gc.auto=0"]
 
 
 def _git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
