@@ -172,6 +172,9 @@ def test_plain_step_variant_is_named_and_checked() -> None:
     with pytest.raises(ValueError, match="SGLANG_IMAGE_PLAIN_STEP='fast': give one of zero-step, "
                                          "decode, decode-kv"):
         plain_target.variant({plain_target.ENV: "fast"})
+    # the benchmark names the variants itself (it runs where the plugin is not importable)
+    from bench import throughput
+    assert (throughput.PLAIN_STEP_ENV, throughput.PLAIN_STEPS) == (plain_target.ENV, plain_target.VARIANTS)
 
 
 class RecordedMetrics(sd.Metrics):
