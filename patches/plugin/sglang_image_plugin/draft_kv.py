@@ -14,11 +14,9 @@ sglang and torch are imported inside the functions only.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 # On EagleDraftWorker: the CatchUpPolicy that says whether this plain step drafts in full.
 KV_ONLY_ATTR = "_sglang_image_kv_only"
@@ -55,6 +53,8 @@ def write_draft_kv(model: Any, tokens: Any, positions: Any, target_hidden: Any, 
     """Write a one-layer EAGLE-3 draft's K/V for these tokens and nothing else: the same
     modules in the same order as LlamaModel.forward up to its attention, so the cache holds
     what a full forward writes there."""
+    import torch
+
     layer = model.layers[0]
     attn = layer.self_attn
     embeds = layer.input_layernorm(model.embed_tokens(tokens))
@@ -63,15 +63,11 @@ def write_draft_kv(model: Any, tokens: Any, positions: Any, target_hidden: Any, 
         if model.input_norm is not None:
             hidden = model.input_norm(hidden)
         if model.fc_norm is not None:
-            import torch
-
             chunks = hidden.chunk(model.num_aux_hidden_states, dim=-1)
             hidden = torch.cat([norm(c) for norm, c in zip(model.fc_norm, chunks, strict=True)],
                                dim=-1)
         hidden = model.fc(hidden)
     hidden = layer.hidden_norm(hidden)
-    import torch
-
     qkv, _ = attn.qkv_proj(torch.cat([embeds, hidden], dim=-1))
     q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     _, k = attn.rotary_emb(positions, q, k)
@@ -84,23 +80,6 @@ def write_draft_kv(model: Any, tokens: Any, positions: Any, target_hidden: Any, 
         radix.k_scale,
         radix.v_scale,
     )
-
-
-def stub_proposal(draft_worker: Any, next_draft_input: Any, bs: int) -> None:
-    """Placeholders of the right shapes for the proposal the scheduler relays (the FutureMap
-    stores them); no plain step reads them, and the catch-up step replaces them."""
-    import torch
-    from sglang.srt.speculative.eagle_utils import get_draft_recurrent_hidden_state_spec
-
-    device = draft_worker.device
-    next_draft_input.topk_p = torch.zeros((bs, draft_worker.topk), dtype=torch.float32,
-                                          device=device)
-    next_draft_input.topk_index = torch.zeros((bs, draft_worker.topk), dtype=torch.int64,
-                                              device=device)
-    hidden_size, hidden_dtype = get_draft_recurrent_hidden_state_spec(draft_worker.draft_runner)
-    if hidden_size is not None:
-        next_draft_input.hidden_states = torch.zeros((bs, hidden_size), dtype=hidden_dtype,
-                                                     device=device)
 
 
 def draft_extend_for_decode(original: Callable[..., Any], draft_worker: Any, batch: Any,
@@ -116,9 +95,9 @@ def draft_extend_for_decode(original: Callable[..., Any], draft_worker: Any, bat
     ):
         return original(draft_worker, batch, batch_result, *args, **kwargs)
     import torch
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
     runner = draft_worker.draft_runner
-    bs = len(batch.seq_lens)
     # One token per request (stride 1): sampled at position seq_lens, the slot the target's
     # forward wrote (batch.out_cache_loc), the target's hidden states there.
     write_draft_kv(
@@ -129,5 +108,9 @@ def draft_extend_for_decode(original: Callable[..., Any], draft_worker: Any, bat
         batch.out_cache_loc,
         runner.token_to_kv_pool,
     )
-    stub_proposal(draft_worker, batch_result.next_draft_input, bs)
+    # The proposal the scheduler relays: upstream's placeholders for a skipped draft extend (no
+    # plain step reads them; the catch-up step replaces them). It reads these three of its worker.
+    stub_owner = SimpleNamespace(device=draft_worker.device, topk=draft_worker.topk,
+                                 draft_worker=draft_worker)
+    EAGLEWorkerV2._stub_skipped_draft_extend(stub_owner, batch, batch_result)
     return None

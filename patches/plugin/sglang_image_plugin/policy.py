@@ -85,11 +85,6 @@ class CatchUpPolicy:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    @property
-    def candidate_steps(self) -> list[int]:
-        steps: list[int] = self.inner.candidate_steps
-        return steps
-
     def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
         self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
         self.inner.set_cuda_graph_bs(cuda_graph_bs)
@@ -99,9 +94,6 @@ class CatchUpPolicy:
             return self._cuda_graph_bs
         sizes: list[int] | None = self.inner.cuda_graph_bs_for_step(step)
         return sizes
-
-    def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> Any:
-        return self.inner.on_verify_complete(num_correct_drafts_per_req, batch_size)
 
     def get_steps_for_batch(self, batch_size: int) -> int:
         steps: int = self.inner.get_steps_for_batch(batch_size)
