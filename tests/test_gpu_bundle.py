@@ -181,6 +181,14 @@ def test_an_exclusion_that_is_not_in_the_lock_is_named(monkeypatch: pytest.Monke
         gpu.bundle_members(pins.load_flavor(FLAVOR))
 
 
+def test_an_exclusion_of_another_flavor_does_not_stop_a_bundle() -> None:
+    # 0.5.23's MoE stack is not in 0.5.17's lock; the older flavor must still bundle
+    older = pins.load_flavor("sglang-0.5.17")
+    assert "sgl-deep-ep" not in lock.read_requirements_graph(older.lock_path)
+    members = set(gpu.bundle_members(older, ("torch",)))
+    assert "sglang" in members and not members & set(gpu.NOT_ON_LAUNCH_PATH)
+
+
 def test_host_stack_lines_name_what_differs() -> None:
     expected = {"torch": "2.14.1", "torchvision": "0.29.2", "triton": "3.8.0"}
     found = {"torch": "2.11.0+cu130", "torchvision": "0.29.2", "triton": None}
