@@ -56,7 +56,9 @@ from smoke.server import Server, ServerConfig, SmokeError, log_tail
 MODES = ("below", "above", "cross_up", "cross_down")
 CASE_NAMES = ("greedy", "logprobs", "sampling", "penalties", "n2", "long_prompt", "json_schema", "regex",
               "completions_stream", "chat_stream", "abort_stream", "stop", "kv_pressure")
-LOGPROB_TOL = 0.05       # nats; decode and verify kernels round differently in bf16
+LOGPROB_TOL = 0.05       # nats; decode and verify kernels round differently in bf16 ...
+LOGPROB_REL_TOL = 2 ** -7  # ... and bf16 keeps 8 significant bits, so an unlikely token's logprob
+                           # (-18.6 seen off by 0.0625 on a GPU) moves with its magnitude
 SAMPLING_Z = 4.5         # a false alarm about once in 150,000 checks
 SAMPLES = 24             # sampled requests per run of the sampling case
 POOL_TOKENS = 16384      # --max-total-tokens of both servers: small enough for the pressure case
@@ -64,7 +66,12 @@ CHUNKED_PREFILL = 512    # --chunked-prefill-size: the long-prompt case is longe
 PRESSURE_REQUESTS = 256
 CASE_TOKENS = 192        # new tokens per request: long enough for a mode change mid-request
 ATTEMPTS = 3             # runs of a case under a crossing mode before "the mode did not change" fails
-RETRACT_LOG = re.compile(r"retract", re.IGNORECASE)
+RETRACT_LOG = re.compile(r"Retract requests")  # the scheduler's warning (not `retraction_policy`)
+SCHEDULE_CONSERVATIVENESS = 0.2  # admit against ~14% of max_new_tokens, so 256 requests overfill the pool
+
+
+class DeadlineReached(Exception):
+    """Too little time is left to start the named server: the next call resumes there."""
 
 
 class CaseFailure(Exception):
@@ -204,6 +211,11 @@ def equal_text(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]
     return {"requests": len(got), "chars": sum(len(o.text[0]) for o in got)}
 
 
+def logprob_tolerance(plain: float, tol: float = LOGPROB_TOL) -> float:
+    """How far a threshold server's logprob may lie from the plain server's `plain`."""
+    return tol + abs(plain) * LOGPROB_REL_TOL
+
+
 def close_logprobs(ref: Sequence[Outcome], got: Sequence[Outcome], tol: float = LOGPROB_TOL) -> dict[str, Any]:
     equal_tokens(ref, got)
     worst = 0.0
@@ -213,9 +225,9 @@ def close_logprobs(ref: Sequence[Outcome], got: Sequence[Outcome], tol: float = 
                               f"{len(r.logprobs[0])}")
         for k, (a, b) in enumerate(zip(g.logprobs[0], r.logprobs[0])):
             worst = max(worst, abs(a - b))
-            if abs(a - b) > tol:
+            if abs(a - b) > logprob_tolerance(b, tol):
                 raise CaseFailure(f"request {i} token {k}: logprob {a:.4f}, plain server {b:.4f} "
-                                  f"(tolerance {tol})")
+                                  f"(tolerance {logprob_tolerance(b, tol):.4f})")
         if len(g.top[0]) != len(r.top[0]):
             raise CaseFailure(f"request {i}: top logprobs at {len(g.top[0])} positions, plain "
                               f"server {len(r.top[0])}")
@@ -224,9 +236,10 @@ def close_logprobs(ref: Sequence[Outcome], got: Sequence[Outcome], tol: float = 
             for tok, lp in gt:
                 if tok in want:
                     worst = max(worst, abs(lp - want[tok]))
-                    if abs(lp - want[tok]) > tol:
+                    if abs(lp - want[tok]) > logprob_tolerance(want[tok], tol):
                         raise CaseFailure(f"request {i} position {k}: top logprob of token {tok} "
-                                          f"{lp:.4f}, plain server {want[tok]:.4f}")
+                                          f"{lp:.4f}, plain server {want[tok]:.4f} (tolerance "
+                                          f"{logprob_tolerance(want[tok], tol):.4f})")
             if gt[:1] and rt[:1] and gt[0][0] != rt[0][0]:
                 raise CaseFailure(f"request {i} position {k}: top-1 token {gt[0][0]}, plain server "
                                   f"{rt[0][0]}")
@@ -479,7 +492,9 @@ def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool
     # metrics on for the threshold server only; xgrammar for the constrained cases; a small pool and
     # chunked prefill for the pressure and long-prompt cases
     extra = ("--grammar-backend", "xgrammar", "--max-total-tokens", str(POOL_TOKENS),
-             "--chunked-prefill-size", str(CHUNKED_PREFILL))
+             "--chunked-prefill-size", str(CHUNKED_PREFILL),
+             # at the default (1.0) 0.5.23 admitted so few requests that the pool stayed 59% full
+             "--schedule-conservativeness", str(SCHEDULE_CONSERVATIVENESS))
     n = opts.threshold
     return ServerConfig(name, opts.models / "target", draft=(opts.models / "draft") if draft else None,
                         threshold=n if draft else None, overlap=overlap, cuda_graph=True,
@@ -539,6 +554,8 @@ def references(opts: FeatureOptions, cases: list[Case], stop_prompt: list[int],
     """Every case's answers from the plain server (kept in `state` between calls). The stop case is
     made from the plain server's greedy output for stop_prompt, so it is added here."""
     if "refs" not in state:
+        if opts.deadline.left() < opts.min_server_s:
+            raise DeadlineReached("plain")
         log = opts.out / "features_plain.log"
         with Server(server_config("features_plain", opts, draft=False), opts.port, log) as srv:
             srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
@@ -574,6 +591,9 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
     try:
         cases, refs = references(opts, make_cases(expected, opts.threshold, str(opts.models / "target"))
                                  + [pressure], stop_prompt, state)
+    except DeadlineReached as exc:
+        report["skipped"] = [str(exc)] + [f"{key}" for key in opts.variants]
+        return report
     except (SmokeError, client.HTTPFailure) as exc:
         cause = exc.cause if isinstance(exc, SmokeError) else str(exc)
         report["failures"].append({"variant": "plain", "case": "-", "mode": "-", "cause": cause,
@@ -606,6 +626,26 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
     return report
 
 
+def run_pressure(pressure: Case, ref: list[Outcome], base: str, baseline: dict[str, Any], log: Path,
+                 timeout: float) -> dict[str, Any]:
+    """KV pressure: all requests at once into a small pool; retractions must happen and change nothing."""
+    retract_before = retractions(log)
+    before = spec_state(client.server_info(base))
+    outs = send_all(base, pressure.requests, pressure.concurrency, timeout)
+    try:
+        row: dict[str, Any] = {"ok": True, **equal_tokens(ref, outs)}
+        after = spec_state(client.server_info(base))
+        for k in ("mode_changes", "plain_steps", "speculative_steps"):
+            row[k] = after[k] - before[k]
+        row["retract_log_lines"] = retractions(log) - retract_before
+        if row["retract_log_lines"] == 0:
+            raise CaseFailure("no request was retracted: the pool was not under pressure")
+        check_kv_back(baseline, wait_idle(base, baseline, timeout=60))
+    except (CaseFailure, SmokeError) as exc:
+        row = {"ok": False, "cause": getattr(exc, "cause", str(exc))}
+    return row
+
+
 def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[str, Any],
                 pressure: Case, vocab: int) -> dict[str, Any]:
     log = opts.out / f"features_{key}.log"
@@ -628,23 +668,11 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
             rep["cases"][case.name] = run_case_modes(case, refs[case.name], base, baseline,
                                                      filler_prompts, timeout)
             rep["cases"][case.name]["seconds"] = round(time.time() - t0, 1)
-        # KV pressure: 256 at once into a small pool; retractions must happen and change nothing
-        retract_before = retractions(log)
-        before = spec_state(client.server_info(base))
-        outs = send_all(base, pressure.requests, pressure.concurrency, timeout)
-        row: dict[str, Any]
-        try:
-            row = {"ok": True, **equal_tokens(refs[pressure.name], outs)}
-            after = spec_state(client.server_info(base))
-            for k in ("mode_changes", "plain_steps", "speculative_steps"):
-                row[k] = after[k] - before[k]
-            row["retract_log_lines"] = retractions(log) - retract_before
-            if row["retract_log_lines"] == 0:
-                raise CaseFailure("no request was retracted: the pool was not under pressure")
-            check_kv_back(baseline, wait_idle(base, baseline, timeout=60))
-        except (CaseFailure, SmokeError) as exc:
-            row = {"ok": False, "cause": getattr(exc, "cause", str(exc))}
-        rep["cases"][pressure.name] = {"above": row}
+        if opts.deadline.left() < 60:
+            rep.setdefault("skipped", []).append(pressure.name)
+        else:
+            rep["cases"][pressure.name] = {"above": run_pressure(pressure, refs[pressure.name], base,
+                                                                 baseline, log, timeout)}
         if not srv.alive():
             raise SmokeError("server process died during the matrix")
         check_log_clean(log.read_text(errors="replace"))

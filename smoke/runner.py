@@ -638,12 +638,16 @@ def summarize(report: dict[str, Any]) -> str:
                      f"cuda_graph={rep.get('cuda_graph')}  draft in plain steps: {rep.get('draft_plain_step')}")
         for ph, d in rep.get("phases", {}).items():
             al = d.get("accept_length")
-            lines.append(f"    {ph:6s} reqs {d['requests']:3d}  accept_len "
-                         f"{'-' if al is None else f'{al:.2f}'}  d_spec {d['d_speculative_steps']:5d}  "
-                         f"d_plain {d['d_plain_steps']:5d}  d_changes {d['d_mode_changes']}"
-                         + (f"  cut short {d['plain_mode']['aborted_cut_short']}/{d['plain_mode']['aborted_sent']}"
-                            f" (plain) {d['speculative_mode']['aborted_cut_short']}/1 (spec)"
-                            if "plain_mode" in d else ""))
+            line = (f"    {ph:6s} reqs {d['requests']:3d}  accept_len "
+                    f"{'-' if al is None else f'{al:.2f}'}")
+            if "d_speculative_steps" in d:  # a fixed N; an auto server's phases count no steps
+                line += (f"  d_spec {d['d_speculative_steps']:5d}  d_plain {d['d_plain_steps']:5d}  "
+                         f"d_changes {d['d_mode_changes']}")
+            if "plain_mode" in d:
+                line += (f"  cut short {d['plain_mode']['aborted_cut_short']}/"
+                         f"{d['plain_mode']['aborted_sent']} (plain) "
+                         f"{d['speculative_mode']['aborted_cut_short']}/1 (spec)")
+            lines.append(line)
         if rep.get("spec_disable_final"):
             lines.append(f"    final {rep['spec_disable_final']}  kv {rep.get('kv_baseline')} -> "
                          f"{rep.get('kv_final')}")

@@ -69,6 +69,57 @@ def test_logprobs_must_agree_within_the_tolerance():
         F.close_logprobs(ref, other_top)
 
 
+def test_the_logprob_tolerance_grows_with_the_magnitude_bf16_can_resolve():
+    # seen on a GPU (0.5.23, EAGLE-3 verify vs plain decode): one bf16 step apart, 18 nats down
+    ref = [outcome([1], lps=[-0.5], top=[[(1, -0.5), (37, -18.625)]])]
+    seen = [outcome([1], lps=[-0.5], top=[[(1, -0.5), (37, -18.5625)]])]
+    assert F.close_logprobs(ref, seen)["max_logprob_diff"] == pytest.approx(0.0625)
+    # ... but a real shift there fails, and near zero the tolerance stays tight
+    shifted = [outcome([1], lps=[-0.5], top=[[(1, -0.5), (37, -18.25)]])]
+    with pytest.raises(F.CaseFailure, match="token 37 -18.2500, plain server -18.6250"):
+        F.close_logprobs(ref, shifted)
+    near_zero = [outcome([1], lps=[-0.56], top=[[(1, -0.5), (37, -18.625)]])]
+    with pytest.raises(F.CaseFailure, match="token 0: logprob -0.5600"):
+        F.close_logprobs(ref, near_zero)
+
+
+def test_only_the_schedulers_retraction_warning_counts(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("server_args={'retraction_policy': 'length', 'disaggregation_decode_retraction_backup'"
+                   ": None}\n[x] Decode batch, #running-req: 87, token usage: 0.59\n")
+    assert F.retractions(log) == 0
+    with open(log, "a") as fh:  # the warning as 0.5.17 and 0.5.23 word it
+        fh.write("[x] KV cache pool is full. Retract requests. #retracted_reqs: 3, "
+                 "#new_tokens_gained: 420, #new_token_ratio: 0.1400 -> 0.5000\n")
+    assert F.retractions(log) == 1
+
+
+@pytest.mark.parametrize("flavor", ["sglang-0.5.17", "sglang-0.5.23"])
+def test_the_retraction_warning_is_the_one_the_flavors_scheduler_writes(flavor, sglang_tree):
+    scheduler = (sglang_tree(flavor, False) / "sglang/srt/managers/scheduler.py").read_text()
+    assert F.RETRACT_LOG.search(scheduler), f"{flavor}: the scheduler no longer says 'Retract requests'"
+
+
+def test_the_pressure_servers_admit_more_than_the_pool_holds(tmp_path):
+    # at the default conservativeness 0.5.23 kept the pool 59% full and never retracted (GPU run)
+    opts = F.FeatureOptions(models=tmp_path, out=tmp_path)
+    for draft in (False, True):
+        argv = F.server_config("x", opts, draft=draft).extra
+        i = argv.index("--schedule-conservativeness")
+        ratio = 0.7 * float(argv[i + 1])  # sglang's initial new-token ratio, 0.7 by default
+        prompt, new = 44, 128  # the pressure requests' mean prompt and output lengths
+        admitted = min(F.PRESSURE_REQUESTS, F.POOL_TOKENS // int(prompt + new * ratio))
+        assert admitted * (prompt + new) > F.POOL_TOKENS
+
+
+def test_a_late_call_skips_the_matrix_instead_of_starting_a_server(tmp_path, monkeypatch):
+    (tmp_path / "expected.json").write_text('{"vocab_size": 100}')
+    monkeypatch.setattr(F, "Server", lambda *a, **k: pytest.fail("a server was started"))
+    opts = F.FeatureOptions(models=tmp_path, out=tmp_path / "out", deadline=F.Deadline(0.0))
+    report = F.run_features(opts, {})
+    assert report["skipped"] == ["plain", "overlap", "sync"] and not report["failures"]
+
+
 def test_sampling_check_passes_one_distribution_and_catches_a_biased_sampler():
     rnd = random.Random(1)
 

@@ -136,6 +136,18 @@ def test_missing_log_line_fails_with_cause_and_log_tail(tmp_path):
     assert "tail of" in ei.value.render() and "Uvicorn running" in ei.value.render()
 
 
+def test_an_auto_report_is_summarized():
+    # the shape an auto server's smoke reported on a GPU: its phases count no mode steps
+    phase = {"requests": 4, "accept_length": 2.0, "verify_ct": 104, "completion_tokens": 208}
+    rep = {"name": "eagle_overlap", "ok": True, "start_s": 101.0, "overlap": True, "cuda_graph": True,
+           "threshold": "auto", "phases": {"below": phase, "above": {**phase, "requests": 32}},
+           "spec_disable_final": {"threshold": "auto", "crossover": 64, "mode": "speculative"},
+           "kv_baseline": {"num_used_tokens": 0}, "kv_final": {"num_used_tokens": 0}}
+    text = runner.summarize({"threshold": "auto", "variants": {"eagle_overlap": rep}, "failures": []})
+    assert "eagle_overlap  PASS" in text and "above  reqs  32  accept_len 2.00" in text
+    assert "'crossover': 64" in text and "d_spec" not in text
+
+
 def test_start_log_line_found_and_exact():
     runner.check_start_log(SERVER_LOG + PATCH_LINE, 4)
     with pytest.raises(runner.SmokeError):
