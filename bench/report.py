@@ -93,6 +93,17 @@ def ramp_summary(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def acceptance_note(state: dict[str, Any]) -> str:
+    """The plugin's accept length before and after plain phases (server info), where measured."""
+    acc = state.get("acceptance_around_plain") or {}
+    if not acc.get("phases_measured"):
+        return ""
+    return (f"; accept length {acc['last_before']:.2f} in the last {acc['window_steps']} "
+            f"speculative steps before a plain phase, {acc['last_after']:.2f} in the first "
+            f"{acc['window_steps']} after it (worst of {acc['phases_measured']} phases: "
+            f"{fmt2(acc.get('worst_after_over_before'))}x)")
+
+
 def markdown(result: dict[str, Any]) -> str:
     names: list[str] = result.get("configs", [])
     model = result.get("model", {})
@@ -152,7 +163,7 @@ def markdown(result: dict[str, Any]) -> str:
             crossover = f", crossover {st['crossover']}" if "crossover" in st else ""
             lines.append(f"- {label(name)}: threshold {st.get('threshold')}{crossover}, "
                          f"{st.get('speculative_steps')} speculative / {st.get('plain_steps')} plain steps, "
-                         f"{st.get('mode_changes')} mode changes")
+                         f"{st.get('mode_changes')} mode changes" + acceptance_note(st))
     lines += [f"- {label(n)} not run: {why}" for n, why in result.get("not_run", {}).items()]
     lines += [f"- remaining: {s}" for s in result.get("skipped", [])]
     lines += [f"- not measured: {s}" for s in result.get("not_measured", [])]

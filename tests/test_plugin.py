@@ -459,11 +459,50 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
     assert out["modes"][0] == "Speculation mode -> plain (batch size 33 > threshold 32); mode_changes=1"
     assert out["state"]["speculative_disable"] == {
         "threshold": 32, "hysteresis": 4, "mode": "plain", "speculative_steps": 6,
-        "plain_steps": 7, "mode_changes": 5}
+        "plain_steps": 7, "mode_changes": 5,
+        # no verify results came in this trace: nothing measured, the decisions wait unpaired
+        "acceptance_around_plain": {"window_steps": 64, "phases_measured": 0,
+                                    "unpaired_steps": 5}}
     # counted since the metrics were attached: one plain step at 50 requests
     assert out["metrics"] == {"sglang:spec_disable_plain_mode": 1.0,
                               "sglang:spec_disable_plain_steps_total": 1.0,
                               "sglang:spec_disable_speculative_steps_total": 0.0}
+
+
+def test_worker_reports_the_accept_length_before_and_after_a_plain_phase(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    # Through upstream's own worker methods, as the overlap scheduler calls them: a decode
+    # batch's step count is chosen (activate_step_by_batch), then the batch before it verifies
+    # (on_verify_complete_cpu). 70 speculative steps at 8 requests accepting 2 drafts each, 5
+    # plain steps at 40, then 70 speculative steps whose first 16 accept 1 draft.
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', '32']\n"
+            "TRACE = []\nHF_CONFIG = {}\n")
+    body = """
+        sizes = [8] * 70 + [40] * 5 + [8] * 70
+        previous = None
+        since_plain = None  # speculative steps since the last plain step
+        for bs in sizes:
+            EAGLEWorkerV2.activate_step_by_batch(worker, bs)
+            if previous is not None:
+                EAGLEWorkerV2.on_verify_complete_cpu(worker, previous, batch_size=len(previous))
+            if worker.speculative_num_steps == 0:
+                since_plain, accepted = 0, 0
+            else:
+                since_plain = None if since_plain is None else since_plain + 1
+                accepted = 1 if since_plain is not None and since_plain <= 16 else 2
+            previous = [accepted] * bs
+        EAGLEWorkerV2.on_verify_complete_cpu(worker, previous, batch_size=len(previous))
+        EAGLEWorkerV2.activate_step_by_batch(worker, 8)
+        EAGLEWorkerV2.on_verify_complete_cpu(worker, [2] * 7, batch_size=7)  # rows do not match
+""" + ATTACH_SCHEDULER + """        state = {}
+        SchedulerInternalStateController(Scheduler, record_step_time=False)._add_speculative(state)
+        emit(state["speculative_disable"]["acceptance_around_plain"])
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
+    # before: 3 tokens per request and step; after (8 <= 28 resumes at once): 16 steps at 2,
+    # then 48 at 3; the last result, one row short, is not paired with its decision
+    assert out == {"window_steps": 64, "phases_measured": 1, "unpaired_steps": 1,
+                   "last_before": 3.0, "last_after": round((16 * 2 + 48 * 3) / 64, 4),
+                   "worst_after_over_before": round((16 * 2 + 48 * 3) / 64 / 3, 4)}
 
 
 def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ sys.path.insert(0, str(PLUGIN_DIR))
 
 from sglang_image_plugin import plain_target
 from sglang_image_plugin import spec_disable as sd
+from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, AutoPolicy, Decision
 from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
 
@@ -301,3 +302,43 @@ def test_tensor_parallel_ranks_take_rank0s_decisions_over_gloo() -> None:
     assert agreed[0][1] > 0  # the crossover moved, on both alike
     alone = _run_tp_pair(agree_on=False)
     assert alone[0][0] != alone[1][0]
+
+
+def _steps(watch: AcceptanceAroundPlain, n: int, accepted: int, speculative: bool = True,
+           rows: int = 4) -> None:
+    for _ in range(n):  # the synchronous order: decide, then verify
+        watch.decided(speculative, rows)
+        watch.verified([accepted if speculative else 0] * rows)
+
+
+def test_acceptance_is_paired_only_with_full_windows_on_both_sides() -> None:
+    watch = AcceptanceAroundPlain(window=4)
+    _steps(watch, 3, 2)  # too few speculative steps before the plain phase: no "before"
+    _steps(watch, 2, 0, speculative=False)
+    _steps(watch, 10, 2)
+    assert watch.view()["phases_measured"] == 0
+    _steps(watch, 1, 0, speculative=False)  # before = the last 4 of those 10 steps: 3.0
+    _steps(watch, 2, 1)  # cut short by the next plain phase: no figure
+    _steps(watch, 1, 0, speculative=False)  # and with 2 steps before it, no "before" either
+    assert watch.view()["phases_measured"] == 0
+    _steps(watch, 4, 2)
+    _steps(watch, 1, 0, speculative=False)
+    _steps(watch, 4, 0)  # before 3.0 (4 full steps), after 1.0
+    view = watch.view()
+    assert (view["phases_measured"], view["last_before"], view["last_after"]) == (1, 3.0, 1.0)
+    assert view["worst_after_over_before"] == round(1 / 3, 4)
+
+
+def test_acceptance_queue_pairs_overlapped_results_and_drops_what_does_not_match() -> None:
+    watch = AcceptanceAroundPlain(window=2)
+    watch.decided(True, 4)
+    watch.decided(True, 0)  # an idle batch: nothing to verify
+    watch.decided(True, 3)
+    watch.verified([1, 1, 1, 1])
+    watch.verified([1, 1])  # 2 rows for a 3-row step: not guessed at
+    assert watch.unpaired_steps == 1
+    for _ in range(AcceptanceAroundPlain.MAX_PENDING + 2):
+        watch.decided(True, 1)
+    assert watch.unpaired_steps == 3  # the oldest decisions beyond the queue's bound
+    with pytest.raises(ValueError, match="window"):
+        AcceptanceAroundPlain(window=0)

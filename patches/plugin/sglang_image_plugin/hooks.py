@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_image_plugin import draft_kv, plain_target, spec_disable
+from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, Decision
 from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
 from sglang_image_plugin.spec_disable import Setting
@@ -27,6 +28,8 @@ SETTING_ATTR = spec_disable.SETTING_ATTR
 CONTROLLER_ATTR = "sglang_image_spec_disable"
 # On EAGLEWorkerV2: `auto` waits for init_cuda_graphs to install its policy.
 AUTO_PENDING_ATTR = "_sglang_image_spec_disable_auto_pending"
+# On EAGLEWorkerV2: the accept length before and after each plain phase (acceptance.py).
+ACCEPTANCE_ATTR = "_sglang_image_acceptance_around_plain"
 SKIP_DRAFT_EXTEND_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
 
 # Set by register(): checks once per process, from the first hook that runs, that every
@@ -200,6 +203,7 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
             "indices across its steps (index_share_for_mtp_iteration): its index buffers "
             "belong to one step count (as with --speculative-adaptive)"
         )
+    setattr(worker, ACCEPTANCE_ATTR, AcceptanceAroundPlain())
     if setting.threshold == spec_disable.AUTO:
         setattr(worker, AUTO_PENDING_ATTR, True)
     else:
@@ -404,12 +408,31 @@ def scheduler_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
         note_idle()
 
 
+def step_decided(result: None, worker: Any, batch_size: int, *args: Any, **kwargs: Any) -> None:
+    """AFTER EAGLEWorkerV2.activate_step_by_batch: the step count chosen for a decode batch
+    (0: a plain step, the catch-up step included), for the acceptance around plain phases."""
+    watch = getattr(worker, ACCEPTANCE_ATTR, None)
+    if watch is not None:
+        watch.decided(worker.speculative_num_steps > 0, int(batch_size))
+
+
+def step_verified(worker: Any, num_correct_drafts_per_req: list[int], *args: Any,
+                  **kwargs: Any) -> None:
+    """BEFORE EAGLEWorkerV2.on_verify_complete_cpu: that batch's accepted drafts per request."""
+    watch = getattr(worker, ACCEPTANCE_ATTR, None)
+    if watch is not None:
+        watch.verified(num_correct_drafts_per_req)
+
+
 def add_speculative_state(result: None, state_controller: Any, state: dict[str, Any]) -> None:
     """AFTER SchedulerInternalStateController._add_speculative: the server info."""
     worker = getattr(state_controller.scheduler, "draft_worker", None)
     controller = getattr(worker, CONTROLLER_ATTR, None)
     if controller is not None:
         state["speculative_disable"] = controller.snapshot()
+        watch = getattr(worker, ACCEPTANCE_ATTR, None)
+        if watch is not None:
+            state["speculative_disable"]["acceptance_around_plain"] = watch.view()
 
 
 FUNCTIONS: dict[str, Callable[..., Any]] = {
@@ -425,6 +448,8 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify": plain_target.prepare_for_verify,
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode":
         draft_kv.draft_extend_for_decode,
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.activate_step_by_batch": step_decided,
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.on_verify_complete_cpu": step_verified,
     "sglang.srt.managers.scheduler.Scheduler.__init__": scheduler_init,
     "sglang.srt.managers.scheduler.Scheduler.on_idle": scheduler_idle,
     "sglang.srt.managers.scheduler_components.internal_state."

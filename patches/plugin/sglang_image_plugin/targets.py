@@ -50,6 +50,16 @@ HOOKS: tuple[HookSpec, ...] = (
         "experimental: a plain step writes only the draft's K/V",
     ),
     HookSpec(
+        f"{_WORKER}.activate_step_by_batch",
+        "after",
+        "the step count of each decode batch, for the acceptance around plain phases",
+    ),
+    HookSpec(
+        f"{_WORKER}.on_verify_complete_cpu",
+        "before",
+        "each batch's accepted drafts, for the acceptance around plain phases",
+    ),
+    HookSpec(
         "sglang.srt.managers.scheduler.Scheduler.__init__",
         "after",
         "exports the controller's Prometheus metrics",
