@@ -28,7 +28,14 @@ from sglang_image.errors import (
     LockError,
     PatchApplyError,
 )
-from tests.conftest_docker import ENGINES, Rebuilt, light_build, light_image_on, one_engine
+from tests.conftest_docker import (
+    ENGINES,
+    Rebuilt,
+    drop_build_cache,
+    light_build,
+    light_image_on,
+    one_engine,
+)
 
 FLAVOR = pins.DEFAULT_FLAVOR
 
@@ -329,6 +336,15 @@ def _run(client: DockerClient, image: str, *cmd: str, user: str | None = None) -
     return out.decode() if isinstance(out, bytes) else str(out)
 
 
+@pytest.fixture(scope="module")
+def build_cache(docker_client: DockerClient) -> Iterator[None]:
+    """The engine's build cache, which the scenarios below read or reuse (a rebuild, a patch-only
+    change, a failing series): dropped once this module's tests on the engine are done, so that
+    the tests after them (publish pulls the image back through a second engine) do without it."""
+    yield
+    drop_build_cache(docker_client)
+
+
 @pytest.mark.docker
 def test_light_image_labels_layers_and_sbom(light_image: build.BuildResult,
                                             docker_client: DockerClient) -> None:
@@ -411,6 +427,7 @@ def test_light_image_carries_the_plugin_of_a_plugin_flavor(light_image: build.Bu
 
 @pytest.mark.docker
 @one_engine
+@pytest.mark.usefixtures("build_cache")
 def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult,
                                                   light_image_rebuilt: Rebuilt,
                                                   docker_client: DockerClient) -> None:
@@ -430,6 +447,7 @@ def test_two_builds_without_cache_have_one_digest(light_image: build.BuildResult
 
 @pytest.mark.docker
 @one_engine
+@pytest.mark.usefixtures("build_cache")
 def test_patch_only_change_rebuilds_part_2_alone(light_image: build.BuildResult,
                                                  docker_client: DockerClient,
                                                  debootstrap_base: str, tmp_path: Path) -> None:
@@ -458,6 +476,7 @@ def test_patch_only_change_rebuilds_part_2_alone(light_image: build.BuildResult,
         docker_client.images.get(legacy)
     manifest = json.loads((again.output_dir / "patches.json").read_text())
     assert manifest[0]["sha256"] == hashlib.sha256(first.read_bytes()).hexdigest()
+    docker_client.images.remove(again.image_id)  # its part 2 (hundreds of MB): nothing reads it again
 
 
 @pytest.mark.docker
@@ -503,7 +522,7 @@ def test_base_without_the_flavor_python_says_how_to_get_one(
 
 @pytest.fixture(scope="module")
 def failed_build(docker_client: DockerClient, debootstrap_base: str, light_image: build.BuildResult,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, set[str]]]:
+                 build_cache: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, set[str]]]:
     """One build whose series does not apply, read by the tests below: its error message and the
     untagged images it left (removed again afterwards, so that the run leaves none). It shares the
     light image's work folder, as a second build in one checkout does: the runtime base is reused,
