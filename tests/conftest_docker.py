@@ -236,9 +236,9 @@ def drop_build_cache(client: DockerClient) -> None:
     """Removes the build-cache images a build leaves tagged (the builder's SGLang install and part
     2's layer, hundreds of MB): once the tests that reuse them are done, the rest of the run (a
     second engine pulling the image back, the other engine's build) does without them."""
-    for image in client.images.list(name=f"{plan.IMAGE_REPO}-build-cache"):
+    for image in client.images.list(name=plan.BUILD_CACHE_REPO):
         for tag in image.tags:
-            if tag.startswith(f"{plan.IMAGE_REPO}-build-cache:"):
+            if tag.startswith(f"{plan.BUILD_CACHE_REPO}:"):
                 client.images.remove(tag)  # the last tag: the image goes, with untagged parents
 
 

@@ -44,7 +44,7 @@ from sglang_image.errors import EXIT_CODES, SglangImageError
 from sglang_image.labels import MANIFEST_PATH, SBOM_PATH, labels
 from sglang_image.pins import REPO_ROOT
 from sglang_image.plan import (
-    IMAGE_REPO,
+    BUILD_CACHE_REPO,
     BuildOptions,
     locked_entries,
     make_plan,
@@ -141,10 +141,10 @@ def build(opts: BuildOptions, console: Console | None = None,
         # leaves goes, with the cache only it used, so nothing is left dangling.
         for stage_name, stage_id in stages.items():
             _retag(client, str(client.images.get(stage_id).id),
-                   [f"{IMAGE_REPO}-build-cache:{work.name}-{stage_name}"])
-        _retag(client, raw_id, [f"{IMAGE_REPO}-build-cache:{work.name}"])
+                   [f"{BUILD_CACHE_REPO}:{work.name}-{stage_name}"])
+        _retag(client, raw_id, [f"{BUILD_CACHE_REPO}:{work.name}"])
         for stage_name in LEGACY_CACHE_STAGES:  # gigabytes the one-stage build left behind
-            _remove_quietly(client, f"{IMAGE_REPO}-build-cache:{work.name}-{stage_name}")
+            _remove_quietly(client, f"{BUILD_CACHE_REPO}:{work.name}-{stage_name}")
         phases.done("part 2")
         layer_file = work / "part2-layer.tar"
         diff_id, size = normalize.export_layer(client, raw_id, layer_file)

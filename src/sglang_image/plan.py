@@ -24,6 +24,8 @@ from sglang_image.lock import LockEntry
 from sglang_image.pins import REPO_ROOT, Flavor
 
 IMAGE_REPO = "sglang-image"
+# The builder's images a build keeps tagged so that the SGLang install stays cached.
+BUILD_CACHE_REPO = f"{IMAGE_REPO}-build-cache"
 # Installed in the light build besides SGLang and the patch targets: what the SBOM step runs.
 SBOM_TOOL = "cyclonedx-bom"
 

@@ -11,25 +11,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 WINDOW_STEPS = 64
-
-
-@dataclass
-class _Tally:
-    tokens: int = 0
-    rows: int = 0
-    steps: int = 0
-
-    def add(self, tokens: int, rows: int) -> None:
-        self.tokens += tokens
-        self.rows += rows
-        self.steps += 1
-
-    def accept_length(self) -> float:
-        return self.tokens / self.rows if self.rows else 0.0
 
 
 class AcceptanceAroundPlain:
@@ -51,7 +35,7 @@ class AcceptanceAroundPlain:
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)
         self._in_plain = False
         self._before: float | None = None
-        self._after: _Tally | None = None
+        self._after: list[tuple[int, int]] | None = None  # (tokens, rows) per step after the phase
 
     def decided(self, speculative: bool, batch_size: int) -> None:
         if batch_size <= 0:  # an idle batch verifies nothing
@@ -82,12 +66,12 @@ class AcceptanceAroundPlain:
         if self._in_plain:
             self._in_plain = False
             self._recent.clear()  # "before" the next phase is what runs after this one
-            self._after = _Tally() if self._before is not None else None
+            self._after = [] if self._before is not None else None
         self._recent.append((tokens, rows))
         if self._after is not None and self._before is not None:
-            self._after.add(tokens, rows)
-            if self._after.steps == self.window:
-                self.pairs.append((self._before, self._after.accept_length()))
+            self._after.append((tokens, rows))
+            if len(self._after) == self.window:
+                self.pairs.append((self._before, _accept_length(self._after)))
                 self.phases_measured += 1
                 self._after = None
 
@@ -99,11 +83,12 @@ class AcceptanceAroundPlain:
             before, after = self.pairs[-1]
             view["last_before"] = round(before, 4)
             view["last_after"] = round(after, 4)
-            view["worst_after_over_before"] = round(
-                min(a / b for b, a in self.pairs if b > 0), 4) if any(b > 0 for b, _ in self.pairs) else None
+            # a step emits at least one token per row: every accept length is >= 1
+            view["worst_after_over_before"] = round(min(a / b for b, a in self.pairs), 4)
         return view
 
 
-def _accept_length(steps: deque[tuple[int, int]]) -> float:
+def _accept_length(steps: Sequence[tuple[int, int]]) -> float:
+    """Output tokens per request-step over (tokens, rows) steps."""
     rows = sum(r for _, r in steps)
     return sum(t for t, _ in steps) / rows if rows else 0.0
