@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from sglang_image import pins, plugin
+from smoke import runner
 from tests.eagle3_draft import EAGLE3_LEAVES
 from tests.probe import probe_result
 
@@ -533,13 +534,19 @@ def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(r
     assert out["policy"] == "CatchUpPolicy" and out["kv_only"]
     assert out["built"] == [[0, 1, [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]]]
     assert out["steps"] == [3, 0, 0, 0, 3, 3]  # 20 <= 28 resumes after one catch-up step
-    assert out["lines"] == [("SGLANG_IMAGE_PLAIN_STEP=decode-kv: plain steps write the draft's K/V "
-                            "only, one catch-up step before speculation resumes")]
+    assert out["lines"] == [("SGLANG_IMAGE_PLAIN_STEP=decode-kv: plain steps write only the draft's "
+                            "K/V, one catch-up step before speculation resumes")]
+    assert runner.draft_plain_step("\n".join(out["lines"])) == "kv_only"  # what the smoke reads
     other = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body, env=env)
     assert other["policy"] == "ThresholdPolicy" and not other["kv_only"]
     assert other["steps"] == [3, 0, 0, 3, 3, 3]
-    assert other["lines"] == [("SGLANG_IMAGE_PLAIN_STEP=decode-kv: plain steps keep the full draft "
-                              "extend: the draft is NoneType, not a Llama EAGLE-3 draft")]
+    assert other["lines"] == [("SGLANG_IMAGE_PLAIN_STEP=decode-kv: plain steps run the draft's full "
+                              "step: the draft is NoneType, not a Llama EAGLE-3 draft")]
+    assert runner.draft_plain_step("\n".join(other["lines"])) == "full"
+    default = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, llama_draft, SWITCH, body)
+    assert default["policy"] == "ThresholdPolicy" and not default["kv_only"]
+    assert default["lines"] == ["SGLANG_IMAGE_PLAIN_STEP=zero-step: plain steps run the draft's full step"]
+    assert runner.draft_plain_step(default["lines"][0]) == "full"
 
 
 def test_worker_untouched_without_a_threshold(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]

@@ -224,20 +224,23 @@ def _with_plain_step(worker: Any, policy: Any) -> Any:
     """The policy as the worker's adaptive controller runs it: with SGLANG_IMAGE_PLAIN_STEP=
     decode-kv, and a draft that allows it, plain steps write only the draft's K/V and a
     catch-up step precedes speculation (CatchUpPolicy); otherwise as given."""
-    if plain_target.variant() != plain_target.DECODE_KV:
+    chosen = plain_target.variant()
+    if chosen != plain_target.DECODE_KV:
+        # (the smoke reads which draft work a plain step does from these lines)
+        _log_on_rank0(f"{plain_target.ENV}={chosen}: plain steps run the draft's full step")
         return policy
     from sglang.srt.arg_groups.overrides import resolving_view
 
     rejection = bool(resolving_view(worker.server_args).speculative_use_rejection_sampling)
     reason = draft_kv.unsupported_reason(worker._draft_worker, rejection)
     if reason is not None:
-        _log_on_rank0(f"{plain_target.ENV}={plain_target.DECODE_KV}: plain steps keep the full "
-                      f"draft extend: {reason}")
+        _log_on_rank0(f"{plain_target.ENV}={plain_target.DECODE_KV}: plain steps run the draft's "
+                      f"full step: {reason}")
         return policy
     wrapped = CatchUpPolicy(policy)
     setattr(worker._draft_worker, draft_kv.KV_ONLY_ATTR, wrapped)
-    _log_on_rank0(f"{plain_target.ENV}={plain_target.DECODE_KV}: plain steps write the draft's "
-                  "K/V only, one catch-up step before speculation resumes")
+    _log_on_rank0(f"{plain_target.ENV}={plain_target.DECODE_KV}: plain steps write only the "
+                  "draft's K/V, one catch-up step before speculation resumes")
     return wrapped
 
 
