@@ -896,3 +896,152 @@ def test_bad_plain_step_variable_stops_the_launch(run_in_tree, tree, plugin_site
         emit(launch({str(model_dir)!r}, ["--speculative-disable-batch-threshold", "8"]))
     """, env={"SGLANG_IMAGE_PLAIN_STEP": "fast"})
     assert "SGLANG_IMAGE_PLAIN_STEP='fast': give one of zero-step, decode, decode-kv" in out["error"]
+
+
+# The experimental plain layout (layout.py) against upstream's real FutureMap and
+# resolve_forward_inputs on the CPU; the batch, the worker and the pool are stand-ins.
+LAYOUT_FAKES = """
+    import torch
+    from types import SimpleNamespace as NS
+    from sglang.srt.managers.overlap_utils import FutureMap, RelayPayload, resolve_forward_inputs
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    import sglang.srt.speculative.spec_utils as spec_utils
+    spec_utils.spec_need_hidden_states = lambda: True  # (reads the server's published config)
+    import sglang.srt.managers.overlap_utils as overlap_utils
+    overlap_utils.gather_spec_extras = lambda i, p, t, o, h: (  # (a triton kernel upstream)
+        p[i], t[i], o[i], None if h is None else h[i])
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang_image_plugin import draft_kv, layout as L
+    from sglang_image_plugin.acceptance import AcceptanceAroundPlain
+    from sglang_image_plugin.policy import CatchUpPolicy
+    EAGLE = SpeculativeAlgorithm.EAGLE3
+    ROWS = torch.tensor([3, 5, 7])
+    REQ_TO_TOKEN = torch.arange(16 * 64, dtype=torch.int32).reshape(16, 64)  # slot = row * 64 + pos
+
+    def setup(inner_steps, fits=True):
+        fm = FutureMap(torch.device("cpu"), EAGLE, NS(req_to_token=REQ_TO_TOKEN))
+        # the last speculative step: lengths 10, 20, 30 (the KV written), its proposal
+        fm.publish(ROWS, torch.tensor([10, 20, 30]))
+        fm.stash(ROWS, RelayPayload(bonus_tokens=torch.tensor([100, 101, 102]),
+                                    topk_p=torch.ones(3, 1), topk_index=torch.tensor([[7], [8], [9]]),
+                                    hidden_states=torch.ones(3, 4)))
+        freed = []
+        reqs = [NS(req_pool_idx=r, kv=NS(kv_allocated_len=a, kv_committed_len=a - 9), spec_verify_ct=0)
+                for r, a in zip([3, 5, 7], [18, 28, 38])]
+        batch = NS(reqs=reqs, req_pool_indices=ROWS, seq_lens=torch.zeros(3, dtype=torch.int64),
+                   seq_lens_cpu=None, orig_seq_lens=torch.zeros(3, dtype=torch.int32), seq_lens_sum=None,
+                   spec_info=NS(), spec_algorithm=EAGLE, req_to_token_pool=NS(req_to_token=REQ_TO_TOKEN),
+                   token_to_kv_pool_allocator=NS(free=lambda t: freed.extend(t.tolist())),
+                   has_grammar=False, sampling_info=NS(penalizer_orchestrator=NS(is_required=False)),
+                   return_hidden_states=False, model_config=NS(is_encoder_decoder=False),
+                   forward_mode=ForwardMode.DECODE, input_ids=None, out_cache_loc=None,
+                   prefill_input_ids_cpu=None, mix_running_indices=None, enable_overlap=True)
+        checked = []
+        batch.check_decode_mem = lambda: (checked.append(batch.spec_algorithm), fits)[1]
+        inner = NS(get_steps_for_batch=lambda bs: inner_steps.pop(0))
+        policy = CatchUpPolicy(inner)
+        worker = NS(speculative_num_steps=3)
+        worker.adaptive_controller = NS(activate_step_by_batch=lambda bs: setattr(
+            worker, "speculative_num_steps", policy.get_steps_for_batch(bs)))
+        watch = AcceptanceAroundPlain()
+        decided = []
+        real_decided = watch.decided
+        watch.decided = lambda spec, bs: (decided.append(spec), real_decided(spec, bs))
+        lay = L.PlainLayout(worker, fm, EAGLE, policy, watch)
+        setattr(worker, L.LAYOUT_ATTR, lay)
+        L._active = lay
+        return NS(fm=fm, batch=batch, worker=worker, policy=policy, lay=lay, freed=freed,
+                  decided=decided, checked=checked)
+
+    def upstream_plain_prepare(batch):  # what ScheduleBatch.prepare_for_decode does for NONE
+        batch.out_cache_loc = REQ_TO_TOKEN[batch.req_pool_indices, batch.seq_lens].to(torch.int64)
+        batch.seq_lens = batch.seq_lens + 1
+
+    writes = []
+    draft_kv.write_draft_kv = lambda model, tokens, positions, hidden, loc, pool: writes.append(
+        [tokens.tolist(), positions.tolist(), loc.tolist()])
+
+    def plain_step(s, sampled):
+        upstream_plain_prepare(s.batch)
+        s.batch.input_ids = None
+        L.resolve_forward_inputs(resolve_forward_inputs, s.batch, s.fm)
+        fed = s.batch.input_ids.tolist()
+        s.worker.target_worker = NS(forward_batch_generation=lambda b, capture_hidden_mode=None: NS(
+            next_token_ids=torch.tensor(sampled), logits_output=NS(hidden_states=torch.zeros(3, 4))))
+        s.worker.draft_worker = NS(draft_runner=NS(model=NS(model=None), token_to_kv_pool=None))
+        result = L.forward_batch_generation(lambda *a, **k: "speculative path", s.worker, s.batch)
+        # the scheduler then publishes a plain server's length and relays the sampled token alone
+        L.publish(FutureMap.publish, s.fm, ROWS, s.batch.seq_lens + 1)
+        s.fm.stash(ROWS, RelayPayload(bonus_tokens=result.next_token_ids))
+        return fed
+"""
+
+
+def test_plain_layout_round_trip_through_the_real_future_map(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # SGLANG_IMAGE_PLAIN_STEP=layout: speculative -> plain takes the published lengths and frees the
+    # speculative KV reserve past them; plain steps are fed their input token from the FutureMap,
+    # write the draft's K/V at the input token's position and slot and publish spec v2's lengths;
+    # the catch-up step returns to the speculative layout, whose resolve then reads those lengths,
+    # the last sampled token and the draft's proposal from before the plain phase.
+    out = _probe(run_in_tree, tree, plugin_site, LAYOUT_FAKES, """
+        s = setup([3, 0, 0, 3, 3])
+        res = {}
+        s.lay.prepare(s.batch)                                   # 1: speculative, decided here
+        res["spec_first"] = [s.batch.spec_algorithm == EAGLE, L.decided_at_prepare(s.worker),
+                             L.decided_at_prepare(s.worker)]
+        s.lay.prepare(s.batch)                                   # 2: speculative -> plain
+        res["to_plain"] = [s.batch.spec_algorithm.is_none(), s.batch.spec_info is None,
+                           s.batch.seq_lens.tolist(), s.batch.seq_lens_cpu.tolist(), s.batch.seq_lens_sum,
+                           [r.kv.kv_allocated_len for r in s.batch.reqs], sorted(s.freed),
+                           L.decided_at_prepare(s.worker)]
+        s.batch.input_ids = None
+        resolve_forward_inputs(s.batch, s.fm)
+        res["upstream_leaves_input_ids"] = s.batch.input_ids is None
+        res["fed"] = [plain_step(s, [200, 201, 202])]
+        res["published_1"] = s.fm.new_seq_lens_buf[ROWS].tolist()
+        s.lay.prepare(s.batch)                                   # 3: plain again, no conversion
+        res["fed"].append(plain_step(s, [300, 301, 302]))
+        res["published_2"] = s.fm.new_seq_lens_buf[ROWS].tolist()
+        s.lay.prepare(s.batch)                                   # 4: the catch-up step, speculative layout
+        res["catch_up"] = [s.batch.spec_algorithm == EAGLE, s.worker.speculative_num_steps,
+                           s.policy.full_draft_extend, [a.name for a in s.checked],
+                           L.decided_at_prepare(s.worker)]
+        s.fm.resolve_seq_lens_cpu(s.batch)
+        s.batch.input_ids = None
+        L.resolve_forward_inputs(resolve_forward_inputs, s.batch, s.fm)
+        info = s.batch.spec_info
+        res["resolved"] = [s.batch.seq_lens.tolist(), s.batch.seq_lens_cpu.tolist(),
+                           info.bonus_tokens.tolist(), info.topk_index.tolist(), s.batch.input_ids is None]
+        s.lay.prepare(s.batch)                                   # 5: speculative
+        res["after"] = [s.worker.speculative_num_steps, s.decided, s.lay.snapshot(),
+                        [r.spec_verify_ct for r in s.batch.reqs], writes]
+        # the catch-up's KV reserve does not fit: plain once more, the catch-up at the next chance
+        d = setup([0, 3, 3, 3], fits=False)
+        d.lay.prepare(d.batch)
+        upstream_plain_prepare(d.batch)
+        d.lay.prepare(d.batch)
+        deferred = [d.batch.spec_algorithm.is_none(), d.policy.full_draft_extend, d.policy.catch_up_steps]
+        d.batch.check_decode_mem = lambda: True
+        d.lay.prepare(d.batch)
+        res["deferred"] = deferred + [d.batch.spec_algorithm == EAGLE, d.policy.full_draft_extend,
+                                      d.worker.speculative_num_steps, d.policy.catch_up_steps]
+        emit(res)
+    """)
+    assert out["spec_first"] == [True, True, False]
+    tails = sorted([*range(3 * 64 + 10, 3 * 64 + 18), *range(5 * 64 + 20, 5 * 64 + 28),
+                    *range(7 * 64 + 30, 7 * 64 + 38)])
+    assert out["to_plain"] == [True, True, [10, 20, 30], [10, 20, 30], 60, [10, 20, 30], tails, False]
+    assert out["upstream_leaves_input_ids"]  # what the resolve hook is for
+    assert out["fed"] == [[100, 101, 102], [200, 201, 202]]
+    assert out["published_1"] == [11, 21, 31] and out["published_2"] == [12, 22, 32]
+    # the catch-up step: zero steps with the full draft extend, in the speculative layout, once
+    # upstream's pool check passed for that layout
+    assert out["catch_up"] == [True, 0, True, ["EAGLE3"], True]
+    assert out["resolved"] == [[12, 22, 32], [12, 22, 32], [300, 301, 302], [[7], [8], [9]], True]
+    steps, decided, snapshot, verify_ct, writes = out["after"]
+    assert steps == 3 and decided == [True, False, True]  # plain-layout steps are not decided twice
+    assert snapshot == {"to_plain": 1, "to_speculative": 1, "plain_steps": 2}
+    assert verify_ct == [2, 2, 2]  # a plain step counts as a verify of no draft (tokens per step)
+    assert writes == [[[200, 201, 202], [10, 20, 30], [3 * 64 + 10, 5 * 64 + 20, 7 * 64 + 30]],
+                      [[300, 301, 302], [11, 21, 31], [3 * 64 + 11, 5 * 64 + 21, 7 * 64 + 31]]]
+    assert out["deferred"] == [True, False, 0, True, True, 0, 1]

@@ -12,7 +12,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import draft_kv, plain_target, spec_disable
+from sglang_image_plugin import draft_kv, layout, plain_target, spec_disable
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, Decision
 from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
@@ -225,7 +225,7 @@ def _with_plain_step(worker: Any, policy: Any) -> Any:
     decode-kv, and a draft that allows it, plain steps write only the draft's K/V and a
     catch-up step precedes speculation (CatchUpPolicy); otherwise as given."""
     chosen = plain_target.variant()
-    if chosen != plain_target.DECODE_KV:
+    if chosen not in plain_target.KV_ONLY:
         # (the smoke reads which draft work a plain step does from these lines)
         _log_on_rank0(f"{plain_target.ENV}={chosen}: plain steps run the draft's full step")
         return policy
@@ -234,13 +234,13 @@ def _with_plain_step(worker: Any, policy: Any) -> Any:
     rejection = bool(resolving_view(worker.server_args).speculative_use_rejection_sampling)
     reason = draft_kv.unsupported_reason(worker._draft_worker, rejection)
     if reason is not None:
-        _log_on_rank0(f"{plain_target.ENV}={plain_target.DECODE_KV}: plain steps run the draft's "
-                      f"full step: {reason}")
+        _log_on_rank0(f"{plain_target.ENV}={chosen}: plain steps run the draft's full step: "
+                      f"{reason}")
         return policy
     wrapped = CatchUpPolicy(policy)
     setattr(worker._draft_worker, draft_kv.KV_ONLY_ATTR, wrapped)
-    _log_on_rank0(f"{plain_target.ENV}={plain_target.DECODE_KV}: plain steps write only the "
-                  "draft's K/V, one catch-up step before speculation resumes")
+    _log_on_rank0(f"{plain_target.ENV}={chosen}: plain steps write only the draft's K/V, one "
+                  "catch-up step before speculation resumes")
     return wrapped
 
 
@@ -394,12 +394,25 @@ class PrometheusMetrics(spec_disable.Metrics):
 
 
 def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER Scheduler.__init__: metrics for the controller, when metrics are on."""
-    controller = getattr(getattr(scheduler, "draft_worker", None), CONTROLLER_ATTR, None)
+    """AFTER Scheduler.__init__: metrics for the controller, when metrics are on; with
+    SGLANG_IMAGE_PLAIN_STEP=layout, the plain layout (layout.py)."""
+    worker = getattr(scheduler, "draft_worker", None)
+    controller = getattr(worker, CONTROLLER_ATTR, None)
     collector = getattr(scheduler, "metrics_collector", None)
     labels = getattr(collector, "labels", None)
     if controller is not None and labels is not None:
         controller.metrics = PrometheusMetrics(dict(labels))
+    catch_up = getattr(getattr(worker, "_draft_worker", None), draft_kv.KV_ONLY_ATTR, None)
+    if controller is None or catch_up is None or plain_target.variant() != plain_target.LAYOUT:
+        return
+    if scheduler.model_worker is not worker:
+        _log_on_rank0(f"{plain_target.ENV}={plain_target.LAYOUT}: the speculative layout: the "
+                      "scheduler runs another worker than the EAGLE-3 one")
+        return
+    reason = layout.install(scheduler, catch_up, getattr(worker, ACCEPTANCE_ATTR, None))
+    _log_on_rank0(f"{plain_target.ENV}={plain_target.LAYOUT}: "
+                  + ("plain steps run in the plain layout" if reason is None
+                     else f"plain steps keep the speculative layout: {reason}"))
 
 
 def scheduler_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -411,12 +424,18 @@ def scheduler_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
         note_idle()
 
 
-def step_decided(result: None, worker: Any, batch_size: int, *args: Any, **kwargs: Any) -> None:
-    """AFTER EAGLEWorkerV2.activate_step_by_batch: the step count chosen for a decode batch
-    (0: a plain step, the catch-up step included), for the acceptance around plain phases."""
+def step_decided(original: Callable[..., Any], worker: Any, batch_size: int, *args: Any,
+                 **kwargs: Any) -> Any:
+    """AROUND EAGLEWorkerV2.activate_step_by_batch: the step count chosen for a decode batch
+    (0: a plain step, the catch-up step included), for the acceptance around plain phases. In
+    the plain layout the step was decided before its batch was prepared: nothing to do here."""
+    if layout.decided_at_prepare(worker):
+        return None
+    result = original(worker, batch_size, *args, **kwargs)
     watch = getattr(worker, ACCEPTANCE_ATTR, None)
     if watch is not None:
         watch.decided(worker.speculative_num_steps > 0, int(batch_size))
+    return result
 
 
 def step_verified(worker: Any, num_correct_drafts_per_req: list[int], *args: Any,
@@ -454,6 +473,11 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.activate_step_by_batch": step_decided,
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.on_verify_complete_cpu": step_verified,
     "sglang.srt.managers.scheduler.Scheduler.__init__": scheduler_init,
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode": layout.prepare_for_decode,
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation":
+        layout.forward_batch_generation,
+    "sglang.srt.managers.overlap_utils.FutureMap.publish": layout.publish,
+    "sglang.srt.managers.overlap_utils.resolve_forward_inputs": layout.resolve_forward_inputs,
     "sglang.srt.managers.scheduler.Scheduler.on_idle": scheduler_idle,
     "sglang.srt.managers.scheduler_components.internal_state."
     "SchedulerInternalStateController._add_speculative": add_speculative_state,

@@ -5,7 +5,9 @@ SGLANG_IMAGE_PLAIN_STEP:
   custom mask over the whole prefix) and a full draft extend;
 - `decode`: the target forward as a DECODE forward under a DECODE CUDA graph;
 - `decode-kv`: as `decode`, and the draft writes only its K/V (draft_kv.py), with one full draft
-  extend (the catch-up step) before speculation resumes.
+  extend (the catch-up step) before speculation resumes;
+- `layout`: as `decode-kv`, and under the overlap scheduler the scheduler prepares, runs and
+  processes a plain step as a plain server's decode step (layout.py).
 
 Only the target forward changes: upstream's verify bookkeeping (sampling, grammars, penalties,
 logprobs, the stride-1 result) and the draft extend run as before, on the same token, position and
@@ -27,8 +29,9 @@ from typing import Any
 from sglang_image_plugin.spec_disable import SETTING_ATTR
 
 ENV = "SGLANG_IMAGE_PLAIN_STEP"
-ZERO_STEP, DECODE, DECODE_KV = "zero-step", "decode", "decode-kv"
-VARIANTS = (ZERO_STEP, DECODE, DECODE_KV)
+ZERO_STEP, DECODE, DECODE_KV, LAYOUT = "zero-step", "decode", "decode-kv", "layout"
+VARIANTS = (ZERO_STEP, DECODE, DECODE_KV, LAYOUT)
+KV_ONLY = (DECODE_KV, LAYOUT)  # the variants whose plain steps write only the draft's K/V
 logger = logging.getLogger(__name__)
 
 
@@ -88,7 +91,7 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
         return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
     logger.warning("%s=%s: experimental: the plain steps' target forward runs under a DECODE "
                    "CUDA graph%s", ENV, variant(),
-                   " and the draft writes only its K/V" if variant() == DECODE_KV else "")
+                   " and the draft writes only its K/V" if variant() in KV_ONLY else "")
     with _decode_runner_for_capture():
         return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
 

@@ -110,6 +110,15 @@ class CatchUpPolicy:
         return steps
 
 
+    def defer(self) -> None:
+        """The catch-up step chosen for this batch cannot run now: plain once more, and the
+        catch-up step again at the next step that would speculate."""
+        if self.full_draft_extend and not self._draft_stale:
+            self.catch_up_steps -= 1
+        self.full_draft_extend = False
+        self._draft_stale = True
+
+
 class AutoThresholdPolicy(AutoPolicy):
     """`auto`: AutoPolicy (the self-tuning crossover) as the worker's policy, reporting
     like the fixed threshold does: the mode line whenever the crossover's mode or the

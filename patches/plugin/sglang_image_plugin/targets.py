@@ -1,8 +1,9 @@
 """Where the plugin reaches into upstream SGLang: pure data, no imports of sglang.
 
-HOOKS: every hook the plugin registers (dotted path, hook type). All are methods
-looked up on their class at call time, so a hook there reaches every caller (no
-module holds a copy of the function).
+HOOKS: every hook the plugin registers (dotted path, hook type). Methods are looked up on
+their class at call time, so a hook there reaches every caller; a module function that
+another module imported by name is reached through the registry, which rebinds the
+importers' copies.
 RELIED: upstream functions and classes whose behaviour the feature depends on
 without hooking them (it drives upstream's adaptive state switch); a digest of
 each one's source per sglang release is recorded in upstream_digests.json, and
@@ -51,8 +52,29 @@ HOOKS: tuple[HookSpec, ...] = (
     ),
     HookSpec(
         f"{_WORKER}.activate_step_by_batch",
-        "after",
-        "the step count of each decode batch, for the acceptance around plain phases",
+        "around",
+        "the step count of each decode batch, for the acceptance around plain phases "
+        "(experimental plain layout: decided before the batch is prepared)",
+    ),
+    HookSpec(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
+        "around",
+        "experimental plain layout: the step's mode and the batch's layout",
+    ),
+    HookSpec(
+        f"{_WORKER}.forward_batch_generation",
+        "around",
+        "experimental plain layout: the plain step (target DECODE forward, draft K/V)",
+    ),
+    HookSpec(
+        "sglang.srt.managers.overlap_utils.FutureMap.publish",
+        "around",
+        "experimental plain layout: a plain step's length in spec v2's convention",
+    ),
+    HookSpec(
+        "sglang.srt.managers.overlap_utils.resolve_forward_inputs",
+        "around",
+        "experimental plain layout: the input token of a plain-layout batch",
     ),
     HookSpec(
         f"{_WORKER}.on_verify_complete_cpu",
@@ -137,6 +159,26 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.models.llama.LlamaAttention.forward_prepare_native",
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer",
     f"{_WORKER}._stub_skipped_draft_extend",
+    # The experimental plain layout (layout.py): the scheduler's decode step around the batch it
+    # converts, and what reads or writes the converted fields.
+    "sglang.srt.managers.scheduler.Scheduler.update_running_batch",
+    "sglang.srt.managers.scheduler.Scheduler.run_batch",
+    "sglang.srt.managers.scheduler.Scheduler._relay_forward_payload",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.merge_batch",
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.copy",
+    "sglang.srt.managers.overlap_utils.resolve_forward_inputs",
+    "sglang.srt.managers.overlap_utils.FutureMap.publish",
+    "sglang.srt.managers.overlap_utils.FutureMap.stash",
+    "sglang.srt.managers.overlap_utils.FutureMap.resolve_seq_lens_cpu",
+    "sglang.srt.managers.overlap_utils.FutureMap._resolve_spec_extras",
+    "sglang.srt.mem_cache.allocation.alloc_for_decode_default",
+    "sglang.srt.speculative.eagle_utils.eagle_prepare_for_decode",
+    (
+        "sglang.srt.managers.scheduler_components.batch_result_processor."
+        "SchedulerBatchResultProcessor.process_batch_result_decode"
+    ),
 )
 
 DIGESTS_FILE = "upstream_digests.json"

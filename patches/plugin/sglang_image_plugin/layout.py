@@ -1,0 +1,264 @@
+"""Experimental, off by default: SGLANG_IMAGE_PLAIN_STEP=layout, decode-kv's plain step in the
+plain layout (the overlap scheduler only).
+
+A plain step inside spec v2's batch layout pays spec v2's host work on every step: the speculative
+KV reserve, eagle_prepare_for_decode, the verify bookkeeping, the relay of the draft's extras.
+Here the scheduler prepares, runs and processes a plain step as a plain server's decode step: while
+the mode stays plain the running batch has spec_algorithm NONE and no spec_info.
+
+- The step's mode is decided before the batch is prepared (AROUND ScheduleBatch.prepare_for_decode):
+  the worker's adaptive controller is asked there, once per step; the worker's own call in
+  forward_batch_generation is then skipped (AROUND EAGLEWorkerV2.activate_step_by_batch).
+- Speculative -> plain: with the lengths the last step published (one wait for that step per
+  change), the rows' lengths become those and the speculative KV reserve past them is freed.
+- Plain -> speculative: the batch gets a draft input that reads the FutureMap (as after a prefill);
+  the catch-up step (a zero-step step with the full draft extend) runs in that layout.
+- The plain step (AROUND EAGLEWorkerV2.forward_batch_generation): the target's forward under the
+  zero-step state's DECODE graph, then the draft's K/V (draft_kv.write_draft_kv). The scheduler
+  relays the sampled token alone (upstream keeps the draft's extras in the FutureMap) and publishes
+  the length as a plain server does, one more than spec v2's (the KV written): AROUND
+  FutureMap.publish takes that one off, and resolve_forward_inputs gathers the input token, which
+  upstream does for a non-speculative server only.
+
+sglang and torch are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang_image_plugin import draft_kv
+
+# On EAGLEWorkerV2: its PlainLayout.
+LAYOUT_ATTR = "_sglang_image_plain_layout"
+
+# The scheduler process's layout (one scheduler per process); set by install().
+_active: PlainLayout | None = None
+
+
+def unsupported_reason(scheduler: Any) -> str | None:
+    """Why this scheduler cannot run plain steps in the plain layout (None: it can)."""
+    if not scheduler.enable_overlap:
+        return "the synchronous scheduler (--disable-overlap-schedule) keeps the speculative layout"
+    if int(scheduler.page_size) != 1:
+        return f"page size {scheduler.page_size} (the KV reserve is freed per token)"
+    if getattr(scheduler, "is_hybrid_swa", False):
+        return "a sliding-window KV pool"
+    if getattr(scheduler, "enable_unified_memory", False):
+        return "the unified-memory KV allocator"
+    if getattr(scheduler, "future_map", None) is None:
+        return "no future map"
+    return None
+
+
+def batch_allows(batch: Any) -> bool:
+    """Requests whose per-step state spec v2 keeps its own way (grammars, penalties) or that the
+    plain layout was not checked with stay in the speculative layout."""
+    return not (
+        batch.has_grammar
+        or batch.sampling_info.penalizer_orchestrator.is_required
+        or batch.return_hidden_states
+        or getattr(batch, "beam_tail", None) is not None
+        or getattr(batch, "hisparse_coordinator", None) is not None
+        or getattr(batch, "mamba_track_indices", None) is not None
+        or batch.model_config.is_encoder_decoder
+    )
+
+
+class PlainLayout:
+    """The worker's plain layout: decides each decode step's layout and converts the batch."""
+
+    def __init__(self, worker: Any, future_map: Any, server_algorithm: Any, catch_up: Any,
+                 watch: Any) -> None:
+        self.worker = worker
+        self.future_map = future_map
+        self.server_algorithm = server_algorithm
+        self.catch_up = catch_up  # policy.CatchUpPolicy: whether this plain step drafts in full
+        self.watch = watch  # acceptance.AcceptanceAroundPlain or None
+        self.predecided = False  # the worker's own decision call for this step is skipped
+        self.plain_publish = False  # the scheduler's next publish is a plain step's
+        self.to_plain_changes = 0
+        self.to_speculative_changes = 0
+        self.plain_steps = 0
+
+    # -- the decision, before the batch is prepared ------------------------------------------
+    def prepare(self, batch: Any) -> None:
+        """Decide this decode step and put the batch in its layout."""
+        batch_size = len(batch.reqs)
+        controller = self.worker.adaptive_controller
+        controller.activate_step_by_batch(batch_size)  # the policy; the step state it runs
+        speculative = self.worker.speculative_num_steps > 0
+        plain = not speculative and not self.catch_up.full_draft_extend and batch_allows(batch)
+        in_plain = batch.spec_algorithm.is_none()
+        if plain:
+            if not in_plain:
+                self.to_plain(batch)
+            self.predecided = False
+            return
+        if in_plain and not self.fits_speculative(batch):
+            # the speculative step's KV reserve does not fit now: plain once more, the catch-up
+            # step later (the pool check that ran before this one counted one token per row)
+            self.catch_up.defer()
+            self.predecided = False
+            return
+        if in_plain:
+            self.to_speculative(batch)
+        if self.watch is not None:
+            self.watch.decided(speculative, batch_size)
+        self.predecided = True
+
+    def fits_speculative(self, batch: Any) -> bool:
+        """Whether the pool holds the speculative layout's KV reserve for this batch (upstream's
+        own check, as the scheduler runs it before a speculative step)."""
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        batch.spec_algorithm = self.server_algorithm
+        try:
+            return bool(batch.check_decode_mem())
+        finally:
+            batch.spec_algorithm = SpeculativeAlgorithm.NONE
+
+    def to_plain(self, batch: Any) -> None:
+        """Speculative -> plain: the rows' lengths from the FutureMap (the KV written), the
+        speculative KV reserve past them freed, no draft input."""
+        import torch
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        fm = self.future_map
+        if fm.publish_ready is not None:
+            fm.publish_ready.synchronize()  # the last step's lengths are written
+        lengths = fm.new_seq_lens_buf[batch.req_pool_indices].to(batch.seq_lens.dtype)
+        lengths_cpu = lengths.cpu()
+        req_to_token = batch.req_to_token_pool.req_to_token
+        tails = []
+        for req, length in zip(batch.reqs, lengths_cpu.tolist(), strict=True):
+            allocated = int(req.kv.kv_allocated_len)
+            if allocated > length:
+                tails.append(req_to_token[req.req_pool_idx, length:allocated])
+                req.kv.kv_allocated_len = length
+        if tails:
+            batch.token_to_kv_pool_allocator.free(torch.cat(tails).to(torch.int64))
+        batch.seq_lens = lengths
+        batch.seq_lens_cpu = (lengths_cpu if batch.seq_lens_cpu is None
+                              else lengths_cpu.to(batch.seq_lens_cpu.dtype))
+        batch.orig_seq_lens = lengths.to(batch.orig_seq_lens.dtype)
+        batch.seq_lens_sum = int(lengths_cpu.sum())
+        batch.spec_info = None
+        batch.spec_algorithm = SpeculativeAlgorithm.NONE
+        self.to_plain_changes += 1
+
+    def to_speculative(self, batch: Any) -> None:
+        """Plain -> speculative: a draft input that reads the FutureMap at the next forward (its
+        lengths, the sampled token, the draft's last proposal), as after a prefill."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+        spec_info = EagleDraftInput(capture_hidden_mode=CaptureHiddenMode.LAST)
+        spec_info.future_indices = batch.req_pool_indices
+        batch.spec_info = spec_info
+        batch.spec_algorithm = self.server_algorithm
+        self.to_speculative_changes += 1
+
+    # -- the plain step ------------------------------------------------------------------------
+    def forward(self, batch: Any) -> Any:
+        """The target's DECODE forward (the zero-step state's graph, hidden states for the
+        draft), then the draft's K/V of the token the input token's position holds."""
+        import torch
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        self.predecided = False
+        result = self.worker.target_worker.forward_batch_generation(
+            batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        runner = self.worker.draft_worker.draft_runner
+        # the input token sits at seq_lens - 1 (a plain step's lengths include it)
+        draft_kv.write_draft_kv(
+            runner.model.model,
+            result.next_token_ids.to(torch.int64),
+            (batch.seq_lens - 1).to(torch.int64),
+            result.logits_output.hidden_states,
+            batch.out_cache_loc,
+            runner.token_to_kv_pool,
+        )
+        for req in batch.reqs:  # tokens per step in meta_info: a plain step verifies no draft
+            req.spec_verify_ct += 1
+        self.plain_publish = True
+        self.plain_steps += 1
+        return result
+
+    def snapshot(self) -> dict[str, int]:
+        return {"to_plain": self.to_plain_changes, "to_speculative": self.to_speculative_changes,
+                "plain_steps": self.plain_steps}
+
+
+def install(scheduler: Any, catch_up: Any, watch: Any) -> str | None:
+    """Give the scheduler's worker the plain layout; the reason when it cannot have it."""
+    global _active
+    reason = unsupported_reason(scheduler)
+    if reason is not None:
+        return reason
+    worker = scheduler.model_worker
+    layout = PlainLayout(worker, scheduler.future_map, scheduler.spec_algorithm, catch_up, watch)
+    setattr(worker, LAYOUT_ATTR, layout)
+    _active = layout
+    return None
+
+
+# -- hooks ---------------------------------------------------------------------------------------
+def prepare_for_decode(original: Callable[..., Any], batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ScheduleBatch.prepare_for_decode: the step's layout first."""
+    layout = _active
+    if layout is not None and len(batch.reqs) > 0 and (
+        batch.spec_algorithm.is_none() or batch.spec_algorithm == layout.server_algorithm
+    ):
+        layout.prepare(batch)
+    return original(batch, *args, **kwargs)
+
+
+def decided_at_prepare(worker: Any) -> bool:
+    """For EAGLEWorkerV2.activate_step_by_batch: this step was decided at prepare (skip it)."""
+    layout = getattr(worker, LAYOUT_ATTR, None)
+    if layout is not None and layout.predecided:
+        layout.predecided = False
+        return True
+    return False
+
+
+def forward_batch_generation(original: Callable[..., Any], worker: Any, batch: Any,
+                             *args: Any, **kwargs: Any) -> Any:
+    """AROUND EAGLEWorkerV2.forward_batch_generation: a plain-layout decode batch's step."""
+    layout = getattr(worker, LAYOUT_ATTR, None)
+    if (
+        layout is None
+        or not batch.spec_algorithm.is_none()
+        or not batch.forward_mode.is_decode()
+    ):
+        return original(worker, batch, *args, **kwargs)
+    return layout.forward(batch)
+
+
+def publish(original: Callable[..., Any], future_map: Any, future_indices: Any,
+            new_seq_lens: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND FutureMap.publish: a plain step's length in spec v2's convention (the KV written)."""
+    layout = _active
+    if layout is not None and layout.plain_publish and future_map is layout.future_map:
+        layout.plain_publish = False
+        new_seq_lens = new_seq_lens - 1
+    return original(future_map, future_indices, new_seq_lens, *args, **kwargs)
+
+
+def resolve_forward_inputs(original: Callable[..., Any], batch: Any, future_map: Any,
+                           *args: Any, **kwargs: Any) -> Any:
+    """AROUND overlap_utils.resolve_forward_inputs: a plain-layout batch's input token from the
+    FutureMap (upstream gathers it for a non-speculative server only)."""
+    result = original(batch, future_map, *args, **kwargs)
+    layout = _active
+    if (
+        layout is not None
+        and future_map is layout.future_map
+        and batch.input_ids is None
+        and batch.spec_algorithm.is_none()
+        and batch.forward_mode.is_decode()
+    ):
+        batch.input_ids = future_map.output_tokens_buf[batch.req_pool_indices]
+    return result
