@@ -2,6 +2,7 @@
 
     python3 -m bench e2e --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
                          [--phases all|install,patch,models,smoke,bench,comm] [--fresh]
+                         [--parallel-variants]
 
 Phases, each skipped when the state dir says it is done (a warm machine keeps /tmp between calls,
 so the same command a second time resumes where the deadline stopped the first; a smoke, bench or
@@ -336,7 +337,8 @@ class E2E:
         opts = runner.SmokeOptions(models=self.models / "tiny", out=self.logs, auto=auto,
                                    threshold=threshold,
                                    deadline=self.deadline, mem_fraction=0.15,
-                                   variants=tuple(self.a.smoke_variants.split(",")))
+                                   variants=tuple(self.a.smoke_variants.split(",")),
+                                   parallel_variants=self.a.parallel_variants)
         rep = runner.run_smoke(opts, st)
         self.state["smoke_report"] = rep
         self.log("\n" + runner.summarize(rep))
@@ -353,7 +355,8 @@ class E2E:
         opts = features_mod.FeatureOptions(models=self.models / "tiny", out=self.logs,
                                            threshold=self.smoke_threshold()[1],
                                            deadline=self.deadline,
-                                           variants=tuple(self.a.feature_variants.split(",")))
+                                           variants=tuple(self.a.feature_variants.split(",")),
+                                           parallel_variants=self.a.parallel_variants)
         rep = features_mod.run_features(opts, st)
         self.state["features_report"] = rep
         self.log("\n" + features_mod.summarize(rep))
@@ -603,6 +606,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
     ap.add_argument("--feature-variants", default="overlap,sync",
                     help="features phase: comma list of overlap,sync (CUDA graphs on in both)")
+    ap.add_argument("--parallel-variants", action="store_true",
+                    help="smoke and features phases: the variants side by side, each server on a "
+                         "port of its own (for a GPU with memory for two servers)")
     ap.add_argument("--bench-draft-accept", type=float, default=0.85,
                     help="chain draft of the 1B-shaped models: designed accept length ~3.2 (3 steps)")
     ap.add_argument("--bench-size", default="1b", choices=[n for n, (_, used_by) in MODELS.items() if "bench" in used_by],

@@ -1,6 +1,7 @@
 """Feature matrix: what users send, checked across the threshold server's mode changes.
 
     python -m smoke features --models DIR --out DIR [--threshold N] [--variants overlap,sync]
+                             [--parallel-variants]
 
 A plain server (the reference) and an EAGLE-3 server with the threshold run side by side. Each case
 sends the same requests to both; on the threshold server it runs four times, under four loads:
@@ -28,12 +29,14 @@ What "equal" means per case (the reference is always the plain server):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
 import re
 import statistics
 import time
+import traceback
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +52,8 @@ from smoke.runner import (
     check_log_clean,
     comma_list,
     exit_code,
+    side_by_side,
+    side_port,
     spec_state,
     wait_idle,
 )
@@ -484,6 +489,9 @@ class FeatureOptions:
     deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
     health_timeout: float = 480
     min_server_s: float = 150
+    # the variants' servers side by side, each on its own port: opt-in, as it needs a GPU with
+    # memory for two servers (mem_fraction each)
+    parallel_variants: bool = False
 
 
 VARIANT_FLAGS = {"overlap": True, "sync": False}  # CUDA graphs on in both
@@ -602,17 +610,20 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
         return report
     report["cases"] = {c.name: c.note for c in cases}
     done = state.setdefault("variants", {})
-    for key in opts.variants:
-        if key in done:
-            report["variants"][key] = done[key]
-            continue
-        if opts.deadline.left() < opts.min_server_s:
-            report.setdefault("skipped", []).append(key)
-            continue
-        rep = run_variant(opts, key, [c for c in cases if c is not pressure], refs, pressure, vocab)
-        report["variants"][key] = rep
-        if not rep.get("skipped"):
-            done[key] = rep
+    if opts.parallel_variants:
+        run_side_by_side(opts, [c for c in cases if c is not pressure], refs, pressure, vocab, done, report)
+    else:
+        for key in opts.variants:
+            if key in done:
+                report["variants"][key] = done[key]
+                continue
+            if opts.deadline.left() < opts.min_server_s:
+                report.setdefault("skipped", []).append(key)
+                continue
+            rep = run_variant(opts, key, [c for c in cases if c is not pressure], refs, pressure, vocab)
+            report["variants"][key] = rep
+            if not rep.get("skipped"):
+                done[key] = rep
     for key, rep in report["variants"].items():
         if rep.get("cause"):
             report["failures"].append({"variant": key, "case": "-", "mode": "-", "cause": rep["cause"],
@@ -625,6 +636,38 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
                     report["failures"].append({"variant": key, "case": name, "mode": mode,
                                                "cause": row.get("cause")})
     return report
+
+
+def run_side_by_side(opts: FeatureOptions, cases: list[Case], refs: dict[str, Any], pressure: Case,
+                     vocab: int, done: dict[str, Any], report: dict[str, Any]) -> None:
+    """run_features' variants at once, each server on its own port (side_port): the same skips, the
+    same reports in the order of opts.variants, `done` (the resume state) written here only. A
+    variant that raised is a failure of its own and is not kept as done (the next call reruns it)."""
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {}
+    for key in opts.variants:
+        if key in done or key in jobs:
+            continue
+        if opts.deadline.left() < opts.min_server_s:
+            report.setdefault("skipped", []).append(key)
+            continue
+        jobs[key] = functools.partial(run_variant, opts, key, cases, refs, pressure, vocab,
+                                      port=side_port(opts.port, opts.variants, key))
+    crashed: set[str] = set()
+
+    def on_error(key: str, exc: Exception) -> dict[str, Any]:
+        crashed.add(key)
+        return {"overlap": VARIANT_FLAGS[key], "cuda_graph": True, "cases": {},
+                "cause": f"runner error: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1200:]}",
+                "log_tail": log_tail(opts.out / f"features_{key}.log", 40)}
+
+    reports = side_by_side(jobs, on_error)
+    for key in opts.variants:
+        if key in done:
+            report["variants"][key] = done[key]
+        elif key in reports:
+            report["variants"][key] = reports[key]
+            if not reports[key].get("skipped") and key not in crashed:
+                done[key] = reports[key]
 
 
 def run_pressure(pressure: Case, ref: list[Outcome], base: str, baseline: dict[str, Any], log: Path,
@@ -648,13 +691,14 @@ def run_pressure(pressure: Case, ref: list[Outcome], base: str, baseline: dict[s
 
 
 def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[str, Any],
-                pressure: Case, vocab: int) -> dict[str, Any]:
+                pressure: Case, vocab: int, port: int | None = None) -> dict[str, Any]:
+    """One threshold server (on `port`, default opts.port + 1): every case under every mode."""
     log = opts.out / f"features_{key}.log"
     cfg = server_config(f"features_{key}", opts, draft=True, overlap=VARIANT_FLAGS[key])
     rep: dict[str, Any] = {"overlap": VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}}
     rnd = random.Random(5)
     filler_prompts = [[rnd.randrange(3, vocab) for _ in range(32)] for _ in range(4 * opts.threshold)]
-    srv = Server(cfg, opts.port + 1, log)
+    srv = Server(cfg, opts.port + 1 if port is None else port, log)
     try:
         srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
         rep["start_s"] = round(srv.start_seconds, 1)
@@ -711,6 +755,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="comma list of: overlap, sync (--disable-overlap-schedule); CUDA graphs on")
     ap.add_argument("--port", type=int, default=30100)
     ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
+    ap.add_argument("--parallel-variants", action="store_true",
+                    help="run the variants side by side, their servers on ports PORT+1, PORT+2, "
+                         "...: they start one after the other, then their matrices overlap; for a "
+                         "GPU with memory for two servers")
 
 
 def options(a: argparse.Namespace) -> FeatureOptions:
@@ -718,7 +766,8 @@ def options(a: argparse.Namespace) -> FeatureOptions:
     if a.threshold < 2:
         raise SystemExit("--threshold must be >= 2 (the 'below' runs need one request under it)")
     return FeatureOptions(models=a.models, out=a.out, threshold=a.threshold, variants=variants,
-                          port=a.port, deadline=Deadline(time.time() + a.deadline))
+                          port=a.port, deadline=Deadline(time.time() + a.deadline),
+                          parallel_variants=a.parallel_variants)
 
 
 def main(a: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 disable threshold, checked from the outside (log line, outputs, server-info counters, accept length,
 KV pool, errors).
 
-    python -m smoke run --models DIR --out DIR [--threshold N] [--variants overlap,sync] ...
+    python -m smoke run --models DIR --out DIR [--threshold N] [--variants overlap,sync]
+                        [--parallel-variants] ...
 
 Every check is a function below that raises SmokeError(cause); `run_smoke` collects the failures of
 every server variant (one GPU call should tell as much as it can), prints a short report, writes
@@ -16,7 +17,8 @@ import json
 import random
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,6 +303,9 @@ class SmokeOptions:
     health_timeout: float = 480
     min_server_s: float = 150  # do not start a server with less time than this left
     cuda_graph: bool = True
+    # the variants' servers side by side, each on its own port: opt-in, as it needs a GPU with
+    # memory for two servers (mem_fraction each)
+    parallel_variants: bool = False
 
     def request_timeout(self) -> float:
         return self.deadline.request_timeout(REQUEST_TIMEOUT_S)
@@ -361,8 +366,9 @@ def record_error(rep: dict[str, Any], exc: BaseException, log: Path) -> None:
 
 
 def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
-                refs: dict[str, list[int]]) -> dict[str, Any]:
-    """One EAGLE-3 server with the threshold: every check, in order. Returns the variant's report."""
+                refs: dict[str, list[int]], port: int | None = None) -> dict[str, Any]:
+    """One EAGLE-3 server with the threshold (on `port`, default opts.port): every check, in order.
+    Returns the variant's report."""
     n = opts.threshold
     cfg = ServerConfig(v.name, opts.models / "target", draft=draft, threshold=n, overlap=v.overlap,
                        cuda_graph=v.cuda_graph and opts.cuda_graph, cuda_graph_max_bs=max(64, 4 * n),
@@ -371,7 +377,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
     log = opts.out / f"server_{v.name}.log"
     rep: dict[str, Any] = {"name": v.name, "overlap": v.overlap, "cuda_graph": cfg.cuda_graph,
                            "threshold": n, "phases": {}}
-    srv = Server(cfg, opts.port, log)
+    srv = Server(cfg, opts.port if port is None else port, log)
     try:
         srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
         rep["start_s"] = round(srv.start_seconds, 1)
@@ -464,7 +470,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
 
 
 def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
-                     refs: dict[str, list[int]]) -> dict[str, Any]:
+                     refs: dict[str, list[int]], port: int | None = None) -> dict[str, Any]:
     """One EAGLE-3 server with `auto`: what holds whatever crossover it learns. The start line,
     the crossover in the server info and in /metrics, outputs equal to plain decoding below, far
     above and across any crossover (1, 8N at once, bursts of 4N beside long requests), no errors,
@@ -477,7 +483,7 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
     log = opts.out / f"server_{v.name}_auto.log"
     rep: dict[str, Any] = {"name": v.name, "overlap": v.overlap, "cuda_graph": cfg.cuda_graph,
                            "threshold": AUTO, "phases": {}}
-    srv = Server(cfg, opts.port, log)
+    srv = Server(cfg, opts.port if port is None else port, log)
     try:
         srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
         rep["start_s"] = round(srv.start_seconds, 1)
@@ -585,6 +591,30 @@ def exit_code(report: dict[str, Any]) -> int:
     return 1 if report.get("failures") or report.get("skipped") else 0
 
 
+def side_port(base: int, variants: Sequence[str], key: str) -> int:
+    """The port of variant `key`'s server when the variants run side by side: base + 1 + its place
+    in `variants`, so no two of them and not the plain server (base) share one."""
+    return base + 1 + list(variants).index(key)
+
+
+def side_by_side(jobs: dict[str, Callable[[], dict[str, Any]]],
+                 on_error: Callable[[str, Exception], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Runs every job in a thread of its own and returns each one's report once all have ended; a
+    job that raised gets on_error's report (called in this thread, in its except block), so one
+    variant's crash neither loses the others' results nor passes silently."""
+    if not jobs:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="variant") as pool:
+        futures = {key: pool.submit(job) for key, job in jobs.items()}
+    reports: dict[str, dict[str, Any]] = {}
+    for key, fut in futures.items():
+        try:
+            reports[key] = fut.result()
+        except Exception as exc:  # noqa: BLE001 - a failure row for this variant, not a crash
+            reports[key] = on_error(key, exc)
+    return reports
+
+
 def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[str, Any]:
     """refs (plain server) -> each EAGLE-3 variant. `state` (a dict kept between device calls) lets a
     later call skip what an earlier one finished."""
@@ -613,6 +643,8 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
         report["failures"].append({"variant": "plain", "cause": state["hf_mismatch"],
                                    "log_tail": "(plain server: see server_plain.log)"})
     done = state.setdefault("variants", {})
+    if opts.parallel_variants:
+        return collect_failures(run_side_by_side(opts, sets, refs, done, report))
     for key in opts.variants:
         v = VARIANTS[key]
         if v.name in done:
@@ -627,6 +659,42 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
         if rep.get("ok"):
             done[v.name] = rep
     return collect_failures(report)
+
+
+def run_side_by_side(opts: SmokeOptions, sets: dict[str, list[Prompt]], refs: dict[str, list[int]],
+                     done: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """run_smoke's variants at once, each server on its own port (side_port): the same skips, the
+    same reports in the order of opts.variants, `done` (the resume state) written here only."""
+    run = run_auto_variant if opts.auto else run_variant
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {}
+    for key in opts.variants:
+        v = VARIANTS[key]
+        if v.name in done or v.name in jobs:
+            continue
+        if opts.deadline.left() < opts.min_server_s:
+            report.setdefault("skipped", []).append(f"{v.name} (deadline)")
+            continue
+        jobs[v.name] = functools.partial(run, opts, v, opts.models / "draft", sets, refs,
+                                         port=side_port(opts.port, opts.variants, key))
+
+    def crashed(name: str, exc: Exception) -> dict[str, Any]:
+        v = next(v for v in VARIANTS.values() if v.name == name)
+        rep: dict[str, Any] = {"name": name, "overlap": v.overlap,
+                               "cuda_graph": v.cuda_graph and opts.cuda_graph,
+                               "threshold": AUTO if opts.auto else opts.threshold, "phases": {}}
+        record_error(rep, exc, opts.out / f"server_{name}{'_auto' if opts.auto else ''}.log")
+        return rep
+
+    reports = side_by_side(jobs, crashed)
+    for key in opts.variants:
+        name = VARIANTS[key].name
+        if name in done:
+            report["variants"][name] = done[name]
+        elif name in reports:
+            report["variants"][name] = reports[name]
+            if reports[name].get("ok"):
+                done[name] = reports[name]
+    return report
 
 
 def summarize(report: dict[str, Any]) -> str:
@@ -672,6 +740,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mem-fraction", type=float, default=0.15)
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
+    ap.add_argument("--parallel-variants", action="store_true",
+                    help="run the variants side by side, their servers on ports PORT+1, PORT+2, "
+                         "...: they start one after the other, then their checks overlap; for a "
+                         "GPU with memory for two servers")
 
 
 def comma_list(text: str, known: Iterable[str], flag: str) -> tuple[str, ...]:
@@ -692,7 +764,8 @@ def options(a: argparse.Namespace) -> SmokeOptions:
     threshold = DEFAULT_THRESHOLD if auto else int(a.threshold)
     return SmokeOptions(models=a.models, out=a.out, threshold=threshold, auto=auto, variants=variants,
                         port=a.port, mem_fraction=a.mem_fraction, cuda_graph=not a.no_cuda_graph,
-                        deadline=Deadline(time.time() + a.deadline))
+                        deadline=Deadline(time.time() + a.deadline),
+                        parallel_variants=a.parallel_variants)
 
 
 def main(a: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,10 @@ BASE_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
               "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info")
 EAGLE_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
+# One server of this process starts at a time (Server.start holds it until healthy): sglang sizes a
+# server's KV pool from the GPU memory free while it starts, so what a second server takes meanwhile
+# comes out of that pool, down to none (the start fails). Uncontended where servers run one by one.
+STARTING = threading.Lock()
 
 
 @functools.cache
@@ -122,6 +127,17 @@ class Server:
         self.start_seconds = 0.0
 
     def start(self, timeout: float) -> None:
+        """Starts the server and waits until it is healthy: `timeout` s in all, the wait for another
+        server's start (STARTING) included."""
+        t_call = time.time()
+        with STARTING:
+            left = timeout - (time.time() - t_call)
+            if left <= 0:
+                raise SmokeError(f"{self.cfg.name}: no time left to start after waiting "
+                                 f"{time.time() - t_call:.0f}s for another server's start")
+            self._start(left)
+
+    def _start(self, timeout: float) -> None:
         for _ in range(30):
             if port_free(self.port):
                 break

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 import pytest
 
@@ -162,6 +164,157 @@ def test_e2e_and_cli_take_the_features_phase():
     a = build_parser().parse_args(["features", "--models", "m", "--out", "o", "--threshold", "1"])
     with pytest.raises(SystemExit, match="threshold must be >= 2"):
         F.options(a)
+
+
+def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monkeypatch):
+    from bench import e2e
+    from smoke import runner
+
+    features = ["features", "--models", "m", "--out", "o"]
+    assert F.options(build_parser().parse_args(features)).parallel_variants is False
+    assert F.options(build_parser().parse_args(features + ["--parallel-variants"])).parallel_variants
+    seen: dict = {}
+
+    def fake_features(opts, state):
+        seen["features"] = opts
+        return {"threshold": opts.threshold, "variants": {}, "failures": []}
+
+    def fake_smoke(opts, state):
+        seen["smoke"] = opts
+        return {"threshold": opts.threshold, "variants": {}, "failures": []}
+
+    monkeypatch.setattr(e2e.features_mod, "run_features", fake_features)
+    monkeypatch.setattr(e2e.runner, "run_smoke", fake_smoke)
+    for flag, want in (([], False), (["--parallel-variants"], True)):
+        drv = e2e.E2E(bench_parser().parse_args(["e2e", "--state", str(tmp_path / "state"), "--out",
+                                                 str(tmp_path / "out"), "--phases", "smoke,features",
+                                                 *flag]))
+        drv.phase_smoke()
+        drv.phase_features()
+        assert seen["smoke"].parallel_variants is want and seen["features"].parallel_variants is want
+        assert isinstance(seen["smoke"], runner.SmokeOptions)
+
+
+# ----------------------------------------------------------------------------- variants side by side
+class VariantRecorder:
+    """Stands in for run_variant: records each call's variant, port and thread, and how many calls
+    were in flight at once. With a barrier, a call waits there for the other one (and fails after
+    its timeout, instead of hanging, when the variants run one after the other)."""
+
+    def __init__(self, barrier: threading.Barrier | None = None, slow: tuple[str, ...] = (),
+                 crash: tuple[str, ...] = ()):
+        self.barrier, self.slow, self.crash = barrier, slow, crash
+        self.calls: list[tuple[str, int | None, str]] = []
+        self.lock = threading.Lock()
+        self.in_flight = self.most_in_flight = 0
+
+    def __call__(self, opts, key, cases, refs, pressure, vocab, port=None):
+        with self.lock:
+            self.calls.append((key, port, threading.current_thread().name))
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.barrier is not None:
+                self.barrier.wait()
+            time.sleep(0.3 if key in self.slow else 0.01)  # a slow one ends last
+            if key in self.crash:
+                raise RuntimeError(f"{key} blew up")
+            return {"overlap": F.VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}, "ran": key}
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def matrix_options(tmp_path, monkeypatch, recorder, **kw) -> F.FeatureOptions:
+    """FeatureOptions over a models dir with only expected.json; the plain server's references
+    (F.references) and each variant (F.run_variant) replaced: no server starts."""
+    (tmp_path / "expected.json").write_text(json.dumps(
+        {"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}))
+    monkeypatch.setattr(F, "references", lambda opts, cases, stop_prompt, state: (cases, {}))
+    monkeypatch.setattr(F, "run_variant", recorder)
+    return F.FeatureOptions(models=tmp_path, out=tmp_path / "out", port=30100, **kw)
+
+
+def test_parallel_variants_run_at_once_each_on_its_own_port(tmp_path, monkeypatch):
+    rec = VariantRecorder(threading.Barrier(2, timeout=5), slow=("overlap",))
+    opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True)
+    state: dict = {}
+    report = F.run_features(opts, state)
+    assert rec.most_in_flight == 2  # both past the barrier: in flight together
+    ports = {key: port for key, port, _ in rec.calls}
+    assert ports == {"overlap": 30101, "sync": 30102}  # base + 1 + place; the plain server has 30100
+    assert all(thread != threading.main_thread().name for _, _, thread in rec.calls)
+    assert list(report["variants"]) == ["overlap", "sync"]  # the order asked, not the finishing one
+    assert [rep["ran"] for rep in report["variants"].values()] == ["overlap", "sync"]
+    assert set(state["variants"]) == {"overlap", "sync"} and not report["failures"]
+    # the order asked decides the places: sync first takes base + 1
+    rec = VariantRecorder(threading.Barrier(2, timeout=5))
+    opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True, variants=("sync", "overlap"))
+    assert list(F.run_features(opts, {})["variants"]) == ["sync", "overlap"]
+    assert {key: port for key, port, _ in rec.calls} == {"sync": 30101, "overlap": 30102}
+
+
+def test_parallel_variants_keep_the_other_s_result_when_one_crashes(tmp_path, monkeypatch):
+    rec = VariantRecorder(threading.Barrier(2, timeout=5), crash=("overlap",))
+    opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True)
+    state: dict = {}
+    report = F.run_features(opts, state)
+    assert report["variants"]["sync"]["ran"] == "sync"
+    crash = report["variants"]["overlap"]
+    assert crash["cause"].startswith("runner error: RuntimeError: overlap blew up")
+    assert "Traceback" in crash["cause"]
+    assert [(f["variant"], f["cause"].splitlines()[0]) for f in report["failures"]] == [
+        ("overlap", "runner error: RuntimeError: overlap blew up")]
+    assert list(state["variants"]) == ["sync"]  # the crashed one runs again in the next call
+
+
+def test_parallel_variants_rerun_only_what_is_not_done(tmp_path, monkeypatch):
+    rec = VariantRecorder()
+    opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True)
+    earlier = {"overlap": True, "cuda_graph": True, "cases": {}, "ran": "an earlier call"}
+    state: dict = {"variants": {"overlap": earlier}}
+    report = F.run_features(opts, state)
+    assert [(key, port) for key, port, _ in rec.calls] == [("sync", 30102)]  # its place, not base + 1
+    assert list(report["variants"]) == ["overlap", "sync"]
+    assert report["variants"]["overlap"] is earlier
+    # too little time left: nothing starts, both skipped as the serial run skips them
+    rec = VariantRecorder()
+    opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True, deadline=F.Deadline(0.0))
+    report = F.run_features(opts, {"variants": {}})
+    assert rec.calls == [] and report["skipped"] == ["overlap", "sync"] and report["variants"] == {}
+
+
+def test_without_the_flag_variants_run_one_after_the_other_on_today_s_port(tmp_path, monkeypatch):
+    rec = VariantRecorder(slow=("overlap",))
+    opts = matrix_options(tmp_path, monkeypatch, rec)
+    assert opts.parallel_variants is False
+    report = F.run_features(opts, {})
+    assert rec.most_in_flight == 1
+    assert [(key, port, thread) for key, port, thread in rec.calls] == [
+        ("overlap", None, threading.main_thread().name), ("sync", None, threading.main_thread().name)]
+    assert list(report["variants"]) == ["overlap", "sync"]
+
+
+def test_a_variant_s_server_listens_on_the_port_it_is_given(tmp_path, monkeypatch):
+    """run_variant's own server: opts.port + 1 by default (today's), else the port passed."""
+    ports: list[int] = []
+
+    class NoServer:
+        def __init__(self, cfg, port, log):
+            ports.append(port)
+
+        def start(self, timeout):
+            raise F.SmokeError("no GPU here")
+
+        def stop(self):
+            pass
+
+    opts = F.FeatureOptions(models=tmp_path, out=tmp_path)
+    pressure = F.Case("kv_pressure", (), F.equal_tokens)
+    monkeypatch.setattr(F, "Server", NoServer)
+    assert F.run_variant(opts, "sync", [], {}, pressure, 100)["cause"] == "no GPU here"
+    F.run_variant(opts, "sync", [], {}, pressure, 100, port=30107)
+    assert ports == [opts.port + 1, 30107]
 
 
 ACCEPTS = """

@@ -11,6 +11,7 @@ import json
 import shutil
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -507,6 +508,191 @@ def test_server_stop_leaves_no_running_member_of_its_group(tmp_path):
     stat = Path(f"/proc/{child}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     assert server_mod.port_free(port)
+
+
+def test_servers_of_one_process_start_one_after_the_other(tmp_path):
+    """Variants side by side: sglang sizes a server's KV pool from the GPU memory free while it
+    starts, so a second server is spawned only once the first answers; the wait counts against the
+    second one's start timeout."""
+    import socket
+    import textwrap
+
+    from smoke import server as server_mod
+
+    leader = textwrap.dedent("""
+        import http.server, sys, time
+        print("spawned", time.time(), flush=True)
+        time.sleep(0.5)
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200); self.end_headers()
+            def log_message(self, *a):
+                pass
+        srv = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+        print("listening", time.time(), flush=True)
+        srv.serve_forever()
+    """)
+
+    class FakeConfig(server_mod.ServerConfig):
+        def argv(self, port: int) -> list[str]:
+            return [sys.executable, "-c", leader, str(port)]
+
+    def free_port() -> int:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+
+    def stamp(log: Path, what: str) -> float:
+        return next(float(line.split()[1]) for line in log.read_text().splitlines() if line.startswith(what))
+
+    first, late, second = (server_mod.Server(FakeConfig(name, tmp_path), free_port(), tmp_path / f"{name}.log")
+                           for name in ("first", "late", "second"))
+    try:
+        starting = threading.Thread(target=first.start, args=(30,))
+        starting.start()
+        for _ in range(100):  # the first one has been spawned (holds the start)
+            if "spawned" in (first.log_path.read_text() if first.log_path.exists() else ""):
+                break
+            time.sleep(0.05)
+        with pytest.raises(runner.SmokeError, match="no time left to start after waiting"):
+            late.start(0.3)
+        assert late.proc is None  # never spawned
+        second.start(30)
+        starting.join(30)
+        assert first.alive() and second.alive()
+        assert stamp(second.log_path, "spawned") >= stamp(first.log_path, "listening")
+    finally:
+        for srv in (first, late, second):
+            srv.stop()
+
+
+# ----------------------------------------------------------------------------- variants side by side
+class VariantRecorder:
+    """Stands in for run_variant / run_auto_variant: records each call's variant, port and thread,
+    and how many calls were in flight at once. With a barrier, a call waits there for the other
+    (and fails after its timeout, instead of hanging, when the variants run one after the other)."""
+
+    def __init__(self, barrier: threading.Barrier | None = None, slow: tuple[str, ...] = (),
+                 crash: tuple[str, ...] = ()):
+        self.barrier, self.slow, self.crash = barrier, slow, crash
+        self.calls: list[tuple[str, int | None, str]] = []
+        self.lock = threading.Lock()
+        self.in_flight = self.most_in_flight = 0
+
+    def __call__(self, opts, v, draft, sets, refs, port=None):
+        with self.lock:
+            self.calls.append((v.name, port, threading.current_thread().name))
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.barrier is not None:
+                self.barrier.wait()
+            time.sleep(0.3 if v.name in self.slow else 0.01)  # a slow one ends last
+            if v.name in self.crash:
+                raise KeyError("missing field")
+            return {"name": v.name, "ok": True, "phases": {}, "port": port}
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def smoke_options(tmp_path, monkeypatch, recorder, *, auto: bool = False, **kw) -> runner.SmokeOptions:
+    """SmokeOptions over a models dir with only expected.json; the variant function replaced (the
+    other one fails if called): no server starts. Pass state with "refs" to skip the plain server."""
+    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 1000, "prompt_ids": [5, 6, 7],
+                                                        "greedy_ids": [8, 9]}))
+    used, unused = ("run_auto_variant", "run_variant") if auto else ("run_variant", "run_auto_variant")
+    monkeypatch.setattr(runner, used, recorder)
+    monkeypatch.setattr(runner, unused, lambda *a, **k: pytest.fail(f"{unused} called"))
+    return runner.SmokeOptions(models=tmp_path, out=tmp_path / "out", port=30000, auto=auto, **kw)
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_parallel_smoke_variants_run_at_once_each_on_its_own_port(tmp_path, monkeypatch, auto):
+    rec = VariantRecorder(threading.Barrier(2, timeout=5), slow=("eagle_overlap",))
+    opts = smoke_options(tmp_path, monkeypatch, rec, auto=auto, parallel_variants=True)
+    state: dict = {"refs": {}}
+    report = runner.run_smoke(opts, state)
+    assert rec.most_in_flight == 2  # both past the barrier: in flight together
+    # base + 1 + place: the plain server's port (30000) is not reused while both run
+    assert {name: port for name, port, _ in rec.calls} == {"eagle_overlap": 30001, "eagle_sync": 30002}
+    assert all(thread != threading.main_thread().name for _, _, thread in rec.calls)
+    assert list(report["variants"]) == ["eagle_overlap", "eagle_sync"]  # asked order, not finishing
+    assert list(state["variants"]) == ["eagle_overlap", "eagle_sync"] and not report["failures"]
+
+
+def test_parallel_smoke_variants_keep_the_other_s_result_when_one_crashes(tmp_path, monkeypatch):
+    rec = VariantRecorder(threading.Barrier(2, timeout=5), crash=("eagle_sync",))
+    opts = smoke_options(tmp_path, monkeypatch, rec, parallel_variants=True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "server_eagle_sync.log").write_text("the sync server's last words\n")
+    state: dict = {"refs": {}}
+    report = runner.run_smoke(opts, state)
+    assert report["variants"]["eagle_overlap"]["ok"] is True
+    crash = report["variants"]["eagle_sync"]
+    assert crash["ok"] is False and crash["cause"].startswith("runner error: KeyError: 'missing field'")
+    assert "the sync server's last words" in crash["log_tail"]
+    assert [f["variant"] for f in report["failures"]] == ["eagle_sync"]
+    assert list(state["variants"]) == ["eagle_overlap"]  # the crashed one runs again next call
+    assert runner.exit_code(report) == 1
+
+
+def test_parallel_smoke_variants_rerun_only_what_is_not_done(tmp_path, monkeypatch):
+    rec = VariantRecorder()
+    opts = smoke_options(tmp_path, monkeypatch, rec, parallel_variants=True)
+    earlier = {"name": "eagle_overlap", "ok": True, "phases": {}, "from": "an earlier call"}
+    report = runner.run_smoke(opts, {"refs": {}, "variants": {"eagle_overlap": earlier}})
+    assert [(name, port) for name, port, _ in rec.calls] == [("eagle_sync", 30002)]
+    assert list(report["variants"]) == ["eagle_overlap", "eagle_sync"]
+    assert report["variants"]["eagle_overlap"] is earlier
+    rec = VariantRecorder()  # too little time left: nothing starts, both skipped by name
+    opts = smoke_options(tmp_path, monkeypatch, rec, parallel_variants=True, deadline=runner.Deadline(0.0))
+    report = runner.run_smoke(opts, {"refs": {}})
+    assert rec.calls == [] and report["variants"] == {}
+    assert report["skipped"] == ["eagle_overlap (deadline)", "eagle_sync (deadline)"]
+
+
+def test_without_the_flag_smoke_variants_run_one_after_the_other_on_today_s_port(tmp_path, monkeypatch):
+    rec = VariantRecorder(slow=("eagle_overlap",))
+    opts = smoke_options(tmp_path, monkeypatch, rec)
+    assert opts.parallel_variants is False
+    report = runner.run_smoke(opts, {"refs": {}})
+    assert rec.most_in_flight == 1
+    main = threading.main_thread().name
+    assert rec.calls == [("eagle_overlap", None, main), ("eagle_sync", None, main)]
+    assert list(report["variants"]) == ["eagle_overlap", "eagle_sync"]
+
+
+def test_a_smoke_variant_s_server_listens_on_the_port_it_is_given(tmp_path, monkeypatch):
+    """run_variant's and run_auto_variant's server: opts.port by default (today's, the plain
+    server's, stopped by then), else the port passed."""
+    ports: list[int] = []
+
+    class NoServer:
+        def __init__(self, cfg, port, log):
+            ports.append(port)
+
+        def start(self, timeout):
+            raise runner.SmokeError("no GPU here")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(runner, "Server", NoServer)
+    opts = runner.SmokeOptions(models=tmp_path, out=tmp_path, port=30000)
+    for run in (runner.run_variant, runner.run_auto_variant):
+        assert run(opts, runner.VARIANTS["sync"], tmp_path, {}, {})["cause"] == "no GPU here"
+        run(opts, runner.VARIANTS["sync"], tmp_path, {}, {}, port=30005)
+    assert ports == [30000, 30005, 30000, 30005]
+
+
+def test_parallel_variants_flag_reaches_the_smoke(tmp_path):
+    ap = build_parser()
+    base = ["run", "--models", "m", "--out", "o"]
+    assert runner.options(ap.parse_args(base)).parallel_variants is False
+    assert runner.options(ap.parse_args(base + ["--parallel-variants"])).parallel_variants is True
+    assert bench_parser().parse_args(["e2e", "--parallel-variants"]).parallel_variants is True
+    assert bench_parser().parse_args(["e2e"]).parallel_variants is False
 
 
 def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch):
