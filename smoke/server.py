@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import importlib.metadata
 import os
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,10 +26,32 @@ BASE_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
               "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info")
 EAGLE_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
-# One server of this process starts at a time (Server.start holds it until healthy): sglang sizes a
-# server's KV pool from the GPU memory free while it starts, so what a second server takes meanwhile
-# comes out of that pool, down to none (the start fails). Uncontended where servers run one by one.
+# One server of this host starts at a time (Server.start holds both locks until healthy): sglang
+# sizes a server's KV pool from the GPU memory free while it starts, so what a second server takes
+# meanwhile comes out of that pool, down to none (the start fails). The file lock covers servers of
+# other processes (two smoke runs side by side). Uncontended where servers run one by one.
 STARTING = threading.Lock()
+START_LOCK_FILE = Path(tempfile.gettempdir()) / "sglang-image-server-start.lock"
+
+
+@contextlib.contextmanager
+def host_start_lock(timeout: float) -> Iterator[bool]:
+    """Holds the host-wide start lock; yields False when it could not be had within `timeout` s."""
+    with open(START_LOCK_FILE, "a") as fh:
+        end = time.time() + timeout
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() >= end:
+                    yield False
+                    return
+                time.sleep(0.5)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 @functools.cache
@@ -130,9 +154,9 @@ class Server:
         """Starts the server and waits until it is healthy: `timeout` s in all, the wait for another
         server's start (STARTING) included."""
         t_call = time.time()
-        with STARTING:
+        with STARTING, host_start_lock(timeout) as locked:
             left = timeout - (time.time() - t_call)
-            if left <= 0:
+            if not locked or left <= 0:
                 raise SmokeError(f"{self.cfg.name}: no time left to start after waiting "
                                  f"{time.time() - t_call:.0f}s for another server's start")
             self._start(left)

@@ -566,6 +566,36 @@ def test_servers_of_one_process_start_one_after_the_other(tmp_path):
             srv.stop()
 
 
+def test_a_server_of_another_process_starting_holds_this_start(tmp_path, monkeypatch):
+    """Two smoke runs side by side on one host: the start lock is a file lock too, so a server does
+    not start while another process's server starts."""
+    import subprocess
+    import textwrap
+
+    from smoke import server as server_mod
+
+    lock = tmp_path / "start.lock"
+    monkeypatch.setattr(server_mod, "START_LOCK_FILE", lock)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        fh = open({str(lock)!r}, "a")
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        srv = server_mod.Server(server_mod.ServerConfig("blocked", tmp_path), 1, tmp_path / "b.log")
+        with pytest.raises(runner.SmokeError, match="no time left to start after waiting"):
+            srv.start(1.0)
+        assert srv.proc is None  # never spawned
+    finally:
+        holder.kill()
+        holder.wait()
+    with server_mod.host_start_lock(1.0) as locked:  # free again once the holder is gone
+        assert locked
+
+
 # ----------------------------------------------------------------------------- variants side by side
 class VariantRecorder:
     """Stands in for run_variant / run_auto_variant: records each call's variant, port and thread,
