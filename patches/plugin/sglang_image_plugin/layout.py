@@ -25,6 +25,7 @@ sglang and torch are imported inside the functions only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -170,16 +171,18 @@ class PlainLayout:
         self.predecided = False
         result = self.worker.target_worker.forward_batch_generation(
             batch, capture_hidden_mode=CaptureHiddenMode.FULL)
-        runner = self.worker.draft_worker.draft_runner
-        # the input token sits at seq_lens - 1 (a plain step's lengths include it)
-        draft_kv.write_draft_kv(
-            runner.model.model,
-            result.next_token_ids.to(torch.int64),
-            (batch.seq_lens - 1).to(torch.int64),
-            result.logits_output.hidden_states,
-            batch.out_cache_loc,
-            runner.token_to_kv_pool,
-        )
+        draft_worker = self.worker.draft_worker
+        runner = draft_worker.draft_runner
+        with _draft_context(draft_worker):
+            # the input token sits at seq_lens - 1 (a plain step's lengths include it)
+            draft_kv.write_draft_kv(
+                runner.model.model,
+                result.next_token_ids.to(torch.int64),
+                (batch.seq_lens - 1).to(torch.int64),
+                result.logits_output.hidden_states,
+                batch.out_cache_loc,
+                runner.token_to_kv_pool,
+            )
         for req in batch.reqs:  # tokens per step in meta_info: a plain step verifies no draft
             req.spec_verify_ct += 1
         self.plain_publish = True
@@ -189,6 +192,16 @@ class PlainLayout:
     def snapshot(self) -> dict[str, int]:
         return {"to_plain": self.to_plain_changes, "to_speculative": self.to_speculative_changes,
                 "plain_steps": self.plain_steps}
+
+
+def _draft_context(draft_worker: Any) -> Any:
+    """The draft's tensor-parallel group, as upstream enters it around the draft's work."""
+    layout = getattr(draft_worker, "parallel_layout", None)
+    if layout is None:
+        return contextlib.nullcontext()
+    from sglang.srt.speculative.spec_utils import draft_tp_context
+
+    return draft_tp_context(layout)
 
 
 def install(scheduler: Any, catch_up: Any, watch: Any) -> str | None:
