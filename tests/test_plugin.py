@@ -926,9 +926,10 @@ LAYOUT_FAKES = """
                                     topk_p=torch.ones(3, 1), topk_index=torch.tensor([[7], [8], [9]]),
                                     hidden_states=torch.ones(3, 4)))
         freed = []
-        reqs = [NS(req_pool_idx=r, kv=NS(kv_allocated_len=a, kv_committed_len=a - 9), spec_verify_ct=0)
-                for r, a in zip([3, 5, 7], [18, 28, 38])]
-        batch = NS(reqs=reqs, req_pool_indices=ROWS, seq_lens=torch.zeros(3, dtype=torch.int64),
+        # (a Req keeps its row under kv, as the batch does on the host: nothing else is read)
+        reqs = [NS(kv=NS(kv_allocated_len=a, kv_committed_len=a - 9), spec_verify_ct=0) for a in (18, 28, 38)]
+        batch = NS(reqs=reqs, req_pool_indices=ROWS, req_pool_indices_cpu=ROWS.clone(),
+                   seq_lens=torch.zeros(3, dtype=torch.int64),
                    seq_lens_cpu=None, orig_seq_lens=torch.zeros(3, dtype=torch.int32), seq_lens_sum=None,
                    spec_info=NS(), spec_algorithm=EAGLE, req_to_token_pool=NS(req_to_token=REQ_TO_TOKEN),
                    token_to_kv_pool_allocator=NS(free=lambda t: freed.extend(t.tolist())),
@@ -948,10 +949,12 @@ LAYOUT_FAKES = """
         real_decided = watch.decided
         watch.decided = lambda spec, bs: (decided.append(spec), real_decided(spec, bs))
         lay = L.PlainLayout(worker, fm, EAGLE, policy, watch)
+        metrics = []
+        lay.metrics = NS(update_spec_metrics=lambda *a, **k: metrics.append([list(a), k]))
         setattr(worker, L.LAYOUT_ATTR, lay)
         L._active = lay
         return NS(fm=fm, batch=batch, worker=worker, policy=policy, lay=lay, freed=freed,
-                  decided=decided, checked=checked)
+                  decided=decided, checked=checked, metrics=metrics)
 
     def upstream_plain_prepare(batch):  # what ScheduleBatch.prepare_for_decode does for NONE
         batch.out_cache_loc = REQ_TO_TOKEN[batch.req_pool_indices, batch.seq_lens].to(torch.int64)
@@ -1014,7 +1017,7 @@ def test_plain_layout_round_trip_through_the_real_future_map(run_in_tree, tree, 
                            info.bonus_tokens.tolist(), info.topk_index.tolist(), s.batch.input_ids is None]
         s.lay.prepare(s.batch)                                   # 5: speculative
         res["after"] = [s.worker.speculative_num_steps, s.decided, s.lay.snapshot(),
-                        [r.spec_verify_ct for r in s.batch.reqs], writes]
+                        [r.spec_verify_ct for r in s.batch.reqs], writes, s.metrics]
         # the catch-up's KV reserve does not fit: plain once more, the catch-up at the next chance
         d = setup([0, 3, 3, 3], fits=False)
         d.lay.prepare(d.batch)
@@ -1038,7 +1041,10 @@ def test_plain_layout_round_trip_through_the_real_future_map(run_in_tree, tree, 
     # upstream's pool check passed for that layout
     assert out["catch_up"] == [True, 0, True, ["EAGLE3"], True]
     assert out["resolved"] == [[12, 22, 32], [12, 22, 32], [300, 301, 302], [[7], [8], [9]], True]
-    steps, decided, snapshot, verify_ct, writes = out["after"]
+    steps, decided, snapshot, verify_ct, writes, metrics = out["after"]
+    # a speculative server's decode log divides by the speculative steps it counted: a plain-layout
+    # step counts as one accepting one token per request (it stopped the scheduler on a GPU)
+    assert metrics == [[[3, 0], {"num_accept_tokens": 3}]] * 2
     assert steps == 3 and decided == [True, False, True]  # plain-layout steps are not decided twice
     assert snapshot == {"to_plain": 1, "to_speculative": 1, "plain_steps": 2}
     assert verify_ct == [2, 2, 2]  # a plain step counts as a verify of no draft (tokens per step)

@@ -77,6 +77,9 @@ class PlainLayout:
         self.server_algorithm = server_algorithm
         self.catch_up = catch_up  # policy.CatchUpPolicy: whether this plain step drafts in full
         self.watch = watch  # acceptance.AcceptanceAroundPlain or None
+        # the scheduler's metrics reporter: a speculative server's decode log divides by its
+        # speculative steps, which a plain-layout step must count (as a zero-step verify does)
+        self.metrics: Any = None
         self.predecided = False  # the worker's own decision call for this step is skipped
         self.plain_publish = False  # the scheduler's next publish is a plain step's
         self.to_plain_changes = 0
@@ -133,10 +136,11 @@ class PlainLayout:
         lengths_cpu = lengths.cpu()
         req_to_token = batch.req_to_token_pool.req_to_token
         tails = []
-        for req, length in zip(batch.reqs, lengths_cpu.tolist(), strict=True):
+        rows = batch.req_pool_indices_cpu.tolist()
+        for req, row, length in zip(batch.reqs, rows, lengths_cpu.tolist(), strict=True):
             allocated = int(req.kv.kv_allocated_len)
             if allocated > length:
-                tails.append(req_to_token[req.req_pool_idx, length:allocated])
+                tails.append(req_to_token[row, length:allocated])
                 req.kv.kv_allocated_len = length
         if tails:
             batch.token_to_kv_pool_allocator.free(torch.cat(tails).to(torch.int64))
@@ -185,6 +189,9 @@ class PlainLayout:
             )
         for req in batch.reqs:  # tokens per step in meta_info: a plain step verifies no draft
             req.spec_verify_ct += 1
+        if self.metrics is not None:  # the server's accept length: one token per request and step
+            bs = len(batch.reqs)
+            self.metrics.update_spec_metrics(bs, 0, num_accept_tokens=bs)
         self.plain_publish = True
         self.plain_steps += 1
         return result
@@ -212,6 +219,7 @@ def install(scheduler: Any, catch_up: Any, watch: Any) -> str | None:
         return reason
     worker = scheduler.model_worker
     layout = PlainLayout(worker, scheduler.future_map, scheduler.spec_algorithm, catch_up, watch)
+    layout.metrics = getattr(scheduler, "metrics_reporter", None)
     setattr(worker, LAYOUT_ATTR, layout)
     _active = layout
     return None
