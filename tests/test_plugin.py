@@ -787,15 +787,43 @@ def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, 
         run(["--speculative-disable-batch-threshold", "8"], {{}}, 0)
         run([], on, 0)
         cls = plain_target.runner_class()
+        # layout, with a draft that writes only its K/V: the graph writes them (a tail hook on the
+        # target's runner, its books cleared after the capture's dummy runs); without: no hook
+        import torch
+        from sglang_image_plugin import deferred_kv
+        def layout_run(kv_only):
+            os.environ[plain_target.ENV] = "layout"
+            sa = prepare_server_args(["--model-path", m, "--skip-tokenizer-init", "--device", "cpu",
+                "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", m,
+                "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
+                "--speculative-num-draft-tokens", "4", "--speculative-disable-batch-threshold", "8"])
+            sa.resolve_once()
+            sa.check_server_args()
+            hooks = []
+            dw = NS(draft_runner=NS(model=NS(model=NS(fc=torch.nn.Linear(36, 16, bias=False))),
+                                    token_to_kv_pool=None))
+            if kv_only:
+                setattr(dw, "_sglang_image_kv_only", object())
+            w = NS(server_args=sa, draft_worker=dw, target_worker=NS(model_runner=NS(
+                capture_tail_hooks=hooks, req_to_token_pool=NS(req_to_token=torch.zeros(8, 4)))))
+            def capture(worker, steps, tokens, *a, **k):
+                d = getattr(dw, deferred_kv.DEFERRED_ATTR, None)
+                if d is not None:
+                    d.pos[1] = 5  # what a capture run with dummy rows leaves
+            plain_target.build_runtime_state(capture, w, 0, 1)
+            d = getattr(dw, deferred_kv.DEFERRED_ATTR, None)
+            return [len(hooks), None if d is None else [list(d.hidden.shape), d.pos.tolist()]]
         emit({{"seen": seen, "base": [b.__name__ for b in cls.__mro__[1:3]],
                "spec_info": cls.get_spec_info(None, 8),
-               "restored": eagle_worker_v2.DecodeCudaGraphRunner.__name__}})
+               "restored": eagle_worker_v2.DecodeCudaGraphRunner.__name__,
+               "layout": [layout_run(True), layout_run(False)]}})
     """)
     assert out["seen"] == [[0, "PlainDecodeCudaGraphRunner"], [0, "PlainDecodeCudaGraphRunner"],
                            [3, "DecodeCudaGraphRunner"],
                            [0, "DecodeCudaGraphRunner"], [0, "DecodeCudaGraphRunner"]]
     assert out["base"][0] == "DecodeCudaGraphRunner" and out["spec_info"] is None
     assert out["restored"] == "DecodeCudaGraphRunner"
+    assert out["layout"] == [[1, [[8, 36], [-1] * 8]], [0, None]]
 
 
 # The fake draft's worker: its runner (model, KV pool, slot translators), as the hooks read it.
@@ -1051,3 +1079,121 @@ def test_plain_layout_round_trip_through_the_real_future_map(run_in_tree, tree, 
     assert writes == [[[200, 201, 202], [10, 20, 30], [3 * 64 + 10, 5 * 64 + 20, 7 * 64 + 30]],
                       [[300, 301, 302], [11, 21, 31], [3 * 64 + 11, 5 * 64 + 21, 7 * 64 + 31]]]
     assert out["deferred"] == [True, False, 0, True, True, 0, 1]
+
+
+def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # layout: each plain step (inside the target's graph) writes the previous plain step's draft K/V
+    # with the token it is fed, and keeps its own; the catch-up step flushes the last. The draft's
+    # cache then holds, slot for slot, what decode-kv's immediate write after each step holds;
+    # rows with nothing pending (a first plain step, a prefilled row, graph padding) write only the
+    # pool's padding slot 0. A plain-layout step without the graph keeps the same books eagerly.
+    out = _probe(run_in_tree, tree, plugin_site, EAGLE3_DRAFT, """
+        from sglang_image_plugin import deferred_kv, draft_kv
+        from sglang_image_plugin.deferred_kv import DeferredDraftKv
+        model = make_draft()
+        rows = torch.tensor([3, 5, 7])
+        fed = torch.randint(0, VOCAB, (5, 3))                 # fed[t]: the tokens step t is fed
+        pos = [torch.tensor([10, 20, 30]) + t for t in range(5)]
+        loc = [torch.tensor([100, 200, 300]) + t for t in range(5)]
+        hid = [torch.randn(3, 3 * TARGET) for _ in range(5)]
+
+        def slots(pool):
+            got = {}
+            for _, wloc, k, v, _, _ in pool.writes:
+                for i, s in enumerate(wloc.tolist()):
+                    got.setdefault(s, []).append(torch.cat([k[i].flatten(), v[i].flatten()]))
+            return got
+
+        with torch.no_grad():
+            ref = RecordingPool()   # decode-kv: after step t, its K/V with the token it sampled (fed[t + 1])
+            for t in range(3):
+                draft_kv.write_draft_kv(model, fed[t + 1], pos[t], hid[t], loc[t], ref)
+            pool = RecordingPool()
+            d = DeferredDraftKv(model, pool, rows=16, hidden_size=3 * TARGET, dtype=torch.float32, device="cpu")
+            for t in range(3):
+                d.step(rows, fed[t], pos[t], hid[t], loc[t])
+            first_step_slots = pool.writes[0][1].tolist()
+            d.flush(rows, fed[3], pos[3])                      # the catch-up step
+            after_flush = d.pos[rows].tolist()
+            d.flush(rows, fed[3], pos[3])                      # idempotent: nothing pending now
+            second_flush_slots = pool.writes[-1][1].tolist()
+            r, g = slots(ref), slots(pool)
+            padding_writes = len(g.pop(0, []))
+            same = sorted(r) == sorted(g) and all(
+                len(g[s]) == 1 and torch.allclose(r[s][0], g[s][0], atol=1e-6) for s in r)
+
+            # a prefilled row forgets; graph padding (row 0, position 0, slot 0) stays on slot 0
+            p2 = RecordingPool()
+            d2 = DeferredDraftKv(model, p2, rows=16, hidden_size=3 * TARGET, dtype=torch.float32, device="cpu")
+            d2.step(rows, fed[0], pos[0], hid[0], loc[0])
+            d2.forget(torch.tensor([5]))
+            padded = torch.tensor([3, 5, 7, 0, 0])
+            d2.step(padded, torch.cat([fed[1], fed[1][:2]]), torch.cat([pos[1], torch.zeros(2, dtype=torch.int64)]),
+                    torch.cat([hid[1], hid[1][:2]]), torch.cat([loc[1], torch.zeros(2, dtype=torch.int64)]))
+            forgot = p2.writes[-1][1].tolist()
+
+            # the tail hook acts inside the plain DECODE graph only
+            class Plain: pass
+            class Other: pass
+            p3 = RecordingPool()
+            d3 = DeferredDraftKv(model, p3, rows=16, hidden_size=3 * TARGET, dtype=torch.float32, device="cpu")
+            hook = deferred_kv.tail_hook(d3, Plain)
+            fb = NS(req_pool_indices=rows, input_ids=fed[0], positions=pos[0], out_cache_loc=loc[0])
+            hook(Other(), NS(hidden_states=hid[0]), fb, 3)
+            other_writes = len(p3.writes)
+            hook(Plain(), NS(hidden_states=hid[0]), fb, 3)
+            plain_writes = [len(p3.writes), d3.pos[rows].tolist()]
+        emit({"same": same, "ref_slots": sorted(r), "padding_writes": padding_writes,
+              "first_step_slots": first_step_slots, "after_flush": after_flush,
+              "second_flush_slots": second_flush_slots, "forgot": forgot,
+              "other_writes": other_writes, "plain_writes": plain_writes})
+    """)
+    assert out["ref_slots"] == [100, 101, 102, 200, 201, 202, 300, 301, 302]
+    assert out["same"]
+    assert out["first_step_slots"] == [0, 0, 0] and out["padding_writes"] == 6  # first step, 2nd flush
+    assert out["after_flush"] == [-1, -1, -1] and out["second_flush_slots"] == [0, 0, 0]
+    assert out["forgot"] == [100, 0, 300, 0, 0]
+    assert out["other_writes"] == 0 and out["plain_writes"] == [1, [10, 20, 30]]
+
+
+def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # With the deferral installed, a plain-layout step that ran the graph writes nothing more (the
+    # graph did); one without the graph keeps the books eagerly, with the input token at seq_lens - 1;
+    # a prefill forgets its rows; a speculative-layout zero-step step (the catch-up included) flushes
+    # what is pending before the draft writes its own K/V, with the token it is fed at seq_lens.
+    out = _probe(run_in_tree, tree, plugin_site, LAYOUT_FAKES, """
+        from sglang_image_plugin import deferred_kv
+        calls = []
+        rec = NS(step=lambda *a: calls.append(["step"] + [t.tolist() for t in a[:3]] + [a[4].tolist()]),
+                 forget=lambda rows: calls.append(["forget", rows.tolist()]),
+                 flush=lambda *a: calls.append(["flush"] + [t.tolist() for t in a]))
+        s = setup([0, 0, 0])
+        s.lay.prepare(s.batch)
+        upstream_plain_prepare(s.batch)
+        s.batch.input_ids = torch.tensor([100, 101, 102])
+        s.worker.draft_worker = NS(draft_runner=NS(model=NS(model=None), token_to_kv_pool=None))
+        setattr(s.worker.draft_worker, deferred_kv.DEFERRED_ATTR, rec)
+        for graph in (True, False):
+            s.worker.target_worker = NS(forward_batch_generation=lambda b, capture_hidden_mode=None: NS(
+                next_token_ids=torch.tensor([1, 2, 3]), can_run_cuda_graph=graph,
+                logits_output=NS(hidden_states=torch.zeros(3, 4))))
+            L.forward_batch_generation(lambda *a, **k: "speculative path", s.worker, s.batch)
+        writes_before = len(writes)
+        prefill = NS(forward_mode=ForwardMode.EXTEND, spec_algorithm=EAGLE, req_pool_indices=torch.tensor([9]))
+        L.forward_batch_generation(lambda *a, **k: "prefill", s.worker, prefill)
+        # the draft extend of a speculative-layout zero-step step
+        dw = NS(speculative_num_steps=0)
+        setattr(dw, deferred_kv.DEFERRED_ATTR, rec)
+        verified = NS(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([3, 5]),
+                      input_ids=torch.tensor([7, 8]), seq_lens=torch.tensor([12, 22]))
+        draft_kv.draft_extend_for_decode(lambda *a, **k: calls.append(["full draft extend"]), dw, verified, None)
+        dw.speculative_num_steps = 3
+        draft_kv.draft_extend_for_decode(lambda *a, **k: calls.append(["speculative extend"]), dw, verified, None)
+        emit({"calls": calls, "immediate_writes": writes_before})
+    """)
+    assert out["immediate_writes"] == 0
+    assert out["calls"] == [
+        ["step", [3, 5, 7], [100, 101, 102], [10, 20, 30], [3 * 64 + 10, 5 * 64 + 20, 7 * 64 + 30]],
+        ["forget", [9]],
+        ["flush", [3, 5], [7, 8], [12, 22]], ["full draft extend"],
+        ["speculative extend"]]

@@ -20,6 +20,8 @@ from typing import Any
 
 # On EagleDraftWorker: the CatchUpPolicy that says whether this plain step drafts in full.
 KV_ONLY_ATTR = "_sglang_image_kv_only"
+# On EagleDraftWorker: deferred_kv.DeferredDraftKv (layout): the draft K/V a plain-layout step left.
+DEFERRED_ATTR = "_sglang_image_deferred_kv"
 
 
 def unsupported_reason(draft_worker: Any, rejection_sampling: bool) -> str | None:
@@ -87,6 +89,11 @@ def draft_extend_for_decode(original: Callable[..., Any], draft_worker: Any, bat
     """AROUND EagleDraftWorker._draft_extend_for_decode: a plain step other than the catch-up
     writes the draft's K/V alone (where decode-kv was set up for this worker)."""
     catch_up = getattr(draft_worker, KV_ONLY_ATTR, None)
+    deferred = getattr(draft_worker, DEFERRED_ATTR, None)
+    if deferred is not None and draft_worker.speculative_num_steps == 0 and not batch.forward_mode.is_idle():
+        # (layout) what the last plain-layout step left pending, before this step writes its own:
+        # the token fed now sits at seq_lens (spec v2's lengths exclude it)
+        deferred.flush(batch.req_pool_indices, batch.input_ids, batch.seq_lens)
     if (
         catch_up is None
         or draft_worker.speculative_num_steps != 0

@@ -29,7 +29,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import draft_kv
+from sglang_image_plugin import deferred_kv, draft_kv
 
 # On EAGLEWorkerV2: its PlainLayout.
 LAYOUT_ATTR = "_sglang_image_plain_layout"
@@ -177,16 +177,22 @@ class PlainLayout:
             batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         draft_worker = self.worker.draft_worker
         runner = draft_worker.draft_runner
-        with _draft_context(draft_worker):
-            # the input token sits at seq_lens - 1 (a plain step's lengths include it)
-            draft_kv.write_draft_kv(
-                runner.model.model,
-                result.next_token_ids.to(torch.int64),
-                (batch.seq_lens - 1).to(torch.int64),
-                result.logits_output.hidden_states,
-                batch.out_cache_loc,
-                runner.token_to_kv_pool,
-            )
+        deferred = getattr(draft_worker, deferred_kv.DEFERRED_ATTR, None)
+        # the input token sits at seq_lens - 1 (a plain step's lengths include it)
+        positions = (batch.seq_lens - 1).to(torch.int64)
+        if deferred is None:
+            with _draft_context(draft_worker):
+                draft_kv.write_draft_kv(
+                    runner.model.model,
+                    result.next_token_ids.to(torch.int64),
+                    positions,
+                    result.logits_output.hidden_states,
+                    batch.out_cache_loc,
+                    runner.token_to_kv_pool,
+                )
+        elif not result.can_run_cuda_graph:  # the graph did it otherwise
+            deferred.step(batch.req_pool_indices, batch.input_ids, positions,
+                          result.logits_output.hidden_states, batch.out_cache_loc)
         for req in batch.reqs:  # tokens per step in meta_info: a plain step verifies no draft
             req.spec_verify_ct += 1
         if self.metrics is not None:  # the server's accept length: one token per request and step
@@ -249,6 +255,10 @@ def forward_batch_generation(original: Callable[..., Any], worker: Any, batch: A
                              *args: Any, **kwargs: Any) -> Any:
     """AROUND EAGLEWorkerV2.forward_batch_generation: a plain-layout decode batch's step."""
     layout = getattr(worker, LAYOUT_ATTR, None)
+    if layout is not None and batch.forward_mode.is_extend():
+        deferred = getattr(worker.draft_worker, deferred_kv.DEFERRED_ATTR, None)
+        if deferred is not None:  # new requests in these rows: nothing of theirs is pending
+            deferred.forget(batch.req_pool_indices)
     if (
         layout is None
         or not batch.spec_algorithm.is_none()

@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from sglang_image_plugin import deferred_kv, draft_kv
 from sglang_image_plugin.spec_disable import SETTING_ATTR
 
 ENV = "SGLANG_IMAGE_PLAIN_STEP"
@@ -92,8 +93,19 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
     logger.warning("%s=%s: experimental: the plain steps' target forward runs under a DECODE "
                    "CUDA graph%s", ENV, variant(),
                    " and the draft writes only its K/V" if variant() in KV_ONLY else "")
+    deferred = None
+    if variant() == LAYOUT and getattr(worker.draft_worker, draft_kv.KV_ONLY_ATTR, None) is not None:
+
+        deferred = deferred_kv.install(worker, runner_class())
+        logger.info("%s=%s: %s", ENV, LAYOUT,
+                    "the plain step's graph writes the previous plain step's draft K/V"
+                    if deferred is not None else "the draft's K/V are written after each plain step: "
+                    + str(deferred_kv.unsupported_reason(worker)))
     with _decode_runner_for_capture():
-        return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
+        state = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
+    if deferred is not None:
+        deferred.reset()  # the capture's runs fed dummy rows
+    return state
 
 
 def prepare_for_verify(original: Callable[..., Any], verify_input: Any, req_to_token_pool: Any,

@@ -1,0 +1,133 @@
+"""The draft's K/V of a plain step, written inside the next plain step's target CUDA graph
+(SGLANG_IMAGE_PLAIN_STEP=layout).
+
+A one-layer EAGLE-3 draft's K/V at position p need the token at p + 1, which a plain step samples
+after its graph has run. So each plain step's graph writes the previous plain step's K/V (the token
+it is fed now is the one they need) and keeps its own rows' target hidden states, positions and KV
+slots for the next: no launch on the host for the draft. The write is recorded into the zero-step
+state's DECODE graph through ModelRunner.capture_tail_hooks (0.5.17's _DeferredDraftKv, there a
+hook of our patch); a step that runs without that graph does the same bookkeeping eagerly.
+
+Per request row (the req_to_token row): the pending position (-1: none), KV slot and hidden state.
+A step writes a row's pending K/V when the pending position is just before the row's position now
+(its previous step was a plain step of the same request); every other row, and a padded graph row
+(row 0, slot 0: upstream pads with zeros), writes the pool's padding slot 0. A prefill forgets its
+rows; the catch-up step, and a speculative-layout plain step, first flush what is pending before
+the token they are fed. Known price: a request's last plain step leaves one draft position
+unwritten (a later request reusing the whole sequence from the radix cache may draft one token
+worse there; outputs are the target's).
+
+torch and sglang are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_image_plugin import draft_kv
+
+DEFERRED_ATTR = draft_kv.DEFERRED_ATTR
+
+
+class DeferredDraftKv:
+    """The pending draft K/V of each request row, and the step that writes and keeps them."""
+
+    def __init__(self, model: Any, pool: Any, rows: int, hidden_size: int, dtype: Any,
+                 device: Any) -> None:
+        import torch
+
+        self.model = model
+        self.pool = pool
+        self.pos = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.loc = torch.zeros((rows,), dtype=torch.int64, device=device)
+        self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
+
+    def _write_pending(self, rows: Any, tokens: Any, positions: Any) -> Any:
+        """Write the pending K/V of `rows` whose pending position is `positions` - 1, with the
+        tokens fed at `positions`; the others write the padding slot. Returns rows as int64."""
+        import torch
+
+        rows = rows.to(torch.int64)
+        pending = self.pos[rows]
+        valid = pending == positions.to(torch.int64) - 1
+        zero = torch.zeros_like(pending)
+        draft_kv.write_draft_kv(self.model, tokens.to(torch.int64), torch.where(valid, pending, zero),
+                                self.hidden[rows], torch.where(valid, self.loc[rows], zero), self.pool)
+        return rows
+
+    def step(self, rows: Any, tokens: Any, positions: Any, hidden: Any, loc: Any) -> None:
+        """A plain step fed `tokens` at `positions` (its KV slots `loc`, the target's hidden states
+        `hidden`): the previous step's pending K/V, then this step's kept. Fixed shapes only: it is
+        recorded into a CUDA graph."""
+        import torch
+
+        rows = self._write_pending(rows, tokens, positions)
+        self.pos[rows] = positions.to(torch.int64)
+        self.loc[rows] = loc.to(torch.int64)
+        self.hidden[rows] = hidden.to(self.hidden.dtype)
+
+    def flush(self, rows: Any, tokens: Any, positions: Any) -> None:
+        """Before a step that writes its own draft K/V (the catch-up step's full draft extend, a
+        speculative-layout plain step): the pending K/V before `positions`, then none pending."""
+        rows = self._write_pending(rows, tokens, positions)
+        self.pos[rows] = -1
+
+    def forget(self, rows: Any) -> None:
+        """A prefill: these rows hold new requests."""
+        import torch
+
+        self.pos[rows.to(torch.int64)] = -1
+
+    def reset(self) -> None:
+        """After graph capture (its runs fed dummy rows)."""
+        self.pos.fill_(-1)
+
+
+def tail_hook(deferred: DeferredDraftKv, runner_class: type) -> Any:
+    """ModelRunner.capture_tail_hooks entry: inside the zero-step state's DECODE graph (and its
+    warm-up runs), the deferred step; nothing in any other graph of the target."""
+
+    def hook(graph_runner: Any, out: Any, forward_batch: Any, num_tokens: int) -> None:
+        if not isinstance(graph_runner, runner_class):
+            return
+        deferred.step(forward_batch.req_pool_indices, forward_batch.input_ids,
+                      forward_batch.positions, out.hidden_states, forward_batch.out_cache_loc)
+
+    return hook
+
+
+def unsupported_reason(worker: Any) -> str | None:
+    """Why the graph cannot write the draft's K/V here (None: it can)."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if int(resolving_view(worker.server_args).tp_size or 1) > 1:
+        return "tensor parallelism (the draft's group is entered around its work on the host)"
+    model = worker.draft_worker.draft_runner.model.model
+    if getattr(model, "fc", None) is None:
+        return "the draft has no fc layer over the target's hidden states"
+    return None
+
+
+def install(worker: Any, runner_class: type) -> DeferredDraftKv | None:
+    """Before the zero-step state's capture: the worker's DeferredDraftKv and the target's tail
+    hook that writes it; None (and the eager write stays) where unsupported."""
+    draft_worker = worker.draft_worker
+    existing: DeferredDraftKv | None = getattr(draft_worker, DEFERRED_ATTR, None)
+    if existing is not None:
+        return existing
+    if unsupported_reason(worker) is not None:
+        return None
+    runner = draft_worker.draft_runner
+    target = worker.target_worker.model_runner
+    fc = runner.model.model.fc
+    deferred = DeferredDraftKv(
+        runner.model.model,
+        runner.token_to_kv_pool,
+        rows=int(target.req_to_token_pool.req_to_token.shape[0]),
+        hidden_size=int(fc.weight.shape[1]),
+        dtype=fc.weight.dtype,
+        device=fc.weight.device,
+    )
+    target.capture_tail_hooks.append(tail_hook(deferred, runner_class))
+    setattr(draft_worker, DEFERRED_ATTR, deferred)
+    return deferred
