@@ -74,7 +74,7 @@ ADAPTIVE_CONFIG = {
 # What a switching server's plain step runs (the plugin's SGLANG_IMAGE_PLAIN_STEP); a server of
 # another variant than the first is named with it (eagle3_thr16+decode-kv).
 PLAIN_STEP_ENV = "SGLANG_IMAGE_PLAIN_STEP"
-PLAIN_STEPS = ("zero-step", "decode", "decode-kv", "layout")
+PLAIN_STEPS = ("zero-step", "decode", "decode-kv", "layout", "layout-eager")
 START_S_PER_SERVER = 75  # a server's start, budgeted until measured (about a minute or two)
 WARM_S = 30  # its warm-up, budgeted until measured
 MAX_PROMPT_LEN = 64  # prompts of 32-64 tokens

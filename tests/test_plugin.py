@@ -791,8 +791,8 @@ def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, 
         # target's runner, its books cleared after the capture's dummy runs); without: no hook
         import torch
         from sglang_image_plugin import deferred_kv
-        def layout_run(kv_only):
-            os.environ[plain_target.ENV] = "layout"
+        def layout_run(kv_only, name="layout"):
+            os.environ[plain_target.ENV] = name
             sa = prepare_server_args(["--model-path", m, "--skip-tokenizer-init", "--device", "cpu",
                 "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", m,
                 "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
@@ -816,14 +816,14 @@ def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, 
         emit({{"seen": seen, "base": [b.__name__ for b in cls.__mro__[1:3]],
                "spec_info": cls.get_spec_info(None, 8),
                "restored": eagle_worker_v2.DecodeCudaGraphRunner.__name__,
-               "layout": [layout_run(True), layout_run(False)]}})
+               "layout": [layout_run(True), layout_run(False), layout_run(True, "layout-eager")]}})
     """)
     assert out["seen"] == [[0, "PlainDecodeCudaGraphRunner"], [0, "PlainDecodeCudaGraphRunner"],
                            [3, "DecodeCudaGraphRunner"],
                            [0, "DecodeCudaGraphRunner"], [0, "DecodeCudaGraphRunner"]]
     assert out["base"][0] == "DecodeCudaGraphRunner" and out["spec_info"] is None
     assert out["restored"] == "DecodeCudaGraphRunner"
-    assert out["layout"] == [[1, [[8, 36], [-1] * 8]], [0, None]]
+    assert out["layout"] == [[1, [[8, 36], [-1] * 8]], [0, None], [0, None]]
 
 
 # The fake draft's worker: its runner (model, KV pool, slot translators), as the hooks read it.

@@ -403,14 +403,15 @@ def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> N
     if controller is not None and labels is not None:
         controller.metrics = PrometheusMetrics(dict(labels))
     catch_up = getattr(getattr(worker, "_draft_worker", None), draft_kv.KV_ONLY_ATTR, None)
-    if controller is None or catch_up is None or plain_target.variant() != plain_target.LAYOUT:
+    chosen = plain_target.variant()
+    if controller is None or catch_up is None or chosen not in plain_target.LAYOUTS:
         return
     if scheduler.model_worker is not worker:
-        _log_on_rank0(f"{plain_target.ENV}={plain_target.LAYOUT}: the speculative layout: the "
+        _log_on_rank0(f"{plain_target.ENV}={chosen}: the speculative layout: the "
                       "scheduler runs another worker than the EAGLE-3 one")
         return
     reason = layout.install(scheduler, catch_up, getattr(worker, ACCEPTANCE_ATTR, None))
-    _log_on_rank0(f"{plain_target.ENV}={plain_target.LAYOUT}: "
+    _log_on_rank0(f"{plain_target.ENV}={chosen}: "
                   + ("plain steps run in the plain layout" if reason is None
                      else f"plain steps keep the speculative layout: {reason}"))
 

@@ -7,7 +7,9 @@ SGLANG_IMAGE_PLAIN_STEP:
 - `decode-kv`: as `decode`, and the draft writes only its K/V (draft_kv.py), with one full draft
   extend (the catch-up step) before speculation resumes;
 - `layout`: as `decode-kv`, and under the overlap scheduler the scheduler prepares, runs and
-  processes a plain step as a plain server's decode step (layout.py).
+  processes a plain step as a plain server's decode step (layout.py); the draft's K/V are written
+  by the next plain step's graph (deferred_kv.py);
+- `layout-eager`: `layout` with the draft's K/V written after each step (to measure the deferral).
 
 Only the target forward changes: upstream's verify bookkeeping (sampling, grammars, penalties,
 logprobs, the stride-1 result) and the draft extend run as before, on the same token, position and
@@ -30,9 +32,11 @@ from sglang_image_plugin import deferred_kv, draft_kv
 from sglang_image_plugin.spec_disable import SETTING_ATTR
 
 ENV = "SGLANG_IMAGE_PLAIN_STEP"
-ZERO_STEP, DECODE, DECODE_KV, LAYOUT = "zero-step", "decode", "decode-kv", "layout"
-VARIANTS = (ZERO_STEP, DECODE, DECODE_KV, LAYOUT)
-KV_ONLY = (DECODE_KV, LAYOUT)  # the variants whose plain steps write only the draft's K/V
+ZERO_STEP, DECODE, DECODE_KV = "zero-step", "decode", "decode-kv"
+LAYOUT, LAYOUT_EAGER = "layout", "layout-eager"
+VARIANTS = (ZERO_STEP, DECODE, DECODE_KV, LAYOUT, LAYOUT_EAGER)
+KV_ONLY = (DECODE_KV, LAYOUT, LAYOUT_EAGER)  # the variants whose plain steps write only the draft's K/V
+LAYOUTS = (LAYOUT, LAYOUT_EAGER)  # the variants with the plain layout
 logger = logging.getLogger(__name__)
 
 
