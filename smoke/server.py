@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -31,13 +30,15 @@ EAGLE_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "
 # meanwhile comes out of that pool, down to none (the start fails). The file lock covers servers of
 # other processes (two smoke runs side by side). Uncontended where servers run one by one.
 STARTING = threading.Lock()
-START_LOCK_FILE = Path(tempfile.gettempdir()) / "sglang-image-server-start.lock"
+# The file the host-wide lock is taken on: this module, which every run of this installation
+# shares and which always exists (a lock file of its own would be left behind in /tmp).
+START_LOCK_FILE = Path(__file__)
 
 
 @contextlib.contextmanager
 def host_start_lock(timeout: float) -> Iterator[bool]:
     """Holds the host-wide start lock; yields False when it could not be had within `timeout` s."""
-    with open(START_LOCK_FILE, "a") as fh:
+    with open(START_LOCK_FILE, "rb") as fh:
         end = time.time() + timeout
         while True:
             try:

@@ -596,6 +596,19 @@ def test_a_server_of_another_process_starting_holds_this_start(tmp_path, monkeyp
         assert locked
 
 
+def test_the_host_start_lock_leaves_nothing_in_the_temporary_directory():
+    """CI fails a run that leaves a file in /tmp; a user's smoke should not either."""
+    import tempfile
+
+    from smoke import server as server_mod
+
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.iterdir())
+    with server_mod.host_start_lock(1.0) as locked:
+        assert locked
+    assert set(temp.iterdir()) - before == set()
+
+
 # ----------------------------------------------------------------------------- variants side by side
 class VariantRecorder:
     """Stands in for run_variant / run_auto_variant: records each call's variant, port and thread,
