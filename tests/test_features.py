@@ -12,6 +12,7 @@ import pytest
 from bench.__main__ import build_parser as bench_parser
 from smoke import features as F
 from smoke.__main__ import build_parser
+from tests.server_fakes import port_recording_server
 
 
 def outcome(ids: list[int], finish: object = None, lps: list[float] | None = None,
@@ -298,16 +299,7 @@ def test_without_the_flag_variants_run_one_after_the_other_on_today_s_port(tmp_p
 def test_a_variant_s_server_listens_on_the_port_it_is_given(tmp_path, monkeypatch):
     """run_variant's own server: opts.port + 1 by default (today's), else the port passed."""
     ports: list[int] = []
-
-    class NoServer:
-        def __init__(self, cfg, port, log):
-            ports.append(port)
-
-        def start(self, timeout):
-            raise F.SmokeError("no GPU here")
-
-        def stop(self):
-            pass
+    NoServer = port_recording_server(ports)
 
     opts = F.FeatureOptions(models=tmp_path, out=tmp_path)
     pressure = F.Case("kv_pressure", (), F.equal_tokens)

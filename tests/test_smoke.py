@@ -24,6 +24,7 @@ if str(REPO) not in sys.path:
 from bench.__main__ import build_parser as bench_parser
 from smoke import client, models, partial, runner
 from smoke.__main__ import build_parser
+from tests.server_fakes import port_recording_server
 
 # A server log as sglang 0.5.17 writes it (launch of an EAGLE-3 server), without the patch's line.
 SERVER_LOG = """\
@@ -710,16 +711,7 @@ def test_a_smoke_variant_s_server_listens_on_the_port_it_is_given(tmp_path, monk
     """run_variant's and run_auto_variant's server: opts.port by default (today's, the plain
     server's, stopped by then), else the port passed."""
     ports: list[int] = []
-
-    class NoServer:
-        def __init__(self, cfg, port, log):
-            ports.append(port)
-
-        def start(self, timeout):
-            raise runner.SmokeError("no GPU here")
-
-        def stop(self):
-            pass
+    NoServer = port_recording_server(ports)
 
     monkeypatch.setattr(runner, "Server", NoServer)
     opts = runner.SmokeOptions(models=tmp_path, out=tmp_path, port=30000)
