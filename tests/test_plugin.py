@@ -1197,3 +1197,25 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
         ["forget", [9]],
         ["flush", [3, 5], [7, 8], [12, 22]], ["full draft extend"],
         ["speculative extend"]]
+
+
+def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # layout under the synchronous scheduler: no plain layout there, every plain step writes its
+    # own draft K/V in the speculative layout, so the draft worker keeps no deferral to flush
+    # (a flush before each such step would only write the padding slot).
+    out = _probe(run_in_tree, tree, plugin_site, """
+        from types import SimpleNamespace as NS
+        from sglang_image_plugin import draft_kv, hooks, layout as L
+        def scheduler(overlap):
+            draft = NS()
+            setattr(draft, draft_kv.KV_ONLY_ATTR, object())
+            setattr(draft, draft_kv.DEFERRED_ATTR, "deferred")
+            worker = NS(_draft_worker=draft)
+            setattr(worker, hooks.CONTROLLER_ATTR, NS())
+            s = NS(draft_worker=worker, model_worker=worker, enable_overlap=overlap, page_size=1,
+                   future_map=object(), spec_algorithm="EAGLE3", metrics_reporter=None)
+            hooks.scheduler_init(None, s)
+            return [getattr(draft, draft_kv.DEFERRED_ATTR), getattr(worker, L.LAYOUT_ATTR, None) is not None]
+        emit({"sync": scheduler(False), "overlap": scheduler(True)})
+    """, env={"SGLANG_IMAGE_PLAIN_STEP": "layout"})
+    assert out == {"sync": [None, False], "overlap": ["deferred", True]}

@@ -402,15 +402,19 @@ def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> N
     labels = getattr(collector, "labels", None)
     if controller is not None and labels is not None:
         controller.metrics = PrometheusMetrics(dict(labels))
-    catch_up = getattr(getattr(worker, "_draft_worker", None), draft_kv.KV_ONLY_ATTR, None)
+    draft = getattr(worker, "_draft_worker", None)
+    catch_up = getattr(draft, draft_kv.KV_ONLY_ATTR, None)
     chosen = plain_target.variant()
     if controller is None or catch_up is None or chosen not in plain_target.LAYOUTS:
         return
     if scheduler.model_worker is not worker:
-        _log_on_rank0(f"{plain_target.ENV}={chosen}: the speculative layout: the "
-                      "scheduler runs another worker than the EAGLE-3 one")
-        return
-    reason = layout.install(scheduler, catch_up, getattr(worker, ACCEPTANCE_ATTR, None))
+        reason: str | None = "the scheduler runs another worker than the EAGLE-3 one"
+    else:
+        reason = layout.install(scheduler, catch_up, getattr(worker, ACCEPTANCE_ATTR, None))
+    if reason is not None:
+        # every plain step stays a speculative-layout one and writes its own K/V: nothing is
+        # left for a flush to write (the graph's own books are written inside it, at no host cost)
+        setattr(draft, draft_kv.DEFERRED_ATTR, None)
     _log_on_rank0(f"{plain_target.ENV}={chosen}: "
                   + ("plain steps run in the plain layout" if reason is None
                      else f"plain steps keep the speculative layout: {reason}"))

@@ -99,7 +99,6 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
                    " and the draft writes only its K/V" if variant() in KV_ONLY else "")
     deferred = None
     if variant() == LAYOUT and getattr(worker.draft_worker, draft_kv.KV_ONLY_ATTR, None) is not None:
-
         deferred = deferred_kv.install(worker, runner_class())
         logger.info("%s=%s: %s", ENV, LAYOUT,
                     "the plain step's graph writes the previous plain step's draft K/V"
