@@ -1115,8 +1115,9 @@ def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(r
             first_step_slots = pool.writes[0][1].tolist()
             d.flush(rows, fed[3], pos[3])                      # the catch-up step
             after_flush = d.pos[rows].tolist()
-            d.flush(rows, fed[3], pos[3])                      # idempotent: nothing pending now
-            second_flush_slots = pool.writes[-1][1].tolist()
+            writes_after_flush = len(pool.writes)
+            d.flush(rows, fed[3], pos[3])                      # nothing pending now: no write
+            second_flush_writes = len(pool.writes) - writes_after_flush
             r, g = slots(ref), slots(pool)
             padding_writes = len(g.pop(0, []))
             same = sorted(r) == sorted(g) and all(
@@ -1145,13 +1146,13 @@ def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(r
             plain_writes = [len(p3.writes), d3.pos[rows].tolist()]
         emit({"same": same, "ref_slots": sorted(r), "padding_writes": padding_writes,
               "first_step_slots": first_step_slots, "after_flush": after_flush,
-              "second_flush_slots": second_flush_slots, "forgot": forgot,
+              "second_flush_writes": second_flush_writes, "forgot": forgot,
               "other_writes": other_writes, "plain_writes": plain_writes})
     """)
     assert out["ref_slots"] == [100, 101, 102, 200, 201, 202, 300, 301, 302]
     assert out["same"]
-    assert out["first_step_slots"] == [0, 0, 0] and out["padding_writes"] == 6  # first step, 2nd flush
-    assert out["after_flush"] == [-1, -1, -1] and out["second_flush_slots"] == [0, 0, 0]
+    assert out["first_step_slots"] == [0, 0, 0] and out["padding_writes"] == 3  # the first step's
+    assert out["after_flush"] == [-1, -1, -1] and out["second_flush_writes"] == 0
     assert out["forgot"] == [100, 0, 300, 0, 0]
     assert out["other_writes"] == 0 and out["plain_writes"] == [1, [10, 20, 30]]
 
@@ -1179,6 +1180,7 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
                 logits_output=NS(hidden_states=torch.zeros(3, 4))))
             L.forward_batch_generation(lambda *a, **k: "speculative path", s.worker, s.batch)
         writes_before = len(writes)
+        graph_step_marked = getattr(rec, "pending", False)  # (the graph's step: a flush is due)
         prefill = NS(forward_mode=ForwardMode.EXTEND, spec_algorithm=EAGLE, req_pool_indices=torch.tensor([9]))
         L.forward_batch_generation(lambda *a, **k: "prefill", s.worker, prefill)
         # the draft extend of a speculative-layout zero-step step
@@ -1189,9 +1191,9 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
         draft_kv.draft_extend_for_decode(lambda *a, **k: calls.append(["full draft extend"]), dw, verified, None)
         dw.speculative_num_steps = 3
         draft_kv.draft_extend_for_decode(lambda *a, **k: calls.append(["speculative extend"]), dw, verified, None)
-        emit({"calls": calls, "immediate_writes": writes_before})
+        emit({"calls": calls, "immediate_writes": writes_before, "marked": graph_step_marked})
     """)
-    assert out["immediate_writes"] == 0
+    assert out["immediate_writes"] == 0 and out["marked"] is True
     assert out["calls"] == [
         ["step", [3, 5, 7], [100, 101, 102], [10, 20, 30], [3 * 64 + 10, 5 * 64 + 20, 7 * 64 + 30]],
         ["forget", [9]],

@@ -38,6 +38,9 @@ class DeferredDraftKv:
 
         self.model = model
         self.pool = pool
+        # on the host: a plain-layout step ran since the last flush (else a flush has nothing to
+        # write, and a speculative-layout plain step after another skips it)
+        self.pending = False
         self.pos = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.loc = torch.zeros((rows,), dtype=torch.int64, device=device)
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
@@ -62,6 +65,7 @@ class DeferredDraftKv:
         import torch
 
         rows = self._write_pending(rows, tokens, positions)
+        self.pending = True
         self.pos[rows] = positions.to(torch.int64)
         self.loc[rows] = loc.to(torch.int64)
         self.hidden[rows] = hidden.to(self.hidden.dtype)
@@ -69,8 +73,11 @@ class DeferredDraftKv:
     def flush(self, rows: Any, tokens: Any, positions: Any) -> None:
         """Before a step that writes its own draft K/V (the catch-up step's full draft extend, a
         speculative-layout plain step): the pending K/V before `positions`, then none pending."""
+        if not self.pending:
+            return
         rows = self._write_pending(rows, tokens, positions)
         self.pos[rows] = -1
+        self.pending = False
 
     def forget(self, rows: Any) -> None:
         """A prefill: these rows hold new requests."""
@@ -81,6 +88,7 @@ class DeferredDraftKv:
     def reset(self) -> None:
         """After graph capture (its runs fed dummy rows)."""
         self.pos.fill_(-1)
+        self.pending = False
 
 
 def tail_hook(deferred: DeferredDraftKv, runner_class: type) -> Any:

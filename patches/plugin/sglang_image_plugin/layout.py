@@ -193,6 +193,8 @@ class PlainLayout:
         elif not result.can_run_cuda_graph:  # the graph did it otherwise
             deferred.step(batch.req_pool_indices, batch.input_ids, positions,
                           result.logits_output.hidden_states, batch.out_cache_loc)
+        else:
+            deferred.pending = True
         for req in batch.reqs:  # tokens per step in meta_info: a plain step verifies no draft
             req.spec_verify_ct += 1
         if self.metrics is not None:  # the server's accept length: one token per request and step
