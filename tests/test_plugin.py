@@ -790,7 +790,7 @@ def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, 
         # layout, with a draft that writes only its K/V: the graph writes them (a tail hook on the
         # target's runner, its books cleared after the capture's dummy runs); without: no hook
         import torch
-        from sglang_image_plugin import deferred_kv
+        from sglang_image_plugin import draft_kv
         def layout_run(kv_only, name="layout"):
             os.environ[plain_target.ENV] = name
             sa = prepare_server_args(["--model-path", m, "--skip-tokenizer-init", "--device", "cpu",
@@ -807,11 +807,11 @@ def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, 
             w = NS(server_args=sa, draft_worker=dw, target_worker=NS(model_runner=NS(
                 capture_tail_hooks=hooks, req_to_token_pool=NS(req_to_token=torch.zeros(8, 4)))))
             def capture(worker, steps, tokens, *a, **k):
-                d = getattr(dw, deferred_kv.DEFERRED_ATTR, None)
+                d = getattr(dw, draft_kv.DEFERRED_ATTR, None)
                 if d is not None:
                     d.pos[1] = 5  # what a capture run with dummy rows leaves
             plain_target.build_runtime_state(capture, w, 0, 1)
-            d = getattr(dw, deferred_kv.DEFERRED_ATTR, None)
+            d = getattr(dw, draft_kv.DEFERRED_ATTR, None)
             return [len(hooks), None if d is None else [list(d.hidden.shape), d.pos.tolist()]]
         emit({{"seen": seen, "base": [b.__name__ for b in cls.__mro__[1:3]],
                "spec_info": cls.get_spec_info(None, 8),
@@ -1163,7 +1163,6 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
     # a prefill forgets its rows; a speculative-layout zero-step step (the catch-up included) flushes
     # what is pending before the draft writes its own K/V, with the token it is fed at seq_lens.
     out = _probe(run_in_tree, tree, plugin_site, LAYOUT_FAKES, """
-        from sglang_image_plugin import deferred_kv
         calls = []
         rec = NS(step=lambda *a: calls.append(["step"] + [t.tolist() for t in a[:3]] + [a[4].tolist()]),
                  forget=lambda rows: calls.append(["forget", rows.tolist()]),
@@ -1173,7 +1172,7 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
         upstream_plain_prepare(s.batch)
         s.batch.input_ids = torch.tensor([100, 101, 102])
         s.worker.draft_worker = NS(draft_runner=NS(model=NS(model=None), token_to_kv_pool=None))
-        setattr(s.worker.draft_worker, deferred_kv.DEFERRED_ATTR, rec)
+        setattr(s.worker.draft_worker, draft_kv.DEFERRED_ATTR, rec)
         for graph in (True, False):
             s.worker.target_worker = NS(forward_batch_generation=lambda b, capture_hidden_mode=None: NS(
                 next_token_ids=torch.tensor([1, 2, 3]), can_run_cuda_graph=graph,
@@ -1185,7 +1184,7 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
         L.forward_batch_generation(lambda *a, **k: "prefill", s.worker, prefill)
         # the draft extend of a speculative-layout zero-step step
         dw = NS(speculative_num_steps=0)
-        setattr(dw, deferred_kv.DEFERRED_ATTR, rec)
+        setattr(dw, draft_kv.DEFERRED_ATTR, rec)
         verified = NS(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([3, 5]),
                       input_ids=torch.tensor([7, 8]), seq_lens=torch.tensor([12, 22]))
         draft_kv.draft_extend_for_decode(lambda *a, **k: calls.append(["full draft extend"]), dw, verified, None)

@@ -26,8 +26,6 @@ from typing import Any
 
 from sglang_image_plugin import draft_kv
 
-DEFERRED_ATTR = draft_kv.DEFERRED_ATTR
-
 
 class DeferredDraftKv:
     """The pending draft K/V of each request row, and the step that writes and keeps them."""
@@ -116,15 +114,13 @@ def unsupported_reason(worker: Any) -> str | None:
     return None
 
 
-def install(worker: Any, runner_class: type) -> DeferredDraftKv | None:
-    """Before the zero-step state's capture: the worker's DeferredDraftKv and the target's tail
-    hook that writes it; None (and the eager write stays) where unsupported."""
+def install(worker: Any, runner_class: type) -> DeferredDraftKv:
+    """Before the zero-step state's capture (where unsupported_reason is None): the worker's
+    DeferredDraftKv and the target's tail hook that writes it."""
     draft_worker = worker.draft_worker
-    existing: DeferredDraftKv | None = getattr(draft_worker, DEFERRED_ATTR, None)
+    existing: DeferredDraftKv | None = getattr(draft_worker, draft_kv.DEFERRED_ATTR, None)
     if existing is not None:
         return existing
-    if unsupported_reason(worker) is not None:
-        return None
     runner = draft_worker.draft_runner
     target = worker.target_worker.model_runner
     fc = runner.model.model.fc
@@ -137,5 +133,5 @@ def install(worker: Any, runner_class: type) -> DeferredDraftKv | None:
         device=fc.weight.device,
     )
     target.capture_tail_hooks.append(tail_hook(deferred, runner_class))
-    setattr(draft_worker, DEFERRED_ATTR, deferred)
+    setattr(draft_worker, draft_kv.DEFERRED_ATTR, deferred)
     return deferred

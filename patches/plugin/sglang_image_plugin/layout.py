@@ -29,7 +29,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import deferred_kv, draft_kv
+from sglang_image_plugin import draft_kv
 
 # On EAGLEWorkerV2: its PlainLayout.
 LAYOUT_ATTR = "_sglang_image_plain_layout"
@@ -177,7 +177,7 @@ class PlainLayout:
             batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         draft_worker = self.worker.draft_worker
         runner = draft_worker.draft_runner
-        deferred = getattr(draft_worker, deferred_kv.DEFERRED_ATTR, None)
+        deferred = getattr(draft_worker, draft_kv.DEFERRED_ATTR, None)
         # the input token sits at seq_lens - 1 (a plain step's lengths include it)
         positions = (batch.seq_lens - 1).to(torch.int64)
         if deferred is None:
@@ -258,7 +258,7 @@ def forward_batch_generation(original: Callable[..., Any], worker: Any, batch: A
     """AROUND EAGLEWorkerV2.forward_batch_generation: a plain-layout decode batch's step."""
     layout = getattr(worker, LAYOUT_ATTR, None)
     if layout is not None and batch.forward_mode.is_extend():
-        deferred = getattr(worker.draft_worker, deferred_kv.DEFERRED_ATTR, None)
+        deferred = getattr(worker.draft_worker, draft_kv.DEFERRED_ATTR, None)
         if deferred is not None:  # new requests in these rows: nothing of theirs is pending
             deferred.forget(batch.req_pool_indices)
     if (

@@ -99,11 +99,12 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
                    " and the draft writes only its K/V" if variant() in KV_ONLY else "")
     deferred = None
     if variant() == LAYOUT and getattr(worker.draft_worker, draft_kv.KV_ONLY_ATTR, None) is not None:
-        deferred = deferred_kv.install(worker, runner_class())
+        reason = deferred_kv.unsupported_reason(worker)
+        if reason is None:
+            deferred = deferred_kv.install(worker, runner_class())
         logger.info("%s=%s: %s", ENV, LAYOUT,
                     "the plain step's graph writes the previous plain step's draft K/V"
-                    if deferred is not None else "the draft's K/V are written after each plain step: "
-                    + str(deferred_kv.unsupported_reason(worker)))
+                    if reason is None else f"the draft's K/V are written after each plain step: {reason}")
     with _decode_runner_for_capture():
         state = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
     if deferred is not None:
