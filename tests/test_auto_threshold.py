@@ -452,6 +452,25 @@ def test_policy_charges_no_step_with_the_scheduler_s_idle_gap():
     assert policy.dropped == 1
 
 
+def test_policy_leaves_the_catch_up_step_out_and_keeps_the_pairing():
+    # The catch-up step before speculation resumes was decided speculative but drafts nothing: its
+    # result (one token per request) must not lower the speculative accept length, and the steps
+    # after it still pair with their own results.
+    clock = Clock()
+    ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
+    policy = AutoPolicy(ctl, 3, clock)
+    policy.get_steps_for_batch(4)
+    policy.leave_out_last()  # the catch-up step
+    clock.now += 0.01
+    policy.get_steps_for_batch(4)
+    policy.on_verify_complete([0] * 4, 4)
+    clock.now += 0.02
+    policy.get_steps_for_batch(4)
+    policy.on_verify_complete([2] * 4, 4)
+    assert [rec[1:] for rec in ctl.recorded] == [(4, pytest.approx(0.02), 12)]
+    assert policy.dropped == 0
+
+
 def test_the_scheduler_idle_hook_reaches_auto_s_policy():
     from types import SimpleNamespace
 

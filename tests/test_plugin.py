@@ -946,7 +946,7 @@ LAYOUT_FAKES = """
     ROWS = torch.tensor([3, 5, 7])
     REQ_TO_TOKEN = torch.arange(16 * 64, dtype=torch.int32).reshape(16, 64)  # slot = row * 64 + pos
 
-    def setup(inner_steps, fits=True):
+    def setup(inner_steps, fits=True, inner=None):
         fm = FutureMap(torch.device("cpu"), EAGLE, NS(req_to_token=REQ_TO_TOKEN))
         # the last speculative step: lengths 10, 20, 30 (the KV written), its proposal
         fm.publish(ROWS, torch.tensor([10, 20, 30]))
@@ -955,7 +955,8 @@ LAYOUT_FAKES = """
                                     hidden_states=torch.ones(3, 4)))
         freed = []
         # (a Req keeps its row under kv, as the batch does on the host: nothing else is read)
-        reqs = [NS(kv=NS(kv_allocated_len=a, kv_committed_len=a - 9), spec_verify_ct=0) for a in (18, 28, 38)]
+        reqs = [NS(kv=NS(kv_allocated_len=a, kv_committed_len=a - 9), spec_verify_ct=0, is_retracted=False,
+                   finished=lambda: False) for a in (18, 28, 38)]
         batch = NS(reqs=reqs, req_pool_indices=ROWS, req_pool_indices_cpu=ROWS.clone(),
                    seq_lens=torch.zeros(3, dtype=torch.int64),
                    seq_lens_cpu=None, orig_seq_lens=torch.zeros(3, dtype=torch.int32), seq_lens_sum=None,
@@ -967,7 +968,7 @@ LAYOUT_FAKES = """
                    prefill_input_ids_cpu=None, mix_running_indices=None, enable_overlap=True)
         checked = []
         batch.check_decode_mem = lambda: (checked.append(batch.spec_algorithm), fits)[1]
-        inner = NS(get_steps_for_batch=lambda bs: inner_steps.pop(0))
+        inner = inner or NS(get_steps_for_batch=lambda bs: inner_steps.pop(0), on_verify_complete=lambda n, batch_size=0: None)
         policy = CatchUpPolicy(inner)
         worker = NS(speculative_num_steps=3)
         worker.adaptive_controller = NS(activate_step_by_batch=lambda bs: setattr(
@@ -977,12 +978,18 @@ LAYOUT_FAKES = """
         real_decided = watch.decided
         watch.decided = lambda spec, bs: (decided.append(spec), real_decided(spec, bs))
         lay = L.PlainLayout(worker, fm, EAGLE, policy, watch)
-        metrics = []
-        lay.metrics = NS(update_spec_metrics=lambda *a, **k: metrics.append([list(a), k]))
         setattr(worker, L.LAYOUT_ATTR, lay)
         L._active = lay
-        return NS(fm=fm, batch=batch, worker=worker, policy=policy, lay=lay, freed=freed,
-                  decided=decided, checked=checked, metrics=metrics)
+        # the worker's verify callback as upstream's and the plugin's hooks make it: the policy's
+        # on_verify_complete, the acceptance watch
+        verified = []
+        worker.on_verify_complete_cpu = lambda n, batch_size=0: (
+            verified.append(list(n)), policy.on_verify_complete(n, batch_size=batch_size), watch.verified(n))
+        metrics = []
+        processor = NS(model_worker=worker,
+                       metrics_reporter=NS(update_spec_metrics=lambda *a, **k: metrics.append([list(a), k])))
+        return NS(fm=fm, batch=batch, worker=worker, policy=policy, lay=lay, freed=freed, watch=watch,
+                  decided=decided, checked=checked, metrics=metrics, verified=verified, processor=processor)
 
     def upstream_plain_prepare(batch):  # what ScheduleBatch.prepare_for_decode does for NONE
         batch.out_cache_loc = REQ_TO_TOKEN[batch.req_pool_indices, batch.seq_lens].to(torch.int64)
@@ -1004,6 +1011,8 @@ LAYOUT_FAKES = """
         # the scheduler then publishes a plain server's length and relays the sampled token alone
         L.publish(FutureMap.publish, s.fm, ROWS, s.batch.seq_lens + 1)
         s.fm.stash(ROWS, RelayPayload(bonus_tokens=result.next_token_ids))
+        # ... and processes the result (under overlap one step later; the batch as it ran)
+        L.plain_result(s.processor, NS(**vars(s.batch)), result)
         return fed
 """
 
@@ -1045,7 +1054,7 @@ def test_plain_layout_round_trip_through_the_real_future_map(run_in_tree, tree, 
                            info.bonus_tokens.tolist(), info.topk_index.tolist(), s.batch.input_ids is None]
         s.lay.prepare(s.batch)                                   # 5: speculative
         res["after"] = [s.worker.speculative_num_steps, s.decided, s.lay.snapshot(),
-                        [r.spec_verify_ct for r in s.batch.reqs], writes, s.metrics]
+                        [r.spec_verify_ct for r in s.batch.reqs], writes, s.metrics, s.verified]
         # the catch-up's KV reserve does not fit: plain once more, the catch-up at the next chance
         d = setup([0, 3, 3, 3], fits=False)
         d.lay.prepare(d.batch)
@@ -1069,16 +1078,61 @@ def test_plain_layout_round_trip_through_the_real_future_map(run_in_tree, tree, 
     # upstream's pool check passed for that layout
     assert out["catch_up"] == [True, 0, True, ["EAGLE3"], True]
     assert out["resolved"] == [[12, 22, 32], [12, 22, 32], [300, 301, 302], [[7], [8], [9]], True]
-    steps, decided, snapshot, verify_ct, writes, metrics = out["after"]
+    steps, decided, snapshot, verify_ct, writes, metrics, verified = out["after"]
     # a speculative server's decode log divides by the speculative steps it counted: a plain-layout
-    # step counts as one accepting one token per request (it stopped the scheduler on a GPU)
+    # step's result counts as one accepting one token per request (it stopped the scheduler on a GPU)
     assert metrics == [[[3, 0], {"num_accept_tokens": 3}]] * 2
-    assert steps == 3 and decided == [True, False, True]  # plain-layout steps are not decided twice
+    # every step decided once, at prepare (the catch-up step is a plain one); a plain-layout step's
+    # result reaches the worker's verify callback with no draft accepted
+    assert steps == 3 and decided == [True, False, False, False, True]
+    assert verified == [[0, 0, 0]] * 2
     assert snapshot == {"to_plain": 1, "to_speculative": 1, "plain_steps": 2}
     assert verify_ct == [2, 2, 2]  # a plain step counts as a verify of no draft (tokens per step)
     assert writes == [[[200, 201, 202], [10, 20, 30], [3 * 64 + 10, 5 * 64 + 20, 7 * 64 + 30]],
                       [[300, 301, 302], [11, 21, 31], [3 * 64 + 11, 5 * 64 + 21, 7 * 64 + 31]]]
     assert out["deferred"] == [True, False, 0, True, True, 0, 1]
+
+
+def test_auto_pairs_each_plain_layout_step_with_its_own_result(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # `auto` times every decode step from its decision and pairs it with the next verify result.
+    # A plain-layout step has no verify of upstream's: its result must still reach the worker's
+    # callback, in decode order, or a later speculative result is taken for a plain step's. The
+    # catch-up step is neither mode's figure and is left out.
+    out = _probe(run_in_tree, tree, plugin_site, LAYOUT_FAKES, """
+        from sglang_image_plugin.auto_threshold import AutoPolicy, Mode
+
+        class ScriptedController:  # the two calls AutoPolicy makes of its AutoController
+            def __init__(self, modes):
+                self.modes, self.records, self.mode = modes, [], Mode.SPECULATIVE
+            def decide(self, batch_size):
+                self.mode = self.modes.pop(0)
+                return self.mode
+            def record(self, mode, batch_size, seconds, tokens):
+                self.records.append([mode.value, batch_size, seconds, tokens])
+
+        S, P = Mode.SPECULATIVE, Mode.PLAIN
+        ctl = ScriptedController([S, P, P, S, S, S])
+        ticks = iter(range(100))
+        auto = AutoPolicy(ctl, 3, clock=lambda: float(next(ticks)))
+        s = setup([], inner=auto)
+        s.lay.prepare(s.batch)                                   # speculative
+        s.worker.on_verify_complete_cpu([1, 1, 1], batch_size=3)  # (upstream's, for a speculative batch)
+        s.lay.prepare(s.batch)                                   # plain
+        plain_step(s, [200, 201, 202])
+        s.lay.prepare(s.batch)                                   # plain
+        plain_step(s, [300, 301, 302])
+        s.lay.prepare(s.batch)                                   # the catch-up step
+        s.worker.on_verify_complete_cpu([0, 0, 0], batch_size=3)
+        s.lay.prepare(s.batch)                                   # speculative
+        s.worker.on_verify_complete_cpu([2, 2, 2], batch_size=3)
+        s.lay.prepare(s.batch)
+        emit({"records": ctl.records, "dropped": auto.dropped, "catch_up": s.policy.catch_up_steps,
+              "watch": s.watch.view()})
+    """)
+    assert out["records"] == [["speculative", 3, 1.0, 6], ["plain", 3, 1.0, 3], ["plain", 3, 1.0, 3],
+                              ["speculative", 3, 1.0, 9]]
+    assert out["dropped"] == 0 and out["catch_up"] == 1
+    assert out["watch"]["unpaired_steps"] == 0
 
 
 def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]

@@ -472,6 +472,7 @@ class _Step:
     start: float
     seconds: float | None = None  # 0.0: no time (the server went idle after it)
     output_tokens: int | None = None
+    left_out: bool = False  # paired with its result, not recorded (AutoPolicy.leave_out_last)
 
 
 class AutoPolicy:
@@ -529,6 +530,12 @@ class AutoPolicy:
             self.dropped += 1
         return 0 if mode is Mode.PLAIN else self.speculative_steps
 
+    def leave_out_last(self) -> None:
+        """The step just decided runs as neither mode (the catch-up step that prepares the draft
+        when speculation resumes): its result is paired with it and not recorded."""
+        if self._pending:
+            self._pending[-1].left_out = True
+
     def note_idle(self) -> None:
         """The scheduler found nothing to run: the step before this has no step time (the interval
         to the next decode step would be the idle gap, and a burst after a pause would charge the
@@ -556,6 +563,8 @@ class AutoPolicy:
         """Record the oldest steps that have both their time and their tokens."""
         while self._pending and self._pending[0].seconds is not None and self._pending[0].output_tokens is not None:
             s = self._pending.pop(0)
+            if s.left_out:
+                continue
             if s.seconds and s.output_tokens is not None:
                 self.controller.record(s.mode, s.batch_size, s.seconds, s.output_tokens)
             else:

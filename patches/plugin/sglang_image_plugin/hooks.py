@@ -481,6 +481,8 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
     "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode": layout.prepare_for_decode,
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation":
         layout.forward_batch_generation,
+    "sglang.srt.managers.scheduler_components.batch_result_processor."
+    "SchedulerBatchResultProcessor.process_batch_result_decode": layout.plain_result,
     "sglang.srt.managers.overlap_utils.FutureMap.publish": layout.publish,
     "sglang.srt.managers.overlap_utils.resolve_forward_inputs": layout.resolve_forward_inputs,
     "sglang.srt.managers.scheduler.Scheduler.on_idle": scheduler_idle,

@@ -19,6 +19,9 @@ the mode stays plain the running batch has spec_algorithm NONE and no spec_info.
   the length as a plain server does, one more than spec v2's (the KV written): AROUND
   FutureMap.publish takes that one off, and resolve_forward_inputs gathers the input token, which
   upstream does for a non-speculative server only.
+- Its result (BEFORE the scheduler's process_batch_result_decode) is counted as a zero-step
+  verify's: the spec metrics, and the worker's verify callback, in decode order with the steps
+  the policy timed (`auto`) and the acceptance watch queued.
 
 sglang and torch are imported inside the functions only.
 """
@@ -77,9 +80,6 @@ class PlainLayout:
         self.server_algorithm = server_algorithm
         self.catch_up = catch_up  # policy.CatchUpPolicy: whether this plain step drafts in full
         self.watch = watch  # acceptance.AcceptanceAroundPlain or None
-        # the scheduler's metrics reporter: a speculative server's decode log divides by its
-        # speculative steps, which a plain-layout step must count (as a zero-step verify does)
-        self.metrics: Any = None
         self.predecided = False  # the worker's own decision call for this step is skipped
         self.plain_publish = False  # the scheduler's next publish is a plain step's
         self.to_plain_changes = 0
@@ -95,22 +95,19 @@ class PlainLayout:
         speculative = self.worker.speculative_num_steps > 0
         plain = not speculative and not self.catch_up.full_draft_extend and batch_allows(batch)
         in_plain = batch.spec_algorithm.is_none()
-        if plain:
-            if not in_plain:
-                self.to_plain(batch)
-            self.predecided = False
-            return
-        if in_plain and not self.fits_speculative(batch):
+        if not plain and in_plain and not self.fits_speculative(batch):
             # the speculative step's KV reserve does not fit now: plain once more, the catch-up
             # step later (the pool check that ran before this one counted one token per row)
             self.catch_up.defer()
-            self.predecided = False
-            return
-        if in_plain:
+            plain = True
+        if plain and not in_plain:
+            self.to_plain(batch)
+        elif not plain and in_plain:
             self.to_speculative(batch)
-        if self.watch is not None:
+        # a plain-layout step is not the worker's (its forward is ours): nothing to skip there
+        self.predecided = not plain
+        if self.watch is not None:  # every step, in decode order (its result: plain_result)
             self.watch.decided(speculative, batch_size)
-        self.predecided = True
 
     def fits_speculative(self, batch: Any) -> bool:
         """Whether the pool holds the speculative layout's KV reserve for this batch (upstream's
@@ -195,11 +192,6 @@ class PlainLayout:
                           result.logits_output.hidden_states, batch.out_cache_loc)
         else:
             deferred.pending = True
-        for req in batch.reqs:  # tokens per step in meta_info: a plain step verifies no draft
-            req.spec_verify_ct += 1
-        if self.metrics is not None:  # the server's accept length: one token per request and step
-            bs = len(batch.reqs)
-            self.metrics.update_spec_metrics(bs, 0, num_accept_tokens=bs)
         self.plain_publish = True
         self.plain_steps += 1
         return result
@@ -227,7 +219,6 @@ def install(scheduler: Any, catch_up: Any, watch: Any) -> str | None:
         return reason
     worker = scheduler.model_worker
     layout = PlainLayout(worker, scheduler.future_map, scheduler.spec_algorithm, catch_up, watch)
-    layout.metrics = getattr(scheduler, "metrics_reporter", None)
     setattr(worker, LAYOUT_ATTR, layout)
     _active = layout
     return None
@@ -268,6 +259,29 @@ def forward_batch_generation(original: Callable[..., Any], worker: Any, batch: A
     ):
         return original(worker, batch, *args, **kwargs)
     return layout.forward(batch)
+
+
+def plain_result(processor: Any, batch: Any, result: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE SchedulerBatchResultProcessor.process_batch_result_decode: a plain-layout step's
+    result counted, in decode order, as upstream counts a zero-step verify's (upstream counts a
+    speculative batch's alone): the server's spec metrics (its decode log divides by the
+    speculative steps counted), the worker's verify callback with no draft accepted (`auto`
+    pairs it with the step it timed; the acceptance watch) and each request's verify count
+    (tokens per step in meta_info)."""
+    worker = processor.model_worker
+    if (
+        getattr(worker, LAYOUT_ATTR, None) is None
+        or not batch.spec_algorithm.is_none()
+        or not batch.forward_mode.is_decode()
+        or not batch.reqs
+    ):
+        return
+    batch_size = len(batch.reqs)
+    processor.metrics_reporter.update_spec_metrics(batch_size, 0, num_accept_tokens=batch_size)
+    worker.on_verify_complete_cpu([0] * batch_size, batch_size=batch_size)
+    for req in batch.reqs:
+        if not (req.is_retracted or req.finished()):  # as upstream skips them
+            req.spec_verify_ct += 1
 
 
 def publish(original: Callable[..., Any], future_map: Any, future_indices: Any,

@@ -107,6 +107,9 @@ class CatchUpPolicy:
             self.full_draft_extend = True
             self._draft_stale = False
             self.catch_up_steps += 1
+            leave_out = getattr(self.inner, "leave_out_last", None)
+            if leave_out is not None:  # `auto`: neither a plain nor a speculative step's figures
+                leave_out()
         return steps
 
 

@@ -77,6 +77,12 @@ HOOKS: tuple[HookSpec, ...] = (
         "experimental plain layout: the input token of a plain-layout batch",
     ),
     HookSpec(
+        "sglang.srt.managers.scheduler_components.batch_result_processor."
+        "SchedulerBatchResultProcessor.process_batch_result_decode",
+        "before",
+        "experimental plain layout: a plain step's result counted as a zero-step verify's",
+    ),
+    HookSpec(
         f"{_WORKER}.on_verify_complete_cpu",
         "before",
         "each batch's accepted drafts, for the acceptance around plain phases",
