@@ -1198,10 +1198,20 @@ def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(r
             other_writes = len(p3.writes)
             hook(Plain(), NS(hidden_states=hid[0]), fb, 3)
             plain_writes = [len(p3.writes), d3.pos[rows].tolist()]
+
+            # switched off (the scheduler keeps the speculative layout) after steps were kept: the
+            # step, as the captured graph still runs it, writes only the padding slot and keeps none
+            p4 = RecordingPool()
+            d4 = DeferredDraftKv(model, p4, rows=16, hidden_size=3 * TARGET, dtype=torch.float32, device="cpu")
+            d4.step(rows, fed[0], pos[0], hid[0], loc[0])
+            d4.disable()
+            d4.step(rows, fed[1], pos[1], hid[1], loc[1])
+            d4.step(rows, fed[2], pos[2], hid[2], loc[2])
+            off = [[w[1].tolist() for w in p4.writes], d4.pos[rows].tolist()]
         emit({"same": same, "ref_slots": sorted(r), "padding_writes": padding_writes,
               "first_step_slots": first_step_slots, "after_flush": after_flush,
               "second_flush_writes": second_flush_writes, "forgot": forgot,
-              "other_writes": other_writes, "plain_writes": plain_writes})
+              "other_writes": other_writes, "plain_writes": plain_writes, "off": off})
     """)
     assert out["ref_slots"] == [100, 101, 102, 200, 201, 202, 300, 301, 302]
     assert out["same"]
@@ -1209,6 +1219,7 @@ def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(r
     assert out["after_flush"] == [-1, -1, -1] and out["second_flush_writes"] == 0
     assert out["forgot"] == [100, 0, 300, 0, 0]
     assert out["other_writes"] == 0 and out["plain_writes"] == [1, [10, 20, 30]]
+    assert out["off"] == [[[0, 0, 0]] * 3, [-1, -1, -1]]
 
 
 def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
@@ -1256,21 +1267,26 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
 
 def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # layout under the synchronous scheduler: no plain layout there, every plain step writes its
-    # own draft K/V in the speculative layout, so the draft worker keeps no deferral to flush
-    # (a flush before each such step would only write the padding slot).
+    # own draft K/V in the speculative layout, so the draft worker keeps no deferral to flush, and
+    # the deferred step that the zero-step graph captured before the scheduler existed is switched
+    # off (no prefill there forgets a reused row: its old pending K/V would go to a freed slot).
     out = _probe(run_in_tree, tree, plugin_site, """
         from types import SimpleNamespace as NS
         from sglang_image_plugin import draft_kv, hooks, layout as L
         def scheduler(overlap):
             draft = NS()
             setattr(draft, draft_kv.KV_ONLY_ATTR, object())
-            setattr(draft, draft_kv.DEFERRED_ATTR, "deferred")
+            deferred = NS(disabled=False)
+            deferred.disable = lambda: setattr(deferred, "disabled", True)
+            setattr(draft, draft_kv.DEFERRED_ATTR, deferred)
             worker = NS(_draft_worker=draft)
             setattr(worker, hooks.CONTROLLER_ATTR, NS())
             s = NS(draft_worker=worker, model_worker=worker, enable_overlap=overlap, page_size=1,
                    future_map=object(), spec_algorithm="EAGLE3", metrics_reporter=None)
             hooks.scheduler_init(None, s)
-            return [getattr(draft, draft_kv.DEFERRED_ATTR), getattr(worker, L.LAYOUT_ATTR, None) is not None]
+            kept = getattr(draft, draft_kv.DEFERRED_ATTR)
+            return [kept is deferred, deferred.disabled, getattr(worker, L.LAYOUT_ATTR, None) is not None]
         emit({"sync": scheduler(False), "overlap": scheduler(True)})
     """, env={"SGLANG_IMAGE_PLAIN_STEP": "layout"})
-    assert out == {"sync": [None, False], "overlap": ["deferred", True]}
+    # sync: dropped and switched off in the graph that already holds it; overlap: kept, on
+    assert out == {"sync": [False, True, False], "overlap": [True, False, True]}

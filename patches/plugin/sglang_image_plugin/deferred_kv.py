@@ -39,6 +39,9 @@ class DeferredDraftKv:
         # on the host: a plain-layout step ran since the last flush (else a flush has nothing to
         # write, and a speculative-layout plain step after another skips it)
         self.pending = False
+        # on the device, read inside the graph: off where the scheduler keeps the speculative
+        # layout (hooks.scheduler_init runs after the graph that holds the step was captured)
+        self.enabled = torch.ones((1,), dtype=torch.bool, device=device)
         self.pos = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.loc = torch.zeros((rows,), dtype=torch.int64, device=device)
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
@@ -50,7 +53,7 @@ class DeferredDraftKv:
 
         rows = rows.to(torch.int64)
         pending = self.pos[rows]
-        valid = pending == positions.to(torch.int64) - 1
+        valid = (pending == positions.to(torch.int64) - 1) & self.enabled
         zero = torch.zeros_like(pending)
         draft_kv.write_draft_kv(self.model, tokens.to(torch.int64), torch.where(valid, pending, zero),
                                 self.hidden[rows], torch.where(valid, self.loc[rows], zero), self.pool)
@@ -64,7 +67,8 @@ class DeferredDraftKv:
 
         rows = self._write_pending(rows, tokens, positions)
         self.pending = True
-        self.pos[rows] = positions.to(torch.int64)
+        positions = positions.to(torch.int64)
+        self.pos[rows] = torch.where(self.enabled, positions, torch.full_like(positions, -1))
         self.loc[rows] = loc.to(torch.int64)
         self.hidden[rows] = hidden.to(self.hidden.dtype)
 
@@ -87,6 +91,13 @@ class DeferredDraftKv:
         """After graph capture (its runs fed dummy rows)."""
         self.pos.fill_(-1)
         self.pending = False
+
+    def disable(self) -> None:
+        """The scheduler keeps the speculative layout, where each plain step writes its own draft
+        K/V: the step recorded in the graph then keeps and writes nothing (a row that a new
+        request reuses would otherwise have its old pending K/V written at a freed slot)."""
+        self.enabled.fill_(False)
+        self.reset()
 
 
 def tail_hook(deferred: DeferredDraftKv, runner_class: type) -> Any:

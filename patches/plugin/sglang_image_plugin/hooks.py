@@ -412,8 +412,11 @@ def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> N
     else:
         reason = layout.install(scheduler, catch_up, getattr(worker, ACCEPTANCE_ATTR, None))
     if reason is not None:
-        # every plain step stays a speculative-layout one and writes its own K/V: nothing is
-        # left for a flush to write (the graph's own books are written inside it, at no host cost)
+        # every plain step stays a speculative-layout one and writes its own K/V: the deferred
+        # step, already captured into the graph, is switched off there and nothing is flushed
+        deferred = getattr(draft, draft_kv.DEFERRED_ATTR, None)
+        if deferred is not None:
+            deferred.disable()
         setattr(draft, draft_kv.DEFERRED_ATTR, None)
     _log_on_rank0(f"{plain_target.ENV}={chosen}: "
                   + ("plain steps run in the plain layout" if reason is None
