@@ -77,13 +77,24 @@ def test_the_logprob_tolerance_grows_with_the_magnitude_bf16_can_resolve():
     ref = [outcome([1], lps=[-0.5], top=[[(1, -0.5), (37, -18.625)]])]
     seen = [outcome([1], lps=[-0.5], top=[[(1, -0.5), (37, -18.5625)]])]
     assert F.close_logprobs(ref, seen)["max_logprob_diff"] == pytest.approx(0.0625)
+    # seen on a GPU (0.5.23), below the threshold too: 2.5 and 2 bf16 steps apart
+    for plain, got in ((-27.375, -27.6875), (-16.5, -16.25)):
+        ref_far = [outcome([1], lps=[-0.5], top=[[(1, -0.5), (90, plain)]])]
+        got_far = [outcome([1], lps=[-0.5], top=[[(1, -0.5), (90, got)]])]
+        assert F.close_logprobs(ref_far, got_far)["max_logprob_diff"] == pytest.approx(abs(plain - got))
     # ... but a real shift there fails, and near zero the tolerance stays tight
-    shifted = [outcome([1], lps=[-0.5], top=[[(1, -0.5), (37, -18.25)]])]
-    with pytest.raises(F.CaseFailure, match="token 37 -18.2500, plain server -18.6250"):
+    shifted = [outcome([1], lps=[-0.5], top=[[(1, -0.5), (37, -17.875)]])]
+    with pytest.raises(F.CaseFailure, match="token 37 -17.8750, plain server -18.6250"):
         F.close_logprobs(ref, shifted)
-    near_zero = [outcome([1], lps=[-0.56], top=[[(1, -0.5), (37, -18.625)]])]
-    with pytest.raises(F.CaseFailure, match="token 0: logprob -0.5600"):
+    near_zero = [outcome([1], lps=[-0.58], top=[[(1, -0.5), (37, -18.625)]])]
+    with pytest.raises(F.CaseFailure, match="token 0: logprob -0.5800"):
         F.close_logprobs(ref, near_zero)
+
+
+def test_bf16_step_is_the_spacing_of_bf16_numbers():
+    assert F.bf16_step(1.0) == F.bf16_step(1.99) == 2 ** -7
+    assert F.bf16_step(-16.25) == F.bf16_step(31.9) == 0.125
+    assert F.bf16_step(0.5) == 2 ** -8 and F.bf16_step(0.0) == 0.0
 
 
 def test_only_the_schedulers_retraction_warning_counts(tmp_path):
@@ -103,16 +114,22 @@ def test_the_retraction_warning_is_the_one_the_flavors_scheduler_writes(flavor, 
     assert F.RETRACT_LOG.search(scheduler), f"{flavor}: the scheduler no longer says 'Retract requests'"
 
 
-def test_the_pressure_servers_admit_more_than_the_pool_holds(tmp_path):
-    # at the default conservativeness 0.5.23 kept the pool 59% full and never retracted (GPU run)
+def test_the_pressure_requests_outgrow_what_admission_reserves_before_any_can_finish(tmp_path):
+    # GPU runs, 0.5.23: at the default conservativeness the pool stayed 59% full; at 0.2 with 96-160
+    # new tokens per request early finishes made room as fast as the rest grew (peak 75%, no
+    # retraction: each request held at most 2.6x its reservation when the first could finish)
     opts = F.FeatureOptions(models=tmp_path, out=tmp_path)
+    reqs = F.pressure_requests(0, 3000)
+    first_finish = min(r.payload["sampling_params"]["max_new_tokens"] for r in reqs)
     for draft in (False, True):
         argv = F.server_config("x", opts, draft=draft).extra
         i = argv.index("--schedule-conservativeness")
         ratio = 0.7 * float(argv[i + 1])  # sglang's initial new-token ratio, 0.7 by default
-        prompt, new = 44, 128  # the pressure requests' mean prompt and output lengths
-        admitted = min(F.PRESSURE_REQUESTS, F.POOL_TOKENS // int(prompt + new * ratio))
-        assert admitted * (prompt + new) > F.POOL_TOKENS
+        reserved = [len(r.payload["input_ids"]) + ratio * r.payload["sampling_params"]["max_new_tokens"]
+                    for r in reqs]
+        held = [len(r.payload["input_ids"]) + first_finish for r in reqs]
+        assert sum(reserved) > F.POOL_TOKENS  # the queue fills the pool with reservations
+        assert min(h / r for h, r in zip(held, reserved)) >= 3
 
 
 def test_a_late_call_skips_the_matrix_instead_of_starting_a_server(tmp_path, monkeypatch):
@@ -141,12 +158,25 @@ def test_stop_cases_are_chosen_to_stop_early_from_the_plain_output():
     out_ids = [10, 11, 12, 10, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
     base = F.Outcome(ids=[out_ids], text=["abcdefghijklmnopqrstuvwxyz"], finish=["length"])
     (case,) = F.stop_cases(base, [3, 4, 5])
-    first, second, by_string = (r.payload["sampling_params"] for r in case.requests)
+    first, second, by_string = (r.payload["sampling_params"] for r in case.requests[:3])
+    assert case.requests == case.requests[:3] * F.STOP_REPEATS
     assert first["stop_token_ids"] == [out_ids[12]] and first["ignore_eos"] is False
     early_id, later_id = second["stop_token_ids"]
     early, later = out_ids.index(early_id), out_ids.index(later_id)
     assert early < second["min_new_tokens"] <= later  # only the later stop id may end it
     assert by_string["stop"] == ["ijk"]
+
+
+def test_the_stop_case_runs_as_long_as_a_case_a_mode_change_can_cross():
+    # GPU, 0.5.23, sync scheduler: three requests stopping within ~30 tokens ended before the mode
+    # changed in all three attempts of cross_up and cross_down ("the run proved nothing")
+    out_ids = list(range(100, 164))  # every token new: stops at the earliest positions allowed
+    base = F.Outcome(ids=[out_ids], text=["".join(chr(97 + i % 26) for i in range(64))], finish=["length"])
+    (case,) = F.stop_cases(base, [3, 4])
+    stops = [out_ids.index(r.payload["sampling_params"]["stop_token_ids"][-1])
+             if "stop_token_ids" in r.payload["sampling_params"] else len(out_ids) // 3
+             for r in case.requests]
+    assert case.concurrency == 1 and sum(stops) >= F.CASE_TOKENS
 
 
 def test_cases_keep_below_under_the_threshold_and_are_plain_json():
