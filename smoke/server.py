@@ -160,9 +160,9 @@ class Server:
             if not locked or left <= 0:
                 raise SmokeError(f"{self.cfg.name}: no time left to start after waiting "
                                  f"{time.time() - t_call:.0f}s for another server's start")
-            self._start(left)
+            self._start(left, waited=time.time() - t_call)
 
-    def _start(self, timeout: float) -> None:
+    def _start(self, timeout: float, waited: float = 0.0) -> None:
         for _ in range(30):
             if port_free(self.port):
                 break
@@ -190,7 +190,9 @@ class Server:
                 self.start_seconds = time.time() - t0
                 return
             time.sleep(2)
-        raise SmokeError(f"{self.cfg.name}: not healthy after {timeout:.0f}s", log=self.log_path)
+        # a timeout mostly spent waiting for another run's server reads otherwise as a slow start
+        after_wait = f" (after {waited:.0f}s waiting for another server's start)" if waited >= 1 else ""
+        raise SmokeError(f"{self.cfg.name}: not healthy after {timeout:.0f}s{after_wait}", log=self.log_path)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -597,6 +597,39 @@ def test_a_server_of_another_process_starting_holds_this_start(tmp_path, monkeyp
         assert locked
 
 
+def test_a_start_timeout_spent_waiting_for_another_server_says_so(tmp_path, monkeypatch):
+    """Seen on a GPU host: a benchmark server waited ~9 minutes for a feature-matrix run's starts
+    and then failed as "not healthy after 11s", which read as a server that would not come up."""
+    import subprocess
+    import textwrap
+
+    from smoke import server as server_mod
+
+    class SilentConfig(server_mod.ServerConfig):
+        def argv(self, port: int) -> list[str]:  # alive, never healthy
+            return [sys.executable, "-c", "import time; time.sleep(30)"]
+
+    lock = tmp_path / "start.lock"
+    monkeypatch.setattr(server_mod, "START_LOCK_FILE", lock)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, time
+        fh = open({str(lock)!r}, "a")
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(2)
+    """)], stdout=subprocess.PIPE, text=True)
+    srv = server_mod.Server(SilentConfig("late", tmp_path), 1, tmp_path / "late.log")
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(runner.SmokeError,
+                           match=r"late: not healthy after \d+s \(after [12]s waiting for another server's start\)"):
+            srv.start(4.0)
+    finally:
+        srv.stop()
+        holder.kill()
+        holder.wait()
+
+
 def test_the_host_start_lock_leaves_nothing_in_the_temporary_directory():
     """CI fails a run that leaves a file in /tmp; a user's smoke should not either."""
     import tempfile
