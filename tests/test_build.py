@@ -294,6 +294,19 @@ def test_started_engine_keeps_to_its_state_and_stops(tmp_path: Path) -> None:
     assert not docker_engine.exec_root(tmp_path).exists()  # nothing left in /tmp
 
 
+def test_the_engine_s_temporary_files_stay_under_its_state(tmp_path: Path) -> None:
+    """containerd dumps its goroutines to $TMPDIR (/tmp/containerd.PID.stacks.log) when dockerd
+    finds it unhealthy and restarts it: seen once in CI's leftover check."""
+    fake = tmp_path / "fake-dockerd"
+    fake.write_text('#!/bin/sh\necho "$TMPDIR" > "$(dirname "$0")/tmpdir"\nexit 3\n')
+    fake.chmod(0o755)
+    state = tmp_path / "state"
+    with pytest.raises(DockerUnavailableError, match="dockerd exited with 3"):
+        docker_engine.start_dockerd(state, dockerd=str(fake))
+    tmpdir = Path((tmp_path / "tmpdir").read_text().strip())
+    assert tmpdir == state.resolve() / "tmp" and tmpdir.is_dir()
+
+
 def test_a_dead_daemon_s_pidfile_does_not_block_a_new_one(tmp_path: Path) -> None:
     """A daemon that ended, even one not yet reaped (a zombie), is not running."""
     child = subprocess.Popen(["true"])

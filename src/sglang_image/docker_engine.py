@@ -150,8 +150,13 @@ def start_dockerd(state: Path = DEFAULT_STATE, timeout: float = 60,
         if not (pid.isdigit() and alive(int(pid))):
             pidfile.unlink()
     log = (state / "dockerd.log").open("ab")
+    # containerd, which dockerd starts, writes its goroutine dump to $TMPDIR when dockerd finds it
+    # unhealthy (seen on a busy 2-core machine): under the state dir, not left in /tmp
+    tmp = state / "tmp"
+    tmp.mkdir(exist_ok=True)
     proc = subprocess.Popen(dockerd_argv(state, dockerd), stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
     host = f"unix://{state / 'docker.sock'}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
