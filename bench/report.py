@@ -76,6 +76,29 @@ def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float |
     return out
 
 
+def better_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | int]]]:
+    """Per concurrency and switching config (a threshold, auto, adaptive): its tokens/s over the
+    better of plain and always-on EAGLE-3 in the same round (the product's promise), median over
+    the rounds and min-max; empty unless both plain and EAGLE-3 ran."""
+    out: dict[str, dict[str, dict[str, float | int]]] = {}
+    for c, by_name in result.get("levels", {}).items():
+        fixed = [per_round(by_name.get(n, [])) for n in FIXED_MODES]
+        if not all(fixed):
+            continue
+        row: dict[str, dict[str, float | int]] = {}
+        for name, ms in by_name.items():
+            if name in FIXED_MODES:
+                continue
+            got = per_round(ms)
+            ratios = [got[k] / max(f[k] for f in fixed) for k in got if all(k in f for f in fixed)]
+            if ratios:
+                row[name] = {"vs_better": round(statistics.median(ratios), 3),
+                             "min": round(min(ratios), 3), "max": round(max(ratios), 3), "rounds": len(ratios)}
+        if row:
+            out[c] = row
+    return out
+
+
 def ramp_summary(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per config on the ramp: mean tokens/s, and per level window its share of the better of plain
     and always-on EAGLE-3 in the same window of the schedule (min and median), mode changes."""
@@ -134,6 +157,18 @@ def markdown(result: dict[str, Any]) -> str:
                     continue
                 cells.append(f"{cell['tok_per_s']:.0f}{ratio_text(cell) if n != 'plain' else ''}")
             lines.append(f"| {c}{partial} | " + " | ".join(cells) + " |")
+        lines.append("")
+    better = better_table(result)
+    if better:
+        switching = [n for n in names if any(n in row for row in better.values())]
+        lines += [("The same over the better of plain and always-on EAGLE-3 in each round (median over the "
+                   "rounds, then min-max):"), "",
+                  "| concurrency | " + " | ".join(label(n) for n in switching) + " |",
+                  "|---:|" + "---:|" * len(switching)]
+        for c in sorted(better, key=int):
+            cells = [(f"{better[c][n]['vs_better']:.2f}x ({better[c][n]['min']:.2f}-{better[c][n]['max']:.2f})"
+                      if n in better[c] else "-") for n in switching]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
     auto = auto_comparison(result)
     if auto:
