@@ -9,8 +9,10 @@ import hashlib
 import io
 import json
 import shutil
+import subprocess
 import sys
 import tarfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -567,25 +569,29 @@ def test_servers_of_one_process_start_one_after_the_other(tmp_path):
             srv.stop()
 
 
+def hold_lock(lock: Path, seconds: float) -> subprocess.Popen[str]:
+    """Another process that holds the host-wide start lock for `seconds` (returns once it does)."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, time
+        fh = open({str(lock)!r}, "a")
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep({seconds})
+    """)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def test_a_server_of_another_process_starting_holds_this_start(tmp_path, monkeypatch):
     """Two smoke runs side by side on one host: the start lock is a file lock too, so a server does
     not start while another process's server starts."""
-    import subprocess
-    import textwrap
 
     from smoke import server as server_mod
 
     lock = tmp_path / "start.lock"
     monkeypatch.setattr(server_mod, "START_LOCK_FILE", lock)
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, sys, time
-        fh = open({str(lock)!r}, "a")
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        print("held", flush=True)
-        time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True)
+    holder = hold_lock(lock, seconds=60)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         srv = server_mod.Server(server_mod.ServerConfig("blocked", tmp_path), 1, tmp_path / "b.log")
         with pytest.raises(runner.SmokeError, match="no time left to start after waiting"):
             srv.start(1.0)
@@ -600,8 +606,6 @@ def test_a_server_of_another_process_starting_holds_this_start(tmp_path, monkeyp
 def test_a_start_timeout_spent_waiting_for_another_server_says_so(tmp_path, monkeypatch):
     """Seen on a GPU host: a benchmark server waited ~9 minutes for a feature-matrix run's starts
     and then failed as "not healthy after 11s", which read as a server that would not come up."""
-    import subprocess
-    import textwrap
 
     from smoke import server as server_mod
 
@@ -611,16 +615,9 @@ def test_a_start_timeout_spent_waiting_for_another_server_says_so(tmp_path, monk
 
     lock = tmp_path / "start.lock"
     monkeypatch.setattr(server_mod, "START_LOCK_FILE", lock)
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, time
-        fh = open({str(lock)!r}, "a")
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        print("held", flush=True)
-        time.sleep(2)
-    """)], stdout=subprocess.PIPE, text=True)
+    holder = hold_lock(lock, seconds=2)
     srv = server_mod.Server(SilentConfig("late", tmp_path), 1, tmp_path / "late.log")
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         with pytest.raises(runner.SmokeError,
                            match=r"late: not healthy after \d+s \(after [12]s waiting for another server's start\)"):
             srv.start(4.0)
