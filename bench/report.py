@@ -29,6 +29,11 @@ def per_round(ms: list[dict[str, Any]]) -> dict[int, float]:
     return {m["round"]: m["tok_per_s"] for m in ms if m.get("tok_per_s")}
 
 
+def ratios_to_best(got: dict[int, float], others: list[dict[int, float]]) -> list[float]:
+    """Per round: `got` over the best of `others` in that round (rounds all of them measured)."""
+    return [got[k] / max(o[k] for o in others) for k in got if others and all(k in o for o in others)]
+
+
 def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per concurrency, auto against the alternatives a user has, each ratio taken within a round
     (median over the rounds): the better of plain and always-on EAGLE-3, and the fixed threshold
@@ -42,12 +47,12 @@ def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             continue
         row: dict[str, Any] = {}
         fixed = [per_round(by_name[n]) for n in FIXED_MODES if n in by_name]
-        vs = [auto[k] / max(f[k] for f in fixed) for k in auto if fixed and all(k in f for f in fixed)]
+        vs = ratios_to_best(auto, fixed)
         row["vs_better_of_plain_eagle3"] = round(statistics.median(vs), 3) if vs else None
         thresholds = {n: per_round(ms) for n, ms in by_name.items() if n.startswith("eagle3_thr")}
         if thresholds:
             best = max(thresholds, key=lambda n: statistics.median(thresholds[n].values()))
-            vs = [auto[k] / thresholds[best][k] for k in auto if k in thresholds[best]]
+            vs = ratios_to_best(auto, [thresholds[best]])
             fixed_n = best.removeprefix("eagle3_thr")
             row["best_fixed"] = int(fixed_n) if fixed_n.isdigit() else fixed_n
             row["vs_best_fixed"] = round(statistics.median(vs), 3) if vs else None
@@ -89,8 +94,7 @@ def better_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float 
         for name, ms in by_name.items():
             if name in FIXED_MODES:
                 continue
-            got = per_round(ms)
-            ratios = [got[k] / max(f[k] for f in fixed) for k in got if all(k in f for f in fixed)]
+            ratios = ratios_to_best(per_round(ms), fixed)
             if ratios:
                 row[name] = {"vs_better": round(statistics.median(ratios), 3),
                              "min": round(min(ratios), 3), "max": round(max(ratios), 3), "rounds": len(ratios)}
