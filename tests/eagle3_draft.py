@@ -69,6 +69,20 @@ def make_draft(n_layers=1):
     model.norm = Norm(D)
     return model
 
+def real_rope(max_positions=64):
+    # upstream's RotaryEmbedding with its own cos/sin table and its PyTorch path (the CUDA kernels
+    # are absent here): a position outside the table fails as an index error, where the GPU kernel
+    # reads out of bounds
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding, apply_rotary_emb
+    rope = object.__new__(RotaryEmbedding)
+    nn.Module.__init__(rope)
+    rope.head_size = rope.rotary_dim = HD
+    rope.max_position_embeddings, rope.base, rope.is_neox_style = max_positions, 10000, True
+    rope.dtype, rope._force_native, rope.position_start = torch.float32, False, 0
+    rope.register_buffer("cos_sin_cache", rope._compute_cos_sin_cache(), persistent=False)
+    rope._apply_rotary_emb_wrapped = apply_rotary_emb
+    return rope.forward_native
+
 class RecordingPool:
     def __init__(self):
         self.writes = []

@@ -1222,6 +1222,44 @@ def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(r
     assert out["off"] == [[[0, 0, 0]] * 3, [-1, -1, -1]]
 
 
+def test_deferred_step_never_ropes_a_position_before_the_first(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # What crashed the server at start with the 1B-shaped models: the graph capture runs the deferred
+    # step on dummy rows (row 0, position 0, slot 0) with nothing pending (-1), and -1 == 0 - 1 read
+    # as "pending just before": the rope then read its cos/sin table at -1 (an illegal memory access
+    # on the GPU). Here upstream's rope runs on the CPU, where that read is an index error. The
+    # first padded step after the capture met the same rows. Nothing pending must write slot 0 at
+    # position 0; a real pending position still writes (and position 0 pending before 1 too).
+    out = _probe(run_in_tree, tree, plugin_site, EAGLE3_DRAFT, """
+        from sglang_image_plugin.deferred_kv import DeferredDraftKv
+        model = make_draft()
+        model.layers[0].self_attn.rotary_emb = real_rope()
+        def deferred(pool):
+            return DeferredDraftKv(model, pool, rows=16, hidden_size=3 * TARGET, dtype=torch.float32,
+                                   device="cpu")
+        result = {}
+        with torch.no_grad():
+            pool = RecordingPool()
+            d = deferred(pool)
+            dummy = torch.zeros(4, dtype=torch.int64)
+            try:  # the capture's run: every row a dummy one
+                d.step(dummy, dummy, dummy, torch.zeros(4, 3 * TARGET), dummy)
+                result["capture"] = [w[1].tolist() for w in pool.writes]
+            except IndexError as e:
+                result["capture"] = f"IndexError: {e}"
+            d.reset()
+            before = len(pool.writes)
+            rows, at = torch.tensor([3, 5, 0]), torch.tensor([0, 20, 0])  # a request at 0, one at 20, padding
+            d.step(rows, torch.tensor([4, 6, 0]), at, torch.randn(3, 3 * TARGET), torch.tensor([30, 50, 0]))
+            d.step(rows, torch.tensor([7, 8, 0]), at + torch.tensor([1, 1, 0]), torch.randn(3, 3 * TARGET),
+                   torch.tensor([31, 51, 0]))
+            result["steps"] = [w[1].tolist() for w in pool.writes[before:]]
+        emit(result)
+    """)
+    assert out["capture"] == [[0, 0, 0, 0]]
+    # the first step: nothing pending anywhere; the second writes both requests' previous slots
+    assert out["steps"] == [[0, 0, 0], [30, 50, 0]]
+
+
 def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # With the deferral installed, a plain-layout step that ran the graph writes nothing more (the
     # graph did); one without the graph keeps the books eagerly, with the input token at seq_lens - 1;

@@ -1,5 +1,4 @@
-"""The draft's K/V of a plain step, written inside the next plain step's target CUDA graph
-(SGLANG_IMAGE_PLAIN_STEP=layout).
+"""The draft's K/V of a plain step, written inside the next plain step's target CUDA graph.
 
 A one-layer EAGLE-3 draft's K/V at position p need the token at p + 1, which a plain step samples
 after its graph has run. So each plain step's graph writes the previous plain step's K/V (the token
@@ -9,9 +8,13 @@ state's DECODE graph through ModelRunner.capture_tail_hooks (0.5.17's _DeferredD
 hook of our patch); a step that runs without that graph does the same bookkeeping eagerly.
 
 Per request row (the req_to_token row): the pending position (-1: none), KV slot and hidden state.
-A step writes a row's pending K/V when the pending position is just before the row's position now
-(its previous step was a plain step of the same request); every other row, and a padded graph row
-(row 0, slot 0: upstream pads with zeros), writes the pool's padding slot 0. A prefill forgets its
+A step writes a row's pending K/V when a position is pending (>= 0) and it is just before the
+row's position now (its previous step was a plain step of the same request); every other row, and
+a padded graph row (row 0, position 0, slot 0: upstream pads with zeros and never gives row 0 or
+slot 0 to a request), writes the pool's padding slot 0 at position 0. A pending position of -1
+(nothing pending) must never reach the rope: at position 0 it looks "just before", and the rope's
+cos/sin table read at -1 is out of bounds (the graph capture, whose dummy rows all sit at 0, and the
+first padded step after it). A prefill forgets its
 rows; the catch-up step, and a speculative-layout plain step, first flush what is pending before
 the token they are fed. Known price: a request's last plain step leaves one draft position
 unwritten (a later request reusing the whole sequence from the radix cache may draft one token
@@ -53,7 +56,7 @@ class DeferredDraftKv:
 
         rows = rows.to(torch.int64)
         pending = self.pos[rows]
-        valid = (pending == positions.to(torch.int64) - 1) & self.enabled
+        valid = (pending >= 0) & (pending == positions.to(torch.int64) - 1) & self.enabled
         zero = torch.zeros_like(pending)
         draft_kv.write_draft_kv(self.model, tokens.to(torch.int64), torch.where(valid, pending, zero),
                                 self.hidden[rows], torch.where(valid, self.loc[rows], zero), self.pool)
