@@ -18,11 +18,17 @@ FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
 
 
 def label(name: str) -> str:
-    name, _, plain_step = name.partition("+")
-    suffix = f" ({plain_step} plain step)" if plain_step else ""
     if name.startswith("eagle3_thr"):
-        return f"EAGLE-3 + threshold {name.removeprefix('eagle3_thr')}{suffix}"
-    return LABELS.get(name, name) + suffix
+        return f"EAGLE-3 + threshold {name.removeprefix('eagle3_thr')}"
+    return LABELS.get(name, name)
+
+
+def plain_step_note(st: dict[str, Any] | None) -> str:
+    """What the server's plain step runs (its server info), where it says."""
+    step = (st or {}).get("plain_step")
+    if not isinstance(step, dict):
+        return ""
+    return "; plain step: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in step.items())
 
 
 def per_round(ms: list[dict[str, Any]]) -> dict[int, float]:
@@ -197,6 +203,9 @@ def markdown(result: dict[str, Any]) -> str:
                              f"{fmt(s['median_share_of_better'])} | {fmt(s['mode_changes'])} |")
         lines.append("")
     for name, info in result.get("servers", {}).items():
+        lines.append(f"- {label(name)}: KV tokens in use after the load and a flush: "
+                     f"{info.get('kv_used_after_flush')}; running-request limit "
+                     f"{info.get('running_limit')}" + plain_step_note(info.get("speculative_disable")))
         st = info.get("speculative_disable")
         if st:
             crossover = f", crossover {st['crossover']}" if "crossover" in st else ""

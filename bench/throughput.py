@@ -71,10 +71,6 @@ ADAPTIVE_CONFIG = {
     "32": {"candidate_steps": [0, 1], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
     "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
 }
-# What a switching server's plain step runs (the plugin's SGLANG_IMAGE_PLAIN_STEP); a server of
-# another variant than the first is named with it (eagle3_thr16+decode-kv).
-PLAIN_STEP_ENV = "SGLANG_IMAGE_PLAIN_STEP"
-PLAIN_STEPS = ("zero-step", "decode", "decode-kv", "layout", "layout-eager")
 START_S_PER_SERVER = 75  # a server's start, budgeted until measured (about a minute or two)
 WARM_S = 30  # its warm-up, budgeted until measured
 MAX_PROMPT_LEN = 64  # prompts of 32-64 tokens
@@ -87,7 +83,9 @@ class BenchOptions:
     models: Path
     out: Path
     thresholds: tuple[int, ...] = (16,)  # eagle3_thr: one server per fixed threshold (a sweep)
-    plain_steps: tuple[str, ...] = ()  # one switching server per variant (empty: the plugin's default)
+    # the switching servers (a threshold, auto) start without --max-running-requests and a decode
+    # graph size, as the README's Serve command does: the plugin keeps a plain server's limits
+    switching_defaults: bool = False
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     configs: tuple[str, ...] = CONFIGS
     rounds: int = 2  # closed-loop rounds; each level alternates the server order
@@ -104,6 +102,7 @@ class BenchOptions:
     max_total_tokens: int = 0
     server_args: tuple[str, ...] = ()  # appended to every server's flags
     diagnose: bool = False
+    device_timer: bool = False  # GPU seconds per window (diagnose's device timer, without its solo units)
     pyspy_dirs: tuple[Path, ...] = ()  # --diagnose: where to look for py-spy besides PATH
     deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
     health_timeout: float = 420
@@ -122,15 +121,12 @@ def auto_supported() -> bool:
 
 def server_config(name: str, opts: BenchOptions, mem_fraction: float = 0.3,
                   max_total_tokens: int = 0) -> ServerConfig:
-    top = max(opts.concurrency)
+    top: int | None = None if opts.switching_defaults and switches(name) else max(opts.concurrency)
     cfg = ServerConfig(name, opts.models / "target", cuda_graph=True, cuda_graph_max_bs=top,
                        max_running=top, mem_fraction=round(mem_fraction, 3), enable_metrics=True)
     extra: list[str] = ["--sleep-on-idle"]  # a server waiting for its turn must not spin a core
     if name != "plain":
         cfg.draft = opts.models / "draft"
-    name, _, plain_step = name.partition("+")
-    if plain_step or (switches(name) and opts.plain_steps):
-        cfg.env[PLAIN_STEP_ENV] = plain_step or opts.plain_steps[0]
     if name.startswith("eagle3_thr"):
         cfg.threshold = int(name.removeprefix("eagle3_thr"))
     if name == "eagle3_auto":
@@ -139,7 +135,7 @@ def server_config(name: str, opts: BenchOptions, mem_fraction: float = 0.3,
         extra += ["--speculative-adaptive", "--speculative-adaptive-config", str(opts.out / "adaptive_config.json")]
     if max_total_tokens:
         extra += ["--max-total-tokens", str(max_total_tokens)]
-    if opts.diagnose:
+    if opts.diagnose or opts.device_timer:
         cfg.env.update(diagnose.SERVER_ENV)
     cfg.extra = (*extra, *opts.server_args)
     return cfg
@@ -150,9 +146,7 @@ def server_names(opts: BenchOptions) -> list[str]:
     names: list[str] = []
     for name in opts.configs:
         names += [f"eagle3_thr{n}" for n in opts.thresholds] if name == "eagle3_thr" else [name]
-    # every switching server once more per further plain-step variant, right after it
-    return [f"{n}+{v}" if i else n for n in names
-            for i, v in enumerate((opts.plain_steps or ("",)) if switches(n) else ("",))]
+    return names
 
 
 def window_requests(concurrency: int, waves: int) -> int:
@@ -196,7 +190,7 @@ def pool_tokens(opts: BenchOptions) -> int:
 
 def switches(name: str) -> bool:
     """Whether the server switches between speculative and plain steps itself (a threshold, auto)."""
-    return name.startswith("eagle3_thr") or name.partition("+")[0] == "eagle3_auto"
+    return name.startswith("eagle3_thr") or name == "eagle3_auto"
 
 
 def round_order(names: list[str], k: int) -> list[str]:
@@ -348,10 +342,10 @@ def ramp_windows(levels: list[int], hold_s: float, requests: list[tuple[float, f
 # windows, one per (round, concurrency), measured on every server at once; then per server its
 # ramp and (--diagnose) its full-load diagnosis, for which it is started alone when the closed loop
 # is done. No unit is started without the time to finish it, and no server without the time to use it.
-def launch(opts: BenchOptions, name: str, mem_fraction: float, tokens: int) -> Server:
+def launch(opts: BenchOptions, name: str, mem_fraction: float, tokens: int, log_path: Path) -> Server:
     """Start one bench server (its port from its place among the configs) and wait until healthy."""
     k = server_names(opts).index(name)
-    srv = Server(server_config(name, opts, mem_fraction, tokens), opts.port + k, opts.out / f"server_bench_{name}.log")
+    srv = Server(server_config(name, opts, mem_fraction, tokens), opts.port + k, log_path)
     try:
         srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
     except BaseException:
@@ -390,13 +384,37 @@ def kv_used_after_flush(base: str) -> int | None:
     return used
 
 
-def server_checks(name: str, srv: Server) -> dict[str, Any]:
-    """After a server's load: its KV pool back to empty, its mode counters; its log clean (raises)."""
-    info: dict[str, Any] = {"kv_used_after_flush": kv_used_after_flush(srv.base)}
+def running_limit(base: str) -> int | None:
+    """The server's running-request limit (/server_info), None where it says none."""
+    try:
+        states = client.get_json(base + "/server_info").get("internal_states") or [{}]
+        return int(states[0]["effective_max_running_requests_per_dp"])
+    except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def server_checks(name: str, srv: Server, top: int) -> tuple[dict[str, Any], list[str]]:
+    """After a server's load: its KV pool back to empty, its running-request limit, its mode
+    counters, its log clean. Every figure is kept, whichever check fails (the failures listed)."""
+    info: dict[str, Any] = {"kv_used_after_flush": kv_used_after_flush(srv.base),
+                            "running_limit": running_limit(srv.base)}
+    problems = []
+    if info["kv_used_after_flush"]:
+        problems.append(f"{name}: {info['kv_used_after_flush']} KV tokens still in use after the "
+                        "load and a cache flush")
+    if info["running_limit"] is not None and info["running_limit"] < top:
+        problems.append(f"{name}: runs at most {info['running_limit']} requests at once, below the "
+                        f"top concurrency {top}")
     if switches(name):
-        info["speculative_disable"] = speculation_state(srv.base)
-    check_log_clean(srv.log_path.read_text(errors="replace"))
-    return info
+        try:
+            info["speculative_disable"] = speculation_state(srv.base)
+        except (SmokeError, client.HTTPFailure, ValueError) as exc:
+            problems.append(f"{name}: no speculation state: {getattr(exc, 'cause', exc)}")
+    try:
+        check_log_clean(srv.log_path.read_text(errors="replace"))
+    except SmokeError as exc:
+        problems.append(f"{name}: {exc.cause} ({srv.log_path.name})")
+    return info, problems
 
 
 def mismatches(outputs: dict[str, dict[str, Any]], where: str) -> list[str]:
@@ -467,7 +485,7 @@ class Bench:
         for k, name in enumerate(names):
             share = self.opts.mem_share / (len(names) - k if len(names) > 1 else len(self.names))
             t0 = time.time()
-            srv = self.servers[name] = launch(self.opts, name, share, self.tokens)
+            srv = self.servers[name] = launch(self.opts, name, share, self.tokens, self.log_path(name))
             self.result["start_s"][name] = round(srv.start_seconds or time.time() - t0, 1)
             self.result["kv_pool_tokens"][name] = kv_pool(srv)
         pools = self.result["kv_pool_tokens"]
@@ -479,14 +497,20 @@ class Bench:
             warm_up(self.servers[name].base, self.opts)
             self.result["warm_s"][name] = round(time.time() - t0, 1)
 
+    def log_path(self, name: str) -> Path:
+        """A log of its own for each start of a server (a failure of another run, or of an earlier
+        start, never reads as this one's)."""
+        starts = self.result.setdefault("starts", {})
+        starts[name] = starts.get(name, 0) + 1
+        return self.opts.out / f"server_bench_{name}.{starts[name]}.log"
+
     def stop(self, name: str) -> None:
         srv = self.servers.pop(name)
         try:
             if self.fits(0, 0):
-                self.result["servers"][name] = server_checks(name, srv)
-                used = self.result["servers"][name]["kv_used_after_flush"]
-                if used:
-                    self.result["checks"].append(f"{name}: {used} KV tokens still in use after the load and a cache flush")
+                info, problems = server_checks(name, srv, max(self.opts.concurrency))
+                self.result["servers"][name] = info
+                self.result["checks"] += problems
         finally:
             srv.stop()
 
@@ -535,12 +559,13 @@ class Bench:
         for name in round_order(self.names, k + i):
             srv = self.servers[name]
             flush_cache(srv.base)
-            before = diagnose.scrape(srv.base) if opts.diagnose else {}
+            timed = opts.diagnose or opts.device_timer
+            before = diagnose.scrape(srv.base) if timed else {}
             m = measure(srv.base, prompt_at, c, opts.window_s, window_requests(c, opts.window_waves),
                         opts.deadline.request_timeout(240), opts.deadline.at - self.reserve(len(self.servers)))
             if m.pop("cut"):
                 return False
-            if opts.diagnose:
+            if timed:
                 m["gpu_s"] = diagnose.gpu_seconds(before, diagnose.scrape(srv.base))
             outputs[name] = m.pop("outputs")
             got[name] = {**m, "round": k + 1}
@@ -694,10 +719,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
     ap.add_argument(p + "threshold", default="16",
                     help="eagle3_thr's fixed threshold N; a comma list runs one server per N (a sweep)")
-    ap.add_argument(p + "plain-steps", default="",
-                    help=f"comma list of {','.join(PLAIN_STEPS)}: what a threshold or auto server's plain "
-                         "step runs (the plugin's SGLANG_IMAGE_PLAIN_STEP), one such server per variant "
-                         "(default: the plugin's own choice)")
+    ap.add_argument(p + "switching-defaults", action="store_true",
+                    help="start the threshold and auto servers without --max-running-requests and a "
+                         "decode graph size, as the README's Serve command does (the others get the "
+                         "top concurrency); each server's limit is checked against the top concurrency")
     ap.add_argument(p + "rounds", type=int, default=2,
                     help="closed-loop rounds (the server order alternates; 0: the ramp alone)")
     ap.add_argument(p + "window-s", type=float, default=10.0,
@@ -714,6 +739,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="extra flags for every server, one shell-quoted string (e.g. '--gc-threshold 50000')")
     ap.add_argument(p + "diagnose", action="store_true",
                     help="also where each server's time goes at full load (py-spy, torch profiler, device timer)")
+    ap.add_argument(p + "device-timer", action="store_true",
+                    help="GPU seconds per closed-loop window from each server's device timer (the host's "
+                         "share of a step is the rest), without --diagnose's full-load units")
 
 
 def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
@@ -733,9 +761,6 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     thresholds = [x.strip() for x in str(get("threshold")).split(",") if x.strip()]
     if not thresholds or not all(x.isdigit() and int(x) >= 1 for x in thresholds) or len(set(thresholds)) < len(thresholds):
         raise refuse("threshold", "give distinct whole numbers >= 1, e.g. 16 or 8,16,32")
-    plain_steps = [x.strip() for x in get("plain-steps").split(",") if x.strip()]
-    if any(v not in PLAIN_STEPS for v in plain_steps) or len(set(plain_steps)) < len(plain_steps):
-        raise refuse("plain-steps", f"give distinct names among {','.join(PLAIN_STEPS)}")
     if get("rounds") < 0:
         raise refuse("rounds", "must be >= 0 (0: the ramp alone)")
     if not get("window-s") > 0:
@@ -750,11 +775,13 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     if get("max-total-tokens") < 0:
         raise refuse("max-total-tokens", "must be >= 0 (0: sized for the top concurrency)")
     return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
-            "thresholds": tuple(sorted(int(x) for x in thresholds)), "plain_steps": tuple(plain_steps),
+            "thresholds": tuple(sorted(int(x) for x in thresholds)),
+            "switching_defaults": get("switching-defaults"),
             "rounds": get("rounds"), "window_s": get("window-s"), "window_waves": get("window-waves"),
             "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
             "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),
-            "server_args": tuple(shlex.split(get("server-args"))), "diagnose": get("diagnose")}
+            "server_args": tuple(shlex.split(get("server-args"))), "diagnose": get("diagnose"),
+            "device_timer": get("device-timer")}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -80,8 +80,8 @@ class ServerConfig:
     threshold: int | str | None = None  # --speculative-disable-batch-threshold (N or auto)
     overlap: bool = True               # False -> --disable-overlap-schedule
     cuda_graph: bool = True
-    cuda_graph_max_bs: int = 64
-    max_running: int = 64
+    cuda_graph_max_bs: int | None = 64  # None: the server's own default
+    max_running: int | None = 64       # None: the server's own default
     mem_fraction: float = 0.15
     enable_metrics: bool = True
     extra: tuple[str, ...] = ()
@@ -92,11 +92,13 @@ class ServerConfig:
     def argv(self, port: int) -> list[str]:
         a = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),
              "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", str(self.mem_fraction),
-             "--max-running-requests", str(self.max_running), *BASE_FLAGS]
-        if self.cuda_graph:
+             *BASE_FLAGS]
+        if self.max_running is not None:
+            a += ["--max-running-requests", str(self.max_running)]
+        if self.cuda_graph and self.cuda_graph_max_bs is not None:
             release = self.release if self.release is not None else installed_sglang()
             a += [cuda_graph_max_bs_flag(release), str(self.cuda_graph_max_bs)]
-        else:
+        elif not self.cuda_graph:
             a += ["--disable-cuda-graph"]
         if self.draft is not None:
             a += [*EAGLE_FLAGS, "--speculative-draft-model-path", str(self.draft)]

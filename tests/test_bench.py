@@ -178,27 +178,46 @@ def test_configs_map_to_server_flags(tmp_path):
         == diagnose.SERVER_ENV
 
 
-def test_each_plain_step_variant_gets_its_own_switching_server(tmp_path):
-    # --plain-steps: every threshold and auto server once per variant, the first under its plain
-    # name, each with the plugin's variable set; plain and always-on servers are not doubled.
+def test_switching_servers_can_start_with_the_servers_own_limits(tmp_path):
+    # --switching-defaults: the threshold and auto servers start as the README's Serve command
+    # does (no --max-running-requests, no decode graph size); the others keep the top concurrency.
     opts = bench.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16,), concurrency=(1, 64),
-                              configs=("plain", "eagle3_thr", "eagle3_auto"),
-                              plain_steps=("zero-step", "decode-kv"))
-    names = bench.server_names(opts)
-    assert names == ["plain", "eagle3_thr16", "eagle3_thr16+decode-kv", "eagle3_auto", "eagle3_auto+decode-kv"]
-    env = {n: bench.server_config(n, opts).env.get(bench.PLAIN_STEP_ENV) for n in names}
-    assert env == {"plain": None, "eagle3_thr16": "zero-step", "eagle3_thr16+decode-kv": "decode-kv",
-                   "eagle3_auto": "zero-step", "eagle3_auto+decode-kv": "decode-kv"}
-    argv = bench.server_config("eagle3_thr16+decode-kv", opts).argv(30000)
-    assert argv[argv.index(bench.THRESHOLD_FLAG) + 1] == "16" and bench.switches("eagle3_auto+decode-kv")
-    assert bench_report.label("eagle3_thr16+decode-kv") == "EAGLE-3 + threshold 16 (decode-kv plain step)"
-    default = bench.BenchOptions(models=tmp_path, out=tmp_path, configs=("eagle3_thr",))
-    assert bench.server_names(default) == ["eagle3_thr16"]
-    assert bench.server_config("eagle3_thr16", default).env == {}  # the plugin's own default
-    assert bench_options("--plain-steps", "decode,decode-kv").plain_steps == ("decode", "decode-kv")
-    for bad in ("fast", "decode,decode"):
-        with pytest.raises(SystemExit, match="--plain-steps"):
-            bench_options("--plain-steps", bad)
+                              configs=("plain", "eagle3", "eagle3_thr", "eagle3_auto"),
+                              switching_defaults=True)
+    argv = {n: bench.server_config(n, opts).argv(30000) for n in bench.server_names(opts)}
+    for name, a in argv.items():
+        given = not bench.switches(name)
+        assert ("--max-running-requests" in a) == given and ("--cuda-graph-max-bs-decode" in a
+                                                             or "--cuda-graph-max-bs" in a) == given
+        if given:
+            assert a[a.index("--max-running-requests") + 1] == "64"
+    assert bench_options("--switching-defaults").switching_defaults
+    assert not bench_options().switching_defaults
+
+
+class ChecksServer:
+    def __init__(self, log: Path):
+        self.base, self.log_path = "http://x", log
+
+
+def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_path):
+    # The KV pool check of every server, a threshold server's too, even where its log shows an
+    # error (it used to be dropped with the log check's exception) or its limit is too low.
+    log = tmp_path / "server_bench_eagle3_thr16.2.log"
+    log.write_text("Traceback (most recent call last)\nRuntimeError: boom\n")
+    monkeypatch.setattr(bench, "kv_used_after_flush", lambda base: 12)
+    monkeypatch.setattr(bench, "running_limit", lambda base: 48)
+    monkeypatch.setattr(bench, "speculation_state", lambda base: {"threshold": 16})
+    info, problems = bench.server_checks("eagle3_thr16", ChecksServer(log), 256)
+    assert info == {"kv_used_after_flush": 12, "running_limit": 48,
+                    "speculative_disable": {"threshold": 16}}
+    assert problems[0] == "eagle3_thr16: 12 KV tokens still in use after the load and a cache flush"
+    assert problems[1] == "eagle3_thr16: runs at most 48 requests at once, below the top concurrency 256"
+    assert problems[2].startswith("eagle3_thr16: server log shows an error") and log.name in problems[2]
+    log.write_text("all fine\n")
+    monkeypatch.setattr(bench, "kv_used_after_flush", lambda base: 0)
+    monkeypatch.setattr(bench, "running_limit", lambda base: 256)
+    assert bench.server_checks("eagle3_thr16", ChecksServer(log), 256)[1] == []
 
 
 def test_auto_runs_only_where_the_plugin_is_installed(tmp_path, monkeypatch):
@@ -240,6 +259,7 @@ class FakeLab:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
         self.launched: list[str] = []
+        self.logs: list[str] = []
         self.windows: list[tuple[str, int, str]] = []  # (server, concurrency, first prompt key)
         self.ramps: list[str] = []
         self.opts: bench.BenchOptions | None = None
@@ -253,7 +273,7 @@ class FakeLab:
         monkeypatch.setattr(bench, "flush_cache", lambda base: None)
         monkeypatch.setattr(bench, "measure", self.measure)
         monkeypatch.setattr(bench, "run_ramp", self.run_ramp)
-        monkeypatch.setattr(bench, "server_checks", lambda name, srv: {"kv_used_after_flush": 0})
+        monkeypatch.setattr(bench, "server_checks", lambda name, srv, top: ({"kv_used_after_flush": 0}, []))
 
     def options(self, seconds: float, **kw: Any) -> bench.BenchOptions:
         kw = {"configs": ("plain", "eagle3"), "concurrency": (1, 4), "rounds": 2, "ramp_cycles": 1,
@@ -266,8 +286,10 @@ class FakeLab:
     def spend(self, seconds: float) -> None:
         self.deadline.at -= seconds
 
-    def launch(self, opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int) -> FakeServer:
+    def launch(self, opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int,
+               log_path: Path) -> FakeServer:
         self.deadline = opts.deadline
+        self.logs.append(log_path.name)
         self.spend(60)
         self.launched.append(name)
         return FakeServer(name, self.tmp_path / "log")
@@ -338,6 +360,9 @@ def test_a_resumed_run_measures_only_what_is_left(lab):
     assert not third["skipped"] and not third["failures"] and state["result"] is third
     assert third["calls"] == 3 and set(third["ramp"]) == {"plain", "eagle3"} and "over 3 calls" in third["table"]
     assert "every output equal to plain decoding's" in third["table"] and "remaining" not in third["table"]
+    # each start of a server writes a log of its own: one run's failure never reads as another's
+    assert lab.logs == ["server_bench_plain.1.log", "server_bench_eagle3.1.log", "server_bench_plain.2.log",
+                        "server_bench_eagle3.2.log", "server_bench_eagle3.3.log"]
 
     lab.launched.clear()
     assert bench.run_bench(lab.options(600), state)["levels"] == third["levels"] and not lab.launched
@@ -508,7 +533,8 @@ def test_a_server_that_fails_to_start_ends_the_run_with_its_log(lab, monkeypatch
     started: list[FakeServer] = []
     (tmp_path / "eagle3.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
 
-    def launch(opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int) -> FakeServer:
+    def launch(opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int,
+               log_path: Path) -> FakeServer:
         if name == "eagle3":
             raise SmokeError("eagle3: server exited with code 1 before it became healthy", log=tmp_path / "eagle3.log")
         started.append(FakeServer(name, tmp_path / "log"))

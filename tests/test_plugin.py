@@ -149,23 +149,25 @@ def test_discovered_applied_and_checked_at_start(run_in_tree, tree, plugin_site)
         from sglang.srt.plugins.hook_registry import HookRegistry
         load_plugins()
         import sglang_image_plugin
-        from sglang_image_plugin.targets import HOOKS
+        from sglang_image_plugin.targets import HOOKS, START
         eps = [(ep.name, ep.value, ep.dist.name) for ep in entry_points(group="sglang.srt.plugins")]
         emit({"eps": eps, "not_taken": sglang_image_plugin.hooks_not_taken(),
               "patched": sorted(t for t in HookRegistry._patched),
-              "targets": sorted(h.target for h in HOOKS)})
+              "start": sorted(h.target for h in HOOKS if h.group == START),
+              "per_step": sorted(h.target for h in HOOKS if h.group != START)})
     """)
     assert out["eps"] == [["sglang_image", "sglang_image_plugin:register", "sglang-image-plugin"]]
     assert out["not_taken"] == []
-    assert set(out["targets"]) <= set(out["patched"])
+    # at load only the start-up hooks: a server without a threshold runs none of the others
+    assert set(out["start"]) <= set(out["patched"]) and not set(out["per_step"]) & set(out["patched"])
 
 
 def test_a_hook_that_does_not_take_stops_the_process(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # A release without one of the targets: the framework would log and carry on.
     # The check runs in the first hook of the process: the launcher's CLI hook.
     code = PRELUDE + textwrap.dedent("""
-        from sglang.srt.managers.scheduler_components import internal_state
-        del internal_state.SchedulerInternalStateController._add_speculative
+        from sglang.srt.arg_groups import speculative_hook
+        del speculative_hook._handle_eagle_family
         from sglang.srt.plugins import load_plugins
         load_plugins()
         from sglang.srt.server_args import prepare_server_args
@@ -175,6 +177,20 @@ def test_a_hook_that_does_not_take_stops_the_process(run_in_tree, tree, plugin_s
     proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}"}, timeout=900)
     assert proc.returncode == 1 and "RESULT" not in proc.stdout
     assert "sglang-image-plugin: hooks did not take" in proc.stderr
+    assert "speculative_hook._handle_eagle_family: cannot be resolved" in proc.stderr
+    # a per-step hook that does not take stops the worker that installs it, the same way
+    code = PRELUDE + textwrap.dedent("""
+        from sglang.srt.managers.scheduler_components import internal_state
+        del internal_state.SchedulerInternalStateController._add_speculative
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang_image_plugin import registry
+        from sglang_image_plugin.targets import hooks_of
+        registry.install(hooks_of("threshold"), "plain-step")
+        emit({"still": "running"})
+    """)
+    proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}"}, timeout=900)
+    assert proc.returncode == 1 and "RESULT" not in proc.stdout
     assert ("SchedulerInternalStateController._add_speculative: cannot be resolved"
             in proc.stderr)
 
@@ -229,6 +245,49 @@ def test_flag_env_and_validation_through_the_launcher(run_in_tree, tree, plugin_
     assert env_auto == {"threshold": "auto", "hysteresis": 0}
 
 
+def test_a_threshold_server_keeps_a_plain_servers_running_limit(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    # Upstream resets an EAGLE server's --max-running-requests to 48 unless given: a threshold
+    # server could then never run the batches where it decodes plain. Without the flag it keeps
+    # the limit of the same server without speculation (unset: sized from the KV pool at start);
+    # given, the flag wins; without a threshold upstream's 48 stays, with its warning.
+    out = _probe(run_in_tree, tree, plugin_site, """
+        import contextlib, io, logging
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.server_args import prepare_server_args
+        from sglang.srt.arg_groups.overrides import resolving_view
+        def limit(extra, plain=False):
+            argv = ["--model-path", MODEL, "--skip-tokenizer-init", "--device", "cpu", *extra]
+            if not plain:
+                argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", MODEL,
+                         "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
+                         "--speculative-num-draft-tokens", "4"]
+            sa = prepare_server_args(argv)
+            seen = []
+            class Capture(logging.Handler):
+                def emit(self, record):
+                    seen.append(record.getMessage())
+            capture = Capture()
+            logging.getLogger().addHandler(capture)
+            try:
+                sa.resolve_once()
+            finally:
+                logging.getLogger().removeHandler(capture)
+            return [resolving_view(sa).max_running_requests,
+                    any("reset to 48" in m for m in seen),
+                    bool(getattr(sa, "_sglang_image_plain_running_limit", False))]
+        emit({"threshold": limit(["--speculative-disable-batch-threshold", "16"]),
+              "auto": limit(["--speculative-disable-batch-threshold", "auto"]),
+              "given": limit(["--speculative-disable-batch-threshold", "16", "--max-running-requests", "64"]),
+              "no_threshold": limit([]), "off": limit(["--speculative-disable-batch-threshold", "0"]),
+              "plain": limit([], plain=True)})
+    """.replace("MODEL", repr(str(model_dir))))
+    assert out["threshold"] == [None, False, True] and out["auto"] == [None, False, True]
+    assert out["given"] == [64, False, False]
+    assert out["no_threshold"] == [48, True, False] and out["off"] == [48, True, False]
+    assert out["plain"] == [None, False, False]  # the limit a threshold server now keeps
+
+
 def test_another_plugin_on_the_same_targets_keeps_its_hooks(run_in_tree, tree, plugin_site, model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # A second plugin, discovered after ours, hooks two of our targets. SGLang applies the
     # hooks once every plugin has registered; a plugin that applied them itself would leave
@@ -243,9 +302,14 @@ def test_another_plugin_on_the_same_targets_keeps_its_hooks(run_in_tree, tree, p
         def around_verify(original, worker, *args, **kwargs):
             SEEN.append("init")
             return original(worker, *args, **kwargs)
+        def before_graphs(worker, *args, **kwargs):
+            SEEN.append("graphs")
         def register():
             HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", add_flag,
                                   HookType.AFTER)
+            HookRegistry.register(
+                "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.init_cuda_graphs",
+                before_graphs, HookType.BEFORE)
             HookRegistry.register(
                 "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input",
                 around_verify, HookType.AROUND)
@@ -266,16 +330,30 @@ def test_another_plugin_on_the_same_targets_keeps_its_hooks(run_in_tree, tree, p
         ServerArgs.add_cli_args(parser)
         ns = parser.parse_args(["--model-path", "m", "--other-plugin-flag", "x",
                                 "--speculative-disable-batch-threshold", "8"])
+        from sglang_image_plugin import hooks, registry
+        from sglang_image_plugin.targets import hooks_of
+        graphs = EAGLEWorkerV2.__dict__["init_cuda_graphs"]
+        verify_before = EAGLEWorkerV2.__dict__["_build_trivial_verify_input"]
+        # a threshold worker installs its per-step hooks over the other plugin's, which stay
+        registry.install(hooks_of("threshold"), "plain-step")
+        verify = EAGLEWorkerV2.__dict__["_build_trivial_verify_input"]
         emit({"order": [ep.name for ep in entry_points(group="sglang.srt.plugins")],
               "not_taken": sglang_image_plugin.hooks_not_taken(),
               "other": ns.other_plugin_flag, "ours": ns.speculative_disable_batch_threshold,
-              "other_wraps_ours": sglang_image_plugin._wraps_hook(
-                  EAGLEWorkerV2.__dict__["_build_trivial_verify_input"], other_plugin.around_verify)})
+              "both_at_start": [registry.wraps_hook(graphs, other_plugin.before_graphs),
+                                registry.wraps_hook(graphs, hooks.worker_init_cuda_graphs)],
+              "theirs_before_install": registry.wraps_hook(verify_before, other_plugin.around_verify),
+              "both_after_install": [registry.wraps_hook(verify, other_plugin.around_verify),
+                                     registry.wraps_hook(verify, hooks.trivial_verify_input)],
+              "again": registry.install(hooks_of("threshold"), "plain-step") is None
+                       and EAGLEWorkerV2.__dict__["_build_trivial_verify_input"] is verify})
     """, env={"PYTHONPATH": f"{plugin_site}:{other}:{tree}"})
     assert out["order"] == ["sglang_image", "other"]
     assert out["not_taken"] == []
     assert out["other"] == "x" and out["ours"] == 8
-    assert out["other_wraps_ours"]
+    assert out["both_at_start"] == [True, True]
+    assert out["theirs_before_install"] and out["both_after_install"] == [True, True]
+    assert out["again"]  # a second install wraps nothing twice
 
 
 def test_a_release_the_plugin_was_not_checked_on_stops_at_start(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
@@ -319,6 +397,9 @@ def test_zero_step_verify_hands_int64_draft_tokens_to_the_tree_kernel(run_in_tre
         from types import SimpleNamespace as NS
         from sglang.srt.plugins import load_plugins
         load_plugins()
+        from sglang_image_plugin import registry
+        from sglang_image_plugin.targets import hooks_of
+        registry.install(hooks_of("threshold"), "plain-step")  # as a threshold worker does
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
         from sglang.srt.speculative.eagle_info import EagleDraftInput
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -448,6 +529,7 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
                                 "sglang:spec_disable_speculative_steps_total")}
         emit({"built": built, "steps": steps, "state": state, "metrics": metrics, "policy": policy,
               "start": [r for r in records if r.startswith("Dynamic speculation disable")],
+              "limit": [r for r in records if r.startswith("Running-request limit")],
               "modes": [r for r in records if r.startswith("Speculation mode")]})
     """
     out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
@@ -457,10 +539,15 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
     # 3 draft steps up to 32 requests; none above; back at <= 28 (hysteresis 4); idle keeps it
     assert out["steps"] == [3, 3, 3, 0, 0, 0, 0, 0, 3, 3, 0, 0, 3]
     assert out["start"] == ["Dynamic speculation disable enabled: threshold=32"]
+    assert out["limit"] == ["Running-request limit 256 (the limit of the same server without "
+                            "speculation: no --max-running-requests); no decode CUDA graphs"]
     assert out["modes"][0] == "Speculation mode -> plain (batch size 33 > threshold 32); mode_changes=1"
     assert out["state"]["speculative_disable"] == {
         "threshold": 32, "hysteresis": 4, "mode": "plain", "speculative_steps": 6,
         "plain_steps": 7, "mode_changes": 5,
+        # the fake worker's draft has no model: the plain step keeps the full draft extend
+        "plain_step": {"target": "decode graph", "draft": "full draft extend",
+                       "layout": "speculative", "draft_kv_write": "draft extend"},
         # no verify results came in this trace: nothing measured, the decisions wait unpaired
         "acceptance_around_plain": {"window_steps": 64, "phases_measured": 0,
                                     "unpaired_steps": 5}}
@@ -507,10 +594,10 @@ def test_worker_reports_the_accept_length_before_and_after_a_plain_phase(run_in_
 
 
 def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
-    # SGLANG_IMAGE_PLAIN_STEP=decode-kv: once the pools exist (init_cuda_graphs), a one-layer
-    # Llama EAGLE-3 draft gets the catch-up policy (plain states at every captured size, one
-    # plain step with the full draft extend before speculation resumes); another draft keeps
-    # the threshold policy, and the log says why.
+    # Once the pools exist (init_cuda_graphs), a one-layer Llama EAGLE-3 draft gets the catch-up
+    # policy (plain states at every captured size, one plain step with the full draft extend
+    # before speculation resumes); another draft keeps the threshold policy, and the log says why
+    # (its draft line is what the smoke reads).
     head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', '32']\n"
             "TRACE = [1, 33, 40, 20, 20, 1]\nHF_CONFIG = {}\n")
     llama_draft = """
@@ -527,26 +614,21 @@ def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(r
     body = """
         emit({"policy": policy, "built": built, "steps": steps,
               "kv_only": getattr(worker._draft_worker, "_sglang_image_kv_only", None) is controller.params,
-              "lines": [r for r in records if r.startswith("SGLANG_IMAGE_PLAIN_STEP")]})
+              "lines": [r for r in records if r.startswith("Plain step:")]})
     """
-    env = {"SGLANG_IMAGE_PLAIN_STEP": "decode-kv"}
-    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, llama_draft, SWITCH, body, env=env)
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, llama_draft, SWITCH, body)
     assert out["policy"] == "CatchUpPolicy" and out["kv_only"]
     assert out["built"] == [[0, 1, [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]]]
     assert out["steps"] == [3, 0, 0, 0, 3, 3]  # 20 <= 28 resumes after one catch-up step
-    assert out["lines"] == [("SGLANG_IMAGE_PLAIN_STEP=decode-kv: plain steps write only the draft's "
-                            "K/V, one catch-up step before speculation resumes")]
+    assert out["lines"][0] == ("Plain step: plain steps write only the draft's K/V, one catch-up "
+                               "step before speculation resumes")
     assert runner.draft_plain_step("\n".join(out["lines"])) == "kv_only"  # what the smoke reads
-    other = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body, env=env)
+    other = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
     assert other["policy"] == "ThresholdPolicy" and not other["kv_only"]
     assert other["steps"] == [3, 0, 0, 3, 3, 3]
-    assert other["lines"] == [("SGLANG_IMAGE_PLAIN_STEP=decode-kv: plain steps run the draft's full "
-                              "step: the draft is NoneType, not a Llama EAGLE-3 draft")]
+    assert other["lines"][0] == ("Plain step: plain steps run the draft's full step: the draft is "
+                                 "NoneType, not a Llama EAGLE-3 draft")
     assert runner.draft_plain_step("\n".join(other["lines"])) == "full"
-    default = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, llama_draft, SWITCH, body)
-    assert default["policy"] == "ThresholdPolicy" and not default["kv_only"]
-    assert default["lines"] == ["SGLANG_IMAGE_PLAIN_STEP=zero-step: plain steps run the draft's full step"]
-    assert runner.draft_plain_step(default["lines"][0]) == "full"
 
 
 def test_worker_untouched_without_a_threshold(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -754,76 +836,55 @@ def test_image_entrypoint_refuses_a_plugin_allowlist_without_ours(
         assert "add sglang_image to SGLANG_PLUGINS" in proc.stderr
 
 
-def test_experimental_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
-    # SGLANG_IMAGE_PLAIN_STEP=decode (and decode-kv): the zero-step state's target graph is captured in DECODE
-    # mode (no verify input, hidden states for the draft); every other state, and every state
-    # without the flag or without a threshold, keeps upstream's runner.
-    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
-        import os
-        from sglang.srt.speculative import eagle_worker_v2
-        from sglang_image_plugin import plain_target
+def test_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # A worker with a plain step (every threshold worker): the zero-step state's target graph is
+    # captured in DECODE mode (no verify input, hidden states for the draft); every other state,
+    # and every state of a worker without a threshold, keeps upstream's runner. Where the plain
+    # step defers the draft's K/V write, the graph writes them (a tail hook on the target's
+    # runner, its books cleared after the capture's dummy runs); elsewhere no hook.
+    out = _probe(run_in_tree, tree, plugin_site, """
+        import torch
         from types import SimpleNamespace as NS
-        m = {str(model_dir)!r}
+        from sglang.srt.speculative import eagle_worker_v2
+        from sglang_image_plugin import draft_kv, plain_step, plain_target
         seen = []
         def original(worker, steps, tokens, *a, **k):
             seen.append([steps, eagle_worker_v2.DecodeCudaGraphRunner.__name__])
-        def run(args, env, steps):
-            os.environ.pop(plain_target.ENV, None)
-            os.environ.update(env)
-            import contextlib, io
-            with contextlib.redirect_stderr(io.StringIO()):
-                sa = prepare_server_args(["--model-path", m, "--skip-tokenizer-init", "--device",
-                    "cpu", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", m,
-                    "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
-                    "--speculative-num-draft-tokens", "4", *args])
-            sa.resolve_once()
-            sa.check_server_args()
-            plain_target.build_runtime_state(original, NS(server_args=sa), steps, 1)
-        on = {{plain_target.ENV: "decode"}}
-        kv = {{plain_target.ENV: "decode-kv"}}
-        run(["--speculative-disable-batch-threshold", "8"], on, 0)
-        run(["--speculative-disable-batch-threshold", "8"], kv, 0)
-        run(["--speculative-disable-batch-threshold", "8"], on, 3)
-        run(["--speculative-disable-batch-threshold", "8"], {{}}, 0)
-        run([], on, 0)
-        cls = plain_target.runner_class()
-        # layout, with a draft that writes only its K/V: the graph writes them (a tail hook on the
-        # target's runner, its books cleared after the capture's dummy runs); without: no hook
-        import torch
-        from sglang_image_plugin import draft_kv
-        def layout_run(kv_only, name="layout"):
-            os.environ[plain_target.ENV] = name
-            sa = prepare_server_args(["--model-path", m, "--skip-tokenizer-init", "--device", "cpu",
-                "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", m,
-                "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
-                "--speculative-num-draft-tokens", "4", "--speculative-disable-batch-threshold", "8"])
-            sa.resolve_once()
-            sa.check_server_args()
-            hooks = []
+        def worker(step, hooks=None):
             dw = NS(draft_runner=NS(model=NS(model=NS(fc=torch.nn.Linear(36, 16, bias=False))),
                                     token_to_kv_pool=None))
-            if kv_only:
-                setattr(dw, "_sglang_image_kv_only", object())
-            w = NS(server_args=sa, draft_worker=dw, target_worker=NS(model_runner=NS(
-                capture_tail_hooks=hooks, req_to_token_pool=NS(req_to_token=torch.zeros(8, 4)))))
+            w = NS(draft_worker=dw, target_worker=NS(model_runner=NS(
+                capture_tail_hooks=hooks if hooks is not None else [],
+                req_to_token_pool=NS(req_to_token=torch.zeros(8, 4)))))
+            if step is not None:
+                setattr(w, plain_step.ATTR, step)
+            return w
+        deferred = plain_step.PlainStep(kv_only_reason=None, layout_reason=None, deferred_reason=None)
+        eager = plain_step.PlainStep(kv_only_reason=None, layout_reason="sync", deferred_reason="sync")
+        plain_target.build_runtime_state(original, worker(eager), 0, 1)
+        plain_target.build_runtime_state(original, worker(eager), 3, 4)
+        plain_target.build_runtime_state(original, worker(None), 0, 1)
+        cls = plain_target.runner_class()
+        def graph_run(step):
+            hooks = []
+            w = worker(step, hooks)
             def capture(worker, steps, tokens, *a, **k):
-                d = getattr(dw, draft_kv.DEFERRED_ATTR, None)
+                d = getattr(w.draft_worker, draft_kv.DEFERRED_ATTR, None)
                 if d is not None:
                     d.pos[1] = 5  # what a capture run with dummy rows leaves
             plain_target.build_runtime_state(capture, w, 0, 1)
-            d = getattr(dw, draft_kv.DEFERRED_ATTR, None)
+            d = getattr(w.draft_worker, draft_kv.DEFERRED_ATTR, None)
             return [len(hooks), None if d is None else [list(d.hidden.shape), d.pos.tolist()]]
-        emit({{"seen": seen, "base": [b.__name__ for b in cls.__mro__[1:3]],
-               "spec_info": cls.get_spec_info(None, 8),
-               "restored": eagle_worker_v2.DecodeCudaGraphRunner.__name__,
-               "layout": [layout_run(True), layout_run(False), layout_run(True, "layout-eager")]}})
+        emit({"seen": seen, "base": [b.__name__ for b in cls.__mro__[1:3]],
+              "spec_info": cls.get_spec_info(None, 8),
+              "restored": eagle_worker_v2.DecodeCudaGraphRunner.__name__,
+              "graph": [graph_run(deferred), graph_run(eager)]})
     """)
-    assert out["seen"] == [[0, "PlainDecodeCudaGraphRunner"], [0, "PlainDecodeCudaGraphRunner"],
-                           [3, "DecodeCudaGraphRunner"],
-                           [0, "DecodeCudaGraphRunner"], [0, "DecodeCudaGraphRunner"]]
+    assert out["seen"] == [[0, "PlainDecodeCudaGraphRunner"], [3, "DecodeCudaGraphRunner"],
+                           [0, "DecodeCudaGraphRunner"]]
     assert out["base"][0] == "DecodeCudaGraphRunner" and out["spec_info"] is None
     assert out["restored"] == "DecodeCudaGraphRunner"
-    assert out["layout"] == [[1, [[8, 36], [-1] * 8]], [0, None], [0, None]]
+    assert out["graph"] == [[1, [[8, 36], [-1] * 8]], [0, None]]
 
 
 # The fake draft's worker: its runner (model, KV pool, slot translators), as the hooks read it.
@@ -919,14 +980,7 @@ def test_plain_step_writes_draft_kv_only_except_catch_up_speculative_and_idle(ru
     assert out["stubs"] == [[3, 1], "torch.float32", [3, 1], "torch.int64", [3, 16]]
 
 
-def test_bad_plain_step_variable_stops_the_launch(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
-    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, f"""
-        emit(launch({str(model_dir)!r}, ["--speculative-disable-batch-threshold", "8"]))
-    """, env={"SGLANG_IMAGE_PLAIN_STEP": "fast"})
-    assert "SGLANG_IMAGE_PLAIN_STEP='fast': give one of zero-step, decode, decode-kv" in out["error"]
-
-
-# The experimental plain layout (layout.py) against upstream's real FutureMap and
+# The plain layout (layout.py) against upstream's real FutureMap and
 # resolve_forward_inputs on the CPU; the batch, the worker and the pool are stand-ins.
 LAYOUT_FAKES = """
     import torch
@@ -1304,13 +1358,14 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
 
 
 def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
-    # layout under the synchronous scheduler: no plain layout there, every plain step writes its
-    # own draft K/V in the speculative layout, so the draft worker keeps no deferral to flush, and
-    # the deferred step that the zero-step graph captured before the scheduler existed is switched
-    # off (no prefill there forgets a reused row: its old pending K/V would go to a freed slot).
+    # A scheduler that cannot run the plain layout although the server arguments let the worker
+    # expect it (here: overlap off): every plain step writes its own draft K/V in the speculative
+    # layout, so the draft worker keeps no deferral to flush, the deferred step that the zero-step
+    # graph captured before the scheduler existed is switched off (no prefill there forgets a
+    # reused row: its old pending K/V would go to a freed slot), and the plain step says so.
     out = _probe(run_in_tree, tree, plugin_site, """
         from types import SimpleNamespace as NS
-        from sglang_image_plugin import draft_kv, hooks, layout as L
+        from sglang_image_plugin import draft_kv, hooks, layout as L, plain_step
         def scheduler(overlap):
             draft = NS()
             setattr(draft, draft_kv.KV_ONLY_ATTR, object())
@@ -1319,12 +1374,16 @@ def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tr
             setattr(draft, draft_kv.DEFERRED_ATTR, deferred)
             worker = NS(_draft_worker=draft)
             setattr(worker, hooks.CONTROLLER_ATTR, NS())
+            setattr(worker, plain_step.ATTR, plain_step.PlainStep(
+                kv_only_reason=None, layout_reason=None, deferred_reason=None))
             s = NS(draft_worker=worker, model_worker=worker, enable_overlap=overlap, page_size=1,
                    future_map=object(), spec_algorithm="EAGLE3", metrics_reporter=None)
             hooks.scheduler_init(None, s)
             kept = getattr(draft, draft_kv.DEFERRED_ATTR)
-            return [kept is deferred, deferred.disabled, getattr(worker, L.LAYOUT_ATTR, None) is not None]
+            step = plain_step.of(worker)
+            return [kept is deferred, deferred.disabled, getattr(worker, L.LAYOUT_ATTR, None) is not None,
+                    step.layout, step.deferred]
         emit({"sync": scheduler(False), "overlap": scheduler(True)})
-    """, env={"SGLANG_IMAGE_PLAIN_STEP": "layout"})
+    """)
     # sync: dropped and switched off in the graph that already holds it; overlap: kept, on
-    assert out == {"sync": [False, True, False], "overlap": [True, False, True]}
+    assert out == {"sync": [False, True, False, False, False], "overlap": [True, False, True, True, True]}

@@ -3,6 +3,7 @@ hysteresis controller and the threshold policy. No sglang needed."""
 from __future__ import annotations
 
 import argparse
+import pkgutil
 import sys
 from typing import Any
 
@@ -12,11 +13,12 @@ from sglang_image.plugin import PLUGIN_DIR
 
 sys.path.insert(0, str(PLUGIN_DIR))
 
-from sglang_image_plugin import plain_target
+from sglang_image_plugin import plain_step
 from sglang_image_plugin import spec_disable as sd
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, AutoPolicy, Decision
 from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
+from sglang_image_plugin.targets import HOOKS, START, hooks_of
 
 EAGLE3 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
                        speculative_adaptive=False)
@@ -166,16 +168,35 @@ def test_catch_up_policy_runs_one_full_plain_step_before_speculation_resumes() -
     assert policy.controller is ctl and policy.on_verify_complete([1], 1) is None  # delegated
 
 
-def test_plain_step_variant_is_named_and_checked() -> None:
-    assert plain_target.variant({}) == "zero-step" and not plain_target.enabled({})
-    assert plain_target.variant({plain_target.ENV: " Decode-KV "}) == "decode-kv"
-    assert plain_target.enabled({plain_target.ENV: "decode"})
-    with pytest.raises(ValueError, match="SGLANG_IMAGE_PLAIN_STEP='fast': give one of zero-step, "
-                                         "decode, decode-kv"):
-        plain_target.variant({plain_target.ENV: "fast"})
-    # the benchmark names the variants itself (it runs where the plugin is not importable)
-    from bench import throughput
-    assert (throughput.PLAIN_STEP_ENV, throughput.PLAIN_STEPS) == (plain_target.ENV, plain_target.VARIANTS)
+def test_plain_step_installs_the_hooks_of_its_parts_only() -> None:
+    # One resolved object: each part that applies brings its hook group, nothing else; what does
+    # not apply says why, in the start lines and the server info.
+    full = plain_step.PlainStep(kv_only_reason=None, layout_reason=None, deferred_reason=None)
+    assert full.hook_groups() == ("threshold", "kv_only", "layout")
+    assert {h.group for h in hooks_of(*full.hook_groups())} == {"threshold", "kv_only", "layout"}
+    assert not {h.target for h in hooks_of(*full.hook_groups())} & {
+        h.target for h in hooks_of("auto")}
+    sync = plain_step.PlainStep(kv_only_reason=None, layout_reason="the synchronous scheduler",
+                                deferred_reason="the speculative layout", auto=True)
+    assert sync.hook_groups() == ("threshold", "kv_only", "auto")
+    assert sync.view() == {"target": "decode graph", "draft": "kv only", "layout": "speculative",
+                           "draft_kv_write": "after each step"}
+    assert sync.log_lines()[1] == ("Plain step: plain steps keep the speculative layout: "
+                                   "the synchronous scheduler")
+    deep = plain_step.PlainStep(kv_only_reason="the draft has 2 layers", layout_reason="x",
+                                deferred_reason="y")
+    assert deep.hook_groups() == ("threshold",) and deep.view()["draft"] == "full draft extend"
+    assert deep.log_lines() == ["Plain step: plain steps run the draft's full step: the draft "
+                                "has 2 layers", "Plain step: plain steps keep the speculative "
+                                "layout: x"]
+    # the smoke reads the draft's line in these words (smoke.runner.draft_plain_step)
+    from smoke import runner
+    assert runner.KV_ONLY_LINE in full.log_lines()[0]
+    assert runner.FULL_DRAFT_LINE in deep.log_lines()[0]
+    # every hook names a function that exists, and a start-up hook never depends on a group
+    for spec in HOOKS:
+        assert callable(pkgutil.resolve_name(spec.function)), spec
+    assert {h.group for h in HOOKS} == {START, "threshold", "kv_only", "layout", "auto"}
 
 
 class RecordedMetrics(sd.Metrics):

@@ -2,12 +2,13 @@
 
 SGLang calls `register` in every process it starts (launcher, scheduler,
 detokenizer, DP controller). It refuses an sglang release the plugin was not checked
-against and registers the hooks of targets.HOOKS; SGLang's loader applies them once
-every plugin has registered (another plugin's hooks on the same targets are applied
+against and registers the start-up hooks of targets.HOOKS; SGLang's loader applies them
+once every plugin has registered (another plugin's hooks on the same targets are applied
 with ours). The first hook that runs in a process (the CLI hook in the launcher, the
-worker hook in the scheduler) checks that every hook took: SGLang logs and skips a
+worker hook in the scheduler) checks that every one took: SGLang logs and skips a
 plugin or hook that fails, and a server silently without its flag or switch is worse
-than one that stops.
+than one that stops. A threshold server's worker installs the per-step hooks its plain
+step needs (plain_step.py, registry.install) and checks those the same way.
 """
 
 from __future__ import annotations
@@ -15,68 +16,21 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import pkgutil
-from collections.abc import Callable
 from importlib import resources
-from typing import Any
 
-from sglang_image_plugin.hooks import FUNCTIONS, set_hook_check
-from sglang_image_plugin.targets import DIGESTS_FILE, HOOKS
+from sglang_image_plugin import registry
+from sglang_image_plugin.hooks import set_hook_check
+from sglang_image_plugin.registry import PluginHookError
+from sglang_image_plugin.targets import DIGESTS_FILE, START, hooks_of
 
 logger = logging.getLogger(__name__)
-
-
-class PluginHookError(SystemExit):
-    """A hook did not take. SystemExit, not Exception: SGLang's plugin loader
-    catches Exception and carries on without the plugin."""
-
-
-def _chain(obj: Any) -> list[Any]:
-    """The function at a hook target and every function it wraps (__wrapped__)."""
-    found: list[Any] = []
-    fn = getattr(obj, "__func__", obj)  # classmethod / staticmethod
-    while fn is not None and len(found) < 64:
-        found.append(fn)
-        fn = getattr(fn, "__wrapped__", None)
-    return found
-
-
-def _wraps_hook(obj: Any, hook: Callable[..., Any]) -> bool:
-    """Whether one of the wrappers at a target closes over this hook."""
-    for fn in _chain(obj):
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                if cell.cell_contents is hook:
-                    return True
-            except ValueError:  # an empty cell
-                continue
-    return False
-
-
-def _raw_attribute(target: str) -> Any:
-    """The attribute at a dotted path as stored (a classmethod object, not bound)."""
-    owner_path, name = target.rsplit(".", 1)
-    owner = pkgutil.resolve_name(owner_path)
-    if isinstance(owner, type):
-        for klass in owner.__mro__:
-            if name in klass.__dict__:
-                return klass.__dict__[name]
-    return getattr(owner, name)
+__all__ = ["PluginHookError", "check_sglang_version", "checked_sglang_versions",
+           "ensure_hooks_applied", "hooks_not_taken", "register"]
 
 
 def hooks_not_taken() -> list[str]:
-    """Each of our hooks that is not in place, with the reason."""
-    problems = []
-    for spec in HOOKS:
-        hook = FUNCTIONS[spec.target]
-        try:
-            attribute = _raw_attribute(spec.target)
-        except (ImportError, AttributeError, ValueError) as e:
-            problems.append(f"{spec.target}: cannot be resolved ({type(e).__name__}: {e})")
-            continue
-        if not _wraps_hook(attribute, hook):
-            problems.append(f"{spec.target}: the {spec.hook_type} hook is not applied")
-    return problems
+    """Each of our start-up hooks that is not in place, with the reason."""
+    return registry.not_taken(hooks_of(START))
 
 
 def checked_sglang_versions() -> list[str]:
@@ -103,26 +57,13 @@ def check_sglang_version(installed: str | None = None) -> None:
 
 
 def ensure_hooks_applied() -> None:
-    """Stop the process if a hook is not in place (called by the first hook that runs)."""
-    problems = hooks_not_taken()
-    if problems:
-        message = (
-            "sglang-image-plugin: hooks did not take, so dynamic speculation disable "
-            "(--speculative-disable-batch-threshold) cannot work; this sglang release "
-            "needs a plugin update (run `nox -s plugin-check` on its wheel):\n  "
-            + "\n  ".join(problems)
-        )
-        logger.critical(message)
-        raise PluginHookError(message)
-    logger.info("sglang-image-plugin: %d hooks applied", len(HOOKS))
+    """Stop the process if a start-up hook is not in place (called by the first hook that runs)."""
+    registry.ensure_applied(hooks_of(START), "start-up")
 
 
 def register() -> None:
-    """Entry point: check the sglang release and register every hook (SGLang's
-    loader applies them after all plugins ran)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
+    """Entry point: check the sglang release and register the start-up hooks (SGLang's loader
+    applies them after all plugins ran; the worker installs the rest for its plain step)."""
     check_sglang_version()
-    for spec in HOOKS:
-        HookRegistry.register(spec.target, FUNCTIONS[spec.target], HookType(spec.hook_type))
+    registry.register(hooks_of(START))
     set_hook_check(ensure_hooks_applied)

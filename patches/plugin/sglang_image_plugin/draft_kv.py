@@ -1,4 +1,4 @@
-"""A plain step's draft work as the draft's K/V alone (SGLANG_IMAGE_PLAIN_STEP=decode-kv).
+"""A plain step's draft work as the draft's K/V alone (a one-layer Llama EAGLE-3 draft).
 
 Upstream's zero-step tier runs a full draft extend after every plain step: a forward of the
 draft (attention, MLP, LM head) and its top-k, only to produce the next proposal, which the

@@ -1,4 +1,6 @@
-"""The hook functions, one per entry of targets.HOOKS (HookRegistry call conventions).
+"""The start-up and worker hook functions of targets.HOOKS (HookRegistry call conventions): the
+flags, the worker's policy and plain step, metrics and server info. The plain step's own hooks
+live with its parts (plain_target.py, draft_kv.py, layout.py).
 
 sglang is imported inside the hooks only: they run in a process that has it.
 """
@@ -10,13 +12,15 @@ import logging
 import os
 import pickle
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from sglang_image_plugin import draft_kv, layout, plain_target, spec_disable
+from sglang_image_plugin import draft_kv, layout, plain_step, registry, spec_disable
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, Decision
 from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
 from sglang_image_plugin.spec_disable import Setting
+from sglang_image_plugin.targets import hooks_of
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,10 @@ AUTO_PENDING_ATTR = "_sglang_image_spec_disable_auto_pending"
 # On EAGLEWorkerV2: the accept length before and after each plain phase (acceptance.py).
 ACCEPTANCE_ATTR = "_sglang_image_acceptance_around_plain"
 SKIP_DRAFT_EXTEND_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
+# On ServerArgs: upstream's running-request limit for speculation was not applied (bookkeeping).
+RUNNING_LIMIT_ATTR = "_sglang_image_plain_running_limit"
+# Upstream's warning when it applies that limit (sglang/srt/arg_groups/speculative_hook.py).
+UPSTREAM_LIMIT_WARNING = "Max running requests is reset to 48 for speculative decoding"
 
 # Set by register(): checks once per process, from the first hook that runs, that every
 # hook is in place (the loader applies them only after all plugins have registered).
@@ -92,7 +100,6 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
             reason = (
                 f"{SKIP_DRAFT_EXTEND_ENV} leaves the draft's KV cache stale while plain; unset it"
             )
-    plain_target.variant(environ)  # a bad SGLANG_IMAGE_PLAIN_STEP stops the launch here
     view = spec_disable.ServerView(
         speculative_algorithm=cfg.speculative_algorithm,
         speculative_eagle_topk=cfg.speculative_eagle_topk,
@@ -171,6 +178,51 @@ def check_server_args(result: None, server_args: Any) -> None:
     setattr(server_args, SETTING_ATTR, resolve_setting(server_args))
 
 
+def _threshold_requested(server_args: Any) -> bool:
+    """Whether the flag or the variable asks for a threshold (a bad value: validation names it)."""
+    threshold_flag, _ = getattr(server_args, FLAGS_ATTR, (None, None))
+    try:
+        return spec_disable.resolve_threshold(threshold_flag) != 0
+    except ValueError:
+        return False
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
+
+
+def eagle_running_requests(original: Callable[..., Any], server_args: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+    """AROUND speculative_hook._handle_eagle_family: upstream caps a speculative server's running
+    requests at 48 unless --max-running-requests is given; a threshold server decodes plain above
+    its threshold, and that cap would keep it below a plain server's throughput at any load it
+    cannot reach. Without the flag it keeps the limit of the same server without speculation
+    (its decode graphs, sized before this, then reach that far too)."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if resolving_view(server_args).max_running_requests is not None or not _threshold_requested(
+            server_args):
+        return original(server_args, *args, **kwargs)
+    upstream_logger = logging.getLogger(original.__module__)
+    quiet = _DropMessage(UPSTREAM_LIMIT_WARNING)
+    upstream_logger.addFilter(quiet)
+    try:
+        result = original(server_args, *args, **kwargs)
+    finally:
+        upstream_logger.removeFilter(quiet)
+    stash = getattr(server_args, "_resolved_overrides", None) or []
+    for source, fields in stash:
+        if source == "_handle_eagle_family" and "max_running_requests" in fields:
+            del fields["max_running_requests"]
+    setattr(server_args, RUNNING_LIMIT_ATTR, True)
+    return result
+
+
 def _log_on_rank0(message: str) -> None:
     """Log once per TP group (every rank decides alike)."""
     from sglang.srt.runtime_context import get_parallel
@@ -220,30 +272,6 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     _log_on_rank0(spec_disable.start_log_line(setting.threshold))
 
 
-def _with_plain_step(worker: Any, policy: Any) -> Any:
-    """The policy as the worker's adaptive controller runs it: with SGLANG_IMAGE_PLAIN_STEP=
-    decode-kv, and a draft that allows it, plain steps write only the draft's K/V and a
-    catch-up step precedes speculation (CatchUpPolicy); otherwise as given."""
-    chosen = plain_target.variant()
-    if chosen not in plain_target.KV_ONLY:
-        # (the smoke reads which draft work a plain step does from these lines)
-        _log_on_rank0(f"{plain_target.ENV}={chosen}: plain steps run the draft's full step")
-        return policy
-    from sglang.srt.arg_groups.overrides import resolving_view
-
-    rejection = bool(resolving_view(worker.server_args).speculative_use_rejection_sampling)
-    reason = draft_kv.unsupported_reason(worker._draft_worker, rejection)
-    if reason is not None:
-        _log_on_rank0(f"{plain_target.ENV}={chosen}: plain steps run the draft's full step: "
-                      f"{reason}")
-        return policy
-    wrapped = CatchUpPolicy(policy)
-    setattr(worker._draft_worker, draft_kv.KV_ONLY_ATTR, wrapped)
-    _log_on_rank0(f"{plain_target.ENV}={chosen}: plain steps write only the draft's K/V, one "
-                  "catch-up step before speculation resumes")
-    return wrapped
-
-
 def trivial_verify_input(original: Callable[..., Any], worker: Any, batch: Any) -> Any:
     """AROUND EAGLEWorkerV2._build_trivial_verify_input: the zero-step verify's draft
     token as int64. Upstream roots it at the previous bonus token, which verify()
@@ -265,46 +293,70 @@ def _int64() -> Any:
 
 
 def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE EAGLEWorkerV2.init_cuda_graphs: for `auto`, the self-tuning policy. Here
-    the memory pools exist, so the server's max running requests (the controller's
-    largest bucket) is known; upstream's init_cuda_graphs then builds both step states
-    for every captured batch size (the crossover moves at run time).
+    """BEFORE EAGLEWorkerV2.init_cuda_graphs: the memory pools exist, the graphs are not captured
+    yet. Resolves the plain step (plain_step.py), installs the hooks its parts need, wraps the
+    policy for a K/V-only draft (CatchUpPolicy), and for `auto` makes the self-tuning policy (the
+    server's max running requests, its largest bucket, is known now); upstream's
+    init_cuda_graphs then builds both step states for every captured batch size.
 
-    Cold start: no prior. Upstream keeps no per-batch-size replay timings (its capture
-    time is graph building, not a step), so the controller starts as always-on EAGLE-3
-    does and measures the plain mode in each batch-size bucket it meets, at a bounded
-    rate (AutoConfig.explore_steps / explore_gap of the steps)."""
-    if not getattr(worker, AUTO_PENDING_ATTR, False):
-        # a fixed threshold: its plain step, now that the draft's KV pool exists
-        adaptive = getattr(worker, "adaptive_controller", None)
-        if adaptive is not None and getattr(worker, CONTROLLER_ATTR, None) is not None:
-            adaptive.params = _with_plain_step(worker, adaptive.params)
-        return
-    setattr(worker, AUTO_PENDING_ATTR, False)
-    from sglang.srt.speculative import eagle_worker_v2
-
+    `auto`'s cold start: no prior. Upstream keeps no per-batch-size replay timings (its capture
+    time is graph building, not a step), so the controller starts as always-on EAGLE-3 does and
+    measures the plain mode in each batch-size bucket it meets, at a bounded rate
+    (AutoConfig.explore_steps / explore_gap of the steps)."""
+    auto = bool(getattr(worker, AUTO_PENDING_ATTR, False))
+    if not auto and getattr(worker, CONTROLLER_ATTR, None) is None:
+        return  # no threshold on this worker
+    step = plain_step.resolve(worker, auto)
+    setattr(worker, plain_step.ATTR, step)
+    registry.install(hooks_of(*step.hook_groups()), "plain-step")
     max_running_requests = int(worker.target_worker.model_runner.max_running_requests)
-    agree = None
-    group = _tp_group(worker.server_args)
-    if group is not None:
-        # One bucket layout for all ranks, then rank 0's decisions.
-        max_running_requests = broadcast_ints(group.cpu_group, group.ranks[0],
-                                              [max_running_requests])[0]
-        buckets = len(AutoConfig(max_batch_size=max_running_requests).edges)
-        agree = tp_agree(group.cpu_group, group.ranks[0], buckets)
-    policy = AutoThresholdPolicy(
-        AutoController(AutoConfig(max_batch_size=max_running_requests), agree=agree),
-        worker.speculative_num_steps,
-        log_fn=_log_on_rank0,
-    )
-    worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
-        worker, _with_plain_step(worker, policy))
-    setattr(worker, CONTROLLER_ATTR, policy)
-    _log_on_rank0(
-        f"Speculation crossover: auto, learned online per batch-size bucket up to "
-        f"{max_running_requests} running requests; starting speculative everywhere"
-        + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else "")
-    )
+    if auto:
+        setattr(worker, AUTO_PENDING_ATTR, False)
+        from sglang.srt.speculative import eagle_worker_v2
+
+        agree = None
+        group = _tp_group(worker.server_args)
+        if group is not None:
+            # One bucket layout for all ranks, then rank 0's decisions.
+            max_running_requests = broadcast_ints(group.cpu_group, group.ranks[0],
+                                                  [max_running_requests])[0]
+            buckets = len(AutoConfig(max_batch_size=max_running_requests).edges)
+            agree = tp_agree(group.cpu_group, group.ranks[0], buckets)
+        policy = AutoThresholdPolicy(
+            AutoController(AutoConfig(max_batch_size=max_running_requests), agree=agree),
+            worker.speculative_num_steps,
+            log_fn=_log_on_rank0,
+        )
+        worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
+        setattr(worker, CONTROLLER_ATTR, policy)
+        _log_on_rank0(
+            f"Speculation crossover: auto, learned online per batch-size bucket up to "
+            f"{max_running_requests} running requests; starting speculative everywhere"
+            + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else ""))
+    adaptive = worker.adaptive_controller
+    if step.kv_only:
+        catch_up = CatchUpPolicy(adaptive.params)
+        adaptive.params = catch_up
+        setattr(worker._draft_worker, draft_kv.KV_ONLY_ATTR, catch_up)
+    for line in step.log_lines():
+        _log_on_rank0(line)
+    _log_on_rank0(_running_limit_line(worker, max_running_requests))
+
+
+def _running_limit_line(worker: Any, max_running_requests: int) -> str:
+    """How many requests the server runs at once, and why; how far its decode graphs reach."""
+    from sglang.srt.runtime_context import get_exec
+
+    try:
+        sizes = list(get_exec().graph.cuda_graph_bs_decode or [])
+    except ValueError:  # not published (a worker made without a scheduler process)
+        sizes = []
+    graphs = (f"decode CUDA graphs up to batch {min(max(sizes), max_running_requests)}" if sizes
+              else "no decode CUDA graphs")
+    why = ("the limit of the same server without speculation: no --max-running-requests"
+           if getattr(worker.server_args, RUNNING_LIMIT_ATTR, False)
+           else "--max-running-requests")
+    return f"Running-request limit {max_running_requests} ({why}); {graphs}"
 
 
 def _tp_group(server_args: Any) -> Any:
@@ -369,6 +421,7 @@ class PrometheusMetrics(spec_disable.Metrics):
             labelnames=list(labels),
         ).labels(**labels)
         self._labels = labels
+        self._published_mode: bool | None = None
 
     def observe_crossover(self, crossover: int) -> None:
         if self._crossover is None:  # made on first use: a fixed threshold has none
@@ -386,7 +439,10 @@ class PrometheusMetrics(spec_disable.Metrics):
         self._crossover.set(crossover)
 
     def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
-        self._plain_mode.set(int(plain_mode))
+        """Every decode step: the gauge only when the mode changed, the step counter."""
+        if plain_mode != self._published_mode:
+            self._plain_mode.set(int(plain_mode))
+            self._published_mode = plain_mode
         if speculative_steps:
             self._speculative_steps.inc(speculative_steps)
         if plain_steps:
@@ -394,33 +450,36 @@ class PrometheusMetrics(spec_disable.Metrics):
 
 
 def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER Scheduler.__init__: metrics for the controller, when metrics are on; with
-    SGLANG_IMAGE_PLAIN_STEP=layout, the plain layout (layout.py)."""
-    worker = getattr(scheduler, "draft_worker", None)
+    """AFTER Scheduler.__init__: metrics for the controller, when metrics are on; the plain
+    layout where the worker's plain step has it (layout.py) and this scheduler can run it."""
+    worker: Any = getattr(scheduler, "draft_worker", None)
     controller = getattr(worker, CONTROLLER_ATTR, None)
     collector = getattr(scheduler, "metrics_collector", None)
     labels = getattr(collector, "labels", None)
     if controller is not None and labels is not None:
         controller.metrics = PrometheusMetrics(dict(labels))
-    draft = getattr(worker, "_draft_worker", None)
-    catch_up = getattr(draft, draft_kv.KV_ONLY_ATTR, None)
-    chosen = plain_target.variant()
-    if controller is None or catch_up is None or chosen not in plain_target.LAYOUTS:
+    step = plain_step.of(worker)
+    if worker is None or controller is None or step is None or not step.kv_only:
         return
-    if scheduler.model_worker is not worker:
-        reason: str | None = "the scheduler runs another worker than the EAGLE-3 one"
-    else:
-        reason = layout.install(scheduler, catch_up, getattr(worker, ACCEPTANCE_ATTR, None))
-    if reason is not None:
-        # every plain step stays a speculative-layout one and writes its own K/V: the deferred
-        # step, already captured into the graph, is switched off there and nothing is flushed
-        deferred = getattr(draft, draft_kv.DEFERRED_ATTR, None)
-        if deferred is not None:
-            deferred.disable()
-        setattr(draft, draft_kv.DEFERRED_ATTR, None)
-    _log_on_rank0(f"{plain_target.ENV}={chosen}: "
-                  + ("plain steps run in the plain layout" if reason is None
-                     else f"plain steps keep the speculative layout: {reason}"))
+    draft = worker._draft_worker
+    reason = step.layout_reason
+    if reason is None and scheduler.model_worker is not worker:
+        reason = "the scheduler runs another worker than the EAGLE-3 one"
+    if reason is None:
+        reason = layout.install(scheduler, getattr(draft, draft_kv.KV_ONLY_ATTR),
+                                getattr(worker, ACCEPTANCE_ATTR, None))
+    if reason is None:
+        return
+    # every plain step stays a speculative-layout one and writes its own K/V: a deferred step
+    # already captured into the graph is switched off there and nothing is flushed
+    deferred = getattr(draft, draft_kv.DEFERRED_ATTR, None)
+    if deferred is not None:
+        deferred.disable()
+    setattr(draft, draft_kv.DEFERRED_ATTR, None)
+    if reason != step.layout_reason:
+        setattr(worker, plain_step.ATTR, replace(step, layout_reason=reason,
+                                                 deferred_reason="the speculative layout"))
+        _log_on_rank0(f"Plain step: plain steps keep the speculative layout: {reason}")
 
 
 def scheduler_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -460,35 +519,9 @@ def add_speculative_state(result: None, state_controller: Any, state: dict[str, 
     controller = getattr(worker, CONTROLLER_ATTR, None)
     if controller is not None:
         state["speculative_disable"] = controller.snapshot()
+        step = plain_step.of(worker)
+        if step is not None:
+            state["speculative_disable"]["plain_step"] = step.view()
         watch = getattr(worker, ACCEPTANCE_ATTR, None)
         if watch is not None:
             state["speculative_disable"]["acceptance_around_plain"] = watch.view()
-
-
-FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "sglang.srt.server_args.ServerArgs.add_cli_args": add_cli_args,
-    "sglang.srt.server_args.ServerArgs.from_cli_args": from_cli_args,
-    "sglang.srt.server_args.ServerArgs.check_server_args": check_server_args,
-    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.__init__": worker_init,
-    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.init_cuda_graphs": worker_init_cuda_graphs,
-    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2._build_trivial_verify_input":
-        trivial_verify_input,
-    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.build_adaptive_runtime_state":
-        plain_target.build_runtime_state,
-    "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify": plain_target.prepare_for_verify,
-    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode":
-        draft_kv.draft_extend_for_decode,
-    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.activate_step_by_batch": step_decided,
-    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.on_verify_complete_cpu": step_verified,
-    "sglang.srt.managers.scheduler.Scheduler.__init__": scheduler_init,
-    "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode": layout.prepare_for_decode,
-    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation":
-        layout.forward_batch_generation,
-    "sglang.srt.managers.scheduler_components.batch_result_processor."
-    "SchedulerBatchResultProcessor.process_batch_result_decode": layout.plain_result,
-    "sglang.srt.managers.overlap_utils.FutureMap.publish": layout.publish,
-    "sglang.srt.managers.overlap_utils.resolve_forward_inputs": layout.resolve_forward_inputs,
-    "sglang.srt.managers.scheduler.Scheduler.on_idle": scheduler_idle,
-    "sglang.srt.managers.scheduler_components.internal_state."
-    "SchedulerInternalStateController._add_speculative": add_speculative_state,
-}

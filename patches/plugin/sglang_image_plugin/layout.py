@@ -1,5 +1,5 @@
-"""Experimental, off by default: SGLANG_IMAGE_PLAIN_STEP=layout, decode-kv's plain step in the
-plain layout (the overlap scheduler only).
+"""The plain layout (the overlap scheduler): a plain step prepared, run and processed as a plain
+server's decode step.
 
 A plain step inside spec v2's batch layout pays spec v2's host work on every step: the speculative
 KV reserve, eagle_prepare_for_decode, the verify bookkeeping, the relay of the draft's extras.
@@ -85,6 +85,14 @@ class PlainLayout:
         self.to_plain_changes = 0
         self.to_speculative_changes = 0
         self.plain_steps = 0
+        self._no_drafts: list[int] = []
+
+    def no_drafts(self, batch_size: int) -> list[int]:
+        """A plain step's accepted drafts per request (none), as the verify callback takes them;
+        one list kept (its readers only read it)."""
+        if len(self._no_drafts) != batch_size:
+            self._no_drafts = [0] * batch_size
+        return self._no_drafts
 
     # -- the decision, before the batch is prepared ------------------------------------------
     def prepare(self, batch: Any) -> None:
@@ -268,9 +276,10 @@ def plain_result(processor: Any, batch: Any, result: Any, *args: Any, **kwargs: 
     speculative steps counted), the worker's verify callback with no draft accepted (`auto`
     pairs it with the step it timed; the acceptance watch) and each request's verify count
     (tokens per step in meta_info)."""
-    worker = processor.model_worker
+    layout = _active
     if (
-        getattr(worker, LAYOUT_ATTR, None) is None
+        layout is None
+        or processor.model_worker is not layout.worker
         or not batch.spec_algorithm.is_none()
         or not batch.forward_mode.is_decode()
         or not batch.reqs
@@ -278,10 +287,11 @@ def plain_result(processor: Any, batch: Any, result: Any, *args: Any, **kwargs: 
         return
     batch_size = len(batch.reqs)
     processor.metrics_reporter.update_spec_metrics(batch_size, 0, num_accept_tokens=batch_size)
-    worker.on_verify_complete_cpu([0] * batch_size, batch_size=batch_size)
+    layout.worker.on_verify_complete_cpu(layout.no_drafts(batch_size), batch_size=batch_size)
+    # one verify per request: a finished or retracted request's count is read no more (upstream
+    # skips them; counting them too saves a method call per request and step)
     for req in batch.reqs:
-        if not (req.is_retracted or req.finished()):  # as upstream skips them
-            req.spec_verify_ct += 1
+        req.spec_verify_ct += 1
 
 
 def publish(original: Callable[..., Any], future_map: Any, future_indices: Any,

@@ -1,22 +1,14 @@
-"""Experimental, off by default: what a plain step (upstream's zero-step tier) runs, chosen by
-SGLANG_IMAGE_PLAIN_STEP:
+"""The plain step's target: a DECODE forward under the zero-step state's own DECODE CUDA graph.
 
-- `zero-step` (the default): upstream's one-token TARGET_VERIFY graph (extend attention with a
-  custom mask over the whole prefix) and a full draft extend;
-- `decode`: the target forward as a DECODE forward under a DECODE CUDA graph;
-- `decode-kv`: as `decode`, and the draft writes only its K/V (draft_kv.py), with one full draft
-  extend (the catch-up step) before speculation resumes;
-- `layout`: as `decode-kv`, and under the overlap scheduler the scheduler prepares, runs and
-  processes a plain step as a plain server's decode step (layout.py); the draft's K/V are written
-  by the next plain step's graph (deferred_kv.py);
-- `layout-eager`: `layout` with the draft's K/V written after each step (to measure the deferral).
-
-Only the target forward changes: upstream's verify bookkeeping (sampling, grammars, penalties,
-logprobs, the stride-1 result) and the draft extend run as before, on the same token, position and
-KV slot. The zero-step runtime state captures its target graph with PlainDecodeCudaGraphRunner (a
-DecodeCudaGraphRunner that captures DECODE with the hidden states the draft needs), and a
-zero-step verify builds its forward batch in DECODE's convention (sequence lengths include the
-token). sglang is imported inside the functions only.
+Upstream's zero-step tier runs a one-token TARGET_VERIFY graph (extend attention with a custom mask
+over the whole prefix). The zero-step runtime state here captures its target graph with
+PlainDecodeCudaGraphRunner (a DecodeCudaGraphRunner that captures DECODE with the hidden states
+the draft needs). In the plain layout (layout.py) the step runs that graph directly; in spec v2's
+layout a zero-step verify builds its forward batch in DECODE's convention (sequence lengths
+include the token) and upstream's verify bookkeeping (sampling, grammars, penalties, logprobs,
+the stride-1 result) runs as before, on the same token, position and KV slot. Where the draft
+writes only its K/V and the plain layout runs, the deferred write (deferred_kv.py) is recorded
+into this graph. sglang is imported inside the functions only.
 """
 
 from __future__ import annotations
@@ -24,33 +16,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from sglang_image_plugin import deferred_kv, draft_kv
-from sglang_image_plugin.spec_disable import SETTING_ATTR
+from sglang_image_plugin import deferred_kv, plain_step
 
-ENV = "SGLANG_IMAGE_PLAIN_STEP"
-ZERO_STEP, DECODE, DECODE_KV = "zero-step", "decode", "decode-kv"
-LAYOUT, LAYOUT_EAGER = "layout", "layout-eager"
-VARIANTS = (ZERO_STEP, DECODE, DECODE_KV, LAYOUT, LAYOUT_EAGER)
-KV_ONLY = (DECODE_KV, LAYOUT, LAYOUT_EAGER)  # the variants whose plain steps write only the draft's K/V
-LAYOUTS = (LAYOUT, LAYOUT_EAGER)  # the variants with the plain layout
 logger = logging.getLogger(__name__)
-
-
-def variant(environ: Mapping[str, str] | None = None) -> str:
-    """The plain step asked for; ValueError names the variable and its values."""
-    value = (os.environ if environ is None else environ).get(ENV, "").strip().lower() or ZERO_STEP
-    if value not in VARIANTS:
-        raise ValueError(f"{ENV}={value!r}: give one of {', '.join(VARIANTS)} (default {ZERO_STEP})")
-    return value
-
-
-def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """The target's plain forward runs under a DECODE graph."""
-    return variant(environ) != ZERO_STEP
 
 
 @functools.cache
@@ -90,21 +61,11 @@ def _decode_runner_for_capture() -> Iterator[None]:
 def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_num_steps: int,
                         speculative_num_draft_tokens: int, *args: Any, **kwargs: Any) -> Any:
     """AROUND EAGLEWorkerV2.build_adaptive_runtime_state: the zero-step state's target graph in
-    DECODE mode (when enabled and the threshold drives the worker)."""
-    setting = getattr(worker.server_args, SETTING_ATTR, None)
-    if speculative_num_steps != 0 or not enabled() or setting is None or not setting.enabled:
+    DECODE mode, with the deferred draft K/V write where the plain step has it."""
+    step = plain_step.of(worker)
+    if speculative_num_steps != 0 or step is None:
         return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
-    logger.warning("%s=%s: experimental: the plain steps' target forward runs under a DECODE "
-                   "CUDA graph%s", ENV, variant(),
-                   " and the draft writes only its K/V" if variant() in KV_ONLY else "")
-    deferred = None
-    if variant() == LAYOUT and getattr(worker.draft_worker, draft_kv.KV_ONLY_ATTR, None) is not None:
-        reason = deferred_kv.unsupported_reason(worker)
-        if reason is None:
-            deferred = deferred_kv.install(worker, runner_class())
-        logger.info("%s=%s: %s", ENV, LAYOUT,
-                    "the plain step's graph writes the previous plain step's draft K/V"
-                    if reason is None else f"the draft's K/V are written after each plain step: {reason}")
+    deferred = deferred_kv.install(worker, runner_class()) if step.deferred else None
     with _decode_runner_for_capture():
         state = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
     if deferred is not None:

@@ -1,9 +1,10 @@
 """Where the plugin reaches into upstream SGLang: pure data, no imports of sglang.
 
-HOOKS: every hook the plugin registers (dotted path, hook type). Methods are looked up on
-their class at call time, so a hook there reaches every caller; a module function that
-another module imported by name is reached through the registry, which rebinds the
-importers' copies.
+HOOKS: every hook the plugin installs (dotted target, hook type, the function it installs, its
+group: START at plugin load, the others by the worker for the plain step it resolved). Methods
+are looked up on their class at call time, so a hook there reaches every caller; a module
+function that another module imported by name is reached through the registry, which rebinds
+the importers' copies.
 RELIED: upstream functions and classes whose behaviour the feature depends on
 without hooking them (it drives upstream's adaptive state switch); a digest of
 each one's source per sglang release is recorded in upstream_digests.json, and
@@ -18,92 +19,81 @@ from typing import NamedTuple
 class HookSpec(NamedTuple):
     target: str
     hook_type: str  # "before", "after", "around" or "replace" (HookType values)
+    function: str  # the hook installed there, resolved with pkgutil.resolve_name
+    group: str  # START: registered at plugin load; else a plain_step group, installed by the worker
     why: str
 
 
+START = "start"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
+_HOOKS = "sglang_image_plugin.hooks"
+_LAYOUT = "sglang_image_plugin.layout"
 
 HOOKS: tuple[HookSpec, ...] = (
-    HookSpec(f"{_SERVER_ARGS}.add_cli_args", "after", "adds the two flags to the CLI"),
-    HookSpec(f"{_SERVER_ARGS}.from_cli_args", "around", "keeps the flag values on the record"),
-    HookSpec(f"{_SERVER_ARGS}.check_server_args", "after", "resolves flag/env and validates"),
-    HookSpec(f"{_WORKER}.__init__", "after", "gives the worker the threshold policy"),
-    HookSpec(f"{_WORKER}.init_cuda_graphs", "before", "gives the worker the auto policy"),
-    HookSpec(
-        f"{_WORKER}._build_trivial_verify_input",
-        "around",
-        "int64 draft token for the zero-step verify under the synchronous scheduler",
-    ),
-    HookSpec(
-        f"{_WORKER}.build_adaptive_runtime_state",
-        "around",
-        "experimental: the zero-step state's target graph in DECODE mode",
-    ),
-    HookSpec(
-        "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify",
-        "around",
-        "experimental: a DECODE forward batch for that graph",
-    ),
-    HookSpec(
-        "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
-        "around",
-        "experimental: a plain step writes only the draft's K/V",
-    ),
-    HookSpec(
-        f"{_WORKER}.activate_step_by_batch",
-        "around",
-        "the step count of each decode batch, for the acceptance around plain phases "
-        "(experimental plain layout: decided before the batch is prepared)",
-    ),
-    HookSpec(
-        "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
-        "around",
-        "experimental plain layout: the step's mode and the batch's layout",
-    ),
-    HookSpec(
-        f"{_WORKER}.forward_batch_generation",
-        "around",
-        "experimental plain layout: the plain step (target DECODE forward, draft K/V)",
-    ),
-    HookSpec(
-        "sglang.srt.managers.overlap_utils.FutureMap.publish",
-        "around",
-        "experimental plain layout: a plain step's length in spec v2's convention",
-    ),
-    HookSpec(
-        "sglang.srt.managers.overlap_utils.resolve_forward_inputs",
-        "around",
-        "experimental plain layout: the input token of a plain-layout batch",
-    ),
-    HookSpec(
-        "sglang.srt.managers.scheduler_components.batch_result_processor."
-        "SchedulerBatchResultProcessor.process_batch_result_decode",
-        "before",
-        "experimental plain layout: a plain step's result counted as a zero-step verify's",
-    ),
-    HookSpec(
-        f"{_WORKER}.on_verify_complete_cpu",
-        "before",
-        "each batch's accepted drafts, for the acceptance around plain phases",
-    ),
-    HookSpec(
-        "sglang.srt.managers.scheduler.Scheduler.__init__",
-        "after",
-        "exports the controller's Prometheus metrics",
-    ),
-    HookSpec(
-        "sglang.srt.managers.scheduler.Scheduler.on_idle",
-        "before",
-        "auto: an idle gap is no step time",
-    ),
-    HookSpec(
-        "sglang.srt.managers.scheduler_components.internal_state."
-        "SchedulerInternalStateController._add_speculative",
-        "after",
-        "adds speculative_disable to the server info",
-    ),
+    # -- start-up: every process, whatever the flags (they are not parsed yet)
+    HookSpec(f"{_SERVER_ARGS}.add_cli_args", "after", f"{_HOOKS}:add_cli_args", START,
+             "adds the two flags to the CLI"),
+    HookSpec(f"{_SERVER_ARGS}.from_cli_args", "around", f"{_HOOKS}:from_cli_args", START,
+             "keeps the flag values on the record"),
+    HookSpec(f"{_SERVER_ARGS}.check_server_args", "after", f"{_HOOKS}:check_server_args", START,
+             "resolves flag/env and validates"),
+    HookSpec("sglang.srt.arg_groups.speculative_hook._handle_eagle_family", "around",
+             f"{_HOOKS}:eagle_running_requests", START,
+             "a threshold server without --max-running-requests keeps a plain server's limit"),
+    HookSpec(f"{_WORKER}.__init__", "after", f"{_HOOKS}:worker_init", START,
+             "gives the worker the threshold policy"),
+    HookSpec(f"{_WORKER}.init_cuda_graphs", "before", f"{_HOOKS}:worker_init_cuda_graphs", START,
+             "resolves the plain step (auto: its policy) and installs its hooks"),
+    HookSpec("sglang.srt.managers.scheduler.Scheduler.__init__", "after",
+             f"{_HOOKS}:scheduler_init", START, "metrics; the plain layout"),
+    # -- every threshold server (installed by the worker)
+    HookSpec(f"{_WORKER}.build_adaptive_runtime_state", "around",
+             "sglang_image_plugin.plain_target:build_runtime_state", "threshold",
+             "the zero-step state's target graph in DECODE mode"),
+    HookSpec("sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify", "around",
+             "sglang_image_plugin.plain_target:prepare_for_verify", "threshold",
+             "a DECODE forward batch for that graph (speculative-layout plain steps)"),
+    HookSpec(f"{_WORKER}._build_trivial_verify_input", "around",
+             f"{_HOOKS}:trivial_verify_input", "threshold",
+             "int64 draft token for the zero-step verify under the synchronous scheduler"),
+    HookSpec(f"{_WORKER}.activate_step_by_batch", "around", f"{_HOOKS}:step_decided", "threshold",
+             "the step count of each decode batch, for the acceptance around plain phases "
+             "(plain layout: decided before the batch is prepared)"),
+    HookSpec(f"{_WORKER}.on_verify_complete_cpu", "before", f"{_HOOKS}:step_verified",
+             "threshold", "each batch's accepted drafts, for the acceptance around plain phases"),
+    HookSpec("sglang.srt.managers.scheduler_components.internal_state."
+             "SchedulerInternalStateController._add_speculative", "after",
+             f"{_HOOKS}:add_speculative_state", "threshold",
+             "adds speculative_disable to the server info"),
+    # -- a draft that writes only its K/V
+    HookSpec("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
+             "around", "sglang_image_plugin.draft_kv:draft_extend_for_decode", "kv_only",
+             "a plain step writes only the draft's K/V"),
+    # -- the plain layout (overlap scheduler)
+    HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode", "around",
+             f"{_LAYOUT}:prepare_for_decode", "layout", "the step's mode and the batch's layout"),
+    HookSpec(f"{_WORKER}.forward_batch_generation", "around",
+             f"{_LAYOUT}:forward_batch_generation", "layout",
+             "the plain step (target DECODE forward, draft K/V)"),
+    HookSpec("sglang.srt.managers.overlap_utils.FutureMap.publish", "around", f"{_LAYOUT}:publish",
+             "layout", "a plain step's length in spec v2's convention"),
+    HookSpec("sglang.srt.managers.overlap_utils.resolve_forward_inputs", "around",
+             f"{_LAYOUT}:resolve_forward_inputs", "layout",
+             "the input token of a plain-layout batch"),
+    HookSpec("sglang.srt.managers.scheduler_components.batch_result_processor."
+             "SchedulerBatchResultProcessor.process_batch_result_decode", "before",
+             f"{_LAYOUT}:plain_result", "layout", "a plain step's result counted as a zero-step verify's"),
+    # -- auto
+    HookSpec("sglang.srt.managers.scheduler.Scheduler.on_idle", "before", f"{_HOOKS}:scheduler_idle",
+             "auto", "auto: an idle gap is no step time"),
 )
+
+
+def hooks_of(*groups: str) -> tuple[HookSpec, ...]:
+    """The hooks of these groups, in table order."""
+    return tuple(h for h in HOOKS if h.group in groups)
+
 
 RELIED: tuple[str, ...] = (
     # The parser is built by add_cli_args and read by from_cli_args.
@@ -138,15 +128,22 @@ RELIED: tuple[str, ...] = (
     ),
     # The tensor-parallel rank and group the plugin logs on and agrees over.
     "sglang.srt.runtime_context.get_parallel",
-    # How the hooks are applied: the wrapper shape hooks_not_taken() inspects.
+    # How the hooks are applied: the wrapper shape registry.not_taken() inspects, and the
+    # registry's own application of one target, which the worker's install calls.
     "sglang.srt.plugins.load_plugins",
     "sglang.srt.plugins.hook_registry.HookRegistry",
+    "sglang.srt.plugins.hook_registry.HookRegistry._apply_target",
     "sglang.srt.plugins.hook_registry._wrap_fn",
+    # A threshold server's running-request limit: upstream's reset to 48 for speculation, and the
+    # decode graphs sized before it (memory settings) and capped by the limit afterwards.
+    "sglang.srt.arg_groups.speculative_hook._handle_eagle_family",
+    "sglang.srt.arg_groups.memory_hook.handle_gpu_memory_settings",
+    "sglang.srt.model_executor.runner.base_cuda_graph_runner.get_batch_sizes_to_capture",
     # auto's step clock: decode steps, and the idle loop between bursts.
     "sglang.srt.managers.scheduler.Scheduler.event_loop_overlap",
     "sglang.srt.managers.scheduler.Scheduler.event_loop_normal",
-    # The experimental plain target (plain_target.py): the verify it stands in for and the
-    # runner and batch it builds.
+    # The plain step's target (plain_target.py): the verify it stands in for and the runner and
+    # batch it builds.
     "sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify",
     "sglang.srt.speculative.eagle_worker_common.run_eagle_verify",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.__init__",
@@ -154,9 +151,11 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph",
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.load_batch",
+    # The deferred draft K/V write (deferred_kv.py): a tail hook run inside each capture.
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture_one_shape",
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
     "sglang.srt.model_executor.model_runner.ModelRunner._forward_raw",
-    # The experimental K/V-only plain step (draft_kv.py): the draft extend it stands in for, the
+    # The K/V-only plain step (draft_kv.py): the draft extend it stands in for, the
     # one-layer EAGLE-3 draft whose modules it runs, and the pool write it makes.
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
     "sglang.srt.speculative.eagle_worker_common.prepare_for_draft_extend",
@@ -165,7 +164,7 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.models.llama.LlamaAttention.forward_prepare_native",
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer",
     f"{_WORKER}._stub_skipped_draft_extend",
-    # The experimental plain layout (layout.py): the scheduler's decode step around the batch it
+    # The plain layout (layout.py): the scheduler's decode step around the batch it
     # converts, and what reads or writes the converted fields.
     "sglang.srt.managers.scheduler.Scheduler.update_running_batch",
     "sglang.srt.managers.scheduler.Scheduler.run_batch",
