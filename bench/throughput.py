@@ -498,11 +498,15 @@ class Bench:
             self.result["warm_s"][name] = round(time.time() - t0, 1)
 
     def log_path(self, name: str) -> Path:
-        """A log of its own for each start of a server (a failure of another run, or of an earlier
-        start, never reads as this one's)."""
-        starts = self.result.setdefault("starts", {})
-        starts[name] = starts.get(name, 0) + 1
-        return self.opts.out / f"server_bench_{name}.{starts[name]}.log"
+        """A log of its own for each start of a server: the first number not taken in the output
+        folder (a failure of another run, of another bench in the same folder, or of an earlier
+        start never reads as this one's)."""
+        n = 1
+        while (path := self.opts.out / f"server_bench_{name}.{n}.log").exists():
+            n += 1
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        return path
 
     def stop(self, name: str) -> None:
         srv = self.servers.pop(name)

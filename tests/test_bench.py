@@ -290,6 +290,7 @@ class FakeLab:
                log_path: Path) -> FakeServer:
         self.deadline = opts.deadline
         self.logs.append(log_path.name)
+        assert log_path.exists()  # taken before the start: the next start takes the next number
         self.spend(60)
         self.launched.append(name)
         return FakeServer(name, self.tmp_path / "log")

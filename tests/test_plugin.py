@@ -540,7 +540,7 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
     assert out["steps"] == [3, 3, 3, 0, 0, 0, 0, 0, 3, 3, 0, 0, 3]
     assert out["start"] == ["Dynamic speculation disable enabled: threshold=32"]
     assert out["limit"] == ["Running-request limit 256 (the limit of the same server without "
-                            "speculation: no --max-running-requests); no decode CUDA graphs"]
+                            "speculation: no --max-running-requests); decode CUDA graphs up to batch 32"]
     assert out["modes"][0] == "Speculation mode -> plain (batch size 33 > threshold 32); mode_changes=1"
     assert out["state"]["speculative_disable"] == {
         "threshold": 32, "hysteresis": 4, "mode": "plain", "speculative_steps": 6,

@@ -345,12 +345,10 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
 
 def _running_limit_line(worker: Any, max_running_requests: int) -> str:
     """How many requests the server runs at once, and why; how far its decode graphs reach."""
-    from sglang.srt.runtime_context import get_exec
+    from sglang.srt.arg_groups.overrides import resolving_view
 
-    try:
-        sizes = list(get_exec().graph.cuda_graph_bs_decode or [])
-    except ValueError:  # not published (a worker made without a scheduler process)
-        sizes = []
+    decode = resolving_view(worker.server_args).cuda_graph_config.decode
+    sizes = [] if decode.backend == "disabled" else list(decode.bs or [])
     graphs = (f"decode CUDA graphs up to batch {min(max(sizes), max_running_requests)}" if sizes
               else "no decode CUDA graphs")
     why = ("the limit of the same server without speculation: no --max-running-requests"
