@@ -40,7 +40,7 @@ from sglang_image.dockerbuild import (
     run_build,
     runtime_base,
 )
-from sglang_image.errors import EXIT_CODES, SglangImageError
+from sglang_image.errors import SglangImageError, exit_code_table
 from sglang_image.labels import MANIFEST_PATH, SBOM_PATH, labels
 from sglang_image.pins import REPO_ROOT
 from sglang_image.plan import (
@@ -189,10 +189,6 @@ def print_result(result: BuildResult, console: Console) -> None:
                   f"{result.seconds:.0f} s ("
                   + ", ".join(f"{name} {sec:.0f} s" for name, sec in result.phases) + ")",
                   highlight=False)
-
-
-def exit_code_table() -> str:
-    return "exit codes:\n" + "\n".join(f"  {code:>2}  {cause}" for code, cause in sorted(EXIT_CODES.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from sglang_image.errors import (
-    EXIT_CODES,
     PARTIAL_EXIT_CODE,
     ImageNotFoundError,
     SglangImageError,
     SmokeError,
     UsageError,
+    exit_code_table,
 )
 from sglang_image.pins import REPO_ROOT, flavor_names, load_flavor
 from sglang_image.plan import default_tag
@@ -277,10 +277,6 @@ def describe(res: SmokeResult) -> str:
         return "\n".join(lines)
     return (f"FULL smoke: {'PASS' if res.ok else 'FAIL'} (exit {res.exit_code}); report and logs in "
             f"{res.out_dir}\n{res.log_tail}")
-
-
-def exit_code_table() -> str:
-    return "exit codes:\n" + "\n".join(f"  {code:>2}  {cause}" for code, cause in sorted(EXIT_CODES.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
