@@ -329,7 +329,7 @@ def test_wrong_wheel_is_a_hash_mismatch(tmp_path: Path) -> None:
     (cache / good.name).write_bytes(good.read_bytes()[:-10] + b"0123456789")
     opts = plan.BuildOptions(flavor=flavor, wheel_cache=cache, light=True,
                               work_dir=tmp_path / "work")
-    base = plan.BaseImage(ref="base:1", name="base", digest="sha256:" + "0" * 64,
+    base = plan.ResolvedBase(ref="base:1", name="base", digest="sha256:" + "0" * 64,
                           image_id="sha256:" + "0" * 64, diff_ids=(), history=0)  # not used here
     the_plan = plan.BuildPlan(options=opts, entries=plan.locked_entries(opts), base=base,
                               tags=("t:1",), epoch=0)

@@ -21,7 +21,9 @@ DEFAULT_FLAVOR = "sglang-0.5.23"
 
 
 @dataclass(frozen=True, kw_only=True)
-class BaseImage:
+class PinnedBase:
+    """The flavor's base image as its file pins it ([base_image]): a name and a digest."""
+
     name: str
     digest: str
     digest_verified: bool
@@ -41,7 +43,7 @@ class Flavor:
     flashinfer_version: str
     transformers_version: str
     python_version: str
-    base_image: BaseImage
+    base_image: PinnedBase
     cuda_arch_list: str
     platforms: tuple[str, ...]
     requirements: tuple[str, ...]
@@ -116,7 +118,7 @@ def load_flavor(name: str | None = None, flavor_dir: Path = FLAVOR_DIR) -> Flavo
         flashinfer_version=str(_require(stack, "flashinfer", where)),
         transformers_version=str(_require(stack, "transformers", where)),
         python_version=str(_require(stack, "python", where)),
-        base_image=BaseImage(name=str(_require(base, "name", where)), digest=digest,
+        base_image=PinnedBase(name=str(_require(base, "name", where)), digest=digest,
                              digest_verified=bool(base.get("digest_verified", False))),
         cuda_arch_list=str(_require(build, "cuda_arch_list", where)),
         platforms=tuple(_require(build, "platforms", where)),

@@ -45,8 +45,9 @@ class BuildOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BaseImage:
-    """The image part 1 is built FROM, as found in the engine."""
+class ResolvedBase:
+    """The image part 1 is built FROM, as found in the engine (the flavor's pins.PinnedBase, or
+    --base)."""
 
     ref: str  # the reference for FROM (the pinned name@digest, or --base)
     name: str  # without the digest: the base.name label
@@ -62,7 +63,7 @@ class BuildPlan:
 
     options: BuildOptions
     entries: tuple[LockEntry, ...]  # verified, all hash-pinned; a light build's subset
-    base: BaseImage
+    base: ResolvedBase
     tags: tuple[str, ...]
     epoch: int  # SOURCE_DATE_EPOCH: the time every layer, the config and the labels carry
 
@@ -149,7 +150,7 @@ def locked_entries(opts: BuildOptions) -> tuple[LockEntry, ...]:
     return tuple(entries)
 
 
-def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], None]) -> BaseImage:
+def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], None]) -> ResolvedBase:
     """The base image in the engine; pulls a pinned base that is not there."""
     if opts.base:
         ref, name = opts.base, opts.base.split("@")[0]
@@ -175,7 +176,7 @@ def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], 
     else:
         repo_digests = image.attrs.get("RepoDigests") or []
         digest = repo_digests[0].split("@", 1)[1] if repo_digests else str(image.id)
-    return BaseImage(ref=ref, name=name, digest=digest, image_id=str(image.id),
+    return ResolvedBase(ref=ref, name=name, digest=digest, image_id=str(image.id),
                      diff_ids=tuple(image.attrs["RootFS"].get("Layers") or ()),
                      history=len(client.api.history(image.id)))  # type: ignore[no-untyped-call]
 
