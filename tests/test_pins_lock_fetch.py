@@ -145,3 +145,22 @@ def test_plugin_flag_is_flavor_data(tmp_path: Path) -> None:
     (tmp_path / "x.toml").write_text(text)
     with pytest.raises(PinError, match="'plugin' must be true or false"):
         pins.load_flavor("x", flavor_dir=tmp_path)
+
+
+def test_each_version_is_written_once_in_the_flavor_file(tmp_path: Path) -> None:
+    """[lock] requirements are the one record of a version: the stack reads them, a version
+    written again in [stack] is refused by name, and a stack pin missing from [lock] too."""
+    flavor = pins.load_flavor()
+    assert flavor.kernel_version == flavor.pinned(flavor.kernel_package)
+    changed = dataclasses.replace(flavor, requirements=tuple(
+        "sglang==9.9.9" if r.startswith("sglang==") else r for r in flavor.requirements))
+    assert changed.sglang_version == "9.9.9"
+    text = flavor.toml_path.read_text()
+    (tmp_path / "again.toml").write_text(text.replace("[stack]\n", '[stack]\nsglang = "0.5.23"\n'))
+    with pytest.raises(PinError, match=r"\[stack\]: \['sglang'\].*written once, in \[lock\]"):
+        pins.load_flavor("again", flavor_dir=tmp_path)
+    without = "".join(line for line in text.splitlines(keepends=True)
+                      if not line.strip().startswith('"transformers=='))
+    (tmp_path / "missing.toml").write_text(without)
+    with pytest.raises(PinError, match="requirements pin no transformers: add 'transformers==VERSION'"):
+        pins.load_flavor("missing", flavor_dir=tmp_path)
