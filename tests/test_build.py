@@ -156,6 +156,21 @@ def test_archive_header_holds_a_layer_over_8_gb() -> None:
         assert info is not None and info.size == 9 << 30
 
 
+def test_long_passes_say_how_far_they_got() -> None:
+    """A pass over gigabytes says where it is, one line at most every 15 s (a cold build sat
+    silent for minutes in normalise's pass 2)."""
+    now = [0.0]
+    lines: list[str] = []
+    progress = normalize.Progress(lines.append, "normalise: pass 2/2, loaded", 8_000_000_000,
+                                  clock=lambda: now[0])
+    for _ in range(8):
+        now[0] += 5
+        progress.add(1_000_000_000)
+    assert lines == ["normalise: pass 2/2, loaded: 3.0 of 8.0 GB (37%)",
+                     "normalise: pass 2/2, loaded: 6.0 of 8.0 GB (75%)"]
+    assert normalize.Progress(lines.append, "x", 0).line() == "x: 0.0 of 0.0 GB (100%)"
+
+
 def test_pipe_hands_on_the_writer_s_error() -> None:
     def produce(put: Callable[[bytes], None]) -> None:
         put(b"a")
