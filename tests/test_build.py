@@ -240,30 +240,30 @@ def test_build_refuses_a_stale_lock_before_any_work(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     flavor = pins.load_flavor(FLAVOR)
     stale = dataclasses.replace(flavor, requirements=(*flavor.requirements, "six==1.16.0"))
-    opts = plan.BuildOptions(flavor=stale, work_dir=tmp_path, light=True)
+    options = plan.BuildOptions(work_dir=tmp_path, light=True)
     monkeypatch.setattr(build, "ensure_engine", _no_engine_wanted)
     with pytest.raises(LockError, match=f"stale.*nox -s lock -- {FLAVOR}"):
-        build.build(opts, client=None)  # no engine needed: it stops before connecting
+        build.build(stale, options, client=None)  # no engine needed: it stops before connecting
 
 
 def test_build_refuses_an_incomplete_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    opts = plan.BuildOptions(flavor=pins.load_flavor("sglang-0.5.9"), work_dir=tmp_path)
+    options = plan.BuildOptions(work_dir=tmp_path)
     monkeypatch.setattr(build, "ensure_engine", _no_engine_wanted)
     with pytest.raises(LockError, match="incomplete"):
-        build.build(opts, client=None)
+        build.build(pins.load_flavor("sglang-0.5.9"), options, client=None)
 
 
 def test_unverified_base_digest_is_warned_about() -> None:
     flavor = pins.load_flavor(FLAVOR)
     unverified = dataclasses.replace(
         flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=False))
-    warning = plan.unverified_base_warning(plan.BuildOptions(flavor=unverified))
+    warning = plan.unverified_base_warning(unverified, plan.BuildOptions())
     assert warning and "digest_verified = false" in warning and flavor.base_image.digest in warning
     verified = dataclasses.replace(
         flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=True))
-    assert plan.unverified_base_warning(plan.BuildOptions(flavor=verified)) is None
+    assert plan.unverified_base_warning(verified, plan.BuildOptions()) is None
     # a base the user names is theirs to trust
-    assert plan.unverified_base_warning(plan.BuildOptions(flavor=unverified, base="x:1")) is None
+    assert plan.unverified_base_warning(unverified, plan.BuildOptions(base="x:1")) is None
 
 
 def test_default_tag_is_version_and_flavor() -> None:
@@ -342,11 +342,11 @@ def test_wrong_wheel_is_a_hash_mismatch(tmp_path: Path) -> None:
     cache.mkdir()
     good = fetch.fetch_wheels(flavor, tmp_path / "good", only=["sglang"])[0]
     (cache / good.name).write_bytes(good.read_bytes()[:-10] + b"0123456789")
-    opts = plan.BuildOptions(flavor=flavor, wheel_cache=cache, light=True,
-                              work_dir=tmp_path / "work")
+    options = plan.BuildOptions(wheel_cache=cache, light=True, work_dir=tmp_path / "work")
     base = plan.ResolvedBase(ref="base:1", name="base", digest="sha256:" + "0" * 64,
-                          image_id="sha256:" + "0" * 64, diff_ids=(), history=0)  # not used here
-    the_plan = plan.BuildPlan(options=opts, entries=plan.locked_entries(opts), base=base,
+                             image_id="sha256:" + "0" * 64, diff_ids=(), history=0)  # not used here
+    the_plan = plan.BuildPlan(flavor=flavor, options=options,
+                              entries=plan.locked_entries(flavor, light=True), base=base,
                               tags=("t:1",), epoch=0)
     with pytest.raises(HashMismatchError, match=good.name.split("-")[0]):
         context.prepare_context(the_plan, tmp_path / "ctx", lambda _: None)

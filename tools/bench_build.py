@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sglang_image import build, pins, plan
+from sglang_image.cli import add_flavor
 from sglang_image.docker_engine import connect
 
 
@@ -39,13 +40,13 @@ def _patch_only(flavor: pins.Flavor, where: Path) -> pins.Flavor:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--flavor", default=None)
+    add_flavor(ap, "the flavor to build")
     ap.add_argument("--base", default=None, help="base image (default: the flavor's)")
     ap.add_argument("--light", action="store_true", help="the light target (seconds, not minutes)")
     ap.add_argument("--skip-cold", action="store_true", help="start from the engine's cache")
     ap.add_argument("--tag", default="sglang-image-bench:latest")
     args = ap.parse_args(argv)
-    flavor = pins.load_flavor(args.flavor)
+    flavor: pins.Flavor = args.flavor
     client = connect().client
     quiet = Console(file=io.StringIO())
     table = Table(title=f"build timings: {flavor.name}{' (light)' if args.light else ''}")
@@ -58,10 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             if name == "cold" and args.skip_cold:
                 continue
             print(f"» {name} ...", file=sys.stderr, flush=True)
-            opts = plan.BuildOptions(flavor=fl, base=args.base, light=args.light,
-                                      no_cache=no_cache, tag=args.tag,
-                                      output_dir=Path(tmp) / "out" / name)
-            result = build.build(opts, quiet, client)
+            options = plan.BuildOptions(base=args.base, light=args.light, no_cache=no_cache,
+                                        tag=args.tag, output_dir=Path(tmp) / "out" / name)
+            result = build.build(fl, options, quiet, client)
             df = client.df()
             disk = sum(int(i.get("Size", 0)) for i in df.get("Images") or []) / 1e9
             dangling = len(client.images.list(filters={"dangling": True}))

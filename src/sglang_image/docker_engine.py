@@ -8,13 +8,11 @@ iptables, cgroupfs): builds and runs then have `network_mode="none"` or `"host"`
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,7 @@ import docker
 import docker.errors
 from docker import DockerClient
 
-from sglang_image.errors import DockerUnavailableError, SglangImageError
+from sglang_image.errors import DockerUnavailableError
 from sglang_image.pins import REPO_ROOT
 
 # Short paths: dockerd's unix sockets (containerd, netns) break beyond ~100 characters.
@@ -206,31 +204,14 @@ def stop_dockerd(state: Path = DEFAULT_STATE, timeout: float = 30) -> int | None
     return pid
 
 
-def _cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="nox -s engine --",
-        description="Start the project's own Docker engine (Debian's dockerd, state under "
-                    f"{DEFAULT_STATE}) where none answers, or stop it.")
-    parser.add_argument("command", nargs="?", choices=("start", "stop"), default="start",
-                        help="start (default): start dockerd in the background unless an engine "
-                             "answers, and print the DOCKER_HOST to export; stop: stop the one "
-                             "started here")
-    parser.add_argument("--state", type=Path, default=DEFAULT_STATE,
-                        help=f"the engine's data, socket and log (default: {DEFAULT_STATE})")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "stop":
-            pid = stop_dockerd(args.state)
-            print(f"stopped dockerd (pid {pid})" if pid else f"no engine runs under {args.state}")
-            return 0
-        engine = ensure_engine(args.state)
-        how = f"started, pid {engine.pid}" if engine.pid else "already running"
-        print(f"# Docker engine {how}\nexport DOCKER_HOST={engine.host}")
-    except SglangImageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+def run(action: str, state: Path = DEFAULT_STATE) -> int:
+    """`nox -s engine [start|stop]`: start the project's own engine unless one answers, and print
+    the DOCKER_HOST to export; or stop the one started under `state`."""
+    if action == "stop":
+        pid = stop_dockerd(state)
+        print(f"stopped dockerd (pid {pid})" if pid else f"no engine runs under {state}")
+        return 0
+    engine = ensure_engine(state)
+    how = f"started, pid {engine.pid}" if engine.pid else "already running"
+    print(f"# Docker engine {how}\nexport DOCKER_HOST={engine.host}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_cli())

@@ -1,9 +1,10 @@
 """The build plan: what `nox -s build` was asked for, resolved once into one typed value.
 
-`make_plan` checks the flavor's lock once (a stale or incomplete lock stops here, before any work),
-keeps its verified entries (those of a light build only, for tests), finds the base image in the
-engine (pulling a pinned one it lacks) and fixes the tags and the commit's time. Every later step
-(context, labels, the builds) reads the plan, never the lock or the options again.
+`locked_entries` checks the flavor's lock once (a stale or incomplete lock stops before an engine
+is found) and keeps its verified entries (those of a light build only, for tests); `make_plan`
+finds the base image in the engine (pulling a pinned one it lacks) and fixes the tags and the
+commit's time. Every later step (context, labels, the builds) reads the plan - `plan.flavor`,
+`plan.options` - never the lock or the command line again.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ SBOM_TOOL = "cyclonedx-bom"
 
 @dataclass(frozen=True, kw_only=True)
 class BuildOptions:
-    flavor: Flavor
+    """What `nox -s build` was asked for, besides the flavor."""
+
     tag: str | None = None  # default: sglang-image:<VERSION>-<flavor>
     base: str | None = None  # an image reference that replaces the flavor's pinned base
     no_cache: bool = False
@@ -59,17 +61,15 @@ class ResolvedBase:
 
 @dataclass(frozen=True, kw_only=True)
 class BuildPlan:
-    """One build, resolved: the options, the flavor's verified lock entries, the base, the tags."""
+    """One build, resolved: the flavor, the options, the flavor's verified lock entries, the base,
+    the tags."""
 
+    flavor: Flavor
     options: BuildOptions
     entries: tuple[LockEntry, ...]  # verified, all hash-pinned; a light build's subset
     base: ResolvedBase
     tags: tuple[str, ...]
     epoch: int  # SOURCE_DATE_EPOCH: the time every layer, the config and the labels carry
-
-    @property
-    def flavor(self) -> Flavor:
-        return self.options.flavor
 
     @property
     def work(self) -> Path:
@@ -127,35 +127,35 @@ def dependency_closure(lock_text: str, roots: Iterable[str]) -> set[str]:
     return wanted
 
 
-def unverified_base_warning(opts: BuildOptions) -> str | None:
+def unverified_base_warning(flavor: Flavor, options: BuildOptions) -> str | None:
     """What to say when the build uses a pinned base whose digest nobody checked."""
-    base = opts.flavor.base_image
-    if opts.base is not None or base.digest_verified:
+    base = flavor.base_image
+    if options.base is not None or base.digest_verified:
         return None
-    return (f"the base digest in {opts.flavor.toml_path.name} is unverified (digest_verified = "
+    return (f"the base digest in {flavor.toml_path.name} is unverified (digest_verified = "
             f"false): {base.ref} was pinned without checking it against its registry. Check it "
             f"where the hub is reachable (docker pull {base.name}; compare RepoDigests), then set "
             f"digest_verified = true")
 
 
-def locked_entries(opts: BuildOptions) -> tuple[LockEntry, ...]:
+def locked_entries(flavor: Flavor, *, light: bool = False) -> tuple[LockEntry, ...]:
     """The flavor's lock, checked once: fresh, complete, every entry verified; for a light build
     only SGLang, the patch targets and the SBOM tool with their dependencies."""
-    flavor = opts.flavor
     entries = lock.require_complete(flavor)
-    if opts.light:
+    if light:
         wanted = dependency_closure(flavor.lock_path.read_text(), [SBOM_TOOL])
         wanted |= {lock.normalize(t) for t in flavor.patch_targets} | {lock.normalize("sglang")}
         entries = [e for e in entries if e.name in wanted]
     return tuple(entries)
 
 
-def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], None]) -> ResolvedBase:
+def resolve_base(client: DockerClient, flavor: Flavor, options: BuildOptions,
+                 log: Callable[[str], None]) -> ResolvedBase:
     """The base image in the engine; pulls a pinned base that is not there."""
-    if opts.base:
-        ref, name = opts.base, opts.base.split("@")[0]
+    if options.base:
+        ref, name = options.base, options.base.split("@")[0]
     else:
-        ref, name = opts.flavor.base_image.ref, opts.flavor.base_image.name
+        ref, name = flavor.base_image.ref, flavor.base_image.name
     try:
         image = client.images.get(ref)
     except docker.errors.ImageNotFound:
@@ -167,8 +167,8 @@ def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], 
             raise BuildError(
                 f"base image {ref} is missing: not in the engine and the pull failed "
                 f"({exc.explanation or exc}). Without an image hub, make a base from Debian "
-                f"packages and build on it: nox -s base -- --flavor {opts.flavor.name}, then "
-                f"nox -s build -- --flavor {opts.flavor.name} --base TAG (the tag it prints). "
+                f"packages and build on it: nox -s base -- --flavor {flavor.name}, then "
+                f"nox -s build -- --flavor {flavor.name} --base TAG (the tag it prints). "
                 f"Or load the pinned one (docker load -i FILE / docker pull {ref} where a "
                 f"registry is reachable)") from exc
     if "@" in ref:
@@ -181,8 +181,10 @@ def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], 
                      history=len(client.api.history(image.id)))  # type: ignore[no-untyped-call]
 
 
-def make_plan(opts: BuildOptions, client: DockerClient, log: Callable[[str], None]) -> BuildPlan:
-    entries = locked_entries(opts)  # a stale or incomplete lock stops here, before any work
-    tag = opts.tag or default_tag(opts.flavor)
-    return BuildPlan(options=opts, entries=entries, base=resolve_base(client, opts, log),
+def make_plan(flavor: Flavor, options: BuildOptions, entries: tuple[LockEntry, ...],
+              client: DockerClient, log: Callable[[str], None]) -> BuildPlan:
+    """The plan of one build from the flavor's `locked_entries`: the base found in the engine."""
+    tag = options.tag or default_tag(flavor)
+    return BuildPlan(flavor=flavor, options=options, entries=entries,
+                     base=resolve_base(client, flavor, options, log),
                      tags=(tag if ":" in tag else f"{tag}:latest",), epoch=source_date_epoch())

@@ -1,0 +1,79 @@
+"""The command line: every parser in sglang_image.cli, --flavor declared and loaded in one place,
+and only `main` turning an error into its exit code."""
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from sglang_image import build, cli, pins, plan
+from sglang_image.errors import DockerUnavailableError, PinError
+
+FLAVOR_COMMANDS = ("build", "base", "smoke", "publish", "gpu-e2e")
+
+
+def _declarations_of(option: str) -> list[str]:
+    """Where the project's Python declares `option` as a command-line argument."""
+    found = []
+    root = pins.REPO_ROOT
+    for folder in ("src", "smoke", "bench", "tools"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" \
+                        and any(isinstance(a, ast.Constant) and a.value == option for a in node.args):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_flavor_is_declared_in_one_place() -> None:
+    found = _declarations_of("--flavor")
+    assert found and {place.split(":")[0] for place in found} == {"src/sglang_image/cli.py"}, found
+    # the search finds declarations outside src/ too (bench/e2e.py declared its own --flavor)
+    assert [p.split(":")[0] for p in _declarations_of("--bundle")] == ["bench/e2e.py"]
+
+
+@pytest.mark.parametrize("command", FLAVOR_COMMANDS)
+def test_flavor_is_parsed_into_a_loaded_flavor(command: str) -> None:
+    parser = cli.build_parser()
+    given = parser.parse_args([command, "--flavor", "sglang-0.5.17"]).flavor
+    assert isinstance(given, pins.Flavor) and given.name == "sglang-0.5.17"
+    default = parser.parse_args([command]).flavor
+    # smoke's default is the flavor the image was built for, found later from its label
+    assert (default is None) if command == "smoke" else (default.name == pins.DEFAULT_FLAVOR)
+
+
+@pytest.mark.parametrize("command", FLAVOR_COMMANDS)
+def test_an_unknown_flavor_stops_the_parse_with_its_exit_code(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(PinError, match="unknown flavor 'sglang-9.9.9'.*known flavors"):
+        cli.main_inner([command, "--flavor", "sglang-9.9.9"])
+    assert cli.main([command, "--flavor", "sglang-9.9.9"]) == PinError.exit_code
+    err = capsys.readouterr().err
+    assert "error: unknown flavor 'sglang-9.9.9'" in err and pins.DEFAULT_FLAVOR in err
+
+
+def test_help_of_every_command_is_in_nox_terms(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("build", "base", "engine", "smoke", "publish", "gpu-e2e", "plugin-check",
+                    "patches", "lock"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: nox -s {command} --"), out[:200]
+        assert re.search(r"^\s+7\s+no Docker engine answers$", out, re.MULTILINE), command
+
+
+def test_only_main_turns_an_error_into_an_exit_code(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    def failing(flavor: pins.Flavor, options: plan.BuildOptions) -> int:
+        raise DockerUnavailableError(f"no engine for {flavor.name}")
+
+    monkeypatch.setattr(build, "run", failing)
+    with pytest.raises(DockerUnavailableError, match=f"no engine for {pins.DEFAULT_FLAVOR}"):
+        cli.main_inner(["build"])
+    assert cli.main(["build"]) == DockerUnavailableError.exit_code
+    assert f"error: no engine for {pins.DEFAULT_FLAVOR}" in capsys.readouterr().err
+    # no stage catches it on its own: each exposes run(flavor, options), none a main
+    for module in ("build", "base", "smoke", "publish", "gpu", "docker_engine", "plugin"):
+        source = (pins.REPO_ROOT / "src" / "sglang_image" / f"{module}.py").read_text()
+        assert not re.search(r"def main\(|return \w+\.exit_code", source), module
