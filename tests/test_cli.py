@@ -1,5 +1,5 @@
 """The command line: every parser in sglang_image.cli, --flavor declared and loaded in one place,
-and only `main` turning an error into its exit code."""
+each option checked before any work, and only `main` turning an error into its exit code."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,7 @@ import re
 import pytest
 
 from sglang_image import build, cli, pins, plan
-from sglang_image.errors import DockerUnavailableError, PinError
+from sglang_image.errors import DockerUnavailableError, PinError, UsageError
 
 FLAVOR_COMMANDS = ("build", "base", "smoke", "publish", "gpu-e2e")
 
@@ -61,6 +61,32 @@ def test_help_of_every_command_is_in_nox_terms(capsys: pytest.CaptureFixture[str
         out = capsys.readouterr().out
         assert out.startswith(f"usage: nox -s {command} --"), out[:200]
         assert re.search(r"^\s+7\s+no Docker engine answers$", out, re.MULTILINE), command
+
+
+def _no_work(*_: object, **__: object) -> None:
+    raise AssertionError("the build started work (the lock check or the engine) before refusing")
+
+
+@pytest.mark.parametrize("option", [["--tag", "bad tag"], ["--tag", "Upper/Case:x"],
+                                    ["--base", "no spaces allowed"]])
+def test_a_bad_build_option_is_refused_before_any_work(
+        option: list[str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(build, "locked_entries", _no_work)
+    monkeypatch.setattr(build, "ensure_engine", _no_work)
+    assert cli.main(["build", *option]) == UsageError.exit_code
+    err = capsys.readouterr().err
+    assert f"{option[0]} {option[1]!r} is not an image reference" in err and "NAME[:TAG]" in err
+
+
+def test_image_references_are_checked_as_the_engine_reads_them() -> None:
+    for good in ("sglang-image:0.1.0-sglang-0.5.23", "localhost:5000/team/sglang", "my/sglang_x:1.0"):
+        assert plan.BuildOptions(tag=good).tag == good
+    plan.BuildOptions(base="docker.io/library/python:3.12-bookworm@sha256:" + "e" * 64)
+    with pytest.raises(UsageError, match="--tag"):
+        plan.BuildOptions(tag="x@sha256:" + "e" * 64)  # a tag names no digest
+    assert plan.with_tag("localhost:5000/sglang") == "localhost:5000/sglang:latest"
+    assert plan.with_tag("sglang:1") == "sglang:1"
 
 
 def test_only_main_turns_an_error_into_an_exit_code(monkeypatch: pytest.MonkeyPatch,

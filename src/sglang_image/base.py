@@ -33,6 +33,7 @@ from sglang_image import normalize
 from sglang_image.docker_engine import connect
 from sglang_image.errors import BuildError
 from sglang_image.pins import REPO_ROOT, Flavor
+from sglang_image.plan import check_reference
 
 DEFAULT_SUITE = "bookworm"
 SUITE_PYTHON = {"bookworm": "3.11", "trixie": "3.13"}
@@ -215,12 +216,17 @@ def make_base(client: DockerClient, tag: str, *, python_version: str,
 
 @dataclass(frozen=True, kw_only=True)
 class BaseOptions:
-    """What `nox -s base` was asked for, besides the flavor (whose Python goes in)."""
+    """What `nox -s base` was asked for, besides the flavor (whose Python goes in); checked when
+    made."""
 
     tag: str | None = None  # default: default_tag(the flavor's Python, suite)
     suite: str = DEFAULT_SUITE
     python_prefix: Path | None = None  # a CPython installation to copy (default: found here)
     fresh: bool = False  # debootstrap again instead of reusing ROOTFS_CACHE
+
+    def __post_init__(self) -> None:
+        if self.tag is not None:
+            check_reference(self.tag, "--tag")
 
 
 def run(flavor: Flavor, options: BaseOptions) -> int:

@@ -1,5 +1,6 @@
 """The build plan: what `nox -s build` was asked for, resolved once into one typed value.
 
+`BuildOptions` checks every option when it is made (a bad --tag or --base stops before any work);
 `locked_entries` checks the flavor's lock once (a stale or incomplete lock stops before an engine
 is found) and keeps its verified entries (those of a light build only, for tests); `make_plan`
 finds the base image in the engine (pulling a pinned one it lacks) and fixes the tags and the
@@ -19,7 +20,7 @@ import docker.errors
 from docker import DockerClient
 
 from sglang_image import lock
-from sglang_image.errors import BuildError
+from sglang_image.errors import BuildError, UsageError
 from sglang_image.fetch import WHEEL_CACHE
 from sglang_image.lock import LockEntry
 from sglang_image.pins import REPO_ROOT, Flavor
@@ -31,9 +32,34 @@ BUILD_CACHE_REPO = f"{IMAGE_REPO}-build-cache"
 SBOM_TOOL = "cyclonedx-bom"
 
 
+# An image reference as the engine parses it (distribution's reference grammar): an optional
+# registry host[:port]/, lower-case path components, an optional :tag and, for --base, @digest.
+_HOST_PART = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_DOMAIN = rf"(?:{_HOST_PART}(?:\.{_HOST_PART})*(?::[0-9]+)?/)?"
+_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+_TAG = r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+_DIGEST = r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?"
+_REFERENCE = re.compile(_DOMAIN + _PATH + _TAG)
+_REFERENCE_WITH_DIGEST = re.compile(_DOMAIN + _PATH + _TAG + _DIGEST)
+
+
+def check_reference(text: str, option: str, *, digest: bool = False) -> None:
+    """Refuses what the engine would refuse as an image reference, naming the option."""
+    pattern = _REFERENCE_WITH_DIGEST if digest else _REFERENCE
+    if not pattern.fullmatch(text):
+        example = "NAME[:TAG][@sha256:DIGEST]" if digest else "NAME[:TAG]"
+        raise UsageError(f"{option} {text!r} is not an image reference: give {example}, the name "
+                         f"in lower case without spaces (e.g. registry.example.com/team/sglang:1)")
+
+
+def with_tag(reference: str) -> str:
+    """`reference` with its tag, `:latest` where it names none (a registry port is no tag)."""
+    return reference if ":" in reference.rsplit("/", 1)[-1] else f"{reference}:latest"
+
+
 @dataclass(frozen=True, kw_only=True)
 class BuildOptions:
-    """What `nox -s build` was asked for, besides the flavor."""
+    """What `nox -s build` was asked for, besides the flavor; checked when made."""
 
     tag: str | None = None  # default: sglang-image:<VERSION>-<flavor>
     base: str | None = None  # an image reference that replaces the flavor's pinned base
@@ -44,6 +70,12 @@ class BuildOptions:
     wheel_cache: Path = WHEEL_CACHE
     work_dir: Path = REPO_ROOT / ".cache" / "build"
     output_dir: Path | None = None  # default: build/<tag with ':' as '-'>
+
+    def __post_init__(self) -> None:
+        if self.tag is not None:
+            check_reference(self.tag, "--tag")
+        if self.base is not None:
+            check_reference(self.base, "--base", digest=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +216,6 @@ def resolve_base(client: DockerClient, flavor: Flavor, options: BuildOptions,
 def make_plan(flavor: Flavor, options: BuildOptions, entries: tuple[LockEntry, ...],
               client: DockerClient, log: Callable[[str], None]) -> BuildPlan:
     """The plan of one build from the flavor's `locked_entries`: the base found in the engine."""
-    tag = options.tag or default_tag(flavor)
     return BuildPlan(flavor=flavor, options=options, entries=entries,
                      base=resolve_base(client, flavor, options, log),
-                     tags=(tag if ":" in tag else f"{tag}:latest",), epoch=source_date_epoch())
+                     tags=(with_tag(options.tag or default_tag(flavor)),), epoch=source_date_epoch())
