@@ -1,13 +1,15 @@
 """The command line: every parser in sglang_image.cli, --flavor declared and loaded in one place,
-each option checked before any work, and only `main` turning an error into its exit code."""
+each option checked before any work, one rule for the Docker engine, and only `main` turning an
+error into its exit code."""
 from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 import pytest
 
-from sglang_image import build, cli, pins, plan
+from sglang_image import build, cli, docker_engine, pins, plan
 from sglang_image.errors import DockerUnavailableError, PinError, UsageError
 
 FLAVOR_COMMANDS = ("build", "base", "smoke", "publish", "gpu-e2e")
@@ -87,6 +89,33 @@ def test_image_references_are_checked_as_the_engine_reads_them() -> None:
         plan.BuildOptions(tag="x@sha256:" + "e" * 64)  # a tag names no digest
     assert plan.with_tag("localhost:5000/sglang") == "localhost:5000/sglang:latest"
     assert plan.with_tag("sglang:1") == "sglang:1"
+
+
+@pytest.mark.parametrize("argv", [
+    ["build"],
+    ["base", "--tag", "localhost/test-base:1"],
+    ["smoke", "--no-gpu", "--image", "sglang-image-test:none"],
+    ["publish", "--registry", "127.0.0.1:5000/team", "--image", "sglang-image-test:none"],
+])
+def test_every_command_that_needs_an_engine_starts_the_project_s_own(
+        argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rule (docker_engine.ensure_engine): where none answers, each command starts the
+    project's own engine; `nox -s base` used to stop with exit 7 where `nox -s build` started it."""
+    started: list[Path] = []
+
+    def no_engine(*_: object, **__: object) -> docker_engine.Engine:
+        raise DockerUnavailableError("no Docker engine answers (test)")
+
+    def start(state: Path = docker_engine.DEFAULT_STATE, *_: object, **__: object) -> docker_engine.Engine:
+        started.append(state)
+        raise DockerUnavailableError("dockerd is not installed (test)")
+
+    monkeypatch.setattr(docker_engine, "connect", no_engine)
+    monkeypatch.setattr(docker_engine, "start_dockerd", start)
+    if argv[0] == "smoke":
+        argv = [*argv, "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == DockerUnavailableError.exit_code
+    assert started == [docker_engine.DEFAULT_STATE]
 
 
 def test_only_main_turns_an_error_into_an_exit_code(monkeypatch: pytest.MonkeyPatch,

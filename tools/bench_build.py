@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python tools/bench_build.py [--flavor F] [--base TAG] [--light] [--skip-cold]
 
-Scenarios, in this order, on the engine DOCKER_HOST names (or the one `connect()` finds):
+Scenarios, in this order, on the engine DOCKER_HOST names (or the one `ensure_engine()` finds
+or starts, as every command does):
   cold        --no-cache: the runtime base and part 2 built again (the wheels already fetched)
   unchanged   the same inputs again: what a rebuild of an unchanged tree costs
   patch-only  one patch's header changed: the runtime base reused, part 2 rebuilt from its cached
@@ -26,7 +27,7 @@ from rich.table import Table
 
 from sglang_image import build, pins, plan
 from sglang_image.cli import add_flavor
-from sglang_image.docker_engine import connect
+from sglang_image.docker_engine import ensure_engine
 
 
 def _patch_only(flavor: pins.Flavor, where: Path) -> pins.Flavor:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="sglang-image-bench:latest")
     args = ap.parse_args(argv)
     flavor: pins.Flavor = args.flavor
-    client = connect().client
+    client = ensure_engine(log=lambda m: print(f"» {m}", file=sys.stderr)).client
     quiet = Console(file=io.StringIO())
     table = Table(title=f"build timings: {flavor.name}{' (light)' if args.light else ''}")
     phase_names: list[str] = []

@@ -30,7 +30,7 @@ from typing import Any
 from docker import DockerClient
 
 from sglang_image import normalize
-from sglang_image.docker_engine import connect
+from sglang_image.docker_engine import ensure_engine
 from sglang_image.errors import BuildError
 from sglang_image.pins import REPO_ROOT, Flavor
 from sglang_image.plan import check_reference
@@ -234,7 +234,7 @@ def run(flavor: Flavor, options: BaseOptions) -> int:
     build command that uses it."""
     tag = options.tag or default_tag(flavor.python_version, options.suite)
     log: Callable[[str], None] = lambda msg: print(f"» {msg}", file=sys.stderr)
-    image_id = make_base(connect().client, tag, python_version=flavor.python_version,
+    image_id = make_base(ensure_engine(log=log).client, tag, python_version=flavor.python_version,
                          suite=options.suite, python_prefix=options.python_prefix,
                          fresh=options.fresh, log=log)
     print(f"{tag} {image_id}\nbuild on it: nox -s build -- --flavor {flavor.name} --base {tag}")

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from sglang_image import normalize
 from sglang_image.context import prepare_context
-from sglang_image.docker_engine import ensure_engine, started_note
+from sglang_image.docker_engine import ensure_engine
 from sglang_image.dockerbuild import (
     LEGACY_CACHE_STAGES,
     _known,
@@ -105,10 +105,7 @@ def build(flavor: Flavor, options: BuildOptions, console: Console | None = None,
     # A stale or incomplete lock stops here, before an engine is found or started.
     entries = locked_entries(flavor, light=options.light)
     if client is None:
-        engine = ensure_engine()
-        if engine.pid:
-            log(started_note(engine))
-        client = engine.client
+        client = ensure_engine(log=log).client
     plan = make_plan(flavor, options, entries, client, log)
     work, epoch, base = plan.work, plan.epoch, plan.base
     tags = list(plan.tags)

@@ -1,8 +1,8 @@
 """Find a Docker engine, or start one (Debian's docker.io) for tests and for machines without one.
 
-`connect()` only finds. `ensure_engine()` finds or starts one: `nox -s engine` and `nox -s build`
-use it (the build says in one line that it started the project's own engine, and how to stop it:
-`nox -s engine -- stop`).
+One rule for every command that needs an engine (build, base, smoke, publish, and `nox -s engine`
+itself): `ensure_engine()` finds one, or starts the project's own where none answers and says so
+in one line, with how to stop it (`nox -s engine -- stop`). `connect()` only finds.
 The flags are those seen working on a container-less, systemd-less Debian 12 host (no bridge, no
 iptables, cgroupfs): builds and runs then have `network_mode="none"` or `"host"` only.
 """
@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,12 +171,17 @@ def start_dockerd(state: Path = DEFAULT_STATE, timeout: float = 60,
                                  f"{state / 'dockerd.log'}")
 
 
-def ensure_engine(state: Path = DEFAULT_STATE) -> Engine:
-    """An engine that answers, started under `state` when none does (Engine.pid says so)."""
+def ensure_engine(state: Path = DEFAULT_STATE,
+                  log: Callable[[str], None] | None = None) -> Engine:
+    """An engine that answers, started under `state` when none does (Engine.pid says so, and
+    `log` gets started_note's line)."""
     try:
         return connect(state)
     except DockerUnavailableError:
-        return start_dockerd(state)
+        engine = start_dockerd(state)
+    if log is not None:
+        log(started_note(engine))
+    return engine
 
 
 STOP_HINT = "nox -s engine -- stop"

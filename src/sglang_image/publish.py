@@ -485,7 +485,7 @@ def run(flavor: Flavor, options: PublishOptions) -> int:
     image = options.image or plan.default_tag(flavor)
     try:
         verify = DockerClient(base_url=options.verify_host) if options.verify_host else None
-        result = publish(docker_engine.connect().client, image, options.target,
+        result = publish(docker_engine.ensure_engine(log=log).client, image, options.target,
                          allow_partial_smoke=options.allow_partial_smoke,
                          records_dir=options.smoke_records, verify_client=verify, log=log)
     except docker.errors.DockerException as exc:

@@ -20,12 +20,13 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_image.docker_engine import connect
+from sglang_image.docker_engine import ensure_engine
 from sglang_image.errors import PARTIAL_EXIT_CODE, ImageNotFoundError, SmokeError, UsageError
 from sglang_image.pins import REPO_ROOT, Flavor, flavor_names, load_flavor
 from sglang_image.plan import default_tag
@@ -199,7 +200,7 @@ def run_smoke(image: str, *, flavor: Flavor | None = None, gpu: bool | None = No
     out_dir = (out_dir or REPO_ROOT / "out" / "smoke").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir.chmod(0o777)  # the image runs as uid 1000: let it read the series and write reports
-    engine = connect()
+    engine = ensure_engine(log=lambda msg: print(f"» {msg}", file=sys.stderr))
     try:
         found = engine.client.images.get(image)
     except docker.errors.ImageNotFound:
