@@ -322,6 +322,31 @@ def test_the_engine_s_temporary_files_stay_under_its_state(tmp_path: Path) -> No
     assert tmpdir == state.resolve() / "tmp" and tmpdir.is_dir()
 
 
+def test_engine_stop_removes_what_the_engine_left_in_tmp(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`nox -s engine -- stop` ends the engine and removes its exec root in /tmp (dockerd leaves
+    it behind); stopping again, with no engine left, removes a leftover one too."""
+    from sglang_image import cli
+
+    state = tmp_path / "state"
+    state.mkdir()
+    runtime = docker_engine.exec_root(state)
+    stand_in = subprocess.Popen(["sleep", "60"])  # a dockerd of this state, by its pidfile
+    try:
+        (state / "dockerd.pid").write_text(f"{stand_in.pid}\n")
+        (runtime / "netns").mkdir(parents=True)
+        assert cli.main(["engine", "stop", "--state", str(state)]) == 0
+        assert f"stopped dockerd (pid {stand_in.pid})" in capsys.readouterr().out
+        assert stand_in.wait(timeout=10) is not None and not runtime.exists()
+        (runtime / "netns").mkdir(parents=True)  # left by an engine that ended on its own
+        assert cli.main(["engine", "stop", "--state", str(state)]) == 0
+        assert "no engine runs under" in capsys.readouterr().out and not runtime.exists()
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 def test_a_dead_daemon_s_pidfile_does_not_block_a_new_one(tmp_path: Path) -> None:
     """A daemon that ended, even one not yet reaped (a zombie), is not running."""
     child = subprocess.Popen(["true"])

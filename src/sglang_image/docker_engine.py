@@ -74,14 +74,21 @@ class Engine:
                 if not alive(self.pid):
                     break
                 time.sleep(0.1)
-        # dockerd leaves its default network namespace mounted, and its exec root in /tmp.
         assert self.state is not None
-        runtime = exec_root(self.state)
-        subprocess.run(["umount", str(runtime / "netns" / "default")], check=False,
-                       capture_output=True)
-        if not alive(self.pid):
-            shutil.rmtree(runtime, ignore_errors=True)
+        remove_exec_root(self.state, self.pid)
         self.pid = None
+
+
+def remove_exec_root(state: Path, pid: int | None) -> None:
+    """What an ended dockerd of `state` leaves in /tmp: its default network namespace, still
+    mounted, and its exec root (kept while process `pid` still runs)."""
+    runtime = exec_root(state)
+    if not runtime.exists():
+        return
+    subprocess.run(["umount", str(runtime / "netns" / "default")], check=False,
+                   capture_output=True)
+    if pid is None or not alive(pid):
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def _try(host: str | None, timeout: int = 10) -> DockerClient | None:
@@ -194,10 +201,12 @@ def started_note(engine: Engine) -> str:
 
 
 def stop_dockerd(state: Path = DEFAULT_STATE, timeout: float = 30) -> int | None:
-    """Stops the engine started under `state` (its pidfile); returns its pid, None if none runs."""
+    """Stops the engine started under `state` (its pidfile) and removes what it left in /tmp;
+    returns its pid, None if none runs."""
     pidfile = state.resolve() / "dockerd.pid"
     pid_text = pidfile.read_text().strip() if pidfile.is_file() else ""
     if not pid_text.isdigit() or not alive(int(pid_text)):
+        remove_exec_root(state, None)  # of an engine that ended without being stopped
         return None
     pid = int(pid_text)
     os.kill(pid, signal.SIGTERM)
@@ -207,6 +216,7 @@ def stop_dockerd(state: Path = DEFAULT_STATE, timeout: float = 30) -> int | None
     if alive(pid):
         raise DockerUnavailableError(f"dockerd (pid {pid}) did not stop within {timeout:.0f}s; "
                                      f"see {state / 'dockerd.log'}")
+    remove_exec_root(state, pid)
     return pid
 
 
