@@ -28,6 +28,7 @@ from sglang_image.errors import (
     LockError,
     PatchApplyError,
 )
+from sglang_image.progress import Progress
 from tests.conftest_docker import (
     ENGINES,
     Rebuilt,
@@ -161,14 +162,16 @@ def test_long_passes_say_how_far_they_got() -> None:
     silent for minutes in normalise's pass 2)."""
     now = [0.0]
     lines: list[str] = []
-    progress = normalize.Progress(lines.append, "normalise: pass 2/2, loaded", 8_000_000_000,
+    progress = Progress(lines.append, "normalise: pass 2/2, loaded", 8_000_000_000,
                                   clock=lambda: now[0])
     for _ in range(8):
         now[0] += 5
         progress.add(1_000_000_000)
     assert lines == ["normalise: pass 2/2, loaded: 3.0 of 8.0 GB (37%)",
                      "normalise: pass 2/2, loaded: 6.0 of 8.0 GB (75%)"]
-    assert normalize.Progress(lines.append, "x", 0).line() == "x: 0.0 of 0.0 GB (100%)"
+    assert Progress(lines.append, "x", 0).line() == "x: 0.0 of 0.0 GB (100%)"
+    assert Progress(lines.append, "fetch", 230, unit="wheels", scale=1).line() == \
+        "fetch: 0 of 230 wheels (0%)"
 
 
 def test_pipe_hands_on_the_writer_s_error() -> None:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 
 from sglang_image import fetch, lock, pins
 from sglang_image.errors import HashMismatchError, LockError, PinError
+from sglang_image.progress import Progress
 
 SIX = "six==1.16.0"
 SIX_SHA256 = "8abb2f1d86890a2dfb989f9a77cfcfd3e47c2a354b01111771326f8aa26e0254"
@@ -98,6 +100,20 @@ def test_gpu_bundle_diagnostics_are_hash_checked(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(gpu, "DIAGNOSTIC_WHEELS", (tampered,))
     with pytest.raises(HashMismatchError, match="py_spy-0.4.3-.*DIAGNOSTIC_WHEELS"):
         gpu.fetch_diagnostics(pins.load_flavor(), tmp_path / "out2", cache=cache)  # the cached wheel
+
+
+def test_a_long_download_says_how_far_it_got() -> None:
+    """pip downloads the missing wheels of a cold build for minutes: each wheel it begins counts,
+    and the count is said while it runs (here at every check: `every` is 0)."""
+    lines: list[str] = []
+    progress = Progress(lines.append, "fetch: pip download", 3, unit="wheels", scale=1, every=0.0)
+    pip = ("import time\nfor n in 'ab':\n    print('Collecting', n, flush=True)\n"
+           "    print('  Downloading', n, flush=True)\ntime.sleep(1.2)\n")
+    returncode, output = fetch.run_counting([sys.executable, "-c", pip], progress)
+    assert returncode == 0 and "Downloading b" in output
+    assert lines[-1] == "fetch: pip download: 2 of 3 wheels (66%)"
+    returncode, output = fetch.run_counting([sys.executable, "-c", "print('no'); exit(3)"], progress)
+    assert (returncode, output) == (3, "no\n")
 
 
 def _imports_of(path: Path) -> set[str]:

@@ -17,7 +17,7 @@ Two streaming passes, no copy on disk: pass 1 computes each rewritten layer's sh
 (the tar header must carry the size before the data), pass 2 streams the archive into the
 engine. Layers whose rewritten chain is already in the engine are left out of the archive: the
 engine's loader skips a layer whose chain it has, so a patch-only rebuild loads one small layer.
-Both passes of a cold build read gigabytes for minutes: each says how far it got (Progress).
+Both passes of a cold build read gigabytes for minutes: each says how far it got (progress.py).
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import queue
 import re
 import tarfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,6 +37,7 @@ from typing import IO, Any
 from docker import DockerClient
 
 from sglang_image.errors import BuildError
+from sglang_image.progress import Progress
 
 CHUNK = 1 << 20
 # File times inside our layers: a constant, not the commit's time, so that a layer whose content
@@ -45,28 +45,6 @@ CHUNK = 1 << 20
 # again). 1980-01-01: the earliest time a zip file can hold (tools zip files from images).
 LAYER_EPOCH = 315532800
 BLOCK = tarfile.BLOCKSIZE
-
-
-class Progress:
-    """How far a long byte stream got, said in one line at most every `every` seconds:
-    "WHAT: 1.2 of 7.9 GB (15%)" (a pass over gigabytes is not minutes of silence)."""
-
-    def __init__(self, log: Callable[[str], None], what: str, total: int, *, every: float = 15.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.log, self.what, self.total, self.every, self.clock = log, what, total, every, clock
-        self.done = 0
-        self._next = clock() + every
-
-    def add(self, size: int) -> None:
-        self.done += size
-        now = self.clock()
-        if now >= self._next:
-            self._next = now + self.every
-            self.log(self.line())
-
-    def line(self) -> str:
-        share = min(100, 100 * self.done // self.total) if self.total else 100
-        return f"{self.what}: {self.done / 1e9:.1f} of {self.total / 1e9:.1f} GB ({share}%)"
 
 
 def _counted(chunks: Iterator[bytes], progress: Progress) -> Iterator[bytes]:
