@@ -39,7 +39,7 @@ from sglang_image.errors import PARTIAL_EXIT_CODE, SglangImageError, UsageError,
 from sglang_image.plan import BuildOptions
 
 console = Console(highlight=False, soft_wrap=True)
-errors = Console(stderr=True, highlight=False, soft_wrap=True)
+error_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 # --- --flavor, in one place -------------------------------------------------------------------
@@ -388,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return main_inner(argv)
     except SglangImageError as exc:
-        errors.print(f"[bold red]error:[/] {escape(str(exc))}")
+        error_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         return exc.exit_code
 
 
