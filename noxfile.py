@@ -55,14 +55,14 @@ def build(session: nox.Session) -> None:
 def engine(session: nox.Session) -> None:
     """Start the project's own Docker engine where none answers (prints its DOCKER_HOST), or stop it (-- stop)."""
     _install(session)
-    session.run("python", "-m", "sglang_image.docker_engine", *session.posargs)
+    _run(session, "engine")
 
 
 @nox.session(default=False)
 def base(session: nox.Session) -> None:
     """Make a base image from Debian packages (debootstrap, g++, the flavor's Python) where no image hub is reachable (-- --flavor F)."""
     _install(session)
-    session.run("python", "-m", "sglang_image.base", *session.posargs)
+    _run(session, "base")
 
 
 @nox.session(default=False)

@@ -375,13 +375,12 @@ class E2E:
 
     @functools.cached_property
     def flavor(self) -> str:
-        """--flavor, else the flavor `nox -s gpu-e2e` built the bundle for (BUNDLE/bundle.json)."""
-        if self.a.flavor:
-            return str(self.a.flavor)
+        """The flavor `nox -s gpu-e2e -- --flavor F` built the bundle for (BUNDLE/bundle.json): its
+        series goes onto the bundle's wheels, never another's."""
         meta = self.a.bundle / "bundle.json"
         if not meta.is_file():
-            raise SystemExit(f"--flavor not given and {meta} is missing: build the bundle with "
-                             "nox -s gpu-e2e -- --flavor F, or pass --flavor")
+            raise SystemExit(f"{meta} is missing: build the bundle of the flavor with "
+                             "nox -s gpu-e2e -- --flavor F and copy .gpu/ whole")
         return str(json.loads(meta.read_text())["flavor"])
 
     @property
@@ -598,8 +597,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--deadline", type=float, default=560, help="seconds from the start")
     ap.add_argument("--phases", default="all", help=f"'all' or a comma list of {','.join(PHASES)}")
-    ap.add_argument("--flavor", help="the flavor whose series to apply (default: the bundle's, from "
-                    "BUNDLE/bundle.json as `nox -s gpu-e2e` wrote it)")
     ap.add_argument("--threshold", default=str(runner.DEFAULT_THRESHOLD),
                     help=f"smoke threshold N (default {runner.DEFAULT_THRESHOLD}), or auto (the smoke "
                          f"phase's servers run auto; the feature matrix keeps N={runner.DEFAULT_THRESHOLD})")

@@ -227,9 +227,9 @@ def light_build(client: DockerClient, base_ref: str, tmp: Path, **kw: Any) -> bu
     """A light build (SGLang + patch targets + SBOM tool, no heavy dependencies) of the default
     flavor, its output under `tmp` (output_dir=, work_dir= to put them elsewhere)."""
     flavor = kw.pop("flavor", None) or pins.load_flavor(pins.DEFAULT_FLAVOR)
-    opts = plan.BuildOptions(flavor=flavor, base=base_ref, light=True,
-                              **{"output_dir": tmp / "out", "work_dir": tmp / "work", **kw})
-    return build.build(opts, Console(file=io.StringIO()), client)
+    options = plan.BuildOptions(base=base_ref, light=True,
+                                **{"output_dir": tmp / "out", "work_dir": tmp / "work", **kw})
+    return build.build(flavor, options, Console(file=io.StringIO()), client)
 
 
 def drop_build_cache(client: DockerClient) -> None:

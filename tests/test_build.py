@@ -28,6 +28,7 @@ from sglang_image.errors import (
     LockError,
     PatchApplyError,
 )
+from sglang_image.progress import Progress
 from tests.conftest_docker import (
     ENGINES,
     Rebuilt,
@@ -156,6 +157,23 @@ def test_archive_header_holds_a_layer_over_8_gb() -> None:
         assert info is not None and info.size == 9 << 30
 
 
+def test_long_passes_say_how_far_they_got() -> None:
+    """A pass over gigabytes says where it is, one line at most every 15 s (a cold build sat
+    silent for minutes in normalise's pass 2)."""
+    now = [0.0]
+    lines: list[str] = []
+    progress = Progress(lines.append, "normalise: pass 2/2, loaded", 8_000_000_000,
+                                  clock=lambda: now[0])
+    for _ in range(8):
+        now[0] += 5
+        progress.add(1_000_000_000)
+    assert lines == ["normalise: pass 2/2, loaded: 3.0 of 8.0 GB (37%)",
+                     "normalise: pass 2/2, loaded: 6.0 of 8.0 GB (75%)"]
+    assert Progress(lines.append, "x", 0).line() == "x: 0.0 of 0.0 GB (100%)"
+    assert Progress(lines.append, "fetch", 230, unit="wheels", scale=1).line() == \
+        "fetch: 0 of 230 wheels (0%)"
+
+
 def test_pipe_hands_on_the_writer_s_error() -> None:
     def produce(put: Callable[[bytes], None]) -> None:
         put(b"a")
@@ -225,30 +243,30 @@ def test_build_refuses_a_stale_lock_before_any_work(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     flavor = pins.load_flavor(FLAVOR)
     stale = dataclasses.replace(flavor, requirements=(*flavor.requirements, "six==1.16.0"))
-    opts = plan.BuildOptions(flavor=stale, work_dir=tmp_path, light=True)
+    options = plan.BuildOptions(work_dir=tmp_path, light=True)
     monkeypatch.setattr(build, "ensure_engine", _no_engine_wanted)
     with pytest.raises(LockError, match=f"stale.*nox -s lock -- {FLAVOR}"):
-        build.build(opts, client=None)  # no engine needed: it stops before connecting
+        build.build(stale, options, client=None)  # no engine needed: it stops before connecting
 
 
 def test_build_refuses_an_incomplete_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    opts = plan.BuildOptions(flavor=pins.load_flavor("sglang-0.5.9"), work_dir=tmp_path)
+    options = plan.BuildOptions(work_dir=tmp_path)
     monkeypatch.setattr(build, "ensure_engine", _no_engine_wanted)
     with pytest.raises(LockError, match="incomplete"):
-        build.build(opts, client=None)
+        build.build(pins.load_flavor("sglang-0.5.9"), options, client=None)
 
 
 def test_unverified_base_digest_is_warned_about() -> None:
     flavor = pins.load_flavor(FLAVOR)
     unverified = dataclasses.replace(
         flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=False))
-    warning = plan.unverified_base_warning(plan.BuildOptions(flavor=unverified))
+    warning = plan.unverified_base_warning(unverified, plan.BuildOptions())
     assert warning and "digest_verified = false" in warning and flavor.base_image.digest in warning
     verified = dataclasses.replace(
         flavor, base_image=dataclasses.replace(flavor.base_image, digest_verified=True))
-    assert plan.unverified_base_warning(plan.BuildOptions(flavor=verified)) is None
+    assert plan.unverified_base_warning(verified, plan.BuildOptions()) is None
     # a base the user names is theirs to trust
-    assert plan.unverified_base_warning(plan.BuildOptions(flavor=unverified, base="x:1")) is None
+    assert plan.unverified_base_warning(unverified, plan.BuildOptions(base="x:1")) is None
 
 
 def test_default_tag_is_version_and_flavor() -> None:
@@ -307,6 +325,31 @@ def test_the_engine_s_temporary_files_stay_under_its_state(tmp_path: Path) -> No
     assert tmpdir == state.resolve() / "tmp" and tmpdir.is_dir()
 
 
+def test_engine_stop_removes_what_the_engine_left_in_tmp(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`nox -s engine -- stop` ends the engine and removes its exec root in /tmp (dockerd leaves
+    it behind); stopping again, with no engine left, removes a leftover one too."""
+    from sglang_image import cli
+
+    state = tmp_path / "state"
+    state.mkdir()
+    runtime = docker_engine.exec_root(state)
+    stand_in = subprocess.Popen(["sleep", "60"])  # a dockerd of this state, by its pidfile
+    try:
+        (state / "dockerd.pid").write_text(f"{stand_in.pid}\n")
+        (runtime / "netns").mkdir(parents=True)
+        assert cli.main(["engine", "stop", "--state", str(state)]) == 0
+        assert f"stopped dockerd (pid {stand_in.pid})" in capsys.readouterr().out
+        assert stand_in.wait(timeout=10) is not None and not runtime.exists()
+        (runtime / "netns").mkdir(parents=True)  # left by an engine that ended on its own
+        assert cli.main(["engine", "stop", "--state", str(state)]) == 0
+        assert "no engine runs under" in capsys.readouterr().out and not runtime.exists()
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 def test_a_dead_daemon_s_pidfile_does_not_block_a_new_one(tmp_path: Path) -> None:
     """A daemon that ended, even one not yet reaped (a zombie), is not running."""
     child = subprocess.Popen(["true"])
@@ -327,11 +370,11 @@ def test_wrong_wheel_is_a_hash_mismatch(tmp_path: Path) -> None:
     cache.mkdir()
     good = fetch.fetch_wheels(flavor, tmp_path / "good", only=["sglang"])[0]
     (cache / good.name).write_bytes(good.read_bytes()[:-10] + b"0123456789")
-    opts = plan.BuildOptions(flavor=flavor, wheel_cache=cache, light=True,
-                              work_dir=tmp_path / "work")
-    base = plan.BaseImage(ref="base:1", name="base", digest="sha256:" + "0" * 64,
-                          image_id="sha256:" + "0" * 64, diff_ids=(), history=0)  # not used here
-    the_plan = plan.BuildPlan(options=opts, entries=plan.locked_entries(opts), base=base,
+    options = plan.BuildOptions(wheel_cache=cache, light=True, work_dir=tmp_path / "work")
+    base = plan.ResolvedBase(ref="base:1", name="base", digest="sha256:" + "0" * 64,
+                             image_id="sha256:" + "0" * 64, diff_ids=(), history=0)  # not used here
+    the_plan = plan.BuildPlan(flavor=flavor, options=options,
+                              entries=plan.locked_entries(flavor, light=True), base=base,
                               tags=("t:1",), epoch=0)
     with pytest.raises(HashMismatchError, match=good.name.split("-")[0]):
         context.prepare_context(the_plan, tmp_path / "ctx", lambda _: None)

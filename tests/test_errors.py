@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from sglang_image import build, errors, pins, plugin, smoke
+from sglang_image import cli, errors, pins, plugin, smoke
 
 
 def _error_classes() -> list[type[errors.SglangImageError]]:
@@ -33,7 +33,7 @@ def test_the_readme_table_is_exit_codes() -> None:
 
 def test_smoke_help_is_in_nox_terms(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        smoke.main(["--help"])
+        cli.main(["smoke", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: nox -s smoke --") and "python -m" not in out.split("exit codes")[0]
     assert "docker.types" not in out and "SmokeError" not in out
@@ -51,16 +51,16 @@ def test_threshold_takes_a_number_or_auto_where_the_flavor_has_it() -> None:
     plugin_flavors = [n for n in pins.flavor_names() if pins.load_flavor(n).plugin]
     others = [n for n in pins.flavor_names() if not pins.load_flavor(n).plugin]
     assert plugin_flavors and others
-    smoke.check_threshold("auto", plugin_flavors[0])
-    smoke.check_threshold(8, others[0])
+    smoke.check_threshold("auto", pins.load_flavor(plugin_flavors[0]))
+    smoke.check_threshold(8, pins.load_flavor(others[0]))
     with pytest.raises(errors.UsageError, match="no automatic threshold"):
-        smoke.check_threshold("auto", others[0])
+        smoke.check_threshold("auto", pins.load_flavor(others[0]))
     assert "--threshold auto" in smoke.full_command("auto")[-1]
 
 
 def test_build_help_lists_flavors_and_hides_the_test_build(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        build.main(["--help"])
+        cli.main(["build", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: nox -s build --")
     assert all(name in out for name in pins.flavor_names()) and f"{pins.DEFAULT_FLAVOR} (default)" in out

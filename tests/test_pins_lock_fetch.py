@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
 
 from sglang_image import fetch, lock, pins
 from sglang_image.errors import HashMismatchError, LockError, PinError
+from sglang_image.progress import Progress
 
 SIX = "six==1.16.0"
 SIX_SHA256 = "8abb2f1d86890a2dfb989f9a77cfcfd3e47c2a354b01111771326f8aa26e0254"
@@ -100,6 +102,20 @@ def test_gpu_bundle_diagnostics_are_hash_checked(tmp_path: Path, monkeypatch: py
         gpu.fetch_diagnostics(pins.load_flavor(), tmp_path / "out2", cache=cache)  # the cached wheel
 
 
+def test_a_long_download_says_how_far_it_got() -> None:
+    """pip downloads the missing wheels of a cold build for minutes: each wheel it begins counts,
+    and the count is said while it runs (here at every check: `every` is 0)."""
+    lines: list[str] = []
+    progress = Progress(lines.append, "fetch: pip download", 3, unit="wheels", scale=1, every=0.0)
+    pip = ("import time\nfor n in 'ab':\n    print('Collecting', n, flush=True)\n"
+           "    print('  Downloading', n, flush=True)\ntime.sleep(1.2)\n")
+    returncode, output = fetch.run_counting([sys.executable, "-c", pip], progress)
+    assert returncode == 0 and "Downloading b" in output
+    assert lines[-1] == "fetch: pip download: 2 of 3 wheels (66%)"
+    returncode, output = fetch.run_counting([sys.executable, "-c", "print('no'); exit(3)"], progress)
+    assert (returncode, output) == (3, "no\n")
+
+
 def _imports_of(path: Path) -> set[str]:
     """sglang_image modules a source file imports (anywhere but under `if TYPE_CHECKING:`)."""
     import ast
@@ -145,3 +161,22 @@ def test_plugin_flag_is_flavor_data(tmp_path: Path) -> None:
     (tmp_path / "x.toml").write_text(text)
     with pytest.raises(PinError, match="'plugin' must be true or false"):
         pins.load_flavor("x", flavor_dir=tmp_path)
+
+
+def test_each_version_is_written_once_in_the_flavor_file(tmp_path: Path) -> None:
+    """[lock] requirements are the one record of a version: the stack reads them, a version
+    written again in [stack] is refused by name, and a stack pin missing from [lock] too."""
+    flavor = pins.load_flavor()
+    assert flavor.kernel_version == flavor.pinned(flavor.kernel_package)
+    changed = dataclasses.replace(flavor, requirements=tuple(
+        "sglang==9.9.9" if r.startswith("sglang==") else r for r in flavor.requirements))
+    assert changed.sglang_version == "9.9.9"
+    text = flavor.toml_path.read_text()
+    (tmp_path / "again.toml").write_text(text.replace("[stack]\n", '[stack]\nsglang = "0.5.23"\n'))
+    with pytest.raises(PinError, match=r"\[stack\]: \['sglang'\].*written once, in \[lock\]"):
+        pins.load_flavor("again", flavor_dir=tmp_path)
+    without = "".join(line for line in text.splitlines(keepends=True)
+                      if not line.strip().startswith('"transformers=='))
+    (tmp_path / "missing.toml").write_text(without)
+    with pytest.raises(PinError, match="requirements pin no transformers: add 'transformers==VERSION'"):
+        pins.load_flavor("missing", flavor_dir=tmp_path)

@@ -14,7 +14,7 @@ import pytest
 import requests
 from docker import DockerClient
 
-from sglang_image import build, publish, smoke
+from sglang_image import build, cli, pins, publish, smoke
 from sglang_image.errors import PublishError, SmokeError
 from sglang_image.labels import SBOM_PATH
 from tests.conftest_docker import one_engine
@@ -97,7 +97,7 @@ class TinyImage:
 
 @pytest.fixture(autouse=True)
 def engine_under_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """publish.main() finds its engine through DOCKER_HOST, as a user's shell would: point it at
+    """nox -s publish finds its engine through DOCKER_HOST, as a user's shell would: point it at
     the engine the test runs on (the tests run once per engine)."""
     if "docker_client" in request.fixturenames:
         monkeypatch.setenv("DOCKER_HOST", request.getfixturevalue("docker_host"))
@@ -215,9 +215,9 @@ def test_publish_to_an_open_registry(docker_client: DockerClient, open_registry:
     assert fetched.read_bytes() == tiny_image.sbom
     # Again, pulled back through an engine named by --verify-host: the same digest.
     with publish.fresh_engine() as second:
-        assert publish.main(["--registry", f"{open_registry.address}/team", "--image",
-                             tiny_image.tag, "--smoke-records", str(records),
-                             "--verify-host", second.host]) == 0
+        assert cli.main(["publish", "--registry", f"{open_registry.address}/team", "--image",
+                         tiny_image.tag, "--smoke-records", str(records),
+                         "--verify-host", second.host]) == 0
         assert second.client.images.get(result.reference).id == tiny_image.image_id
         other = {**docker_client.images.get(tiny_image.tag).attrs, "Id": "sha256:" + "0" * 64}
         with pytest.raises(PublishError, match="differs from the local image in image ID"):
@@ -243,8 +243,8 @@ def test_publish_with_the_credentials_of_docker_login(
     else:
         _login(tmp_path, monkeypatch, auth_registry.address, PASSWORD)
     target = publish.parse_registry(f"{auth_registry.address}/private")
-    code = publish.main(["--registry", f"{auth_registry.address}/private", "--image",
-                         tiny_image.tag, "--smoke-records", str(records)])
+    code = cli.main(["publish", "--registry", f"{auth_registry.address}/private", "--image",
+                     tiny_image.tag, "--smoke-records", str(records)])
     out, err = capsys.readouterr()
     assert code == 0, err
     digest = out.strip()
@@ -256,7 +256,8 @@ def test_publish_with_the_credentials_of_docker_login(
                         timeout=10).status_code == 401
     # The documented fetch-back command, through the same credentials.
     sbom_out = tmp_path / "fetched.cdx.json"
-    assert publish.main(["--fetch-sbom", f"{target.name}@{digest}", "--out", str(sbom_out)]) == 0
+    assert cli.main(["publish", "--fetch-sbom", f"{target.name}@{digest}",
+                     "--out", str(sbom_out)]) == 0
     assert sbom_out.read_bytes() == tiny_image.sbom
     for tag in ("0.1.0-sglang-test", "sglang-test"):
         docker_client.images.remove(f"{target.name}:{tag}")
@@ -363,10 +364,10 @@ def test_publish_refuses_an_image_without_a_passed_smoke(
         records: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--registry", f"{open_registry.address}/gate", "--image", tiny_image.tag,
             "--smoke-records", str(records)]
-    assert publish.main(argv) == PublishError.exit_code
+    assert cli.main(["publish", *argv]) == PublishError.exit_code
     assert f"nox -s smoke -- --image {tiny_image.tag}" in capsys.readouterr().err
     _record(records, tiny_image.image_id, "partial")
-    assert publish.main(argv) == PublishError.exit_code
+    assert cli.main(["publish", *argv]) == PublishError.exit_code
     assert "--allow-partial-smoke" in capsys.readouterr().err
     assert open_registry.tags("gate/sglang-image") == []
 
@@ -383,10 +384,10 @@ def test_light_image_partial_smoke_then_publish(docker_client: DockerClient,
     PARTIAL pass, which publish takes only when told; the SBOM comes back as built."""
     records, tag = tmp_path / "records", light_image.tags[0]
     argv = ["--image", tag, "--no-gpu", "--records", str(records), "--out", str(tmp_path / "o")]
-    assert smoke.main(argv) == smoke.PARTIAL_EXIT_CODE
+    assert cli.main(["smoke", *argv]) == smoke.PARTIAL_EXIT_CODE
     out = capsys.readouterr().out
     assert "NOT a pass" in out and "EAGLE-3 greedy outputs equal to plain decoding" in out
-    assert smoke.main([*argv, "--accept-partial"]) == 0
+    assert cli.main(["smoke", *argv, "--accept-partial"]) == 0
     record = smoke.passed_smoke(light_image.image_id, records)
     assert record is not None and record.mode == "partial"
     target = publish.parse_registry(f"{open_registry.address}/light")
@@ -400,8 +401,8 @@ def test_light_image_partial_smoke_then_publish(docker_client: DockerClient,
     _clean(docker_client, result)
     # A later failed smoke of the same image (here: a series the image was not built from)
     # takes its pass away.
-    real = smoke.expected_series()
+    real = smoke.expected_series(pins.load_flavor())
     tampered = [dict(real[0], sha256="0" * 64), *real[1:]]
     monkeypatch.setattr(smoke, "expected_series", lambda flavor=None: tampered)
-    assert smoke.main(argv) == SmokeError.exit_code
+    assert cli.main(["smoke", *argv]) == SmokeError.exit_code
     assert smoke.passed_smoke(light_image.image_id, records) is None

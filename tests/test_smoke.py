@@ -319,23 +319,23 @@ def test_nox_side_container_and_device_command(tmp_path):
     assert req["Count"] == -1 and req["Capabilities"] == [["gpu"]]
     assert kw["network_mode"] == "none"
     assert "device_requests" not in smoke.container_kwargs(gpu=False, out_dir=tmp_path)
-    series = smoke.expected_series("sglang-0.5.17")
+    series = smoke.expected_series(pins.load_flavor("sglang-0.5.17"))
     names = [line.split("#")[0].strip() for line in
              (REPO / "patches" / "sglang-0.5.17" / "series").read_text().splitlines()]
     assert [s["name"] for s in series] == [n for n in names if n]
     assert "python3 -m bench e2e --bundle .gpu" in gpu.host_command()
-    lines, _ = gpu.bundle_requirements()
     default = pins.load_flavor(pins.DEFAULT_FLAVOR)
+    lines, _ = gpu.bundle_requirements(default)
     assert any(line.startswith(f"sglang=={default.sglang_version}") for line in lines)
     assert any(line.startswith("sgl-deep-gemm==") for line in lines)
 
 
 def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_path):
     """The no-GPU image check, run on the real sglang 0.5.17 wheel with the series applied."""
-    from sglang_image import smoke
+    from sglang_image import pins, smoke
 
     tree = sglang_tree("sglang-0.5.17", True)
-    expected = smoke.expected_series("sglang-0.5.17")
+    expected = smoke.expected_series(pins.load_flavor("sglang-0.5.17"))
     manifest = tmp_path / "patches.json"
     manifest.write_text(json.dumps([dict(e, files=[]) for e in expected]))
     repo, series, man = str(REPO), json.dumps(expected), str(manifest)
@@ -791,10 +791,13 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     assert driver("--phases", "smoke", "--smoke-variants", "sync").resumable("smoke") == {}
     # the site: this tree's bundle and series pass; another series (flavor) needs install again
     assert driver("--phases", "bench").stale_site() is None
-    stale = driver("--phases", "bench", "--flavor", "sglang-0.5.9").stale_site()
+    meta = bundle / "bundle.json"
+    meta.write_text('{"flavor": "sglang-0.5.9"}')  # the bundle nox -s gpu-e2e made of another flavor
+    stale = driver("--phases", "bench").stale_site()
     assert stale is not None and "add install,patch,check to --phases" in stale
-    assert driver("--phases", "install,bench", "--flavor", "sglang-0.5.9").stale_site() is None
-    assert driver("--phases", "models", "--flavor", "sglang-0.5.9").stale_site() is None  # no run phase
+    assert driver("--phases", "install,bench").stale_site() is None
+    assert driver("--phases", "models").stale_site() is None  # no run phase
+    meta.write_text('{"flavor": "sglang-0.5.17"}')
 
     # the whole driver on a bench already done: skipped as done; a broken bundle fails at install by
     # name (before, any non-run phase crashed the driver with KeyError while it computed its done key)

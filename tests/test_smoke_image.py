@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_image import smoke
+from sglang_image import pins, smoke
 from sglang_image.build import BuildResult
 
 pytestmark = pytest.mark.docker
@@ -32,7 +32,7 @@ def test_partial_smoke_passes_on_the_light_image(light_image: BuildResult, tmp_p
 
 def test_partial_smoke_fails_when_the_image_has_other_patches(
         light_image: BuildResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = smoke.expected_series()
+    real = smoke.expected_series(pins.load_flavor())
     tampered = [dict(real[0], sha256="0" * 64), *real[1:]]
     monkeypatch.setattr(smoke, "expected_series", lambda flavor=None: tampered)
     res = smoke.run_smoke(light_image.tags[0], gpu=False, out_dir=tmp_path)

@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python tools/bench_build.py [--flavor F] [--base TAG] [--light] [--skip-cold]
 
-Scenarios, in this order, on the engine DOCKER_HOST names (or the one `connect()` finds):
+Scenarios, in this order, on the engine DOCKER_HOST names (or the one `ensure_engine()` finds
+or starts, as every command does):
   cold        --no-cache: the runtime base and part 2 built again (the wheels already fetched)
   unchanged   the same inputs again: what a rebuild of an unchanged tree costs
   patch-only  one patch's header changed: the runtime base reused, part 2 rebuilt from its cached
@@ -25,7 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from sglang_image import build, pins, plan
-from sglang_image.docker_engine import connect
+from sglang_image.cli import add_flavor
+from sglang_image.docker_engine import ensure_engine
 
 
 def _patch_only(flavor: pins.Flavor, where: Path) -> pins.Flavor:
@@ -39,14 +41,14 @@ def _patch_only(flavor: pins.Flavor, where: Path) -> pins.Flavor:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--flavor", default=None)
+    add_flavor(ap, "the flavor to build")
     ap.add_argument("--base", default=None, help="base image (default: the flavor's)")
     ap.add_argument("--light", action="store_true", help="the light target (seconds, not minutes)")
     ap.add_argument("--skip-cold", action="store_true", help="start from the engine's cache")
     ap.add_argument("--tag", default="sglang-image-bench:latest")
     args = ap.parse_args(argv)
-    flavor = pins.load_flavor(args.flavor)
-    client = connect().client
+    flavor: pins.Flavor = args.flavor
+    client = ensure_engine(log=lambda m: print(f"» {m}", file=sys.stderr)).client
     quiet = Console(file=io.StringIO())
     table = Table(title=f"build timings: {flavor.name}{' (light)' if args.light else ''}")
     phase_names: list[str] = []
@@ -58,10 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             if name == "cold" and args.skip_cold:
                 continue
             print(f"» {name} ...", file=sys.stderr, flush=True)
-            opts = plan.BuildOptions(flavor=fl, base=args.base, light=args.light,
-                                      no_cache=no_cache, tag=args.tag,
-                                      output_dir=Path(tmp) / "out" / name)
-            result = build.build(opts, quiet, client)
+            options = plan.BuildOptions(base=args.base, light=args.light, no_cache=no_cache,
+                                        tag=args.tag, output_dir=Path(tmp) / "out" / name)
+            result = build.build(fl, options, quiet, client)
             df = client.df()
             disk = sum(int(i.get("Size", 0)) for i in df.get("Images") or []) / 1e9
             dangling = len(client.images.list(filters={"dangling": True}))

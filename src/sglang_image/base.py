@@ -13,7 +13,6 @@ the flavor's version, Debian's packages are used; otherwise a CPython X.Y alread
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -24,15 +23,17 @@ import sys
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from docker import DockerClient
 
-from sglang_image import normalize, pins
-from sglang_image.docker_engine import connect
-from sglang_image.errors import BuildError, SglangImageError
-from sglang_image.pins import REPO_ROOT
+from sglang_image import normalize
+from sglang_image.docker_engine import ensure_engine
+from sglang_image.errors import BuildError
+from sglang_image.pins import REPO_ROOT, Flavor
+from sglang_image.plan import check_reference
 
 DEFAULT_SUITE = "bookworm"
 SUITE_PYTHON = {"bookworm": "3.11", "trixie": "3.13"}
@@ -213,29 +214,28 @@ def make_base(client: DockerClient, tag: str, *, python_version: str,
         f"Python {python_version} (nox -s base)"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nox -s base --", description=__doc__.splitlines()[0])
-    parser.add_argument("--flavor", default=None, help=f"whose Python (default: "
-                        f"{pins.DEFAULT_FLAVOR})")
-    parser.add_argument("--tag", help="default: localhost/sglang-image-base:<suite>-py<X.Y>")
-    parser.add_argument("--suite", default=DEFAULT_SUITE, help="Debian release (debootstrap)")
-    parser.add_argument("--python-prefix", type=Path,
-                        help="a CPython installation to copy (default: found on this host)")
-    parser.add_argument("--fresh", action="store_true",
-                        help=f"run debootstrap again instead of reusing {ROOTFS_CACHE}")
-    args = parser.parse_args(argv)
-    try:
-        flavor = pins.load_flavor(args.flavor)
-        tag = args.tag or default_tag(flavor.python_version, args.suite)
-        image_id = make_base(connect().client, tag, python_version=flavor.python_version,
-                             suite=args.suite, python_prefix=args.python_prefix, fresh=args.fresh,
-                             log=lambda msg: print(f"» {msg}", file=sys.stderr))
-    except SglangImageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+@dataclass(frozen=True, kw_only=True)
+class BaseOptions:
+    """What `nox -s base` was asked for, besides the flavor (whose Python goes in); checked when
+    made."""
+
+    tag: str | None = None  # default: default_tag(the flavor's Python, suite)
+    suite: str = DEFAULT_SUITE
+    python_prefix: Path | None = None  # a CPython installation to copy (default: found here)
+    fresh: bool = False  # debootstrap again instead of reusing ROOTFS_CACHE
+
+    def __post_init__(self) -> None:
+        if self.tag is not None:
+            check_reference(self.tag, "--tag")
+
+
+def run(flavor: Flavor, options: BaseOptions) -> int:
+    """`nox -s base`: makes the base for the flavor's Python, prints its tag and image ID and the
+    build command that uses it."""
+    tag = options.tag or default_tag(flavor.python_version, options.suite)
+    log: Callable[[str], None] = lambda msg: print(f"» {msg}", file=sys.stderr)
+    image_id = make_base(ensure_engine(log=log).client, tag, python_version=flavor.python_version,
+                         suite=options.suite, python_prefix=options.python_prefix,
+                         fresh=options.fresh, log=log)
     print(f"{tag} {image_id}\nbuild on it: nox -s build -- --flavor {flavor.name} --base {tag}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

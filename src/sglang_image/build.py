@@ -11,10 +11,8 @@ digest; a patch-only change reads and loads megabytes, not the venv.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,9 +23,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sglang_image import normalize, pins
+from sglang_image import normalize
 from sglang_image.context import prepare_context
-from sglang_image.docker_engine import ensure_engine, started_note
+from sglang_image.docker_engine import ensure_engine
 from sglang_image.dockerbuild import (
     LEGACY_CACHE_STAGES,
     _known,
@@ -40,9 +38,8 @@ from sglang_image.dockerbuild import (
     run_build,
     runtime_base,
 )
-from sglang_image.errors import EXIT_CODES, SglangImageError
 from sglang_image.labels import MANIFEST_PATH, SBOM_PATH, labels
-from sglang_image.pins import REPO_ROOT
+from sglang_image.pins import REPO_ROOT, Flavor
 from sglang_image.plan import (
     BUILD_CACHE_REPO,
     BuildOptions,
@@ -94,30 +91,30 @@ def compose_config(base_config: bytes, layer_diff_id: str, *, epoch: int, labels
     return normalize.normalized_config(config, diff_ids, epoch, labels, base_history)
 
 
-def build(opts: BuildOptions, console: Console | None = None,
+def build(flavor: Flavor, options: BuildOptions, console: Console | None = None,
           client: DockerClient | None = None) -> BuildResult:
+    """Builds the flavor's image (the steps in the module docstring) on `client`, or on the engine
+    ensure_engine finds or starts."""
     console = console or Console(stderr=True)
     log: Callable[[str], None] = lambda msg: console.print(f"[bold]»[/] {msg}", highlight=False)
     started = time.monotonic()
     phases = _Phases()
-    warning = unverified_base_warning(opts)
+    warning = unverified_base_warning(flavor, options)
     if warning:
         log(f"[yellow]warning:[/] {escape(warning)}")
+    # A stale or incomplete lock stops here, before an engine is found or started.
+    entries = locked_entries(flavor, light=options.light)
     if client is None:
-        locked_entries(opts)  # a stale or incomplete lock stops before an engine is found or started
-        engine = ensure_engine()
-        if engine.pid:
-            log(started_note(engine))
-        client = engine.client
-    plan = make_plan(opts, client, log)
-    flavor, work, epoch, base = plan.flavor, plan.work, plan.epoch, plan.base
+        client = ensure_engine(log=log).client
+    plan = make_plan(flavor, options, entries, client, log)
+    work, epoch, base = plan.work, plan.epoch, plan.base
     tags = list(plan.tags)
     tag = tags[0]
     phases.done("lock and base")
     ctx = work / "context"
     context = prepare_context(plan, ctx, log)
     build_labels = labels(flavor, epoch=epoch, base_name=base.name, base_digest=base.digest,
-                          patches=list(context.patches), light=opts.light,
+                          patches=list(context.patches), light=options.light,
                           plugin_wheel=context.plugin)
     base_args = {"BASE_IMAGE": base.ref, "PYTHON_VERSION": flavor.python_version,
                  "CUDA_HOME": context.cuda_home, "TORCH_CUDA_ARCH_LIST": flavor.cuda_arch_list}
@@ -125,7 +122,7 @@ def build(opts: BuildOptions, console: Console | None = None,
     phases.done("fetch wheels")
     index = work / "built.json"
     raw_id = ""
-    image_id = None if opts.no_cache else _known(client, index, key)
+    image_id = None if options.no_cache else _known(client, index, key)
     if image_id:
         log(f"build: inputs unchanged, reusing {image_id[:19]}")
     else:
@@ -133,7 +130,7 @@ def build(opts: BuildOptions, console: Console | None = None,
                                              buildargs=base_args, console=console, log=log)
         phases.done("runtime base")
         log(f"build: part 2 of {flavor.name} on {base_tag}, network off")
-        raw_id, stages = run_build(client, ctx / "assemble", no_cache=opts.no_cache, console=console,
+        raw_id, stages = run_build(client, ctx / "assemble", no_cache=options.no_cache, console=console,
                                    target="layer",
                                    buildargs={"RUNTIME_BASE": base_tag, "PYTHON_VERSION": flavor.python_version,
                                               "SOURCE_DATE_EPOCH": str(epoch)})
@@ -157,7 +154,7 @@ def build(opts: BuildOptions, console: Console | None = None,
         _remember(index, key, image_id)
     shutil.rmtree(ctx, ignore_errors=True)
     _retag(client, image_id, tags)
-    out = opts.output_dir or REPO_ROOT / "build" / tag.replace("/", "_").replace(":", "-")
+    out = options.output_dir or REPO_ROOT / "build" / tag.replace("/", "_").replace(":", "-")
     out.mkdir(parents=True, exist_ok=True)
     copy_out(client, image_id, SBOM_PATH, out / "sbom.cdx.json")
     copy_out(client, image_id, MANIFEST_PATH, out / "patches.json")
@@ -191,43 +188,11 @@ def print_result(result: BuildResult, console: Console) -> None:
                   highlight=False)
 
 
-def exit_code_table() -> str:
-    return "exit codes:\n" + "\n".join(f"  {code:>2}  {cause}" for code, cause in sorted(EXIT_CODES.items()))
-
-
-def main(argv: list[str] | None = None) -> int:
-    flavors = ", ".join(f"{n} (default)" if n == pins.DEFAULT_FLAVOR else n for n in pins.flavor_names())
-    parser = argparse.ArgumentParser(
-        prog="nox -s build --", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Build the image of a flavor from its pinned, hash-checked wheels, networking "
-                    "off, through the Docker engine (where none answers, it starts the project's "
-                    "own and says how to stop it).", epilog=exit_code_table())
-    parser.add_argument("--flavor", default=None, choices=pins.flavor_names(), metavar="FLAVOR",
-                        help=f"the SGLang release and its pinned stack: {flavors}")
-    parser.add_argument("--tag", help="the image's tag (default: sglang-image:VERSION-FLAVOR)")
-    parser.add_argument("--base", metavar="IMAGE",
-                        help="build on this image instead of the flavor's pinned base, e.g. the "
-                             "tag nox -s base printed (default: the flavor's base, pulled by digest "
-                             "when the engine lacks it)")
-    parser.add_argument("--no-cache", action="store_true",
-                        help="rebuild everything: neither reuse an image built from the same inputs "
-                             "nor the engine's build cache (default: reuse them)")
-    # SGLang and the patches without the heavy dependencies: seconds and megabytes, not a working
-    # server; for the tests only.
-    parser.add_argument("--light", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+def run(flavor: Flavor, options: BuildOptions) -> int:
+    """`nox -s build`: builds, prints the layer table and the summary (stderr), the image ID
+    (stdout, for scripts)."""
     console = Console(stderr=True)
-    try:
-        flavor = pins.load_flavor(args.flavor)
-        result = build(BuildOptions(flavor=flavor, tag=args.tag, base=args.base,
-                                    no_cache=args.no_cache, light=args.light), console)
-    except SglangImageError as exc:
-        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
-        return exc.exit_code
+    result = build(flavor, options, console)
     print_result(result, console)
     print(result.image_id)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

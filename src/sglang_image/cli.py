@@ -1,6 +1,14 @@
-"""Command line behind the nox sessions: `python -m sglang_image COMMAND ...`.
+"""Every command line of the project: `python -m sglang_image COMMAND ...`, behind the nox sessions.
 
-noxfile.py stays a table of contents; each session calls one command here.
+noxfile.py stays a table of contents; each session calls one command here. This module owns every
+parser (one sub-command per session, each with its usage in nox terms). `add_flavor` turns
+`--flavor` into a loaded, checked `pins.Flavor` while the arguments are parsed; the command then
+makes the stage's options (each checks itself when made, before any work) and calls the stage's
+`run(flavor, options)`. A stage raises an SglangImageError when it fails: only `main` catches it,
+prints it and returns its exit code; `main_inner` lets it through (for tests).
+
+The one parser elsewhere is `python -m sglang_image.patch`, the stdlib-only applier that runs
+inside the image, where the dependencies of this module are not.
 """
 from __future__ import annotations
 
@@ -11,12 +19,220 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
-from sglang_image import build, gpu, lock, patch, patchwork, pins, plugin, publish, smoke, trees
-from sglang_image.errors import SglangImageError
+from sglang_image import (
+    base,
+    build,
+    docker_engine,
+    gpu,
+    lock,
+    patch,
+    patchwork,
+    pins,
+    plugin,
+    publish,
+    smoke,
+    trees,
+)
+from sglang_image.errors import PARTIAL_EXIT_CODE, SglangImageError, UsageError, exit_code_table
+from sglang_image.plan import BuildOptions
 
 console = Console(highlight=False, soft_wrap=True)
+error_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
+
+# --- --flavor, in one place -------------------------------------------------------------------
+
+def add_flavor(parser: argparse.ArgumentParser, what: str, *,
+               default_help: str | None = None) -> None:
+    """`--flavor FLAVOR`, parsed into a loaded `pins.Flavor` (args.flavor): an unknown or malformed
+    flavor stops the parse with PinError (exit 12). Absent, it is the default flavor; with
+    `default_help`, None instead (the command finds it elsewhere, as that text says)."""
+    names = pins.flavor_names()
+    if default_help is None:
+        listing = ", ".join(f"{n} (default)" if n == pins.DEFAULT_FLAVOR else n for n in names)
+        parser.add_argument("--flavor", type=pins.load_flavor, default=pins.DEFAULT_FLAVOR,
+                            metavar="FLAVOR", help=f"{what}: {listing}")
+    else:
+        parser.add_argument("--flavor", type=pins.load_flavor, default=None, metavar="FLAVOR",
+                            help=f"{what}: {', '.join(names)} (default: {default_help})")
+
+
+def _stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], command: str,
+                  help_text: str, description: str | None = None) -> argparse.ArgumentParser:
+    return sub.add_parser(command, help=help_text, prog=f"nox -s {command} --",
+                          description=description or help_text, epilog=exit_code_table(),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+# --- build --------------------------------------------------------------------------------------
+
+def _add_build(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _stage_parser(sub, "build", "build a flavor's image through the Docker engine",
+                      "Build the image of a flavor from its pinned, hash-checked wheels, networking "
+                      "off, through the Docker engine (where none answers, it starts the project's "
+                      "own and says how to stop it).")
+    add_flavor(p, "the SGLang release and its pinned stack")
+    p.add_argument("--tag", help="the image's tag (default: sglang-image:VERSION-FLAVOR)")
+    p.add_argument("--base", metavar="IMAGE",
+                   help="build on this image instead of the flavor's pinned base, e.g. the tag nox "
+                        "-s base printed (default: the flavor's base, pulled by digest when the "
+                        "engine lacks it)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="rebuild everything: neither reuse an image built from the same inputs nor "
+                        "the engine's build cache (default: reuse them)")
+    # SGLang and the patches without the heavy dependencies: seconds and megabytes, not a working
+    # server; for the tests only.
+    p.add_argument("--light", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=lambda a: build.run(a.flavor, BuildOptions(
+        tag=a.tag, base=a.base, no_cache=a.no_cache, light=a.light)))
+
+
+# --- base ---------------------------------------------------------------------------------------
+
+def _add_base(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _stage_parser(sub, "base", "make a base image from Debian packages (no image hub needed)",
+                      (base.__doc__ or "").split("\n\n")[0])
+    add_flavor(p, "whose Python goes into the base")
+    p.add_argument("--tag", help="default: localhost/sglang-image-base:<suite>-py<X.Y>")
+    p.add_argument("--suite", default=base.DEFAULT_SUITE,
+                   help=f"Debian release (debootstrap; default: {base.DEFAULT_SUITE})")
+    p.add_argument("--python-prefix", type=Path,
+                   help="a CPython installation to copy (default: found on this host)")
+    p.add_argument("--fresh", action="store_true",
+                   help=f"run debootstrap again instead of reusing {base.ROOTFS_CACHE}")
+    p.set_defaults(func=lambda a: base.run(a.flavor, base.BaseOptions(
+        tag=a.tag, suite=a.suite, python_prefix=a.python_prefix, fresh=a.fresh)))
+
+
+# --- engine -------------------------------------------------------------------------------------
+
+def _add_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    state = docker_engine.DEFAULT_STATE
+    p = _stage_parser(sub, "engine", "start the project's own Docker engine, or stop it",
+                      "Start the project's own Docker engine (Debian's dockerd, state under "
+                      f"{state}) where none answers, or stop it.")
+    p.add_argument("action", nargs="?", choices=("start", "stop"), default="start",
+                   help="start (default): start dockerd in the background unless an engine "
+                        "answers, and print the DOCKER_HOST to export; stop: stop the one started "
+                        "here and remove what it left in /tmp")
+    p.add_argument("--state", type=Path, default=state,
+                   help=f"the engine's data, socket and log (default: {state})")
+    p.set_defaults(func=lambda a: docker_engine.run(a.action, a.state))
+
+
+# --- smoke --------------------------------------------------------------------------------------
+
+def _add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _stage_parser(sub, "smoke", "smoke-test the built image (full with a GPU, PARTIAL without)",
+                      smoke.__doc__)
+    p.add_argument("image_pos", nargs="?", metavar="IMAGE", help="the image to test (or --image)")
+    p.add_argument("--image", default=None,
+                   help="the image to test (default: the tag nox -s build gives the flavor, "
+                        "sglang-image:VERSION-FLAVOR)")
+    add_flavor(p, "the flavor whose patch series the image must carry",
+               default_help="the one the image was built for; without an image: "
+                            f"{pins.DEFAULT_FLAVOR}")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--gpu", dest="gpu", action="store_true", default=None,
+                   help="run the full smoke on the GPUs (default: when nvidia-smi lists a GPU)")
+    g.add_argument("--no-gpu", dest="gpu", action="store_false",
+                   help="run only the PARTIAL check, even on a GPU host")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where logs and reports go (default: out/smoke)")
+    p.add_argument("--threshold", type=smoke.threshold_value, default=smoke.DEFAULT_THRESHOLD,
+                   help=f"the EAGLE-3 servers' --speculative-disable-batch-threshold: N running "
+                        f"requests, or auto where the flavor has it (default: "
+                        f"{smoke.DEFAULT_THRESHOLD})")
+    p.add_argument("--accept-partial", action="store_true",
+                   help=f"exit 0 when the PARTIAL check passes (default: exit "
+                        f"{PARTIAL_EXIT_CODE})")
+    p.add_argument("--records", type=Path, default=None,
+                   help="where passed smokes are recorded (default: out/smoke-records)")
+    p.set_defaults(func=lambda a: smoke.run(a.flavor, smoke.SmokeOptions(
+        image=a.image or a.image_pos, gpu=a.gpu, out_dir=a.out, threshold=a.threshold,
+        accept_partial=a.accept_partial, records=a.records)))
+
+
+# --- publish ------------------------------------------------------------------------------------
+
+def _add_publish(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _stage_parser(sub, "publish", "push the image, its SBOM and labels to a registry",
+                      (publish.__doc__ or "").split("\n\n")[0])
+    p.epilog = ("Fetch a published SBOM back: nox -s publish -- --fetch-sbom "
+                "REGISTRY/NAMESPACE/sglang-image@sha256:... [--out sbom.cdx.json]\n\n"
+                + exit_code_table())
+    p.add_argument("--registry", type=publish.parse_registry, metavar="HOST[:PORT]/NAMESPACE",
+                   help="e.g. registry.example.com/team (credentials: `docker login HOST[:PORT]` "
+                        "first)")
+    add_flavor(p, "whose image to publish (the tag nox -s build gives it)")
+    p.add_argument("--image", help="local image; default: the build's tag of the flavor")
+    p.add_argument("--allow-partial-smoke", action="store_true",
+                   help="publish an image that passed only the PARTIAL (no GPU) smoke")
+    p.add_argument("--verify-host", help="DOCKER_HOST of a second engine to pull the image back "
+                                         "through (default: a temporary engine with a fresh data "
+                                         "root)")
+    p.add_argument("--smoke-records", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fetch-sbom", metavar="REFERENCE",
+                   help="fetch the SBOM of REGISTRY/REPOSITORY@sha256:... and exit")
+    p.add_argument("--out", type=Path, default=Path(publish.SBOM_TITLE), help="for --fetch-sbom")
+    p.set_defaults(func=_publish)
+
+
+def _publish(a: argparse.Namespace) -> int:
+    if a.fetch_sbom:
+        return publish.run_fetch_sbom(a.fetch_sbom, a.out)
+    if a.registry is None:
+        raise UsageError("nox -s publish needs --registry HOST[:PORT]/NAMESPACE (or --fetch-sbom "
+                         "REFERENCE)")
+    return publish.run(a.flavor, publish.PublishOptions(
+        target=a.registry, image=a.image, allow_partial_smoke=a.allow_partial_smoke,
+        verify_host=a.verify_host, smoke_records=a.smoke_records))
+
+
+# --- gpu-e2e ------------------------------------------------------------------------------------
+
+def _add_gpu_e2e(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _stage_parser(sub, "gpu-e2e",
+                      "build the GPU machine's wheel bundle and print the device command",
+                      gpu.__doc__)
+    add_flavor(p, "the flavor whose wheels, series and plugin to bundle")
+    p.add_argument("--skip-build", action="store_true",
+                   help="only print the command to run on the GPU host (default: build first)")
+    p.add_argument("--force", action="store_true",
+                   help="rebuild the archive even if it is current (default: reuse it)")
+    p.add_argument("--host-provides", default="", metavar="DIST,...",
+                   help="distributions of the lock the GPU host already has at the lock's version "
+                        "(e.g. nvidia-cutlass-dsl brought with its torch stack): left out of the "
+                        "bundle, and checked on the host before any server starts (default: none)")
+    p.add_argument("--part-mib", type=int, default=0, metavar="N",
+                   help="also write the archive in parts of at most N MiB (wheels.tar.xz.part-NN) "
+                        "for a copy of limited size; the host joins them (default: 0, no parts)")
+    p.add_argument("--xz-level", type=int, default=6, choices=range(10), metavar="0-9",
+                   help="xz level of the archive: 1 packs several times faster on a small or busy "
+                        "machine, some 20%% larger (default: 6)")
+    p.set_defaults(func=lambda a: gpu.run(a.flavor, gpu.BundleOptions(
+        skip_build=a.skip_build, force=a.force,
+        host_provides=tuple(n.strip() for n in a.host_provides.split(",") if n.strip()),
+        part_mib=a.part_mib, xz_level=a.xz_level)))
+
+
+# --- plugin-check -------------------------------------------------------------------------------
+
+def _add_plugin_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _stage_parser(sub, "plugin-check",
+                      "check the plugin's hook targets against an unpacked sglang wheel",
+                      (plugin.__doc__ or "").split("\n\n")[0])
+    p.add_argument("--site-packages", type=Path, required=True,
+                   help="an unpacked sglang wheel (the directory holding sglang/)")
+    p.add_argument("--sglang-version", help="default: read from its dist-info")
+    p.add_argument("--record", action="store_true",
+                   help="after review: record this release's digests of the relied-on code")
+    p.set_defaults(func=lambda a: plugin.run(a.site_packages, a.sglang_version, a.record))
+
+
+# --- patches ------------------------------------------------------------------------------------
 
 def check_plugin_targets(flavor: pins.Flavor, tree: Path) -> list[str]:
     """Problems of the project's plugin against the flavor's unpacked upstream `tree` (empty: none).
@@ -80,11 +296,11 @@ def cmd_patches(args: argparse.Namespace) -> int:
             repo = _rebase_in_progress(args.flavors)
             return _report_rebase(patchwork.rebase_continue(repo))
         if len(args.flavors) != 2:
-            raise SystemExit("usage: nox -s patches -- rebase FROM_FLAVOR TO_FLAVOR "
+            raise UsageError("usage: nox -s patches -- rebase FROM_FLAVOR TO_FLAVOR "
                              "| rebase --continue [TO_FLAVOR]")
         source, target = (pins.load_flavor(n) for n in args.flavors)
         return _report_rebase(patchwork.rebase(source, target))
-    raise SystemExit(f"unknown action {action!r}: check, edit, export or rebase")
+    raise UsageError(f"unknown action {action!r}: check, edit, export or rebase")
 
 
 def _rebase_in_progress(flavor_names: Sequence[str]) -> Path:
@@ -92,7 +308,7 @@ def _rebase_in_progress(flavor_names: Sequence[str]) -> Path:
         return patchwork.WORK_ROOT / pins.load_flavor(flavor_names[0]).name
     found = sorted(p.parents[1] for p in patchwork.WORK_ROOT.glob("*/.git/sglang-image-rebase.json"))
     if len(found) != 1:
-        raise SystemExit(f"{len(found)} rebases in progress under {patchwork.WORK_ROOT}: "
+        raise UsageError(f"{len(found)} rebases in progress under {patchwork.WORK_ROOT}: "
                          "name the target flavor: nox -s patches -- rebase --continue FLAVOR")
     return found[0]
 
@@ -113,59 +329,66 @@ def _report_rebase(result: patchwork.RebaseResult) -> int:
     return 0
 
 
-def cmd_lock(args: argparse.Namespace) -> int:
-    for name in args.flavors or pins.flavor_names():
-        flavor = pins.load_flavor(name)
-        path = lock.regenerate(flavor)
-        entries = lock.read_lock(path)
-        unverified = [e.requirement for e in entries if not e.verified]
-        console.print(f"{name}: {len(entries)} packages -> {path.relative_to(pins.REPO_ROOT)}"
-                      + (f" [yellow](incomplete: {', '.join(unverified)})[/]" if unverified else ""))
-    return 0
-
-
-# Stages with their own argument parsers (each its own `nox -s NAME -- --help`): everything after
-# the command goes to them.
-STAGE_COMMANDS: list[tuple[str, Callable[[list[str]], int], str]] = [
-    ("build", build.main, "build a flavor's image through the Docker engine"),
-    ("smoke", smoke.main, "smoke-test the built image (full with a GPU, PARTIAL without)"),
-    ("publish", publish.main, "push the image, its SBOM and labels to a registry"),
-    ("gpu-e2e", gpu.main, "build the GPU machine's wheel bundle and print the device command"),
-    ("plugin-check", plugin.main, "check the plugin's hook targets against an unpacked sglang wheel"),
-]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_image")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("patches", help="check, edit, export or rebase the patch series",
-                       prog="nox -s patches --")
+def _add_patches(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _stage_parser(sub, "patches", "check, edit, export or rebase the patch series")
     p.add_argument("words", nargs="*", metavar="[ACTION] FLAVOR",
                    help="check (default) [FLAVOR...] | edit FLAVOR | export FLAVOR | rebase FROM TO"
                         " | rebase --continue [TO]")
     p.add_argument("--continue", dest="cont", action="store_true",
                    help="rebase: resume after fixing the stopped patch's conflicts")
     p.set_defaults(func=cmd_patches)
-    p = sub.add_parser("lock", help="regenerate the hash-pinned lock of flavors",
-                       prog="nox -s lock --")
-    p.add_argument("flavors", nargs="*", metavar="FLAVOR",
+
+
+# --- lock ---------------------------------------------------------------------------------------
+
+def cmd_lock(args: argparse.Namespace) -> int:
+    flavors: list[pins.Flavor] = args.flavors or [pins.load_flavor(n) for n in pins.flavor_names()]
+    for flavor in flavors:
+        path = lock.regenerate(flavor)
+        entries = lock.read_lock(path)
+        unverified = [e.requirement for e in entries if not e.verified]
+        console.print(f"{flavor.name}: {len(entries)} packages -> "
+                      f"{path.relative_to(pins.REPO_ROOT)}"
+                      + (f" [yellow](incomplete: {', '.join(unverified)})[/]" if unverified else ""))
+    return 0
+
+
+def _add_lock(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _stage_parser(sub, "lock", "regenerate the hash-pinned lock of flavors")
+    p.add_argument("flavors", nargs="*", metavar="FLAVOR", type=pins.load_flavor,
                    help=f"the flavors to lock (default: all: {', '.join(pins.flavor_names())})")
     p.set_defaults(func=cmd_lock)
-    # Stages with their own argument parsers: everything after the command goes to them.
-    # (Listed here for --help; dispatched before argparse, which would eat their options.)
-    for command, _, help_text in STAGE_COMMANDS:
-        sub.add_parser(command, help=help_text, add_help=False)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    stages = {command: stage_main for command, stage_main, _ in STAGE_COMMANDS}
-    if argv and argv[0] in stages:
-        stage_main, rest = stages[argv[0]], argv[1:]
-        args = argparse.Namespace(func=lambda _: stage_main(rest))
-    else:
-        args = parser.parse_args(argv)
+
+
+# --- the command line -----------------------------------------------------------------------------
+
+COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
+    _add_build, _add_base, _add_engine, _add_smoke, _add_publish, _add_gpu_e2e, _add_plugin_check,
+    _add_patches, _add_lock,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sglang_image", epilog=exit_code_table(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main_inner(argv: Sequence[str] | None = None) -> int:
+    """Parses (a bad --flavor raises here), runs the command; its errors pass through."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    return int(args.func(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """main_inner, with an SglangImageError printed and turned into its exit code."""
     try:
-        return int(args.func(args))
+        return main_inner(argv)
     except SglangImageError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        error_console.print(f"[bold red]error:[/] {escape(str(exc))}")
         return exc.exit_code
 
 

@@ -91,7 +91,8 @@ def prepare_context(plan: BuildPlan, ctx: Path, log: Callable[[str], None]) -> B
     (second / "requirements").mkdir(parents=True)
     log(f"fetch: {len(entries)} wheels of {flavor.lock_path.name}, by hash")
     wheelhouse = ctx / "fetched"
-    wheels = fetch_entries(entries, flavor, wheelhouse, plan.options.wheel_cache, flavor.lock_path.name)
+    wheels = fetch_entries(entries, flavor, wheelhouse, plan.options.wheel_cache, flavor.lock_path.name,
+                           log)
     placed = []
     for wheel in wheels:
         part = (second / "wheelhouse" / "sglang" if lock.normalize(wheel.name.split("-")[0]) == sglang_name

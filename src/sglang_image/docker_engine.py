@@ -1,21 +1,20 @@
 """Find a Docker engine, or start one (Debian's docker.io) for tests and for machines without one.
 
-`connect()` only finds. `ensure_engine()` finds or starts one: `nox -s engine` and `nox -s build`
-use it (the build says in one line that it started the project's own engine, and how to stop it:
-`nox -s engine -- stop`).
+One rule for every command that needs an engine (build, base, smoke, publish, and `nox -s engine`
+itself): `ensure_engine()` finds one, or starts the project's own where none answers and says so
+in one line, with how to stop it (`nox -s engine -- stop`). `connect()` only finds.
 The flags are those seen working on a container-less, systemd-less Debian 12 host (no bridge, no
 iptables, cgroupfs): builds and runs then have `network_mode="none"` or `"host"` only.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import docker
 import docker.errors
 from docker import DockerClient
 
-from sglang_image.errors import DockerUnavailableError, SglangImageError
+from sglang_image.errors import DockerUnavailableError
 from sglang_image.pins import REPO_ROOT
 
 # Short paths: dockerd's unix sockets (containerd, netns) break beyond ~100 characters.
@@ -75,14 +74,21 @@ class Engine:
                 if not alive(self.pid):
                     break
                 time.sleep(0.1)
-        # dockerd leaves its default network namespace mounted, and its exec root in /tmp.
         assert self.state is not None
-        runtime = exec_root(self.state)
-        subprocess.run(["umount", str(runtime / "netns" / "default")], check=False,
-                       capture_output=True)
-        if not alive(self.pid):
-            shutil.rmtree(runtime, ignore_errors=True)
+        remove_exec_root(self.state, self.pid)
         self.pid = None
+
+
+def remove_exec_root(state: Path, pid: int | None) -> None:
+    """What an ended dockerd of `state` leaves in /tmp: its default network namespace, still
+    mounted, and its exec root (kept while process `pid` still runs)."""
+    runtime = exec_root(state)
+    if not runtime.exists():
+        return
+    subprocess.run(["umount", str(runtime / "netns" / "default")], check=False,
+                   capture_output=True)
+    if pid is None or not alive(pid):
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def _try(host: str | None, timeout: int = 10) -> DockerClient | None:
@@ -172,12 +178,17 @@ def start_dockerd(state: Path = DEFAULT_STATE, timeout: float = 60,
                                  f"{state / 'dockerd.log'}")
 
 
-def ensure_engine(state: Path = DEFAULT_STATE) -> Engine:
-    """An engine that answers, started under `state` when none does (Engine.pid says so)."""
+def ensure_engine(state: Path = DEFAULT_STATE,
+                  log: Callable[[str], None] | None = None) -> Engine:
+    """An engine that answers, started under `state` when none does (Engine.pid says so, and
+    `log` gets started_note's line)."""
     try:
         return connect(state)
     except DockerUnavailableError:
-        return start_dockerd(state)
+        engine = start_dockerd(state)
+    if log is not None:
+        log(started_note(engine))
+    return engine
 
 
 STOP_HINT = "nox -s engine -- stop"
@@ -190,10 +201,12 @@ def started_note(engine: Engine) -> str:
 
 
 def stop_dockerd(state: Path = DEFAULT_STATE, timeout: float = 30) -> int | None:
-    """Stops the engine started under `state` (its pidfile); returns its pid, None if none runs."""
+    """Stops the engine started under `state` (its pidfile) and removes what it left in /tmp;
+    returns its pid, None if none runs."""
     pidfile = state.resolve() / "dockerd.pid"
     pid_text = pidfile.read_text().strip() if pidfile.is_file() else ""
     if not pid_text.isdigit() or not alive(int(pid_text)):
+        remove_exec_root(state, None)  # of an engine that ended without being stopped
         return None
     pid = int(pid_text)
     os.kill(pid, signal.SIGTERM)
@@ -203,34 +216,18 @@ def stop_dockerd(state: Path = DEFAULT_STATE, timeout: float = 30) -> int | None
     if alive(pid):
         raise DockerUnavailableError(f"dockerd (pid {pid}) did not stop within {timeout:.0f}s; "
                                      f"see {state / 'dockerd.log'}")
+    remove_exec_root(state, pid)
     return pid
 
 
-def _cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="nox -s engine --",
-        description="Start the project's own Docker engine (Debian's dockerd, state under "
-                    f"{DEFAULT_STATE}) where none answers, or stop it.")
-    parser.add_argument("command", nargs="?", choices=("start", "stop"), default="start",
-                        help="start (default): start dockerd in the background unless an engine "
-                             "answers, and print the DOCKER_HOST to export; stop: stop the one "
-                             "started here")
-    parser.add_argument("--state", type=Path, default=DEFAULT_STATE,
-                        help=f"the engine's data, socket and log (default: {DEFAULT_STATE})")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "stop":
-            pid = stop_dockerd(args.state)
-            print(f"stopped dockerd (pid {pid})" if pid else f"no engine runs under {args.state}")
-            return 0
-        engine = ensure_engine(args.state)
-        how = f"started, pid {engine.pid}" if engine.pid else "already running"
-        print(f"# Docker engine {how}\nexport DOCKER_HOST={engine.host}")
-    except SglangImageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+def run(action: str, state: Path = DEFAULT_STATE) -> int:
+    """`nox -s engine [start|stop]`: start the project's own engine unless one answers, and print
+    the DOCKER_HOST to export; or stop the one started under `state`."""
+    if action == "stop":
+        pid = stop_dockerd(state)
+        print(f"stopped dockerd (pid {pid})" if pid else f"no engine runs under {state}")
+        return 0
+    engine = ensure_engine(state)
+    how = f"started, pid {engine.pid}" if engine.pid else "already running"
+    print(f"# Docker engine {how}\nexport DOCKER_HOST={engine.host}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_cli())

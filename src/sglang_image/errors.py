@@ -102,3 +102,9 @@ EXIT_CODES: dict[int, str] = {
     ImageNotFoundError.exit_code: "the image to smoke-test or publish is not in the engine",
     14: "the plugin cannot be built, or does not fit the sglang release (plugin.PluginError)",
 }
+
+
+def exit_code_table() -> str:
+    """EXIT_CODES as the epilog of every command's --help."""
+    return "exit codes:\n" + "\n".join(f"  {code:>2}  {cause}"
+                                        for code, cause in sorted(EXIT_CODES.items()))

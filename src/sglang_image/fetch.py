@@ -13,12 +13,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from sglang_image.errors import FetchError, HashMismatchError
 from sglang_image.lock import LockEntry, normalize, read_lock
 from sglang_image.pins import REPO_ROOT, Flavor
+from sglang_image.progress import Progress
 
 WHEEL_CACHE = Path(os.environ.get("SGLANG_IMAGE_CACHE", REPO_ROOT / ".cache")) / "wheels"
 
@@ -35,7 +37,32 @@ def wheel_distribution(path: Path) -> str:
     return normalize(path.name.split("-", 1)[0])
 
 
-def _pip_download(entries: list[LockEntry], flavor: Flavor, dest: Path) -> None:
+def run_counting(cmd: list[str], progress: Progress, start: str = "Collecting ") -> tuple[int, str]:
+    """Runs `cmd` and returns (exit status, stdout and stderr); each line of its output that begins
+    with `start` (pip: one per wheel it begins to fetch) counts one on `progress`, which is asked
+    every second to say how far it got, output or not (one wheel can take minutes)."""
+    output: list[str] = []
+    started = [0]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        stream = proc.stdout
+        assert stream is not None
+
+        def read() -> None:
+            for line in stream:
+                output.append(line)
+                if line.startswith(start):
+                    started[0] += 1
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        while reader.is_alive():
+            reader.join(timeout=1)
+            progress.add(started[0] - progress.done)
+    return proc.returncode, "".join(output)
+
+
+def _pip_download(entries: list[LockEntry], flavor: Flavor, dest: Path,
+                  log: Callable[[str], None] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         req = Path(tmp) / "requirements.txt"
         req.write_text("".join(
@@ -48,10 +75,11 @@ def _pip_download(entries: list[LockEntry], flavor: Flavor, dest: Path) -> None:
         for platform in flavor.platforms:
             if platform != "any":
                 cmd += ["--platform", platform]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
-    if proc.returncode == 0:
+        progress = Progress(log or (lambda _: None), "fetch: pip download", len(entries),
+                            unit="wheels", scale=1)
+        returncode, text = run_counting(cmd, progress)
+    if returncode == 0:
         return
-    text = proc.stdout + proc.stderr
     if "DO NOT MATCH THE HASHES" in text:
         lines = [ln.strip() for ln in text.splitlines() if "Expected sha256" in ln or "Got" in ln
                  or "==" in ln and "from" in ln]
@@ -91,9 +119,10 @@ def fetch_wheels(flavor: Flavor, dest: Path, only: Iterable[str] | None = None,
 
 
 def fetch_entries(entries: list[LockEntry], flavor: Flavor, dest: Path, cache: Path,
-                  pinned_in: str) -> list[Path]:
+                  pinned_in: str, log: Callable[[str], None] | None = None) -> list[Path]:
     """Pinned wheels placed in `dest`: downloaded once into `cache` (for the flavor's Python and
-    platforms) and checked against their hashes on every use; `pinned_in` names where the pins live."""
+    platforms) and checked against their hashes on every use; `pinned_in` names where the pins live,
+    `log` gets a line on how far a long download got."""
     cache.mkdir(parents=True, exist_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
     by_name = {e.name: e for e in entries}
@@ -112,7 +141,9 @@ def fetch_entries(entries: list[LockEntry], flavor: Flavor, dest: Path, cache: P
         fcntl.flock(lock, fcntl.LOCK_EX)
         missing = [e for e in entries if e.name not in cached()]
         if missing:
-            _pip_download(missing, flavor, cache)
+            if log is not None:
+                log(f"fetch: {len(missing)} of {len(entries)} wheels not in {cache}, downloading")
+            _pip_download(missing, flavor, cache, log)
     have = cached()
     result = []
     for entry in entries:

@@ -15,7 +15,6 @@ the same hash-checked fetch as the image build, so the GPU run tests the image's
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import csv
 import fnmatch
@@ -25,7 +24,6 @@ import json
 import lzma
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import zipfile
@@ -36,7 +34,7 @@ from sglang_image import plugin
 from sglang_image.errors import FetchError, SglangImageError
 from sglang_image.fetch import WHEEL_CACHE, fetch_entries, fetch_wheels
 from sglang_image.lock import LockEntry, normalize, reachable, read_lock, read_requirements_graph
-from sglang_image.pins import DEFAULT_FLAVOR, REPO_ROOT, Flavor, flavor_names, load_flavor
+from sglang_image.pins import REPO_ROOT, Flavor, flavor_names, load_flavor
 
 BUNDLE_DIR = REPO_ROOT / ".gpu"
 
@@ -187,10 +185,9 @@ def bundle_members(flavor: Flavor, host_provides: tuple[str, ...] = ()) -> list[
     return sorted(reachable(graph, ["sglang", *UNDECLARED_IMPORTS], stop=stop))
 
 
-def bundle_requirements(flavor_name: str = DEFAULT_FLAVOR,
+def bundle_requirements(flavor: Flavor,
                         host_provides: tuple[str, ...] = ()) -> tuple[list[str], str]:
     """`name==version` of each bundled wheel, from the flavor's lock, and where they came from."""
-    flavor = load_flavor(flavor_name)
     locked = {e.name: e.version for e in read_lock(flavor.lock_path)}
     source = (f"sglang's requirements in {flavor.lock_path.relative_to(REPO_ROOT)} less the "
               f"host's torch stack and {len(NOT_ON_LAUNCH_PATH)} not on the launch path")
@@ -293,14 +290,13 @@ def stage_bundle(flavor: Flavor, tmp: Path, cache: Path = WHEEL_CACHE,
     return stage
 
 
-def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DIR,
+def build_bundle(flavor: Flavor, bundle_dir: Path = BUNDLE_DIR,
                  cache: Path = WHEEL_CACHE, force: bool = False,
                  host_provides: tuple[str, ...] = (), part_mib: int = 0,
                  xz_level: int = 6) -> BundleReport:
     """Build (or reuse) BUNDLE/wheels.tar.xz and bundle.json; with part_mib, also the archive in
     parts of at most that many MiB (wheels.tar.xz.part-NN), for a copy of limited size."""
-    requirements, source = bundle_requirements(flavor_name, host_provides)
-    flavor = load_flavor(flavor_name)
+    requirements, source = bundle_requirements(flavor, host_provides)
     key = bundle_key(requirements)
     # The plugin wheel travels beside the archive (it changes far more often than the hundreds of
     # MB of wheels): the same bytes, by hash, as the image installs.
@@ -334,7 +330,7 @@ def build_bundle(flavor_name: str = DEFAULT_FLAVOR, bundle_dir: Path = BUNDLE_DI
     locked = {e.name: e.version for e in read_lock(flavor.lock_path)}
     host = {n: locked[n] for n in (*HOST_ROOTS, "triton", *map(normalize, host_provides))
             if n in locked}
-    manifest = {"flavor": flavor_name, "source": source, "key": key, "sha256": digest,
+    manifest = {"flavor": flavor.name, "source": source, "key": key, "sha256": digest,
                 "host_stack": host,
                 "size": tar_path.stat().st_size, "requirements": [r.split()[0] for r in requirements],
                 "wheels": [{"name": n, "stored_size": s} for n, s in sizes]}
@@ -380,46 +376,31 @@ def host_command(*, phases: str = "all", out: str = "out/gpu-e2e") -> str:
             f"--state /tmp/smoke-state --out {out} --phases {phases}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nox -s gpu-e2e --", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--flavor", default=DEFAULT_FLAVOR, choices=flavor_names(),
-                    help=f"the flavor whose wheels, series and plugin to bundle (default: {DEFAULT_FLAVOR})")
-    ap.add_argument("--skip-build", action="store_true",
-                    help="only print the command to run on the GPU host (default: build first)")
-    ap.add_argument("--force", action="store_true",
-                    help="rebuild the archive even if it is current (default: reuse it)")
-    ap.add_argument("--host-provides", default="", metavar="DIST,...",
-                    help="distributions of the lock the GPU host already has at the lock's version "
-                         "(e.g. nvidia-cutlass-dsl brought with its torch stack): left out of the "
-                         "bundle, and checked on the host before any server starts (default: none)")
-    ap.add_argument("--part-mib", type=int, default=0, metavar="N",
-                    help="also write the archive in parts of at most N MiB (wheels.tar.xz.part-NN) "
-                         "for a copy of limited size; the host joins them (default: 0, no parts)")
-    ap.add_argument("--xz-level", type=int, default=6, choices=range(10), metavar="0-9",
-                    help="xz level of the archive: 1 packs several times faster on a small or busy "
-                         "machine, some 20%% larger (default: 6)")
-    a = ap.parse_args(argv)
-    try:
-        if not a.skip_build:
-            provides = tuple(n.strip() for n in a.host_provides.split(",") if n.strip())
-            rep = build_bundle(a.flavor, force=a.force, host_provides=provides,
-                               part_mib=a.part_mib, xz_level=a.xz_level)
-            print(f"bundle: {rep.path.relative_to(REPO_ROOT)} {rep.size / 2**20:.1f} MiB "
-                  f"({len(rep.wheels)} wheels; {rep.source})")
-        bundle = BUNDLE_DIR / "wheels.tar.xz"
-        if not bundle.is_file():
-            raise SglangImageError(f"{bundle} missing; build it with: nox -s gpu-e2e")
-    except SglangImageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+@dataclass(frozen=True, kw_only=True)
+class BundleOptions:
+    """What `nox -s gpu-e2e` was asked for, besides the flavor."""
+
+    skip_build: bool = False  # only print the command to run on the GPU host
+    force: bool = False  # rebuild the archive even if it is current
+    host_provides: tuple[str, ...] = ()  # distributions of the lock the GPU host already has
+    part_mib: int = 0  # also write the archive in parts of at most this many MiB (0: none)
+    xz_level: int = 6
+
+
+def run(flavor: Flavor, options: BundleOptions) -> int:
+    """`nox -s gpu-e2e`: builds (or reuses) the flavor's bundle and prints the command to run on
+    the GPU host."""
+    if not options.skip_build:
+        rep = build_bundle(flavor, force=options.force, host_provides=options.host_provides,
+                           part_mib=options.part_mib, xz_level=options.xz_level)
+        print(f"bundle: {rep.path.relative_to(REPO_ROOT)} {rep.size / 2**20:.1f} MiB "
+              f"({len(rep.wheels)} wheels; {rep.source})")
+    bundle = BUNDLE_DIR / "wheels.tar.xz"
+    if not bundle.is_file():
+        raise SglangImageError(f"{bundle} missing; build it with: nox -s gpu-e2e")
     print("\nCopy this repository with .gpu/ to the GPU host (Python 3.12, the flavor's torch, an "
           "NVIDIA driver) and run in its root:\n"
           f"  {host_command()}\n"
           "When it writes jit-cache.tar.xz to its output folder, copy that into .gpu/: the next run "
           "on a fresh host then starts with its kernels compiled.")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,6 +17,7 @@ Two streaming passes, no copy on disk: pass 1 computes each rewritten layer's sh
 (the tar header must carry the size before the data), pass 2 streams the archive into the
 engine. Layers whose rewritten chain is already in the engine are left out of the archive: the
 engine's loader skips a layer whose chain it has, so a patch-only rebuild loads one small layer.
+Both passes of a cold build read gigabytes for minutes: each says how far it got (progress.py).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from typing import IO, Any
 from docker import DockerClient
 
 from sglang_image.errors import BuildError
+from sglang_image.progress import Progress
 
 CHUNK = 1 << 20
 # File times inside our layers: a constant, not the commit's time, so that a layer whose content
@@ -43,6 +45,12 @@ CHUNK = 1 << 20
 # again). 1980-01-01: the earliest time a zip file can hold (tools zip files from images).
 LAYER_EPOCH = 315532800
 BLOCK = tarfile.BLOCKSIZE
+
+
+def _counted(chunks: Iterator[bytes], progress: Progress) -> Iterator[bytes]:
+    for chunk in chunks:
+        progress.add(len(chunk))
+        yield chunk
 
 
 def iso_time(epoch: int) -> str:
@@ -162,13 +170,17 @@ class _Layer:
     dropped: bool = False  # build inputs only: not part of the image
 
 
-def _export(client: DockerClient, image_id: str) -> tarfile.TarFile:
-    chunks = client.api.get_image(image_id, chunk_size=CHUNK)
-    return tarfile.open(fileobj=io.BufferedReader(_ChunkReader(iter(chunks)), CHUNK), mode="r|")
+def _export(client: DockerClient, image_id: str,
+            progress: Progress | None = None) -> tarfile.TarFile:
+    chunks: Iterator[bytes] = iter(client.api.get_image(image_id, chunk_size=CHUNK))
+    if progress is not None:
+        chunks = _counted(chunks, progress)
+    return tarfile.open(fileobj=io.BufferedReader(_ChunkReader(chunks), CHUNK), mode="r|")
 
 
 def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int,
-          known: dict[str, list[Any]] | None = None, drop: str | None = None
+          known: dict[str, list[Any]] | None = None, drop: str | None = None,
+          log: Callable[[str], None] | None = None
           ) -> tuple[dict[str, _Layer], dict[str, Any], list[dict[str, Any]]]:
     """Pass 1: every layer's rewritten diff ID and size, keyed by its member in the export.
 
@@ -182,7 +194,9 @@ def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int,
     inspect = client.api.inspect_image(image_id)  # type: ignore[no-untyped-call]
     raw_diff_ids = set(inspect["RootFS"].get("Layers") or [])
     config_hex = str(inspect["Id"]).removeprefix("sha256:")
-    with _export(client, image_id) as tar:
+    progress = None if log is None else Progress(  # the export is about the image's size
+        log, "normalise: pass 1/2, read", int(inspect.get("Size") or 0))
+    with _export(client, image_id, progress) as tar:
         for member in tar:
             fh = tar.extractfile(member) if member.isreg() else None
             if fh is None:
@@ -324,7 +338,7 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
     keep = set(base_diff_ids)
     known = json.loads(cache.read_text()) if cache and cache.exists() else {}
     log("normalise: pass 1/2, hashing rewritten layers")
-    layers, config, manifest = _scan(client, image_id, keep, epoch, known, drop)
+    layers, config, manifest = _scan(client, image_id, keep, epoch, known, drop, log)
     if cache is not None:
         known.update({layer.raw: [layer.new, layer.size, layer.dropped] for layer in layers.values()
                       if not layer.passthrough})
@@ -348,8 +362,14 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
     needed = {folder_of[raw] for i, raw in enumerate(raw_ids)
               if tuple(new_ids[: i + 1]) not in present}
     log(f"normalise: pass 2/2, loading {len(needed)} of {len(raw_ids)} layers")
+    progress = Progress(log, "normalise: pass 2/2, loaded",
+                        sum(layers[member].size for member in needed))
 
     def put_layers(put: Callable[[bytes], None]) -> None:
+        def put_counted(data: bytes) -> None:
+            put(data)
+            progress.add(len(data))
+
         with _export(client, image_id) as tar:
             for member in tar:
                 if member.name not in needed:
@@ -358,7 +378,7 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
                 fh = tar.extractfile(member)
                 assert fh is not None
                 put(_header(f"{layer.new[7:]}/layer.tar", layer.size))
-                sink = _Sink(put)
+                sink = _Sink(put_counted)
                 if layer.passthrough:
                     while block := fh.read(CHUNK):
                         sink.write(block)

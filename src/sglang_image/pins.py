@@ -1,6 +1,8 @@
 """Flavors: one TOML file of pins per SGLang release (images/flavors/<name>.toml).
 
 A flavor is data. This module only reads and checks it; nothing here knows a version number.
+Each version is written once in the file, in [lock] requirements (`Flavor.pinned`); [stack]
+says only what is not a version pin (the Python, which requirement is the kernel).
 """
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
 from sglang_image.errors import PinError
 from sglang_image.patch import read_series
 
@@ -18,10 +23,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FLAVOR_DIR = REPO_ROOT / "images" / "flavors"
 PATCH_ROOT = REPO_ROOT / "patches"
 DEFAULT_FLAVOR = "sglang-0.5.23"
+# The distributions every flavor's [lock] requirements pin (with its kernel_package): the stack
+# the labels, the tests and the README name by version.
+STACK = ("sglang", "torch", "flashinfer-python", "transformers")
+# What [stack] holds: what is not a version pin.
+STACK_KEYS = {"python", "kernel_package"}
 
 
 @dataclass(frozen=True, kw_only=True)
-class BaseImage:
+class PinnedBase:
+    """The flavor's base image as its file pins it ([base_image]): a name and a digest."""
+
     name: str
     digest: str
     digest_verified: bool
@@ -34,14 +46,9 @@ class BaseImage:
 @dataclass(frozen=True, kw_only=True)
 class Flavor:
     name: str
-    sglang_version: str
-    torch_version: str
-    kernel_package: str
-    kernel_version: str
-    flashinfer_version: str
-    transformers_version: str
     python_version: str
-    base_image: BaseImage
+    kernel_package: str  # which requirement is SGLang's kernel (sgl-kernel, later sglang-kernel)
+    base_image: PinnedBase
     cuda_arch_list: str
     platforms: tuple[str, ...]
     requirements: tuple[str, ...]
@@ -54,6 +61,36 @@ class Flavor:
     lock_path: Path
     patch_dir: Path
 
+    def pinned(self, distribution: str) -> str:
+        """The version `requirements` pin `distribution` to: the flavor file's one record of it."""
+        wanted = canonicalize_name(distribution)
+        for text in self.requirements:
+            requirement = Requirement(text)
+            if canonicalize_name(requirement.name) == wanted:
+                return requirement_pin(text)
+        raise PinError(f"{self.toml_path.name} [lock]: requirements pin no {distribution}: add "
+                       f"'{distribution}==VERSION' there")
+
+    @property
+    def sglang_version(self) -> str:
+        return self.pinned("sglang")
+
+    @property
+    def torch_version(self) -> str:
+        return self.pinned("torch")
+
+    @property
+    def kernel_version(self) -> str:
+        return self.pinned(self.kernel_package)
+
+    @property
+    def flashinfer_version(self) -> str:
+        return self.pinned("flashinfer-python")
+
+    @property
+    def transformers_version(self) -> str:
+        return self.pinned("transformers")
+
     def series(self) -> list[Path]:
         """The patch files in the order of patches/<flavor>/series."""
         return read_series(self.patch_dir)
@@ -64,6 +101,14 @@ class Flavor:
                   "requirements": self.requirements, "indexes": self.indexes,
                   "find_links": self.find_links}
         return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def requirement_pin(text: str) -> str:
+    """The version of a requirement pinned with one `==` ("torch==2.9.1+cu130" -> "2.9.1+cu130")."""
+    specifiers = list(Requirement(text).specifier)
+    if len(specifiers) != 1 or specifiers[0].operator != "==":
+        raise ValueError(f"{text!r} is not pinned with one '=='")
+    return specifiers[0].version
 
 
 def flavor_names() -> list[str]:
@@ -83,6 +128,14 @@ def _flag(table: dict[str, Any], key: str, where: str) -> bool:
     return value
 
 
+def _is_pinned(text: str) -> bool:
+    try:
+        requirement_pin(text)
+    except (InvalidRequirement, ValueError):
+        return False
+    return True
+
+
 def load_flavor(name: str | None = None, flavor_dir: Path = FLAVOR_DIR) -> Flavor:
     name = name or DEFAULT_FLAVOR
     path = flavor_dir / f"{name}.toml"
@@ -95,6 +148,11 @@ def load_flavor(name: str | None = None, flavor_dir: Path = FLAVOR_DIR) -> Flavo
         raise PinError(f"{path}: not valid TOML: {exc}") from exc
     where = str(path.relative_to(flavor_dir.parent.parent)) if flavor_dir == FLAVOR_DIR else str(path)
     stack = _require(data, "stack", where)
+    versions = sorted(set(stack) - STACK_KEYS)
+    if versions:
+        raise PinError(f"{where} [stack]: {versions} not known there: a version is written once, in "
+                       f"[lock] requirements ('NAME==VERSION'); [stack] holds only "
+                       f"{', '.join(sorted(STACK_KEYS))}")
     base = _require(data, "base_image", where)
     build = _require(data, "build", where)
     lock = _require(data, "lock", where)
@@ -104,19 +162,14 @@ def load_flavor(name: str | None = None, flavor_dir: Path = FLAVOR_DIR) -> Flavo
                        f"got {digest!r} (a tag alone is not a pin)")
     requirements = tuple(str(r) for r in _require(lock, "requirements", f"{where} [lock]"))
     patch = data.get("patch", {})
-    unpinned = [r for r in requirements if "==" not in r]
+    unpinned = [r for r in requirements if not _is_pinned(r)]
     if unpinned:
         raise PinError(f"{where} [lock]: every requirement must be pinned with '==': {unpinned}")
-    return Flavor(
+    flavor = Flavor(
         name=name,
-        sglang_version=str(_require(stack, "sglang", where)),
-        torch_version=str(_require(stack, "torch", where)),
-        kernel_package=str(_require(stack, "kernel_package", where)),
-        kernel_version=str(_require(stack, "kernel", where)),
-        flashinfer_version=str(_require(stack, "flashinfer", where)),
-        transformers_version=str(_require(stack, "transformers", where)),
         python_version=str(_require(stack, "python", where)),
-        base_image=BaseImage(name=str(_require(base, "name", where)), digest=digest,
+        kernel_package=str(_require(stack, "kernel_package", where)),
+        base_image=PinnedBase(name=str(_require(base, "name", where)), digest=digest,
                              digest_verified=bool(base.get("digest_verified", False))),
         cuda_arch_list=str(_require(build, "cuda_arch_list", where)),
         platforms=tuple(_require(build, "platforms", where)),
@@ -129,3 +182,6 @@ def load_flavor(name: str | None = None, flavor_dir: Path = FLAVOR_DIR) -> Flavo
         lock_path=path.with_suffix(".lock"),
         patch_dir=PATCH_ROOT / name,
     )
+    for distribution in (*STACK, flavor.kernel_package):
+        flavor.pinned(distribution)  # the stack's versions are there, once: checked here
+    return flavor

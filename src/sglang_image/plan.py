@@ -1,9 +1,11 @@
 """The build plan: what `nox -s build` was asked for, resolved once into one typed value.
 
-`make_plan` checks the flavor's lock once (a stale or incomplete lock stops here, before any work),
-keeps its verified entries (those of a light build only, for tests), finds the base image in the
-engine (pulling a pinned one it lacks) and fixes the tags and the commit's time. Every later step
-(context, labels, the builds) reads the plan, never the lock or the options again.
+`BuildOptions` checks every option when it is made (a bad --tag or --base stops before any work);
+`locked_entries` checks the flavor's lock once (a stale or incomplete lock stops before an engine
+is found) and keeps its verified entries (those of a light build only, for tests); `make_plan`
+finds the base image in the engine (pulling a pinned one it lacks) and fixes the tags and the
+commit's time. Every later step (context, labels, the builds) reads the plan - `plan.flavor`,
+`plan.options` - never the lock or the command line again.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import docker.errors
 from docker import DockerClient
 
 from sglang_image import lock
-from sglang_image.errors import BuildError
+from sglang_image.errors import BuildError, UsageError
 from sglang_image.fetch import WHEEL_CACHE
 from sglang_image.lock import LockEntry
 from sglang_image.pins import REPO_ROOT, Flavor
@@ -30,9 +32,35 @@ BUILD_CACHE_REPO = f"{IMAGE_REPO}-build-cache"
 SBOM_TOOL = "cyclonedx-bom"
 
 
+# An image reference as the engine parses it (distribution's reference grammar): an optional
+# registry host[:port]/, lower-case path components, an optional :tag and, for --base, @digest.
+_HOST_PART = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_DOMAIN = rf"(?:{_HOST_PART}(?:\.{_HOST_PART})*(?::[0-9]+)?/)?"
+_PATH = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+_TAG = r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+_DIGEST = r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?"
+_REFERENCE = re.compile(_DOMAIN + _PATH + _TAG)
+_REFERENCE_WITH_DIGEST = re.compile(_DOMAIN + _PATH + _TAG + _DIGEST)
+
+
+def check_reference(text: str, option: str, *, digest: bool = False) -> None:
+    """Refuses what the engine would refuse as an image reference, naming the option."""
+    pattern = _REFERENCE_WITH_DIGEST if digest else _REFERENCE
+    if not pattern.fullmatch(text):
+        example = "NAME[:TAG][@sha256:DIGEST]" if digest else "NAME[:TAG]"
+        raise UsageError(f"{option} {text!r} is not an image reference: give {example}, the name "
+                         f"in lower case without spaces (e.g. registry.example.com/team/sglang:1)")
+
+
+def with_tag(reference: str) -> str:
+    """`reference` with its tag, `:latest` where it names none (a registry port is no tag)."""
+    return reference if ":" in reference.rsplit("/", 1)[-1] else f"{reference}:latest"
+
+
 @dataclass(frozen=True, kw_only=True)
 class BuildOptions:
-    flavor: Flavor
+    """What `nox -s build` was asked for, besides the flavor; checked when made."""
+
     tag: str | None = None  # default: sglang-image:<VERSION>-<flavor>
     base: str | None = None  # an image reference that replaces the flavor's pinned base
     no_cache: bool = False
@@ -43,10 +71,17 @@ class BuildOptions:
     work_dir: Path = REPO_ROOT / ".cache" / "build"
     output_dir: Path | None = None  # default: build/<tag with ':' as '-'>
 
+    def __post_init__(self) -> None:
+        if self.tag is not None:
+            check_reference(self.tag, "--tag")
+        if self.base is not None:
+            check_reference(self.base, "--base", digest=True)
+
 
 @dataclass(frozen=True, kw_only=True)
-class BaseImage:
-    """The image part 1 is built FROM, as found in the engine."""
+class ResolvedBase:
+    """The image part 1 is built FROM, as found in the engine (the flavor's pins.PinnedBase, or
+    --base)."""
 
     ref: str  # the reference for FROM (the pinned name@digest, or --base)
     name: str  # without the digest: the base.name label
@@ -58,17 +93,15 @@ class BaseImage:
 
 @dataclass(frozen=True, kw_only=True)
 class BuildPlan:
-    """One build, resolved: the options, the flavor's verified lock entries, the base, the tags."""
+    """One build, resolved: the flavor, the options, the flavor's verified lock entries, the base,
+    the tags."""
 
+    flavor: Flavor
     options: BuildOptions
     entries: tuple[LockEntry, ...]  # verified, all hash-pinned; a light build's subset
-    base: BaseImage
+    base: ResolvedBase
     tags: tuple[str, ...]
     epoch: int  # SOURCE_DATE_EPOCH: the time every layer, the config and the labels carry
-
-    @property
-    def flavor(self) -> Flavor:
-        return self.options.flavor
 
     @property
     def work(self) -> Path:
@@ -126,35 +159,35 @@ def dependency_closure(lock_text: str, roots: Iterable[str]) -> set[str]:
     return wanted
 
 
-def unverified_base_warning(opts: BuildOptions) -> str | None:
+def unverified_base_warning(flavor: Flavor, options: BuildOptions) -> str | None:
     """What to say when the build uses a pinned base whose digest nobody checked."""
-    base = opts.flavor.base_image
-    if opts.base is not None or base.digest_verified:
+    base = flavor.base_image
+    if options.base is not None or base.digest_verified:
         return None
-    return (f"the base digest in {opts.flavor.toml_path.name} is unverified (digest_verified = "
+    return (f"the base digest in {flavor.toml_path.name} is unverified (digest_verified = "
             f"false): {base.ref} was pinned without checking it against its registry. Check it "
             f"where the hub is reachable (docker pull {base.name}; compare RepoDigests), then set "
             f"digest_verified = true")
 
 
-def locked_entries(opts: BuildOptions) -> tuple[LockEntry, ...]:
+def locked_entries(flavor: Flavor, *, light: bool = False) -> tuple[LockEntry, ...]:
     """The flavor's lock, checked once: fresh, complete, every entry verified; for a light build
     only SGLang, the patch targets and the SBOM tool with their dependencies."""
-    flavor = opts.flavor
     entries = lock.require_complete(flavor)
-    if opts.light:
+    if light:
         wanted = dependency_closure(flavor.lock_path.read_text(), [SBOM_TOOL])
         wanted |= {lock.normalize(t) for t in flavor.patch_targets} | {lock.normalize("sglang")}
         entries = [e for e in entries if e.name in wanted]
     return tuple(entries)
 
 
-def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], None]) -> BaseImage:
+def resolve_base(client: DockerClient, flavor: Flavor, options: BuildOptions,
+                 log: Callable[[str], None]) -> ResolvedBase:
     """The base image in the engine; pulls a pinned base that is not there."""
-    if opts.base:
-        ref, name = opts.base, opts.base.split("@")[0]
+    if options.base:
+        ref, name = options.base, options.base.split("@")[0]
     else:
-        ref, name = opts.flavor.base_image.ref, opts.flavor.base_image.name
+        ref, name = flavor.base_image.ref, flavor.base_image.name
     try:
         image = client.images.get(ref)
     except docker.errors.ImageNotFound:
@@ -166,8 +199,8 @@ def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], 
             raise BuildError(
                 f"base image {ref} is missing: not in the engine and the pull failed "
                 f"({exc.explanation or exc}). Without an image hub, make a base from Debian "
-                f"packages and build on it: nox -s base -- --flavor {opts.flavor.name}, then "
-                f"nox -s build -- --flavor {opts.flavor.name} --base TAG (the tag it prints). "
+                f"packages and build on it: nox -s base -- --flavor {flavor.name}, then "
+                f"nox -s build -- --flavor {flavor.name} --base TAG (the tag it prints). "
                 f"Or load the pinned one (docker load -i FILE / docker pull {ref} where a "
                 f"registry is reachable)") from exc
     if "@" in ref:
@@ -175,13 +208,14 @@ def resolve_base(client: DockerClient, opts: BuildOptions, log: Callable[[str], 
     else:
         repo_digests = image.attrs.get("RepoDigests") or []
         digest = repo_digests[0].split("@", 1)[1] if repo_digests else str(image.id)
-    return BaseImage(ref=ref, name=name, digest=digest, image_id=str(image.id),
+    return ResolvedBase(ref=ref, name=name, digest=digest, image_id=str(image.id),
                      diff_ids=tuple(image.attrs["RootFS"].get("Layers") or ()),
                      history=len(client.api.history(image.id)))  # type: ignore[no-untyped-call]
 
 
-def make_plan(opts: BuildOptions, client: DockerClient, log: Callable[[str], None]) -> BuildPlan:
-    entries = locked_entries(opts)  # a stale or incomplete lock stops here, before any work
-    tag = opts.tag or default_tag(opts.flavor)
-    return BuildPlan(options=opts, entries=entries, base=resolve_base(client, opts, log),
-                     tags=(tag if ":" in tag else f"{tag}:latest",), epoch=source_date_epoch())
+def make_plan(flavor: Flavor, options: BuildOptions, entries: tuple[LockEntry, ...],
+              client: DockerClient, log: Callable[[str], None]) -> BuildPlan:
+    """The plan of one build from the flavor's `locked_entries`: the base found in the engine."""
+    return BuildPlan(flavor=flavor, options=options, entries=entries,
+                     base=resolve_base(client, flavor, options, log),
+                     tags=(with_tag(options.tag or default_tag(flavor)),), epoch=source_date_epoch())

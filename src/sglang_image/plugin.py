@@ -7,7 +7,6 @@ on a new release before anything is built: `python -m sglang_image plugin-check
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import importlib.metadata
@@ -22,7 +21,6 @@ import sys
 import tempfile
 import textwrap
 import tomllib
-from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -205,24 +203,17 @@ def build_wheel(out_dir: Path) -> Path:
     return target
 
 
-def main(argv: Sequence[str]) -> int:
-    """`python -m sglang_image plugin-check --site-packages DIR [--sglang-version V] [--record]`."""
-    parser = argparse.ArgumentParser(prog="nox -s plugin-check --",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--site-packages", type=Path, required=True,
-                        help="an unpacked sglang wheel (the directory holding sglang/)")
-    parser.add_argument("--sglang-version", help="default: read from its dist-info")
-    parser.add_argument("--record", action="store_true",
-                        help="after review: record this release's digests of the relied-on code")
-    args = parser.parse_args(list(argv))
-    site = args.site_packages
+def run(site: Path, sglang_version: str | None = None, record: bool = False) -> int:
+    """`nox -s plugin-check -- --site-packages DIR [--sglang-version V] [--record]`: the hook
+    targets and relied-on code in an unpacked sglang wheel (or, with `record`, their digests
+    recorded after review); 1 when a check fails."""
     if not (site / "sglang").is_dir():
         raise PluginError(f"{site} has no sglang/ directory: unpack the wheel there "
                           "(python -m zipfile -e sglang-X.whl DIR)")
-    version = args.sglang_version or wheel_version(site)
+    version = sglang_version or wheel_version(site)
     if version is None:
         raise PluginError(f"{site} has no sglang-*.dist-info: pass --sglang-version")
-    if args.record:
+    if record:
         entry = record_digests(site, version)
         print(f"recorded {len(entry)} digests for sglang {version} in {digests_path()}")
         return 0

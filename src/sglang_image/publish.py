@@ -17,11 +17,9 @@ SBOM travels through the `oras` client (token and basic auth as the registry ask
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,9 +36,10 @@ from docker import DockerClient
 from rich.console import Console
 from rich.markup import escape
 
-from sglang_image import docker_engine, dockerbuild, pins, plan, smoke
+from sglang_image import docker_engine, dockerbuild, plan, smoke
 from sglang_image.errors import PublishError, SglangImageError
 from sglang_image.labels import LABEL_PREFIX, SBOM_PATH
+from sglang_image.pins import Flavor
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -467,50 +466,41 @@ def _image_sbom(client: DockerClient, image_id: str, labels: dict[str, str]) -> 
         return dest.read_bytes()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="nox -s publish --", description=(__doc__ or "").split("\n\n")[0],
-        epilog="Fetch a published SBOM back: nox -s publish -- --fetch-sbom "
-               "REGISTRY/NAMESPACE/sglang-image@sha256:... [--out sbom.cdx.json]")
-    parser.add_argument("--registry", help="HOST[:PORT]/NAMESPACE, e.g. registry.example.com/team "
-                                           "(credentials: `docker login HOST[:PORT]` first)")
-    parser.add_argument("--flavor", default=None, help=f"default: {pins.DEFAULT_FLAVOR}")
-    parser.add_argument("--image", help="local image; default: the build's tag of the flavor")
-    parser.add_argument("--allow-partial-smoke", action="store_true",
-                        help="publish an image that passed only the PARTIAL (no GPU) smoke")
-    parser.add_argument("--verify-host", help="DOCKER_HOST of a second engine to pull the image "
-                        "back through (default: a temporary engine with a fresh data root)")
-    parser.add_argument("--smoke-records", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--fetch-sbom", metavar="REFERENCE",
-                        help="fetch the SBOM of REGISTRY/REPOSITORY@sha256:... and exit")
-    parser.add_argument("--out", type=Path, default=Path(SBOM_TITLE), help="for --fetch-sbom")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True, kw_only=True)
+class PublishOptions:
+    """What `nox -s publish` was asked for, besides the flavor (whose image is the default)."""
+
+    target: Target  # parse_registry(--registry)
+    image: str | None = None  # default: the tag nox -s build gives the flavor
+    allow_partial_smoke: bool = False
+    verify_host: str | None = None  # default: a temporary engine with a fresh data root
+    smoke_records: Path | None = None  # default: smoke.RECORDS_DIR
+
+
+def run(flavor: Flavor, options: PublishOptions) -> int:
+    """`nox -s publish`: publishes (see the module docstring), prints the references (stderr) and
+    the digest alone (stdout, for scripts)."""
     console = Console(stderr=True, soft_wrap=True)  # references stay whole, to copy
+    log: Callable[[str], None] = lambda m: console.print(escape(m), highlight=False)
+    image = options.image or plan.default_tag(flavor)
     try:
-        if args.fetch_sbom:
-            path = fetch_sbom(args.fetch_sbom, args.out)
-            console.print(f"SBOM of {escape(args.fetch_sbom)} -> {escape(str(path))}",
-                          highlight=False)
-            return 0
-        if not args.registry:
-            parser.error("--registry HOST[:PORT]/NAMESPACE is required")
-        target = parse_registry(args.registry)
-        image = args.image or plan.default_tag(pins.load_flavor(args.flavor))
-        verify = DockerClient(base_url=args.verify_host) if args.verify_host else None
-        result = publish(docker_engine.connect().client, image, target,
-                         allow_partial_smoke=args.allow_partial_smoke,
-                         records_dir=args.smoke_records, verify_client=verify,
-                         log=lambda m: console.print(escape(m), highlight=False))
-    except (SglangImageError, docker.errors.DockerException) as exc:
-        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
-        return exc.exit_code if isinstance(exc, SglangImageError) else PublishError.exit_code
+        verify = DockerClient(base_url=options.verify_host) if options.verify_host else None
+        result = publish(docker_engine.ensure_engine(log=log).client, image, options.target,
+                         allow_partial_smoke=options.allow_partial_smoke,
+                         records_dir=options.smoke_records, verify_client=verify, log=log)
+    except docker.errors.DockerException as exc:
+        raise PublishError(f"the Docker engine failed: {exc}") from exc
     console.print(f"[bold green]pushed[/] {result.reference}\n"
                   + "".join(f"[bold green]tag[/]    {t}\n" for t in result.tags)
                   + f"[bold green]SBOM[/]   {result.sbom_reference} ({result.sbom_digest})",
                   highlight=False)
-    print(result.digest)  # stdout: the digest alone, for scripts
+    print(result.digest)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run_fetch_sbom(reference: str, out: Path) -> int:
+    """`nox -s publish -- --fetch-sbom REFERENCE`: the published SBOM of an image into `out`."""
+    path = fetch_sbom(reference, out)
+    Console(stderr=True, soft_wrap=True).print(f"SBOM of {escape(reference)} -> {escape(str(path))}",
+                                               highlight=False)
+    return 0

@@ -26,15 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_image.errors import (
-    EXIT_CODES,
-    PARTIAL_EXIT_CODE,
-    ImageNotFoundError,
-    SglangImageError,
-    SmokeError,
-    UsageError,
-)
-from sglang_image.pins import REPO_ROOT, flavor_names, load_flavor
+from sglang_image.docker_engine import ensure_engine
+from sglang_image.errors import PARTIAL_EXIT_CODE, ImageNotFoundError, SmokeError, UsageError
+from sglang_image.pins import REPO_ROOT, Flavor, flavor_names, load_flavor
 from sglang_image.plan import default_tag
 
 MOUNT = "/opt/sglang-smoke"
@@ -109,16 +103,10 @@ def passed_smoke(image_id: str, records_dir: Path | None = None) -> SmokeRecord 
     return record if record.image_id == image_id else None
 
 
-def expected_series(flavor_name: str | None = None) -> list[dict[str, str]]:
+def expected_series(flavor: Flavor) -> list[dict[str, str]]:
     """[{"name", "sha256"}] of patches/<flavor>/series, in order: what the image's manifest must say."""
-    flavor = load_flavor(flavor_name)
     return [{"name": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
             for p in flavor.series()]
-
-
-def default_image(flavor_name: str | None = None) -> str:
-    """The tag `nox -s build` gives the flavor's image."""
-    return default_tag(load_flavor(flavor_name))
 
 
 def host_has_gpu() -> bool:
@@ -146,11 +134,11 @@ def threshold_value(text: str) -> int | str:
     return value
 
 
-def check_threshold(threshold: int | str, flavor_name: str | None) -> None:
+def check_threshold(threshold: int | str, flavor: Flavor) -> None:
     """`auto` only where the flavor's image carries the plugin that implements it."""
-    if threshold == AUTO and flavor_name is not None and not load_flavor(flavor_name).plugin:
+    if threshold == AUTO and not flavor.plugin:
         having = ", ".join(n for n in flavor_names() if load_flavor(n).plugin) or "none"
-        raise UsageError(f"--threshold auto: the {flavor_name} image has no automatic threshold "
+        raise UsageError(f"--threshold auto: the {flavor.name} image has no automatic threshold "
                          f"(flavors that have it: {having}); give a number of requests instead")
 
 
@@ -202,24 +190,26 @@ def image_missing(image: str) -> ImageNotFoundError:
                               f"or nox -s build -- --flavor FLAVOR), or name another with --image")
 
 
-def run_smoke(image: str, *, flavor: str | None = None, gpu: bool | None = None,
+def run_smoke(image: str, *, flavor: Flavor | None = None, gpu: bool | None = None,
               out_dir: Path | None = None, threshold: int | str = DEFAULT_THRESHOLD) -> SmokeResult:
+    """Runs the smoke (full with a GPU, else PARTIAL) in `image` against `flavor`'s series (None:
+    the flavor the image was built for, by its label)."""
     import docker.errors
-
-    from sglang_image.docker_engine import connect
 
     gpu = host_has_gpu() if gpu is None else gpu
     out_dir = (out_dir or REPO_ROOT / "out" / "smoke").resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir.chmod(0o777)  # the image runs as uid 1000: let it read the series and write reports
-    engine = connect()
+    engine = ensure_engine(log=lambda msg: print(f"» {msg}", file=sys.stderr))
     try:
         found = engine.client.images.get(image)
     except docker.errors.ImageNotFound:
         raise image_missing(image) from None
     # Run the image by its ID: the record names exactly what ran, even if the tag moves.
     image_id, labels = str(found.id), found.labels or {}
-    flavor = image_flavor(image, labels, flavor)
+    built_for = image_flavor(image, labels, flavor.name if flavor else None)
+    if flavor is None:
+        flavor = load_flavor(built_for)  # the image's own flavor (the default without a label)
     check_threshold(threshold, flavor)
     (out_dir / "expected-series.json").write_text(json.dumps(expected_series(flavor), indent=1))
     light = labels.get("io.sglang-image.light") == "true"
@@ -279,58 +269,42 @@ def describe(res: SmokeResult) -> str:
             f"{res.out_dir}\n{res.log_tail}")
 
 
-def exit_code_table() -> str:
-    return "exit codes:\n" + "\n".join(f"  {code:>2}  {cause}" for code, cause in sorted(EXIT_CODES.items()))
+@dataclass(frozen=True, kw_only=True)
+class SmokeOptions:
+    """What `nox -s smoke` was asked for, besides the flavor."""
+
+    image: str | None = None  # default: the tag nox -s build gives the flavor
+    gpu: bool | None = None  # default: when nvidia-smi lists a GPU
+    out_dir: Path | None = None  # default: out/smoke
+    threshold: int | str = DEFAULT_THRESHOLD
+    accept_partial: bool = False  # exit 0, not PARTIAL_EXIT_CODE, when the PARTIAL check passes
+    records: Path | None = None  # default: RECORDS_DIR
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="nox -s smoke --", description=__doc__, epilog=exit_code_table(),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("image_pos", nargs="?", metavar="IMAGE", help="the image to test (or --image)")
-    ap.add_argument("--image", default=None,
-                    help="the image to test (default: the tag nox -s build gives the flavor, "
-                         "sglang-image:VERSION-FLAVOR)")
-    ap.add_argument("--flavor", default=None,
-                    help="the flavor whose patch series the image must carry (default: the one "
-                         "the image was built for; without an image: the default flavor)")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--gpu", dest="gpu", action="store_true", default=None,
-                   help="run the full smoke on the GPUs (default: when nvidia-smi lists a GPU)")
-    g.add_argument("--no-gpu", dest="gpu", action="store_false",
-                   help="run only the PARTIAL check, even on a GPU host")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="where logs and reports go (default: out/smoke)")
-    ap.add_argument("--threshold", type=threshold_value, default=DEFAULT_THRESHOLD,
-                    help=f"the EAGLE-3 servers' --speculative-disable-batch-threshold: N running "
-                         f"requests, or auto where the flavor has it (default: {DEFAULT_THRESHOLD})")
-    ap.add_argument("--accept-partial", action="store_true",
-                    help=f"exit 0 when the PARTIAL check passes (default: exit {PARTIAL_EXIT_CODE})")
-    ap.add_argument("--records", type=Path, default=None,
-                    help="where passed smokes are recorded (default: out/smoke-records)")
-    a = ap.parse_args(argv)
-    try:
-        image = a.image or a.image_pos or default_image(a.flavor)
-        res = run_smoke(image, flavor=a.flavor, gpu=a.gpu, out_dir=a.out, threshold=a.threshold)
-    except SglangImageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
+def run(flavor: Flavor | None, options: SmokeOptions) -> int:
+    """`nox -s smoke`: runs it, says what it checked, records a pass under the image's digest (a
+    failure removes an earlier pass of the image and raises SmokeError); returns 0, or
+    PARTIAL_EXIT_CODE for a PARTIAL pass unless accepted. `flavor` None: the one the image was
+    built for; without an image either, the default flavor's image."""
+    image = options.image
+    if image is None:
+        flavor = flavor or load_flavor()
+        image = default_tag(flavor)
+    res = run_smoke(image, flavor=flavor, gpu=options.gpu, out_dir=options.out_dir,
+                    threshold=options.threshold)
     print(describe(res))
     if not res.ok:
-        stale = record_path(res.image_id, a.records)
+        stale = record_path(res.image_id, options.records)
         if res.image_id and stale.is_file():  # an earlier pass of this image no longer counts
             stale.unlink()
             print(f"removed the earlier pass of {res.image_id}: {stale}")
-        return SmokeError.exit_code
-    existing = passed_smoke(res.image_id, a.records)
+        raise SmokeError(f"the {res.mode} smoke of {image} failed (exit {res.exit_code}): the "
+                         f"checks above say which; logs and reports in {res.out_dir}")
+    existing = passed_smoke(res.image_id, options.records)
     if res.mode == "full" or existing is None or existing.mode == "partial":
-        path = write_record(res, image, a.records)
+        path = write_record(res, image, options.records)
         print(f"recorded: {path} ({res.mode} smoke of {res.image_id})")
-    if res.mode == "partial" and not a.accept_partial:
+    if res.mode == "partial" and not options.accept_partial:
         print(f"exit {PARTIAL_EXIT_CODE}: PARTIAL is not a pass (--accept-partial exits 0 for it)")
         return PARTIAL_EXIT_CODE
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
