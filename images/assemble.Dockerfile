@@ -31,7 +31,7 @@ RUN PYTHONPATH=/opt/sglang-image/tool PYTHONDONTWRITEBYTECODE=1 PYTHONHASHSEED=0
       --manifest /opt/sglang-image/patches.json \
  && PYTHONDONTWRITEBYTECODE=1 /opt/venv/bin/python /opt/sglang-image/tool/compile_patched.py \
       /opt/sglang-image/patches.json /opt/venv/lib/python${PYTHON_VERSION}/site-packages
-# The project's SGLang plugin (flavors with `plugin = true`): built from patches/plugin/ by the
+# The project's SGLang plugin (flavors with `plugin = true`): built from plugin/ by the
 # build, installed by hash like a locked wheel; SGLang loads it through its entry point.
 RUN if [ -f /opt/sglang-image/plugin/requirements.txt ]; then \
       SOURCE_DATE_EPOCH=0 PYTHONHASHSEED=0 /opt/venv/bin/pip install --no-index --no-deps \

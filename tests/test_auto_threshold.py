@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patches" / "plugin"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 
 from sglang_image_plugin.auto_threshold import (
     AutoConfig,
@@ -474,17 +474,17 @@ def test_policy_leaves_the_catch_up_step_out_and_keeps_the_pairing():
 def test_the_scheduler_idle_hook_reaches_auto_s_policy():
     from types import SimpleNamespace
 
-    from sglang_image_plugin import hooks
+    from sglang_image_plugin import observe, worker
 
     clock = Clock()
     ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
     policy = AutoPolicy(ctl, 3, clock)
-    scheduler = SimpleNamespace(draft_worker=SimpleNamespace(**{hooks.CONTROLLER_ATTR: policy}))
+    scheduler = SimpleNamespace(draft_worker=SimpleNamespace(**{worker.CONTROLLER_ATTR: policy}))
     policy.get_steps_for_batch(4)
-    hooks.scheduler_idle(scheduler)  # BEFORE Scheduler.on_idle
+    observe.scheduler_idle(scheduler)  # BEFORE Scheduler.on_idle
     policy.on_verify_complete([2] * 4, 4)
     assert policy.dropped == 1 and ctl.recorded == []
     # a fixed threshold's controller has no step clock; a server without the feature, no worker
-    hooks.scheduler_idle(SimpleNamespace(draft_worker=SimpleNamespace(
-        **{hooks.CONTROLLER_ATTR: object()})))
-    hooks.scheduler_idle(SimpleNamespace())
+    observe.scheduler_idle(SimpleNamespace(draft_worker=SimpleNamespace(
+        **{worker.CONTROLLER_ATTR: object()})))
+    observe.scheduler_idle(SimpleNamespace())

@@ -42,7 +42,8 @@ LAUNCH_PATH = (
     "sglang.srt.layers.attention.dsa_backend",
     "sglang.kernels.ops.attention.flash_mla_interface",
     "sglang.srt.constrained.xgrammar_backend",
-    "sglang_image_plugin.hooks",
+    "sglang_image_plugin.flags", "sglang_image_plugin.worker", "sglang_image_plugin.observe",
+    "sglang_image_plugin.tp", "sglang_image_plugin.registry", "sglang_image_plugin.plain_step",
 )
 
 IMPORT_GUARDS = ("ImportError", "ModuleNotFoundError", "Exception", "BaseException")

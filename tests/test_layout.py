@@ -18,7 +18,7 @@ PACKAGES = {
     "sglang_image": ROOT / "src" / "sglang_image",
     "smoke": ROOT / "smoke",
     "bench": ROOT / "bench",
-    "sglang_image_plugin": ROOT / "patches" / "plugin" / "sglang_image_plugin",
+    "sglang_image_plugin": ROOT / "plugin" / "sglang_image_plugin",
 }
 # package -> the project's packages it may import
 ALLOWED = {

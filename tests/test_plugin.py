@@ -330,7 +330,7 @@ def test_another_plugin_on_the_same_targets_keeps_its_hooks(run_in_tree, tree, p
         ServerArgs.add_cli_args(parser)
         ns = parser.parse_args(["--model-path", "m", "--other-plugin-flag", "x",
                                 "--speculative-disable-batch-threshold", "8"])
-        from sglang_image_plugin import hooks, registry
+        from sglang_image_plugin import registry, worker
         from sglang_image_plugin.targets import hooks_of
         graphs = EAGLEWorkerV2.__dict__["init_cuda_graphs"]
         verify_before = EAGLEWorkerV2.__dict__["_build_trivial_verify_input"]
@@ -341,10 +341,10 @@ def test_another_plugin_on_the_same_targets_keeps_its_hooks(run_in_tree, tree, p
               "not_taken": sglang_image_plugin.hooks_not_taken(),
               "other": ns.other_plugin_flag, "ours": ns.speculative_disable_batch_threshold,
               "both_at_start": [registry.wraps_hook(graphs, other_plugin.before_graphs),
-                                registry.wraps_hook(graphs, hooks.worker_init_cuda_graphs)],
+                                registry.wraps_hook(graphs, worker.worker_init_cuda_graphs)],
               "theirs_before_install": registry.wraps_hook(verify_before, other_plugin.around_verify),
               "both_after_install": [registry.wraps_hook(verify, other_plugin.around_verify),
-                                     registry.wraps_hook(verify, hooks.trivial_verify_input)],
+                                     registry.wraps_hook(verify, worker.trivial_verify_input)],
               "again": registry.install(hooks_of("threshold"), "plain-step") is None
                        and EAGLEWorkerV2.__dict__["_build_trivial_verify_input"] is verify})
     """, env={"PYTHONPATH": f"{plugin_site}:{other}:{tree}"})
@@ -464,10 +464,10 @@ WORKER = textwrap.dedent("""
     # The hooked __init__'s AFTER part (the original __init__ loads models).
     init = EAGLEWorkerV2.__init__
     hook = next(c.cell_contents for c in init.__closure__ if callable(c.cell_contents)
-                and getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
+                and getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.worker")
     # The hooked init_cuda_graphs' BEFORE part (the original captures CUDA graphs).
     graphs_hook = next(c.cell_contents for c in EAGLEWorkerV2.init_cuda_graphs.__closure__
-                       if getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
+                       if getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.worker")
 """)
 
 SWITCH = textwrap.dedent("""
@@ -509,7 +509,7 @@ ATTACH_SCHEDULER = """
                 labels = {"model_name": "m", "engine_type": "unified"}
         from sglang.srt.managers.scheduler import Scheduler as Upstream
         scheduler_hook = next(c.cell_contents for c in Upstream.__init__.__closure__
-                              if getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.hooks")
+                              if getattr(c.cell_contents, "__module__", "") == "sglang_image_plugin.observe")
         scheduler_hook(None, Scheduler)
 """
 
@@ -539,8 +539,9 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
     # 3 draft steps up to 32 requests; none above; back at <= 28 (hysteresis 4); idle keeps it
     assert out["steps"] == [3, 3, 3, 0, 0, 0, 0, 0, 3, 3, 0, 0, 3]
     assert out["start"] == ["Dynamic speculation disable enabled: threshold=32"]
-    assert out["limit"] == ["Running-request limit 256 (the limit of the same server without "
-                            "speculation: no --max-running-requests); decode CUDA graphs up to batch 32"]
+    assert out["limit"] == [("Running-request limit 256 (the limit of the same server without "
+                             "speculation: no --max-running-requests); decode CUDA graphs up to "
+                             "batch 32")]
     assert out["modes"][0] == "Speculation mode -> plain (batch size 33 > threshold 32); mode_changes=1"
     assert out["state"]["speculative_disable"] == {
         "threshold": 32, "hysteresis": 4, "mode": "plain", "speculative_steps": 6,
@@ -919,10 +920,10 @@ def test_draft_kv_only_write_equals_the_full_forward(run_in_tree, tree, plugin_s
         emit({"k_equal": bool(torch.equal(k, k_full)), "v_equal": bool(torch.equal(v, v_full)),
               "layer": layer is model.layers[0].self_attn.attn, "loc": wloc.tolist(), "scales": [ks, vs],
               "position_matters": not torch.equal(other.writes[0][2], k),
-              "one_layer": draft_kv.unsupported_reason(draft_worker(model), False),
-              "two_layers": draft_kv.unsupported_reason(draft_worker(make_draft(2)), False),
-              "translated": draft_kv.unsupported_reason(draft_worker(model, translating=True), False),
-              "rejection": draft_kv.unsupported_reason(draft_worker(model), True)})
+              "one_layer": draft_kv.why_not_kv_only(draft_worker(model), False),
+              "two_layers": draft_kv.why_not_kv_only(draft_worker(make_draft(2)), False),
+              "translated": draft_kv.why_not_kv_only(draft_worker(model, translating=True), False),
+              "rejection": draft_kv.why_not_kv_only(draft_worker(model), True)})
     """)
     assert out["k_equal"] and out["v_equal"] and out["layer"] and out["position_matters"]
     assert out["loc"] == [70, 71, 12, 99] and out["scales"] == [None, None]
@@ -1365,7 +1366,7 @@ def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tr
     # reused row: its old pending K/V would go to a freed slot), and the plain step says so.
     out = _probe(run_in_tree, tree, plugin_site, """
         from types import SimpleNamespace as NS
-        from sglang_image_plugin import draft_kv, hooks, layout as L, plain_step
+        from sglang_image_plugin import draft_kv, layout as L, observe, plain_step, worker as W
         def scheduler(overlap):
             draft = NS()
             setattr(draft, draft_kv.KV_ONLY_ATTR, object())
@@ -1373,12 +1374,12 @@ def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tr
             deferred.disable = lambda: setattr(deferred, "disabled", True)
             setattr(draft, draft_kv.DEFERRED_ATTR, deferred)
             worker = NS(_draft_worker=draft)
-            setattr(worker, hooks.CONTROLLER_ATTR, NS())
+            setattr(worker, W.CONTROLLER_ATTR, NS())
             setattr(worker, plain_step.ATTR, plain_step.PlainStep(
                 kv_only_reason=None, layout_reason=None, deferred_reason=None))
             s = NS(draft_worker=worker, model_worker=worker, enable_overlap=overlap, page_size=1,
                    future_map=object(), spec_algorithm="EAGLE3", metrics_reporter=None)
-            hooks.scheduler_init(None, s)
+            observe.scheduler_init(None, s)
             kept = getattr(draft, draft_kv.DEFERRED_ATTR)
             step = plain_step.of(worker)
             return [kept is deferred, deferred.disabled, getattr(worker, L.LAYOUT_ATTR, None) is not None,

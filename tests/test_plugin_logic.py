@@ -1,4 +1,4 @@
-"""The plugin's pure logic (patches/plugin/sglang_image_plugin): flags, validation, the
+"""The plugin's pure logic (plugin/sglang_image_plugin): flags, validation, the
 hysteresis controller and the threshold policy. No sglang needed."""
 from __future__ import annotations
 
@@ -186,9 +186,9 @@ def test_plain_step_installs_the_hooks_of_its_parts_only() -> None:
     deep = plain_step.PlainStep(kv_only_reason="the draft has 2 layers", layout_reason="x",
                                 deferred_reason="y")
     assert deep.hook_groups() == ("threshold",) and deep.view()["draft"] == "full draft extend"
-    assert deep.log_lines() == ["Plain step: plain steps run the draft's full step: the draft "
-                                "has 2 layers", "Plain step: plain steps keep the speculative "
-                                "layout: x"]
+    assert deep.log_lines() == [
+        "Plain step: plain steps run the draft's full step: the draft has 2 layers",
+        "Plain step: plain steps keep the speculative layout: x"]
     # the smoke reads the draft's line in these words (smoke.runner.draft_plain_step)
     from smoke import runner
     assert runner.KV_ONLY_LINE in full.log_lines()[0]
@@ -264,12 +264,12 @@ def _tp_rank(rank: int, port: int, agree_on: bool, out: Any) -> None:
     import random
 
     import torch.distributed as dist
-    from sglang_image_plugin import hooks
+    from sglang_image_plugin import tp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     config = AutoConfig(max_batch_size=256)
-    agree = hooks.tp_agree(dist.group.WORLD, 0, len(config.edges)) if agree_on else None
+    agree = tp.tp_agree(dist.group.WORLD, 0, len(config.edges)) if agree_on else None
     clock = [0.0]
     policy = AutoPolicy(AutoController(config, agree=agree), 3, lambda: clock[0])
     batches, noise = random.Random(1), random.Random(100 + rank)
@@ -315,7 +315,7 @@ def _run_tp_pair(agree_on: bool) -> dict[int, tuple[list[int], int, int]]:
 
 
 def test_tensor_parallel_ranks_take_rank0s_decisions_over_gloo() -> None:
-    """Two ranks, real torch.distributed (gloo on loopback), as hooks.tp_agree runs over the
+    """Two ranks, real torch.distributed (gloo on loopback), as tp.tp_agree runs over the
     TP group's CPU group: with it every step's step count matches; without, the ranks'
     own noise makes them choose differently (which would hang a TP server)."""
     agreed = _run_tp_pair(agree_on=True)

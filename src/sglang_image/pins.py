@@ -55,7 +55,7 @@ class Flavor:
     indexes: tuple[str, ...]
     find_links: tuple[str, ...]
     patch_targets: tuple[str, ...]
-    # The project's SGLang plugin package (patches/plugin/) goes into this flavor's image.
+    # The project's SGLang plugin package (plugin/) goes into this flavor's image.
     plugin: bool = False
     toml_path: Path
     lock_path: Path

@@ -1,4 +1,4 @@
-"""The SGLang plugin package (patches/plugin/): its reproducible wheel, and the check
+"""The SGLang plugin package (plugin/): its reproducible wheel, and the check
 that its hook targets still exist and the upstream code it relies on is unchanged.
 
 The check reads an unpacked sglang wheel's sources (ast, no import, no GPU), so it runs
@@ -27,7 +27,7 @@ from types import ModuleType
 from sglang_image.errors import SglangImageError
 from sglang_image.pins import REPO_ROOT
 
-PLUGIN_DIR = REPO_ROOT / "patches" / "plugin"
+PLUGIN_DIR = REPO_ROOT / "plugin"
 PACKAGE_DIR = PLUGIN_DIR / "sglang_image_plugin"
 # Wheel timestamps: zip's earliest date (the build must not depend on when it ran).
 WHEEL_EPOCH = 315532800
@@ -40,7 +40,7 @@ class PluginError(SglangImageError):
 
 
 def _targets() -> ModuleType:
-    """patches/plugin/sglang_image_plugin/targets.py (pure data), loaded by path."""
+    """plugin/sglang_image_plugin/targets.py (pure data), loaded by path."""
     spec = importlib.util.spec_from_file_location("_sglang_image_plugin_targets",
                                                   PACKAGE_DIR / "targets.py")
     assert spec is not None and spec.loader is not None
@@ -175,7 +175,7 @@ def build_wheel(out_dir: Path) -> Path:
     pinned = _pinned_backend()
     installed = importlib.metadata.version("setuptools")
     if installed != pinned:
-        raise PluginError(f"the plugin builds with setuptools=={pinned} (patches/plugin/"
+        raise PluginError(f"the plugin builds with setuptools=={pinned} (plugin/"
                           f"pyproject.toml), this environment has {installed}: "
                           f"install setuptools=={pinned}, or update the pin and the lock")
     out_dir.mkdir(parents=True, exist_ok=True)

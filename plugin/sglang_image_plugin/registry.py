@@ -27,6 +27,25 @@ class PluginHookError(SystemExit):
     and carries on without the plugin."""
 
 
+# Set by register(): checks once per process, from the first hook that runs, that every start-up
+# hook is in place (the loader applies them only after all plugins have registered).
+_check: Callable[[], None] | None = None
+
+
+def set_check(check: Callable[[], None]) -> None:
+    global _check
+    _check = check
+
+
+def check_once() -> None:
+    """Called by every hook that can run first in a process (the CLI hook in the launcher, the
+    worker hook in the scheduler): the set check, the first time only."""
+    global _check
+    check, _check = _check, None
+    if check is not None:
+        check()
+
+
 def function(spec: HookSpec) -> Callable[..., Any]:
     """The function a spec installs (its dotted name, resolved)."""
     found: Callable[..., Any] = pkgutil.resolve_name(spec.function)

@@ -24,7 +24,7 @@ KV_ONLY_ATTR = "_sglang_image_kv_only"
 DEFERRED_ATTR = "_sglang_image_deferred_kv"
 
 
-def unsupported_reason(draft_worker: Any, rejection_sampling: bool) -> str | None:
+def why_not_kv_only(draft_worker: Any, rejection_sampling: bool) -> str | None:
     """Why a plain step cannot write the draft's K/V alone here (None: it can)."""
     from sglang.srt.models.llama_eagle3 import LlamaModel
 

@@ -89,7 +89,7 @@ class PlainStep:
 
 def layout_reason_from_args(server_args: Any) -> str | None:
     """Why the scheduler these arguments make cannot run plain steps in the plain layout (the
-    scheduler confirms it at its start: layout.unsupported_reason)."""
+    scheduler confirms it at its start: layout.why_not_plain_layout)."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     cfg = resolving_view(server_args)
@@ -107,7 +107,7 @@ def resolve(worker: Any, auto: bool) -> PlainStep:
     from sglang_image_plugin import deferred_kv, draft_kv
 
     cfg = resolving_view(worker.server_args)
-    kv_only = draft_kv.unsupported_reason(worker._draft_worker,
+    kv_only = draft_kv.why_not_kv_only(worker._draft_worker,
                                           bool(cfg.speculative_use_rejection_sampling))
     layout = (layout_reason_from_args(worker.server_args) if kv_only is None
               else "the draft runs its full step (the plain layout writes only its K/V)")
@@ -116,7 +116,7 @@ def resolve(worker: Any, auto: bool) -> PlainStep:
     elif layout is not None:
         deferred = "the speculative layout writes the draft's K/V in the draft extend"
     else:
-        deferred = deferred_kv.unsupported_reason(worker)
+        deferred = deferred_kv.why_not_in_graph(worker)
     return PlainStep(kv_only_reason=kv_only, layout_reason=layout, deferred_reason=deferred,
                      auto=auto)
 

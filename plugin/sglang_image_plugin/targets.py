@@ -27,26 +27,28 @@ class HookSpec(NamedTuple):
 START = "start"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
-_HOOKS = "sglang_image_plugin.hooks"
+_FLAGS = "sglang_image_plugin.flags"
+_WORKER_HOOKS = "sglang_image_plugin.worker"
+_OBSERVE = "sglang_image_plugin.observe"
 _LAYOUT = "sglang_image_plugin.layout"
 
 HOOKS: tuple[HookSpec, ...] = (
     # -- start-up: every process, whatever the flags (they are not parsed yet)
-    HookSpec(f"{_SERVER_ARGS}.add_cli_args", "after", f"{_HOOKS}:add_cli_args", START,
+    HookSpec(f"{_SERVER_ARGS}.add_cli_args", "after", f"{_FLAGS}:add_cli_args", START,
              "adds the two flags to the CLI"),
-    HookSpec(f"{_SERVER_ARGS}.from_cli_args", "around", f"{_HOOKS}:from_cli_args", START,
+    HookSpec(f"{_SERVER_ARGS}.from_cli_args", "around", f"{_FLAGS}:from_cli_args", START,
              "keeps the flag values on the record"),
-    HookSpec(f"{_SERVER_ARGS}.check_server_args", "after", f"{_HOOKS}:check_server_args", START,
+    HookSpec(f"{_SERVER_ARGS}.check_server_args", "after", f"{_FLAGS}:check_server_args", START,
              "resolves flag/env and validates"),
     HookSpec("sglang.srt.arg_groups.speculative_hook._handle_eagle_family", "around",
-             f"{_HOOKS}:eagle_running_requests", START,
+             f"{_FLAGS}:eagle_running_requests", START,
              "a threshold server without --max-running-requests keeps a plain server's limit"),
-    HookSpec(f"{_WORKER}.__init__", "after", f"{_HOOKS}:worker_init", START,
+    HookSpec(f"{_WORKER}.__init__", "after", f"{_WORKER_HOOKS}:worker_init", START,
              "gives the worker the threshold policy"),
-    HookSpec(f"{_WORKER}.init_cuda_graphs", "before", f"{_HOOKS}:worker_init_cuda_graphs", START,
+    HookSpec(f"{_WORKER}.init_cuda_graphs", "before", f"{_WORKER_HOOKS}:worker_init_cuda_graphs", START,
              "resolves the plain step (auto: its policy) and installs its hooks"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler.__init__", "after",
-             f"{_HOOKS}:scheduler_init", START, "metrics; the plain layout"),
+             f"{_OBSERVE}:scheduler_init", START, "metrics; the plain layout"),
     # -- every threshold server (installed by the worker)
     HookSpec(f"{_WORKER}.build_adaptive_runtime_state", "around",
              "sglang_image_plugin.plain_target:build_runtime_state", "threshold",
@@ -55,16 +57,16 @@ HOOKS: tuple[HookSpec, ...] = (
              "sglang_image_plugin.plain_target:prepare_for_verify", "threshold",
              "a DECODE forward batch for that graph (speculative-layout plain steps)"),
     HookSpec(f"{_WORKER}._build_trivial_verify_input", "around",
-             f"{_HOOKS}:trivial_verify_input", "threshold",
+             f"{_WORKER_HOOKS}:trivial_verify_input", "threshold",
              "int64 draft token for the zero-step verify under the synchronous scheduler"),
-    HookSpec(f"{_WORKER}.activate_step_by_batch", "around", f"{_HOOKS}:step_decided", "threshold",
+    HookSpec(f"{_WORKER}.activate_step_by_batch", "around", f"{_WORKER_HOOKS}:step_decided", "threshold",
              "the step count of each decode batch, for the acceptance around plain phases "
              "(plain layout: decided before the batch is prepared)"),
-    HookSpec(f"{_WORKER}.on_verify_complete_cpu", "before", f"{_HOOKS}:step_verified",
+    HookSpec(f"{_WORKER}.on_verify_complete_cpu", "before", f"{_WORKER_HOOKS}:step_verified",
              "threshold", "each batch's accepted drafts, for the acceptance around plain phases"),
     HookSpec("sglang.srt.managers.scheduler_components.internal_state."
              "SchedulerInternalStateController._add_speculative", "after",
-             f"{_HOOKS}:add_speculative_state", "threshold",
+             f"{_OBSERVE}:add_speculative_state", "threshold",
              "adds speculative_disable to the server info"),
     # -- a draft that writes only its K/V
     HookSpec("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
@@ -85,7 +87,7 @@ HOOKS: tuple[HookSpec, ...] = (
              "SchedulerBatchResultProcessor.process_batch_result_decode", "before",
              f"{_LAYOUT}:plain_result", "layout", "a plain step's result counted as a zero-step verify's"),
     # -- auto
-    HookSpec("sglang.srt.managers.scheduler.Scheduler.on_idle", "before", f"{_HOOKS}:scheduler_idle",
+    HookSpec("sglang.srt.managers.scheduler.Scheduler.on_idle", "before", f"{_OBSERVE}:scheduler_idle",
              "auto", "auto: an idle gap is no step time"),
 )
 
@@ -114,7 +116,7 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.speculative.adaptive_runtime_state.AdaptiveSpecPolicy",
     "sglang.srt.speculative.adaptive_spec_params.adaptive_unsupported_reason",
     # Upstream's refusals of its adaptive swap, run on an adaptive twin of the arguments
-    # (hooks.ADAPTIVE_CHECKS), and what they read.
+    # (flags.ADAPTIVE_CHECKS), and what they read.
     "sglang.srt.arg_groups.validation_hook.check_server_args",
     "sglang.srt.arg_groups.lora_hook.check_lora_speculative_compatibility",
     "sglang.srt.arg_groups.hisparse_hook.validate_hisparse",

@@ -43,7 +43,7 @@ class DeferredDraftKv:
         # write, and a speculative-layout plain step after another skips it)
         self.pending = False
         # on the device, read inside the graph: off where the scheduler keeps the speculative
-        # layout (hooks.scheduler_init runs after the graph that holds the step was captured)
+        # layout (observe.scheduler_init runs after the graph that holds the step was captured)
         self.enabled = torch.ones((1,), dtype=torch.bool, device=device)
         self.pos = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.loc = torch.zeros((rows,), dtype=torch.int64, device=device)
@@ -116,7 +116,7 @@ def tail_hook(deferred: DeferredDraftKv, runner_class: type) -> Any:
     return hook
 
 
-def unsupported_reason(worker: Any) -> str | None:
+def why_not_in_graph(worker: Any) -> str | None:
     """Why the graph cannot write the draft's K/V here (None: it can)."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
@@ -129,7 +129,7 @@ def unsupported_reason(worker: Any) -> str | None:
 
 
 def install(worker: Any, runner_class: type) -> DeferredDraftKv:
-    """Before the zero-step state's capture (where unsupported_reason is None): the worker's
+    """Before the zero-step state's capture (where why_not_in_graph is None): the worker's
     DeferredDraftKv and the target's tail hook that writes it."""
     draft_worker = worker.draft_worker
     existing: DeferredDraftKv | None = getattr(draft_worker, draft_kv.DEFERRED_ATTR, None)

@@ -19,7 +19,6 @@ import logging
 from importlib import resources
 
 from sglang_image_plugin import registry
-from sglang_image_plugin.hooks import set_hook_check
 from sglang_image_plugin.registry import PluginHookError
 from sglang_image_plugin.targets import DIGESTS_FILE, START, hooks_of
 
@@ -66,4 +65,4 @@ def register() -> None:
     applies them after all plugins ran; the worker installs the rest for its plain step)."""
     check_sglang_version()
     registry.register(hooks_of(START))
-    set_hook_check(ensure_hooks_applied)
+    registry.set_check(ensure_hooks_applied)

@@ -41,7 +41,7 @@ LAYOUT_ATTR = "_sglang_image_plain_layout"
 _active: PlainLayout | None = None
 
 
-def unsupported_reason(scheduler: Any) -> str | None:
+def why_not_plain_layout(scheduler: Any) -> str | None:
     """Why this scheduler cannot run plain steps in the plain layout (None: it can)."""
     if not scheduler.enable_overlap:
         return "the synchronous scheduler (--disable-overlap-schedule) keeps the speculative layout"
@@ -222,7 +222,7 @@ def _draft_context(draft_worker: Any) -> Any:
 def install(scheduler: Any, catch_up: Any, watch: Any) -> str | None:
     """Give the scheduler's worker the plain layout; the reason when it cannot have it."""
     global _active
-    reason = unsupported_reason(scheduler)
+    reason = why_not_plain_layout(scheduler)
     if reason is not None:
         return reason
     worker = scheduler.model_worker

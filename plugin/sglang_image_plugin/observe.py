@@ -1,0 +1,124 @@
+"""What a threshold server shows: Prometheus metrics beside the scheduler's own, the server info,
+and, at the scheduler's start, the plain layout where the worker's plain step has it. `auto`
+learns that an idle gap is no step time.
+
+sglang and prometheus_client are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from sglang_image_plugin import draft_kv, layout, plain_step, spec_disable
+from sglang_image_plugin.tp import log_on_rank0
+from sglang_image_plugin.worker import ACCEPTANCE_ATTR, CONTROLLER_ATTR
+
+
+class PrometheusMetrics(spec_disable.Metrics):
+    """sglang:spec_disable_* next to the scheduler's own metrics (same labels)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self._crossover: Any = None
+
+        self._plain_mode = Gauge(
+            name="sglang:spec_disable_plain_mode",
+            documentation="1 while speculation is disabled (plain decode), else 0.",
+            labelnames=list(labels),
+            multiprocess_mode="mostrecent",
+        ).labels(**labels)
+        self._speculative_steps = Counter(
+            name="sglang:spec_disable_speculative_steps_total",
+            documentation="Decode steps that ran draft + verify.",
+            labelnames=list(labels),
+        ).labels(**labels)
+        self._plain_steps = Counter(
+            name="sglang:spec_disable_plain_steps_total",
+            documentation="Decode steps that ran without drafting.",
+            labelnames=list(labels),
+        ).labels(**labels)
+        self._labels = labels
+        self._published_mode: bool | None = None
+
+    def observe_crossover(self, crossover: int) -> None:
+        if self._crossover is None:  # made on first use: a fixed threshold has none
+            from prometheus_client import Gauge
+
+            self._crossover = Gauge(
+                name="sglang:spec_disable_crossover",
+                documentation=(
+                    "Threshold auto: the batch size up to which the server speculates now "
+                    "(0: never; its max running requests: always)."
+                ),
+                labelnames=list(self._labels),
+                multiprocess_mode="mostrecent",
+            ).labels(**self._labels)
+        self._crossover.set(crossover)
+
+    def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
+        """Every decode step: the gauge only when the mode changed, the step counter."""
+        if plain_mode != self._published_mode:
+            self._plain_mode.set(int(plain_mode))
+            self._published_mode = plain_mode
+        if speculative_steps:
+            self._speculative_steps.inc(speculative_steps)
+        if plain_steps:
+            self._plain_steps.inc(plain_steps)
+
+
+def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER Scheduler.__init__: metrics for the controller, when metrics are on; the plain
+    layout where the worker's plain step has it (layout.py) and this scheduler can run it."""
+    worker: Any = getattr(scheduler, "draft_worker", None)
+    controller = getattr(worker, CONTROLLER_ATTR, None)
+    collector = getattr(scheduler, "metrics_collector", None)
+    labels = getattr(collector, "labels", None)
+    if controller is not None and labels is not None:
+        controller.metrics = PrometheusMetrics(dict(labels))
+    step = plain_step.of(worker)
+    if worker is None or controller is None or step is None or not step.kv_only:
+        return
+    draft = worker._draft_worker
+    reason = step.layout_reason
+    if reason is None and scheduler.model_worker is not worker:
+        reason = "the scheduler runs another worker than the EAGLE-3 one"
+    if reason is None:
+        reason = layout.install(scheduler, getattr(draft, draft_kv.KV_ONLY_ATTR),
+                                getattr(worker, ACCEPTANCE_ATTR, None))
+    if reason is None:
+        return
+    # every plain step stays a speculative-layout one and writes its own K/V: a deferred step
+    # already captured into the graph is switched off there and nothing is flushed
+    deferred = getattr(draft, draft_kv.DEFERRED_ATTR, None)
+    if deferred is not None:
+        deferred.disable()
+    setattr(draft, draft_kv.DEFERRED_ATTR, None)
+    if reason != step.layout_reason:
+        setattr(worker, plain_step.ATTR, replace(step, layout_reason=reason,
+                                                 deferred_reason="the speculative layout"))
+        log_on_rank0(f"Plain step: plain steps keep the speculative layout: {reason}")
+
+
+def scheduler_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE Scheduler.on_idle: `auto` times a step until the next decode step; an idle gap
+    between them is no step time (AutoPolicy.note_idle)."""
+    controller = getattr(getattr(scheduler, "draft_worker", None), CONTROLLER_ATTR, None)
+    note_idle = getattr(controller, "note_idle", None)
+    if note_idle is not None:
+        note_idle()
+
+
+def add_speculative_state(result: None, state_controller: Any, state: dict[str, Any]) -> None:
+    """AFTER SchedulerInternalStateController._add_speculative: the server info."""
+    worker = getattr(state_controller.scheduler, "draft_worker", None)
+    controller = getattr(worker, CONTROLLER_ATTR, None)
+    if controller is not None:
+        state["speculative_disable"] = controller.snapshot()
+        step = plain_step.of(worker)
+        if step is not None:
+            state["speculative_disable"]["plain_step"] = step.view()
+        watch = getattr(worker, ACCEPTANCE_ATTR, None)
+        if watch is not None:
+            state["speculative_disable"]["acceptance_around_plain"] = watch.view()

@@ -1,0 +1,172 @@
+"""The EAGLE-3 worker's hooks: its threshold or `auto` policy, its plain step (resolved once,
+its hooks installed by need), the zero-step verify's token type, and the step decisions and
+verify results that the acceptance watch pairs.
+
+sglang is imported inside the hooks only: they run in a process that has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang_image_plugin import draft_kv, flags, plain_step, registry, spec_disable
+from sglang_image_plugin.acceptance import AcceptanceAroundPlain
+from sglang_image_plugin.auto_threshold import AutoConfig, AutoController
+from sglang_image_plugin.layout import decided_at_prepare
+from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
+from sglang_image_plugin.targets import hooks_of
+from sglang_image_plugin.tp import broadcast_ints, log_on_rank0, tp_agree, tp_group
+
+# On EAGLEWorkerV2: the controller (auto: the policy), read by the observability hooks.
+CONTROLLER_ATTR = "sglang_image_spec_disable"
+# On EAGLEWorkerV2: `auto` waits for init_cuda_graphs to install its policy.
+AUTO_PENDING_ATTR = "_sglang_image_spec_disable_auto_pending"
+# On EAGLEWorkerV2: the accept length before and after each plain phase (acceptance.py).
+ACCEPTANCE_ATTR = "_sglang_image_acceptance_around_plain"
+
+
+def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER EAGLEWorkerV2.__init__: above the threshold the worker runs upstream's
+    zero-step state; the switch is upstream's AdaptiveController with our policy (for
+    `auto`, installed by worker_init_cuda_graphs, once the server's batch limit is known)."""
+    registry.check_once()
+    server_args = worker.server_args
+    setting = getattr(server_args, flags.SETTING_ATTR, None)
+    if setting is None:  # a launch path that skipped check_server_args
+        setting = flags.resolve_setting(server_args)
+    if not setting.enabled or not worker._hosts_draft:
+        return
+    from sglang.srt.speculative import eagle_worker_v2
+
+    hf_config = worker._draft_worker.draft_runner.model_config.hf_config
+    if eagle_worker_v2._qsa_index_share_requested(hf_config):
+        raise ValueError(
+            f"{spec_disable.THRESHOLD_FLAG} is not supported with a draft that shares QSA "
+            "indices across its steps (index_share_for_mtp_iteration): its index buffers "
+            "belong to one step count (as with --speculative-adaptive)"
+        )
+    setattr(worker, ACCEPTANCE_ATTR, AcceptanceAroundPlain())
+    if setting.threshold == spec_disable.AUTO:
+        setattr(worker, AUTO_PENDING_ATTR, True)
+    else:
+        assert isinstance(setting.threshold, int)
+        controller = spec_disable.SpecDisableController(
+            setting.threshold,
+            setting.hysteresis,
+            log_fn=log_on_rank0,
+        )
+        worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
+            worker, ThresholdPolicy(controller, worker.speculative_num_steps)
+        )
+        setattr(worker, CONTROLLER_ATTR, controller)
+    log_on_rank0(spec_disable.start_log_line(setting.threshold))
+
+
+def trivial_verify_input(original: Callable[..., Any], worker: Any, batch: Any) -> Any:
+    """AROUND EAGLEWorkerV2._build_trivial_verify_input: the zero-step verify's draft
+    token as int64. Upstream roots it at the previous bonus token, which verify()
+    writes as int32; the overlap scheduler's future map hands it back as int64, but
+    the synchronous scheduler (--disable-overlap-schedule) passes verify's own
+    tensor on, and verify_tree_greedy accepts only int64 candidates (it stopped the
+    scheduler at its first plain step)."""
+    verify_input = original(worker, batch)
+    draft_token = getattr(verify_input, "draft_token", None)
+    if draft_token is not None and draft_token.dtype != _int64():
+        verify_input.draft_token = draft_token.to(_int64())
+    return verify_input
+
+
+def _int64() -> Any:
+    import torch
+
+    return torch.int64
+
+
+def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
+    """BEFORE EAGLEWorkerV2.init_cuda_graphs: the memory pools exist, the graphs are not captured
+    yet. Resolves the plain step (plain_step.py), installs the hooks its parts need, wraps the
+    policy for a K/V-only draft (CatchUpPolicy), and for `auto` makes the self-tuning policy (the
+    server's max running requests, its largest bucket, is known now); upstream's
+    init_cuda_graphs then builds both step states for every captured batch size.
+
+    `auto`'s cold start: no prior. Upstream keeps no per-batch-size replay timings (its capture
+    time is graph building, not a step), so the controller starts as always-on EAGLE-3 does and
+    measures the plain mode in each batch-size bucket it meets, at a bounded rate
+    (AutoConfig.explore_steps / explore_gap of the steps)."""
+    auto = bool(getattr(worker, AUTO_PENDING_ATTR, False))
+    if not auto and getattr(worker, CONTROLLER_ATTR, None) is None:
+        return  # no threshold on this worker
+    step = plain_step.resolve(worker, auto)
+    setattr(worker, plain_step.ATTR, step)
+    registry.install(hooks_of(*step.hook_groups()), "plain-step")
+    max_running_requests = int(worker.target_worker.model_runner.max_running_requests)
+    if auto:
+        setattr(worker, AUTO_PENDING_ATTR, False)
+        from sglang.srt.speculative import eagle_worker_v2
+
+        agree = None
+        group = tp_group(worker.server_args)
+        if group is not None:
+            # One bucket layout for all ranks, then rank 0's decisions.
+            max_running_requests = broadcast_ints(group.cpu_group, group.ranks[0],
+                                                  [max_running_requests])[0]
+            buckets = len(AutoConfig(max_batch_size=max_running_requests).edges)
+            agree = tp_agree(group.cpu_group, group.ranks[0], buckets)
+        policy = AutoThresholdPolicy(
+            AutoController(AutoConfig(max_batch_size=max_running_requests), agree=agree),
+            worker.speculative_num_steps,
+            log_fn=log_on_rank0,
+        )
+        worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
+        setattr(worker, CONTROLLER_ATTR, policy)
+        log_on_rank0(
+            f"Speculation crossover: auto, learned online per batch-size bucket up to "
+            f"{max_running_requests} running requests; starting speculative everywhere"
+            + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else ""))
+    adaptive = worker.adaptive_controller
+    if step.kv_only:
+        catch_up = CatchUpPolicy(adaptive.params)
+        adaptive.params = catch_up
+        setattr(worker._draft_worker, draft_kv.KV_ONLY_ATTR, catch_up)
+    for line in step.log_lines():
+        log_on_rank0(line)
+    log_on_rank0(_running_limit_line(worker, max_running_requests))
+
+
+def _running_limit_line(worker: Any, max_running_requests: int) -> str:
+    """How many requests the server runs at once, and why; how far its decode graphs reach."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    decode = resolving_view(worker.server_args).cuda_graph_config.decode
+    sizes = [] if decode.backend == "disabled" else list(decode.bs or [])
+    graphs = (f"decode CUDA graphs up to batch {min(max(sizes), max_running_requests)}" if sizes
+              else "no decode CUDA graphs")
+    why = ("the limit of the same server without speculation: no --max-running-requests"
+           if getattr(worker.server_args, flags.RUNNING_LIMIT_ATTR, False)
+           else "--max-running-requests")
+    return f"Running-request limit {max_running_requests} ({why}); {graphs}"
+
+
+def step_decided(original: Callable[..., Any], worker: Any, batch_size: int, *args: Any,
+                 **kwargs: Any) -> Any:
+    """AROUND EAGLEWorkerV2.activate_step_by_batch: the step count chosen for a decode batch
+    (0: a plain step, the catch-up step included), for the acceptance around plain phases. In
+    the plain layout the step was decided before its batch was prepared: nothing to do here."""
+    if decided_at_prepare(worker):
+        return None
+    result = original(worker, batch_size, *args, **kwargs)
+    watch = getattr(worker, ACCEPTANCE_ATTR, None)
+    if watch is not None:
+        watch.decided(worker.speculative_num_steps > 0, int(batch_size))
+    return result
+
+
+def step_verified(worker: Any, num_correct_drafts_per_req: list[int], *args: Any,
+                  **kwargs: Any) -> None:
+    """BEFORE EAGLEWorkerV2.on_verify_complete_cpu: that batch's accepted drafts per request."""
+    watch = getattr(worker, ACCEPTANCE_ATTR, None)
+    if watch is not None:
+        watch.verified(num_correct_drafts_per_req)
+
+
