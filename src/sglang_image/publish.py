@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import re
 import shutil
 import sys
 import tempfile
@@ -38,8 +37,9 @@ from docker import DockerClient
 from rich.console import Console
 from rich.markup import escape
 
-from sglang_image import docker_engine, dockerbuild, pins, plan, smoke
-from sglang_image.errors import PublishError, SglangImageError
+from sglang_image import docker_engine, dockerbuild, imageref, pins, plan, smoke
+from sglang_image.errors import PublishError, SglangImageError, UsageError
+from sglang_image.imageref import Target, is_loopback
 from sglang_image.labels import LABEL_PREFIX, SBOM_PATH
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -53,18 +53,6 @@ SBOM_LABEL = f"{LABEL_PREFIX}.sbom"
 REQUIRED_LABELS = (VERSION_LABEL, "org.opencontainers.image.revision",
                    "org.opencontainers.image.created", FLAVOR_LABEL)
 DOCKER_CERTS = Path("/etc/docker/certs.d")  # where the engine looks for a registry's CA
-_REGISTRY = re.compile(r"^(?P<host>[A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(?::(?P<port>\d+))?"
-                       r"(?:/(?P<namespace>[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*))?$")
-
-
-@dataclass(frozen=True)
-class Target:
-    registry: str  # host[:port]
-    repository: str  # [namespace/]sglang-image
-
-    @property
-    def name(self) -> str:
-        return f"{self.registry}/{self.repository}"
 
 
 @dataclass(frozen=True)
@@ -80,23 +68,10 @@ class PublishResult:
 
 def parse_registry(text: str, image_name: str = plan.IMAGE_REPO) -> Target:
     """HOST[:PORT][/NAMESPACE] -> Target (the image goes to NAMESPACE/sglang-image)."""
-    if "://" in text or "@" in text:
-        raise PublishError(f"--registry {text!r}: give HOST[:PORT]/NAMESPACE, without a scheme "
-                           "or credentials (they come from `docker login HOST[:PORT]`)")
-    match = _REGISTRY.match(text.rstrip("/"))
-    if match is None:
-        raise PublishError(f"--registry {text!r} is not HOST[:PORT]/NAMESPACE (lower-case "
-                           "namespace), e.g. registry.example.com/team or 127.0.0.1:5000/test")
-    registry = match["host"] + (f":{match['port']}" if match["port"] else "")
-    namespace = match["namespace"]
-    return Target(registry, f"{namespace}/{image_name}" if namespace else image_name)
-
-
-def is_loopback(registry: str) -> bool:
-    """The engine treats 127.0.0.0/8 and localhost as insecure registries (HTTPS, else plain
-    HTTP) without being told: so do we."""
-    host = registry.rsplit(":", 1)[0] if not registry.startswith("[") else registry[1:].split("]")[0]
-    return host in ("localhost", "::1") or host.startswith("127.")
+    try:
+        return imageref.parse_registry(text, image_name)
+    except UsageError as exc:
+        raise PublishError(str(exc)) from None
 
 
 def release_tags(labels: dict[str, str]) -> tuple[str, str]:
