@@ -12,7 +12,19 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sglang_image import build, gpu, lock, patch, patchwork, pins, plugin, publish, smoke, trees
+from sglang_image import (
+    build,
+    deploy,
+    gpu,
+    lock,
+    patch,
+    patchwork,
+    pins,
+    plugin,
+    publish,
+    smoke,
+    trees,
+)
 from sglang_image.errors import SglangImageError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -130,6 +142,7 @@ STAGE_COMMANDS: list[tuple[str, Callable[[list[str]], int], str]] = [
     ("build", build.main, "build a flavor's image through the Docker engine"),
     ("smoke", smoke.main, "smoke-test the built image (full with a GPU, PARTIAL without)"),
     ("publish", publish.main, "push the image, its SBOM and labels to a registry"),
+    ("deploy", deploy.main, "write the Compose and Kubernetes manifests of a published image"),
     ("gpu-e2e", gpu.main, "build the GPU machine's wheel bundle and print the device command"),
     ("plugin-check", plugin.main, "check the plugin's hook targets against an unpacked sglang wheel"),
 ]
