@@ -37,7 +37,16 @@ from docker import DockerClient
 from rich.console import Console
 from rich.markup import escape
 
-from sglang_image import docker_engine, dockerbuild, imageref, pins, plan, smoke
+from sglang_image import (
+    deploy,
+    docker_engine,
+    dockerbuild,
+    imageref,
+    pins,
+    plan,
+    smoke,
+    topology,
+)
 from sglang_image.errors import PublishError, SglangImageError, UsageError
 from sglang_image.imageref import Target, is_loopback
 from sglang_image.labels import LABEL_PREFIX, SBOM_PATH
@@ -442,6 +451,15 @@ def _image_sbom(client: DockerClient, image_id: str, labels: dict[str, str]) -> 
         return dest.read_bytes()
 
 
+def _deploy_settings(flavor: str | None) -> topology.Settings:
+    """The settings of the manifests publish writes (deploy/serve.toml), checked."""
+    try:
+        return deploy.settings(deploy.SETTINGS, {}, flavor)
+    except UsageError as exc:
+        raise UsageError(f"{deploy.SETTINGS}: {exc} (nothing was pushed; fix the file, or "
+                         "publish with --no-deploy)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="nox -s publish --", description=(__doc__ or "").split("\n\n")[0],
@@ -459,8 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fetch-sbom", metavar="REFERENCE",
                         help="fetch the SBOM of REGISTRY/REPOSITORY@sha256:... and exit")
     parser.add_argument("--out", type=Path, default=Path(SBOM_TITLE), help="for --fetch-sbom")
+    parser.add_argument("--deploy-out", type=Path, default=deploy.DEFAULT_OUT,
+                        help="where the Compose and Kubernetes manifests of the pushed digest go "
+                             "(settings: deploy/serve.toml; default: out/deploy)")
+    parser.add_argument("--no-deploy", action="store_true",
+                        help="write no manifests (nox -s deploy writes them later)")
     args = parser.parse_args(argv)
     console = Console(stderr=True, soft_wrap=True)  # references stay whole, to copy
+    serve, written = None, None
     try:
         if args.fetch_sbom:
             path = fetch_sbom(args.fetch_sbom, args.out)
@@ -471,11 +495,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--registry HOST[:PORT]/NAMESPACE is required")
         target = parse_registry(args.registry)
         image = args.image or plan.default_tag(pins.load_flavor(args.flavor))
+        # The manifests' settings, checked before anything is pushed.
+        serve = None if args.no_deploy else _deploy_settings(
+            args.flavor or (None if args.image else pins.DEFAULT_FLAVOR))
+        deploy_out = None if args.no_deploy else deploy.check_out(args.deploy_out)
         verify = DockerClient(base_url=args.verify_host) if args.verify_host else None
         result = publish(docker_engine.connect().client, image, target,
                          allow_partial_smoke=args.allow_partial_smoke,
                          records_dir=args.smoke_records, verify_client=verify,
                          log=lambda m: console.print(escape(m), highlight=False))
+        if serve is not None and deploy_out is not None:
+            written = deploy.deploy(serve, result.reference, deploy_out)
     except (SglangImageError, docker.errors.DockerException) as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return exc.exit_code if isinstance(exc, SglangImageError) else PublishError.exit_code
@@ -483,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
                   + "".join(f"[bold green]tag[/]    {t}\n" for t in result.tags)
                   + f"[bold green]SBOM[/]   {result.sbom_reference} ({result.sbom_digest})",
                   highlight=False)
+    if serve is not None and written is not None:
+        console.print(f"[bold green]deploy[/] {escape(str(written))}\n"
+                      + "".join(f"  {escape(line)}\n" for line in deploy.apply_hint(written, serve)),
+                      highlight=False, end="")
     print(result.digest)  # stdout: the digest alone, for scripts
     return 0
 
