@@ -1,0 +1,169 @@
+"""The real sglang-router (the PyPI package, the version the image carries) with the flags the
+router topology renders, on loopback in front of two stand-in SGLang servers: it routes, it
+survives a server's death, and health flows from the servers to the router's readiness (what
+its Kubernetes readiness probe and Compose healthcheck read)."""
+from __future__ import annotations
+
+import importlib.util
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from sglang_image import topology
+from tests.deploy_checks import flags, need
+from tests.sglang_workers import Worker, workers
+
+DEADLINE_S = 60  # each wait below; the router checks health every second here
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(what: str, check: Callable[[], bool], log: Path) -> None:
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        try:
+            if check():
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"not within {DEADLINE_S}s: {what}\n{log.read_text()[-3000:]}")
+
+
+def loopback_argv(rendered: tuple[str, ...], urls: dict[str, str], port: int,
+                  metrics: int) -> list[str]:
+    """The rendered router flags with the servers' and the router's addresses on loopback."""
+    values = {"--host": "127.0.0.1", "--port": str(port), "--prometheus-host": "127.0.0.1",
+              "--prometheus-port": str(metrics)}
+    argv, flag = [], ""
+    for arg in rendered:
+        if arg.startswith("--"):
+            flag = arg
+            argv.append(arg)
+        else:
+            argv.append(values.get(flag, urls.get(arg, arg)))
+    # The health checks' pace: every second here (the rendered interval, in seconds, stays).
+    return [*argv, "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+            "--health-success-threshold", "1"]
+
+
+class Router:
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        r = requests.get(f"{self.base}/readiness", timeout=5)
+        return r.status_code, r.json()
+
+    def healthy(self) -> dict[str, bool]:
+        listed = requests.get(f"{self.base}/workers", timeout=5).json()["workers"]
+        return {w["url"]: w["is_healthy"] for w in listed}
+
+    def generate(self, text: str) -> requests.Response:
+        return requests.post(f"{self.base}/generate", timeout=30,
+                             json={"text": text, "sampling_params": {"max_new_tokens": 1}})
+
+
+@contextmanager
+def router_process(argv: list[str], log: Path) -> Iterator[Router]:
+    if importlib.util.find_spec("sglang_router") is None:
+        need("sglang-router", "the test dependency group installs it")
+    port = argv[argv.index("--port") + 1]
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", topology.ROUTER_MODULE, *argv],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        router = Router(f"http://127.0.0.1:{port}")
+        wait_until("the router answers /liveness",
+                   lambda: requests.get(f"{router.base}/liveness", timeout=2).ok, log)
+        yield router
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_rendered_router_routes_survives_a_death_and_reports_health(tmp_path: Path) -> None:
+    s = topology.check(topology.Settings(model_path="m", draft_model_path="d", replicas=2))
+    rendered = topology.router_args(s, "kubernetes")
+    log = tmp_path / "router.log"
+    with workers("worker-0", "worker-1") as (first, second):
+        second.healthy = False  # still loading its model: SGLang answers /health with 503
+        urls = dict(zip(topology.worker_urls(s, "kubernetes"), (first.url, second.url),
+                        strict=True))
+        argv = loopback_argv(rendered, urls, free_port(), free_port())
+        assert flags(argv)["--worker-urls"] == [first.url, second.url]
+        with router_process(argv, log) as router:
+            # Health flows: ready with the one healthy server; the starting one waits outside.
+            wait_until("ready with one healthy server",
+                       lambda: router.readiness() == (200, {"status": "ready",
+                                                            "healthy_workers": 1,
+                                                            "total_workers": 1}), log)
+            for i in range(4):
+                reply = router.generate(f"early {i}")
+                assert reply.status_code == 200 and reply.json()["text"] == f"worker-0: early {i}"
+            second.healthy = True
+            wait_until("the second server joins once healthy",
+                       lambda: router.healthy() == {first.url: True, second.url: True}, log)
+            # It routes: distinct prompts, each answered by a server, the text passed through.
+            for i in range(8):
+                reply = router.generate(f"prompt {i} " * (i + 1))
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["text"].split(": ", 1)[1] == f"prompt {i} " * (i + 1)
+            assert first.generated() + second.generated() == 12
+            # A server dies: every request still gets an answer, from the other one.
+            before = second.generated()
+            first.stop()
+            for i in range(6):
+                reply = router.generate(f"after {i}")
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["text"] == f"worker-1: after {i}"
+            assert second.generated() == before + 6
+            wait_until("the dead server is marked unhealthy",
+                       lambda: router.healthy() == {first.url: False, second.url: True}, log)
+            assert router.readiness()[0] == 200
+            # The last healthy one falls ill: the router is not ready (its probe takes it out of
+            # the Service) and says why.
+            second.healthy = False
+            wait_until("not ready without a healthy server",
+                       lambda: router.readiness()[0] == 503, log)
+            assert router.readiness()[1]["reason"] == "insufficient healthy workers"
+            assert router.generate("nobody").status_code == 503
+            # A server back on its address (a restarted pod) is routed to again.
+            back = Worker("worker-0-restarted", first.port)
+            try:
+                wait_until("ready again", lambda: router.readiness()[0] == 200, log)
+                reply = router.generate("welcome back")
+                assert reply.json()["text"] == "worker-0-restarted: welcome back"
+            finally:
+                back.stop()
+    # What the router asked of a server: health, then its metadata, then the requests it routed.
+    asked = first.paths()
+    assert {"/health", "/generate"} <= asked
+    assert asked & {"/server_info", "/get_server_info"} and asked & {"/model_info",
+                                                                     "/get_model_info"}
+
+
+def test_the_stand_in_dies_as_a_crashed_server(tmp_path: Path) -> None:
+    """Stopping a stand-in closes its kept-alive connections too (else a router would keep
+    reaching a 'dead' server through them and the test above could not fail)."""
+    with workers("w") as (w,), requests.Session() as session:
+        assert session.get(f"{w.url}/health", timeout=5).status_code == 200
+        w.stop()
+        with pytest.raises(requests.ConnectionError):
+            session.get(f"{w.url}/health", timeout=5)
