@@ -10,17 +10,18 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
-
-MODEL = "stand-in-model"
 
 
 class Worker:
     """One stand-in server on 127.0.0.1:`port` (0: any free port); `healthy` is what /health
-    answers; `stop()` closes the port, as a crashed server's would be."""
+    answers; `stop()` closes the port, as a crashed server's would be. `model`: the model path it
+    reports, where the router looks for the tokenizer (a folder that exists: never a hub name)."""
 
-    def __init__(self, name: str, port: int = 0) -> None:
+    def __init__(self, name: str, model: Path, port: int = 0) -> None:
         self.name = name
+        self.model = str(model)
         self.healthy = True
         self.requests: list[tuple[str, str]] = []  # (method, path), in order
         self._lock = threading.Lock()
@@ -92,12 +93,13 @@ class Worker:
                 if path in ("/health", "/health_generate"):
                     self._send(200 if worker.healthy else 503, {})
                 elif path in ("/model_info", "/get_model_info"):
-                    self._send(200, {"model_path": MODEL, "tokenizer_path": MODEL,
+                    self._send(200, {"model_path": worker.model, "tokenizer_path": worker.model,
                                      "is_generation": True})
                 elif path in ("/server_info", "/get_server_info"):
-                    self._send(200, {"tp_size": 1, "dp_size": 1, "model_path": MODEL})
+                    self._send(200, {"tp_size": 1, "dp_size": 1, "model_path": worker.model})
                 elif path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+                    self._send(200, {"object": "list",
+                                     "data": [{"id": worker.model, "object": "model"}]})
                 else:
                     self._send(404, {"error": f"no {path} here"})
 
@@ -117,8 +119,8 @@ class Worker:
 
 
 @contextmanager
-def workers(*names: str) -> Iterator[list[Worker]]:
-    started = [Worker(name) for name in names]
+def workers(model: Path, *names: str) -> Iterator[list[Worker]]:
+    started = [Worker(name, model) for name in names]
     try:
         yield started
     finally:

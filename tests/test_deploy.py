@@ -119,6 +119,12 @@ def test_router_and_its_workers(tmp_path: Path, replicas: int) -> None:
     # It waits for the servers as long as they may take to start.
     assert router_flags["--worker-startup-timeout-secs"] == [str(30 * 60)]
     assert rc["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    # The servers report their model as /models/...: the router reads the tokenizer there, from
+    # the same claim, read-only (else it would look for it on a hub).
+    (mount,) = rc["volumeMounts"]
+    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert router["volumes"] == [{"name": "models", "persistentVolumeClaim": {
+        "claimName": "sglang-models", "readOnly": True}}]
     service = objects[("Service", "sglang")]["spec"]
     assert service["selector"].items() <= objects[("Deployment", "sglang-router")]["spec"][
         "template"]["metadata"]["labels"].items()
@@ -262,6 +268,7 @@ def test_compose_files_through_compose_v2(tmp_path: Path) -> None:
     assert sorted(depends) == ["sglang-worker-0", "sglang-worker-1"]
     assert {dep["condition"] for dep in depends.values()} == {"service_healthy"}
     assert router["sglang-router"]["entrypoint"][1:] == ["-m", "sglang_router.launch_router"]
+    assert router["sglang-router"]["volumes"] == router["sglang-worker-0"]["volumes"]
     # Compose itself refuses a broken file (the check can fail).
     text = (out / "compose.yaml").read_text().replace("shm_size: 8g", "shm_size: eight")
     (tmp_path / "broken.yaml").write_text(text)

@@ -5,6 +5,7 @@ its Kubernetes readiness probe and Compose healthcheck read)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -43,8 +44,10 @@ def wait_until(what: str, check: Callable[[], bool], log: Path) -> None:
 
 
 def loopback_argv(rendered: tuple[str, ...], urls: dict[str, str], port: int,
-                  metrics: int) -> list[str]:
-    """The rendered router flags with the servers' and the router's addresses on loopback."""
+                  metrics: int, *, fast_health: bool) -> list[str]:
+    """The rendered router flags with the servers' and the router's addresses on loopback and,
+    with `fast_health`, the health checks every second (the rendered pace is 10 s) and an open
+    circuit closed after 2 s (60 s)."""
     values = {"--host": "127.0.0.1", "--port": str(port), "--prometheus-host": "127.0.0.1",
               "--prometheus-port": str(metrics)}
     argv, flag = [], ""
@@ -54,9 +57,10 @@ def loopback_argv(rendered: tuple[str, ...], urls: dict[str, str], port: int,
             argv.append(arg)
         else:
             argv.append(values.get(flag, urls.get(arg, arg)))
-    # The health checks' pace: every second here (the rendered interval, in seconds, stays).
-    return [*argv, "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-            "--health-success-threshold", "1"]
+    if fast_health:  # and an open circuit closes after 2 s, not 60
+        argv += ["--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                 "--health-success-threshold", "1", "--cb-timeout-duration-secs", "2"]
+    return argv
 
 
 class Router:
@@ -81,9 +85,12 @@ def router_process(argv: list[str], log: Path) -> Iterator[Router]:
     if importlib.util.find_spec("sglang_router") is None:
         need("sglang-router", "the test dependency group installs it")
     port = argv[argv.index("--port") + 1]
+    # Nothing leaves this machine: were the router to look for a tokenizer on a hub, it would
+    # ask a closed port on loopback (the test then fails on its log).
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", topology.ROUTER_MODULE, *argv],
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         router = Router(f"http://127.0.0.1:{port}")
         wait_until("the router answers /liveness",
@@ -96,18 +103,53 @@ def router_process(argv: list[str], log: Path) -> Iterator[Router]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    # It read the servers' tokenizer where they report their model (a local folder here, the
+    # models volume in the manifests), and asked no hub for it.
+    assert "HuggingFace" not in log.read_text() and "Loading tokenizer" in log.read_text()
 
 
-def test_the_rendered_router_routes_survives_a_death_and_reports_health(tmp_path: Path) -> None:
-    s = topology.check(topology.Settings(model_path="m", draft_model_path="d", replicas=2))
-    rendered = topology.router_args(s, "kubernetes")
-    log = tmp_path / "router.log"
-    with workers("worker-0", "worker-1") as (first, second):
+def start(tmp_path: Path, servers: list[Worker], *, fast_health: bool
+          ) -> tuple[list[str], Path]:
+    s = topology.check(topology.Settings(model_path="m", draft_model_path="d",
+                                         replicas=len(servers)))
+    urls = dict(zip(topology.worker_urls(s, "kubernetes"), (w.url for w in servers),
+                    strict=True))
+    argv = loopback_argv(topology.router_args(s, "kubernetes"), urls, free_port(), free_port(),
+                         fast_health=fast_health)
+    assert flags(argv)["--worker-urls"] == [w.url for w in servers]
+    return argv, tmp_path / "router.log"
+
+
+def test_a_server_death_costs_no_request(tmp_path: Path) -> None:
+    """At the rendered pace (a health check every 10 s): the requests that meet a dead server are
+    retried on the live one at once, none fails. (With the router's default circuit breaker, 10
+    failures where a request makes 5 attempts, the first two after a death fail.)"""
+    with workers(tmp_path, "worker-0", "worker-1") as servers:
+        argv, log = start(tmp_path, servers, fast_health=False)
+        with router_process(argv, log) as router:
+            wait_until("both servers healthy", lambda: router.readiness()[1].get(
+                "healthy_workers") == 2, log)
+            for i in range(6):
+                assert router.generate(f"warm {i}").status_code == 200
+            busy, other = sorted(servers, key=Worker.generated, reverse=True)
+            assert busy.generated() > 0
+            served = other.generated()
+            busy.stop()
+            for i in range(8):
+                reply = router.generate(f"after {i}")
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["text"] == f"{other.name}: after {i}"
+            assert other.generated() == served + 8
+
+
+
+
+def test_health_flows_from_the_servers_to_the_router(tmp_path: Path) -> None:
+    """Health checks every second here: a server joins once healthy, is routed to, leaves when
+    it dies, the router is not ready without a healthy server, and a restarted one comes back."""
+    with workers(tmp_path, "worker-0", "worker-1") as (first, second):
         second.healthy = False  # still loading its model: SGLang answers /health with 503
-        urls = dict(zip(topology.worker_urls(s, "kubernetes"), (first.url, second.url),
-                        strict=True))
-        argv = loopback_argv(rendered, urls, free_port(), free_port())
-        assert flags(argv)["--worker-urls"] == [first.url, second.url]
+        argv, log = start(tmp_path, [first, second], fast_health=True)
         with router_process(argv, log) as router:
             # Health flows: ready with the one healthy server; the starting one waits outside.
             wait_until("ready with one healthy server",
@@ -145,11 +187,12 @@ def test_the_rendered_router_routes_survives_a_death_and_reports_health(tmp_path
             assert router.readiness()[1]["reason"] == "insufficient healthy workers"
             assert router.generate("nobody").status_code == 503
             # A server back on its address (a restarted pod) is routed to again.
-            back = Worker("worker-0-restarted", first.port)
+            back = Worker("worker-0-restarted", tmp_path, first.port)
             try:
                 wait_until("ready again", lambda: router.readiness()[0] == 200, log)
-                reply = router.generate("welcome back")
-                assert reply.json()["text"] == "worker-0-restarted: welcome back"
+                wait_until("routed to again (once its circuit closes)",
+                           lambda: router.generate("welcome back").json().get("text")
+                           == "worker-0-restarted: welcome back", log)
             finally:
                 back.stop()
     # What the router asked of a server: health, then its metadata, then the requests it routed.
@@ -162,7 +205,7 @@ def test_the_rendered_router_routes_survives_a_death_and_reports_health(tmp_path
 def test_the_stand_in_dies_as_a_crashed_server(tmp_path: Path) -> None:
     """Stopping a stand-in closes its kept-alive connections too (else a router would keep
     reaching a 'dead' server through them and the test above could not fail)."""
-    with workers("w") as (w,), requests.Session() as session:
+    with workers(tmp_path, "w") as (w,), requests.Session() as session:
         assert session.get(f"{w.url}/health", timeout=5).status_code == 200
         w.stop()
         with pytest.raises(requests.ConnectionError):

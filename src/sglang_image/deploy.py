@@ -70,8 +70,7 @@ def _compose_server(s: Settings, image: str, args: Sequence[str], gpus: Sequence
         "user": "1000:1000",
         "shm_size": _docker_size(s.shm_size),
         "environment": dict(ENV),
-        "volumes": [{"type": "bind", "source": s.models_dir, "target": MODELS_MOUNT,
-                     "read_only": True}],
+        "volumes": [_models_bind(s)],
         "ulimits": {"memlock": -1, "stack": 67108864},
         "deploy": {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "device_ids": list(gpus), "capabilities": ["gpu"]}]}}},
@@ -79,6 +78,10 @@ def _compose_server(s: Settings, image: str, args: Sequence[str], gpus: Sequence
                         "retries": 3, "start_period": f"{s.startup_minutes}m"},
         "restart": "unless-stopped",
     }
+
+
+def _models_bind(s: Settings) -> dict[str, Any]:
+    return {"type": "bind", "source": s.models_dir, "target": MODELS_MOUNT, "read_only": True}
 
 
 def _docker_size(quantity: str) -> str:
@@ -105,6 +108,8 @@ def compose_router(s: Settings, image: str) -> dict[str, Any]:
         "entrypoint": [PYTHON, "-m", ROUTER_MODULE],
         "command": list(router.args),
         "user": "1000:1000",
+        # the servers' tokenizer, read where they report it (else the router asks a hub)
+        "volumes": [_models_bind(s)],
         "ports": [f"{SERVER_PORT}:{SERVER_PORT}"],
         "depends_on": {name: {"condition": "service_healthy"} for name in services},
         "healthcheck": {"test": ["CMD", PYTHON, "-c", _READINESS],
@@ -142,17 +147,23 @@ def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int) -> dict
         "env": [{"name": k, "value": v} for k, v in ENV.items()],
         "ports": [{"name": "http", "containerPort": SERVER_PORT}],
         "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}},
-        "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True},
-                         {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [_MODELS_MOUNT, {"name": "dshm", "mountPath": "/dev/shm"}],
         "startupProbe": _probe("/health", 10, s.startup_minutes * 6),
         "readinessProbe": _probe("/health", 10, 3),
         "livenessProbe": _probe("/health", 30, 10, timeout=10),
         "securityContext": _CONTAINER_SECURITY,
     }
     return _pod(container, volumes=[
-        {"name": "models", "persistentVolumeClaim": {"claimName": s.models_claim,
-                                                     "readOnly": True}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.shm_size}}])
+        _models_volume(s), {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                          "sizeLimit": s.shm_size}}])
+
+
+_MODELS_MOUNT = {"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}
+
+
+def _models_volume(s: Settings) -> dict[str, Any]:
+    return {"name": "models", "persistentVolumeClaim": {"claimName": s.models_claim,
+                                                        "readOnly": True}}
 
 
 def _pod(container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -162,7 +173,7 @@ def _pod(container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, 
         "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
-        **({"volumes": volumes} if volumes else {}),
+        "volumes": volumes,
     }
 
 
@@ -224,6 +235,9 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
         "ports": [{"name": "http", "containerPort": SERVER_PORT},
                   {"name": "metrics", "containerPort": ROUTER_METRICS_PORT}],
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        "env": [{"name": k, "value": v} for k, v in ENV.items()],
+        # the servers' tokenizer, read where they report it (else the router asks a hub)
+        "volumeMounts": [_MODELS_MOUNT],
         "readinessProbe": _probe("/readiness", 5, 3),  # 503 until a server is healthy
         "livenessProbe": _probe("/liveness", 10, 3),
         "securityContext": _CONTAINER_SECURITY,
@@ -231,7 +245,8 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(f"{NAME}-router", "router"),
         "spec": {"replicas": 1, "selector": {"matchLabels": router_sel},
-                 "template": {"metadata": {"labels": router_sel}, "spec": _pod(container, [])}},
+                 "template": {"metadata": {"labels": router_sel},
+                              "spec": _pod(container, [_models_volume(s)])}},
     }
     return {"workers.yaml": [_service("worker", name=WORKER, headless=True), statefulset, budget],
             "router.yaml": [deployment, _service("router")]}

@@ -269,11 +269,16 @@ def worker_urls(s: Settings, platform: Platform) -> tuple[str, ...]:
 
 
 def router_args(s: Settings, platform: Platform) -> tuple[str, ...]:
-    """sglang-router's flags: the workers, and a start-up wait as long as theirs."""
+    """sglang-router's flags: the workers, a start-up wait as long as theirs, a health check
+    every 10 s (a server that stops answering is out after three), and a circuit that opens
+    after 3 failed attempts, fewer than the 5 attempts of one request: a request that meets a
+    dead server is retried on a live one (with the default 10, the next requests fail until the
+    health check catches up)."""
     return ("--worker-urls", *worker_urls(s, platform), "--host", "0.0.0.0",
             "--port", str(SERVER_PORT), "--policy", "cache_aware",
             "--worker-startup-timeout-secs", str(s.startup_minutes * 60),
-            "--health-check-endpoint", "/health",
+            "--health-check-endpoint", "/health", "--health-check-interval-secs", "10",
+            "--cb-failure-threshold", "3",
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT))
 
 
