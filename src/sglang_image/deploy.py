@@ -108,6 +108,7 @@ def compose_router(s: Settings, image: str) -> dict[str, Any]:
         "entrypoint": [PYTHON, "-m", ROUTER_MODULE],
         "command": list(router.args),
         "user": "1000:1000",
+        "environment": dict(ENV),
         # the servers' tokenizer, read where they report it (else the router asks a hub)
         "volumes": [_models_bind(s)],
         "ports": [f"{SERVER_PORT}:{SERVER_PORT}"],
