@@ -294,6 +294,9 @@ def render(s: Settings, image: str) -> dict[str, str]:
     """Relative path -> text of every file for checked settings and an image by digest."""
     header = (f"# Rendered by `nox -s deploy` for {image}\n"
               "# from deploy/serve.toml and its options: do not edit, render again.\n")
+    if image == EXAMPLE_IMAGE:
+        header += ("# An example image: render yours with `nox -s deploy -- --digest sha256:... "
+                   "--registry HOST/NAMESPACE`.\n")
     files: dict[str, str] = {}
     if "single" in s.topologies:
         files["compose.yaml"] = _yaml([compose_single(s, image)], header)
