@@ -24,8 +24,8 @@ COMPOSE_PLUGIN_DIRS = [
     pins.REPO_ROOT / ".cache" / "engines" / "trixie" / "usr" / "libexec" / "docker" / "cli-plugins",
     Path("/usr/libexec/docker/cli-plugins"), Path("/usr/local/lib/docker/cli-plugins"),
 ]
-# The Kubernetes releases the manifests must be valid for: the oldest that kubernetes-validate
-# carries among those still maintained by the providers we target, and the newest it carries.
+# The Kubernetes releases the manifests must be valid for: 1.30 (nothing newer is used: the
+# PodDisruptionBudget and every field here are older) and the newest kubernetes-validate carries.
 KUBERNETES_VERSIONS = ("1.30", kubernetes_validate.latest_version())
 
 

@@ -85,7 +85,7 @@ def router_process(argv: list[str], log: Path) -> Iterator[Router]:
     if importlib.util.find_spec("sglang_router") is None:
         need("sglang-router", "the test dependency group installs it")
     port = argv[argv.index("--port") + 1]
-    # Nothing leaves this machine: were the router to look for a tokenizer on a hub, it would
+    # Nothing leaves the host: were the router to look for a tokenizer on a hub, it would
     # ask a closed port on loopback (the test then fails on its log).
     env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
     with log.open("w") as out:
