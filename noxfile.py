@@ -107,6 +107,13 @@ def publish(session: nox.Session) -> None:
     _run(session, "publish")
 
 
+@nox.session(default=False)
+def deploy(session: nox.Session) -> None:
+    """Write the Compose file and Kubernetes manifests of a published image (-- --digest sha256:... --registry HOST/NAMESPACE)."""
+    _install(session)
+    _run(session, "deploy")
+
+
 @nox.session(name="gpu-e2e", default=False)
 def gpu_e2e(session: nox.Session) -> None:
     """Prepare the wheel bundle for a GPU host without Docker and print the command to run there."""

@@ -56,8 +56,8 @@ def test_an_unknown_flavor_stops_the_parse_with_its_exit_code(
 
 
 def test_help_of_every_command_is_in_nox_terms(capsys: pytest.CaptureFixture[str]) -> None:
-    for command in ("build", "base", "engine", "smoke", "publish", "gpu-e2e", "plugin-check",
-                    "patches", "lock"):
+    for command in ("build", "base", "engine", "smoke", "publish", "deploy", "gpu-e2e",
+                    "plugin-check", "patches", "lock"):
         with pytest.raises(SystemExit):
             cli.main([command, "--help"])
         out = capsys.readouterr().out
@@ -129,6 +129,7 @@ def test_only_main_turns_an_error_into_an_exit_code(monkeypatch: pytest.MonkeyPa
     assert cli.main(["build"]) == DockerUnavailableError.exit_code
     assert f"error: no engine for {pins.DEFAULT_FLAVOR}" in capsys.readouterr().err
     # no stage catches it on its own: each exposes run(flavor, options), none a main
-    for module in ("build", "base", "smoke", "publish", "gpu", "docker_engine", "plugin"):
+    for module in ("build", "base", "smoke", "publish", "deploy", "gpu", "docker_engine",
+                   "plugin"):
         source = (pins.REPO_ROOT / "src" / "sglang_image" / f"{module}.py").read_text()
         assert not re.search(r"def main\(|return \w+\.exit_code", source), module

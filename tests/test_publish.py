@@ -217,8 +217,12 @@ def test_publish_to_an_open_registry(docker_client: DockerClient, open_registry:
     with publish.fresh_engine() as second:
         assert cli.main(["publish", "--registry", f"{open_registry.address}/team", "--image",
                          tiny_image.tag, "--smoke-records", str(records),
-                         "--verify-host", second.host]) == 0
+                         "--verify-host", second.host,
+                         "--deploy-out", str(tmp_path / "deploy")]) == 0
         assert second.client.images.get(result.reference).id == tiny_image.image_id
+        # The deployment manifests run what was pushed, by its digest.
+        compose = (tmp_path / "deploy" / "compose.yaml").read_text()
+        assert f"image: {result.reference}\n" in compose
         other = {**docker_client.images.get(tiny_image.tag).attrs, "Id": "sha256:" + "0" * 64}
         with pytest.raises(PublishError, match="differs from the local image in image ID"):
             publish.verify_pull(second.client, result.reference, other)
@@ -244,7 +248,8 @@ def test_publish_with_the_credentials_of_docker_login(
         _login(tmp_path, monkeypatch, auth_registry.address, PASSWORD)
     target = publish.parse_registry(f"{auth_registry.address}/private")
     code = cli.main(["publish", "--registry", f"{auth_registry.address}/private", "--image",
-                     tiny_image.tag, "--smoke-records", str(records)])
+                     tiny_image.tag, "--smoke-records", str(records),
+                     "--deploy-out", str(tmp_path / "deploy")])
     out, err = capsys.readouterr()
     assert code == 0, err
     digest = out.strip()
@@ -363,7 +368,7 @@ def test_publish_refuses_an_image_without_a_passed_smoke(
         docker_client: DockerClient, open_registry: Registry, tiny_image: TinyImage,
         records: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--registry", f"{open_registry.address}/gate", "--image", tiny_image.tag,
-            "--smoke-records", str(records)]
+            "--smoke-records", str(records), "--no-deploy"]
     assert cli.main(["publish", *argv]) == PublishError.exit_code
     assert f"nox -s smoke -- --image {tiny_image.tag}" in capsys.readouterr().err
     _record(records, tiny_image.image_id, "partial")

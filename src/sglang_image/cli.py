@@ -24,8 +24,10 @@ from rich.markup import escape
 from sglang_image import (
     base,
     build,
+    deploy,
     docker_engine,
     gpu,
+    imageref,
     lock,
     patch,
     patchwork,
@@ -33,10 +35,11 @@ from sglang_image import (
     plugin,
     publish,
     smoke,
+    topology,
     trees,
 )
 from sglang_image.errors import PARTIAL_EXIT_CODE, SglangImageError, UsageError, exit_code_table
-from sglang_image.plan import BuildOptions
+from sglang_image.plan import IMAGE_REPO, BuildOptions
 
 console = Console(highlight=False, soft_wrap=True)
 error_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -177,6 +180,11 @@ def _add_publish(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--fetch-sbom", metavar="REFERENCE",
                    help="fetch the SBOM of REGISTRY/REPOSITORY@sha256:... and exit")
     p.add_argument("--out", type=Path, default=Path(publish.SBOM_TITLE), help="for --fetch-sbom")
+    p.add_argument("--deploy-out", type=Path, default=deploy.DEFAULT_OUT,
+                   help="where the Compose and Kubernetes manifests of the pushed digest go "
+                        "(settings: deploy/serve.toml; default: out/deploy)")
+    p.add_argument("--no-deploy", action="store_true",
+                   help="write no manifests (nox -s deploy writes them later)")
     p.set_defaults(func=_publish)
 
 
@@ -188,7 +196,45 @@ def _publish(a: argparse.Namespace) -> int:
                          "REFERENCE)")
     return publish.run(a.flavor, publish.PublishOptions(
         target=a.registry, image=a.image, allow_partial_smoke=a.allow_partial_smoke,
-        verify_host=a.verify_host, smoke_records=a.smoke_records))
+        verify_host=a.verify_host, smoke_records=a.smoke_records,
+        deploy_out=None if a.no_deploy else a.deploy_out))
+
+
+# --- deploy -------------------------------------------------------------------------------------
+
+def _add_deploy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _stage_parser(sub, "deploy", "write the Compose and Kubernetes manifests of a published image",
+                      (deploy.__doc__ or "").split("\n\n")[0])
+    p.add_argument("--digest", type=imageref.parse_digest,
+                   help="the image's digest, sha256:... (what `nox -s publish` printed)")
+    p.add_argument("--registry", type=lambda text: imageref.parse_registry(text, IMAGE_REPO),
+                   metavar="HOST[:PORT]/NAMESPACE", help="where it was published")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"where to write (default: {deploy.DEFAULT_OUT.relative_to(pins.REPO_ROOT)}"
+                        "; a folder of an earlier rendering is replaced)")
+    p.add_argument("--settings", type=Path, default=deploy.SETTINGS,
+                   help="the settings file (default: deploy/serve.toml)")
+    add_flavor(p, "the image's flavor, where known (`--threshold auto` is refused for one without "
+                  "it)", default_help="none, the threshold is not checked against a flavor")
+    p.add_argument("--topology", action="append", choices=topology.TOPOLOGIES,
+                   help="render only this topology (repeat for more; default: those of the "
+                        "settings file)")
+    for name, (kind, text) in deploy.OPTIONS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=text)
+    p.add_argument("--server-arg", action="append", dest="server_args", metavar="ARG",
+                   help="one more SGLang server flag for every server, e.g. "
+                        "--server-arg=--mem-fraction-static=0.85 (repeat for more)")
+    # maintainers: deploy/example, for an example image (MAINTAINING.md)
+    p.add_argument("--example", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=_deploy)
+
+
+def _deploy(a: argparse.Namespace) -> int:
+    overrides = {name: getattr(a, name) for name in (*deploy.OPTIONS, "server_args")}
+    overrides["topologies"] = a.topology
+    image = a.registry.by_digest(a.digest) if a.registry and a.digest else None
+    return deploy.run(a.flavor, deploy.DeployOptions(
+        image=image, out=a.out, settings=a.settings, overrides=overrides, example=a.example))
 
 
 # --- gpu-e2e ------------------------------------------------------------------------------------
@@ -363,8 +409,8 @@ def _add_lock(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 # --- the command line -----------------------------------------------------------------------------
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...] = (
-    _add_build, _add_base, _add_engine, _add_smoke, _add_publish, _add_gpu_e2e, _add_plugin_check,
-    _add_patches, _add_lock,
+    _add_build, _add_base, _add_engine, _add_smoke, _add_publish, _add_deploy, _add_gpu_e2e,
+    _add_plugin_check, _add_patches, _add_lock,
 )
 
 

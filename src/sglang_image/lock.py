@@ -4,6 +4,8 @@ The lock is pip's requirements format with `--hash` lines, resolved by `uv pip c
 --generate-hashes` for the flavor's Python and platform, so the image build installs with
 `pip install --require-hashes --no-deps` and never resolves. Entries that come from an index this
 machine cannot reach are written as `# unverified:` comments (and the lock is then incomplete).
+A lock already there seeds the resolution: every pin the requirements still allow is kept, so
+adding a requirement changes only what it brings (uv prefers the pins of its output file).
 """
 from __future__ import annotations
 
@@ -148,6 +150,8 @@ def _compile(flavor: Flavor, requirements: list[str], extra_indexes: list[str],
         req = Path(tmp) / "flavor-requirements.in"
         req.write_text("\n".join(requirements) + "\n")
         out = Path(tmp) / "lock.txt"
+        if flavor.lock_path.is_file():  # uv keeps the pins of an existing output file
+            shutil.copyfile(flavor.lock_path, out)
         # Relative paths, run from the temp dir: the lock's "# via -r ..." lines stay stable.
         cmd = [_uv(), "pip", "compile", req.name, "--python-version", flavor.python_version,
                "--python-platform", tag, "--generate-hashes", "--no-header",

@@ -18,7 +18,6 @@ SBOM travels through the `oras` client (token and basic auth as the registry ask
 from __future__ import annotations
 
 import hashlib
-import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -36,8 +35,9 @@ from docker import DockerClient
 from rich.console import Console
 from rich.markup import escape
 
-from sglang_image import docker_engine, dockerbuild, plan, smoke
-from sglang_image.errors import PublishError, SglangImageError
+from sglang_image import deploy, docker_engine, dockerbuild, imageref, plan, smoke, topology
+from sglang_image.errors import PublishError, SglangImageError, UsageError
+from sglang_image.imageref import Target, is_loopback
 from sglang_image.labels import LABEL_PREFIX, SBOM_PATH
 from sglang_image.pins import Flavor
 
@@ -52,18 +52,6 @@ SBOM_LABEL = f"{LABEL_PREFIX}.sbom"
 REQUIRED_LABELS = (VERSION_LABEL, "org.opencontainers.image.revision",
                    "org.opencontainers.image.created", FLAVOR_LABEL)
 DOCKER_CERTS = Path("/etc/docker/certs.d")  # where the engine looks for a registry's CA
-_REGISTRY = re.compile(r"^(?P<host>[A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(?::(?P<port>\d+))?"
-                       r"(?:/(?P<namespace>[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*))?$")
-
-
-@dataclass(frozen=True)
-class Target:
-    registry: str  # host[:port]
-    repository: str  # [namespace/]sglang-image
-
-    @property
-    def name(self) -> str:
-        return f"{self.registry}/{self.repository}"
 
 
 @dataclass(frozen=True)
@@ -79,23 +67,10 @@ class PublishResult:
 
 def parse_registry(text: str, image_name: str = plan.IMAGE_REPO) -> Target:
     """HOST[:PORT][/NAMESPACE] -> Target (the image goes to NAMESPACE/sglang-image)."""
-    if "://" in text or "@" in text:
-        raise PublishError(f"--registry {text!r}: give HOST[:PORT]/NAMESPACE, without a scheme "
-                           "or credentials (they come from `docker login HOST[:PORT]`)")
-    match = _REGISTRY.match(text.rstrip("/"))
-    if match is None:
-        raise PublishError(f"--registry {text!r} is not HOST[:PORT]/NAMESPACE (lower-case "
-                           "namespace), e.g. registry.example.com/team or 127.0.0.1:5000/test")
-    registry = match["host"] + (f":{match['port']}" if match["port"] else "")
-    namespace = match["namespace"]
-    return Target(registry, f"{namespace}/{image_name}" if namespace else image_name)
-
-
-def is_loopback(registry: str) -> bool:
-    """The engine treats 127.0.0.0/8 and localhost as insecure registries (HTTPS, else plain
-    HTTP) without being told: so do we."""
-    host = registry.rsplit(":", 1)[0] if not registry.startswith("[") else registry[1:].split("]")[0]
-    return host in ("localhost", "::1") or host.startswith("127.")
+    try:
+        return imageref.parse_registry(text, image_name)
+    except UsageError as exc:
+        raise PublishError(str(exc)) from None
 
 
 def release_tags(labels: dict[str, str]) -> tuple[str, str]:
@@ -475,14 +450,30 @@ class PublishOptions:
     allow_partial_smoke: bool = False
     verify_host: str | None = None  # default: a temporary engine with a fresh data root
     smoke_records: Path | None = None  # default: smoke.RECORDS_DIR
+    # where the deployment manifests of the pushed digest go (None: --no-deploy, none written)
+    deploy_out: Path | None = deploy.DEFAULT_OUT
+
+
+def _deploy_settings(flavor: Flavor | None) -> topology.Settings:
+    """The settings of the manifests publish writes (deploy/serve.toml), checked."""
+    try:
+        return deploy.settings(deploy.SETTINGS, {}, flavor)
+    except UsageError as exc:
+        raise UsageError(f"{deploy.SETTINGS}: {exc} (nothing was pushed; fix the file, or "
+                         "publish with --no-deploy)") from None
 
 
 def run(flavor: Flavor, options: PublishOptions) -> int:
-    """`nox -s publish`: publishes (see the module docstring), prints the references (stderr) and
-    the digest alone (stdout, for scripts)."""
+    """`nox -s publish`: publishes (see the module docstring), writes the deployment manifests of
+    the pushed digest, prints the references (stderr) and the digest alone (stdout, for scripts)."""
     console = Console(stderr=True, soft_wrap=True)  # references stay whole, to copy
     log: Callable[[str], None] = lambda m: console.print(escape(m), highlight=False)
     image = options.image or plan.default_tag(flavor)
+    # The manifests' settings and folder, checked before anything is pushed.
+    serve, deploy_out = None, None
+    if options.deploy_out is not None:
+        serve = _deploy_settings(flavor)
+        deploy_out = deploy.check_out(options.deploy_out)
     try:
         verify = DockerClient(base_url=options.verify_host) if options.verify_host else None
         result = publish(docker_engine.ensure_engine(log=log).client, image, options.target,
@@ -490,11 +481,17 @@ def run(flavor: Flavor, options: PublishOptions) -> int:
                          records_dir=options.smoke_records, verify_client=verify, log=log)
     except docker.errors.DockerException as exc:
         raise PublishError(f"the Docker engine failed: {exc}") from exc
+    written = None if serve is None or deploy_out is None else deploy.deploy(
+        serve, result.reference, deploy_out)
     console.print(f"[bold green]pushed[/] {result.reference}\n"
                   + "".join(f"[bold green]tag[/]    {t}\n" for t in result.tags)
                   + f"[bold green]SBOM[/]   {result.sbom_reference} ({result.sbom_digest})",
                   highlight=False)
-    print(result.digest)
+    if serve is not None and written is not None:
+        console.print(f"[bold green]deploy[/] {escape(str(written))}\n"
+                      + "".join(f"  {escape(line)}\n" for line in deploy.apply_hint(written, serve)),
+                      highlight=False, end="")
+    print(result.digest)  # stdout: the digest alone, for scripts
     return 0
 
 

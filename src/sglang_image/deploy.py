@@ -1,0 +1,429 @@
+"""`nox -s deploy -- --digest sha256:... --registry HOST/NAMESPACE`: the deployment manifests.
+
+Writes, for one published image (by its digest) and the settings of deploy/serve.toml (options
+override them), a Compose file for one box and Kustomize overlays for Kubernetes:
+
+    OUT/compose.yaml               one server (`docker compose up -d`)
+    OUT/compose.router.yaml        REPLICAS servers and sglang-router, on one box
+    OUT/kubernetes/base/           the service account every pod runs as
+    OUT/kubernetes/single/         one server on one node          (kubectl apply -k ...)
+    OUT/kubernetes/router/         REPLICAS servers behind sglang-router
+    OUT/kubernetes/multinode/      one server across NODES nodes (a LeaderWorkerSet)
+
+Every value is checked before any file is written; the flags come from topology.py. `nox -s
+publish` writes the same with the digest it pushed.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.markup import escape
+
+from sglang_image import pins, plan, topology
+from sglang_image.errors import UsageError
+from sglang_image.pins import Flavor
+from sglang_image.topology import (
+    MODELS_MOUNT,
+    QUANTITY_UNITS,
+    ROUTER_METRICS_PORT,
+    ROUTER_MODULE,
+    SERVER_PORT,
+    WORKER,
+    Settings,
+    box_gpus,
+    fits_one_box,
+    pods,
+    worker_host,
+)
+
+SETTINGS = pins.REPO_ROOT / "deploy" / "serve.toml"
+DEFAULT_OUT = pins.REPO_ROOT / "out" / "deploy"
+EXAMPLE_OUT = pins.REPO_ROOT / "deploy" / "example"
+EXAMPLE_IMAGE = "registry.example.com/team/sglang-image@sha256:" + "0" * 64
+# deploy/example: deploy/serve.toml rendered for an example image, every topology, TP 2
+EXAMPLE_OPTIONS: dict[str, Any] = {"tp": 2, "topologies": list(topology.TOPOLOGIES)}
+MARKER = "sglang-image-deploy.json"  # what was rendered, and the sign that OUT is ours to replace
+PYTHON = "/opt/venv/bin/python"
+HEALTHCHECK = [PYTHON, "/opt/sglang-image/tool/healthcheck.py"]  # the image's own
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+NAME = "sglang"  # the Service clients use in every topology, and the service account
+LABELS = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/part-of": plan.IMAGE_REPO}
+ENV = {"HF_HUB_OFFLINE": "1"}  # models come from the volume: never from a hub at run time
+
+
+# --- Compose -------------------------------------------------------------------------------------
+
+def _compose_server(s: Settings, image: str, args: Sequence[str], gpus: Sequence[str]
+                    ) -> dict[str, Any]:
+    return {
+        "image": image,
+        "command": list(args),
+        "user": "1000:1000",
+        "shm_size": _docker_size(s.shm_size),
+        "environment": dict(ENV),
+        "volumes": [_models_bind(s)],
+        "ulimits": {"memlock": -1, "stack": 67108864},
+        "deploy": {"resources": {"reservations": {"devices": [
+            {"driver": "nvidia", "device_ids": list(gpus), "capabilities": ["gpu"]}]}}},
+        "healthcheck": {"test": ["CMD", *HEALTHCHECK], "interval": "30s", "timeout": "5s",
+                        "retries": 3, "start_period": f"{s.startup_minutes}m"},
+        "restart": "unless-stopped",
+    }
+
+
+def _models_bind(s: Settings) -> dict[str, Any]:
+    return {"type": "bind", "source": s.models_dir, "target": MODELS_MOUNT, "read_only": True}
+
+
+def _docker_size(quantity: str) -> str:
+    return quantity[:-2] + QUANTITY_UNITS[quantity[-2:]]
+
+
+def compose_single(s: Settings, image: str) -> dict[str, Any]:
+    (server,) = pods(s, "single", "compose")
+    service = _compose_server(s, image, server.args, box_gpus(s, 0))
+    return {"name": NAME, "services": {NAME: {**service, "ports": [f"{SERVER_PORT}:{SERVER_PORT}"]}}}
+
+
+# The router's healthcheck (no curl in the image): 200 once a server behind it is healthy.
+_READINESS = ("import urllib.request; urllib.request."
+              f"urlopen('http://127.0.0.1:{SERVER_PORT}/readiness', timeout=4)")
+
+
+def compose_router(s: Settings, image: str) -> dict[str, Any]:
+    *workers, router = pods(s, "router", "compose")
+    services = {worker_host(i, "compose"): _compose_server(s, image, w.args, box_gpus(s, i))
+                for i, w in enumerate(workers)}
+    services[f"{NAME}-router"] = {
+        "image": image,
+        "entrypoint": [PYTHON, "-m", ROUTER_MODULE],
+        "command": list(router.args),
+        "user": "1000:1000",
+        "environment": dict(ENV),
+        # the servers' tokenizer, read where they report it (else the router asks a hub)
+        "volumes": [_models_bind(s)],
+        "ports": [f"{SERVER_PORT}:{SERVER_PORT}"],
+        "depends_on": {name: {"condition": "service_healthy"} for name in services},
+        "healthcheck": {"test": ["CMD", PYTHON, "-c", _READINESS],
+                        "interval": "10s", "timeout": "5s", "retries": 3},
+        "restart": "unless-stopped",
+    }
+    return {"name": f"{NAME}-router", "services": services}
+
+
+# --- Kubernetes ----------------------------------------------------------------------------------
+
+def _labels(component: str) -> dict[str, str]:
+    return {**LABELS, "app.kubernetes.io/component": component}
+
+
+def _meta(name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "labels": _labels(component)}
+
+
+def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "timeoutSeconds": timeout, "failureThreshold": failures}
+
+
+_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int) -> dict[str, Any]:
+    """A server's pod spec: uid 1000, /dev/shm sized, the GPUs, the models read-only, and
+    probes on /health that allow the first start (kernel compilation) its minutes."""
+    container = {
+        "name": NAME,
+        "image": image,
+        "args": list(args),
+        "env": [{"name": k, "value": v} for k, v in ENV.items()],
+        "ports": [{"name": "http", "containerPort": SERVER_PORT}],
+        "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}},
+        "volumeMounts": [_MODELS_MOUNT, {"name": "dshm", "mountPath": "/dev/shm"}],
+        "startupProbe": _probe("/health", 10, s.startup_minutes * 6),
+        "readinessProbe": _probe("/health", 10, 3),
+        "livenessProbe": _probe("/health", 30, 10, timeout=10),
+        "securityContext": _CONTAINER_SECURITY,
+    }
+    return _pod(container, volumes=[
+        _models_volume(s), {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                          "sizeLimit": s.shm_size}}])
+
+
+_MODELS_MOUNT = {"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}
+
+
+def _models_volume(s: Settings) -> dict[str, Any]:
+    return {"name": "models", "persistentVolumeClaim": {"claimName": s.models_claim,
+                                                        "readOnly": True}}
+
+
+def _pod(container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "serviceAccountName": NAME,
+        "automountServiceAccountToken": False,
+        "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+
+
+def _service(selector_component: str, *, name: str = NAME, headless: bool = False,
+             extra_selector: dict[str, str] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": {**LABELS, "app.kubernetes.io/component": selector_component,
+                     **(extra_selector or {})},
+        "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http"}],
+    }
+    if headless:  # the router reaches each server by its own name, from its first start on
+        spec |= {"clusterIP": "None", "publishNotReadyAddresses": True}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, selector_component),
+            "spec": spec}
+
+
+def kube_base(s: Settings) -> dict[str, list[dict[str, Any]]]:
+    account: dict[str, Any] = {"apiVersion": "v1", "kind": "ServiceAccount",
+                               "metadata": _meta(NAME, "server"),
+                               "automountServiceAccountToken": False}
+    if s.pull_secret:
+        account["imagePullSecrets"] = [{"name": s.pull_secret}]
+    return {"serviceaccount.yaml": [account]}
+
+
+def kube_single(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
+    (server,) = pods(s, "single")
+    selector = {**LABELS, "app.kubernetes.io/component": "server"}
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(NAME, "server"),
+        "spec": {"replicas": 1, "strategy": {"type": "Recreate"},  # the GPUs are freed first
+                 "selector": {"matchLabels": selector},
+                 "template": {"metadata": {"labels": selector},
+                              "spec": _server_pod(s, image, server.args, server.gpus)}},
+    }
+    return {"server.yaml": [deployment, _service("server")]}
+
+
+def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
+    *workers, router = pods(s, "router")
+    if len({w.args for w in workers}) != 1:  # one StatefulSet template holds every worker
+        raise AssertionError("the router topology's servers differ")
+    worker_sel = {**LABELS, "app.kubernetes.io/component": "worker"}
+    statefulset = {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(WORKER, "worker"),
+        "spec": {"serviceName": WORKER, "replicas": len(workers),
+                 "podManagementPolicy": "Parallel",  # every server compiles at once
+                 "selector": {"matchLabels": worker_sel},
+                 "template": {"metadata": {"labels": worker_sel},
+                              "spec": _server_pod(s, image, workers[0].args, workers[0].gpus)}},
+    }
+    budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+              "metadata": _meta(WORKER, "worker"),
+              "spec": {"maxUnavailable": 1, "selector": {"matchLabels": worker_sel}}}
+    router_sel = {**LABELS, "app.kubernetes.io/component": "router"}
+    container = {
+        "name": "router", "image": image, "command": [PYTHON, "-m", ROUTER_MODULE],
+        "args": list(router.args),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT},
+                  {"name": "metrics", "containerPort": ROUTER_METRICS_PORT}],
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        "env": [{"name": k, "value": v} for k, v in ENV.items()],
+        # the servers' tokenizer, read where they report it (else the router asks a hub)
+        "volumeMounts": [_MODELS_MOUNT],
+        "readinessProbe": _probe("/readiness", 5, 3),  # 503 until a server is healthy
+        "livenessProbe": _probe("/liveness", 10, 3),
+        "securityContext": _CONTAINER_SECURITY,
+    }
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(f"{NAME}-router", "router"),
+        "spec": {"replicas": 1, "selector": {"matchLabels": router_sel},
+                 "template": {"metadata": {"labels": router_sel},
+                              "spec": _pod(container, [_models_volume(s)])}},
+    }
+    return {"workers.yaml": [_service("worker", name=WORKER, headless=True), statefulset, budget],
+            "router.yaml": [deployment, _service("router")]}
+
+
+def kube_multinode(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
+    nodes = pods(s, "multinode")
+    if len({p.args for p in nodes}) != 1:  # one template, resolved by each pod's LWS variables
+        raise AssertionError("the multinode pods differ")
+    name = f"{NAME}-multinode"
+    leader, worker = ({"labels": _labels(role)} for role in ("leader", "worker"))
+    spec = _server_pod(s, image, nodes[0].args, nodes[0].gpus)
+    lws = {
+        "apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": _meta(name, "server"),
+        "spec": {"replicas": 1, "startupPolicy": "LeaderCreated",
+                 "leaderWorkerTemplate": {
+                     "size": len(nodes), "restartPolicy": "RecreateGroupOnPodRestart",
+                     "leaderTemplate": {"metadata": leader, "spec": spec},
+                     "workerTemplate": {"metadata": worker, "spec": spec}}},
+    }
+    return {"leaderworkerset.yaml": [
+        lws, _service("leader", extra_selector={"leaderworkerset.sigs.k8s.io/name": name})]}
+
+
+KUBE_TOPOLOGIES = {"single": kube_single, "router": kube_router, "multinode": kube_multinode}
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+class _Dumper(yaml.SafeDumper):
+    """Block YAML a reader follows: a pod spec shared by two templates is written out twice
+    (no &anchor / *alias)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _yaml(documents: Iterable[dict[str, Any]], header: str) -> str:
+    return header + "---\n".join(yaml.dump(d, Dumper=_Dumper, sort_keys=False, width=100)
+                                 for d in documents)
+
+
+def render(s: Settings, image: str) -> dict[str, str]:
+    """Relative path -> text of every file for checked settings and an image by digest."""
+    header = (f"# Rendered by `nox -s deploy` for {image}\n"
+              "# from deploy/serve.toml and its options: do not edit, render again.\n")
+    if image == EXAMPLE_IMAGE:
+        header += ("# An example image: render yours with `nox -s deploy -- --digest sha256:... "
+                   "--registry HOST/NAMESPACE`.\n")
+    files: dict[str, str] = {}
+    if "single" in s.topologies:
+        files["compose.yaml"] = _yaml([compose_single(s, image)], header)
+    if "router" in s.topologies and fits_one_box(s):
+        files["compose.router.yaml"] = _yaml([compose_router(s, image)], header)
+    for path, docs in kube_base(s).items():
+        files[f"kubernetes/base/{path}"] = _yaml(docs, header)
+    files["kubernetes/base/kustomization.yaml"] = _yaml([_kustomization(["serviceaccount.yaml"])],
+                                                        header)
+    for name in s.topologies:
+        made = KUBE_TOPOLOGIES[name](s, image)
+        for path, docs in made.items():
+            files[f"kubernetes/{name}/{path}"] = _yaml(docs, header)
+        files[f"kubernetes/{name}/kustomization.yaml"] = _yaml(
+            [_kustomization(["../base", *made])], header)
+    files[MARKER] = json.dumps({"image": image, "settings": asdict(s)}, indent=1) + "\n"
+    return files
+
+
+def _kustomization(resources: list[str]) -> dict[str, Any]:
+    return {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": resources}
+
+
+def check_out(out: Path) -> Path:
+    """`out`, resolved, where a rendering may go: new, empty, or an earlier rendering."""
+    out = out.resolve()
+    if out.exists() and (not out.is_dir() or (any(out.iterdir())
+                                              and not (out / MARKER).is_file())):
+        raise UsageError(f"--out {out} exists and is not a rendering of `nox -s deploy`: give a "
+                         "new or empty folder")
+    return out
+
+
+def write(files: dict[str, str], out: Path) -> Path:
+    """Writes the rendering to `out` whole: a folder of an earlier rendering is replaced, any
+    other non-empty folder refused (nothing written)."""
+    out = check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        for relative, text in files.items():
+            path = staging / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def apply_hint(out: Path, s: Settings) -> list[str]:
+    """The commands that start what was written (paths relative to here where they can be)."""
+    if out.is_relative_to(Path.cwd()):
+        out = out.relative_to(Path.cwd())
+    lines = []
+    if "single" in s.topologies:
+        lines.append(f"docker compose -f {out / 'compose.yaml'} up -d")
+    lines += [f"kubectl apply -k {out / 'kubernetes' / t}" for t in s.topologies]
+    if "router" in s.topologies and not fits_one_box(s):
+        lines.append(f"(no compose.router.yaml: {s.replicas} servers of TP {s.tp} need more "
+                     f"than the {s.gpus_per_node} GPUs of one box)")
+    return lines
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+# option -> what it sets (each overrides deploy/serve.toml; a setting's comment there says more)
+OPTIONS: dict[str, tuple[type, str]] = {
+    "threshold": (str, "N running requests above which the servers stop speculating, or auto"),
+    "model_path": (str, f"the model's folder in the models volume (mounted at {MODELS_MOUNT})"),
+    "draft_model_path": (str, "the EAGLE-3 draft's folder in the models volume"),
+    "tp": (int, "GPUs of one server (SGLang's --tp-size; multinode: over all its nodes)"),
+    "replicas": (int, "servers behind the router (router topology)"),
+    "nodes": (int, "nodes one server spans (multinode topology)"),
+    "gpus_per_node": (int, "GPUs of one node or box: a pod holds at most this many"),
+    "shm_size": (str, "each server's /dev/shm, e.g. 16Gi"),
+    "startup_minutes": (int, ("how long a server may take to start (model load, first kernel "
+                              "compilation) before it counts as failed")),
+    "models_claim": (str, "the PersistentVolumeClaim that holds the models (Kubernetes)"),
+    "models_dir": (str, "the host folder that holds the models (Compose)"),
+    "pull_secret": (str, "the image pull secret of a private registry (Kubernetes)"),
+}
+
+
+def settings(path: Path, options: Mapping[str, Any], flavor: Flavor | None = None) -> Settings:
+    """deploy/serve.toml with the options given over it, checked (UsageError otherwise)."""
+    return topology.check(topology.override(topology.load(path), options), flavor)
+
+
+def deploy(s: Settings, image: str, out: Path) -> Path:
+    """Renders checked settings for `image` (REGISTRY/REPOSITORY@sha256:...) into `out`."""
+    return write(render(s, image), out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeployOptions:
+    """What `nox -s deploy` was asked for, besides the image's flavor; checked when made (the
+    settings and the values given over them: by `run`, before any file is written)."""
+
+    image: str | None = None  # REGISTRY/REPOSITORY@sha256:... (imageref.Target.by_digest)
+    out: Path | None = None  # default: DEFAULT_OUT (with example: EXAMPLE_OUT)
+    settings: Path = SETTINGS
+    overrides: Mapping[str, Any] = field(default_factory=dict)  # setting -> value (None: not given)
+    example: bool = False  # maintainers: deploy/example, for EXAMPLE_IMAGE (MAINTAINING.md)
+
+    def __post_init__(self) -> None:
+        if self.image is None and not self.example:
+            raise UsageError("give --digest sha256:... and --registry HOST[:PORT]/NAMESPACE "
+                             "(what `nox -s publish` printed)")
+
+
+def run(flavor: Flavor | None, options: DeployOptions) -> int:
+    """`nox -s deploy`: checks the settings with the options over them, writes the manifests and
+    says how to start them (stderr). `flavor`: the image's, where known (`auto` needs the plugin)."""
+    overrides = dict(options.overrides)
+    if options.example or options.image is None:  # None only with example (checked when made)
+        image, out = EXAMPLE_IMAGE, options.out or EXAMPLE_OUT
+        overrides |= {k: v for k, v in EXAMPLE_OPTIONS.items() if overrides.get(k) is None}
+    else:
+        image, out = options.image, options.out or DEFAULT_OUT
+    checked = settings(options.settings, overrides, flavor)
+    written = deploy(checked, image, out)
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    console.print(f"[bold green]wrote[/] {escape(str(written))} for {escape(image)}")
+    for line in apply_hint(written, checked):
+        console.print(f"  {escape(line)}")
+    return 0

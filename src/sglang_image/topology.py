@@ -1,0 +1,307 @@
+"""What each server and router of each deployment runs: the one place where their flags are made.
+
+The settings (deploy/serve.toml, overridden by `nox -s deploy` options) say what is served: the
+model and its EAGLE-3 draft, the threshold, the TP size, replicas and nodes. `check` refuses a bad
+value naming it and the fix; `pods` turns valid settings into the processes of a topology:
+
+    single     one server, TP GPUs in one pod
+    router     REPLICAS servers of TP GPUs each, and sglang-router in front of them
+    multinode  one server whose TP GPUs span NODES pods (a LeaderWorkerSet group)
+
+Every server's argv comes from `server_args`, every worker list from `worker_urls`: deploy.py only
+places them into Compose and Kubernetes manifests.
+"""
+from __future__ import annotations
+
+import argparse
+import posixpath
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from sglang_image import smoke
+from sglang_image.errors import UsageError
+from sglang_image.pins import Flavor
+
+Topology = Literal["single", "router", "multinode"]
+Platform = Literal["compose", "kubernetes"]
+TOPOLOGIES: tuple[Topology, ...] = ("single", "router", "multinode")
+
+SERVER_PORT = 30000  # the image's SGLANG_PORT
+DIST_INIT_PORT = 20000  # torch.distributed's rendezvous on the multinode leader
+ROUTER_METRICS_PORT = 29000
+MODELS_MOUNT = "/models"  # where the models volume is mounted, read-only
+QUANTITY_UNITS = {"Mi": "m", "Gi": "g", "Ti": "t"}  # --shm-size: Kubernetes unit -> Docker's
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label: a Kubernetes name
+THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+ROUTER_MODULE = "sglang_router.launch_router"
+# LeaderWorkerSet puts these into every pod of a group; Kubernetes expands $(NAME) in args.
+LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
+    "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
+
+# Server flags the settings own: given through --server-arg they would contradict them.
+_OWNED = {
+    "--model-path": "--model-path", "--model": "--model-path",
+    "--speculative-draft-model-path": "--draft-model-path",
+    "--tp-size": "--tp", "--tp": "--tp", "--nnodes": "--nodes", "--node-rank": "--nodes",
+    "--dist-init-addr": "--nodes", "--host": "(the image's entrypoint)",
+    "--port": "(the image's entrypoint)", THRESHOLD_FLAG: "--threshold",
+    "--speculative-algorithm": "(always EAGLE3: the threshold needs it)",
+    "--speculative-eagle-topk": "(always 1: the threshold needs it)",
+    "--speculative-num-steps": "speculative_num_steps in deploy/serve.toml",
+    "--speculative-num-draft-tokens": "speculative_num_draft_tokens in deploy/serve.toml",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the deployments serve (deploy/serve.toml documents each field)."""
+
+    model_path: str = ""
+    draft_model_path: str = ""
+    threshold: int | str = 32
+    speculative_num_steps: int = 3
+    speculative_num_draft_tokens: int = 4
+    tp: int = 1
+    replicas: int = 2
+    nodes: int = 2
+    gpus_per_node: int = 8
+    shm_size: str = "16Gi"
+    startup_minutes: int = 30
+    models_claim: str = "sglang-models"
+    models_dir: str = "/srv/models"
+    pull_secret: str = ""
+    server_args: tuple[str, ...] = ()
+    topologies: tuple[Topology, ...] = ("single", "router")
+
+    @property
+    def model(self) -> str:
+        return in_models(self.model_path)
+
+    @property
+    def draft(self) -> str:
+        return in_models(self.draft_model_path)
+
+    def gpus_per_pod(self, topology: Topology) -> int:
+        return self.tp // self.nodes if topology == "multinode" else self.tp
+
+
+@dataclass(frozen=True)
+class Pod:
+    """One process of a topology: its role, its arguments (after the image's entrypoint, or
+    after `python -m sglang_router.launch_router` for the router) and the GPUs it holds."""
+
+    role: str  # "server", "worker-<i>", "router", "node-<rank>" (multinode: one pod template)
+    args: tuple[str, ...]
+    gpus: int
+
+
+def in_models(path: str) -> str:
+    """A model folder as the server sees it: relative paths lie under the models volume."""
+    return posixpath.normpath(posixpath.join(MODELS_MOUNT, path))
+
+
+# --- settings ------------------------------------------------------------------------------------
+
+def load(path: Path) -> Settings:
+    """The settings file (TOML), every key checked against Settings' fields."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such settings file (the repository's is deploy/serve.toml)"
+                         ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path} is not valid TOML: {exc}") from None
+    known = {f.name for f in fields(Settings)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UsageError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
+    values: dict[str, Any] = dict(data)
+    for key in ("server_args", "topologies"):
+        if key in values:
+            if not isinstance(values[key], list):
+                raise UsageError(f"{path}: {key} must be a list, got {values[key]!r}")
+            values[key] = tuple(values[key])
+    return Settings(**values)
+
+
+def override(settings: Settings, options: Mapping[str, Any]) -> Settings:
+    """Settings with the options that were given (None: not given) put over them."""
+    given: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v)
+                             for k, v in options.items() if v is not None}
+    if "server_args" in given:
+        given["server_args"] = settings.server_args + given["server_args"]
+    return replace(settings, **given)
+
+
+def threshold_value(raw: object, source: str = "--threshold") -> int | str:
+    """`auto` or a number of running requests >= 1 (smoke's parser), as a UsageError naming
+    `source` and the fix."""
+    text = str(raw).strip() if isinstance(raw, (int, str)) and not isinstance(raw, bool) else ""
+    try:
+        return smoke.threshold_value(text)
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"{source} {raw!r}: {exc}; give `auto` or a whole number N >= 1 of "
+                         f"running requests above which the servers stop speculating, e.g. "
+                         f"--threshold 32") from None
+
+
+def check(s: Settings, flavor: Flavor | None = None) -> Settings:
+    """The settings, checked (threshold normalised), or a UsageError naming the value and the
+    fix. `flavor`: the image's flavor where known (`auto` needs the plugin)."""
+    threshold = threshold_value(s.threshold)
+    if flavor is not None:
+        smoke.check_threshold(threshold, flavor)
+    for name in ("model_path", "draft_model_path"):
+        _check_model(name, getattr(s, name))
+    for name, low in (("tp", 1), ("replicas", 1), ("nodes", 1), ("gpus_per_node", 1),
+                      ("speculative_num_steps", 1), ("speculative_num_draft_tokens", 2),
+                      ("startup_minutes", 1)):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UsageError(f"{_option(name)} {value!r}: must be a whole number >= {low}")
+    bad = [t for t in s.topologies if t not in TOPOLOGIES]
+    if bad or not s.topologies:
+        raise UsageError(f"--topology {','.join(s.topologies)!r}: choose among "
+                         f"{', '.join(TOPOLOGIES)}")
+    _check_gpus(s)
+    _check_server_args(s.server_args)
+    for name in ("models_claim", "pull_secret"):
+        value = getattr(s, name)
+        if not isinstance(value, str) or not (_NAME.match(value) or name == "pull_secret"
+                                              and value == ""):
+            raise UsageError(f"{_option(name)} {value!r}: give a Kubernetes object name (lower-"
+                             "case letters, digits and '-', e.g. sglang-models)")
+    if not isinstance(s.models_dir, str) or not s.models_dir.startswith("/"):
+        raise UsageError(f"--models-dir {s.models_dir!r}: give the host folder (absolute) that "
+                         f"Compose mounts read-only at {MODELS_MOUNT}, e.g. /srv/models")
+    _check_quantity(s.shm_size)
+    return replace(s, threshold=threshold)
+
+
+def _option(name: str) -> str:
+    """The option that sets a setting (`nox -s deploy -- --help`)."""
+    return "--" + name.replace("_", "-")
+
+
+def _check_model(name: str, path: str) -> None:
+    flag = "--model-path" if name == "model_path" else "--draft-model-path"
+    example = "Llama-3.1-8B-Instruct" if name == "model_path" else "EAGLE3-LLaMA3.1-Instruct-8B"
+    if not isinstance(path, str) or not path.strip():
+        raise UsageError(f"no {'model' if name == 'model_path' else 'EAGLE-3 draft'} path: give "
+                         f"{flag} PATH, its folder in the models volume (mounted read-only at "
+                         f"{MODELS_MOUNT}), e.g. {flag} {example}, or set {name} in "
+                         "deploy/serve.toml")
+    full = in_models(path)
+    if ".." in path.split("/") or not full.startswith(MODELS_MOUNT + "/"):
+        raise UsageError(f"{flag} {path!r} is not a folder inside the models volume "
+                         f"({MODELS_MOUNT}): give a path relative to it, or under {MODELS_MOUNT}/")
+
+
+def _check_gpus(s: Settings) -> None:
+    if "multinode" in s.topologies:
+        if s.nodes < 2:
+            raise UsageError(f"--nodes {s.nodes}: the multinode topology spans 2 nodes or more "
+                             "(one node is the single topology)")
+        if s.tp % s.nodes:
+            raise UsageError(f"--tp {s.tp} over --nodes {s.nodes}: each node must hold the same "
+                             f"number of GPUs, so TP must be a multiple of the node count (e.g. "
+                             f"--tp {s.nodes * max(1, s.tp // s.nodes)})")
+        if s.tp // s.nodes > s.gpus_per_node:
+            raise UsageError(f"--tp {s.tp} over --nodes {s.nodes} needs {s.tp // s.nodes} GPUs "
+                             f"per pod, more than a node holds (--gpus-per-node "
+                             f"{s.gpus_per_node}): give more --nodes")
+    one_pod = [t for t in s.topologies if t != "multinode"]
+    if one_pod and s.tp > s.gpus_per_node:
+        raise UsageError(f"--tp {s.tp}: a {'/'.join(one_pod)} server holds all its TP GPUs in "
+                         f"one pod, and a node has {s.gpus_per_node} (--gpus-per-node): give "
+                         f"--tp {s.gpus_per_node} or less, or render only the multinode topology "
+                         f"(--topology multinode --nodes {-(-s.tp // s.gpus_per_node)})")
+
+
+def _check_server_args(args: Sequence[str]) -> None:
+    for arg in args:
+        if not isinstance(arg, str):
+            raise UsageError(f"server_args: {arg!r} is not a string")
+        flag = arg.split("=", 1)[0]
+        if flag in _OWNED:
+            raise UsageError(f"--server-arg {arg!r}: the deployment sets {flag} itself; give "
+                             f"{_OWNED[flag]} instead")
+
+
+def _check_quantity(text: object) -> None:
+    number = text.rstrip("MGTi") if isinstance(text, str) else ""
+    if not number.isdigit() or int(number) == 0 or str(text)[len(number):] not in QUANTITY_UNITS:
+        raise UsageError(f"--shm-size {text!r}: give the shared memory as a quantity in Mi, Gi "
+                         "or Ti, e.g. 16Gi")
+
+
+# --- what each pod runs --------------------------------------------------------------------------
+
+def server_args(s: Settings, *, multinode: bool = False) -> tuple[str, ...]:
+    """The server's flags (after the image's entrypoint, which adds --host and --port). With
+    `multinode`, the rank and rendezvous come from the LeaderWorkerSet's environment."""
+    args = ["--model-path", s.model, "--tp-size", str(s.tp),
+            "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", s.draft,
+            "--speculative-num-steps", str(s.speculative_num_steps),
+            "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(s.speculative_num_draft_tokens),
+            THRESHOLD_FLAG, str(s.threshold)]
+    if multinode:
+        args += ["--nnodes", f"$({LWS_GROUP_SIZE})", "--node-rank", f"$({LWS_WORKER_INDEX})",
+                 "--dist-init-addr", f"$({LWS_LEADER_ADDRESS}):{DIST_INIT_PORT}"]
+    return (*args, *s.server_args)
+
+
+WORKER = "sglang-worker"  # the router topology's servers (a StatefulSet, or Compose services)
+
+
+def worker_host(index: int, platform: Platform) -> str:
+    """A router topology server's name as the router resolves it: the StatefulSet pod's DNS name
+    under its headless Service, or the Compose service."""
+    return f"{WORKER}-{index}.{WORKER}" if platform == "kubernetes" else f"{WORKER}-{index}"
+
+
+def worker_urls(s: Settings, platform: Platform) -> tuple[str, ...]:
+    return tuple(f"http://{worker_host(i, platform)}:{SERVER_PORT}" for i in range(s.replicas))
+
+
+def router_args(s: Settings, platform: Platform) -> tuple[str, ...]:
+    """sglang-router's flags: the workers, a start-up wait as long as theirs, a health check
+    every 10 s (a server that stops answering is out after three), and a circuit that opens
+    after 3 failed attempts, fewer than the 5 attempts of one request: a request that meets a
+    dead server is retried on a live one (with the default 10, the next requests fail until the
+    health check catches up)."""
+    return ("--worker-urls", *worker_urls(s, platform), "--host", "0.0.0.0",
+            "--port", str(SERVER_PORT), "--policy", "cache_aware",
+            "--worker-startup-timeout-secs", str(s.startup_minutes * 60),
+            "--health-check-endpoint", "/health", "--health-check-interval-secs", "10",
+            "--cb-failure-threshold", "3",
+            "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT))
+
+
+def pods(s: Settings, topology: Topology, platform: Platform = "kubernetes") -> list[Pod]:
+    """The processes of a topology, in order (multinode: one entry per node rank, all of them
+    from one pod template whose $(LWS_...) references each pod resolves itself)."""
+    if topology == "single":
+        return [Pod("server", server_args(s), s.tp)]
+    if topology == "router":
+        workers = [Pod(f"worker-{i}", server_args(s), s.tp) for i in range(s.replicas)]
+        return [*workers, Pod("router", router_args(s, platform), 0)]
+    template = server_args(s, multinode=True)
+    return [Pod(f"node-{rank}", template, s.gpus_per_pod("multinode"))
+            for rank in range(s.nodes)]
+
+
+def box_gpus(s: Settings, index: int) -> tuple[str, ...]:
+    """The GPUs of the router topology's server `index` on one box (Compose): consecutive blocks
+    of TP; server 0 of the single topology gets the first block."""
+    return tuple(str(gpu) for gpu in range(index * s.tp, (index + 1) * s.tp))
+
+
+def fits_one_box(s: Settings) -> bool:
+    """The router topology's servers fit the GPUs of one box (its Compose file is written)."""
+    return s.replicas * s.tp <= s.gpus_per_node

@@ -1,0 +1,409 @@
+"""The deployment manifests (nox -s deploy, and nox -s publish's): what each pod receives, built by
+the real Kustomize and checked against the Kubernetes and LeaderWorkerSet schemas; the Compose
+files through Compose v2; bad input refused before any file is written; deploy/example in step."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from sglang_image import cli, deploy, pins, publish, topology
+from sglang_image.errors import UsageError
+from tests import deploy_checks as checks
+
+DIGEST = "sha256:" + "ab" * 32
+REGISTRY = "registry.example.com/team"
+IMAGE = f"{REGISTRY}/sglang-image@{DIGEST}"
+ENTRYPOINT_ARGS = ["--host", "0.0.0.0", "--port", "30000"]  # images/tool/entrypoint.sh adds them
+
+
+def render(tmp_path: Path, *extra: str) -> Path:
+    out = tmp_path / "rendered"
+    assert cli.main(["deploy", "--digest", DIGEST, "--registry", REGISTRY, "--out", str(out),
+                     *extra]) == 0
+    return out
+
+
+def built(out: Path, topology_name: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """The overlay as `kubectl apply -k` sends it, each document validated: (kind, name) -> doc."""
+    docs = checks.kustomize(out / "kubernetes" / topology_name)
+    for doc in docs:
+        checks.validate(doc)
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def container(pod_spec: dict[str, Any]) -> dict[str, Any]:
+    (only,) = pod_spec["containers"]
+    return dict(only)
+
+
+def check_server_pod(spec: dict[str, Any], gpus: int) -> dict[str, Any]:
+    """What every server pod has: the image by digest, uid 1000, /dev/shm sized, its GPUs, the
+    models read-only, probes on /health with the start-up allowance. Returns its container."""
+    c = container(spec)
+    assert c["image"] == IMAGE
+    assert spec["securityContext"]["runAsUser"] == 1000 and spec["securityContext"]["runAsNonRoot"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"] == {"medium": "Memory",
+                                                               "sizeLimit": "16Gi"}
+    models = mounts[topology.MODELS_MOUNT]
+    assert models["readOnly"] and volumes[models["name"]]["persistentVolumeClaim"] == {
+        "claimName": "sglang-models", "readOnly": True}
+    startup = c["startupProbe"]
+    assert startup["httpGet"]["path"] == c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 30 * 60
+    return c
+
+
+def check_serving_flags(argv: dict[str, list[str]], tp: int) -> None:
+    assert argv["--model-path"] == ["/models/Llama-3.1-8B-Instruct"]
+    assert argv["--speculative-draft-model-path"] == ["/models/EAGLE3-LLaMA3.1-Instruct-8B"]
+    assert argv["--speculative-algorithm"] == ["EAGLE3"]
+    assert argv["--speculative-eagle-topk"] == ["1"]
+    assert argv["--tp-size"] == [str(tp)]
+    assert argv[topology.THRESHOLD_FLAG] == ["32"]
+
+
+# --- what each pod receives ----------------------------------------------------------------------
+
+def test_single_server_pod(tmp_path: Path) -> None:
+    out = render(tmp_path, "--topology", "single", "--tp", "2")
+    objects = built(out, "single")
+    assert set(objects) == {("ServiceAccount", "sglang"), ("Deployment", "sglang"),
+                            ("Service", "sglang")}
+    deployment = objects[("Deployment", "sglang")]
+    assert deployment["spec"]["replicas"] == 1
+    spec = deployment["spec"]["template"]["spec"]
+    c = check_server_pod(spec, gpus=2)
+    check_serving_flags(checks.flags(ENTRYPOINT_ARGS + c["args"]), tp=2)
+    assert "--nnodes" not in c["args"]
+    # The Service reaches the pod: its selector matches the template's labels, its port the pod's.
+    service = objects[("Service", "sglang")]["spec"]
+    assert service["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert service["ports"][0]["targetPort"] == c["ports"][0]["name"]
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_router_and_its_workers(tmp_path: Path, replicas: int) -> None:
+    out = render(tmp_path, "--topology", "router", "--replicas", str(replicas))
+    objects = built(out, "router")
+    statefulset = objects[("StatefulSet", "sglang-worker")]
+    headless = objects[("Service", statefulset["spec"]["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    pod_labels = statefulset["spec"]["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    c = check_server_pod(statefulset["spec"]["template"]["spec"], gpus=1)
+    check_serving_flags(checks.flags(c["args"]), tp=1)
+    # Each worker pod's DNS name under the headless Service is what the router is given: exactly
+    # the StatefulSet's pods, on the port their container listens on.
+    port = c["ports"][0]["containerPort"]
+    pods = [f"http://{statefulset['metadata']['name']}-{i}.{headless['metadata']['name']}:{port}"
+            for i in range(statefulset["spec"]["replicas"])]
+    assert statefulset["spec"]["replicas"] == replicas
+    router = objects[("Deployment", "sglang-router")]["spec"]["template"]["spec"]
+    rc = container(router)
+    assert rc["image"] == IMAGE and rc["command"][1:] == ["-m", "sglang_router.launch_router"]
+    assert "nvidia.com/gpu" not in json.dumps(rc["resources"])
+    router_flags = checks.flags(rc["args"])
+    assert router_flags["--worker-urls"] == pods
+    # It waits for the servers as long as they may take to start.
+    assert router_flags["--worker-startup-timeout-secs"] == [str(30 * 60)]
+    assert rc["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    # The servers report their model as /models/...: the router reads the tokenizer there, from
+    # the same claim, read-only (else it would look for it on a hub).
+    (mount,) = rc["volumeMounts"]
+    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert router["volumes"] == [{"name": "models", "persistentVolumeClaim": {
+        "claimName": "sglang-models", "readOnly": True}}]
+    service = objects[("Service", "sglang")]["spec"]
+    assert service["selector"].items() <= objects[("Deployment", "sglang-router")]["spec"][
+        "template"]["metadata"]["labels"].items()
+    assert objects[("PodDisruptionBudget", "sglang-worker")]["spec"]["maxUnavailable"] == 1
+
+
+# What the LeaderWorkerSet controller puts into each pod of a group (v0.10.0,
+# pkg/utils/pod/pod_utils.go, AddLWSVariables): the leader's address under the group's subdomain
+# (the LeaderWorkerSet's name), the group size and the pod's index, ahead of the container's env.
+def lws_environment(lws: dict[str, Any], group: int, index: int, namespace: str
+                    ) -> dict[str, str]:
+    name = lws["metadata"]["name"]
+    return {"LWS_LEADER_ADDRESS": f"{name}-{group}.{name}.{namespace}",
+            "LWS_GROUP_SIZE": str(lws["spec"]["leaderWorkerTemplate"]["size"]),
+            "LWS_WORKER_INDEX": str(index)}
+
+
+@pytest.mark.parametrize(("tp", "nodes"), [(16, 2), (8, 4), (2, 2)])
+def test_each_node_of_a_multinode_server(tmp_path: Path, tp: int, nodes: int) -> None:
+    out = render(tmp_path, "--topology", "multinode", "--tp", str(tp), "--nodes", str(nodes))
+    objects = built(out, "multinode")
+    lws = objects[("LeaderWorkerSet", "sglang-multinode")]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == nodes
+    gpus = tp // nodes
+    seen_ranks = []
+    for index in range(nodes):
+        pod = template["leaderTemplate" if index == 0 else "workerTemplate"]
+        c = check_server_pod(pod["spec"], gpus=gpus)
+        env = {**lws_environment(lws, 0, index, "llm"),
+               **{e["name"]: e["value"] for e in c["env"]}}
+        argv = checks.flags(ENTRYPOINT_ARGS + [checks.expand(a, env) for a in c["args"]])
+        check_serving_flags(argv, tp=tp)
+        assert argv["--nnodes"] == [str(nodes)]
+        leader = f"sglang-multinode-0.sglang-multinode.llm:{topology.DIST_INIT_PORT}"
+        assert argv["--dist-init-addr"] == [leader]
+        seen_ranks += argv["--node-rank"]
+        # The GPUs of every node together are the server's TP size.
+        assert c["resources"]["limits"]["nvidia.com/gpu"] * int(argv["--nnodes"][0]) == tp
+    assert seen_ranks == [str(i) for i in range(nodes)]
+    # Clients reach the leader (rank 0, the HTTP server) only.
+    service = objects[("Service", "sglang")]["spec"]["selector"]
+    assert service["leaderworkerset.sigs.k8s.io/name"] == "sglang-multinode"
+    assert service.items() <= {**template["leaderTemplate"]["metadata"]["labels"],
+                               "leaderworkerset.sigs.k8s.io/name": "sglang-multinode"}.items()
+    assert not service.items() <= {**template["workerTemplate"]["metadata"]["labels"],
+                                   "leaderworkerset.sigs.k8s.io/name": "sglang-multinode"}.items()
+
+
+def test_the_expansion_is_kubernetes_own() -> None:
+    env = {"A": "1", "B": "x"}
+    assert checks.expand("$(A):$(B)", env) == "1:x"
+    assert checks.expand("$(C)", env) == "$(C)"  # unknown: kept
+    assert checks.expand("$$(A)", env) == "$(A)"  # escaped
+    assert checks.flags(["--a", "1", "--b", "x", "y"]) == {"--a": ["1"], "--b": ["x", "y"]}
+
+
+def test_one_code_path_makes_every_server_flag() -> None:
+    """The manifests take the servers' argv and the router's worker list from topology.py, and
+    the Compose router's worker list names the Compose services it runs."""
+    s = topology.check(topology.Settings(model_path="m", draft_model_path="d", tp=2,
+                                         replicas=3, topologies=topology.TOPOLOGIES))
+    single = deploy.kube_single(s, IMAGE)["server.yaml"][0]
+    assert container(single["spec"]["template"]["spec"])["args"] == list(
+        topology.pods(s, "single")[0].args)
+    compose = deploy.compose_router(s, IMAGE)["services"]
+    router = compose["sglang-router"]["command"]
+    urls = checks.flags(router)["--worker-urls"]
+    assert urls == [f"http://{name}:30000" for name in compose if name != "sglang-router"]
+    assert [compose[f"sglang-worker-{i}"]["deploy"]["resources"]["reservations"]["devices"][0][
+        "device_ids"] for i in range(3)] == [["0", "1"], ["2", "3"], ["4", "5"]]
+
+
+# --- the schemas can fail ------------------------------------------------------------------------
+
+def test_the_schemas_refuse_a_broken_manifest(tmp_path: Path) -> None:
+    out = render(tmp_path, "--topology", "single", "--topology", "multinode", "--tp", "2")
+    deployment = built(out, "single")[("Deployment", "sglang")]
+    broken = copy.deepcopy(deployment)
+    broken["spec"]["replicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        checks.validate(broken)
+    broken = copy.deepcopy(deployment)
+    broken["spec"]["template"]["spec"]["containers"][0]["startupprobe"] = {}  # misspelt
+    with pytest.raises(kubernetes_validate.ValidationError):
+        checks.validate(broken)
+    lws = built(out, "multinode")[("LeaderWorkerSet", "sglang-multinode")]
+    for path, value in ((("spec", "leaderWorkerTemplate", "size"), "two"),
+                        (("spec", "leaderWorkerTemplate", "restartPolicy"), "Sometimes"),
+                        (("spec", "leaderWorkerTemplate", "sizes"), 2)):
+        broken = copy.deepcopy(lws)
+        node = broken
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        with pytest.raises(jsonschema.ValidationError):
+            checks.validate(broken)
+    broken = copy.deepcopy(lws)
+    broken["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0][
+        "volumeMounts"][0]["readonly"] = True  # misspelt, inside the pod template
+    with pytest.raises(jsonschema.ValidationError, match="readonly"):
+        checks.validate(broken)
+    broken = copy.deepcopy(lws)  # a field the API server would drop without a word
+    broken["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["label"] = {"a": "b"}
+    with pytest.raises(jsonschema.ValidationError, match="label"):
+        checks.validate(broken)
+    # The pod templates are also checked as Kubernetes' own PodTemplate.
+    template = copy.deepcopy(lws["spec"]["leaderWorkerTemplate"]["workerTemplate"])
+    template["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = [1]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        checks.validate_kubernetes({"apiVersion": "v1", "kind": "PodTemplate",
+                                    "metadata": {"name": "t"}, "template": template})
+
+
+def test_the_lws_schema_is_the_recorded_one() -> None:
+    schema = json.loads(checks.LWS_SCHEMA.read_text())
+    spec = schema["properties"]["spec"]["properties"]
+    assert {"leaderWorkerTemplate", "replicas", "startupPolicy"} <= set(spec)
+    assert '"description"' not in checks.LWS_SCHEMA.read_text()  # as tools/lws-crd-schema writes
+    assert "x-kubernetes-int-or-string" in checks.LWS_SCHEMA.read_text()  # the rest as upstream
+    readme = (checks.LWS_SCHEMA.parent / "README.md").read_text()
+    assert "v0.10.0" in readme and "kubernetes-sigs/lws" in readme
+
+
+# --- Compose -------------------------------------------------------------------------------------
+
+def test_compose_files_through_compose_v2(tmp_path: Path) -> None:
+    out = render(tmp_path, "--tp", "2", "--replicas", "2", "--shm-size", "8Gi")
+    single = checks.compose_config(out / "compose.yaml", tmp_path)
+    server = single["services"]["sglang"]
+    assert server["image"] == IMAGE and server["user"] == "1000:1000"
+    assert server["shm_size"] == str(8 * 1024**3)
+    (volume,) = server["volumes"]
+    assert volume["target"] == "/models" and volume["read_only"] is True
+    (gpus,) = server["deploy"]["resources"]["reservations"]["devices"]
+    assert gpus["device_ids"] == ["0", "1"] and gpus["capabilities"] == ["gpu"]
+    check_serving_flags(checks.flags(server["command"]), tp=2)
+    assert server["healthcheck"]["start_period"] == "30m0s"
+    router = checks.compose_config(out / "compose.router.yaml", tmp_path)["services"]
+    depends = router["sglang-router"]["depends_on"]
+    assert sorted(depends) == ["sglang-worker-0", "sglang-worker-1"]
+    assert {dep["condition"] for dep in depends.values()} == {"service_healthy"}
+    assert router["sglang-router"]["entrypoint"][1:] == ["-m", "sglang_router.launch_router"]
+    assert router["sglang-router"]["volumes"] == router["sglang-worker-0"]["volumes"]
+    # Compose itself refuses a broken file (the check can fail).
+    text = (out / "compose.yaml").read_text().replace("shm_size: 8g", "shm_size: eight")
+    (tmp_path / "broken.yaml").write_text(text)
+    with pytest.raises(checks.ComposeError, match="shm_size|eight"):
+        checks.compose_config(tmp_path / "broken.yaml", tmp_path)
+
+
+def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = render(tmp_path, "--tp", "4", "--replicas", "3")
+    assert not (out / "compose.router.yaml").exists() and (out / "kubernetes" / "router").is_dir()
+    assert "3 servers of TP 4 need more than the 8 GPUs of one box" in capsys.readouterr().err
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--threshold", "-3"], r"--threshold '-3'.*1 or more.*auto"),
+    (["--threshold", "0"], r"--threshold '0'"),
+    (["--threshold", "many"], r"--threshold 'many'.*neither a number nor 'auto'"),
+    (["--threshold", "auto", "--flavor", "sglang-0.5.17"], r"no automatic threshold"),
+    (["--tp", "16"], r"--tp 16.*8 \(--gpus-per-node\).*--topology multinode"),
+    (["--tp", "3", "--topology", "multinode"], r"--tp 3 over --nodes 2.*multiple"),
+    (["--tp", "32", "--nodes", "2", "--topology", "multinode"], r"16 GPUs per pod.*--nodes"),
+    (["--nodes", "1", "--topology", "multinode"], r"--nodes 1"),
+    (["--replicas", "0"], r"--replicas 0"),
+    (["--model-path", ""], r"no model path: give --model-path PATH"),
+    (["--draft-model-path", " "], r"no EAGLE-3 draft path"),
+    (["--model-path", "../etc"], r"--model-path '../etc' is not a folder inside"),
+    (["--server-arg=--tp-size=4"], r"sets --tp-size itself; give --tp"),
+    (["--shm-size", "16GB"], r"--shm-size '16GB'"),
+    (["--models-claim", "My_Models"], r"--models-claim 'My_Models'"),
+    (["--digest", "sha256:abc"], r"--digest 'sha256:abc' is not an image digest"),
+    (["--registry", "https://ghcr.io/x"], r"--registry 'https://ghcr.io/x'"),
+])
+def test_bad_input_is_refused_before_any_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              options: list[str], message: str) -> None:
+    out = tmp_path / "rendered"
+    argv = ["--digest", DIGEST, "--registry", REGISTRY, "--out", str(out), *options]
+    assert cli.main(["deploy", *argv]) == UsageError.exit_code
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(message, err), err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_settings_file_is_checked_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    settings = tmp_path / "serve.toml"
+    base = deploy.SETTINGS.read_text()
+    for text, message in ((base + "gpus = 2\n", "unknown settings ['gpus']"),
+                          (base.replace('model_path = "Llama-3.1-8B-Instruct"', 'model_path = ""'),
+                           "no model path"),
+                          (base.replace("threshold = 32", "threshold = -1"), "--threshold -1"),
+                          ("tp = [", "not valid TOML")):
+        settings.write_text(text)
+        out = tmp_path / "out"
+        assert cli.main(["deploy", "--digest", DIGEST, "--registry", REGISTRY, "--out", str(out),
+                         "--settings", str(settings)]) == UsageError.exit_code
+        assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_an_earlier_rendering_is_replaced_anything_else_kept(tmp_path: Path) -> None:
+    out = render(tmp_path, "--topology", "single", "--topology", "router")
+    assert (out / "kubernetes" / "router").is_dir()
+    render(tmp_path, "--topology", "single")  # the same folder, fewer topologies
+    assert not (out / "kubernetes" / "router").exists() and (out / deploy.MARKER).is_file()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert cli.main(["deploy", "--digest", DIGEST, "--registry", REGISTRY,
+                     "--out", str(mine)]) == 2
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_help_is_in_nox_terms(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["deploy", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: nox -s deploy --") and "exit codes:" in out
+    for option in ("--digest", "--registry", "--threshold", "--tp", "--replicas", "--nodes",
+                   "--model-path", "--out"):
+        assert option in out
+
+
+# --- the example and publish ---------------------------------------------------------------------
+
+def test_deploy_example_is_the_rendering_of_serve_toml(tmp_path: Path) -> None:
+    """deploy/example is what the renderer writes for deploy/serve.toml (an example image):
+    `nox -s deploy -- --example` writes it again."""
+    assert cli.main(["deploy", "--example", "--out", str(tmp_path / "example")]) == 0
+    expected = {p.relative_to(tmp_path / "example"): p.read_text()
+                for p in (tmp_path / "example").rglob("*") if p.is_file()}
+    committed = {p.relative_to(deploy.EXAMPLE_OUT): p.read_text()
+                 for p in deploy.EXAMPLE_OUT.rglob("*") if p.is_file()}
+    assert committed == expected, "deploy/example is stale: nox -s deploy -- --example"
+    for overlay in topology.TOPOLOGIES:
+        assert built(deploy.EXAMPLE_OUT, overlay)
+
+
+def test_publish_writes_the_manifests_of_the_digest_it_pushed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    pushed: list[str] = []
+
+    def fake_publish(client: Any, image: str, target: publish.Target, **kw: Any
+                     ) -> publish.PublishResult:
+        pushed.append(image)
+        return publish.PublishResult(f"{target.name}@{DIGEST}", DIGEST, (), "", "", False, "")
+
+    monkeypatch.setattr(publish, "publish", fake_publish)
+    monkeypatch.setattr(publish.docker_engine, "connect",
+                        lambda *_: type("E", (), {"client": None}))
+    out = tmp_path / "deploy"
+    argv = ["--registry", REGISTRY, "--image", "img:tag", "--deploy-out", str(out)]
+    assert cli.main(["publish", *argv]) == 0
+    assert pushed == ["img:tag"]
+    assert capsys.readouterr().out.strip() == DIGEST
+    server, _ = yaml.safe_load_all((out / "kubernetes" / "single" / "server.yaml").read_text())
+    assert container(server["spec"]["template"]["spec"])["image"] == IMAGE
+    assert yaml.safe_load((out / "compose.yaml").read_text())["services"]["sglang"][
+        "image"] == IMAGE
+    assert json.loads((out / deploy.MARKER).read_text())["image"] == IMAGE
+    # Bad settings stop the publish before anything is pushed.
+    bad = tmp_path / "serve.toml"
+    bad.write_text(deploy.SETTINGS.read_text().replace("threshold = 32", "threshold = -4"))
+    monkeypatch.setattr(deploy, "SETTINGS", bad)
+    assert cli.main(["publish", *argv, "--deploy-out",
+                     str(tmp_path / "other")]) == UsageError.exit_code
+    assert pushed == ["img:tag"] and not (tmp_path / "other").exists()
+    assert "--threshold -4" in capsys.readouterr().err
+
+
+def test_the_repository_settings_render(tmp_path: Path) -> None:
+    """deploy/serve.toml as committed renders (what nox -s publish writes by default)."""
+    s = deploy.settings(deploy.SETTINGS, {}, pins.load_flavor(pins.DEFAULT_FLAVOR))
+    assert s.topologies == ("single", "router") and s.threshold == 32
+    files = deploy.render(s, IMAGE)
+    assert "compose.yaml" in files and "kubernetes/router/router.yaml" in files
+    with pytest.raises(UsageError):
+        topology.check(topology.override(s, {"tp": 0}))

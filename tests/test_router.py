@@ -1,0 +1,210 @@
+"""The real sglang-router (the PyPI package, the version the image carries) with the flags the
+router topology renders, on loopback in front of two stand-in SGLang servers: it routes, it
+survives a server's death, and health flows from the servers to the router's readiness (what
+its Kubernetes readiness probe and Compose healthcheck read)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from sglang_image import topology
+from tests.deploy_checks import flags, need
+from tests.sglang_workers import Worker, workers
+
+DEADLINE_S = 60  # each wait below; the router checks health every second here
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(what: str, check: Callable[[], bool], log: Path) -> None:
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        try:
+            if check():
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"not within {DEADLINE_S}s: {what}\n{log.read_text()[-3000:]}")
+
+
+def loopback_argv(rendered: tuple[str, ...], urls: dict[str, str], port: int,
+                  metrics: int, *, fast_health: bool) -> list[str]:
+    """The rendered router flags with the servers' and the router's addresses on loopback and,
+    with `fast_health`, the health checks every second (the rendered pace is 10 s) and an open
+    circuit closed after 2 s (60 s)."""
+    values = {"--host": "127.0.0.1", "--port": str(port), "--prometheus-host": "127.0.0.1",
+              "--prometheus-port": str(metrics)}
+    argv, flag = [], ""
+    for arg in rendered:
+        if arg.startswith("--"):
+            flag = arg
+            argv.append(arg)
+        else:
+            argv.append(values.get(flag, urls.get(arg, arg)))
+    if fast_health:  # and an open circuit closes after 2 s, not 60
+        argv += ["--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+                 "--health-success-threshold", "1", "--cb-timeout-duration-secs", "2"]
+    return argv
+
+
+class Router:
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        r = requests.get(f"{self.base}/readiness", timeout=5)
+        return r.status_code, r.json()
+
+    def healthy(self) -> dict[str, bool]:
+        listed = requests.get(f"{self.base}/workers", timeout=5).json()["workers"]
+        return {w["url"]: w["is_healthy"] for w in listed}
+
+    def generate(self, text: str) -> requests.Response:
+        return requests.post(f"{self.base}/generate", timeout=30,
+                             json={"text": text, "sampling_params": {"max_new_tokens": 1}})
+
+
+@contextmanager
+def router_process(argv: list[str], log: Path) -> Iterator[Router]:
+    if importlib.util.find_spec("sglang_router") is None:
+        need("sglang-router", "the test dependency group installs it")
+    port = argv[argv.index("--port") + 1]
+    # Nothing leaves the host: were the router to look for a tokenizer on a hub, it would
+    # ask a closed port on loopback (the test then fails on its log).
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", topology.ROUTER_MODULE, *argv],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        router = Router(f"http://127.0.0.1:{port}")
+        wait_until("the router answers /liveness",
+                   lambda: requests.get(f"{router.base}/liveness", timeout=2).ok, log)
+        yield router
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    # It read the servers' tokenizer where they report their model (a local folder here, the
+    # models volume in the manifests), and asked no hub for it.
+    assert "HuggingFace" not in log.read_text() and "Loading tokenizer" in log.read_text()
+
+
+def start(tmp_path: Path, servers: list[Worker], *, fast_health: bool
+          ) -> tuple[list[str], Path]:
+    s = topology.check(topology.Settings(model_path="m", draft_model_path="d",
+                                         replicas=len(servers)))
+    urls = dict(zip(topology.worker_urls(s, "kubernetes"), (w.url for w in servers),
+                    strict=True))
+    argv = loopback_argv(topology.router_args(s, "kubernetes"), urls, free_port(), free_port(),
+                         fast_health=fast_health)
+    assert flags(argv)["--worker-urls"] == [w.url for w in servers]
+    return argv, tmp_path / "router.log"
+
+
+def all_answered_by(router: Router, survivor: Worker, count: int) -> None:
+    """After a server's death: `count` requests, each answered by `survivor`, none failed."""
+    before = survivor.generated()
+    for i in range(count):
+        reply = router.generate(f"after {i}")
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["text"] == f"{survivor.name}: after {i}"
+    assert survivor.generated() == before + count
+
+
+def test_a_server_death_costs_no_request(tmp_path: Path) -> None:
+    """At the rendered pace (a health check every 10 s): the requests that meet a dead server are
+    retried on the live one at once, none fails. (With the router's default circuit breaker, 10
+    failures where a request makes 5 attempts, the first two after a death fail.)"""
+    with workers(tmp_path, "worker-0", "worker-1") as servers:
+        argv, log = start(tmp_path, servers, fast_health=False)
+        with router_process(argv, log) as router:
+            wait_until("both servers healthy", lambda: router.readiness()[1].get(
+                "healthy_workers") == 2, log)
+            for i in range(6):
+                assert router.generate(f"warm {i}").status_code == 200
+            busy, other = sorted(servers, key=Worker.generated, reverse=True)
+            assert busy.generated() > 0
+            busy.stop()
+            all_answered_by(router, other, 8)
+
+
+def test_health_flows_from_the_servers_to_the_router(tmp_path: Path) -> None:
+    """Health checks every second here: a server joins once healthy, is routed to, leaves when
+    it dies, the router is not ready without a healthy server, and a restarted one comes back."""
+    with workers(tmp_path, "worker-0", "worker-1") as (first, second):
+        second.healthy = False  # still loading its model: SGLang answers /health with 503
+        argv, log = start(tmp_path, [first, second], fast_health=True)
+        with router_process(argv, log) as router:
+            # Health flows: ready with the one healthy server; the starting one waits outside.
+            wait_until("ready with one healthy server",
+                       lambda: router.readiness() == (200, {"status": "ready",
+                                                            "healthy_workers": 1,
+                                                            "total_workers": 1}), log)
+            for i in range(4):
+                reply = router.generate(f"early {i}")
+                assert reply.status_code == 200 and reply.json()["text"] == f"worker-0: early {i}"
+            second.healthy = True
+            wait_until("the second server joins once healthy",
+                       lambda: router.healthy() == {first.url: True, second.url: True}, log)
+            # It routes: distinct prompts, each answered by a server, the text passed through.
+            for i in range(8):
+                reply = router.generate(f"prompt {i} " * (i + 1))
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["text"].split(": ", 1)[1] == f"prompt {i} " * (i + 1)
+            assert first.generated() + second.generated() == 12
+            # A server dies: every request still gets an answer, from the other one.
+            first.stop()
+            all_answered_by(router, second, 6)
+            wait_until("the dead server is marked unhealthy",
+                       lambda: router.healthy() == {first.url: False, second.url: True}, log)
+            assert router.readiness()[0] == 200
+            # The last healthy one falls ill: the router is not ready (its probe takes it out of
+            # the Service) and says why.
+            second.healthy = False
+            wait_until("not ready without a healthy server",
+                       lambda: router.readiness()[0] == 503, log)
+            assert router.readiness()[1]["reason"] == "insufficient healthy workers"
+            assert router.generate("nobody").status_code == 503
+            # A server back on its address (a restarted pod) is routed to again.
+            back = Worker("worker-0-restarted", tmp_path, first.port)
+            try:
+                wait_until("ready again", lambda: router.readiness()[0] == 200, log)
+                wait_until("routed to again (once its circuit closes)",
+                           lambda: router.generate("welcome back").json().get("text")
+                           == "worker-0-restarted: welcome back", log)
+            finally:
+                back.stop()
+    # What the router asked of a server: health, then its metadata, then the requests it routed.
+    asked = first.paths()
+    assert {"/health", "/generate"} <= asked
+    assert asked & {"/server_info", "/get_server_info"} and asked & {"/model_info",
+                                                                     "/get_model_info"}
+
+
+def test_the_stand_in_dies_as_a_crashed_server(tmp_path: Path) -> None:
+    """Stopping a stand-in closes its kept-alive connections too (else a router would keep
+    reaching a 'dead' server through them and the test above could not fail)."""
+    with workers(tmp_path, "w") as (w,), requests.Session() as session:
+        assert session.get(f"{w.url}/health", timeout=5).status_code == 200
+        w.stop()
+        with pytest.raises(requests.ConnectionError):
+            session.get(f"{w.url}/health", timeout=5)
