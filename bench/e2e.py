@@ -49,7 +49,7 @@ from bench import comm as comm_mod
 from bench import jitcache
 from bench import throughput as bench_mod
 from smoke import features as features_mod
-from smoke import runner
+from smoke import names, runner
 from smoke.runner import Deadline
 
 PHASES = ("install", "patch", "check", "models", "smoke", "features", "bench", "comm")
@@ -63,7 +63,7 @@ MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], ("smoke", "features")
           "8b": (["--size", "8b", "--draft", "chain"], ("bench",)),
           "qwen3": (["--arch", "qwen3", "--size", "tp2"], ("comm",))}
 REPO = Path(__file__).resolve().parents[1]
-FLAG = "--speculative-disable-batch-threshold"
+FLAG = names.THRESHOLD_FLAG
 
 
 def bundle_archive(bundle: Path) -> Path:
@@ -347,8 +347,9 @@ class E2E:
 
     def smoke_threshold(self) -> tuple[bool, int]:
         """--threshold: (auto, N); with auto the loads (and the feature matrix) use the default N."""
-        auto = str(self.a.threshold).lower() == runner.AUTO
-        return auto, runner.DEFAULT_THRESHOLD if auto else int(self.a.threshold)
+        parsed = names.parse_threshold(self.a.threshold)
+        auto = parsed == runner.AUTO
+        return auto, runner.DEFAULT_THRESHOLD if auto else int(parsed)
 
     def phase_features(self) -> None:
         st = self.resumable("features")

@@ -53,13 +53,13 @@ from typing import Any
 
 from bench import diagnose
 from bench import report as bench_report
-from smoke import client
+from smoke import client, names
 from smoke.client import Prompt
 from smoke.runner import Deadline, check_log_clean, spec_state
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 CONFIGS = ("plain", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto")
-THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+THRESHOLD_FLAG = names.THRESHOLD_FLAG
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # upstream's own way to stop drafting (--speculative-adaptive): its default tiers (sglang's
 # speculative/adaptive_spec_params.py) without the 7-step tier of batch 1, whose draft-extend graph

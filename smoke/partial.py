@@ -22,8 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from smoke import names
+
 MANIFEST = Path("/opt/sglang-image/patches.json")
-FLAG = "--speculative-disable-batch-threshold"
+FLAG = names.THRESHOLD_FLAG
 IMPORTS = ("torch", "transformers", "sglang", "sglang.srt.server_args")
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smoke import client
+from smoke import client, names
 from smoke.client import Prompt, Result
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
@@ -34,7 +34,7 @@ MODE_CHANGE = "Speculation mode ->"
 # The smoke's threshold: small, so that the tiny model's load crosses it both ways in seconds. Every
 # smoke entry point (here, e2e, `nox -s smoke`) takes its default from this one name.
 DEFAULT_THRESHOLD = 4
-AUTO = "auto"
+AUTO = names.AUTO
 REQUEST_TIMEOUT_S = 180  # a tiny-model request takes seconds; a hang must not outlive the deadline
 # Lines that mean the server is broken even if every request came back.
 BAD_LOG_PATTERNS = (
@@ -58,10 +58,14 @@ def check_start_log(log_text: str, threshold: int | str) -> None:
                        "(is the dynamic-speculation-disable patch applied and the flag passed?)")
 
 
-def draft_plain_step(log_text: str) -> str | None:
-    """What the server says its plain steps do with the draft: "kv_only" (the draft's K/V only,
-    one-layer EAGLE-3 drafts), "full" (the draft's whole step), None (no such line: an older
-    series)."""
+def draft_plain_step(state: dict[str, Any], log_text: str) -> str | None:
+    """What the server's plain steps do with the draft: "kv_only" (the draft's K/V only,
+    one-layer EAGLE-3 drafts), "full" (the draft's whole step), None (it does not say). The
+    server info's `plain_step` where the server has one (the plugin), else the start log's words
+    (0.5.17's series)."""
+    step = state.get("plain_step")
+    if isinstance(step, dict) and "draft" in step:
+        return "kv_only" if step["draft"] == "kv only" else "full"
     for line in log_text.splitlines():
         if KV_ONLY_LINE in line:
             return "kv_only"
@@ -384,8 +388,8 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
         base = srv.base
         start_log = log.read_text(errors="replace")
         check_start_log(start_log, n)
-        rep["draft_plain_step"] = draft_plain_step(start_log)
         st0 = spec_state(client.server_info(base))
+        rep["draft_plain_step"] = draft_plain_step(st0, start_log)
         check_threshold_state(st0, n)
         check_mode(st0, "speculative", "after start")
         baseline = wait_idle(base, client.load(base))
@@ -758,10 +762,12 @@ def comma_list(text: str, known: Iterable[str], flag: str) -> tuple[str, ...]:
 
 def options(a: argparse.Namespace) -> SmokeOptions:
     variants = comma_list(a.variants, VARIANTS, "--variants")
-    auto = str(a.threshold).strip().lower() == AUTO
-    if not auto and not (str(a.threshold).isdigit() and int(a.threshold) >= 1):
-        raise SystemExit(f"--threshold {a.threshold}: give a whole number >= 1, or auto")
-    threshold = DEFAULT_THRESHOLD if auto else int(a.threshold)
+    try:
+        parsed = names.parse_threshold(a.threshold)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    auto = parsed == AUTO
+    threshold = DEFAULT_THRESHOLD if auto else int(parsed)
     return SmokeOptions(models=a.models, out=a.out, threshold=threshold, auto=auto, variants=variants,
                         port=a.port, mem_fraction=a.mem_fraction, cuda_graph=not a.no_cuda_graph,
                         deadline=Deadline(time.time() + a.deadline),

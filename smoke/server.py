@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from smoke import client
+from smoke import client, names
 
 # Flags every smoke/bench server gets: seen working on the H200 with the slimmed bundle
 # (no FA3 kernels -> triton attention; pytorch sampling and no grammar avoid more JIT compilation).
@@ -103,7 +103,7 @@ class ServerConfig:
         if self.draft is not None:
             a += [*EAGLE_FLAGS, "--speculative-draft-model-path", str(self.draft)]
         if self.threshold is not None:
-            a += ["--speculative-disable-batch-threshold", str(self.threshold)]
+            a += [names.THRESHOLD_FLAG, str(self.threshold)]
         if not self.overlap:
             a += ["--disable-overlap-schedule"]
         if self.enable_metrics:

@@ -286,9 +286,9 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
 # --- bad input -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("options", "message"), [
-    (["--threshold", "-3"], r"--threshold '-3'.*1 or more.*auto"),
-    (["--threshold", "0"], r"--threshold '0'"),
-    (["--threshold", "many"], r"--threshold 'many'.*neither a number nor 'auto'"),
+    (["--threshold", "-3"], r"--threshold: '-3' is not a batch-size threshold; give `auto`.*N >= 1"),
+    (["--threshold", "0"], r"--threshold: '0' is not a batch-size threshold"),
+    (["--threshold", "many"], r"--threshold: 'many' is not a batch-size threshold; give `auto`"),
     (["--threshold", "auto", "--flavor", "sglang-0.5.17"], r"no automatic threshold"),
     (["--tp", "16"], r"--tp 16.*8 \(--gpus-per-node\).*--topology multinode"),
     (["--tp", "3", "--topology", "multinode"], r"--tp 3 over --nodes 2.*multiple"),
@@ -320,7 +320,7 @@ def test_a_settings_file_is_checked_too(tmp_path: Path, capsys: pytest.CaptureFi
     for text, message in ((base + "gpus = 2\n", "unknown settings ['gpus']"),
                           (base.replace('model_path = "Llama-3.1-8B-Instruct"', 'model_path = ""'),
                            "no model path"),
-                          (base.replace("threshold = 32", "threshold = -1"), "--threshold -1"),
+                          (base.replace("threshold = 32", "threshold = -1"), "--threshold: '-1' is not a batch-size threshold"),
                           ("tp = [", "not valid TOML")):
         settings.write_text(text)
         out = tmp_path / "out"
@@ -396,7 +396,7 @@ def test_publish_writes_the_manifests_of_the_digest_it_pushed(
     assert cli.main(["publish", *argv, "--deploy-out",
                      str(tmp_path / "other")]) == UsageError.exit_code
     assert pushed == ["img:tag"] and not (tmp_path / "other").exists()
-    assert "--threshold -4" in capsys.readouterr().err
+    assert "--threshold: '-4' is not a batch-size threshold" in capsys.readouterr().err
 
 
 def test_the_repository_settings_render(tmp_path: Path) -> None:

@@ -189,10 +189,20 @@ def test_plain_step_installs_the_hooks_of_its_parts_only() -> None:
     assert deep.log_lines() == [
         "Plain step: plain steps run the draft's full step: the draft has 2 layers",
         "Plain step: plain steps keep the speculative layout: x"]
-    # the smoke reads the draft's line in these words (smoke.runner.draft_plain_step)
+    # the smoke reads the server info's view, and these words where a server has none
     from smoke import runner
-    assert runner.KV_ONLY_LINE in full.log_lines()[0]
-    assert runner.FULL_DRAFT_LINE in deep.log_lines()[0]
+    assert runner.draft_plain_step({"plain_step": full.view()}, "") == "kv_only"
+    assert runner.draft_plain_step({"plain_step": deep.view()}, "") == "full"
+    assert runner.draft_plain_step({}, full.log_lines()[0]) == "kv_only"
+    assert runner.draft_plain_step({}, deep.log_lines()[0]) == "full"
+    # the flag, its variable and `auto` as the smoke and the bench spell them: the plugin's own
+    from smoke import names
+    assert (names.THRESHOLD_FLAG, names.THRESHOLD_ENV, names.AUTO) == (
+        sd.THRESHOLD_FLAG, sd.THRESHOLD_ENV, sd.AUTO)
+    assert names.parse_threshold(" Auto ") == "auto" and names.parse_threshold("12") == 12
+    for bad in ("0", "-3", "auto32"):
+        with pytest.raises(ValueError, match="--threshold"):
+            names.parse_threshold(bad)
     # every hook names a function that exists, and a start-up hook never depends on a group
     for spec in HOOKS:
         assert callable(pkgutil.resolve_name(spec.function)), spec

@@ -269,7 +269,7 @@ def test_argument_parsing(tmp_path):
     auto = runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "AUTO"]))
     assert auto.auto and auto.threshold == runner.DEFAULT_THRESHOLD  # loads shaped for N=4
     for bad in ("auto8", "-1", "lots"):
-        with pytest.raises(SystemExit, match="give a whole number >= 1, or auto"):
+        with pytest.raises(SystemExit, match=r"give `auto` .* or a whole number N >= 1"):
             runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", bad]))
     from sglang_image import smoke as nox_smoke
 

@@ -39,14 +39,29 @@ class PluginError(SglangImageError):
     exit_code = 14
 
 
-def _targets() -> ModuleType:
-    """plugin/sglang_image_plugin/targets.py (pure data), loaded by path."""
-    spec = importlib.util.spec_from_file_location("_sglang_image_plugin_targets",
-                                                  PACKAGE_DIR / "targets.py")
+def _load(name: str) -> ModuleType:
+    """A standard-library-only module of plugin/sglang_image_plugin/, loaded by path (the build
+    system does not import the plugin package, which reaches into sglang)."""
+    key = f"_sglang_image_plugin_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, PACKAGE_DIR / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module  # dataclasses look their module up while defining
     spec.loader.exec_module(module)
     return module
+
+
+def _targets() -> ModuleType:
+    """targets.py: the hooks and the upstream code relied on (pure data)."""
+    return _load("targets")
+
+
+def names() -> ModuleType:
+    """spec_disable.py: the threshold flag, its environment variable, `auto` and the parser,
+    spelled there once for the plugin, the build system, the smoke and the benchmark."""
+    return _load("spec_disable")
 
 
 def digests_path() -> Path:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_image import plugin
 from sglang_image.docker_engine import ensure_engine
 from sglang_image.errors import PARTIAL_EXIT_CODE, ImageNotFoundError, SmokeError, UsageError
 from sglang_image.pins import REPO_ROOT, Flavor, flavor_names, load_flavor
@@ -118,19 +119,16 @@ def host_has_gpu() -> bool:
 
 
 DEFAULT_THRESHOLD = 4
-AUTO = "auto"  # the server finds the crossover itself: flavors with the plugin only
+AUTO: str = plugin.names().AUTO  # the server finds the crossover itself: flavors with the plugin only
 
 
 def threshold_value(text: str) -> int | str:
-    """--threshold: a number of running requests >= 1, or `auto`."""
-    if text == AUTO:
-        return AUTO
+    """--threshold: a number of running requests >= 1, or `auto` (the plugin's own parser)."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor 'auto'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: the threshold must be 1 or more")
+        value: int | str = plugin.names().parse_threshold(text, source="--threshold",
+                                                         allow_zero=False)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 
@@ -161,7 +159,11 @@ def container_kwargs(*, gpu: bool, out_dir: Path) -> dict[str, Any]:
     import docker.types
 
     kw: dict[str, Any] = {
+        # the smoke, and the one module whose names it shares with the plugin (smoke/names.py
+        # looks for it beside smoke/, where the repository has it)
         "volumes": {str(REPO_ROOT / "smoke"): {"bind": f"{MOUNT}/smoke", "mode": "ro"},
+                    str(plugin.PACKAGE_DIR / "spec_disable.py"): {
+                        "bind": f"{MOUNT}/plugin/sglang_image_plugin/spec_disable.py", "mode": "ro"},
                     str(out_dir): {"bind": OUT_MOUNT, "mode": "rw"}},
         "working_dir": MOUNT,
         "environment": {"PYTHONPATH": MOUNT, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",

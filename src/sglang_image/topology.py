@@ -13,7 +13,6 @@ places them into Compose and Kubernetes manifests.
 """
 from __future__ import annotations
 
-import argparse
 import posixpath
 import re
 import tomllib
@@ -22,7 +21,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from sglang_image import smoke
+from sglang_image import plugin, smoke
 from sglang_image.errors import UsageError
 from sglang_image.pins import Flavor
 
@@ -36,7 +35,7 @@ ROUTER_METRICS_PORT = 29000
 MODELS_MOUNT = "/models"  # where the models volume is mounted, read-only
 QUANTITY_UNITS = {"Mi": "m", "Gi": "g", "Ti": "t"}  # --shm-size: Kubernetes unit -> Docker's
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label: a Kubernetes name
-THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+THRESHOLD_FLAG: str = plugin.names().THRESHOLD_FLAG
 ROUTER_MODULE = "sglang_router.launch_router"
 # LeaderWorkerSet puts these into every pod of a group; Kubernetes expands $(NAME) in args.
 LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
@@ -138,15 +137,14 @@ def override(settings: Settings, options: Mapping[str, Any]) -> Settings:
 
 
 def threshold_value(raw: object, source: str = "--threshold") -> int | str:
-    """`auto` or a number of running requests >= 1 (smoke's parser), as a UsageError naming
-    `source` and the fix."""
-    text = str(raw).strip() if isinstance(raw, (int, str)) and not isinstance(raw, bool) else ""
+    """`auto` or a number of running requests >= 1 (the plugin's own parser, as the servers read
+    the flag), as a UsageError naming `source`, the value and the fix."""
+    text = str(raw).strip() if isinstance(raw, (int, str)) and not isinstance(raw, bool) else repr(raw)
     try:
-        return smoke.threshold_value(text)
-    except argparse.ArgumentTypeError as exc:
-        raise UsageError(f"{source} {raw!r}: {exc}; give `auto` or a whole number N >= 1 of "
-                         f"running requests above which the servers stop speculating, e.g. "
-                         f"--threshold 32") from None
+        value: int | str = plugin.names().parse_threshold(text, source=source, allow_zero=False)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return value
 
 
 def check(s: Settings, flavor: Flavor | None = None) -> Settings:

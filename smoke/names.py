@@ -1,0 +1,55 @@
+"""The names the smoke and the benchmark share with the plugin, spelled once, in the plugin's
+spec_disable.py (standard library only): the threshold flag, its environment variable, `auto`
+and the threshold parser.
+
+Loaded by path, not imported as the plugin package: the smoke runs where the plugin is absent
+(an image of a flavor without it, this repository's tests), and a copy of the package on the
+path would shadow an installed plugin in the servers it starts. Looked for beside this package
+(the repository; the image's smoke mount carries plugin/ there too), then in an installed plugin.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+MODULE_FILE = "spec_disable.py"
+MODULE_NAME = "_sglang_image_plugin_names"
+
+
+def candidates() -> list[Path]:
+    found = [Path(__file__).resolve().parents[1] / "plugin" / "sglang_image_plugin" / MODULE_FILE]
+    spec = importlib.util.find_spec("sglang_image_plugin")  # a top-level name: nothing is imported
+    if spec is not None and spec.submodule_search_locations:
+        found += [Path(p) / MODULE_FILE for p in spec.submodule_search_locations]
+    return found
+
+
+def load() -> ModuleType:
+    if MODULE_NAME in sys.modules:
+        return sys.modules[MODULE_NAME]
+    for path in candidates():
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[MODULE_NAME] = module  # dataclasses look their module up while defining
+            spec.loader.exec_module(module)
+            return module
+    raise ImportError(f"the plugin's {MODULE_FILE} is in none of "
+                      f"{', '.join(map(str, candidates()))}: run from the repository, or mount its "
+                      "plugin/ folder beside smoke/")
+
+
+_names = load()
+THRESHOLD_FLAG: str = _names.THRESHOLD_FLAG
+THRESHOLD_ENV: str = _names.THRESHOLD_ENV
+AUTO: str = _names.AUTO
+
+
+def parse_threshold(raw: str | int, source: str = "--threshold") -> int | str:
+    """`auto` or a whole number >= 1 of running requests; ValueError naming `source` otherwise
+    (the plugin's own parser, so the smoke, the bench and the server accept the same values)."""
+    value: int | str = _names.parse_threshold(raw, source=source, allow_zero=False)
+    return value
