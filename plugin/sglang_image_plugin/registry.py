@@ -17,6 +17,7 @@ import pkgutil
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from sglang_image_plugin.spec_disable import THRESHOLD_FLAG
 from sglang_image_plugin.targets import HookSpec
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def ensure_applied(specs: tuple[HookSpec, ...], what: str) -> None:
     if problems:
         message = (
             "sglang-image-plugin: hooks did not take, so dynamic speculation disable "
-            "(--speculative-disable-batch-threshold) cannot work; this sglang release "
+            f"({THRESHOLD_FLAG}) cannot work; this sglang release "
             "needs a plugin update (run `nox -s plugin-check` on its wheel):\n  "
             + "\n  ".join(problems)
         )

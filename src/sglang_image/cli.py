@@ -145,7 +145,7 @@ def _add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--out", type=Path, default=None,
                    help="where logs and reports go (default: out/smoke)")
     p.add_argument("--threshold", type=smoke.threshold_value, default=smoke.DEFAULT_THRESHOLD,
-                   help=f"the EAGLE-3 servers' --speculative-disable-batch-threshold: N running "
+                   help=f"the EAGLE-3 servers' {plugin.names().THRESHOLD_FLAG}: N running "
                         f"requests, or auto where the flavor has it (default: "
                         f"{smoke.DEFAULT_THRESHOLD})")
     p.add_argument("--accept-partial", action="store_true",
