@@ -87,7 +87,8 @@ def write_draft_kv(model: Any, tokens: Any, positions: Any, target_hidden: Any, 
 def draft_extend_for_decode(original: Callable[..., Any], draft_worker: Any, batch: Any,
                             batch_result: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND EagleDraftWorker._draft_extend_for_decode: a plain step other than the catch-up
-    writes the draft's K/V alone (where decode-kv was set up for this worker)."""
+    writes the draft's K/V alone (installed where the worker's plain step has the K/V-only part;
+    with the plain layout, it first flushes what the last plain-layout step left pending)."""
     catch_up = getattr(draft_worker, KV_ONLY_ATTR, None)
     deferred = getattr(draft_worker, DEFERRED_ATTR, None)
     if deferred is not None and draft_worker.speculative_num_steps == 0 and not batch.forward_mode.is_idle():

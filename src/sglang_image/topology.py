@@ -13,6 +13,7 @@ places them into Compose and Kubernetes manifests.
 """
 from __future__ import annotations
 
+import argparse
 import posixpath
 import re
 import tomllib
@@ -136,15 +137,14 @@ def override(settings: Settings, options: Mapping[str, Any]) -> Settings:
     return replace(settings, **given)
 
 
-def threshold_value(raw: object, source: str = "--threshold") -> int | str:
-    """`auto` or a number of running requests >= 1 (the plugin's own parser, as the servers read
-    the flag), as a UsageError naming `source`, the value and the fix."""
+def threshold_value(raw: object) -> int | str:
+    """`auto` or a number of running requests >= 1 (`nox -s smoke`'s --threshold, which is the
+    plugin's own parser), as a UsageError naming the value and the fix."""
     text = str(raw).strip() if isinstance(raw, (int, str)) and not isinstance(raw, bool) else repr(raw)
     try:
-        value: int | str = plugin.names().parse_threshold(text, source=source, allow_zero=False)
-    except ValueError as exc:
+        return smoke.threshold_value(text)
+    except argparse.ArgumentTypeError as exc:
         raise UsageError(str(exc)) from None
-    return value
 
 
 def check(s: Settings, flavor: Flavor | None = None) -> Settings:
