@@ -14,7 +14,6 @@ The device timer and the profiler cost time themselves: compare servers with eac
 from __future__ import annotations
 
 import re
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,7 +75,7 @@ def full_load(srv: Server, prompts: list[Prompt], concurrency: int, out: Path,
     timeout = deadline.request_timeout(240)
     result: dict[str, Any] = {}
     exe = pyspy.binary(pyspy_dirs)
-    pid = pyspy.scheduler_pid(srv.proc.pid) if srv.proc is not None else None
+    pid = pyspy.scheduler_pid(srv.pgid) if srv.pgid is not None else None
     if exe is None or pid is None:
         result["pyspy"] = {"error": "no py-spy binary" if exe is None else "no scheduler process found"}
     else:
@@ -101,23 +100,6 @@ def full_load(srv: Server, prompts: list[Prompt], concurrency: int, out: Path,
         result["profile"] = profile.summarize(trace, PROFILE_STEPS)
         trace.unlink()  # tens of MB; the summary is what is kept
     return result
-
-
-def gpu_split(levels: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
-    """Per concurrency and config, medians over the rounds: wall seconds of the window, GPU seconds per
-    forward category, and the rest (the GPU waiting for the host). Empty without the device timer."""
-    lines = []
-    for c, by_name in sorted(levels.items(), key=lambda kv: int(kv[0])):
-        for name, windows in by_name.items():
-            timed = [w for w in windows if w.get("gpu_s")]
-            if not timed:
-                continue
-            cats = sorted({k for w in timed for k in w["gpu_s"]})
-            cells = [f"wall {statistics.median(w['seconds'] for w in timed):.3f}s"]
-            cells += [f"{k} {statistics.median(w['gpu_s'].get(k, 0.0) for w in timed):.3f}s" for k in cats]
-            cells.append(f"rest {statistics.median(w['seconds'] - sum(w['gpu_s'].values()) for w in timed):.3f}s")
-            lines.append(f"c={c} {name}: " + ", ".join(cells))
-    return lines
 
 
 def render(name: str, diag: dict[str, Any]) -> list[str]:

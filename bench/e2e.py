@@ -18,7 +18,9 @@ patch series is refused unless this call installs again):
            (--disable-overlap-schedule, no CUDA graphs) with every check of smoke.runner
   features the feature matrix of smoke.features (sampling, logprobs, stops, streams, grammars,
            penalties, n > 1, chunked prefill, KV pressure, aborts) across the mode changes
-  bench    plain / always-on EAGLE-3 / EAGLE-3 + threshold at concurrency 1, 8, 256 (CUDA graphs)
+  bench    the paired benchmark of bench.throughput (--bench-*: configs, concurrency, pairs, the
+           A/A twin); its servers outlive the call (recorded in STATE/bench-servers.json), so the
+           next call goes on with them; they stop when the bench is complete or with --stop
   comm     TP=2/TP=1 runs of a tiny Qwen3 with torch symm mem / FlashInfer allreduce fusion (bench.comm;
            needs 2 GPUs; `python3 -m bench comm` = this driver with install,patch,models,comm)
 The models phase builds only the models of the selected phases (all when none of smoke/bench/comm is).
@@ -47,6 +49,7 @@ from typing import Any
 
 from bench import comm as comm_mod
 from bench import jitcache
+from bench import servers as bench_servers
 from bench import throughput as bench_mod
 from smoke import features as features_mod
 from smoke import names, runner
@@ -370,7 +373,8 @@ class E2E:
         opts: Any = {"smoke": [self.a.threshold, self.a.smoke_variants],
                      "features": [self.a.threshold, self.a.feature_variants],
                      "bench": [self.a.bench_size, self.a.bench_draft_accept,
-                               bench_mod.tuning_options(self.a, "bench-")],
+                               {k: v for k, v in bench_mod.tuning_options(self.a, "bench-").items()
+                                if k != "launch_only"}],
                      "comm": [self.a.comm_runs]}[ph]
         return hashlib.sha256(json.dumps(opts, default=str).encode()).hexdigest()[:10]
 
@@ -398,11 +402,21 @@ class E2E:
         phase: dict[str, Any] = self.state.setdefault(ph, {})
         return phase
 
+    @property
+    def bench_registry(self) -> Path:
+        """Where the bench's servers are recorded: they outlive a call on a warm machine."""
+        return self.state_dir / "bench-servers.json"
+
     def phase_bench(self) -> None:
-        st = self.state.setdefault("bench_runs", {}).setdefault(self.bench_key, {})
         opts = bench_mod.BenchOptions(
-            models=self.models / self.a.bench_size, out=self.logs, deadline=self.deadline,
-            pyspy_dirs=(self.site / "bin",), **bench_mod.tuning_options(self.a, "bench-"))
+            models=self.models / self.a.bench_size, out=self.logs / f"bench_{self.a.bench_size}", deadline=self.deadline,
+            pyspy_dirs=(self.site / "bin",), registry=self.bench_registry,
+            key_extra=str(self.state.get("install", "")), **bench_mod.tuning_options(self.a, "bench-"))
+        if opts.launch_only:  # the servers start meanwhile; the call that measures keeps the report
+            rep = bench_mod.run_bench(opts, {})
+            self.log(f"bench: servers of {self.a.bench_size} launched: {', '.join(rep['configs'])}")
+            return
+        st = self.state.setdefault("bench_runs", {}).setdefault(self.bench_key, {})
 
         def progress(rep: dict[str, Any]) -> None:  # every finished unit is kept, even if this call is killed
             self.state.setdefault("bench_reports", {})[self.bench_key] = rep
@@ -463,9 +477,18 @@ class E2E:
         pidfile.unlink()
         time.sleep(2)
 
+    def stop_servers(self) -> int:
+        """--stop: every server earlier calls left running (the bench's, and any smoke leftover)."""
+        self.kill_leftover_servers()
+        n = bench_servers.stop_recorded(self.bench_registry, say=self.log)
+        self.log(f"stopped {n} bench server(s)")
+        return 0
+
     def run(self) -> int:
         phases = self.phases
         self.env()
+        if self.a.stop:
+            return self.stop_servers()
         self.kill_leftover_servers()
         steps: dict[str, Callable[[], None]] = {
             "install": self.phase_install, "patch": self.phase_patch, "check": self.phase_check,
@@ -575,11 +598,11 @@ class E2E:
         (self.out / "summary.txt").write_text("\n\n".join(parts) + "\n")
         buf = self.out / "logs.tar.gz"
         with tarfile.open(buf, "w:gz") as tar:
-            for p in sorted(self.logs.glob("*")):
+            for p in sorted(self.logs.rglob("*")):  # the benches' files in a folder per model size
                 if p.is_file():
                     # keep each log's last 4 MiB: the whole bundle must stay under 16 MiB
                     data = p.read_bytes()[-4 * 2**20:]
-                    ti = tarfile.TarInfo(p.name)
+                    ti = tarfile.TarInfo(str(p.relative_to(self.logs)))
                     ti.size = len(data)
                     tar.addfile(ti, io.BytesIO(data))
             for name in MODELS:
@@ -615,6 +638,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
                     help="comm phase: comma list of runs, in this order")
     ap.add_argument("--fresh", action="store_true", help="forget the state of earlier calls")
+    ap.add_argument("--stop", action="store_true",
+                    help="stop the servers earlier calls left running (the bench's outlive a call), and exit")
 
 
 def main(a: argparse.Namespace) -> int:

@@ -10,9 +10,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import diagnose
+from bench import diagnose, pairing
 
-LABELS = {"plain": "plain", "eagle3": "EAGLE-3", "eagle3_adaptive": "EAGLE-3 adaptive (upstream)",
+TWIN = "plain_twin"  # bench.throughput.TWIN (the report is drawn without importing the bench)
+LABELS = {"plain": "plain", TWIN: "plain (A/A twin)", "eagle3": "EAGLE-3", "eagle3_adaptive": "EAGLE-3 adaptive (upstream)",
           "eagle3_thr": "EAGLE-3 + threshold", "eagle3_auto": "EAGLE-3 + auto"}
 FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
 
@@ -31,81 +32,122 @@ def plain_step_note(st: dict[str, Any] | None) -> str:
     return "; plain step: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in step.items())
 
 
-def per_round(ms: list[dict[str, Any]]) -> dict[int, float]:
-    return {m["round"]: m["tok_per_s"] for m in ms if m.get("tok_per_s")}
+def blocks_at(result: dict[str, Any], c: str) -> list[dict[str, Any]]:
+    return list(result.get("blocks", {}).get(c, []))
 
 
-def ratios_to_best(got: dict[int, float], others: list[dict[int, float]]) -> list[float]:
-    """Per round: `got` over the best of `others` in that round (rounds all of them measured)."""
-    return [got[k] / max(o[k] for o in others) for k in got if others and all(k in o for o in others)]
+def levels(result: dict[str, Any]) -> list[str]:
+    return sorted(result.get("blocks", {}), key=int)
+
+
+def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per concurrency and config: median tokens/s over the blocks, the ratio to plain within each
+    block (median and bootstrap 95% interval), the median accept length, the blocks measured."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for c in levels(result):
+        blocks = blocks_at(result, c)
+        row: dict[str, dict[str, Any]] = {}
+        for name in result.get("configs", []):
+            rates = [r for b in blocks if (r := pairing.rate(b, name)) is not None]
+            if not rates:
+                continue
+            accepts = [w["accept_length"] for b in blocks if (w := b["windows"].get(name)) and w.get("accept_length")]
+            vs = pairing.compare(blocks, name, ["plain"]) if name != "plain" else None
+            row[name] = {"tok_per_s": round(statistics.median(rates), 1),
+                         "vs_plain": vs.as_dict() if vs else None,
+                         "accept_length": round(statistics.median(accepts), 2) if accepts else None,
+                         "blocks": len(rates)}
+        out[c] = row
+    return out
+
+
+def floor_table(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per concurrency: the A/A floor, the plain twin over plain within each block (median and
+    interval); empty without the twin."""
+    out: dict[str, dict[str, Any]] = {}
+    if TWIN not in result.get("configs", []):
+        return out
+    for c in levels(result):
+        ratio = pairing.compare(blocks_at(result, c), TWIN, ["plain"])
+        if ratio:
+            out[c] = ratio.as_dict()
+    return out
+
+
+def better_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per concurrency and switching config (a threshold, auto, adaptive): its tokens/s over the
+    better of plain and always-on EAGLE-3 in the same block (the product's promise), median and
+    interval; empty unless both plain and EAGLE-3 ran."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    names = result.get("configs", [])
+    if not all(n in names for n in FIXED_MODES):
+        return out
+    for c in levels(result):
+        row = {name: ratio.as_dict() for name in names if name not in (*FIXED_MODES, TWIN)
+               if (ratio := pairing.compare(blocks_at(result, c), name, list(FIXED_MODES)))}
+        if row:
+            out[c] = row
+    return out
+
+
+def step_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per concurrency and config, medians over the blocks of each window's decode step: wall ms,
+    GPU-busy ms (device timer, every forward category), host ms (the rest: the GPU waiting for the
+    host), tokens per step; GPU and host only with the device timer."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for c in levels(result):
+        row: dict[str, dict[str, float]] = {}
+        for name in result.get("configs", []):
+            ws = [w for b in blocks_at(result, c) if (w := b["windows"].get(name)) and w.get("steps")]
+            if not ws:
+                continue
+            cell = {"wall_ms": statistics.median(1000 * w["seconds"] / w["steps"] for w in ws),
+                    "tokens_per_step": statistics.median(w["output_tokens"] / w["steps"] for w in ws)}
+            timed = [w for w in ws if w.get("gpu_s")]
+            if timed:
+                cell["gpu_ms"] = statistics.median(1000 * sum(w["gpu_s"].values()) / w["steps"] for w in timed)
+                cell["host_ms"] = statistics.median(1000 * (w["seconds"] - sum(w["gpu_s"].values())) / w["steps"]
+                                                    for w in timed)
+            row[name] = {k: round(v, 3) for k, v in cell.items()}
+        if row:
+            out[c] = row
+    return out
+
+
+def idle_cpu(result: dict[str, Any]) -> dict[str, float]:
+    """Per server: the most CPU (in cores) it used during another server's window."""
+    out: dict[str, float] = {}
+    for blocks in result.get("blocks", {}).values():
+        for b in blocks:
+            for w in b["windows"].values():
+                for name, share in (w.get("idle_cpu") or {}).items():
+                    out[name] = max(out.get(name, 0.0), share)
+    return out
 
 
 def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per concurrency, auto against the alternatives a user has, each ratio taken within a round
-    (median over the rounds): the better of plain and always-on EAGLE-3, and the fixed threshold
-    with the highest median tokens/s at that concurrency."""
+    """Per concurrency, auto against the alternatives a user has, each ratio taken within a block:
+    the better of plain and always-on EAGLE-3, and the fixed threshold with the highest median
+    tokens/s at that concurrency."""
     out: dict[str, dict[str, Any]] = {}
-    if "eagle3_auto" not in result.get("configs", []):
+    names = result.get("configs", [])
+    if "eagle3_auto" not in names:
         return out
-    for c, by_name in result.get("levels", {}).items():
-        auto = per_round(by_name.get("eagle3_auto", []))
-        if not auto:
-            continue
+    table = level_table(result)
+    for c in levels(result):
+        blocks = blocks_at(result, c)
         row: dict[str, Any] = {}
-        fixed = [per_round(by_name[n]) for n in FIXED_MODES if n in by_name]
-        vs = ratios_to_best(auto, fixed)
-        row["vs_better_of_plain_eagle3"] = round(statistics.median(vs), 3) if vs else None
-        thresholds = {n: per_round(ms) for n, ms in by_name.items() if n.startswith("eagle3_thr")}
-        if thresholds:
-            best = max(thresholds, key=lambda n: statistics.median(thresholds[n].values()))
-            vs = ratios_to_best(auto, [thresholds[best]])
+        if all(n in names for n in FIXED_MODES):
+            vs = pairing.compare(blocks, "eagle3_auto", list(FIXED_MODES))
+            row["vs_better_of_plain_eagle3"] = vs.as_dict() if vs else None
+        fixed = [n for n in names if n.startswith("eagle3_thr") and n in table.get(c, {})]
+        if fixed:
+            best = max(fixed, key=lambda n: table[c][n]["tok_per_s"])
+            vs = pairing.compare(blocks, "eagle3_auto", [best])
             fixed_n = best.removeprefix("eagle3_thr")
             row["best_fixed"] = int(fixed_n) if fixed_n.isdigit() else fixed_n
-            row["vs_best_fixed"] = round(statistics.median(vs), 3) if vs else None
+            row["vs_best_fixed"] = vs.as_dict() if vs else None
         out[c] = row
-    return out
-
-
-def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
-    """Per concurrency and config: median tokens/s over the rounds, the median of the per-round ratios
-    to plain and their spread (min, max: the noise between rounds), the median accept length, the
-    rounds measured."""
-    out: dict[str, dict[str, dict[str, float | None]]] = {}
-    for c, by_name in result.get("levels", {}).items():
-        plain = {m["round"]: m["tok_per_s"] for m in by_name.get("plain", [])}
-        row: dict[str, dict[str, float | None]] = {}
-        for name, ms in by_name.items():
-            ratios = [m["tok_per_s"] / plain[m["round"]] for m in ms if plain.get(m["round"])]
-            accepts = [m["accept_length"] for m in ms if m.get("accept_length")]
-            row[name] = {"tok_per_s": round(statistics.median(m["tok_per_s"] for m in ms), 1),
-                         "vs_plain": round(statistics.median(ratios), 3) if ratios else None,
-                         "vs_plain_min": round(min(ratios), 3) if ratios else None,
-                         "vs_plain_max": round(max(ratios), 3) if ratios else None,
-                         "accept_length": round(statistics.median(accepts), 2) if accepts else None,
-                         "rounds": len(ms)}
-        out[c] = row
-    return out
-
-
-def better_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float | int]]]:
-    """Per concurrency and switching config (a threshold, auto, adaptive): its tokens/s over the
-    better of plain and always-on EAGLE-3 in the same round (the product's promise), median over
-    the rounds and min-max; empty unless both plain and EAGLE-3 ran."""
-    out: dict[str, dict[str, dict[str, float | int]]] = {}
-    for c, by_name in result.get("levels", {}).items():
-        fixed = [per_round(by_name.get(n, [])) for n in FIXED_MODES]
-        if not all(fixed):
-            continue
-        row: dict[str, dict[str, float | int]] = {}
-        for name, ms in by_name.items():
-            if name in FIXED_MODES:
-                continue
-            ratios = ratios_to_best(per_round(ms), fixed)
-            if ratios:
-                row[name] = {"vs_better": round(statistics.median(ratios), 3),
-                             "min": round(min(ratios), 3), "max": round(max(ratios), 3), "rounds": len(ratios)}
-        if row:
-            out[c] = row
     return out
 
 
@@ -137,58 +179,88 @@ def acceptance_note(state: dict[str, Any]) -> str:
             f"{fmt2(acc.get('worst_after_over_before'))}x)")
 
 
+def interval(d: dict[str, Any] | None) -> str:
+    """"0.98x [0.95-1.01]": a ratio's median and bootstrap 95% interval ("-" where none)."""
+    if not d:
+        return "-"
+    return f"{d['median']:.2f}x [{d['low']:.2f}-{d['high']:.2f}]"
+
+
 def markdown(result: dict[str, Any]) -> str:
     names: list[str] = result.get("configs", [])
     model = result.get("model", {})
     lines = [f"# Decode throughput, {result.get('date', '')}", "",
              (f"Model: {model.get('size')}-shaped target ({model.get('layers')} layers, hidden {model.get('hidden')}), "
-             f"{model.get('draft')} EAGLE-3 draft (designed accept length {fmt2(model.get('designed_accept_length'))}); "
-             f"greedy, {result.get('output_len')} output tokens per request; for the closed loop every server up "
-             "at once, each load sent to each in turn (order alternating)"
-             + (f"; measured over {result['calls']} calls, the servers started again in each." if (result.get("calls") or 0) > 1
-                else ".")), ""]
+              f"{model.get('draft')} EAGLE-3 draft (designed accept length {fmt2(model.get('designed_accept_length'))}); "
+              f"greedy, {result.get('output_len')} output tokens per request. Paired windows: at each "
+              f"concurrency {result.get('pairs')} blocks, each a window on every server back to back, the order "
+              f"reversed every other block; a window counts {fmt2(result.get('window_s'))} s of output after "
+              f"{fmt2(result.get('settle_s'))} s under load. A ratio is taken within a block; shown: the median "
+              "over the blocks and its bootstrap 95% interval [low-high]"
+              + (f"; measured over {result['calls']} calls." if (result.get("calls") or 0) > 1 else ".")), ""]
     table = level_table(result)
+    floor = floor_table(result)
     if table:
-        window = (f"; each window at least {result['window_s']:g} s and {result.get('window_waves')} requests per "
-                  "client on each server" if result.get("window_s") else "")
-        lines += [("Output tokens/s, closed loop (median of "
-                  f"{result.get('rounds')} rounds{window}; x plain = median of the per-round ratios, then their "
-                  "min-max over the rounds: the spread shows the run's noise):"), "",
+        lines += ["Output tokens/s (median over the blocks) and the ratio to plain within a block:", "",
                   "| concurrency | " + " | ".join(label(n) for n in names) + " |",
                   "|---:|" + "---:|" * len(names)]
         for c in sorted(table, key=int):
-            rounds = max((cell.get("rounds") or 0 for cell in table[c].values()), default=0)
-            partial = f" ({rounds} of {result.get('rounds')} rounds)" if rounds and rounds < (result.get("rounds") or 0) else ""
+            blocks = max((cell["blocks"] for cell in table[c].values()), default=0)
+            partial = f" ({blocks} of {result.get('pairs')} blocks)" if blocks < (result.get("pairs") or 0) else ""
             cells = []
             for n in names:
                 cell = table[c].get(n)
-                if cell is None:
-                    cells.append("-")
-                    continue
-                cells.append(f"{cell['tok_per_s']:.0f}{ratio_text(cell) if n != 'plain' else ''}")
+                cells.append("-" if cell is None else
+                             f"{cell['tok_per_s']:.0f}" + (f" ({interval(cell['vs_plain'])})" if cell["vs_plain"] else ""))
             lines.append(f"| {c}{partial} | " + " | ".join(cells) + " |")
         lines.append("")
     better = better_table(result)
     if better:
         switching = [n for n in names if any(n in row for row in better.values())]
-        lines += [("The same over the better of plain and always-on EAGLE-3 in each round (median over the "
-                   "rounds, then min-max):"), "",
-                  "| concurrency | " + " | ".join(label(n) for n in switching) + " |",
-                  "|---:|" + "---:|" * len(switching)]
+        lines += [("Each switching server over the better of plain and always-on EAGLE-3 in the same block, "
+                   "with the A/A floor (the plain twin over plain: the noise of the procedure itself):"), "",
+                  "| concurrency | " + " | ".join(label(n) for n in switching) + " | A/A floor |",
+                  "|---:|" + "---:|" * (len(switching) + 1)]
         for c in sorted(better, key=int):
-            cells = [(f"{better[c][n]['vs_better']:.2f}x ({better[c][n]['min']:.2f}-{better[c][n]['max']:.2f})"
-                      if n in better[c] else "-") for n in switching]
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+            cells = [interval(better[c].get(n)) for n in switching]
+            lines.append(f"| {c} | " + " | ".join(cells) + f" | {interval(floor.get(c)) if floor else 'not measured'} |")
+        lines.append("")
+    elif floor:
+        lines += ["A/A floor: the plain twin over plain within a block, the same procedure as every comparison "
+                  "(a perfect bench: 1.00x with a narrow interval):", "",
+                  "| concurrency | twin / plain | per-block ratios |", "|---:|---:|---|"]
+        for c in sorted(floor, key=int):
+            lines.append(f"| {c} | {interval(floor[c])} | {', '.join(f'{r:.3f}' for r in floor[c]['ratios'])} |")
         lines.append("")
     auto = auto_comparison(result)
     if auto:
-        lines += ["`auto` against the alternatives (ratios within a round, median over the rounds):", "",
+        lines += ["`auto` against the alternatives (ratios within a block, median [95% interval]):", "",
                   "| concurrency | auto / better of plain and EAGLE-3 | best fixed threshold | auto / best fixed |",
                   "|---:|---:|---:|---:|"]
         for c in sorted(auto, key=int):
             a = auto[c]
-            lines.append(f"| {c} | {fmt(a['vs_better_of_plain_eagle3'])} | {a.get('best_fixed', '-')} | "
-                         f"{fmt(a.get('vs_best_fixed'))} |")
+            lines.append(f"| {c} | {interval(a.get('vs_better_of_plain_eagle3'))} | {a.get('best_fixed', '-')} | "
+                         f"{interval(a.get('vs_best_fixed'))} |")
+        lines.append("")
+    steps = step_table(result)
+    if steps:
+        timed = any("gpu_ms" in cell for row in steps.values() for cell in row.values())
+        lines += [("Per decode step (steps counted by each server; medians over the blocks): "
+                   + ("wall / GPU busy / host ms (host: the GPU waiting for the host), tokens per step:" if timed
+                      else "wall ms, tokens per step (GPU and host time need --device-timer):")), "",
+                  "| concurrency | " + " | ".join(label(n) for n in names) + " |", "|---:|" + "---:|" * len(names)]
+        for c in sorted(steps, key=int):
+            cells = []
+            for n in names:
+                cell = steps[c].get(n)
+                if cell is None:
+                    cells.append("-")
+                elif "gpu_ms" in cell:
+                    cells.append(f"{cell['wall_ms']:.2f} / {cell['gpu_ms']:.2f} / {cell['host_ms']:.2f} "
+                                 f"({cell['tokens_per_step']:.0f})")
+                else:
+                    cells.append(f"{cell['wall_ms']:.2f} ({cell['tokens_per_step']:.0f})")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
     ramp = ramp_summary(result)
     if ramp:
@@ -197,11 +269,19 @@ def markdown(result: dict[str, Any]) -> str:
                   "and EAGLE-3 at the same level:"), "",
                   "| config | mean tok/s | min share | median share | mode changes |", "|---|---:|---:|---:|---:|"]
         for n in names:
-            s = ramp.get(n)
-            if s:
-                lines.append(f"| {label(n)} | {s['mean_tok_per_s']:.0f} | {fmt(s['min_share_of_better'])} | "
-                             f"{fmt(s['median_share_of_better'])} | {fmt(s['mode_changes'])} |")
+            r = ramp.get(n)
+            if r:
+                lines.append(f"| {label(n)} | {r['mean_tok_per_s']:.0f} | {fmt(r['min_share_of_better'])} | "
+                             f"{fmt(r['median_share_of_better'])} | {fmt(r['mode_changes'])} |")
         lines.append("")
+    idle = idle_cpu(result)
+    if idle:
+        lines.append("- servers not under load: at most " + ", ".join(
+            f"{label(n)} {v:.2f}" for n, v in sorted(idle.items())) + " CPU cores during another server's window")
+    cpus = {n: c for n, c in (result.get("cpus") or {}).items() if c}
+    if cpus:
+        lines.append("- CPUs: " + "; ".join(f"{label(n)} {','.join(map(str, c))}" for n, c in cpus.items())
+                     + " (the client on others)")
     for name, info in result.get("servers", {}).items():
         lines.append(f"- {label(name)}: KV tokens in use after the load and a flush: "
                      f"{info.get('kv_used_after_flush')}; running-request limit "
@@ -212,30 +292,18 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"- {label(name)}: threshold {st.get('threshold')}{crossover}, "
                          f"{st.get('speculative_steps')} speculative / {st.get('plain_steps')} plain steps, "
                          f"{st.get('mode_changes')} mode changes" + acceptance_note(st))
+    lines += [f"- server: {e}" for e in result.get("server_events", [])]
     lines += [f"- {label(n)} not run: {why}" for n, why in result.get("not_run", {}).items()]
     lines += [f"- remaining: {s}" for s in result.get("skipped", [])]
     lines += [f"- not measured: {s}" for s in result.get("not_measured", [])]
     lines += [f"- FAILED: {f.splitlines()[0]}" for f in result.get("failures", [])]
-    if not result.get("failures") and (result.get("levels") or result.get("ramp")):
-        compared = "plain" in result.get("servers", {}) or "plain" in result.get("configs", ())
-        lines.append("- every output equal to plain decoding's; 0 request errors" if compared else
-                     "- outputs NOT compared (no plain server in this run); 0 request errors")
-    split = diagnose.gpu_split(result.get("levels", {}))
-    if split:
-        lines += ["", "GPU seconds per forward category in each window (device timer; median over rounds):", "",
-                  *(f"    {line}" for line in split)]
+    if not result.get("failures") and (result.get("blocks") or result.get("ramp")):
+        compared = "plain" in result.get("configs", ())
+        lines.append("- every output equal to plain decoding's (aborted ones a prefix of it); 0 request errors"
+                     if compared else "- outputs NOT compared (no plain server in this run); 0 request errors")
     for name, diag in result.get("diagnose", {}).items():
         lines += ["", *diagnose.render(name, diag)]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def ratio_text(cell: dict[str, float | None]) -> str:
-    """" (0.95x, 0.91-0.99)": the median ratio to plain and, over two rounds or more, its spread."""
-    if cell.get("vs_plain") is None:
-        return ""
-    lo, hi = cell.get("vs_plain_min"), cell.get("vs_plain_max")
-    spread = f", {lo:.2f}-{hi:.2f}" if lo is not None and hi is not None and (cell.get("rounds") or 0) > 1 else ""
-    return f" ({cell['vs_plain']:.2f}x{spread})"
 
 
 def fmt2(x: Any) -> str:
@@ -247,33 +315,45 @@ def fmt(x: float | None) -> str:
 
 
 def plot_concurrency(result: dict[str, Any], path: Path) -> None:
-    """Tokens/s against concurrency, one line per config; below, the same as a ratio to plain."""
+    """Tokens/s against concurrency, one line per config; below, each config's ratio to plain within
+    a block (median, bars: the 95% interval), with the A/A floor's interval as a grey band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     table = level_table(result)
-    levels = sorted(table, key=int)
+    floor = floor_table(result)
+    xs_all = sorted((int(c) for c in table), key=int)
     fig, (ax, ratio) = plt.subplots(2, 1, sharex=True, figsize=(7, 6.5), gridspec_kw={"height_ratios": [3, 2]})
+    if floor:
+        fx = [int(c) for c in sorted(floor, key=int)]
+        ratio.fill_between(fx, [floor[str(c)]["low"] for c in fx], [floor[str(c)]["high"] for c in fx],
+                           color="0.6", alpha=0.35, linewidth=0, label="A/A floor (95% interval)")
     for name in result.get("configs", []):
-        xs = [int(c) for c in levels if name in table[c]]
-        ax.plot(xs, [table[str(c)][name]["tok_per_s"] or 0.0 for c in xs], marker="o", label=label(name))
-        line = ratio.plot(xs, [table[str(c)][name]["vs_plain"] or 0.0 for c in xs], marker="o")[0]
-        if name != "plain":  # the min-max of the per-round ratios: the noise
-            ratio.fill_between(xs, [table[str(c)][name]["vs_plain_min"] or 0.0 for c in xs],
-                               [table[str(c)][name]["vs_plain_max"] or 0.0 for c in xs],
-                               color=line.get_color(), alpha=0.15, linewidth=0)
+        xs = [c for c in xs_all if name in table[str(c)]]
+        line = ax.plot(xs, [table[str(c)][name]["tok_per_s"] for c in xs], marker="o", label=label(name))[0]
+        if name in ("plain", TWIN):
+            continue
+        rs = [(c, table[str(c)][name]["vs_plain"]) for c in xs if table[str(c)][name]["vs_plain"]]
+        if rs:
+            med = [r["median"] for _, r in rs]
+            ratio.errorbar([c for c, _ in rs], med, yerr=[[m - r["low"] for m, (_, r) in zip(med, rs, strict=True)],
+                                                          [r["high"] - m for m, (_, r) in zip(med, rs, strict=True)]],
+                           marker="o", capsize=3, color=line.get_color())
+    ratio.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ratio.set_xticks([int(c) for c in levels], labels=levels)
+    ratio.set_xticks(xs_all, labels=[str(c) for c in xs_all])
     ratio.set_xlabel("concurrent requests (closed loop)")
     ax.set_ylabel("output tokens/s")
-    ratio.set_ylabel("x plain (band: min-max\nover the rounds)", fontsize=8)
+    ratio.set_ylabel("x plain, within a block\n(bars: 95% interval)", fontsize=8)
     ax.set_title(f"{result.get('model', {}).get('size')}-shaped model, {result.get('date', '')}")
     for a in (ax, ratio):
         a.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    if floor:
+        ratio.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -328,7 +408,7 @@ def write(result: dict[str, Any], out: Path) -> list[Path]:
     except ImportError:
         text += "\n(no plots: matplotlib is not installed here; `python -m bench run --render bench.json` draws them)\n"
     else:
-        for key, name, plot, caption in (("levels", "concurrency.png", plot_concurrency, "tokens/s by concurrency"),
+        for key, name, plot, caption in (("blocks", "concurrency.png", plot_concurrency, "tokens/s by concurrency"),
                                          ("ramp", "ramp.png", plot_ramp, "tokens/s on the ramp, with the mode")):
             if result.get(key):
                 plot(result, out / name)

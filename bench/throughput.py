@@ -1,66 +1,75 @@
 """Output tokens/s of plain decoding, always-on EAGLE-3, upstream's adaptive EAGLE-3, a fixed
-speculation-disable threshold and `auto`, on servers started here (a GPU host, no Docker needed).
+speculation-disable threshold and `auto`, on servers started here (a GPU host, no Docker needed),
+compared in paired windows with an A/A noise floor beside every comparison.
 
-    python -m bench run --models DIR --out docs/bench [--configs plain,eagle3,...]
-                          [--concurrency 1,2,4,...,256] [--rounds 2] [--threshold 16[,32,...]]
-                          [--window-s 10 --window-waves 3] [--ramp-cycles 3 --ramp-hold 2]
-                          [--diagnose] [--state FILE] [--deadline S]
+    python -m bench run --models DIR --out docs/bench [--configs plain,plain_twin,eagle3,...]
+                          [--concurrency 1,4,16,64,256] [--pairs 6] [--window-s 3 --settle-s 1]
+                          [--threshold 16[,32,...]] [--ramp-cycles 3 --ramp-hold 2]
+                          [--device-timer] [--diagnose] [--state FILE] [--stop] [--deadline S]
 
 DIR holds a target and an EAGLE-3 draft (`python -m smoke models DIR --size 1b --draft chain
 --device cuda`).
-For the closed loop all servers run at once and every load goes to each of them in turn, the order
-reversed every other time, so that each ratio compares measurements seconds apart: a host's speed can drift by tens of
-percent within minutes, which one server measured after another would read as a difference
-between them. Greedy prompts of fixed lengths; every output is compared with plain decoding's.
 
-- Closed loop: at concurrency c, c clients each send their next request when the last one ends,
-  for at least --window-s seconds and --window-waves requests per client on each server (a short
-  window at low concurrency reads a host's drift as a difference); every round at every level
-  before the next round. It lasts about rounds x levels x servers x --window-s (longer where
-  --window-waves requests take longer). The table shows, per level, the median and the spread
-  (min-max) of the per-round ratios to plain: the noise of the figure.
+- Paired windows (bench.pairing): at each concurrency c, --pairs blocks back to back, each a short
+  window on every server, the order reversed every other block (A B, B A, ...): a host's speed
+  drifts by tens of percent within minutes, and only servers measured seconds apart can be
+  compared. A window: c clients each send their next request as the last one ends; after
+  --settle-s (the first prefills, a server waking up) the output tokens of --window-s seconds are
+  counted (each request's tokens spread over its lifetime), then every request in flight is
+  aborted. Per c and comparison, the ratio of each block, their median and a bootstrap 95%
+  interval.
+- A/A floor: `plain_twin` is a second plain server, identical to the first; its ratio to plain,
+  measured by the same procedure, is the noise floor printed beside every comparison.
+- Host time per decode step (device timer, --device-timer): per server and c, wall and GPU-busy
+  time per decode step (steps counted by the server's metrics); the host's share is the rest.
 - Ramp: the number of clients steps through the concurrencies up to the top and back down, several
   times, a level every --ramp-hold seconds; tokens/s per level and, for the threshold servers, the
   mode they are in (and auto's crossover) over time.
 
-Writes under --out: bench.json (every measurement), bench.md (the tables), concurrency.png and
-ramp.png (matplotlib; `--render bench.json` draws them again elsewhere). `auto` runs only where the
-server has it (the sglang-image-plugin with its auto threshold). --diagnose adds where each
+Greedy prompts of fixed lengths; every output is compared with plain decoding's (an aborted one as
+a prefix). Writes under --out: bench.json (every window), bench.md (the tables), concurrency.png
+and ramp.png (matplotlib; `--render bench.json` draws them again elsewhere). `auto` runs only where
+the server has it (the sglang-image-plugin with its auto threshold). --diagnose adds where each
 server's time goes at full load (bench.diagnose).
 
-Resumable (`--state FILE`, or the state that `bench e2e` keeps): every closed-loop window (a round
-at a level, on every server), every server's ramp and diagnosis is kept once done, so that the same
-command after a deadline measures only what is left; the report lists what remains. The closed loop
-comes first, then each server's own units, one server started at a time; no server is started
-without the time to finish a unit.
+The servers (bench.servers) start side by side, each with the same fixed KV pool, and with
+--state FILE they outlive the call: recorded beside FILE, found alive and used by the next call
+with the same options (a dead one is started again, one with other options anew), stopped when the
+bench is complete or by --stop. Every finished block, ramp and diagnosis is kept in the state, so
+the same command after a deadline measures only what is left; the report lists what remains.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import json
+import os
 import random
+import re
 import shlex
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import diagnose
+from bench import diagnose, pairing, servers
 from bench import report as bench_report
 from smoke import client, names
 from smoke.client import Prompt
 from smoke.runner import Deadline, check_log_clean, spec_state
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
-CONFIGS = ("plain", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto")
+CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto")
+TWIN = "plain_twin"  # the A/A config: a second plain server
+DEFAULT_CONFIGS = ("plain", "eagle3", "eagle3_thr")  # the promise: a threshold against both fixed modes
 THRESHOLD_FLAG = names.THRESHOLD_FLAG
-DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_CONCURRENCY = (1, 4, 16, 64, 256)
 # upstream's own way to stop drafting (--speculative-adaptive): its default tiers (sglang's
 # speculative/adaptive_spec_params.py) without the 7-step tier of batch 1, whose draft-extend graph
 # capture crashed the server at start on an H200 (triton attention, graphs up to batch 256). The
@@ -71,11 +80,12 @@ ADAPTIVE_CONFIG = {
     "32": {"candidate_steps": [0, 1], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
     "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
 }
-START_S_PER_SERVER = 75  # a server's start, budgeted until measured (about a minute or two)
-WARM_S = 30  # its warm-up, budgeted until measured
+START_S = 150  # the servers' start, side by side, budgeted until measured
+WARM_S = 30  # their warm-up, side by side, budgeted until measured
+WINDOW_END_S = 1.5  # a window's end: the abort, the requests coming back, the next cache flush
 MAX_PROMPT_LEN = 64  # prompts of 32-64 tokens
-MIN_WINDOW_REQUESTS = 8
 MODE_POLL_S = 0.5  # how often the ramp asks a threshold server for its mode
+DECODE_PASSES = "sglang:cuda_graph_passes_total"  # one per decode batch (mode="decode_...")
 
 
 @dataclass
@@ -87,25 +97,29 @@ class BenchOptions:
     # graph size, as the README's Serve command does: the plugin keeps a plain server's limits
     switching_defaults: bool = False
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
-    configs: tuple[str, ...] = CONFIGS
-    rounds: int = 2  # closed-loop rounds; each level alternates the server order
-    window_s: float = 10.0  # a closed-loop window lasts at least this long on each server
-    window_waves: int = 3  # ... and sends at least this many requests per client
-    ramp_cycles: int = 3  # 0: no ramp
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
+    pairs: int = 6  # blocks per concurrency, the order reversed every other one
+    window_s: float = 3.0  # the counted part of a window
+    settle_s: float = 1.0  # ... after this long under load
+    ramp_cycles: int = 0  # 0: no ramp
     ramp_hold_s: float = 2.0
     output_len: int = 256
-    port: int = 30000
-    # of the GPU memory free before the first server, shared evenly among the servers
+    port: int = 30000  # the first port tried; each server takes the next free one
+    # each server's --mem-fraction-static: the most of the memory free at its start that it may
+    # count for its weights and KV pool; the pool itself is max_total_tokens, the same for all
     mem_share: float = 0.85
-    # --max-total-tokens of every server (0: room for the top concurrency's requests, the same for
-    # all: a server started later would otherwise get a smaller KV pool and evict where others do not)
+    # --max-total-tokens of every server (0: room for the top concurrency's requests)
     max_total_tokens: int = 0
     server_args: tuple[str, ...] = ()  # appended to every server's flags
+    cpus_per_server: int = 3  # each server pinned to this many CPUs of its own (0: no pinning)
     diagnose: bool = False
     device_timer: bool = False  # GPU seconds per window (diagnose's device timer, without its solo units)
     pyspy_dirs: tuple[Path, ...] = ()  # --diagnose: where to look for py-spy besides PATH
+    registry: Path | None = None  # where the servers are recorded to outlive the call (None: they stop with it)
+    key_extra: str = ""  # what else a reused server must match (e2e: the installed site)
+    launch_only: bool = False  # start the servers and return (they warm up in the call that measures)
     deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
-    health_timeout: float = 420
+    health_timeout: float = 480
 
 
 # ----------------------------------------------------------------------------- what runs
@@ -119,13 +133,14 @@ def auto_supported() -> bool:
     return any(f.name == "auto_threshold.py" for f in files)
 
 
-def server_config(name: str, opts: BenchOptions, mem_fraction: float = 0.3,
-                  max_total_tokens: int = 0) -> ServerConfig:
+def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     top: int | None = None if opts.switching_defaults and switches(name) else max(opts.concurrency)
     cfg = ServerConfig(name, opts.models / "target", cuda_graph=True, cuda_graph_max_bs=top,
-                       max_running=top, mem_fraction=round(mem_fraction, 3), enable_metrics=True)
-    extra: list[str] = ["--sleep-on-idle"]  # a server waiting for its turn must not spin a core
-    if name != "plain":
+                       max_running=top, mem_fraction=round(opts.mem_share, 3), enable_metrics=True)
+    # a server waiting for its turn must not spin a core; the pool is fixed, so servers can start
+    # side by side and every one holds the same
+    extra: list[str] = ["--sleep-on-idle", "--max-total-tokens", str(opts.max_total_tokens or pool_tokens(opts))]
+    if name.startswith("eagle3"):
         cfg.draft = opts.models / "draft"
     if name.startswith("eagle3_thr"):
         cfg.threshold = int(name.removeprefix("eagle3_thr"))
@@ -133,8 +148,6 @@ def server_config(name: str, opts: BenchOptions, mem_fraction: float = 0.3,
         extra += [THRESHOLD_FLAG, "auto"]
     if name == "eagle3_adaptive":
         extra += ["--speculative-adaptive", "--speculative-adaptive-config", str(opts.out / "adaptive_config.json")]
-    if max_total_tokens:
-        extra += ["--max-total-tokens", str(max_total_tokens)]
     if opts.diagnose or opts.device_timer:
         cfg.env.update(diagnose.SERVER_ENV)
     cfg.extra = (*extra, *opts.server_args)
@@ -143,20 +156,14 @@ def server_config(name: str, opts: BenchOptions, mem_fraction: float = 0.3,
 
 def server_names(opts: BenchOptions) -> list[str]:
     """The servers of the configs, in order: eagle3_thr becomes one per threshold (eagle3_thr16, ...)."""
-    names: list[str] = []
+    out: list[str] = []
     for name in opts.configs:
-        names += [f"eagle3_thr{n}" for n in opts.thresholds] if name == "eagle3_thr" else [name]
-    return names
-
-
-def window_requests(concurrency: int, waves: int) -> int:
-    """The fewest requests of a closed-loop window: `waves` per client, at least MIN_WINDOW_REQUESTS
-    (a window also lasts at least --window-s; it sends more where that takes longer)."""
-    return max(MIN_WINDOW_REQUESTS, waves * concurrency)
+        out += [f"eagle3_thr{n}" for n in opts.thresholds] if name == "eagle3_thr" else [name]
+    return out
 
 
 def window_prompt(vocab: int, concurrency: int, output_len: int, seed: int, i: int) -> Prompt:
-    """The i-th prompt of a closed-loop window's stream: the same on every server, another per round
+    """The i-th prompt of a window's stream: the same on every server of a block, another per block
     (seed) and level."""
     rnd = random.Random(f"{seed}-{concurrency}-{i}")
     return Prompt(f"c{concurrency}-{i}", tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, MAX_PROMPT_LEN))),
@@ -193,10 +200,6 @@ def switches(name: str) -> bool:
     return name.startswith("eagle3_thr") or name == "eagle3_auto"
 
 
-def round_order(names: list[str], k: int) -> list[str]:
-    return names if k % 2 == 0 else names[::-1]
-
-
 # ----------------------------------------------------------------------------- measuring
 def flush_cache(base: str) -> None:
     """Empty the radix cache before a window: every window starts from the same empty cache."""
@@ -206,46 +209,99 @@ def flush_cache(base: str) -> None:
         pass
 
 
-def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, min_s: float,
-            min_requests: int, timeout: float, stop_at: float) -> dict[str, Any]:
-    """One closed-loop window: `concurrency` clients each send the stream's next prompt when their
-    last request ends, until the window has lasted `min_s` and sent `min_requests`; the requests in
-    flight then finish. Sending stops early at the first error or at `stop_at` (the call's deadline:
-    the window is then "cut" and not a measurement)."""
+def abort_all(base: str) -> bool:
+    """Every request of the server aborted (sglang's /abort_request with abort_all); False where the
+    server refused, and the requests in flight then finish on their own."""
+    try:
+        client.post(base + "/abort_request", {"abort_all": True}, 30)
+        return True
+    except client.HTTPFailure:
+        return False
+
+
+def tokens_between(requests: list[tuple[float, float, int]], lo: float, hi: float) -> float:
+    """Output tokens produced in [lo, hi]: each request's (start, end, tokens) spread evenly over its
+    lifetime."""
+    return sum(n * max(0.0, min(end, hi) - max(start, lo)) / (end - start)
+               for start, end, n in requests if end > start)
+
+
+def decode_steps(before: dict[str, float], after: dict[str, float]) -> int | None:
+    """Decode batches run between two /metrics scrapes (sglang counts one per decode step, graph or
+    not); None where the server exports no such counter."""
+    keys = [k for k in after if k.startswith(DECODE_PASSES + "{") and re.search(r'mode="decode', k)]
+    if not keys:
+        return None
+    return int(round(sum(after[k] - before.get(k, 0.0) for k in keys)))
+
+
+def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, settle_s: float, window_s: float,
+            timeout: float, stop_at: float, scrape: Callable[[str], dict[str, float]] | None = None
+            ) -> dict[str, Any]:
+    """One window: `concurrency` clients each send the stream's next prompt when their last request
+    ends; the tokens of [settle_s, settle_s + window_s] are counted; then sending stops and every
+    request in flight is aborted (kept as a prefix). A window that would end past `stop_at` (the
+    call's deadline) is not started ("cut")."""
     t0 = time.time()
+    lo_at, hi_at = t0 + settle_s, t0 + settle_s + window_s
+    if hi_at + WINDOW_END_S > stop_at:
+        return {"cut": True}
     lock = threading.Lock()
-    sent = [0]
-    cut, failed = [False], [False]
-    results: list[client.Result] = []
+    nxt, stop = [0], [False]
+    tag = f"bench-{int(t0 * 1000)}"
+    done: list[tuple[float, float, client.Result, Prompt]] = []
 
     def worker() -> None:
         while True:
             with lock:
-                now = time.time()
-                if now >= stop_at:
-                    cut[0] = True
-                if cut[0] or failed[0] or (sent[0] >= min_requests and now - t0 >= min_s):
+                if stop[0] or time.time() >= hi_at:
                     return
-                i = sent[0]
-                sent[0] += 1
-            r = client.generate(base, prompt_at(i), timeout)
+                i = nxt[0]
+                nxt[0] += 1
+            p = prompt_at(i)
+            start = time.time()
+            r = client.generate(base, p, timeout, rid=f"{tag}-{i}")
             with lock:
-                results.append(r)
-                failed[0] = failed[0] or r.error is not None
+                done.append((start, time.time(), r, p))
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for t in threads:
         t.start()
+    time.sleep(max(0.0, lo_at - time.time()))
+    lo, before = time.time(), scrape(base) if scrape else {}
+    time.sleep(max(0.0, hi_at - time.time()))
+    hi, after = time.time(), scrape(base) if scrape else {}
+    with lock:
+        stop[0] = True
+    aborted_at = time.time()
+    aborted = abort_all(base)
     for t in threads:
-        t.join()
-    wall = time.time() - t0
-    errors = [r for r in results if r.error]
-    toks = sum(len(r.output_ids or []) for r in results)
-    lens = [r.meta["spec_accept_length"] for r in results if "spec_accept_length" in r.meta]
-    return {"requests": len(results), "errors": len(errors), "first_error": errors[0].error if errors else None,
-            "output_tokens": toks, "seconds": round(wall, 3), "tok_per_s": round(toks / wall, 1) if wall else 0.0,
-            "accept_length": round(statistics.mean(lens), 3) if lens else None, "cut": cut[0],
-            "outputs": {r.key: r.output_ids for r in results}}
+        t.join(timeout)
+    tail = time.time() - aborted_at
+    complete, cut_short, errors = [], [], []
+    for start, end, r, p in done:
+        if r.error is None and len(r.output_ids or []) == p.max_new_tokens:
+            complete.append((start, end, r))
+        elif end >= aborted_at:  # in flight at the end: aborted, what it returned must be a prefix
+            cut_short.append((start, min(end, aborted_at), r))
+        else:
+            errors.append(r)
+    spans = [(s, e, len(r.output_ids or [])) for s, e, r in complete + cut_short]
+    toks = tokens_between(spans, lo, hi)
+    lens = [r.meta["spec_accept_length"] for _, _, r in complete if "spec_accept_length" in r.meta]
+    steps = decode_steps(before, after)
+    m: dict[str, Any] = {
+        "requests": len(complete), "aborted": len(cut_short), "errors": len(errors),
+        "first_error": errors[0].error if errors else None, "output_tokens": round(toks),
+        "seconds": round(hi - lo, 3), "tok_per_s": round(toks / (hi - lo), 1) if hi > lo else 0.0,
+        "accept_length": round(statistics.mean(lens), 3) if lens else None, "steps": steps,
+        "tail_s": round(tail, 2), "abort_all": aborted, "cut": False,
+        "outputs": {r.key: r.output_ids for _, _, r in complete},
+        "prefixes": {r.key: r.output_ids for _, _, r in cut_short if r.output_ids}}
+    gpu = diagnose.gpu_seconds(before, after) if scrape else {}
+    if gpu:
+        m["gpu_s"] = gpu
+    return m
 
 
 def speculation_state(base: str) -> dict[str, Any]:
@@ -338,22 +394,9 @@ def ramp_windows(levels: list[int], hold_s: float, requests: list[tuple[float, f
 
 # ----------------------------------------------------------------------------- the run
 # The work comes in whole units, each kept in the state once done so that a call with the same
-# state (e2e's next call after a deadline) goes on where the last one stopped: the closed-loop
-# windows, one per (round, concurrency), measured on every server at once; then per server its
-# ramp and (--diagnose) its full-load diagnosis, for which it is started alone when the closed loop
-# is done. No unit is started without the time to finish it, and no server without the time to use it.
-def launch(opts: BenchOptions, name: str, mem_fraction: float, tokens: int, log_path: Path) -> Server:
-    """Start one bench server (its port from its place among the configs) and wait until healthy."""
-    k = server_names(opts).index(name)
-    srv = Server(server_config(name, opts, mem_fraction, tokens), opts.port + k, log_path)
-    try:
-        srv.start(min(opts.health_timeout, opts.deadline.left() - 45))
-    except BaseException:
-        srv.stop()  # a server that never became healthy must not hold the GPU or the port
-        raise
-    return srv
-
-
+# state (e2e's next call after a deadline) goes on where the last one stopped: the blocks, one per
+# (concurrency, block), a window on every server; then per server its ramp and (--diagnose) its
+# full-load diagnosis. No unit is started without the time to finish it.
 def kv_pool(srv: Server) -> int:
     try:
         return int(client.load(srv.base).get("max_total_num_tokens") or 0)
@@ -433,6 +476,34 @@ def digest(ids: list[int] | None) -> str | None:
     return None if ids is None else hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
+def compared_outputs(outputs: dict[str, dict[str, Any]], prefixes: dict[str, dict[str, Any]],
+                     where: str) -> list[str]:
+    """mismatches() of the complete outputs, and every aborted output a prefix of plain's."""
+    problems = mismatches(outputs, where)
+    ref = outputs.get("plain", {})
+    for name, got in prefixes.items():
+        if name == "plain":
+            continue
+        bad = [k for k, v in got.items() if k in ref and ref[k] is not None and v != ref[k][:len(v)]]
+        if bad:
+            problems.append(f"{where} {name}: {len(bad)} aborted output(s) not a prefix of plain's (e.g. {bad[0]})")
+    return problems
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: tuple[int, ...]) -> Iterator[None]:
+    """This thread (and the client threads it starts) on `cpus` meanwhile; nothing where empty."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 class Bench:
     """One call's work on the state `st` (JSON: e2e keeps it between calls)."""
 
@@ -440,92 +511,115 @@ class Bench:
                  progress: Callable[[dict[str, Any]], None] | None):
         self.opts, self.st, self.vocab, self.names, self.progress = opts, st, vocab, names, progress
         self.result: dict[str, Any] = st["partial"]
-        self.tokens = opts.max_total_tokens or pool_tokens(opts)
-        self.servers: dict[str, Server] = {}
+        self.pool = servers.ServerPool(opts.registry, opts.models.name, opts.port, opts.cpus_per_server,
+                                       say=self.event)
         self.notes: list[str] = []  # why this call left work undone
 
+    def event(self, line: str) -> None:
+        """A server found, lost or started again: kept in the report and printed."""
+        self.result.setdefault("server_events", []).append(f"call {self.result['calls']}: {line}")
+        print(f"bench: {line}", flush=True)
+
+    @property
+    def servers(self) -> dict[str, Server]:
+        return self.pool.servers
+
     # -------------------------------------------------------- what is left, and what it costs
-    def windows_left(self) -> list[tuple[int, int]]:
-        done = set(self.st.setdefault("windows_done", []))
-        return [(k, c) for k in range(self.opts.rounds) for c in self.opts.concurrency if f"{k}:{c}" not in done]
+    def blocks_left(self) -> list[tuple[int, int]]:
+        done = set(self.st.setdefault("blocks_done", []))
+        return [(c, k) for c in self.opts.concurrency for k in range(self.opts.pairs) if f"{c}:{k}" not in done]
 
     def solo_left(self, name: str) -> list[str]:
         """A server's own units still to do: "ramp", "diagnose"."""
         units = ["ramp"] if self.opts.ramp_cycles and name not in self.result["ramp"] else []
         return units + (["diagnose"] if self.opts.diagnose and name not in self.result["diagnose"] else [])
 
-    def window_cost(self, c: int) -> float:
-        """A window on every server: the longest seen at this level, else --window-s with room for
-        the requests in flight at its end."""
-        seen = [m["seconds"] for ms in self.result["levels"].get(str(c), {}).values() for m in ms]
-        longest = max((m["seconds"] for by in self.result["levels"].values() for ms in by.values() for m in ms),
-                      default=0.0)
-        return len(self.names) * ((max(seen) if seen else max(self.opts.window_s * 1.5 + 10, 1.5 * longest)) + 2)
+    def block_cost(self, c: int) -> float:
+        """A window on every server: settle, count, the end (the longest end seen at this level)."""
+        tails = [w.get("tail_s", 0.0) for b in self.result["blocks"].get(str(c), []) for w in b["windows"].values()]
+        end = max([WINDOW_END_S, *tails]) + 0.5
+        return len(self.names) * (self.opts.settle_s + self.opts.window_s + end)
 
     def unit_cost(self, unit: str) -> float:
         if unit == "ramp":
             return self.opts.ramp_hold_s * len(ramp_levels(self.opts.concurrency, self.opts.ramp_cycles)) + 30
         return 60.0  # diagnose: a full-load window with py-spy and the profiler
 
-    def start_cost(self, names: list[str]) -> float:
-        return float(sum(self.result["start_s"].get(n, START_S_PER_SERVER) + self.result["warm_s"].get(n, WARM_S)
-                         for n in names))
+    def start_cost(self) -> float:
+        """Starting and warming up whatever is not up yet, side by side: the slowest of them."""
+        starts = [self.result["start_s"].get(n, START_S) for n in self.names]
+        warms = [self.result["warm_s"].get(n, WARM_S) for n in self.names]
+        return max(starts) + max(warms)
 
-    def reserve(self, servers: int) -> float:
-        """The end of a call: the KV and log checks and the stop of each server, the report."""
-        return 20.0 + 12.0 * servers
+    def reserve(self) -> float:
+        """The end of a call: the report, and where the bench is complete, each server's checks and stop."""
+        return 20.0 + 12.0 * len(self.names)
 
-    def fits(self, cost: float, servers: int) -> bool:
-        return self.opts.deadline.left() >= cost + self.reserve(servers)
+    def fits(self, cost: float) -> bool:
+        return self.opts.deadline.left() >= cost + self.reserve()
 
     # -------------------------------------------------------- servers
-    def start(self, names: list[str]) -> None:
-        """One after another, each taking an even share of the memory still free (a server started
-        alone takes the share it would have among all: the same start whether alone or not)."""
-        for k, name in enumerate(names):
-            share = self.opts.mem_share / (len(names) - k if len(names) > 1 else len(self.names))
-            t0 = time.time()
-            srv = self.servers[name] = launch(self.opts, name, share, self.tokens, self.log_path(name))
-            self.result["start_s"][name] = round(srv.start_seconds or time.time() - t0, 1)
+    def up(self) -> None:
+        """Every server healthy (the recorded ones reused, the rest started side by side), pinned to
+        its CPUs and warmed up once; then no recorded server of this host still starting."""
+        configs = {name: server_config(name, self.opts) for name in self.names}
+        timeout = min(self.opts.health_timeout, self.opts.deadline.left() - self.reserve())
+        self.pool.ensure(configs, self.opts.key_extra, self.log_path, timeout)
+        for name, srv in self.servers.items():
+            if name not in self.result["start_s"] and srv.start_seconds:
+                self.result["start_s"][name] = round(srv.start_seconds, 1)
             self.result["kv_pool_tokens"][name] = kv_pool(srv)
+            self.result.setdefault("cpus", {})[name] = list(self.pool.entries[name].cpus)
         pools = self.result["kv_pool_tokens"]
         if len(set(pools.values())) > 1 and not any(f.startswith("unequal KV pools") for f in self.result["checks"]):
             self.result["checks"].append(f"unequal KV pools {pools}: lower --mem-share or set --max-total-tokens "
                                          "so that every server holds the same")
-        for name in names:
-            t0 = time.time()
-            warm_up(self.servers[name].base, self.opts)
+        cold = [n for n in self.names if not self.pool.warmed(n)]
+        t0 = time.time()
+        errors: list[BaseException] = []
+
+        def warm(name: str) -> None:
+            try:
+                warm_up(self.servers[name].base, self.opts)
+            except BaseException as exc:  # noqa: BLE001 - raised below, after every thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=warm, args=(n,)) for n in cold]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        for name in cold:
+            self.pool.mark_warmed(name)
             self.result["warm_s"][name] = round(time.time() - t0, 1)
+        self.pool.wait_for_other_starts(min(self.opts.health_timeout, self.opts.deadline.left() - self.reserve()))
 
     def log_path(self, name: str) -> Path:
         """A log of its own for each start of a server: the first number not taken in the output
         folder (a failure of another run, of another bench in the same folder, or of an earlier
         start never reads as this one's)."""
         n = 1
-        while (path := self.opts.out / f"server_bench_{name}.{n}.log").exists():
+        while (path := self.opts.out / f"server_bench_{self.opts.models.name}_{name}.{n}.log").exists():
             n += 1
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
         return path
 
-    def stop(self, name: str) -> None:
-        srv = self.servers.pop(name)
-        try:
-            if self.fits(0, 0):
-                info, problems = server_checks(name, srv, max(self.opts.concurrency))
-                self.result["servers"][name] = info
-                self.result["checks"] += problems
-        finally:
-            srv.stop()
-
-    def stop_all(self) -> None:
-        errors = []
+    def check_and_stop_all(self) -> None:
+        """The bench is complete: each server's checks (KV back to empty, limits, log), then its stop."""
+        problems = []
         for name in list(self.servers):
             try:
-                self.stop(name)
-            except Exception as exc:  # noqa: BLE001 - stop every server, report each failure
-                errors.append(f"{name}: {getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}")
-        self.result["checks"] += errors
+                info, found = server_checks(name, self.servers[name], max(self.opts.concurrency))
+                self.result["servers"][name] = info
+                problems += found
+            except Exception as exc:  # noqa: BLE001 - check and stop every server, report each failure
+                problems.append(f"{name}: {getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}")
+            finally:
+                self.pool.stop(name)
+        self.result["checks"] += problems
 
     def saved(self) -> None:
         """A unit is done: the caller keeps the state (e2e writes it out, so a killed call loses nothing)."""
@@ -533,74 +627,81 @@ class Bench:
             self.progress(finish(self.result, self.st, self.notes, self.names))
 
     # -------------------------------------------------------- units
-    def closed_loop(self) -> None:
-        """The windows left, round by round (every level of a round before the next round), each on
-        every server in turn, the order alternating."""
-        todo = self.windows_left()
-        if not todo:
+    def run(self) -> None:
+        todo, solo = self.blocks_left(), [n for n in self.names if self.solo_left(n)]
+        if not todo and not solo:
             return
-        if not self.fits(self.start_cost(self.names) + self.window_cost(todo[0][1]), len(self.names)):
-            self.notes.append(f"no server started: {self.opts.deadline.left():.0f}s left, ~"
-                              f"{self.start_cost(self.names) + self.window_cost(todo[0][1]) + self.reserve(len(self.names)):.0f}s "
-                              "needed to start them all and measure one closed-loop window")
-            return
-        self.start(self.names)
-        for k, c in todo:
-            if not self.fits(self.window_cost(c), len(self.servers)):
-                self.notes.append(f"closed loop stopped before round {k + 1} at {c} (the deadline)")
+        if not all(n in self.servers for n in self.names):
+            first = self.block_cost(todo[0][0]) if todo else self.unit_cost(self.solo_left(solo[0])[0])
+            need = 0.0 if self.opts.launch_only else first
+            if not self.fits(self.start_cost() + need):
+                self.notes.append(f"no server started: {self.opts.deadline.left():.0f}s left, "
+                                  f"~{self.start_cost() + need + self.reserve():.0f}s needed to start the "
+                                  "servers and measure one block")
                 return
-            if not self.window(k, c):
-                self.notes.append(f"closed loop: round {k + 1} at {c} cut by the deadline (not kept)")
+            if self.opts.launch_only:
+                self.launch_only()
+                return
+            self.up()
+        with on_cpus(self.pool.client_cpus() if self.opts.cpus_per_server > 0 else ()):
+            self.blocks()
+            if not self.blocks_left():
+                self.solo()
+
+    def launch_only(self) -> None:
+        configs = {name: server_config(name, self.opts) for name in self.names}
+        self.pool.launch(configs, self.opts.key_extra, self.log_path)
+        self.notes.append("servers launched (--launch-only): the next call with these options measures")
+
+    def blocks(self) -> None:
+        for c, k in self.blocks_left():
+            if not self.fits(self.block_cost(c)):
+                self.notes.append(f"stopped before block {k + 1} at concurrency {c} (the deadline)")
+                return
+            if not self.block(c, k):
+                self.notes.append(f"block {k + 1} at concurrency {c} cut by the deadline (not kept)")
                 return
             self.saved()
 
-    def window(self, k: int, c: int) -> bool:
-        """Round k's window at concurrency c on every server; kept only when every server finished it."""
-        opts, i = self.opts, self.opts.concurrency.index(c)
+    def block(self, c: int, k: int) -> bool:
+        """Block k at concurrency c: a window on every server, back to back; kept only when every
+        server finished its window."""
+        opts = self.opts
         prompt_at = functools.partial(window_prompt, self.vocab, c, opts.output_len, 100 + k)
         got: dict[str, dict[str, Any]] = {}
         outputs: dict[str, dict[str, Any]] = {}
-        for name in round_order(self.names, k + i):
+        prefixes: dict[str, dict[str, Any]] = {}
+        order = pairing.block_order(self.names, k)
+        for name in order:
             srv = self.servers[name]
             flush_cache(srv.base)
-            timed = opts.diagnose or opts.device_timer
-            before = diagnose.scrape(srv.base) if timed else {}
-            m = measure(srv.base, prompt_at, c, opts.window_s, window_requests(c, opts.window_waves),
-                        opts.deadline.request_timeout(240), opts.deadline.at - self.reserve(len(self.servers)))
+            idle = {n: s for n, s in self.servers.items() if n != name and s.pgid is not None}
+            cpu0 = {n: servers.group_cpu_seconds(s.pgid) for n, s in idle.items() if s.pgid is not None}
+            t0 = time.time()
+            m = measure(srv.base, prompt_at, c, opts.settle_s, opts.window_s, opts.deadline.request_timeout(240),
+                        opts.deadline.at - self.reserve(), diagnose.scrape)
             if m.pop("cut"):
                 return False
-            if timed:
-                m["gpu_s"] = diagnose.gpu_seconds(before, diagnose.scrape(srv.base))
+            wall = max(time.time() - t0, 1e-6)
+            m["idle_cpu"] = {n: round((servers.group_cpu_seconds(s.pgid) - cpu0[n]) / wall, 3)
+                             for n, s in idle.items() if s.pgid is not None and n in cpu0}
             outputs[name] = m.pop("outputs")
-            got[name] = {**m, "round": k + 1}
-        for name in self.names:
-            self.result["levels"].setdefault(str(c), {}).setdefault(name, []).append(got[name])
-        self.result["window_mismatches"] += mismatches(outputs, f"round {k + 1} c={c}")
-        self.st["windows_done"].append(f"{k}:{c}")
+            prefixes[name] = m.pop("prefixes")
+            got[name] = m
+        self.result["blocks"].setdefault(str(c), []).append({"block": k + 1, "order": order, "windows": got})
+        self.result["window_mismatches"] += compared_outputs(outputs, prefixes, f"block {k + 1} c={c}")
+        self.st["blocks_done"].append(f"{c}:{k}")
         return True
 
     def solo(self) -> None:
-        """Per server its ramp, then its diagnosis: on the servers already up, then each server left
-        started alone, when there is the time to start it and finish its first unit."""
+        """Per server its ramp, then its diagnosis, one server at a time (the others idle)."""
         for name in self.names:
-            units = self.solo_left(name)
-            if not units:
-                continue
-            if name not in self.servers:
-                need = self.start_cost([name]) + self.unit_cost(units[0])
-                if not self.fits(need, 1):
-                    self.notes.append(f"{', '.join(units)} of {name} and after: not started "
-                                      f"({self.opts.deadline.left():.0f}s left, ~{need + self.reserve(1):.0f}s needed)")
-                    return
-                self.start([name])
-            for unit in units:
-                if not self.fits(self.unit_cost(unit), len(self.servers)):
+            for unit in self.solo_left(name):
+                if not self.fits(self.unit_cost(unit)):
                     self.notes.append(f"{unit} of {name} and after: not started (the deadline)")
                     return
                 (self.ramp if unit == "ramp" else self.diagnose)(name)
                 self.saved()
-            if len(self.servers) == 1:  # started alone: make room for the next one
-                self.stop(name)
 
     def ramp(self, name: str) -> None:
         srv, opts = self.servers[name], self.opts
@@ -613,31 +714,31 @@ class Bench:
 
     def diagnose(self, name: str) -> None:
         c = max(self.opts.concurrency)
-        prompts = workload(self.vocab, c, self.opts.output_len, 7, window_requests(c, self.opts.window_waves))
+        prompts = workload(self.vocab, c, self.opts.output_len, 7, 3 * c)
         self.result["diagnose"][name] = diagnose.full_load(self.servers[name], prompts, c, self.opts.out,
                                                            self.opts.pyspy_dirs, self.opts.deadline)
 
 
 def new_result(opts: BenchOptions, expected: dict[str, Any]) -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d"), "thresholds": list(opts.thresholds),
-            "concurrency": list(opts.concurrency), "rounds": opts.rounds, "window_s": opts.window_s,
-            "window_waves": opts.window_waves, "ramp_hold_s": opts.ramp_hold_s, "output_len": opts.output_len,
+            "concurrency": list(opts.concurrency), "pairs": opts.pairs, "window_s": opts.window_s,
+            "settle_s": opts.settle_s, "ramp_hold_s": opts.ramp_hold_s, "output_len": opts.output_len,
+            "device_timer": opts.device_timer,
             "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept",
                                                     "designed_accept_length")},
-            "configs": [], "not_run": {}, "start_s": {}, "warm_s": {}, "kv_pool_tokens": {}, "levels": {},
+            "configs": [], "not_run": {}, "start_s": {}, "warm_s": {}, "kv_pool_tokens": {}, "blocks": {},
             "ramp": {}, "servers": {}, "diagnose": {}, "window_mismatches": [], "checks": [], "calls": 0,
-            "mismatches": [], "failures": [], "skipped": []}
+            "server_events": [], "cpus": {}, "mismatches": [], "failures": [], "skipped": []}
 
 
 def remaining(result: dict[str, Any], st: dict[str, Any], names: list[str]) -> list[str]:
     """What is still to measure, in words (empty when the run is complete)."""
-    done = set(st.get("windows_done", []))
-    left: dict[int, list[int]] = {}
-    for k in range(result["rounds"]):
-        for c in result["concurrency"]:
-            if f"{k}:{c}" not in done:
-                left.setdefault(k + 1, []).append(c)
-    out = [f"closed loop round {k} at concurrency {', '.join(map(str, cs))}" for k, cs in left.items()]
+    done = set(st.get("blocks_done", []))
+    out = []
+    for c in result["concurrency"]:
+        left = [k + 1 for k in range(result["pairs"]) if f"{c}:{k}" not in done]
+        if left:
+            out.append(f"concurrency {c}: {len(left)} of {result['pairs']} blocks")
     ramps = [n for n in names if result.get("ramp_cycles") and n not in result["ramp"]]
     out += [f"ramp of {', '.join(ramps)}"] if ramps else []
     diag = [n for n in names if result.get("diagnose_wanted") and n not in result["diagnose"]]
@@ -658,10 +759,11 @@ def finish(result: dict[str, Any], st: dict[str, Any], notes: list[str], names: 
 
 def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
               progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Start the servers, measure, stop them; the result (bench_report's input). Resumable: `state`
-    (JSON) keeps every finished unit, so a call with the state of one that the deadline stopped
-    measures only what is left (and a call after the last one returns the finished result).
-    `progress(result)` after every unit, for the caller to keep the state."""
+    """Start (or find) the servers, measure, and once the bench is complete check and stop them;
+    the result (bench_report's input). Resumable: `state` (JSON) keeps every finished unit, so a
+    call with the state of one that the deadline stopped measures only what is left (and a call
+    after the last one returns the finished result). `progress(result)` after every unit, for the
+    caller to keep the state."""
     state = state if state is not None else {}
     if state.get("result"):
         return dict(state["result"])
@@ -680,11 +782,7 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
     run = Bench(opts, state, int(expected["vocab_size"]), names, progress)
     failed = False
     try:
-        run.closed_loop()
-        if not run.windows_left():
-            run.solo()
-        elif run.servers:  # the closed loop is unfinished: the servers' own units wait for the next call
-            run.notes.append("ramps wait until the closed loop is done")
+        run.run()
     except Exception as exc:  # noqa: BLE001 - SmokeError, HTTPFailure or an unexpected answer
         failed = True
         logs = {n: s.log_path for n, s in run.servers.items()}
@@ -692,23 +790,28 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
             logs["the server that failed"] = exc.log  # a start that failed: no longer among the servers
         result["checks"].append(f"{getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}\n"
                                 + "\n".join(f"-- {n}\n{log_tail(path, 20)}" for n, path in logs.items()))
-    finally:
-        run.stop_all()
+    finish(result, state, run.notes, names)
+    complete = not result["skipped"] and not opts.launch_only
+    if failed or complete or opts.registry is None:
+        if run.servers and opts.deadline.left() >= run.reserve() - 20:
+            run.check_and_stop_all()  # checks after a failure too: every figure is kept
+        else:
+            run.pool.stop_all()
     finish(result, state, run.notes, names)
     if failed:  # the run ends here: a resumed call would meet the same failure
         result["not_measured"] = remaining(result, state, names)
         result["skipped"] = []
         result["table"] = bench_report.markdown(result)
     result["files"] = [str(p) for p in bench_report.write(result, opts.out)]
-    if not result["skipped"]:
+    if not result["skipped"] and not opts.launch_only:
         state["result"] = result
         state.pop("ramp_digests", None)
     return result
 
 
 def errors(result: dict[str, Any]) -> list[str]:
-    out = [f"c={c} round {m['round']} {name}: {m['errors']} request error(s): {m['first_error']}"
-           for c, by_name in result["levels"].items() for name, ms in by_name.items() for m in ms if m["errors"]]
+    out = [f"c={c} block {b['block']} {name}: {m['errors']} request error(s): {m['first_error']}"
+           for c, blocks in result["blocks"].items() for b in blocks for name, m in b["windows"].items() if m["errors"]]
     out += [f"ramp {name}: {r['errors']} request error(s): {r['first_error']}"
             for name, r in result["ramp"].items() if r["errors"]]
     return out
@@ -716,10 +819,11 @@ def errors(result: dict[str, Any]) -> list[str]:
 
 # ----------------------------------------------------------------------------- command line
 def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
-    """What to measure and how: shared by `smoke bench` and `smoke e2e` (there as --bench-*)."""
+    """What to measure and how: shared by `bench run` and `bench e2e` (there as --bench-*)."""
     p = "--" + prefix
-    ap.add_argument(p + "configs", default=",".join(CONFIGS),
-                    help=f"comma list of {','.join(CONFIGS)} (eagle3_auto runs only where the server has it)")
+    ap.add_argument(p + "configs", default=",".join(DEFAULT_CONFIGS),
+                    help=f"comma list of {','.join(CONFIGS)} ({TWIN}: a second plain server, the A/A "
+                         "noise floor; eagle3_auto runs only where the server has it)")
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
     ap.add_argument(p + "threshold", default="16",
                     help="eagle3_thr's fixed threshold N; a comma list runs one server per N (a sweep)")
@@ -727,25 +831,31 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="start the threshold and auto servers without --max-running-requests and a "
                          "decode graph size, as the README's Serve command does (the others get the "
                          "top concurrency); each server's limit is checked against the top concurrency")
-    ap.add_argument(p + "rounds", type=int, default=2,
-                    help="closed-loop rounds (the server order alternates; 0: the ramp alone)")
-    ap.add_argument(p + "window-s", type=float, default=10.0,
-                    help="a closed-loop window lasts at least this many seconds on each server")
-    ap.add_argument(p + "window-waves", type=int, default=3,
-                    help=f"... and sends at least this many requests per client (and {MIN_WINDOW_REQUESTS} in all)")
-    ap.add_argument(p + "ramp-cycles", type=int, default=3, help="ramp up and down this many times (0: none)")
+    ap.add_argument(p + "pairs", type=int, default=6,
+                    help="blocks per concurrency, each a window on every server, the order reversed "
+                         "every other block (0: the ramp alone)")
+    ap.add_argument(p + "window-s", type=float, default=3.0,
+                    help="seconds of a window whose output tokens are counted")
+    ap.add_argument(p + "settle-s", type=float, default=1.0,
+                    help="seconds under load before a window starts counting")
+    ap.add_argument(p + "ramp-cycles", type=int, default=0, help="ramp up and down this many times (0: none)")
     ap.add_argument(p + "ramp-hold", type=float, default=2.0, help="seconds per ramp level")
     ap.add_argument(p + "mem-share", type=float, default=0.85,
-                    help="share of the free GPU memory that the servers divide evenly")
+                    help="each server's --mem-fraction-static (the pool itself is --max-total-tokens)")
     ap.add_argument(p + "max-total-tokens", type=int, default=0,
                     help="KV pool of every server (0: room for the top concurrency's requests)")
+    ap.add_argument(p + "cpus-per-server", type=int, default=3,
+                    help="pin each server to this many CPUs of its own, the client to one more (0: no pinning)")
     ap.add_argument(p + "server-args", default="",
                     help="extra flags for every server, one shell-quoted string (e.g. '--gc-threshold 50000')")
     ap.add_argument(p + "diagnose", action="store_true",
                     help="also where each server's time goes at full load (py-spy, torch profiler, device timer)")
     ap.add_argument(p + "device-timer", action="store_true",
-                    help="GPU seconds per closed-loop window from each server's device timer (the host's "
-                         "share of a step is the rest), without --diagnose's full-load units")
+                    help="GPU seconds per window from each server's device timer (the host's share of a "
+                         "decode step is the rest), without --diagnose's full-load units")
+    ap.add_argument(p + "launch-only", action="store_true",
+                    help="start the servers (recorded: they outlive this call) and return; the next call "
+                         "with the same options warms them up and measures")
 
 
 def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
@@ -759,46 +869,69 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     configs = tuple(x.strip() for x in get("configs").split(",") if x.strip())
     if not configs or any(c not in CONFIGS for c in configs) or len(set(configs)) < len(configs):
         raise refuse("configs", f"give distinct names among {','.join(CONFIGS)}")
+    if TWIN in configs and "plain" not in configs:
+        raise refuse("configs", f"{TWIN} is measured against plain: add plain")
     conc = [x.strip() for x in get("concurrency").split(",") if x.strip()]
     if not conc or not all(x.isdigit() and int(x) >= 1 for x in conc) or len(set(conc)) < len(conc):
         raise refuse("concurrency", "give distinct whole numbers >= 1, e.g. 1,2,4,8")
     thresholds = [x.strip() for x in str(get("threshold")).split(",") if x.strip()]
     if not thresholds or not all(x.isdigit() and int(x) >= 1 for x in thresholds) or len(set(thresholds)) < len(thresholds):
         raise refuse("threshold", "give distinct whole numbers >= 1, e.g. 16 or 8,16,32")
-    if get("rounds") < 0:
-        raise refuse("rounds", "must be >= 0 (0: the ramp alone)")
+    if get("pairs") < 0:
+        raise refuse("pairs", "must be >= 0 (0: the ramp alone)")
     if not get("window-s") > 0:
         raise refuse("window-s", "must be > 0 seconds (longer windows: less noise, a longer run)")
-    if get("window-waves") < 1:
-        raise refuse("window-waves", "must be >= 1 request per client")
-    if get("ramp-cycles") < 0 or get("ramp-hold") <= 0 or get("rounds") + get("ramp-cycles") == 0:
+    if get("settle-s") < 0:
+        raise refuse("settle-s", "must be >= 0 seconds")
+    if get("ramp-cycles") < 0 or get("ramp-hold") <= 0 or get("pairs") + get("ramp-cycles") == 0:
         raise SystemExit(f"--{prefix}ramp-cycles {get('ramp-cycles')} / --{prefix}ramp-hold {get('ramp-hold')}: "
-                         f"need cycles >= 0 (> 0 with --{prefix}rounds 0) and a hold > 0 seconds")
+                         f"need cycles >= 0 (> 0 with --{prefix}pairs 0) and a hold > 0 seconds")
     if not 0 < get("mem-share") < 1:
         raise refuse("mem-share", "must be between 0 and 1")
     if get("max-total-tokens") < 0:
         raise refuse("max-total-tokens", "must be >= 0 (0: sized for the top concurrency)")
+    if get("cpus-per-server") < 0:
+        raise refuse("cpus-per-server", "must be >= 0 (0: no pinning)")
     return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
-            "switching_defaults": get("switching-defaults"),
-            "rounds": get("rounds"), "window_s": get("window-s"), "window_waves": get("window-waves"),
+            "switching_defaults": get("switching-defaults"), "pairs": get("pairs"),
+            "window_s": get("window-s"), "settle_s": get("settle-s"),
             "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
             "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),
+            "cpus_per_server": get("cpus-per-server"),
             "server_args": tuple(shlex.split(get("server-args"))), "diagnose": get("diagnose"),
-            "device_timer": get("device-timer")}
+            "device_timer": get("device-timer"), "launch_only": get("launch-only")}
+
+
+# options that change neither what a window measures nor which windows exist: a state measured
+# without them goes on with them
+NOT_IN_STATE_KEY = ("deadline", "out", "port", "health_timeout", "registry", "key_extra", "launch_only",
+                    "pyspy_dirs")
+
+
+def state_key(opts: BenchOptions) -> str:
+    return json.dumps({k: v for k, v in vars(opts).items() if k not in NOT_IN_STATE_KEY},
+                      default=str, sort_keys=True)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", type=Path, help="a target and draft (python -m smoke models)")
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--port", type=int, default=30000, help="the first port tried for a server")
     ap.add_argument("--deadline", type=float, default=7200, help="seconds from now")
     ap.add_argument("--state", type=Path, metavar="FILE",
-                    help="keep what is measured here; the same command again goes on where a deadline stopped it")
+                    help="keep what is measured here, and the servers running (recorded beside it, "
+                         "FILE.servers.json); the same command again goes on where a deadline stopped it")
+    ap.add_argument("--stop", action="store_true",
+                    help="stop the servers that --state FILE's calls left running, and exit")
     ap.add_argument("--render", type=Path, metavar="BENCH_JSON",
                     help="only write the tables and plots of a saved result into --out")
     add_tuning_arguments(ap)
+
+
+def registry_of(state: Path) -> Path:
+    return state.with_name(state.name + ".servers.json")
 
 
 def options(a: argparse.Namespace) -> BenchOptions:
@@ -806,15 +939,17 @@ def options(a: argparse.Namespace) -> BenchOptions:
         raise SystemExit("--models DIR is needed (a target and draft: python -m smoke models DIR --size 1b)")
     if a.output_len < 1:
         raise SystemExit(f"--output-len {a.output_len}: must be >= 1")
-    return BenchOptions(models=a.models, out=a.out, output_len=a.output_len, port=a.port,
+    registry = registry_of(a.state) if a.state is not None else None
+    if a.launch_only and registry is None:
+        raise SystemExit("--launch-only needs --state FILE: the servers it starts are recorded beside it")
+    return BenchOptions(models=a.models, out=a.out, output_len=a.output_len, port=a.port, registry=registry,
                         deadline=Deadline(time.time() + a.deadline), **tuning_options(a))
 
 
 def load_state(path: Path | None, opts: BenchOptions) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
     """`--state FILE`'s state, and the function that writes it after every unit. A state measured
     with other options is refused: its windows would be mixed with these."""
-    key = json.dumps({k: v for k, v in vars(opts).items() if k not in ("deadline", "out", "port", "health_timeout")},
-                     default=str, sort_keys=True)
+    key = state_key(opts)
     state: dict[str, Any] = {"options": key}
     if path is not None and path.exists():
         state = json.loads(path.read_text())
@@ -835,6 +970,12 @@ def main(a: argparse.Namespace) -> int:
         result = json.loads(a.render.read_text())
         for path in bench_report.write(result, a.out):
             print(path)
+        return 0
+    if a.stop:
+        if a.state is None:
+            raise SystemExit("--stop needs --state FILE: the servers are recorded beside it")
+        n = servers.stop_recorded(registry_of(a.state))
+        print(f"stopped {n} server(s) recorded beside {a.state}")
         return 0
     opts = options(a)
     state, save = load_state(a.state, opts)

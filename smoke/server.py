@@ -150,12 +150,15 @@ class Server:
     def __init__(self, cfg: ServerConfig, port: int, log_path: Path):
         self.cfg, self.port, self.log_path = cfg, port, log_path
         self.base = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None  # None when attached (another process started it)
+        self.pgid: int | None = None
+        self.t_launch = 0.0
         self.start_seconds = 0.0
 
     def start(self, timeout: float) -> None:
         """Starts the server and waits until it is healthy: `timeout` s in all, the wait for another
-        server's start (STARTING) included."""
+        server's start (STARTING) included. For servers whose KV pool is not fixed up front: one
+        at a time, see STARTING (a bench server, whose pool is fixed, uses launch())."""
         t_call = time.time()
         with STARTING, host_start_lock(timeout) as locked:
             left = timeout - (time.time() - t_call)
@@ -165,6 +168,16 @@ class Server:
             self._start(left, waited=time.time() - t_call)
 
     def _start(self, timeout: float, waited: float = 0.0) -> None:
+        self.launch()
+        pidfile = os.environ.get("SMOKE_SERVER_PIDFILE")
+        if pidfile:  # lets a later run kill this group if this one is killed before stop()
+            with open(pidfile, "a") as fh:
+                fh.write(f"{self.pgid}\n")
+        self.wait_healthy(timeout, waited)
+
+    def launch(self) -> None:
+        """Spawns the server in a process session of its own (it outlives this process unless
+        stopped) and returns at once; wait_healthy() waits for it."""
         for _ in range(30):
             if port_free(self.port):
                 break
@@ -176,33 +189,44 @@ class Server:
         with open(self.log_path, "ab") as log:
             log.write(("$ " + " ".join(self.cfg.argv(self.port)) + "\n").encode())
             log.flush()
-            t0 = time.time()
+            self.t_launch = time.time()
             with pinned(self.cfg.cpus):
                 self.proc = subprocess.Popen(self.cfg.argv(self.port), stdout=log,
                                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        pidfile = os.environ.get("SMOKE_SERVER_PIDFILE")
-        if pidfile:  # lets a later run kill this group if this one is killed before stop()
-            with open(pidfile, "a") as fh:
-                fh.write(f"{self.proc.pid}\n")
+        self.pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+
+    def wait_healthy(self, timeout: float, waited: float = 0.0) -> None:
+        """Until /health answers; a server that exits or stays unhealthy raises with its log."""
+        t0 = time.time()
         while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise SmokeError(f"{self.cfg.name}: server exited with code {self.proc.returncode} "
-                                   "before it became healthy", log=self.log_path)
+            if not self.alive():
+                code = f" with code {self.proc.returncode}" if self.proc is not None else ""
+                raise SmokeError(f"{self.cfg.name}: server exited{code} before it became healthy",
+                                 log=self.log_path)
             if client.healthy(self.base):
-                self.start_seconds = time.time() - t0
+                self.start_seconds = time.time() - (self.t_launch or t0)
                 return
             time.sleep(2)
         # a timeout mostly spent waiting for another run's server reads otherwise as a slow start
         after_wait = f" (after {waited:.0f}s waiting for another server's start)" if waited >= 1 else ""
         raise SmokeError(f"{self.cfg.name}: not healthy after {timeout:.0f}s{after_wait}", log=self.log_path)
 
+    @classmethod
+    def attach(cls, cfg: ServerConfig, port: int, log_path: Path, pgid: int) -> Server:
+        """A server that an earlier process started (launch()) and left running: stop() ends it."""
+        srv = cls(cfg, port, log_path)
+        srv.pgid = pgid
+        return srv
+
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.pgid is not None and group_running(self.pgid)
 
     def stop(self) -> None:
-        if self.proc is None:
+        if self.pgid is None:
             return
-        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        pgid = self.pgid
         # TERM gives the server time to shut down; KILL then takes what is left of the group
         # (scheduler and detokenizer children).
         for sig, grace_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
@@ -210,10 +234,15 @@ class Server:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
                 pass
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
+            if self.proc is not None:
+                try:
+                    self.proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            else:  # attached: not our child, nothing to reap; wait for the group to go
+                end = time.time() + grace_s
+                while time.time() < end and group_running(pgid):
+                    time.sleep(0.2)
         # the scheduler children hold the GPU memory: a server started next (an A/B restart) sizes
         # its KV pool from what is free, so wait until the whole group is gone
         for _ in range(60):
@@ -225,6 +254,7 @@ class Server:
                 break
             time.sleep(1)
         self.proc = None
+        self.pgid = None
 
     def __enter__(self) -> Self:
         return self

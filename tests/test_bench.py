@@ -1,18 +1,23 @@
-"""The user-facing benchmark (bench.throughput), its report (bench.report) and --diagnose
-(bench.diagnose), on a CPU: what every server is started with, the load's shape, the files a result
+"""The user-facing benchmark (bench.throughput), its paired windows (bench.pairing), its servers
+that outlive a call (bench.servers), its report (bench.report) and --diagnose (bench.diagnose), on
+a CPU: what every server is started with, the load's shape, the statistics, the files a result
 becomes (a real matplotlib render), and the arguments refused.
 
 tests/data/bench_result_format.json is a bench.json in the current format whose figures are made
-up to exercise the report; it is not a measurement.
+up to exercise the report (a host whose speed drifts 30% between blocks); it is not a measurement.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
+import os
 import statistics
 import struct
 import sys
+import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import diagnose, pyspy
+from bench import diagnose, pairing, pyspy, servers
 from bench import report as bench_report
 from bench import throughput as bench
 from bench.__main__ import build_parser
-from smoke import models
+from smoke import client, models
 from smoke.runner import Deadline
+from smoke.server import ServerConfig, SmokeError, group_running
 
 RESULT = REPO / "tests" / "data" / "bench_result_format.json"
 
@@ -45,6 +51,52 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+def free_port_base() -> int:
+    return 32000 + os.getpid() % 1500 * 8
+
+
+# ----------------------------------------------------------------------------- paired windows
+def test_blocks_alternate_the_order_so_each_server_comes_first_as_often():
+    orders = [pairing.block_order(["a", "b", "c"], k) for k in range(4)]
+    assert orders == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"], ["c", "b", "a"]]
+    firsts = [o[0] for o in orders]
+    assert firsts.count("a") == firsts.count("c") == 2
+
+
+def test_a_ratio_within_each_block_does_not_see_the_host_drift():
+    """The host runs 30% slower in every other block and B is 0.97x A in every block: the ratio is
+    0.97 with a zero-width interval, though B's tokens/s spread from 679 to 970."""
+    blocks = [{"windows": {"A": {"tok_per_s": 1000 * s}, "B": {"tok_per_s": 970 * s}}}
+              for s in (1.0, 0.7, 1.0, 0.7, 1.0, 0.7)]
+    ratio = pairing.compare(blocks, "B", ["A"])
+    assert ratio is not None and ratio.median == pytest.approx(0.97)
+    assert ratio.low == pytest.approx(0.97) and ratio.high == pytest.approx(0.97)
+    assert ratio.text() == "0.97x [0.97-0.97]" and ratio.as_dict()["pairs"] == 6
+
+
+def test_the_bootstrap_interval_holds_the_median_and_widens_with_the_spread():
+    tight = [0.99, 1.0, 1.01, 1.0, 0.995, 1.005]
+    wide = [0.85, 1.0, 1.15, 0.9, 1.1, 1.0]
+    lo_t, hi_t = pairing.bootstrap_interval(tight)
+    lo_w, hi_w = pairing.bootstrap_interval(wide)
+    assert lo_t <= statistics.median(tight) <= hi_t and lo_w <= statistics.median(wide) <= hi_w
+    assert hi_t - lo_t < hi_w - lo_w
+    assert min(tight) <= lo_t and hi_t <= max(tight)  # a median resampled stays within the data
+    assert pairing.bootstrap_interval(tight) == (lo_t, hi_t)  # seeded: the same windows, the same interval
+    with pytest.raises(ValueError):
+        pairing.bootstrap_interval([])
+
+
+def test_a_block_with_a_failed_window_is_left_out_of_its_ratios():
+    blocks = [{"windows": {"A": {"tok_per_s": 100.0}, "B": {"tok_per_s": 90.0}}},
+              {"windows": {"A": {"tok_per_s": 100.0, "errors": 2}, "B": {"tok_per_s": 10.0}}},
+              {"windows": {"A": {"tok_per_s": 100.0}}},
+              {"windows": {"A": {"tok_per_s": 80.0}, "B": {"tok_per_s": 72.0}, "C": {"tok_per_s": 88.0}}}]
+    assert pairing.block_ratios(blocks, "B", ["A"]) == [0.9, 0.9]
+    assert pairing.block_ratios(blocks, "C", ["A", "B"]) == [1.1]  # over the better of the two
+    assert pairing.compare(blocks, "D", ["A"]) is None
+
+
 # ----------------------------------------------------------------------------- report
 def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
@@ -59,52 +111,48 @@ def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
     first_table = md.split("| concurrency |", 1)[1].split("\n\n", 1)[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in first_table.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
-    assert list(rows) == ["1", "4", "16", "64", "256"]
-    # c=256: plain 60000.0 and 57600.0 -> 58800; EAGLE-3 33000.0 and 31996.8 -> 32498, ratios
-    # 0.55 and 0.5555 -> 0.55, spread 0.55-0.56
-    assert rows["256"][:2] == ["58800", "32498 (0.55x, 0.55-0.56)"]
-    assert "min-max over the rounds" in md
+    assert list(rows) == ["1", "64", "256"]
+    # c=256: plain 54000 x drift (1.0, 0.8, 1.1, 0.9) -> median 51300; EAGLE-3 30000/54000 in every block
+    assert rows["256"][0] == "51300" and rows["256"][2] == "28500 (0.56x [0.56-0.56])"
+    # the twin: 0.99, 1.0, 1.01, 1.0 of plain in its blocks
+    assert rows["256"][1] == "51030 (1.00x [0.99-1.01])"
     header = next(line for line in md.splitlines() if line.startswith("| concurrency"))
-    assert "EAGLE-3 + threshold 16 | EAGLE-3 + threshold 64 | EAGLE-3 + auto" in header
-    # c=64: auto 33660.0 and 32636.7, plain 34000.0 and 32640.0 (better than EAGLE-3 there), the
-    # threshold-16 server (best of the sweep at 64) 33320.0 and 32307.1
-    assert "| 64 | 0.995 | 16 | 1.010 |" in md
-    ramp = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| EAGLE-3 + auto")}
-    # auto's level windows over the better of plain and EAGLE-3 at the same level: 0.98 at 16 and 256
-    assert "| 0.980 |" in ramp["EAGLE-3 + auto"] and ramp["EAGLE-3 + auto"].rstrip().endswith("| 4 |")
-    assert "EAGLE-3 + auto: threshold auto, crossover 32" in md
-    assert "every output equal to plain decoding's; 0 request errors" in md
+    assert "plain | plain (A/A twin) | EAGLE-3 | EAGLE-3 + threshold 16 | EAGLE-3 + auto" in header
+    # the promise table carries the A/A floor beside every comparison
+    assert "| 256 | 0.98x [0.98-0.98] | 0.99x [0.98-1.00] | 1.00x [0.99-1.01] |" in md
+    assert "| 64 | 0.99x [0.98-1.00] | 16 | 1.01x [1.00-1.02] |" in md  # auto against the alternatives
+    # per decode step at 256: 3 s over the steps; GPU 3.8 ms (decode + extend), host the rest
+    assert "| 256 | 5.00 / 3.80 / 1.20 (256) |" in md
+    assert "- server: call 2: plain: the server started earlier" in md
+    assert "at most EAGLE-3 0.02" in md and "CPUs: plain 1,2,3" in md
+    assert "every output equal to plain decoding's" in md
     assert "![tokens/s by concurrency](concurrency.png)" in md
 
 
-def test_level_table_and_ramp_summary_figures():
+def test_tables_of_the_recorded_result():
     result = json.loads(RESULT.read_text())
     table = bench_report.level_table(result)
-    assert table["256"]["eagle3"] == {"tok_per_s": 32498.4, "vs_plain": 0.553, "vs_plain_min": 0.55,
-                                      "vs_plain_max": 0.555, "accept_length": 3.1, "rounds": 2}
-    assert table["1"]["plain"]["vs_plain"] == 1.0
+    assert table["256"]["eagle3"]["vs_plain"]["median"] == pytest.approx(0.5556, abs=1e-4)
+    assert table["256"]["eagle3"]["blocks"] == 4 and table["256"]["eagle3"]["accept_length"] == 3.1
+    assert table["1"]["plain"]["vs_plain"] is None
+    floor = bench_report.floor_table(result)
+    assert floor["256"]["ratios"] == [0.99, 1.0, 1.01, 1.0] and floor["256"]["median"] == 1.0
+    better = bench_report.better_table(result)
+    assert better["256"]["eagle3_thr16"]["median"] == pytest.approx(0.98)
+    assert set(better["256"]) == {"eagle3_thr16", "eagle3_auto"}  # not the twin, not the fixed modes
+    steps = bench_report.step_table(result)
+    assert steps["256"]["plain"] == pytest.approx({"wall_ms": 5.0, "tokens_per_step": 256.0, "gpu_ms": 3.8,
+                                                   "host_ms": 1.2}, abs=0.03)
+    assert "gpu_ms" not in steps["64"]["plain"]  # no device timer figures there
     ramp = bench_report.ramp_summary(result)
     assert ramp["eagle3_auto"]["min_share_of_better"] == 0.98
-    assert ramp["plain"]["min_share_of_better"] == pytest.approx(1 / 2.1, abs=1e-3)  # at 1 client
     assert ramp["eagle3"]["mode_changes"] is None and ramp["eagle3_thr16"]["mode_changes"] == 4
-    auto = bench_report.auto_comparison(result)
-    assert auto["1"] == {"vs_better_of_plain_eagle3": 0.99, "best_fixed": 64, "vs_best_fixed": 1.005}
-
-
-def test_each_switching_server_is_measured_against_the_better_of_plain_and_eagle3():
-    # the product's promise, round by round: c=64, threshold 16 made 33320.0 and 32307.1 where the
-    # better fixed server (plain there) made 34000.0 and 32640.0
-    result = json.loads(RESULT.read_text())
-    better = bench_report.better_table(result)
-    assert better["64"]["eagle3_thr16"] == {"vs_better": 0.985, "min": 0.98, "max": 0.99, "rounds": 2}
-    assert set(better["64"]) == {"eagle3_adaptive", "eagle3_thr16", "eagle3_thr64", "eagle3_auto"}
-    md = bench_report.markdown(result)
-    assert "| 64 | 0.70x (0.70-0.71) | 0.98x (0.98-0.99) | 0.92x (0.91-0.92) | 0.99x (0.99-1.00) |" in md
-    # without always-on EAGLE-3 there is no "better of the two" to compare with
-    for level in result["levels"].values():
-        level.pop("eagle3", None)
+    # without always-on EAGLE-3 there is no "better of the two": the A/A table stands alone
+    result["configs"].remove("eagle3")
     assert bench_report.better_table(result) == {}
-    assert "better of plain and always-on EAGLE-3 in each round" not in bench_report.markdown(result)
+    md = bench_report.markdown(result)
+    assert "better of plain and always-on EAGLE-3 in the same block" not in md
+    assert "| 256 | 1.00x [0.99-1.01] | 0.990, 1.000, 1.010, 1.000 |" in md
 
 
 def test_failures_and_configs_not_run_are_in_the_table(tmp_path):
@@ -117,49 +165,109 @@ def test_failures_and_configs_not_run_are_in_the_table(tmp_path):
     assert "- FAILED: ramp eagle3_thr16: 1 output(s) differ from plain" in md
     assert "every output equal" not in md and "EAGLE-3 + auto |" not in md
     assert "auto / best fixed" not in md
-
-
-def test_render_flag_draws_a_saved_result_without_servers(tmp_path):
-    pytest.importorskip("matplotlib")
-    a = build_parser().parse_args(["run", "--render", str(RESULT), "--out", str(tmp_path / "docs")])
-    assert a.main(a) == 0
-    assert {p.name for p in (tmp_path / "docs").iterdir()} == {"bench.json", "bench.md", "concurrency.png", "ramp.png"}
+    result["configs"].remove("plain_twin")
+    assert "| not measured |" in bench_report.markdown(result)  # no twin: the floor column says so
 
 
 # ----------------------------------------------------------------------------- the load
-def test_closed_loop_workload_and_ramp_schedule():
+def test_window_workload_and_ramp_schedule():
     assert bench.workload(3000, 8, 256, 0, 5) == bench.workload(3000, 8, 256, 0, 5)  # the same for every server
-    assert bench.workload(3000, 8, 256, 0, 5) != bench.workload(3000, 8, 256, 1, 5)  # another round, other prompts
+    assert bench.workload(3000, 8, 256, 0, 5) != bench.workload(3000, 8, 256, 1, 5)  # another block, other prompts
     assert bench.workload(3000, 8, 256, 0, 9)[:5] == bench.workload(3000, 8, 256, 0, 5)  # one stream, cut anywhere
     assert all(32 <= len(p.input_ids) <= bench.MAX_PROMPT_LEN for p in bench.workload(3000, 8, 256, 0, 50))
     assert bench.ramp_prompt(3000, 64, "ramp-3-1") == bench.ramp_prompt(3000, 64, "ramp-3-1")
     assert bench.ramp_levels((1, 4, 16), 2) == [1, 4, 16, 4, 1, 4, 16, 4, 1]
     assert bench.ramp_levels((1, 4, 16), 0) == []
-    assert [bench.round_order(["a", "b", "c"], k) for k in (0, 1)] == [["a", "b", "c"], ["c", "b", "a"]]
 
 
-def test_ramp_windows_spread_each_request_over_its_lifetime():
-    # request 1: 100 tokens over 1-3 s; request 2: 50 tokens over 2.5-3.5 s; 2 s windows
-    windows = bench.ramp_windows([1, 2], 2.0, [(1.0, 3.0, 100), (2.5, 3.5, 50)],
-                                 [(0.5, "speculative", None), (1.0, "plain", 32), (2.5, "plain", 16)])
-    assert [w["tok_per_s"] for w in windows] == [25.0, 50.0]  # 50 / 2 s; (50 + 50) / 2 s
-    assert [w["plain_share"] for w in windows] == [0.5, 1.0] and [w["crossover"] for w in windows] == [32, 16]
+def test_tokens_are_counted_in_the_window_only():
+    # 100 tokens over 0-2 s, 50 over 1-3 s, 30 over 2.5-5 s; the window 1-3 s
+    spans = [(0.0, 2.0, 100), (1.0, 3.0, 50), (2.5, 5.0, 30)]
+    assert bench.tokens_between(spans, 1.0, 3.0) == pytest.approx(50 + 50 + 6)
+    assert bench.tokens_between([(1.0, 1.0, 9)], 0.0, 2.0) == 0  # no lifetime: nothing to spread
 
 
-def test_outputs_are_compared_with_plain_decoding():
-    outs = {"plain": {"a": [1], "b": [2], "c": [3]}, "eagle3": {"a": [1], "b": [9], "c": None},
-            "eagle3_auto": {"a": [1], "d": [4]}}
-    assert bench.mismatches(outs, "round 1") == ["round 1 eagle3: 1 output(s) differ from plain (e.g. b)"]
+def test_decode_steps_come_from_the_servers_own_counter():
+    def scrape(graph: float, eager: float, prefill: float) -> dict[str, float]:
+        return client.parse_prometheus(
+            f'sglang:cuda_graph_passes_total{{model_name="t",mode="decode_cuda_graph"}} {graph}\n'
+            f'sglang:cuda_graph_passes_total{{model_name="t",mode="decode_none"}} {eager}\n'
+            f'sglang:cuda_graph_passes_total{{model_name="t",mode="prefill_none"}} {prefill}\n')
+    assert bench.decode_steps(scrape(10, 2, 5), scrape(110, 3, 50)) == 101  # prefill passes are no decode step
+    assert bench.decode_steps({}, {"sglang:num_running_reqs": 3.0}) is None  # metrics without the counter
+
+
+class FakeGenerate:
+    """client.generate replaced: `per_token` s a token; an abort_all cuts what is in flight short."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, per_token: float = 0.002, fail: str | None = None):
+        self.per_token, self.fail = per_token, fail
+        self.aborted_at: float | None = None
+        self.rids: list[str | None] = []
+        monkeypatch.setattr(client, "generate", self.generate)
+        monkeypatch.setattr(client, "post", self.post)
+
+    def post(self, url: str, payload: Any, timeout: float = 600) -> str:
+        if url.endswith("/abort_request"):
+            assert payload == {"abort_all": True}
+            self.aborted_at = time.time()
+        return "{}"
+
+    def generate(self, base: str, p: client.Prompt, timeout: float = 600, rid: str | None = None) -> client.Result:
+        self.rids.append(rid)
+        t0 = time.time()
+        if p.key == self.fail:
+            return client.Result(p.key, error="HTTP 500")
+        ids = []
+        for j in range(p.max_new_tokens):
+            if self.aborted_at is not None and self.aborted_at > t0:
+                break
+            time.sleep(self.per_token)
+            ids.append(j)
+        return client.Result(p.key, ids, {"spec_accept_length": 2.0})
+
+
+def test_a_window_counts_its_seconds_then_aborts_what_is_in_flight(monkeypatch):
+    """The real measure() against a fake generate: clients in a closed loop; the tokens of the
+    counted seconds only; at the end every request in flight is aborted and kept as a prefix."""
+    fake = FakeGenerate(monkeypatch, per_token=0.005)
+    prompt_at = functools.partial(bench.window_prompt, 3000, 2, 40, 100)  # 40 tokens: 0.2 s a request
+    t0 = time.time()
+    m = bench.measure("b", prompt_at, 2, 0.3, 1.0, 10, time.time() + 60)
+    assert not m["cut"] and m["seconds"] == pytest.approx(1.0, abs=0.1)
+    assert time.time() - t0 < 1.3 + 0.2 + 0.5  # the aborted requests did not run to their end
+    assert fake.aborted_at is not None and m["abort_all"]
+    assert m["aborted"] == 2 and all(len(ids) < 40 for ids in m["prefixes"].values())
+    assert m["requests"] >= 8 and all(len(ids) == 40 for ids in m["outputs"].values())
+    # two clients, a token each 5 ms: about 400 tokens/s (sleeps only run longer on a busy host)
+    assert 150 < m["tok_per_s"] <= 410 and m["accept_length"] == 2.0 and m["errors"] == 0
+    assert len({r.rsplit("-", 1)[0] for r in fake.rids}) == 1  # named, so that they could be aborted one by one
+    assert bench.measure("b", prompt_at, 2, 5.0, 4, 10, time.time() + 3)["cut"]  # past the deadline: not started
+
+
+def test_a_failed_request_is_an_error_not_an_abort(monkeypatch):
+    FakeGenerate(monkeypatch, per_token=0.001, fail="c1-2")
+    m = bench.measure("b", lambda i: bench.window_prompt(3000, 1, 8, 100, i), 1, 0.0, 0.5, 10, time.time() + 60)
+    assert m["errors"] == 1 and m["first_error"] == "HTTP 500" and "c1-2" not in m["outputs"]
+
+
+def test_outputs_and_aborted_prefixes_are_compared_with_plain_decoding():
+    outs = {"plain": {"a": [1, 2], "b": [2, 3]}, "eagle3": {"a": [1, 2], "b": [9, 3]}}
+    prefixes = {"plain": {"c": [5]}, "eagle3": {"c": [5], "b": [2]}, "plain_twin": {"a": [7]}}
+    assert bench.compared_outputs(outs, prefixes, "block 1 c=4") == [
+        "block 1 c=4 eagle3: 1 output(s) differ from plain (e.g. b)",
+        "block 1 c=4 plain_twin: 1 aborted output(s) not a prefix of plain's (e.g. a)"]
 
 
 # ----------------------------------------------------------------------------- servers
 def test_configs_map_to_server_flags(tmp_path):
     opts = bench.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16, 64), concurrency=(1, 256),
-                              server_args=("--gc-threshold", "50000"))
+                              configs=("plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto"),
+                              server_args=("--gc-threshold", "50000"), mem_share=0.8, max_total_tokens=1000)
     names = bench.server_names(opts)
-    assert names == ["plain", "eagle3", "eagle3_adaptive", "eagle3_thr16", "eagle3_thr64", "eagle3_auto"]
-    argv = {name: bench.server_config(name, opts, 0.2, 1000).argv(30000) for name in names}
-    assert "--speculative-algorithm" not in argv["plain"]
+    assert names == ["plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr16", "eagle3_thr64", "eagle3_auto"]
+    argv = {name: bench.server_config(name, opts).argv(30000) for name in names}
+    assert "--speculative-algorithm" not in argv["plain"] and argv["plain_twin"] == argv["plain"]  # A/A: identical
     assert all("--speculative-adaptive" not in a for n, a in argv.items() if n != "eagle3_adaptive")
     ad = argv["eagle3_adaptive"]
     assert ad[ad.index("--speculative-adaptive-config") + 1] == str(tmp_path / "adaptive_config.json")
@@ -167,12 +275,15 @@ def test_configs_map_to_server_flags(tmp_path):
     assert max(max(e["candidate_steps"]) for e in bench.ADAPTIVE_CONFIG.values()) == 3
     assert bench.ADAPTIVE_CONFIG["64"]["candidate_steps"] == [0]
     for name, a in argv.items():
-        assert a[a.index("--mem-fraction-static") + 1] == "0.2" and a[a.index("--max-total-tokens") + 1] == "1000"
+        # every server the same fixed pool: they start side by side
+        assert a[a.index("--mem-fraction-static") + 1] == "0.8" and a[a.index("--max-total-tokens") + 1] == "1000"
         assert a[a.index("--cuda-graph-max-bs") + 1] == "256" and "--sleep-on-idle" in a
         assert a[-2:] == ["--gc-threshold", "50000"], name  # the user's flags last
         assert (bench.THRESHOLD_FLAG in a) == bench.switches(name)
     flag = {name: a[a.index(bench.THRESHOLD_FLAG) + 1] for name, a in argv.items() if bench.switches(name)}
     assert flag == {"eagle3_thr16": "16", "eagle3_thr64": "64", "eagle3_auto": "auto"}
+    sized = bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 256)))
+    assert sized.argv(1)[sized.argv(1).index("--max-total-tokens") + 1] == str(int(1.25 * 256 * (64 + 256)))
     assert bench.server_config("plain", opts).env == {}
     assert bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, diagnose=True)).env \
         == diagnose.SERVER_ENV
@@ -233,33 +344,147 @@ def test_auto_runs_only_where_the_plugin_is_installed(tmp_path, monkeypatch):
     assert bench.auto_supported() is True
 
 
-def test_a_deadline_too_short_starts_no_server_and_says_so(tmp_path):
-    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path / "out", deadline=Deadline(0.0),
-                              configs=("plain", "eagle3", "eagle3_auto"))
-    result = bench.run_bench(opts, {})
-    assert result["skipped"][0] == "closed loop round 1 at concurrency " + ", ".join(map(str, bench.DEFAULT_CONCURRENCY))
-    assert "no server started" in result["skipped"][-1]
-    assert result["configs"] == ["plain", "eagle3"] and "eagle3_auto" in result["not_run"]
-    assert "remaining: closed loop round 2" in result["table"] and not result["levels"]
+HEALTHY_AFTER = textwrap.dedent("""
+    import http.server, sys, time
+    print("spawned", time.time(), flush=True)
+    time.sleep(float(sys.argv[2]))
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+class SleepyConfig(ServerConfig):
+    """A stand-in server: answers /health `delay` s after its spawn."""
+    delay: float = 0.0
+
+    def argv(self, port: int) -> list[str]:
+        return [sys.executable, "-c", HEALTHY_AFTER, str(port), str(self.delay), *self.extra]
+
+
+def sleepy(name: str, tmp_path: Path, delay: float = 0.0, extra: tuple[str, ...] = ()) -> SleepyConfig:
+    cfg = SleepyConfig(name, tmp_path, extra=extra)
+    cfg.delay = delay
+    return cfg
+
+
+@pytest.fixture
+def pool_of(tmp_path):
+    """ServerPools on one registry, as successive calls make them; every server stopped at the end."""
+    made: list[servers.ServerPool] = []
+    events: list[str] = []
+
+    def make(cpus_per_server: int = 0) -> servers.ServerPool:
+        pool = servers.ServerPool(tmp_path / "reg.json", "1b", free_port_base(), cpus_per_server, say=events.append)
+        made.append(pool)
+        return pool
+
+    make.events = events  # type: ignore[attr-defined]
+    yield make
+    servers.stop_recorded(tmp_path / "reg.json", say=lambda _: None)
+
+
+def logs(tmp_path: Path) -> Any:
+    return lambda name: tmp_path / f"{name}.{time.time_ns()}.log"
+
+
+def test_a_live_server_is_found_and_used_by_the_next_call(pool_of, tmp_path):
+    first = pool_of().ensure({"plain": sleepy("plain", tmp_path)}, "site-1", logs(tmp_path), 30)
+    pgid = first["plain"].pgid
+    assert pgid and group_running(pgid)
+    # the next call (a new process: a new pool on the same registry) finds it and starts nothing
+    again = pool_of()
+    found = again.ensure({"plain": sleepy("plain", tmp_path)}, "site-1", logs(tmp_path), 30)
+    assert found["plain"].pgid == pgid and found["plain"].proc is None and found["plain"].port == first["plain"].port
+    assert pool_of.events[-1].startswith("plain: the server started earlier (process group") and "reused" in pool_of.events[-1]
+    assert client.healthy(found["plain"].base)
+    again.stop_all()  # the bench complete: stopped, and gone from the registry
+    assert not group_running(pgid) and json.loads((tmp_path / "reg.json").read_text()) == {}
+
+
+def test_a_dead_server_is_said_and_started_again(pool_of, tmp_path):
+    import signal
+
+    pgid = pool_of().ensure({"eagle3": sleepy("eagle3", tmp_path)}, "", logs(tmp_path), 30)["eagle3"].pgid
+    assert pgid is not None
+    os.killpg(pgid, signal.SIGKILL)
+    for _ in range(50):
+        if not group_running(pgid):
+            break
+        time.sleep(0.1)
+    srv = pool_of().ensure({"eagle3": sleepy("eagle3", tmp_path)}, "", logs(tmp_path), 30)["eagle3"]
+    assert srv.pgid != pgid and client.healthy(srv.base)
+    assert f"eagle3: the server started earlier (process group {pgid}) is dead: starting it again" in pool_of.events
+
+
+def test_a_server_recorded_with_other_options_is_not_reused(pool_of, tmp_path):
+    old = pool_of().ensure({"plain": sleepy("plain", tmp_path)}, "site-1", logs(tmp_path), 30)["plain"].pgid
+    changed = pool_of().ensure({"plain": sleepy("plain", tmp_path, extra=("--gc-threshold", "7"))}, "site-1",
+                               logs(tmp_path), 30)["plain"]
+    assert changed.pgid != old and not group_running(old)
+    assert any("recorded with other options: stopping it" in e for e in pool_of.events)
+    # another installed site (e2e's install key) is another option too
+    other_site = pool_of().ensure({"plain": sleepy("plain", tmp_path, extra=("--gc-threshold", "7"))}, "site-2",
+                                  logs(tmp_path), 30)["plain"]
+    assert other_site.pgid != changed.pgid
+    # --stop: what the registry holds, whatever call started it
+    assert servers.stop_recorded(tmp_path / "reg.json", say=lambda _: None) == 1
+    assert not group_running(other_site.pgid) and not (tmp_path / "reg.json").exists()
+
+
+def test_servers_start_side_by_side_and_each_is_pinned_to_its_own_cpus(pool_of, tmp_path):
+    """No start waits for another's (their pools are fixed); once healthy, every process and thread
+    of a server runs on CPUs of its own, beside the client's; where none are left, it says so."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs: the client's and a server's")
+    pool = pool_of(cpus_per_server=1)
+    names = ["a", "b", "c"][:len(cpus)]  # one server more than there are CPUs beside the client's
+    got = pool.ensure({n: sleepy(n, tmp_path, 1.0) for n in names}, "", logs(tmp_path), 30)
+    spawned = [float(s.log_path.read_text().split("spawned ")[1].split()[0]) for s in got.values()]
+    assert max(spawned) - min(spawned) < 0.9  # none held back until another answered (1 s after its spawn)
+    assert pool.client_cpus() == (cpus[0],)
+    pins = {n: os.sched_getaffinity(s.pgid) for n, s in got.items()}
+    pinned = [n for n in names if len(pins[n]) == 1]
+    assert pinned == names[:-1] and len({min(pins[n]) for n in pinned}) == len(pinned)
+    assert all(cpus[0] not in pins[n] for n in pinned)
+    assert pool_of.events[-1] == (f"{names[-1]}: not pinned: fewer than 1 CPUs left beside the client's 1 and "
+                                  "the other servers'")
+    entries = json.loads((tmp_path / "reg.json").read_text())
+    assert sorted(tuple(e["cpus"]) for e in entries.values() if e["cpus"]) == sorted(tuple(pins[n]) for n in pinned)
+
+
+def test_a_server_that_exits_at_start_fails_with_its_log(pool_of, tmp_path):
+    class Crashing(ServerConfig):
+        def argv(self, port: int) -> list[str]:
+            return [sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)", str(port)]
+
+    with pytest.raises(SmokeError) as err:
+        pool_of().ensure({"eagle3": Crashing("eagle3", tmp_path)}, "", logs(tmp_path), 30)
+    assert "exited with code 3" in err.value.cause and "CUDA out of memory" in err.value.log.read_text()
+    assert json.loads((tmp_path / "reg.json").read_text()) == {}  # nothing recorded that does not run
 
 
 # ----------------------------------------------------------------------------- resuming, deadlines
 class FakeServer:
     def __init__(self, name: str, log: Path):
-        self.base, self.start_seconds, self.log_path, self.stopped = f"http://{name}", 60.0, log, False
-
-    def stop(self) -> None:
-        self.stopped = True
+        self.base, self.start_seconds, self.log_path, self.pgid = f"http://{name}", 60.0, log, None
 
 
 class FakeLab:
-    """The bench's contact with servers replaced by fakes that spend the deadline instead of time:
-    a server start 60 s, a warm-up 10 s, a window --window-s, a ramp its schedule. Records the calls."""
+    """The bench's servers and windows replaced by fakes that spend the deadline instead of time:
+    starting the servers (side by side) 60 s, a warm-up 10 s, a window --settle-s + --window-s, a
+    ramp its schedule. The servers it has "running" outlive a call, as the registry's do. Records
+    the calls."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+        self.running: set[str] = set()  # servers alive across calls
+        self.warm: set[str] = set()
         self.launched: list[str] = []
-        self.logs: list[str] = []
+        self.stopped: list[str] = []
         self.windows: list[tuple[str, int, str]] = []  # (server, concurrency, first prompt key)
         self.ramps: list[str] = []
         self.opts: bench.BenchOptions | None = None
@@ -267,7 +492,63 @@ class FakeLab:
         self.tmp_path = tmp_path
         (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
         (tmp_path / "log").write_text("")
-        monkeypatch.setattr(bench, "launch", self.launch)
+        lab = self
+
+        class Pool:
+            def __init__(self, registry: Path | None, scope: str, port_base: int, cpus: int, say: Any = print):
+                self.registry, self.servers, self.say = registry, {}, say
+                self.entries: dict[str, servers.Entry] = {}
+
+            def ensure(self, configs: dict[str, ServerConfig], key_extra: str, log_for: Any, timeout: float) -> Any:
+                new = [n for n in configs if n not in lab.running]
+                if new:
+                    lab.spend(60)
+                for name in configs:
+                    if name in lab.running:
+                        self.say(f"{name}: the server started earlier (process group 1, port 2) is alive: reused")
+                    else:
+                        lab.launched.append(name)
+                        lab.running.add(name)
+                    self.servers[name] = FakeServer(name, log_for(name))
+                    self.entries[name] = servers.Entry("k", 1, 2, "log")
+                return self.servers
+
+            def launch(self, configs: dict[str, ServerConfig], key_extra: str, log_for: Any) -> list[str]:
+                new = [n for n in configs if n not in lab.running]
+                lab.launched += new
+                lab.running |= set(new)
+                return new
+
+            def warmed(self, name: str) -> bool:
+                return name in lab.warm
+
+            def mark_warmed(self, name: str) -> None:
+                lab.warm.add(name)
+
+            def wait_for_other_starts(self, timeout: float) -> list[str]:
+                return []
+
+            def client_cpus(self) -> tuple[int, ...]:
+                return ()
+
+            def stop(self, name: str) -> None:
+                self.servers.pop(name)
+                lab.running.discard(name)
+                lab.warm.discard(name)
+                lab.stopped.append(name)
+
+            def stop_all(self) -> None:
+                for name in list(self.servers):
+                    self.stop(name)
+
+        monkeypatch.setattr(servers, "ServerPool", Pool)
+        config = bench.server_config
+
+        def server_config(name: str, opts: bench.BenchOptions) -> ServerConfig:
+            self.deadline = opts.deadline  # the deadline of options the bench made itself (the command line)
+            return config(name, opts)
+
+        monkeypatch.setattr(bench, "server_config", server_config)
         monkeypatch.setattr(bench, "kv_pool", lambda srv: 5000)
         monkeypatch.setattr(bench, "warm_up", lambda base, opts: self.spend(10))
         monkeypatch.setattr(bench, "flush_cache", lambda base: None)
@@ -276,35 +557,26 @@ class FakeLab:
         monkeypatch.setattr(bench, "server_checks", lambda name, srv, top: ({"kv_used_after_flush": 0}, []))
 
     def options(self, seconds: float, **kw: Any) -> bench.BenchOptions:
-        kw = {"configs": ("plain", "eagle3"), "concurrency": (1, 4), "rounds": 2, "ramp_cycles": 1,
-              "ramp_hold_s": 5.0, "window_s": 20.0, **kw}
+        kw = {"configs": ("plain", "eagle3"), "concurrency": (1, 4), "pairs": 2, "ramp_cycles": 1,
+              "ramp_hold_s": 5.0, "window_s": 20.0, "settle_s": 1.0, "registry": self.tmp_path / "reg.json", **kw}
         self.opts = bench.BenchOptions(models=self.tmp_path, out=self.tmp_path / "out",
-                                       deadline=Deadline(__import__("time").time() + seconds), **kw)
+                                       deadline=Deadline(time.time() + seconds), **kw)
         self.deadline = self.opts.deadline
         return self.opts
 
     def spend(self, seconds: float) -> None:
         self.deadline.at -= seconds
 
-    def launch(self, opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int,
-               log_path: Path) -> FakeServer:
-        self.deadline = opts.deadline
-        self.logs.append(log_path.name)
-        assert log_path.exists()  # taken before the start: the next start takes the next number
-        self.spend(60)
-        self.launched.append(name)
-        return FakeServer(name, self.tmp_path / "log")
-
-    def measure(self, base: str, prompt_at: Any, c: int, min_s: float, min_requests: int, timeout: float,
-                stop_at: float) -> dict[str, Any]:
-        self.spend(min_s)
+    def measure(self, base: str, prompt_at: Any, c: int, settle_s: float, window_s: float, timeout: float,
+                stop_at: float, scrape: Any = None) -> dict[str, Any]:
+        self.spend(settle_s + window_s)
         name = base.removeprefix("http://")
         self.windows.append((name, c, prompt_at(0).key))
         speed = 100.0 * c * (1.2 if name == "eagle3" and c == 1 else 0.8 if name == "eagle3" else 1)
-        keys = [prompt_at(i).key for i in range(min_requests)]
-        return {"requests": min_requests, "errors": 0, "first_error": None, "output_tokens": int(speed * min_s),
-                "seconds": min_s, "tok_per_s": speed, "accept_length": None, "cut": False,
-                "outputs": {k: [len(k)] for k in keys}}
+        keys = [prompt_at(i).key for i in range(3)]
+        return {"requests": 3, "aborted": c, "errors": 0, "first_error": None, "output_tokens": int(speed * window_s),
+                "seconds": window_s, "tok_per_s": speed, "accept_length": None, "steps": None, "tail_s": 0.2,
+                "abort_all": True, "cut": False, "outputs": {k: [len(k)] for k in keys}, "prefixes": {}}
 
     def run_ramp(self, base: str, levels: list[int], hold_s: float, vocab: int, output_len: int, timeout: float,
                  poll: Any) -> dict[str, Any]:
@@ -315,9 +587,10 @@ class FakeLab:
         return {"windows": windows, "requests": 3, "errors": 0, "first_error": None, "mode_changes": None,
                 "outputs": {"ramp-0-0": [1, 2], "ramp-0-1": [3]}}
 
-    def measured(self, result: dict[str, Any]) -> list[tuple[str, int, int]]:
-        """(server, concurrency, round) of every window kept in a result."""
-        return sorted((n, int(c), m["round"]) for c, by in result["levels"].items() for n, ms in by.items() for m in ms)
+    @staticmethod
+    def measured(result: dict[str, Any]) -> list[tuple[str, int, int]]:
+        """(server, concurrency, block) of every window kept in a result."""
+        return sorted((n, int(c), b["block"]) for c, bl in result["blocks"].items() for b in bl for n in b["windows"])
 
 
 @pytest.fixture
@@ -325,120 +598,136 @@ def lab(monkeypatch, tmp_path) -> FakeLab:
     return FakeLab(monkeypatch, tmp_path)
 
 
-def test_a_resumed_run_measures_only_what_is_left(lab):
-    """Three calls with one state, as e2e makes them after each deadline: no window or ramp is
-    measured twice, the first call's windows stay in the report, the last call starts only the
-    server whose ramp is left, and a call after the end measures nothing. Budgets: the bench plans
-    a start as 75 s + a 30 s warm-up per server until measured, a window it has not seen as
-    1.5 x --window-s + 12 s per server, and keeps 20 s + 12 s per server to stop."""
+def test_a_deadline_too_short_starts_no_server_and_says_so(tmp_path):
+    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path / "out", deadline=Deadline(0.0),
+                              configs=("plain", "eagle3", "eagle3_auto"))
+    result = bench.run_bench(opts, {})
+    assert result["skipped"][0] == "concurrency 1: 6 of 6 blocks"
+    assert "no server started" in result["skipped"][-1]
+    assert result["configs"] == ["plain", "eagle3"] and "eagle3_auto" in result["not_run"]
+    assert "remaining: concurrency 256: 6 of 6 blocks" in result["table"] and not result["blocks"]
+
+
+def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
+    """Three calls with one state, as e2e makes them after each deadline: the servers start once,
+    side by side, and the later calls use them; no block or ramp is measured twice; the blocks of
+    one concurrency come back to back, the order reversed every other one; the bench complete, the
+    servers are checked and stopped, and a call after the end measures nothing. Budgets: a start
+    150 s + a warm-up 30 s until measured; a block (settle + window + 2 s) per server; 20 s + 12 s
+    per server kept to end a call."""
     state: dict[str, Any] = {}
     saved: list[list[str]] = []
-    # plan: 2 x 105 s starts, 2 x 42 s window, 44 s to stop = 338 s; spent: 140 s to start, 40 s a window
-    first = bench.run_bench(lab.options(340), state, lambda r: saved.append(list(r["skipped"])))
-    assert lab.launched == ["plain", "eagle3"]
-    assert lab.measured(first) == sorted([(n, c, 1) for n in ("eagle3", "plain") for c in (1, 4)]
-                                         + [("eagle3", 1, 2), ("plain", 1, 2)])
-    assert first["skipped"][:2] == ["closed loop round 2 at concurrency 4", "ramp of plain, eagle3"]
-    assert "remaining: closed loop round 2 at concurrency 4" in first["table"] and not first["failures"]
-    assert len(saved) == 3 and saved[0][0] == "closed loop round 1 at concurrency 4"  # kept after each window
-    assert "| 4 (1 of 2 rounds) |" in first["table"] and "result" not in state
+    # plan: 180 s to start, 2 x 23 s a block, 44 s kept = 270 s; spent: 60 + 20 s to start, 42 s a block
+    first = bench.run_bench(lab.options(290, ramp_hold_s=10.0), state, lambda r: saved.append(list(r["skipped"])))
+    assert lab.launched == ["plain", "eagle3"] and lab.warm == {"plain", "eagle3"} and not lab.stopped
+    assert lab.windows == [("plain", 1, "c1-0"), ("eagle3", 1, "c1-0"), ("eagle3", 1, "c1-0"), ("plain", 1, "c1-0"),
+                           ("plain", 4, "c4-0"), ("eagle3", 4, "c4-0")]
+    assert first["skipped"][:2] == ["concurrency 4: 1 of 2 blocks", "ramp of plain, eagle3"]
+    assert "remaining: concurrency 4: 1 of 2 blocks" in first["table"] and not first["failures"]
+    assert len(saved) == 3 and "| 4 (1 of 2 blocks) |" in first["table"] and "result" not in state
     state = json.loads(json.dumps(state))  # e2e keeps it as JSON between calls
 
     lab.launched.clear(), lab.windows.clear()
-    # plan: starts as measured (60 s), round 2 at 4 (2 x 22 s), a ramp 3 x 5 s + 30 s, each with 44 s to stop
-    second = bench.run_bench(lab.options(275), state)
-    assert lab.launched == ["plain", "eagle3"] and lab.ramps == ["plain"]
-    assert sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")]
+    # plan: the start as measured (60 s), a block 46 s, a ramp 3 x 10 + 30 s, 44 s kept
+    second = bench.run_bench(lab.options(160, ramp_hold_s=10.0), state)
+    assert lab.launched == [] and lab.ramps == ["plain"]  # the servers of the first call, warm: no start
+    assert lab.windows == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")]
     assert lab.measured(second) == [(n, c, k) for n in ("eagle3", "plain") for c in (1, 4) for k in (1, 2)]
-    assert second["skipped"][0] == "ramp of eagle3"
-    table = bench_report.level_table(second)
-    assert table["1"]["eagle3"]["vs_plain"] == 1.2 and table["1"]["eagle3"]["rounds"] == 2
-    assert "| 1 | 100 | 120 (1.20x, 1.20-1.20) |" in second["table"]
+    assert second["skipped"][0] == "ramp of eagle3" and not lab.stopped
+    assert any("plain: the server started earlier" in e for e in second["server_events"])
+    assert bench_report.level_table(second)["1"]["eagle3"]["vs_plain"]["median"] == 1.2
 
-    lab.launched.clear()
-    third = bench.run_bench(lab.options(600), state)
-    assert lab.launched == ["eagle3"] and lab.ramps == ["plain", "eagle3"]  # eagle3 alone, for its ramp
+    third = bench.run_bench(lab.options(600, ramp_hold_s=10.0), state)
+    assert lab.launched == [] and lab.ramps == ["plain", "eagle3"]
     assert not third["skipped"] and not third["failures"] and state["result"] is third
+    assert sorted(lab.stopped) == ["eagle3", "plain"] and not lab.running  # complete: checked and stopped
     assert third["calls"] == 3 and set(third["ramp"]) == {"plain", "eagle3"} and "over 3 calls" in third["table"]
     assert "every output equal to plain decoding's" in third["table"] and "remaining" not in third["table"]
-    # each start of a server writes a log of its own: one run's failure never reads as another's
-    assert lab.logs == ["server_bench_plain.1.log", "server_bench_eagle3.1.log", "server_bench_plain.2.log",
-                        "server_bench_eagle3.2.log", "server_bench_eagle3.3.log"]
+    assert set(third["servers"]) == {"plain", "eagle3"}
 
-    lab.launched.clear()
-    assert bench.run_bench(lab.options(600), state)["levels"] == third["levels"] and not lab.launched
+    assert bench.run_bench(lab.options(600), state)["blocks"] == third["blocks"] and not lab.running
 
 
 @pytest.mark.parametrize("seconds", range(10, 700, 30))
 def test_a_call_finishes_whole_units_within_its_deadline(lab, seconds):
-    """Whatever the time a call has: it ends within it; every window it keeps was measured on every
-    server and none is measured and thrown away; no server is started without a unit measured on
+    """Whatever the time a call has: it ends within it; every block it keeps was measured on every
+    server and none is measured and thrown away; no server is started without a block measured on
     it; the report lists exactly what is left."""
-    result = bench.run_bench(lab.options(seconds, rounds=1, concurrency=(1, 4, 16)), {})
+    result = bench.run_bench(lab.options(seconds, pairs=1, concurrency=(1, 4, 16)), {})
     assert lab.opts is not None and lab.opts.deadline.left() > 0
     kept = lab.measured(result)
     assert len(lab.windows) == len(kept) and {(n, c) for n, c, _ in kept} == {(n, c) for n, c, _ in lab.windows}
     assert all((other, c, k) in kept for _, c, k in kept for other in ("plain", "eagle3"))
     assert bool(lab.launched) == bool(kept) and lab.launched in ([], ["plain", "eagle3"])
-    levels_left = [c for c in (1, 4, 16) if str(c) not in result["levels"]]
+    levels_left = [c for c in (1, 4, 16) if str(c) not in result["blocks"]]
     if levels_left:
-        assert result["skipped"][0] == "closed loop round 1 at concurrency " + ", ".join(map(str, levels_left))
-        assert not lab.ramps  # the ramps wait for the closed loop
+        assert result["skipped"][0] == f"concurrency {levels_left[0]}: 1 of 1 blocks"
+        assert not lab.ramps  # the ramps wait for the blocks
     assert len(lab.ramps) == len(result["ramp"])
     assert ("ramp of plain, eagle3" in result["skipped"]) == (not result["ramp"])
 
 
-def test_a_call_with_only_ramps_left_starts_one_server_at_a_time(lab):
-    state: dict[str, Any] = {"windows_done": [f"{k}:{c}" for k in (0, 1) for c in (1, 4)]}
-    # plan: 105 s start + a ramp 45 s + 32 s to stop = 182 s; spent 70 + 15 s: not enough for eagle3's
-    result = bench.run_bench(lab.options(200), state)
-    assert lab.launched == ["plain"] and lab.ramps == ["plain"] and not lab.windows
-    assert result["skipped"][0] == "ramp of eagle3" and "not started" in result["skipped"][-1]
-    lab.launched.clear()
-    assert not bench.run_bench(lab.options(600, ramp_cycles=0), {})["skipped"]
-    assert lab.launched == ["plain", "eagle3"]  # without ramps the run ends with the closed loop
+def test_without_a_registry_the_servers_stop_with_the_call(lab):
+    result = bench.run_bench(lab.options(300, registry=None), {})
+    assert result["skipped"] and sorted(lab.stopped) == ["eagle3", "plain"] and not lab.running
+
+
+def test_launch_only_starts_the_servers_and_measures_nothing(lab):
+    state: dict[str, Any] = {}
+    result = bench.run_bench(lab.options(300, launch_only=True), state)
+    assert lab.launched == ["plain", "eagle3"] and not lab.windows and not lab.warm and not lab.stopped
+    assert "result" not in state and any("--launch-only" in s for s in result["skipped"])
 
 
 def test_e2e_keeps_each_unit_and_its_next_call_goes_on(lab, tmp_path):
     """The bench phase of `bench e2e` writes its state after every unit (a call killed at its limit
-    keeps them) and its next call on the same state dir measures only what is left."""
+    keeps them), records its servers in the state dir, and its next call measures only what is
+    left, on the same servers."""
     from bench import e2e
 
-    def driver(seconds: float) -> e2e.E2E:
+    def driver(seconds: float, *extra: str) -> e2e.E2E:
         drv = e2e.E2E(build_parser().parse_args([
             "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
             str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1,4",
-            "--bench-ramp-cycles", "1", "--bench-ramp-hold", "5", "--bench-window-s", "20"]))
-        drv.deadline.at = __import__("time").time() + seconds
+            "--bench-pairs", "2", "--bench-ramp-cycles", "1", "--bench-ramp-hold", "5", "--bench-window-s", "40",
+            *extra]))
+        drv.deadline.at = time.time() + seconds
         lab.deadline = drv.deadline
         return drv
 
     models = tmp_path / "state" / "models" / "1b"
     models.mkdir(parents=True)
     (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+    driver(300, "--bench-launch-only").phase_bench()  # the servers start; nothing measured or reported
+    assert lab.launched == ["plain", "eagle3"] and "bench_reports" not in driver(1).state
     with pytest.raises(e2e.Deadline_):
-        driver(340).phase_bench()  # returns without saving: what is on disk came from the progress calls
+        driver(320).phase_bench()  # returns without saving: what is on disk came from the progress calls
+    assert lab.launched == ["plain", "eagle3"]  # the launched servers were used
     on_disk = json.loads((tmp_path / "state" / "state.json").read_text())
     run = next(iter(on_disk["bench_runs"].values()))
-    assert run["windows_done"] == ["0:1", "0:4", "1:1"]
-    assert "closed loop round 2 at concurrency 4" in (tmp_path / "out" / "summary.txt").read_text()
+    assert run["blocks_done"] == ["1:0", "1:1", "4:0"]
+    assert "concurrency 4: 1 of 2 blocks" in (tmp_path / "out" / "summary.txt").read_text()
     lab.windows.clear()
     driver(600).phase_bench()
     assert sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")] and lab.ramps == ["plain", "eagle3"]
+    assert not lab.running
 
 
 FAKE_SGLANG = """
-import json, sys, time
+import json, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 NAME = sys.argv[2]
+LOCK = threading.Lock()
+STATE = {"aborted_at": 0.0, "steps": 0}
 
 
 class H(BaseHTTPRequestHandler):
-    def answer(self, body):
-        data = json.dumps(body).encode()
+    def answer(self, body, text=False):
+        data = body.encode() if text else json.dumps(body).encode()
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/plain" if text else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -446,6 +735,8 @@ class H(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path.startswith("/v1/loads"):
             return self.answer({"loads": [{"num_used_tokens": 0, "max_total_num_tokens": 5000}]})
+        if self.path == "/metrics":
+            return self.answer('sglang:cuda_graph_passes_total{mode="decode_cuda_graph"} %d\\n' % STATE["steps"], True)
         if self.path == "/server_info":
             return self.answer({"internal_states": [{"speculative_disable": {
                 "threshold": 16, "mode": "speculative", "speculative_steps": 9, "plain_steps": 0, "mode_changes": 0,
@@ -456,12 +747,22 @@ class H(BaseHTTPRequestHandler):
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path == "/abort_request":
+            STATE["aborted_at"] = time.time()
+            return self.answer({})
         if self.path != "/generate":
             return self.answer({})
-        n = req["sampling_params"]["max_new_tokens"]
-        time.sleep(0.002 * n / (2 if NAME == "eagle3" else 1))
+        t0, n = time.time(), req["sampling_params"]["max_new_tokens"]
+        out = []
+        for j in range(n):
+            if STATE["aborted_at"] > t0:
+                break
+            time.sleep(0.002 / (2 if NAME == "eagle3" else 1))
+            out.append((sum(req["input_ids"]) + j) % 97)
+            with LOCK:
+                STATE["steps"] += 1
         meta = {"spec_accept_length": 2.5} if NAME != "plain" else {}
-        return self.answer({"output_ids": [(sum(req["input_ids"]) + j) % 97 for j in range(n)], "meta_info": meta})
+        return self.answer({"output_ids": out, "meta_info": meta})
 
     def log_message(self, *a):
         pass
@@ -471,37 +772,49 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-def test_a_whole_run_on_real_processes(tmp_path, monkeypatch):
-    """run_bench end to end with server processes that answer as sglang does (no GPU): windows of
-    their minimum length on every server, ramps, outputs compared, KV pool checked, the files."""
-    import os
-    import sys
+class FakeSglang(ServerConfig):
+    def argv(self, port: int) -> list[str]:
+        return [sys.executable, "-c", FAKE_SGLANG, str(port), self.name]
 
-    from smoke.server import ServerConfig
 
-    class FakeSglang(ServerConfig):
-        def argv(self, port: int) -> list[str]:
-            return [sys.executable, "-c", FAKE_SGLANG, str(port), self.name]
-
-    monkeypatch.setattr(bench, "server_config", lambda name, opts, mem, tokens: FakeSglang(name, tmp_path))
+def test_a_whole_run_on_real_processes_over_two_calls(tmp_path, monkeypatch):
+    """run_bench end to end with server processes that answer as sglang does (no GPU), in two calls
+    as e2e makes them: the first call's servers are found alive by the second, which finishes the
+    blocks, the ramps and the checks and then stops them; outputs compared, KV pool checked."""
+    monkeypatch.setattr(bench, "server_config", lambda name, opts: FakeSglang(name, tmp_path))
     (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path / "out", configs=("plain", "eagle3", "eagle3_thr"),
-                              concurrency=(1, 4), rounds=2, window_s=0.4, ramp_cycles=1, ramp_hold_s=0.3,
-                              output_len=8, port=31000 + os.getpid() % 1000 * 4, deadline=Deadline(__import__("time").time() + 900))
+
+    def opts(seconds: float) -> bench.BenchOptions:
+        return bench.BenchOptions(models=tmp_path, out=tmp_path / "out", configs=("plain", "plain_twin", "eagle3_thr"),
+                                  concurrency=(1, 4), pairs=2, window_s=0.4, settle_s=0.1, ramp_cycles=1,
+                                  ramp_hold_s=0.3, output_len=32, port=free_port_base(), cpus_per_server=0,
+                                  registry=tmp_path / "reg.json", deadline=Deadline(time.time() + seconds))
+
     state: dict[str, Any] = {}
-    result = bench.run_bench(opts, state)
-    assert not result["failures"] and not result["skipped"] and state["result"] is result
+    first_opts = opts(900)
+
+    def deadline_comes(_: dict[str, Any]) -> None:  # after the first block: only the time to end the call
+        first_opts.deadline.at = time.time() + 60
+
+    first = bench.run_bench(first_opts, state, deadline_comes)
+    assert state["blocks_done"] == ["1:0"] and first["skipped"][0] == "concurrency 1: 1 of 2 blocks"
+    recorded = json.loads((tmp_path / "reg.json").read_text())
+    assert set(recorded) == {f"{tmp_path.name}/{n}" for n in ("plain", "plain_twin", "eagle3_thr16")}
+    pgids = {e["pgid"] for e in recorded.values()}
+    assert all(group_running(p) for p in pgids)  # they outlive the call
+    result = bench.run_bench(opts(900), json.loads(json.dumps(state)))
+    assert not result["failures"] and not result["skipped"]
+    assert sum("is alive: reused" in e for e in result["server_events"]) == 3
+    assert not any(group_running(p) for p in pgids) and json.loads((tmp_path / "reg.json").read_text()) == {}
     for c in ("1", "4"):
-        for name in ("plain", "eagle3", "eagle3_thr16"):
-            ms = result["levels"][c][name]
-            assert [m["round"] for m in ms] == [1, 2]
-            assert all(m["seconds"] >= 0.4 and m["requests"] >= bench.window_requests(int(c), 3) for m in ms)
-    # the ratio is taken within each round, then the median (the fake's speeds are not asserted:
-    # on a busy machine its sleeps drown in HTTP time)
-    plain, eagle = (bench_report.per_round(result["levels"]["1"][n]) for n in ("plain", "eagle3"))
-    expected = statistics.median(eagle[r] / plain[r] for r in plain)
-    assert bench_report.level_table(result)["1"]["eagle3"]["vs_plain"] == pytest.approx(expected, abs=1e-3)
-    assert set(result["ramp"]) == {"plain", "eagle3", "eagle3_thr16"} and result["calls"] == 1
+        blocks = result["blocks"][c]
+        assert [b["block"] for b in blocks] == [1, 2] and blocks[1]["order"] == blocks[0]["order"][::-1]
+        for b in blocks:
+            for name in ("plain", "plain_twin", "eagle3_thr16"):
+                w = b["windows"][name]
+                assert w["seconds"] == pytest.approx(0.4, abs=0.05) and w["tok_per_s"] > 0 and w["steps"] and w["abort_all"]
+    assert result["calls"] == 2 and set(result["ramp"]) == {"plain", "plain_twin", "eagle3_thr16"}
+    assert bench_report.floor_table(result)["4"]["pairs"] == 2
     assert result["servers"]["eagle3_thr16"]["speculative_disable"]["threshold"] == 16
     assert all(info["kv_used_after_flush"] == 0 for info in result["servers"].values())
     assert "every output equal to plain decoding's" in result["table"]
@@ -510,121 +823,87 @@ def test_a_whole_run_on_real_processes(tmp_path, monkeypatch):
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"bench.json", "bench.md"}
 
 
-def test_command_line_state_file_resumes(lab, tmp_path, capsys):
+def test_command_line_state_file_resumes_and_stop_ends_its_servers(lab, tmp_path, capsys):
     """`bench run --state FILE`: a run stopped by --deadline says what is left and how to go on;
-    the same command measures the rest."""
+    the same command measures the rest; other options are refused; --stop ends what runs."""
     argv = ["run", "--models", str(tmp_path), "--out", str(tmp_path / "out"), "--configs", "plain,eagle3",
-            "--concurrency", "1,4", "--ramp-cycles", "0", "--window-s", "20", "--state", str(tmp_path / "st.json")]
-    a = build_parser().parse_args([*argv, "--deadline", "340"])
+            "--concurrency", "1,4", "--pairs", "2", "--window-s", "20", "--state", str(tmp_path / "st.json")]
+    a = build_parser().parse_args([*argv, "--deadline", "290"])
     assert a.main(a) == 1
     out = capsys.readouterr().out
-    assert "BENCH INCOMPLETE: closed loop round 2 at concurrency 4" in out and "Run the same command to" in out
+    assert "BENCH INCOMPLETE: concurrency 4: 1 of 2 blocks" in out and "Run the same command to" in out
+    assert lab.running == {"plain", "eagle3"}  # kept for the next call (recorded beside the state)
     lab.windows.clear()
     a = build_parser().parse_args([*argv, "--deadline", "600"])
     assert a.main(a) == 0 and sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")]
-    assert "BENCH INCOMPLETE" not in capsys.readouterr().out
-    a = build_parser().parse_args([*argv, "--deadline", "340", "--rounds", "3"])
+    assert "BENCH INCOMPLETE" not in capsys.readouterr().out and not lab.running
+    a = build_parser().parse_args([*argv, "--deadline", "340", "--pairs", "3"])
     with pytest.raises(SystemExit, match="other options"):
         a.main(a)
+    a = build_parser().parse_args([*argv, "--stop"])
+    assert a.main(a) == 0 and "stopped 0 server(s)" in capsys.readouterr().out
 
 
 def test_a_server_that_fails_to_start_ends_the_run_with_its_log(lab, monkeypatch, tmp_path):
-    from smoke.server import SmokeError
-
-    started: list[FakeServer] = []
     (tmp_path / "eagle3.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
 
-    def launch(opts: bench.BenchOptions, name: str, mem_fraction: float, tokens: int,
-               log_path: Path) -> FakeServer:
-        if name == "eagle3":
-            raise SmokeError("eagle3: server exited with code 1 before it became healthy", log=tmp_path / "eagle3.log")
-        started.append(FakeServer(name, tmp_path / "log"))
-        return started[-1]
+    def ensure(self: Any, configs: dict[str, ServerConfig], key_extra: str, log_for: Any, timeout: float) -> Any:
+        raise SmokeError("eagle3: server exited with code 1 before it became healthy", log=tmp_path / "eagle3.log")
 
-    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(servers.ServerPool, "ensure", ensure)
     state: dict[str, Any] = {}
     result = bench.run_bench(lab.options(600), state)
     assert result["failures"][0].startswith("eagle3: server exited with code 1")
-    assert "CUDA out of memory" in result["failures"][0] and all(s.stopped for s in started)
-    assert not result["skipped"] and result["not_measured"][0] == "closed loop round 1 at concurrency 1, 4"
-    assert state["result"] is result and "- not measured: closed loop round 1" in result["table"]
-
-
-def test_a_window_lasts_its_minimum_time_and_requests(monkeypatch):
-    """The real measure() against a fake generate: a window sends until it has lasted --window-s
-    and sent --window-waves requests per client, then lets the requests in flight finish."""
-    import time
-
-    from smoke import client
-
-    def generate(base: str, p: client.Prompt, timeout: float = 600, rid: str | None = None) -> client.Result:
-        time.sleep(0.01)
-        return client.Result(p.key, [7] * p.max_new_tokens, {"spec_accept_length": 2.0})
-
-    monkeypatch.setattr(client, "generate", generate)
-    prompt_at = functools.partial(bench.window_prompt, 3000, 2, 4, 100)
-    far = time.time() + 60
-    by_time = bench.measure("b", prompt_at, 2, 0.3, 4, 10, far)
-    assert by_time["seconds"] >= 0.3 and by_time["requests"] > 4 and not by_time["cut"]
-    assert by_time["output_tokens"] == 4 * by_time["requests"] and by_time["accept_length"] == 2.0
-    assert set(by_time["outputs"]) == {f"c2-{i}" for i in range(by_time["requests"])}  # the stream's first ones
-    by_count = bench.measure("b", prompt_at, 2, 0.0, 12, 10, far)
-    assert by_count["requests"] == 12
-    assert bench.measure("b", prompt_at, 2, 5.0, 4, 10, time.time())["cut"]  # past the deadline: not kept
-    assert [bench.window_requests(c, 3) for c in (1, 2, 4, 256)] == [8, 8, 12, 768]
-    assert bench_options("--window-s", "30", "--window-waves", "5").window_s == 30.0
-    assert bench_options().window_s == 10.0 and bench_options().window_waves == 3
-
-
-def test_a_window_stops_sending_at_the_first_error(monkeypatch):
-    from smoke import client
-
-    def generate(base: str, p: client.Prompt, timeout: float = 600, rid: str | None = None) -> client.Result:
-        return client.Result(p.key, error="HTTP 500") if p.key == "c1-2" else client.Result(p.key, [1])
-
-    monkeypatch.setattr(client, "generate", generate)
-    m = bench.measure("b", lambda i: bench.window_prompt(3000, 1, 4, 100, i), 1, 30.0, 8, 10,
-                      __import__("time").time() + 60)
-    assert m["requests"] == 3 and m["errors"] == 1 and m["first_error"] == "HTTP 500"
+    assert "CUDA out of memory" in result["failures"][0]
+    assert not result["skipped"] and result["not_measured"][0] == "concurrency 1: 2 of 2 blocks"
+    assert state["result"] is result and "- not measured: concurrency 1: 2 of 2 blocks" in result["table"]
 
 
 def test_state_file_of_other_options_is_refused(tmp_path):
-    opts = bench_options("--rounds", "2")
+    opts = bench_options("--pairs", "2")
     state, save = bench.load_state(tmp_path / "s.json", opts)
-    state["windows_done"] = ["0:1"]
+    state["blocks_done"] = ["1:0"]
     save({})
-    assert bench.load_state(tmp_path / "s.json", bench_options("--rounds", "2"))[0]["windows_done"] == ["0:1"]
+    assert bench.load_state(tmp_path / "s.json", bench_options("--pairs", "2"))[0]["blocks_done"] == ["1:0"]
+    # where the servers run and whether this call only launches them: the same measurement
+    assert bench.load_state(tmp_path / "s.json", bench_options("--pairs", "2", "--port", "31000"))[0]
     with pytest.raises(SystemExit, match="--state .*other options"):
-        bench.load_state(tmp_path / "s.json", bench_options("--rounds", "3"))
+        bench.load_state(tmp_path / "s.json", bench_options("--pairs", "3"))
 
 
 # ----------------------------------------------------------------------------- arguments
 def test_options_and_refused_values():
     o = bench_options()
-    assert o.concurrency == bench.DEFAULT_CONCURRENCY and o.configs == bench.CONFIGS and o.out == Path("docs/bench")
-    o = bench_options("--concurrency", "256,1,8", "--configs", "plain,eagle3_auto", "--server-args", "--gc-threshold 7 8",
-                      "--threshold", "32,8")
-    assert o.concurrency == (1, 8, 256) and o.configs == ("plain", "eagle3_auto") and o.thresholds == (8, 32)
-    assert o.server_args == ("--gc-threshold", "7", "8")
+    assert o.concurrency == (1, 4, 16, 64, 256) and o.configs == bench.DEFAULT_CONFIGS == ("plain", "eagle3", "eagle3_thr")
+    assert o.pairs == 6 and o.window_s == 3.0 and o.settle_s == 1.0 and o.out == Path("docs/bench")
+    assert o.registry is None and o.cpus_per_server == 3
+    o = bench_options("--concurrency", "256,1,8", "--configs", "plain,plain_twin,eagle3_auto",
+                      "--server-args", "--gc-threshold 7 8", "--threshold", "32,8", "--state", "st.json")
+    assert o.concurrency == (1, 8, 256) and o.configs == ("plain", "plain_twin", "eagle3_auto")
+    assert o.thresholds == (8, 32) and o.server_args == ("--gc-threshold", "7", "8")
+    assert o.registry == Path("st.json.servers.json")
     for flags, word in ((("--configs", "plain,nope"), "--configs"), (("--configs", "plain,plain"), "--configs"),
+                        (("--configs", "plain_twin,eagle3"), "add plain"),
                         (("--concurrency", "1,0"), "--concurrency"), (("--concurrency", "1,x"), "--concurrency"),
                         (("--threshold", "0"), "--threshold"), (("--threshold", "8,8"), "--threshold"),
-                        (("--threshold", "auto"), "--threshold"), (("--rounds", "-1"), "--rounds"),
-                        (("--rounds", "0", "--ramp-cycles", "0"), "--ramp-cycles"),
+                        (("--threshold", "auto"), "--threshold"), (("--pairs", "-1"), "--pairs"),
+                        (("--pairs", "0", "--ramp-cycles", "0"), "--ramp-cycles"),
                         (("--ramp-hold", "0"), "--ramp-hold"), (("--mem-share", "1.5"), "--mem-share"),
                         (("--max-total-tokens", "-1"), "--max-total-tokens"), (("--output-len", "0"), "--output-len"),
-                        (("--window-s", "0"), "--window-s"), (("--window-waves", "0"), "--window-waves")):
+                        (("--window-s", "0"), "--window-s"), (("--settle-s", "-1"), "--settle-s"),
+                        (("--cpus-per-server", "-1"), "--cpus-per-server"),
+                        (("--launch-only",), "--launch-only needs --state")):
         with pytest.raises(SystemExit, match=word):
             bench_options(*flags)
     ap = argparse.ArgumentParser()
     bench.add_arguments(ap)
     with pytest.raises(SystemExit, match="--models"):
         bench.options(ap.parse_args([]))
-    e2e = build_parser().parse_args(["e2e", "--bench-rounds", "3", "--bench-configs", "plain,eagle3_thr"])
-    assert bench.tuning_options(e2e, "bench-")["rounds"] == 3
-    with pytest.raises(SystemExit, match="--bench-rounds"):
-        bench.tuning_options(build_parser().parse_args(["e2e", "--bench-rounds", "-2"]), "bench-")
-    assert bench_options("--rounds", "0").rounds == 0  # the ramp alone
+    e2e = build_parser().parse_args(["e2e", "--bench-pairs", "5", "--bench-configs", "plain,eagle3_thr"])
+    assert bench.tuning_options(e2e, "bench-")["pairs"] == 5
+    with pytest.raises(SystemExit, match="--bench-pairs"):
+        bench.tuning_options(build_parser().parse_args(["e2e", "--bench-pairs", "-2"]), "bench-")
+    assert bench_options("--pairs", "0", "--ramp-cycles", "1").pairs == 0  # the ramp alone
 
 
 def test_bench_model_shapes():
@@ -651,16 +930,7 @@ def test_bench_model_shapes():
 
 
 # ----------------------------------------------------------------------------- --diagnose
-def test_diagnose_splits_gpu_seconds_by_category():
-    levels = {"256": {"plain": [{"seconds": 10.0, "gpu_s": {"decode": 8.0, "extend": 1.0}},
-                                {"seconds": 12.0, "gpu_s": {"decode": 9.0, "extend": 1.0}}],
-                      "eagle3_thr": [{"seconds": 11.0, "gpu_s": {"decode": 8.2, "draft_kv_only": 0.1}}],
-                      "eagle3": [{"seconds": 9.0}]}}
-    assert diagnose.gpu_split(levels) == [
-        "c=256 plain: wall 11.000s, decode 8.500s, extend 1.000s, rest 1.500s",
-        "c=256 eagle3_thr: wall 11.000s, decode 8.200s, draft_kv_only 0.100s, rest 2.700s"]
-    from smoke import client
-
+def test_diagnose_counts_gpu_seconds_by_category():
     def scrape(decode: float, extend: float) -> dict[str, float]:
         return client.parse_prometheus(
             "# TYPE sglang:forward_execution_seconds_total counter\n"
@@ -703,3 +973,18 @@ def test_a_run_without_plain_does_not_claim_equal_outputs():
     md = bench_report.markdown(result)
     assert "every output equal" not in md
     assert "- outputs NOT compared (no plain server in this run); 0 request errors" in md
+
+
+def test_render_flag_draws_a_saved_result_without_servers(tmp_path):
+    pytest.importorskip("matplotlib")
+    a = build_parser().parse_args(["run", "--render", str(RESULT), "--out", str(tmp_path / "docs")])
+    assert a.main(a) == 0
+    assert {p.name for p in (tmp_path / "docs").iterdir()} == {"bench.json", "bench.md", "concurrency.png", "ramp.png"}
+
+
+def test_ramp_windows_spread_each_request_over_its_lifetime():
+    # request 1: 100 tokens over 1-3 s; request 2: 50 tokens over 2.5-3.5 s; 2 s windows
+    windows = bench.ramp_windows([1, 2], 2.0, [(1.0, 3.0, 100), (2.5, 3.5, 50)],
+                                 [(0.5, "speculative", None), (1.0, "plain", 32), (2.5, "plain", 16)])
+    assert [w["tok_per_s"] for w in windows] == [25.0, 50.0]  # 50 / 2 s; (50 + 50) / 2 s
+    assert [w["plain_share"] for w in windows] == [0.5, 1.0] and [w["crossover"] for w in windows] == [32, 16]

@@ -289,7 +289,7 @@ def test_argument_parsing(tmp_path):
         ap.parse_args(["bench", "--models", "m", "--out", "o"])  # the benchmark is not in the image's package
     ap = bench_parser()
     b = bench.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--concurrency", "1,8,256"]))
-    assert b.concurrency == (1, 8, 256) and b.configs == bench.CONFIGS
+    assert b.concurrency == (1, 8, 256) and b.configs == bench.DEFAULT_CONFIGS
     with pytest.raises(SystemExit):
         bench.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--configs", "x"]))
     e = ap.parse_args(["e2e", "--bundle", ".gpu", "--phases", "smoke,bench", "--out", "o"])
@@ -777,10 +777,10 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
         return e2e.E2E(ap.parse_args(["e2e", "--bundle", str(bundle), "--state", str(tmp_path / "state"),
                                       "--out", str(tmp_path / "out"), *extra]))
 
-    first = driver("--phases", "bench,smoke", "--bench-size", "8b", "--bench-rounds", "3")
+    first = driver("--phases", "bench,smoke", "--bench-size", "8b", "--bench-pairs", "3")
     assert first.bench_key.startswith("8b-")
-    again = driver("--phases", "bench", "--bench-size", "8b", "--bench-rounds", "3")
-    other = driver("--phases", "bench", "--bench-size", "8b", "--bench-rounds", "3",
+    again = driver("--phases", "bench", "--bench-size", "8b", "--bench-pairs", "3")
+    other = driver("--phases", "bench", "--bench-size", "8b", "--bench-pairs", "3",
                    "--bench-max-total-tokens", "147000")
     assert again.bench_key == first.bench_key and other.bench_key != first.bench_key
     first.state["install"] = first.install_key()
@@ -803,13 +803,13 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     # name (before, any non-run phase crashed the driver with KeyError while it computed its done key)
     import os
     monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
-    done = driver("--phases", "bench", "--bench-size", "8b", "--bench-rounds", "3")
+    done = driver("--phases", "bench", "--bench-size", "8b", "--bench-pairs", "3")
     done.state.pop("install")
     done.state[f"bench_done_{done.bench_key}"] = True
     done.save()
-    assert driver("--phases", "bench", "--bench-size", "8b", "--bench-rounds", "3").run() == 0
+    assert driver("--phases", "bench", "--bench-size", "8b", "--bench-pairs", "3").run() == 0
     assert "bench: done in an earlier call" in (tmp_path / "out" / "e2e.log").read_text()
-    broken = driver("--phases", "install,bench", "--bench-size", "8b", "--bench-rounds", "3")
+    broken = driver("--phases", "install,bench", "--bench-size", "8b", "--bench-pairs", "3")
     assert broken.run() == 1 and broken.failures[0].startswith("install: ")
 
     # a phase whose checks failed is not done: the next call runs it again (a GPU run of
