@@ -103,6 +103,10 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / tick
 
 
+class StillStarting(SmokeError):
+    """The call's time for the start ran out while a server was still starting (not failing)."""
+
+
 class ServerPool:
     """The bench's servers of one model (`scope`), recorded in `registry` (None: nothing is kept, the
     servers stop with the call)."""
@@ -209,6 +213,10 @@ class ServerPool:
         launched = self.launch(configs, key_extra, log_for)
         try:
             self.wait(list(configs), timeout)
+        except StillStarting:
+            if self.registry is None:  # nothing would find them again
+                self.stop_all()
+            raise  # with a registry they go on starting, for the next call
         except BaseException:
             for name in launched:  # a start that failed must not hold the GPU or a port
                 self.stop(name)
@@ -233,8 +241,8 @@ class ServerPool:
                     srv.start_seconds = entry.start_s
                     pending.remove(name)
             if pending and time.time() >= end:
-                name = pending[0]
-                raise SmokeError(f"{name}: not healthy after {timeout:.0f}s", log=self.servers[name].log_path)
+                raise StillStarting(f"{', '.join(pending)}: still starting after {timeout:.0f}s",
+                                    log=self.servers[pending[0]].log_path)
             if pending:
                 time.sleep(1)
 

@@ -642,7 +642,14 @@ class Bench:
             if self.opts.launch_only:
                 self.launch_only()
                 return
-            self.up()
+            try:
+                self.up()
+            except servers.StillStarting as exc:
+                self.notes.append(f"{exc.cause} (the deadline): the next call goes on with them"
+                                  if self.opts.registry else exc.cause)
+                if self.opts.registry is None:
+                    raise
+                return
         with on_cpus(self.pool.client_cpus() if self.opts.cpus_per_server > 0 else ()):
             self.blocks()
             if not self.blocks_left():

@@ -988,3 +988,12 @@ def test_ramp_windows_spread_each_request_over_its_lifetime():
                                  [(0.5, "speculative", None), (1.0, "plain", 32), (2.5, "plain", 16)])
     assert [w["tok_per_s"] for w in windows] == [25.0, 50.0]  # 50 / 2 s; (50 + 50) / 2 s
     assert [w["plain_share"] for w in windows] == [0.5, 1.0] and [w["crossover"] for w in windows] == [32, 16]
+
+
+def test_a_server_still_starting_at_the_deadline_is_left_for_the_next_call(pool_of, tmp_path):
+    with pytest.raises(servers.StillStarting, match="slow: still starting after 1s"):
+        pool_of().ensure({"slow": sleepy("slow", tmp_path, 3.0)}, "", logs(tmp_path), 1)
+    entry = next(iter(json.loads((tmp_path / "reg.json").read_text()).values()))
+    assert group_running(entry["pgid"])  # not stopped: the next call finds it, up by then
+    srv = pool_of().ensure({"slow": sleepy("slow", tmp_path, 3.0)}, "", logs(tmp_path), 30)["slow"]
+    assert srv.pgid == entry["pgid"] and client.healthy(srv.base)
