@@ -299,6 +299,13 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--draft-model-path", " "], r"no EAGLE-3 draft path"),
     (["--model-path", "../etc"], r"--model-path '../etc' is not a folder inside"),
     (["--server-arg=--tp-size=4"], r"sets --tp-size itself; give --tp"),
+    # flags that change the GPUs a server takes, in every spelling its parser accepts
+    (["--server-arg=--tensor-parallel-size=4"], r"sets --tensor-parallel-size itself; give --tp"),
+    (["--server-arg=--tensor-parallel=4"], r"sets --tensor-parallel-size itself; give --tp"),
+    (["--server-arg=--dp-size=2"], r"--dp-size changes the GPUs a server takes.*--replicas N"),
+    (["--server-arg=--data-parallel-size", "--server-arg=2"], r"--data-parallel-size changes"),
+    (["--server-arg=--pp-size=2"], r"--pp-size changes the GPUs.*pipeline parallelism"),
+    (["--server-arg=--base-gpu-id=1"], r"--base-gpu-id changes.*its own GPUs"),
     (["--shm-size", "16GB"], r"--shm-size '16GB'"),
     (["--models-claim", "My_Models"], r"--models-claim 'My_Models'"),
     (["--digest", "sha256:abc"], r"--digest 'sha256:abc' is not an image digest"),
@@ -312,6 +319,15 @@ def test_bad_input_is_refused_before_any_file(tmp_path: Path, capsys: pytest.Cap
     err = " ".join(capsys.readouterr().err.split())
     assert re.search(message, err), err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_data_parallel_attention_keeps_the_gpus(tmp_path: Path) -> None:
+    """--dp-size with --enable-dp-attention splits the TP group (no more GPUs): rendered."""
+    out = render(tmp_path, "--topology", "single", "--tp", "2",
+                 "--server-arg=--dp-size=2", "--server-arg=--enable-dp-attention")
+    c = container(built(out, "single")[("Deployment", "sglang")]["spec"]["template"]["spec"])
+    assert c["args"][-2:] == ["--dp-size=2", "--enable-dp-attention"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
 def test_a_settings_file_is_checked_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

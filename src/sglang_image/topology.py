@@ -46,14 +46,29 @@ LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
 _OWNED = {
     "--model-path": "--model-path", "--model": "--model-path",
     "--speculative-draft-model-path": "--draft-model-path",
-    "--tp-size": "--tp", "--tp": "--tp", "--nnodes": "--nodes", "--node-rank": "--nodes",
-    "--dist-init-addr": "--nodes", "--host": "(the image's entrypoint)",
+    "--tp-size": "--tp", "--tensor-parallel-size": "--tp", "--tp": "--tp",
+    "--nnodes": "--nodes", "--node-rank": "--nodes", "--dist-init-addr": "--nodes",
+    "--nccl-init-addr": "--nodes", "--host": "(the image's entrypoint)",
     "--port": "(the image's entrypoint)", THRESHOLD_FLAG: "--threshold",
     "--speculative-algorithm": "(always EAGLE3: the threshold needs it)",
     "--speculative-eagle-topk": "(always 1: the threshold needs it)",
     "--speculative-num-steps": "speculative_num_steps in deploy/serve.toml",
     "--speculative-num-draft-tokens": "speculative_num_draft_tokens in deploy/serve.toml",
 }
+# Server flags that change the GPUs a server takes: every pod is sized for --tp (over --nodes).
+_REPLICAS_INSTEAD = ("data-parallel replicas inside one server would take TP x DP GPUs, more "
+                     "than its pod holds; give --replicas N instead (the router topology: N "
+                     "servers behind sglang-router), or add --enable-dp-attention (data-parallel "
+                     "attention inside the TP group, no more GPUs)")
+_NO_PIPELINE = ("pipeline parallelism would take TP x PP GPUs, more than its pod holds; give a "
+                "larger --tp, or --nodes to spread it (the multinode topology)")
+_OWN_GPUS = "a pod sees only its own GPUs, numbered from 0; leave the GPU ids to the deployment"
+_GPU_COUNT = {
+    "--dp-size": _REPLICAS_INSTEAD, "--data-parallel-size": _REPLICAS_INSTEAD,
+    "--pp-size": _NO_PIPELINE, "--pipeline-parallel-size": _NO_PIPELINE,
+    "--base-gpu-id": _OWN_GPUS, "--gpu-id-step": _OWN_GPUS,
+}
+DP_ATTENTION_FLAG = "--enable-dp-attention"  # --dp-size then splits the TP group: no more GPUs
 
 
 @dataclass(frozen=True)
@@ -220,14 +235,33 @@ def _check_gpus(s: Settings) -> None:
                          f"(--topology multinode --nodes {-(-s.tp // s.gpus_per_node)})")
 
 
+def _spelled(flag: str, table: Mapping[str, str]) -> str | None:
+    """The flag of `table` that `flag` names: itself, or the flag it abbreviates (SGLang's
+    parser takes a unique prefix, --tensor-parallel for --tensor-parallel-size)."""
+    if flag in table:
+        return flag
+    if flag.startswith("--") and len(flag) > 3:
+        return next((known for known in table if known.startswith(flag)), None)
+    return None
+
+
 def _check_server_args(args: Sequence[str]) -> None:
     for arg in args:
         if not isinstance(arg, str):
             raise UsageError(f"server_args: {arg!r} is not a string")
+    flags = [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
+    for arg in args:
         flag = arg.split("=", 1)[0]
-        if flag in _OWNED:
-            raise UsageError(f"--server-arg {arg!r}: the deployment sets {flag} itself; give "
-                             f"{_OWNED[flag]} instead")
+        owned = _spelled(flag, _OWNED)
+        if owned is not None:
+            raise UsageError(f"--server-arg {arg!r}: the deployment sets {owned} itself; give "
+                             f"{_OWNED[owned]} instead")
+        gpus = _spelled(flag, _GPU_COUNT)
+        if gpus is None or (gpus in ("--dp-size", "--data-parallel-size")
+                            and DP_ATTENTION_FLAG in flags):
+            continue
+        raise UsageError(f"--server-arg {arg!r}: {gpus} changes the GPUs a server takes: "
+                         f"{_GPU_COUNT[gpus]}")
 
 
 def _check_quantity(text: object) -> None:
