@@ -30,7 +30,7 @@ Topology = Literal["single", "router", "multinode"]
 Platform = Literal["compose", "kubernetes"]
 TOPOLOGIES: tuple[Topology, ...] = ("single", "router", "multinode")
 
-SERVER_PORT = 30000  # the image's SGLANG_PORT
+SERVER_PORT = 30000  # the image's SGLANG_IMAGE_HTTP_PORT
 DIST_INIT_PORT = 20000  # torch.distributed's rendezvous on the multinode leader
 ROUTER_METRICS_PORT = 29000
 MODELS_MOUNT = "/models"  # where the models volume is mounted, read-only
