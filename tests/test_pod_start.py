@@ -201,6 +201,30 @@ def run_sglang(sglang_tree: Callable[[str, bool], Path], run_in_tree: Callable[.
     return probe_result(proc)
 
 
+def test_every_server_pod_starts_under_the_kubelet_environment(
+        tmp_path: Path, sglang_tree: Callable[[str, bool], Path],
+        run_in_tree: Callable[..., Any], plugin_site: Path, models: Path) -> None:
+    docs = namespace(tmp_path)
+    links = service_links(docs)
+    cases: dict[str, Any] = {}
+    for name, spec, controller in server_pods(docs):
+        # Links as the kubelet adds them by default (the manifests turn them off: checked too).
+        assert spec.get("enableServiceLinks") is False, name
+        env = pod_environment(spec, links, controller)
+        args = [checks.expand(a, env) for a in spec["containers"][0]["args"]]
+        proc, started = start_entrypoint(args, env, tmp_path)
+        assert proc.returncode == 0 and started is not None, (name, proc.stderr)
+        cases[name] = started
+    assert len(cases) == 4  # single, the router's workers, both multinode ranks
+    result = run_sglang(sglang_tree, run_in_tree, plugin_site, models, PARSE, cases)
+    for name, parsed in result.items():
+        assert "error" not in parsed, (name, parsed)
+        # It listens where its Service and probes look.
+        assert (parsed["host"], parsed["port"]) == ("0.0.0.0", topology.SERVER_PORT), name
+        assert parsed["tp"] == 2, name
+    assert {result[n]["rank"] for n in result if "rank " in n} == {0, 1}
+
+
 def test_the_entrypoint_refuses_a_port_that_is_no_number(tmp_path: Path) -> None:
     env = {**image_environment(), "SGLANG_IMAGE_HTTP_PORT": "tcp://10.96.12.34:30000"}
     proc, started = start_entrypoint(["--model-path", "/models/target"], env, tmp_path)
