@@ -26,7 +26,10 @@ PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 
 def _install(session: nox.Session, *groups: str, extra: tuple[str, ...] = ()) -> None:
     """Installs the project (editable) and the groups' requirements, unless the kept venv already
-    holds exactly these: a stamp in the venv records what was installed last."""
+    holds exactly these: a stamp in the venv records what was installed last. With --no-venv
+    (this Python as it is, as the tests run a session) nothing is installed."""
+    if session.venv_backend == "none":
+        return
     requirements = ["-e", ".", *(r for g in groups for r in nox.project.dependency_groups(PYPROJECT, g)),
                     *extra]
     stamp = Path(str(session.virtualenv.location)) / ".sglang-image-installed"
@@ -41,7 +44,12 @@ def _install(session: nox.Session, *groups: str, extra: tuple[str, ...] = ()) ->
 
 
 def _run(session: nox.Session, *command: str) -> None:
-    session.run("python", "-m", "sglang_image", *command, *session.posargs)
+    """`python -m sglang_image COMMAND`; nox exits with the command's own code (the README's
+    table), not nox's 1 for every failed session."""
+    try:
+        session.run("python", "-m", "sglang_image", *command, *session.posargs)
+    except nox.command.CommandFailed as exc:
+        raise SystemExit(exc.return_code or 1) from None
 
 
 @nox.session(default=False)

@@ -4,13 +4,18 @@ error into its exit code."""
 from __future__ import annotations
 
 import ast
+import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from sglang_image import build, cli, docker_engine, pins, plan
 from sglang_image.errors import DockerUnavailableError, PinError, UsageError
+from tests.deploy_checks import need
 
 FLAVOR_COMMANDS = ("build", "base", "smoke", "publish", "gpu-e2e")
 
@@ -133,3 +138,24 @@ def test_only_main_turns_an_error_into_an_exit_code(monkeypatch: pytest.MonkeyPa
                    "plugin"):
         source = (pins.REPO_ROOT / "src" / "sglang_image" / f"{module}.py").read_text()
         assert not re.search(r"def main\(|return \w+\.exit_code", source), module
+
+
+@pytest.mark.parametrize(("argv", "code"), [
+    (["deploy", "--threshold", "many"], UsageError.exit_code),  # a refusal: 2, not nox's 1
+    (["deploy", "--flavor", "sglang-9.9.9"], PinError.exit_code),
+])
+def test_a_nox_session_exits_with_its_command_code(tmp_path: Path, argv: list[str],
+                                                   code: int) -> None:
+    """`nox -s deploy -- ...` (this Python, --no-venv) exits with the command's own code, the
+    README's table, where nox alone exits 1 for every failed session."""
+    if importlib.util.find_spec("nox") is None:
+        need("nox", "the test dependency group installs it")
+    session, *rest = argv
+    proc = subprocess.run(
+        [sys.executable, "-m", "nox", "-f", str(pins.REPO_ROOT / "noxfile.py"), "--no-venv",
+         "-s", session, "--", *rest, "--digest", "sha256:" + "ab" * 32,
+         "--registry", "registry.example.com/team", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, check=False, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()

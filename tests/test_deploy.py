@@ -62,6 +62,25 @@ def check_server_pod(spec: dict[str, Any], gpus: int) -> dict[str, Any]:
     startup = c["startupProbe"]
     assert startup["httpGet"]["path"] == c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert startup["periodSeconds"] * startup["failureThreshold"] == 30 * 60
+    # /health generates a token and may wait 20 s (sglang 0.5.23): no probe gives up sooner.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["timeoutSeconds"] >= 25 and c[probe]["httpGet"]["path"] == "/health"
+    # Not BestEffort (evicted first): CPU and memory requested, the memory above /dev/shm's.
+    assert c["resources"]["requests"]["cpu"] == "8"
+    assert c["resources"]["requests"]["memory"] == "64Gi"
+    # No service-link variables (SGLANG_PORT=tcp://... beside a Service named sglang).
+    assert spec["enableServiceLinks"] is False and spec["automountServiceAccountToken"] is False
+    # A drain before SIGTERM, within the grace; compiled kernels outlive a container restart.
+    assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    assert spec["terminationGracePeriodSeconds"] > int(c["lifecycle"]["preStop"]["exec"][
+        "command"][1])
+    cache = volumes[mounts["/home/sglang/.cache"]["name"]]
+    assert cache == {"name": cache["name"], "emptyDir": {}}
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["TRITON_CACHE_DIR"].startswith("/home/sglang/.cache/")
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/home/sglang/.cache/")
+    # Metrics on, served on the http port that a PodMonitor scrapes.
+    assert "--enable-metrics" in c["args"]
     return c
 
 
@@ -79,16 +98,16 @@ def check_serving_flags(argv: dict[str, list[str]], tp: int) -> None:
 def test_single_server_pod(tmp_path: Path) -> None:
     out = render(tmp_path, "--topology", "single", "--tp", "2")
     objects = built(out, "single")
-    assert set(objects) == {("ServiceAccount", "sglang"), ("Deployment", "sglang"),
-                            ("Service", "sglang")}
-    deployment = objects[("Deployment", "sglang")]
+    assert set(objects) == {("ServiceAccount", "sglang-single"), ("Deployment", "sglang-single"),
+                            ("Service", "sglang-single")}
+    deployment = objects[("Deployment", "sglang-single")]
     assert deployment["spec"]["replicas"] == 1
     spec = deployment["spec"]["template"]["spec"]
     c = check_server_pod(spec, gpus=2)
     check_serving_flags(checks.flags(ENTRYPOINT_ARGS + c["args"]), tp=2)
     assert "--nnodes" not in c["args"]
     # The Service reaches the pod: its selector matches the template's labels, its port the pod's.
-    service = objects[("Service", "sglang")]["spec"]
+    service = objects[("Service", "sglang-single")]["spec"]
     assert service["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     assert service["ports"][0]["targetPort"] == c["ports"][0]["name"]
 
@@ -97,25 +116,41 @@ def test_single_server_pod(tmp_path: Path) -> None:
 def test_router_and_its_workers(tmp_path: Path, replicas: int) -> None:
     out = render(tmp_path, "--topology", "router", "--replicas", str(replicas))
     objects = built(out, "router")
-    statefulset = objects[("StatefulSet", "sglang-worker")]
+    statefulset = objects[("StatefulSet", "sglang-router-worker")]
     headless = objects[("Service", statefulset["spec"]["serviceName"])]
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
     pod_labels = statefulset["spec"]["template"]["metadata"]["labels"]
     assert headless["spec"]["selector"].items() <= pod_labels.items()
     c = check_server_pod(statefulset["spec"]["template"]["spec"], gpus=1)
     check_serving_flags(checks.flags(c["args"]), tp=1)
-    # Each worker pod's DNS name under the headless Service is what the router is given: exactly
-    # the StatefulSet's pods, on the port their container listens on.
-    port = c["ports"][0]["containerPort"]
-    pods = [f"http://{statefulset['metadata']['name']}-{i}.{headless['metadata']['name']}:{port}"
-            for i in range(statefulset["spec"]["replicas"])]
     assert statefulset["spec"]["replicas"] == replicas
     router = objects[("Deployment", "sglang-router")]["spec"]["template"]["spec"]
     rc = container(router)
     assert rc["image"] == IMAGE and rc["command"][1:] == ["-m", "sglang_router.launch_router"]
+    # No GPU: neither requested nor, through the image's NVIDIA_VISIBLE_DEVICES=all, every GPU
+    # of the node.
     assert "nvidia.com/gpu" not in json.dumps(rc["resources"])
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in rc["env"]
+    # It finds the workers by label in its own namespace: exactly the StatefulSet's pods, on the
+    # port their container listens on (`kubectl scale` reaches it).
     router_flags = checks.flags(rc["args"])
-    assert router_flags["--worker-urls"] == pods
+    assert "--worker-urls" not in router_flags and "--service-discovery" in router_flags
+    selector = dict(item.split("=", 1) for item in router_flags["--selector"])
+    assert selector.items() <= pod_labels.items()
+    assert router_flags["--service-discovery-port"] == [str(c["ports"][0]["containerPort"])]
+    namespace_env = next(e for e in rc["env"] if e["name"] == "POD_NAMESPACE")
+    assert namespace_env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert router_flags["--service-discovery-namespace"] == ["$(POD_NAMESPACE)"]
+    # With the least RBAC it needs: a watch on the pods of its namespace (a Role, no ClusterRole).
+    assert router["serviceAccountName"] == "sglang-router" and router["automountServiceAccountToken"]
+    role = objects[("Role", "sglang-router")]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    binding = objects[("RoleBinding", "sglang-router")]
+    assert binding["roleRef"]["name"] == "sglang-router"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "sglang-router"}]
+    assert not [kind for kind, _ in objects if kind.startswith("Cluster")]
+    # The servers get no API token.
+    assert statefulset["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     # It waits for the servers as long as they may take to start.
     assert router_flags["--worker-startup-timeout-secs"] == [str(30 * 60)]
     assert rc["readinessProbe"]["httpGet"]["path"] == "/readiness"
@@ -125,10 +160,10 @@ def test_router_and_its_workers(tmp_path: Path, replicas: int) -> None:
     assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
     assert router["volumes"] == [{"name": "models", "persistentVolumeClaim": {
         "claimName": "sglang-models", "readOnly": True}}]
-    service = objects[("Service", "sglang")]["spec"]
+    service = objects[("Service", "sglang-router")]["spec"]
     assert service["selector"].items() <= objects[("Deployment", "sglang-router")]["spec"][
         "template"]["metadata"]["labels"].items()
-    assert objects[("PodDisruptionBudget", "sglang-worker")]["spec"]["maxUnavailable"] == 1
+    assert objects[("PodDisruptionBudget", "sglang-router-worker")]["spec"]["maxUnavailable"] == 1
 
 
 # What the LeaderWorkerSet controller puts into each pod of a group (v0.10.0,
@@ -166,12 +201,94 @@ def test_each_node_of_a_multinode_server(tmp_path: Path, tp: int, nodes: int) ->
         assert c["resources"]["limits"]["nvidia.com/gpu"] * int(argv["--nnodes"][0]) == tp
     assert seen_ranks == [str(i) for i in range(nodes)]
     # Clients reach the leader (rank 0, the HTTP server) only.
-    service = objects[("Service", "sglang")]["spec"]["selector"]
+    service = objects[("Service", "sglang-multinode-leader")]["spec"]["selector"]
     assert service["leaderworkerset.sigs.k8s.io/name"] == "sglang-multinode"
     assert service.items() <= {**template["leaderTemplate"]["metadata"]["labels"],
                                "leaderworkerset.sigs.k8s.io/name": "sglang-multinode"}.items()
     assert not service.items() <= {**template["workerTemplate"]["metadata"]["labels"],
                                    "leaderworkerset.sigs.k8s.io/name": "sglang-multinode"}.items()
+
+
+def pod_templates(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, str],
+                                                             dict[str, Any]]]:
+    """(owner, labels as the pods carry them, pod spec) of every pod template."""
+    found = []
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            template = d["spec"]["template"]
+            found.append((d["metadata"]["name"], template["metadata"]["labels"], template["spec"]))
+        elif d["kind"] == "LeaderWorkerSet":  # the controller adds the group's name to each pod
+            group = {"leaderworkerset.sigs.k8s.io/name": d["metadata"]["name"]}
+            for key in ("leaderTemplate", "workerTemplate"):
+                template = d["spec"]["leaderWorkerTemplate"][key]
+                found.append((f"{d['metadata']['name']} {key}",
+                              {**template["metadata"]["labels"], **group}, template["spec"]))
+    return found
+
+
+def selectors(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, str]]]:
+    """(what, label selector) of every object that selects pods, the router's discovery too."""
+    found = []
+    for d in docs:
+        what = f"{d['kind']} {d['metadata']['name']}"
+        if d["kind"] == "Service":
+            found.append((what, d["spec"]["selector"]))
+        elif d["kind"] in ("Deployment", "StatefulSet", "PodDisruptionBudget"):
+            found.append((what, d["spec"]["selector"]["matchLabels"]))
+        if d["kind"] == "Deployment" and "--selector" in json.dumps(d):
+            args = container(d["spec"]["template"]["spec"])["args"]
+            found.append((f"{what} --selector",
+                          dict(a.split("=", 1) for a in checks.flags(args)["--selector"])))
+    return found
+
+
+def test_every_topology_fits_one_namespace(tmp_path: Path) -> None:
+    """Every topology applied into one namespace: no two objects share a kind and name (nor
+    with the Service the LeaderWorkerSet controller makes, named after the group), and each
+    selector picks pods of its own topology only."""
+    out = render(tmp_path, "--tp", "2", *(f"--topology={t}" for t in topology.TOPOLOGIES))
+    docs = [d for t in topology.TOPOLOGIES for d in built(out, t).values()]
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    names += [("Service", d["metadata"]["name"]) for d in docs if d["kind"] == "LeaderWorkerSet"]
+    assert sorted(n for n in names if names.count(n) > 1) == []
+    templates = pod_templates(docs)
+    assert len(templates) == 5  # single, router's workers, the router, leader and follower
+    instance = "app.kubernetes.io/instance"
+    for what, selector in selectors(docs):
+        assert selector.get(instance), what
+        matched = [owner for owner, labels, _ in templates if selector.items() <= labels.items()]
+        assert matched, f"{what} selects no pod"
+        owners = {next(labels[instance] for o, labels, _ in templates if o == owner)
+                  for owner in matched}
+        assert owners == {selector[instance]}, (what, matched)
+    # The router's discovery and the workers' disruption budget: the router topology's servers,
+    # not a multinode rank, nor the router itself.
+    by_what = dict(selectors(docs))
+    for what in ("Deployment sglang-router --selector", "PodDisruptionBudget sglang-router-worker"):
+        assert [o for o, labels, _ in templates
+                if by_what[what].items() <= labels.items()] == ["sglang-router-worker"], what
+
+
+def test_the_pod_monitors_scrape_every_server_and_the_router(tmp_path: Path) -> None:
+    out = render(tmp_path, "--tp", "2", *(f"--topology={t}" for t in topology.TOPOLOGIES))
+    docs = [d for t in topology.TOPOLOGIES for d in built(out, t).values()]
+    monitors = checks.kustomize(out / "kubernetes" / "monitoring")
+    scraped: dict[str, str] = {}
+    for monitor in monitors:
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["kind"] == "PodMonitor"
+        selector = monitor["spec"]["selector"]
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        for owner, labels, spec in pod_templates(docs):
+            if selector["matchLabels"].items() <= labels.items() and all(
+                    labels.get(e["key"]) in e["values"]
+                    for e in selector.get("matchExpressions", [])):
+                ports = {p["name"] for p in container(spec)["ports"]}
+                assert endpoint["port"] in ports, (owner, endpoint)
+                scraped[owner] = endpoint["port"]
+    # Every server that serves /metrics (a multinode group's leader, not its other ranks).
+    assert scraped == {"sglang-single": "http", "sglang-router-worker": "http",
+                       "sglang-router": "metrics", "sglang-multinode leaderTemplate": "http"}
 
 
 def test_the_expansion_is_kubernetes_own() -> None:
@@ -187,7 +304,7 @@ def test_one_code_path_makes_every_server_flag() -> None:
     the Compose router's worker list names the Compose services it runs."""
     s = topology.check(topology.Settings(model_path="m", draft_model_path="d", tp=2,
                                          replicas=3, topologies=topology.TOPOLOGIES))
-    single = deploy.kube_single(s, IMAGE)["server.yaml"][0]
+    single = deploy.kube_single(s, IMAGE)["server.yaml"][1]
     assert container(single["spec"]["template"]["spec"])["args"] == list(
         topology.pods(s, "single")[0].args)
     compose = deploy.compose_router(s, IMAGE)["services"]
@@ -202,7 +319,7 @@ def test_one_code_path_makes_every_server_flag() -> None:
 
 def test_the_schemas_refuse_a_broken_manifest(tmp_path: Path) -> None:
     out = render(tmp_path, "--topology", "single", "--topology", "multinode", "--tp", "2")
-    deployment = built(out, "single")[("Deployment", "sglang")]
+    deployment = built(out, "single")[("Deployment", "sglang-single")]
     broken = copy.deepcopy(deployment)
     broken["spec"]["replicas"] = "one"
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -299,6 +416,13 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--draft-model-path", " "], r"no EAGLE-3 draft path"),
     (["--model-path", "../etc"], r"--model-path '../etc' is not a folder inside"),
     (["--server-arg=--tp-size=4"], r"sets --tp-size itself; give --tp"),
+    # flags that change the GPUs a server takes, in every spelling its parser accepts
+    (["--server-arg=--tensor-parallel-size=4"], r"sets --tensor-parallel-size itself; give --tp"),
+    (["--server-arg=--tensor-parallel=4"], r"sets --tensor-parallel-size itself; give --tp"),
+    (["--server-arg=--dp-size=2"], r"--dp-size changes the GPUs a server takes.*--replicas N"),
+    (["--server-arg=--data-parallel-size", "--server-arg=2"], r"--data-parallel-size changes"),
+    (["--server-arg=--pp-size=2"], r"--pp-size changes the GPUs.*pipeline parallelism"),
+    (["--server-arg=--base-gpu-id=1"], r"--base-gpu-id changes.*its own GPUs"),
     (["--shm-size", "16GB"], r"--shm-size '16GB'"),
     (["--models-claim", "My_Models"], r"--models-claim 'My_Models'"),
     (["--digest", "sha256:abc"], r"--digest 'sha256:abc' is not an image digest"),
@@ -312,6 +436,15 @@ def test_bad_input_is_refused_before_any_file(tmp_path: Path, capsys: pytest.Cap
     err = " ".join(capsys.readouterr().err.split())
     assert re.search(message, err), err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_data_parallel_attention_keeps_the_gpus(tmp_path: Path) -> None:
+    """--dp-size with --enable-dp-attention splits the TP group (no more GPUs): rendered."""
+    out = render(tmp_path, "--topology", "single", "--tp", "2",
+                 "--server-arg=--dp-size=2", "--server-arg=--enable-dp-attention")
+    c = container(built(out, "single")[("Deployment", "sglang-single")]["spec"]["template"]["spec"])
+    assert c["args"][-2:] == ["--dp-size=2", "--enable-dp-attention"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
 def test_a_settings_file_is_checked_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -384,7 +517,7 @@ def test_publish_writes_the_manifests_of_the_digest_it_pushed(
     assert cli.main(["publish", *argv]) == 0
     assert pushed == ["img:tag"]
     assert capsys.readouterr().out.strip() == DIGEST
-    server, _ = yaml.safe_load_all((out / "kubernetes" / "single" / "server.yaml").read_text())
+    _, server, _ = yaml.safe_load_all((out / "kubernetes" / "single" / "server.yaml").read_text())
     assert container(server["spec"]["template"]["spec"])["image"] == IMAGE
     assert yaml.safe_load((out / "compose.yaml").read_text())["services"]["sglang"][
         "image"] == IMAGE

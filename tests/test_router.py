@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from sglang_image import topology
-from tests.deploy_checks import flags, need
+from tests.deploy_checks import expand, flags, need
 from tests.sglang_workers import Worker, workers
 
 DEADLINE_S = 60  # each wait below; the router checks health every second here
@@ -112,9 +112,8 @@ def start(tmp_path: Path, servers: list[Worker], *, fast_health: bool
           ) -> tuple[list[str], Path]:
     s = topology.check(topology.Settings(model_path="m", draft_model_path="d",
                                          replicas=len(servers)))
-    urls = dict(zip(topology.worker_urls(s, "kubernetes"), (w.url for w in servers),
-                    strict=True))
-    argv = loopback_argv(topology.router_args(s, "kubernetes"), urls, free_port(), free_port(),
+    urls = dict(zip(topology.worker_urls(s), (w.url for w in servers), strict=True))
+    argv = loopback_argv(topology.router_args(s, "compose"), urls, free_port(), free_port(),
                          fast_health=fast_health)
     assert flags(argv)["--worker-urls"] == [w.url for w in servers]
     return argv, tmp_path / "router.log"
@@ -208,3 +207,20 @@ def test_the_stand_in_dies_as_a_crashed_server(tmp_path: Path) -> None:
         w.stop()
         with pytest.raises(requests.ConnectionError):
             session.get(f"{w.url}/health", timeout=5)
+
+
+def test_the_router_takes_the_kubernetes_discovery_flags() -> None:
+    """On Kubernetes the router finds its workers by label in its own namespace (which a Role
+    allows): its own parser takes the rendered flags, with $(POD_NAMESPACE) as the pod has it."""
+    if importlib.util.find_spec("sglang_router") is None:
+        need("sglang-router", "the test dependency group installs it")
+    from sglang_router.launch_router import parse_router_args
+
+    s = topology.check(topology.Settings(model_path="m", draft_model_path="d"))
+    rendered = topology.router_args(s, "kubernetes")
+    assert "--worker-urls" not in rendered
+    args = parse_router_args([expand(a, {topology.NAMESPACE_ENV: "llm"}) for a in rendered])
+    assert args.service_discovery and not args.worker_urls
+    assert args.selector == topology.ROUTER_WORKER_LABELS
+    assert args.service_discovery_namespace == "llm"
+    assert args.service_discovery_port == topology.SERVER_PORT

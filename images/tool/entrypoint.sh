@@ -23,5 +23,16 @@ if [ -n "$plugins" ]; then
       ;;
   esac
 fi
+# The HTTP address is the image's own variable: SGLANG_PORT is SGLang's first port for its internal
+# sockets (images/Dockerfile says why it stays unset).
+port=${SGLANG_IMAGE_HTTP_PORT:-30000}
+case "$port" in
+  ''|*[!0-9]*)
+    echo "error: SGLANG_IMAGE_HTTP_PORT=$port is not a port number. Kubernetes sets" \
+      "NAME_PORT=tcp://IP:PORT in a pod for every Service of its namespace: give a number, and" \
+      "set enableServiceLinks: false in the pod spec (or rename the Service)" >&2
+    exit 2
+    ;;
+esac
 exec "${SGLANG_PYTHON:-/opt/venv/bin/python}" -m sglang.launch_server \
-  --host "${SGLANG_HOST:-0.0.0.0}" --port "${SGLANG_PORT:-30000}" "$@"
+  --host "${SGLANG_IMAGE_HTTP_HOST:-0.0.0.0}" --port "$port" "$@"

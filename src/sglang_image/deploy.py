@@ -5,10 +5,10 @@ override them), a Compose file for one box and Kustomize overlays for Kubernetes
 
     OUT/compose.yaml               one server (`docker compose up -d`)
     OUT/compose.router.yaml        REPLICAS servers and sglang-router, on one box
-    OUT/kubernetes/base/           the service account every pod runs as
     OUT/kubernetes/single/         one server on one node          (kubectl apply -k ...)
     OUT/kubernetes/router/         REPLICAS servers behind sglang-router
     OUT/kubernetes/multinode/      one server across NODES nodes (a LeaderWorkerSet)
+    OUT/kubernetes/monitoring/     PodMonitors of them all (optional: the Prometheus Operator)
 
 Every value is checked before any file is written; the flags come from topology.py. `nox -s
 publish` writes the same with the digest it pushed.
@@ -36,8 +36,8 @@ from sglang_image.topology import (
     ROUTER_METRICS_PORT,
     ROUTER_MODULE,
     SERVER_PORT,
-    WORKER,
     Settings,
+    Topology,
     box_gpus,
     fits_one_box,
     pods,
@@ -57,6 +57,9 @@ LWS_API = "leaderworkerset.x-k8s.io/v1"
 NAME = "sglang"  # the Service clients use in every topology, and the service account
 LABELS = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/part-of": plan.IMAGE_REPO}
 ENV = {"HF_HUB_OFFLINE": "1"}  # models come from the volume: never from a hub at run time
+# The router runs the image but needs no GPU: without this the NVIDIA container runtime would
+# give it every GPU of its node (the image asks for all of them).
+ROUTER_ENV = {"NVIDIA_VISIBLE_DEVICES": "void"}
 
 
 # --- Compose -------------------------------------------------------------------------------------
@@ -73,7 +76,7 @@ def _compose_server(s: Settings, image: str, args: Sequence[str], gpus: Sequence
         "ulimits": {"memlock": -1, "stack": 67108864},
         "deploy": {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "device_ids": list(gpus), "capabilities": ["gpu"]}]}}},
-        "healthcheck": {"test": ["CMD", *HEALTHCHECK], "interval": "30s", "timeout": "5s",
+        "healthcheck": {"test": ["CMD", *HEALTHCHECK], "interval": "30s", "timeout": "30s",
                         "retries": 3, "start_period": f"{s.startup_minutes}m"},
         "restart": "unless-stopped",
     }
@@ -100,14 +103,14 @@ _READINESS = ("import urllib.request; urllib.request."
 
 def compose_router(s: Settings, image: str) -> dict[str, Any]:
     *workers, router = pods(s, "router", "compose")
-    services = {worker_host(i, "compose"): _compose_server(s, image, w.args, box_gpus(s, i))
+    services = {worker_host(i): _compose_server(s, image, w.args, box_gpus(s, i))
                 for i, w in enumerate(workers)}
     services[f"{NAME}-router"] = {
         "image": image,
         "entrypoint": [PYTHON, "-m", ROUTER_MODULE],
         "command": list(router.args),
         "user": "1000:1000",
-        "environment": dict(ENV),
+        "environment": {**ENV, **ROUTER_ENV},
         # the servers' tokenizer, read where they report it (else the router asks a hub)
         "volumes": [_models_bind(s)],
         "ports": [f"{SERVER_PORT}:{SERVER_PORT}"],
@@ -120,42 +123,69 @@ def compose_router(s: Settings, image: str) -> dict[str, Any]:
 
 
 # --- Kubernetes ----------------------------------------------------------------------------------
+# Every object of a topology is named sglang-<topology>[-part] and labelled with its instance
+# (topology.instance): two topologies in one namespace share no name and no selector. No object
+# is shared between them (each has its own service account): deleting one leaves the other whole.
 
-def _labels(component: str) -> dict[str, str]:
-    return {**LABELS, "app.kubernetes.io/component": component}
+def _labels(topology_name: Topology, component: str) -> dict[str, str]:
+    return {**LABELS, "app.kubernetes.io/instance": topology.instance(topology_name),
+            "app.kubernetes.io/component": component}
 
 
-def _meta(name: str, component: str) -> dict[str, Any]:
-    return {"name": name, "labels": _labels(component)}
+def _meta(name: str, topology_name: Topology, component: str) -> dict[str, Any]:
+    return {"name": name, "labels": _labels(topology_name, component)}
 
 
-def _probe(path: str, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+# /health generates a token and may wait 20 s for it (sglang 0.5.23): every probe on it waits 30.
+HEALTH_TIMEOUT_S = 30
+
+
+def _probe(path: str, period: int, failures: int, timeout: int = 5,
+           port: str = "http") -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
             "timeoutSeconds": timeout, "failureThreshold": failures}
 
 
 _CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# Kernels compiled at run time (FlashInfer's JIT, Triton, TorchInductor) land under the home
+# folder: a volume there outlives a container restart (a liveness restart compiles nothing again).
+CACHE_MOUNT = "/home/sglang/.cache"
+CACHE_ENV = {"TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
+             "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor"}
+# On SIGTERM the server stops at once: the Service and the router drop a deleted pod within
+# seconds, so it keeps serving that long first; then the process gets the rest of the grace.
+PRE_STOP_S = 15
+GRACE_S = 60
 
 
-def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int) -> dict[str, Any]:
-    """A server's pod spec: uid 1000, /dev/shm sized, the GPUs, the models read-only, and
-    probes on /health that allow the first start (kernel compilation) its minutes."""
+def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int,
+                account: str) -> dict[str, Any]:
+    """A server's pod spec: uid 1000, /dev/shm sized, the GPUs, CPU and memory requested, the
+    models read-only, a kernel cache, probes on /health that allow the first start (kernel
+    compilation) its minutes, and a drain before it stops."""
     container = {
         "name": NAME,
         "image": image,
         "args": list(args),
-        "env": [{"name": k, "value": v} for k, v in ENV.items()],
+        "env": [{"name": k, "value": v} for k, v in {**ENV, **CACHE_ENV}.items()],
+        # /metrics (--enable-metrics) is served on this port too
         "ports": [{"name": "http", "containerPort": SERVER_PORT}],
-        "resources": {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}},
-        "volumeMounts": [_MODELS_MOUNT, {"name": "dshm", "mountPath": "/dev/shm"}],
-        "startupProbe": _probe("/health", 10, s.startup_minutes * 6),
-        "readinessProbe": _probe("/health", 10, 3),
-        "livenessProbe": _probe("/health", 30, 10, timeout=10),
+        "resources": {"requests": {"nvidia.com/gpu": gpus, "cpu": str(s.cpu),
+                                   "memory": s.memory},
+                      "limits": {"nvidia.com/gpu": gpus}},
+        "volumeMounts": [_MODELS_MOUNT, {"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "cache", "mountPath": CACHE_MOUNT}],
+        "startupProbe": _probe("/health", 30, s.startup_minutes * 2, HEALTH_TIMEOUT_S),
+        "readinessProbe": _probe("/health", 30, 2, HEALTH_TIMEOUT_S),
+        "livenessProbe": _probe("/health", 60, 5, HEALTH_TIMEOUT_S),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}},
         "securityContext": _CONTAINER_SECURITY,
     }
-    return _pod(container, volumes=[
+    spec = _pod(container, account, volumes=[
         _models_volume(s), {"name": "dshm", "emptyDir": {"medium": "Memory",
-                                                          "sizeLimit": s.shm_size}}])
+                                                          "sizeLimit": s.shm_size}},
+        {"name": "cache", "emptyDir": {}}])
+    return {**spec, "terminationGracePeriodSeconds": PRE_STOP_S + GRACE_S}
 
 
 _MODELS_MOUNT = {"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}
@@ -166,10 +196,13 @@ def _models_volume(s: Settings) -> dict[str, Any]:
                                                         "readOnly": True}}
 
 
-def _pod(container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+def _pod(container: dict[str, Any], account: str, volumes: list[dict[str, Any]],
+         api_token: bool = False) -> dict[str, Any]:
     return {
-        "serviceAccountName": NAME,
-        "automountServiceAccountToken": False,
+        "serviceAccountName": account,
+        "automountServiceAccountToken": api_token,
+        # No <SERVICE>_PORT=tcp://... variables from the namespace's Services in the container.
+        "enableServiceLinks": False,
         "securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
@@ -177,65 +210,86 @@ def _pod(container: dict[str, Any], volumes: list[dict[str, Any]]) -> dict[str, 
     }
 
 
-def _service(selector_component: str, *, name: str = NAME, headless: bool = False,
-             extra_selector: dict[str, str] | None = None) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "selector": {**LABELS, "app.kubernetes.io/component": selector_component,
-                     **(extra_selector or {})},
-        "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http"}],
-    }
-    if headless:  # the router reaches each server by its own name, from its first start on
-        spec |= {"clusterIP": "None", "publishNotReadyAddresses": True}
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, selector_component),
-            "spec": spec}
-
-
-def kube_base(s: Settings) -> dict[str, list[dict[str, Any]]]:
+def _account(s: Settings, name: str, topology_name: Topology, component: str,
+             api_token: bool = False) -> dict[str, Any]:
     account: dict[str, Any] = {"apiVersion": "v1", "kind": "ServiceAccount",
-                               "metadata": _meta(NAME, "server"),
-                               "automountServiceAccountToken": False}
+                               "metadata": _meta(name, topology_name, component),
+                               "automountServiceAccountToken": api_token}
     if s.pull_secret:
         account["imagePullSecrets"] = [{"name": s.pull_secret}]
-    return {"serviceaccount.yaml": [account]}
+    return account
+
+
+def _service(name: str, selector: dict[str, str], topology_name: Topology, component: str, *,
+             headless: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": selector,
+        "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http"}],
+    }
+    if headless:  # each server by its own name, from its first start on
+        spec |= {"clusterIP": "None", "publishNotReadyAddresses": True}
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(name, topology_name, component), "spec": spec}
+
+
+def client_service(topology_name: Topology) -> str:
+    """The Service clients use. multinode: the LeaderWorkerSet controller makes a headless
+    Service named after the group itself (its pods' DNS), so clients get the leader's."""
+    name = topology.instance(topology_name)
+    return f"{name}-leader" if topology_name == "multinode" else name
 
 
 def kube_single(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     (server,) = pods(s, "single")
-    selector = {**LABELS, "app.kubernetes.io/component": "server"}
+    name = topology.instance("single")
+    selector = _labels("single", "server")
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(NAME, "server"),
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, "single", "server"),
         "spec": {"replicas": 1, "strategy": {"type": "Recreate"},  # the GPUs are freed first
                  "selector": {"matchLabels": selector},
                  "template": {"metadata": {"labels": selector},
-                              "spec": _server_pod(s, image, server.args, server.gpus)}},
+                              "spec": _server_pod(s, image, server.args, server.gpus, name)}},
     }
-    return {"server.yaml": [deployment, _service("server")]}
+    return {"server.yaml": [_account(s, name, "single", "server"), deployment,
+                            _service(client_service("single"), selector, "single", "server")]}
+
+
+# What the router's service discovery asks of the API server: a watch on its namespace's pods.
+ROUTER_RULES = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
 
 
 def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     *workers, router = pods(s, "router")
     if len({w.args for w in workers}) != 1:  # one StatefulSet template holds every worker
         raise AssertionError("the router topology's servers differ")
-    worker_sel = {**LABELS, "app.kubernetes.io/component": "worker"}
+    name = topology.instance("router")
+    worker_name = f"{name}-worker"
+    worker_sel = _labels("router", "worker")
+    if not topology.ROUTER_WORKER_LABELS.items() <= worker_sel.items():
+        raise AssertionError("the router's service discovery would miss its workers")
     statefulset = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(WORKER, "worker"),
-        "spec": {"serviceName": WORKER, "replicas": len(workers),
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _meta(worker_name, "router", "worker"),
+        "spec": {"serviceName": worker_name, "replicas": len(workers),
                  "podManagementPolicy": "Parallel",  # every server compiles at once
                  "selector": {"matchLabels": worker_sel},
                  "template": {"metadata": {"labels": worker_sel},
-                              "spec": _server_pod(s, image, workers[0].args, workers[0].gpus)}},
+                              "spec": _server_pod(s, image, workers[0].args, workers[0].gpus,
+                                                  worker_name)}},
     }
     budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-              "metadata": _meta(WORKER, "worker"),
+              "metadata": _meta(worker_name, "router", "worker"),
               "spec": {"maxUnavailable": 1, "selector": {"matchLabels": worker_sel}}}
-    router_sel = {**LABELS, "app.kubernetes.io/component": "router"}
+    router_sel = _labels("router", "router")
     container = {
         "name": "router", "image": image, "command": [PYTHON, "-m", ROUTER_MODULE],
         "args": list(router.args),
         "ports": [{"name": "http", "containerPort": SERVER_PORT},
                   {"name": "metrics", "containerPort": ROUTER_METRICS_PORT}],
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
-        "env": [{"name": k, "value": v} for k, v in ENV.items()],
+        "env": [{"name": topology.NAMESPACE_ENV,
+                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                *({"name": k, "value": v} for k, v in {**ENV, **ROUTER_ENV}.items())],
         # the servers' tokenizer, read where they report it (else the router asks a hub)
         "volumeMounts": [_MODELS_MOUNT],
         "readinessProbe": _probe("/readiness", 5, 3),  # 503 until a server is healthy
@@ -243,32 +297,63 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
         "securityContext": _CONTAINER_SECURITY,
     }
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(f"{NAME}-router", "router"),
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, "router", "router"),
         "spec": {"replicas": 1, "selector": {"matchLabels": router_sel},
                  "template": {"metadata": {"labels": router_sel},
-                              "spec": _pod(container, [_models_volume(s)])}},
+                              "spec": _pod(container, name, [_models_volume(s)],
+                                           api_token=True)}},
     }
-    return {"workers.yaml": [_service("worker", name=WORKER, headless=True), statefulset, budget],
-            "router.yaml": [deployment, _service("router")]}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _meta(name, "router", "router"), "rules": ROUTER_RULES}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": _meta(name, "router", "router"),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+               "subjects": [{"kind": "ServiceAccount", "name": name}]}
+    return {"workers.yaml": [_account(s, worker_name, "router", "worker"),
+                             _service(worker_name, worker_sel, "router", "worker", headless=True),
+                             statefulset, budget],
+            "router.yaml": [_account(s, name, "router", "router", api_token=True), role, binding,
+                            deployment,
+                            _service(client_service("router"), router_sel, "router", "router")]}
 
 
 def kube_multinode(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     nodes = pods(s, "multinode")
     if len({p.args for p in nodes}) != 1:  # one template, resolved by each pod's LWS variables
         raise AssertionError("the multinode pods differ")
-    name = f"{NAME}-multinode"
-    leader, worker = ({"labels": _labels(role)} for role in ("leader", "worker"))
-    spec = _server_pod(s, image, nodes[0].args, nodes[0].gpus)
+    name = topology.instance("multinode")
+    leader, follower = ({"labels": _labels("multinode", role)} for role in ("leader", "follower"))
+    spec = _server_pod(s, image, nodes[0].args, nodes[0].gpus, name)
     lws = {
-        "apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": _meta(name, "server"),
+        "apiVersion": LWS_API, "kind": "LeaderWorkerSet",
+        "metadata": _meta(name, "multinode", "server"),
         "spec": {"replicas": 1, "startupPolicy": "LeaderCreated",
                  "leaderWorkerTemplate": {
                      "size": len(nodes), "restartPolicy": "RecreateGroupOnPodRestart",
                      "leaderTemplate": {"metadata": leader, "spec": spec},
-                     "workerTemplate": {"metadata": worker, "spec": spec}}},
+                     "workerTemplate": {"metadata": follower, "spec": spec}}},
     }
+    leader_sel = {**_labels("multinode", "leader"), "leaderworkerset.sigs.k8s.io/name": name}
     return {"leaderworkerset.yaml": [
-        lws, _service("leader", extra_selector={"leaderworkerset.sigs.k8s.io/name": name})]}
+        _account(s, name, "multinode", "server"), lws,
+        _service(client_service("multinode"), leader_sel, "multinode", "leader")]}
+
+
+def pod_monitors() -> list[dict[str, Any]]:
+    """Prometheus Operator PodMonitors (optional: kubernetes/monitoring): every server's /metrics
+    on its http port (a multinode group's leader: the other ranks serve none), the router's on
+    its metrics port."""
+    servers = {"matchLabels": LABELS, "matchExpressions": [
+        {"key": "app.kubernetes.io/component", "operator": "In",
+         "values": ["server", "worker", "leader"]}]}
+    router = {"matchLabels": {**LABELS, "app.kubernetes.io/component": "router"}}
+    return [{"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+             "metadata": {"name": f"{NAME}-{what}",
+                          "labels": {**LABELS, "app.kubernetes.io/component": "monitoring"}},
+             "spec": {"selector": selector,
+                      "podMetricsEndpoints": [{"port": port, "path": "/metrics"}]}}
+            for what, selector, port in (("servers", servers, "http"),
+                                         ("router", router, "metrics"))]
 
 
 KUBE_TOPOLOGIES = {"single": kube_single, "router": kube_router, "multinode": kube_multinode}
@@ -301,16 +386,14 @@ def render(s: Settings, image: str) -> dict[str, str]:
         files["compose.yaml"] = _yaml([compose_single(s, image)], header)
     if "router" in s.topologies and fits_one_box(s):
         files["compose.router.yaml"] = _yaml([compose_router(s, image)], header)
-    for path, docs in kube_base(s).items():
-        files[f"kubernetes/base/{path}"] = _yaml(docs, header)
-    files["kubernetes/base/kustomization.yaml"] = _yaml([_kustomization(["serviceaccount.yaml"])],
-                                                        header)
     for name in s.topologies:
         made = KUBE_TOPOLOGIES[name](s, image)
         for path, docs in made.items():
             files[f"kubernetes/{name}/{path}"] = _yaml(docs, header)
-        files[f"kubernetes/{name}/kustomization.yaml"] = _yaml(
-            [_kustomization(["../base", *made])], header)
+        files[f"kubernetes/{name}/kustomization.yaml"] = _yaml([_kustomization([*made])], header)
+    files["kubernetes/monitoring/podmonitors.yaml"] = _yaml(pod_monitors(), header)
+    files["kubernetes/monitoring/kustomization.yaml"] = _yaml(
+        [_kustomization(["podmonitors.yaml"])], header)
     files[MARKER] = json.dumps({"image": image, "settings": asdict(s)}, indent=1) + "\n"
     return files
 
@@ -358,6 +441,7 @@ def apply_hint(out: Path, s: Settings) -> list[str]:
     if "single" in s.topologies:
         lines.append(f"docker compose -f {out / 'compose.yaml'} up -d")
     lines += [f"kubectl apply -k {out / 'kubernetes' / t}" for t in s.topologies]
+    lines.append(f"(with the Prometheus Operator: kubectl apply -k {out / 'kubernetes' / 'monitoring'})")
     if "router" in s.topologies and not fits_one_box(s):
         lines.append(f"(no compose.router.yaml: {s.replicas} servers of TP {s.tp} need more "
                      f"than the {s.gpus_per_node} GPUs of one box)")
@@ -376,6 +460,8 @@ OPTIONS: dict[str, tuple[type, str]] = {
     "nodes": (int, "nodes one server spans (multinode topology)"),
     "gpus_per_node": (int, "GPUs of one node or box: a pod holds at most this many"),
     "shm_size": (str, "each server's /dev/shm, e.g. 16Gi"),
+    "cpu": (int, "CPU cores each server requests (Kubernetes)"),
+    "memory": (str, "memory each server requests, its /dev/shm included, e.g. 64Gi (Kubernetes)"),
     "startup_minutes": (int, ("how long a server may take to start (model load, first kernel "
                               "compilation) before it counts as failed")),
     "models_claim": (str, "the PersistentVolumeClaim that holds the models (Kubernetes)"),

@@ -8,8 +8,9 @@ value naming it and the fix; `pods` turns valid settings into the processes of a
     router     REPLICAS servers of TP GPUs each, and sglang-router in front of them
     multinode  one server whose TP GPUs span NODES pods (a LeaderWorkerSet group)
 
-Every server's argv comes from `server_args`, every worker list from `worker_urls`: deploy.py only
-places them into Compose and Kubernetes manifests.
+Every server's argv comes from `server_args`, the router's from `router_args` (its workers: a
+list on one box, a label selector on Kubernetes): deploy.py only places them into Compose and
+Kubernetes manifests.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ Topology = Literal["single", "router", "multinode"]
 Platform = Literal["compose", "kubernetes"]
 TOPOLOGIES: tuple[Topology, ...] = ("single", "router", "multinode")
 
-SERVER_PORT = 30000  # the image's SGLANG_PORT
+SERVER_PORT = 30000  # the image's SGLANG_IMAGE_HTTP_PORT
 DIST_INIT_PORT = 20000  # torch.distributed's rendezvous on the multinode leader
 ROUTER_METRICS_PORT = 29000
 MODELS_MOUNT = "/models"  # where the models volume is mounted, read-only
@@ -46,14 +47,29 @@ LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
 _OWNED = {
     "--model-path": "--model-path", "--model": "--model-path",
     "--speculative-draft-model-path": "--draft-model-path",
-    "--tp-size": "--tp", "--tp": "--tp", "--nnodes": "--nodes", "--node-rank": "--nodes",
-    "--dist-init-addr": "--nodes", "--host": "(the image's entrypoint)",
+    "--tp-size": "--tp", "--tensor-parallel-size": "--tp", "--tp": "--tp",
+    "--nnodes": "--nodes", "--node-rank": "--nodes", "--dist-init-addr": "--nodes",
+    "--nccl-init-addr": "--nodes", "--host": "(the image's entrypoint)",
     "--port": "(the image's entrypoint)", THRESHOLD_FLAG: "--threshold",
     "--speculative-algorithm": "(always EAGLE3: the threshold needs it)",
     "--speculative-eagle-topk": "(always 1: the threshold needs it)",
     "--speculative-num-steps": "speculative_num_steps in deploy/serve.toml",
     "--speculative-num-draft-tokens": "speculative_num_draft_tokens in deploy/serve.toml",
 }
+# Server flags that change the GPUs a server takes: every pod is sized for --tp (over --nodes).
+_REPLICAS_INSTEAD = ("data-parallel replicas inside one server would take TP x DP GPUs, more "
+                     "than its pod holds; give --replicas N instead (the router topology: N "
+                     "servers behind sglang-router), or add --enable-dp-attention (data-parallel "
+                     "attention inside the TP group, no more GPUs)")
+_NO_PIPELINE = ("pipeline parallelism would take TP x PP GPUs, more than its pod holds; give a "
+                "larger --tp, or --nodes to spread it (the multinode topology)")
+_OWN_GPUS = "a pod sees only its own GPUs, numbered from 0; leave the GPU ids to the deployment"
+_GPU_COUNT = {
+    "--dp-size": _REPLICAS_INSTEAD, "--data-parallel-size": _REPLICAS_INSTEAD,
+    "--pp-size": _NO_PIPELINE, "--pipeline-parallel-size": _NO_PIPELINE,
+    "--base-gpu-id": _OWN_GPUS, "--gpu-id-step": _OWN_GPUS,
+}
+DP_ATTENTION_FLAG = "--enable-dp-attention"  # --dp-size then splits the TP group: no more GPUs
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,8 @@ class Settings:
     nodes: int = 2
     gpus_per_node: int = 8
     shm_size: str = "16Gi"
+    cpu: int = 8
+    memory: str = "64Gi"
     startup_minutes: int = 30
     models_claim: str = "sglang-models"
     models_dir: str = "/srv/models"
@@ -155,7 +173,7 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
         smoke.check_threshold(threshold, flavor)
     for name in ("model_path", "draft_model_path"):
         _check_model(name, getattr(s, name))
-    for name, low in (("tp", 1), ("replicas", 1), ("nodes", 1), ("gpus_per_node", 1),
+    for name, low in (("tp", 1), ("replicas", 1), ("nodes", 1), ("gpus_per_node", 1), ("cpu", 1),
                       ("speculative_num_steps", 1), ("speculative_num_draft_tokens", 2),
                       ("startup_minutes", 1)):
         value = getattr(s, name)
@@ -176,7 +194,12 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
     if not isinstance(s.models_dir, str) or not s.models_dir.startswith("/"):
         raise UsageError(f"--models-dir {s.models_dir!r}: give the host folder (absolute) that "
                          f"Compose mounts read-only at {MODELS_MOUNT}, e.g. /srv/models")
-    _check_quantity(s.shm_size)
+    _check_quantity("shm_size", s.shm_size)
+    _check_quantity("memory", s.memory)
+    if mebibytes(s.memory) <= mebibytes(s.shm_size):
+        raise UsageError(f"--memory {s.memory}: a server's memory request holds its /dev/shm "
+                         f"(--shm-size {s.shm_size}, memory-backed) and the process besides: "
+                         "give more")
     return replace(s, threshold=threshold)
 
 
@@ -220,21 +243,46 @@ def _check_gpus(s: Settings) -> None:
                          f"(--topology multinode --nodes {-(-s.tp // s.gpus_per_node)})")
 
 
+def _spelled(flag: str, table: Mapping[str, str]) -> str | None:
+    """The flag of `table` that `flag` names: itself, or the flag it abbreviates (SGLang's
+    parser takes a unique prefix, --tensor-parallel for --tensor-parallel-size)."""
+    if flag in table:
+        return flag
+    if flag.startswith("--") and len(flag) > 3:
+        return next((known for known in table if known.startswith(flag)), None)
+    return None
+
+
 def _check_server_args(args: Sequence[str]) -> None:
     for arg in args:
         if not isinstance(arg, str):
             raise UsageError(f"server_args: {arg!r} is not a string")
+    flags = [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
+    for arg in args:
         flag = arg.split("=", 1)[0]
-        if flag in _OWNED:
-            raise UsageError(f"--server-arg {arg!r}: the deployment sets {flag} itself; give "
-                             f"{_OWNED[flag]} instead")
+        owned = _spelled(flag, _OWNED)
+        if owned is not None:
+            raise UsageError(f"--server-arg {arg!r}: the deployment sets {owned} itself; give "
+                             f"{_OWNED[owned]} instead")
+        gpus = _spelled(flag, _GPU_COUNT)
+        if gpus is None or (gpus in ("--dp-size", "--data-parallel-size")
+                            and DP_ATTENTION_FLAG in flags):
+            continue
+        raise UsageError(f"--server-arg {arg!r}: {gpus} changes the GPUs a server takes: "
+                         f"{_GPU_COUNT[gpus]}")
 
 
-def _check_quantity(text: object) -> None:
+def _check_quantity(name: str, text: object) -> None:
     number = text.rstrip("MGTi") if isinstance(text, str) else ""
     if not number.isdigit() or int(number) == 0 or str(text)[len(number):] not in QUANTITY_UNITS:
-        raise UsageError(f"--shm-size {text!r}: give the shared memory as a quantity in Mi, Gi "
-                         "or Ti, e.g. 16Gi")
+        what = "the shared memory" if name == "shm_size" else "the memory"
+        raise UsageError(f"{_option(name)} {text!r}: give {what} as a quantity in Mi, Gi or Ti, "
+                         "e.g. 16Gi")
+
+
+def mebibytes(quantity: str) -> int:
+    """A checked quantity (Mi, Gi or Ti) in Mi."""
+    return int(quantity[:-2]) * {"Mi": 1, "Gi": 1024, "Ti": 1024**2}[quantity[-2:]]
 
 
 # --- what each pod runs --------------------------------------------------------------------------
@@ -242,7 +290,7 @@ def _check_quantity(text: object) -> None:
 def server_args(s: Settings, *, multinode: bool = False) -> tuple[str, ...]:
     """The server's flags (after the image's entrypoint, which adds --host and --port). With
     `multinode`, the rank and rendezvous come from the LeaderWorkerSet's environment."""
-    args = ["--model-path", s.model, "--tp-size", str(s.tp),
+    args = ["--model-path", s.model, "--tp-size", str(s.tp), "--enable-metrics",
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", s.draft,
             "--speculative-num-steps", str(s.speculative_num_steps),
             "--speculative-eagle-topk", "1",
@@ -254,26 +302,55 @@ def server_args(s: Settings, *, multinode: bool = False) -> tuple[str, ...]:
     return (*args, *s.server_args)
 
 
-WORKER = "sglang-worker"  # the router topology's servers (a StatefulSet, or Compose services)
+WORKER = "sglang-worker"  # the router topology's servers on one box (Compose services)
+APP = "sglang"  # app.kubernetes.io/name of every object
 
 
-def worker_host(index: int, platform: Platform) -> str:
-    """A router topology server's name as the router resolves it: the StatefulSet pod's DNS name
-    under its headless Service, or the Compose service."""
-    return f"{WORKER}-{index}.{WORKER}" if platform == "kubernetes" else f"{WORKER}-{index}"
+def instance(topology: Topology) -> str:
+    """app.kubernetes.io/instance of a topology's objects, and the stem of their names: two
+    topologies in one namespace share no name and no selector."""
+    return f"{APP}-{topology}"
 
 
-def worker_urls(s: Settings, platform: Platform) -> tuple[str, ...]:
-    return tuple(f"http://{worker_host(i, platform)}:{SERVER_PORT}" for i in range(s.replicas))
+# The router topology's servers on Kubernetes: the labels of the StatefulSet's pods, which the
+# router's service discovery selects (only these pods: not a multinode rank, not the router).
+ROUTER_WORKER_LABELS = {"app.kubernetes.io/name": APP,
+                        "app.kubernetes.io/instance": instance("router"),
+                        "app.kubernetes.io/component": "worker"}
+# The router reads its own namespace from this variable (the downward API): it watches the pods
+# of that namespace alone, which a Role allows (a cluster-wide watch would need a ClusterRole).
+NAMESPACE_ENV = "POD_NAMESPACE"
+
+
+def worker_host(index: int) -> str:
+    """A router topology server's name on one box (Compose), as the router resolves it."""
+    return f"{WORKER}-{index}"
+
+
+def worker_urls(s: Settings) -> tuple[str, ...]:
+    """The router's workers on one box (Compose); Kubernetes finds them by label instead."""
+    return tuple(f"http://{worker_host(i)}:{SERVER_PORT}" for i in range(s.replicas))
+
+
+def worker_discovery() -> tuple[str, ...]:
+    """sglang-router's flags that find the workers on Kubernetes: the pods of its namespace with
+    ROUTER_WORKER_LABELS, each taken in once Ready and dropped once deleted (`kubectl scale`
+    reaches it), on the servers' port."""
+    return ("--service-discovery", "--selector",
+            *(f"{k}={v}" for k, v in ROUTER_WORKER_LABELS.items()),
+            "--service-discovery-port", str(SERVER_PORT),
+            "--service-discovery-namespace", f"$({NAMESPACE_ENV})")
 
 
 def router_args(s: Settings, platform: Platform) -> tuple[str, ...]:
-    """sglang-router's flags: the workers, a start-up wait as long as theirs, a health check
-    every 10 s (a server that stops answering is out after three), and a circuit that opens
-    after 3 failed attempts, fewer than the 5 attempts of one request: a request that meets a
-    dead server is retried on a live one (with the default 10, the next requests fail until the
-    health check catches up)."""
-    return ("--worker-urls", *worker_urls(s, platform), "--host", "0.0.0.0",
+    """sglang-router's flags: the workers (a list on one box, a label selector on Kubernetes), a
+    start-up wait as long as theirs, a health check every 10 s (a server that stops answering
+    is out after three), and a circuit that opens after 3 failed attempts, fewer than the 5
+    attempts of one request: a request that meets a dead server is retried on a live one (with
+    the default 10, the next requests fail until the health check catches up)."""
+    workers = (("--worker-urls", *worker_urls(s)) if platform == "compose"
+               else worker_discovery())
+    return (*workers, "--host", "0.0.0.0",
             "--port", str(SERVER_PORT), "--policy", "cache_aware",
             "--worker-startup-timeout-secs", str(s.startup_minutes * 60),
             "--health-check-endpoint", "/health", "--health-check-interval-secs", "10",
