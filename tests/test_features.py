@@ -384,7 +384,7 @@ def test_every_request_of_the_matrix_is_one_the_real_server_accepts(flavor, sgla
 
 
 def test_the_partial_smoke_names_every_case_it_could_not_run():
-    from sglang_image.smoke import NOT_CHECKED_WITHOUT_GPU, full_command
+    from sglang_image.image_smoke import NOT_CHECKED_WITHOUT_GPU, full_command
 
     expected = {"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}
     base = F.Outcome(ids=[list(range(10, 60))], text=["abcdefghijklmnopqrstuvwxyz"], finish=["length"])
@@ -397,7 +397,7 @@ def test_the_partial_smoke_names_every_case_it_could_not_run():
 
 def test_the_smoke_checks_an_image_against_the_series_of_its_own_flavor():
     from sglang_image.errors import SmokeError
-    from sglang_image.smoke import image_flavor
+    from sglang_image.image_smoke import image_flavor
 
     labels = {"io.sglang-image.flavor": "sglang-0.5.17"}
     assert image_flavor("img", labels, None) == "sglang-0.5.17"

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from sglang_image import pins, plugin
+from sglang_image import pins, plugin_check, plugin_source, plugin_wheel
 from smoke import runner
 from tests.eagle3_draft import EAGLE3_LEAVES
 from tests.probe import probe_result
@@ -63,7 +63,7 @@ def tree(sglang_tree: Callable[[str, bool], Path]) -> Path:
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin's wheel as pip would install it: its files and dist-info (entry points)."""
     out = tmp_path_factory.mktemp("plugin")
-    wheel = plugin.build_wheel(out / "dist")
+    wheel = plugin_wheel.build_wheel(out / "dist")
     site = out / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
@@ -124,8 +124,8 @@ def _probe(run_in_tree: Callable[..., subprocess.CompletedProcess[str]], tree: P
 
 
 def test_wheel_is_reproducible_and_declares_the_entry_point(tmp_path: Path) -> None:
-    first = plugin.build_wheel(tmp_path / "a")
-    second = plugin.build_wheel(tmp_path / "b")
+    first = plugin_wheel.build_wheel(tmp_path / "a")
+    second = plugin_wheel.build_wheel(tmp_path / "b")
     assert first.name == "sglang_image_plugin-0.1.0-py3-none-any.whl"
     assert first.read_bytes() == second.read_bytes()
     with zipfile.ZipFile(first) as zf:
@@ -139,7 +139,7 @@ def test_wheel_is_reproducible_and_declares_the_entry_point(tmp_path: Path) -> N
     assert "\nRequires-Python: >=3.11\n" in metadata
     pinned = sorted(line.split("==")[1] for line in metadata.splitlines()
                     if line.startswith("Requires-Dist: sglang=="))
-    assert pinned == sorted(plugin.load_digests())
+    assert pinned == sorted(plugin_check.load_digests())
 
 
 def test_discovered_applied_and_checked_at_start(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
@@ -658,9 +658,9 @@ def test_worker_refuses_a_draft_sharing_qsa_indices(run_in_tree, tree, plugin_si
 
 def _doctored_copy(tree: Path, dest: Path) -> Path:
     """The files the check reads, copied from the wheel (and its dist-info)."""
-    targets = plugin._targets()
+    targets = plugin_source.targets()
     for dotted in [h.target for h in targets.HOOKS] + list(targets.RELIED):
-        located = plugin._locate(tree, dotted)
+        located = plugin_check._locate(tree, dotted)
         assert located is not None, dotted
         copy = dest / located[0].relative_to(tree)
         copy.parent.mkdir(parents=True, exist_ok=True)
@@ -670,15 +670,15 @@ def _doctored_copy(tree: Path, dest: Path) -> Path:
 
 
 def test_hook_target_check_passes_on_the_wheel_and_names_what_changed(tree: Path, tmp_path: Path) -> None:
-    assert plugin.check_hook_targets(tree, SGLANG_VERSION) == []
+    assert plugin_check.check_hook_targets(tree, SGLANG_VERSION) == []
     doctored = _doctored_copy(tree, tmp_path / "site")
-    assert plugin.check_hook_targets(doctored, SGLANG_VERSION) == []
+    assert plugin_check.check_hook_targets(doctored, SGLANG_VERSION) == []
     worker = doctored / "sglang/srt/speculative/eagle_worker_v2.py"
     text = worker.read_text()
     worker.write_text(text.replace("draft_token_num=1,", "draft_token_num=2,", 1))
     state = doctored / "sglang/srt/managers/scheduler_components/internal_state.py"
     state.write_text(state.read_text().replace("def _add_speculative(", "def _add_spec_info(", 1))
-    problems = plugin.check_hook_targets(doctored, SGLANG_VERSION)
+    problems = plugin_check.check_hook_targets(doctored, SGLANG_VERSION)
     assert problems == [
         ("hook target sglang.srt.managers.scheduler_components.internal_state."
          "SchedulerInternalStateController._add_speculative (after: adds speculative_disable to "
@@ -688,7 +688,7 @@ def test_hook_target_check_passes_on_the_wheel_and_names_what_changed(tree: Path
          "then record the digests again"),
     ]
     assert any("no digests recorded for sglang 0.5.99" in p
-               for p in plugin.check_hook_targets(tree, "0.5.99"))
+               for p in plugin_check.check_hook_targets(tree, "0.5.99"))
 
 
 def test_plugin_check_command(tree: Path) -> None:
