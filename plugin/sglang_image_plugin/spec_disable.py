@@ -26,8 +26,6 @@ THRESHOLD_DEST = "speculative_disable_batch_threshold"
 HYSTERESIS_DEST = "speculative_disable_hysteresis"
 
 AUTO: Literal["auto"] = "auto"
-# The resolved Setting on ServerArgs (bookkeeping, not a field: pickled to the scheduler).
-SETTING_ATTR = "_sglang_image_spec_disable"
 
 MODE_SPECULATIVE = "speculative"
 MODE_PLAIN = "plain"
