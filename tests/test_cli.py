@@ -168,3 +168,20 @@ def test_patches_words_become_the_flavor_and_the_options() -> None:
         from_words(["export", old.name], True)
     with pytest.raises(PinError, match="unknown flavor 'bogus'"):
         from_words(["bogus"], False)
+
+
+def test_every_stage_s_options_check_themselves_when_made(tmp_path: Path) -> None:
+    from sglang_image import gpu, image_smoke, plugin_check, publish
+    from sglang_image.errors import PluginError
+
+    with pytest.raises(UsageError, match="--image 'Not An Image' is not an image reference"):
+        image_smoke.ImageSmokeOptions(image="Not An Image")
+    image_smoke.ImageSmokeOptions(image="sha256:" + "a" * 64)  # an image ID is taken
+    with pytest.raises(UsageError, match="--part-mib -1"):
+        gpu.BundleOptions(part_mib=-1)
+    with pytest.raises(UsageError, match="needs --registry"):
+        publish.PublishOptions()
+    with pytest.raises(UsageError, match="give start or stop"):
+        docker_engine.EngineOptions(action="restart")
+    with pytest.raises(PluginError, match="no sglang/ directory"):
+        plugin_check.PluginCheckOptions(site_packages=tmp_path)
