@@ -39,7 +39,6 @@ from sglang_image import (
 from sglang_image.errors import PARTIAL_EXIT_CODE, SglangImageError, exit_code_table
 from sglang_image.plan import IMAGE_REPO, BuildOptions
 
-console = Console(highlight=False, soft_wrap=True)
 error_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
