@@ -369,23 +369,36 @@ def record_error(rep: dict[str, Any], exc: BaseException, log: Path) -> None:
         raise exc
 
 
+def variant_server(opts: SmokeOptions, v: Variant, draft: Path, threshold: int | str, *,
+                   reach: int, port: int | None) -> tuple[Server, Path, dict[str, Any]]:
+    """The EAGLE-3 server of variant `v` with `threshold` (on `port`, default opts.port), its
+    decode graphs and running requests up to `reach` (64 at least); its log and its report."""
+    cfg = ServerConfig(v.name, opts.models / "target", draft=draft, threshold=threshold,
+                       overlap=v.overlap, cuda_graph=v.cuda_graph and opts.cuda_graph,
+                       cuda_graph_max_bs=max(64, reach), max_running=max(64, reach),
+                       mem_fraction=opts.mem_fraction)
+    # leaks: sglang logs "memory leak detected" at idle; check_log_clean fails on it
+    log = opts.out / f"server_{v.name}{'_auto' if threshold == AUTO else ''}.log"
+    rep: dict[str, Any] = {"name": v.name, "overlap": v.overlap, "cuda_graph": cfg.cuda_graph,
+                           "threshold": threshold, "phases": {}}
+    return Server(cfg, opts.port if port is None else port, log), log, rep
+
+
+def start_variant_server(srv: Server, opts: SmokeOptions, rep: dict[str, Any]) -> str:
+    """Starts it within the deadline (a minute left for the checks); its base URL."""
+    srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
+    rep["start_s"] = round(srv.start_seconds, 1)
+    return srv.base
+
+
 def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
                 refs: dict[str, list[int]], port: int | None = None) -> dict[str, Any]:
     """One EAGLE-3 server with the threshold (on `port`, default opts.port): every check, in order.
     Returns the variant's report."""
     n = opts.threshold
-    cfg = ServerConfig(v.name, opts.models / "target", draft=draft, threshold=n, overlap=v.overlap,
-                       cuda_graph=v.cuda_graph and opts.cuda_graph, cuda_graph_max_bs=max(64, 4 * n),
-                       max_running=max(64, 4 * n), mem_fraction=opts.mem_fraction,
-                       )  # leaks: sglang logs "memory leak detected" at idle; check_log_clean fails on it
-    log = opts.out / f"server_{v.name}.log"
-    rep: dict[str, Any] = {"name": v.name, "overlap": v.overlap, "cuda_graph": cfg.cuda_graph,
-                           "threshold": n, "phases": {}}
-    srv = Server(cfg, opts.port if port is None else port, log)
+    srv, log, rep = variant_server(opts, v, draft, n, reach=4 * n, port=port)
     try:
-        srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
-        rep["start_s"] = round(srv.start_seconds, 1)
-        base = srv.base
+        base = start_variant_server(srv, opts, rep)
         start_log = log.read_text(errors="replace")
         check_start_log(start_log, n)
         st0 = spec_state(client.server_info(base))
@@ -480,18 +493,9 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
     above and across any crossover (1, 8N at once, bursts of 4N beside long requests), no errors,
     the KV pool back to its idle size, a clean log."""
     n = opts.threshold
-    cfg = ServerConfig(v.name, opts.models / "target", draft=draft, threshold=AUTO,
-                       overlap=v.overlap, cuda_graph=v.cuda_graph and opts.cuda_graph,
-                       cuda_graph_max_bs=max(64, 8 * n), max_running=max(64, 8 * n),
-                       mem_fraction=opts.mem_fraction)
-    log = opts.out / f"server_{v.name}_auto.log"
-    rep: dict[str, Any] = {"name": v.name, "overlap": v.overlap, "cuda_graph": cfg.cuda_graph,
-                           "threshold": AUTO, "phases": {}}
-    srv = Server(cfg, opts.port if port is None else port, log)
+    srv, log, rep = variant_server(opts, v, draft, AUTO, reach=8 * n, port=port)
     try:
-        srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
-        rep["start_s"] = round(srv.start_seconds, 1)
-        base = srv.base
+        base = start_variant_server(srv, opts, rep)
         check_start_log(log.read_text(errors="replace"), AUTO)
         st0 = spec_state(client.server_info(base))
         if "crossover" not in st0:

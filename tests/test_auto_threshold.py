@@ -474,17 +474,22 @@ def test_policy_leaves_the_catch_up_step_out_and_keeps_the_pairing():
 def test_the_scheduler_idle_hook_reaches_auto_s_policy():
     from types import SimpleNamespace
 
-    from sglang_image_plugin import observe, worker
+    from sglang_image_plugin import observe, state
+    from sglang_image_plugin.state import WorkerState
+
+    def eagle_worker(controller: object) -> SimpleNamespace:
+        worker = SimpleNamespace()
+        state.of(worker, WorkerState).controller = controller  # type: ignore[assignment]
+        return worker
 
     clock = Clock()
     ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
     policy = AutoPolicy(ctl, 3, clock)
-    scheduler = SimpleNamespace(draft_worker=SimpleNamespace(**{worker.CONTROLLER_ATTR: policy}))
+    scheduler = SimpleNamespace(draft_worker=eagle_worker(policy))
     policy.get_steps_for_batch(4)
     observe.scheduler_idle(scheduler)  # BEFORE Scheduler.on_idle
     policy.on_verify_complete([2] * 4, 4)
     assert policy.dropped == 1 and ctl.recorded == []
     # a fixed threshold's controller has no step clock; a server without the feature, no worker
-    observe.scheduler_idle(SimpleNamespace(draft_worker=SimpleNamespace(
-        **{worker.CONTROLLER_ATTR: object()})))
+    observe.scheduler_idle(SimpleNamespace(draft_worker=eagle_worker(object())))
     observe.scheduler_idle(SimpleNamespace())

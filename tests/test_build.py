@@ -20,7 +20,17 @@ import docker.errors
 import pytest
 from docker import DockerClient
 
-from sglang_image import build, context, docker_engine, fetch, labels, normalize, pins, plan, plugin
+from sglang_image import (
+    build,
+    context,
+    docker_engine,
+    fetch,
+    labels,
+    normalize,
+    pins,
+    plan,
+    plugin_wheel,
+)
 from sglang_image.errors import (
     BuildError,
     DockerUnavailableError,
@@ -467,7 +477,7 @@ def test_light_image_carries_the_plugin_of_a_plugin_flavor(light_image: build.Bu
     build made (by hash), visible to SGLang's entry-point discovery, named in the labels."""
     flavor = pins.load_flavor(FLAVOR)
     assert flavor.plugin, f"{FLAVOR} is expected to carry the plugin"
-    wheel = plugin.build_wheel(tmp_path)  # byte-identical to the one the build installed
+    wheel = plugin_wheel.build_wheel(tmp_path)  # byte-identical to the one the build installed
     labels = docker_client.images.get(light_image.image_id).labels
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     assert labels["io.sglang-image.plugin"] == wheel.name

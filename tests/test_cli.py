@@ -4,7 +4,9 @@ error into its exit code."""
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -134,8 +136,7 @@ def test_only_main_turns_an_error_into_an_exit_code(monkeypatch: pytest.MonkeyPa
     assert cli.main(["build"]) == DockerUnavailableError.exit_code
     assert f"error: no engine for {pins.DEFAULT_FLAVOR}" in capsys.readouterr().err
     # no stage catches it on its own: each exposes run(flavor, options), none a main
-    for module in ("build", "base", "smoke", "publish", "deploy", "gpu", "docker_engine",
-                   "plugin"):
+    for module in STAGES:
         source = (pins.REPO_ROOT / "src" / "sglang_image" / f"{module}.py").read_text()
         assert not re.search(r"def main\(|return \w+\.exit_code", source), module
 
@@ -159,3 +160,52 @@ def test_a_nox_session_exits_with_its_command_code(tmp_path: Path, argv: list[st
         env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+# the stage module of every command (cli.COMMANDS)
+STAGES = ("build", "base", "docker_engine", "image_smoke", "publish", "deploy", "gpu",
+          "plugin_check", "patch_series", "lock")
+
+
+def test_every_command_is_a_stage_with_run_flavor_options() -> None:
+    """Each command's parser ends in its stage's run(flavor, options): no command logic in cli.py
+    (the patch and lock commands lived there)."""
+    source = (pins.REPO_ROOT / "src" / "sglang_image" / "cli.py").read_text()
+    assert len(STAGES) == len(cli.COMMANDS)
+    for module in STAGES:
+        run = importlib.import_module(f"sglang_image.{module}").run
+        assert list(inspect.signature(run).parameters)[:2] == ["flavor", "options"], module
+        assert f"{module}.run(" in source, module
+
+
+def test_patches_words_become_the_flavor_and_the_options() -> None:
+    from sglang_image.patch_series import from_words
+
+    old, new = pins.load_flavor("sglang-0.5.17"), pins.load_flavor("sglang-0.5.23")
+    assert from_words([], False)[0] is None and from_words([], False)[1].flavors == ()
+    assert from_words([old.name], False)[1].flavors == (old,)  # check is the default action
+    flavor, options = from_words(["rebase", old.name, new.name], False)
+    assert (flavor, options.action, options.flavors) == (new, "rebase", (old,))
+    assert from_words(["rebase"], True)[0] is None and from_words(["rebase"], True)[1].resume
+    assert from_words(["edit"], False)[0] == pins.load_flavor()  # the default flavor
+    with pytest.raises(UsageError, match="usage: nox -s patches -- check"):
+        from_words(["rebase", old.name], False)
+    with pytest.raises(UsageError, match="--continue goes with rebase"):
+        from_words(["export", old.name], True)
+    with pytest.raises(PinError, match="unknown flavor 'bogus'"):
+        from_words(["bogus"], False)
+
+
+def test_every_stage_s_options_check_themselves_when_made(tmp_path: Path) -> None:
+    from sglang_image import gpu, image_smoke, plugin_check, publish
+    from sglang_image.errors import PluginError
+
+    with pytest.raises(UsageError, match="--image 'Not An Image' is not an image reference"):
+        image_smoke.ImageSmokeOptions(image="Not An Image")
+    image_smoke.ImageSmokeOptions(image="sha256:" + "a" * 64)  # an image ID is taken
+    with pytest.raises(UsageError, match="--part-mib -1"):
+        gpu.BundleOptions(part_mib=-1)
+    with pytest.raises(UsageError, match="needs --registry"):
+        publish.PublishOptions()
+    with pytest.raises(UsageError, match="give start or stop"):
+        docker_engine.EngineOptions(action="restart")
+    with pytest.raises(PluginError, match="no sglang/ directory"):
+        plugin_check.PluginCheckOptions(site_packages=tmp_path)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from sglang_image import cli, errors, pins, plugin, smoke
+from sglang_image import cli, errors, image_smoke, pins, threshold
 
 
 def _error_classes() -> list[type[errors.SglangImageError]]:
@@ -19,7 +19,7 @@ def _error_classes() -> list[type[errors.SglangImageError]]:
 
 
 def test_every_error_has_its_own_documented_code() -> None:
-    assert plugin.PluginError in _error_classes()
+    assert errors.PluginError in _error_classes()
     codes = [cls.exit_code for cls in _error_classes()]
     assert len(codes) == len(set(codes)), codes
     assert set(codes) | {0, errors.PARTIAL_EXIT_CODE} == set(errors.EXIT_CODES)
@@ -44,18 +44,18 @@ def test_smoke_help_is_in_nox_terms(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_threshold_takes_a_number_or_auto_where_the_flavor_has_it() -> None:
-    assert smoke.threshold_value("8") == 8 and smoke.threshold_value("auto") == "auto"
+    assert threshold.parse("8") == 8 and threshold.parse("auto") == "auto"
     for bad in ("0", "x"):
         with pytest.raises(Exception, match="number|1 or more"):
-            smoke.threshold_value(bad)
+            threshold.parse(bad)
     plugin_flavors = [n for n in pins.flavor_names() if pins.load_flavor(n).plugin]
     others = [n for n in pins.flavor_names() if not pins.load_flavor(n).plugin]
     assert plugin_flavors and others
-    smoke.check_threshold("auto", pins.load_flavor(plugin_flavors[0]))
-    smoke.check_threshold(8, pins.load_flavor(others[0]))
+    threshold.check_flavor("auto", pins.load_flavor(plugin_flavors[0]))
+    threshold.check_flavor(8, pins.load_flavor(others[0]))
     with pytest.raises(errors.UsageError, match="no automatic threshold"):
-        smoke.check_threshold("auto", pins.load_flavor(others[0]))
-    assert "--threshold auto" in smoke.full_command("auto")[-1]
+        threshold.check_flavor("auto", pins.load_flavor(others[0]))
+    assert "--threshold auto" in image_smoke.full_command("auto")[-1]
 
 
 def test_build_help_lists_flavors_and_hides_the_test_build(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 
 import pytest
 
 from bench.__main__ import build_parser as bench_parser
 from smoke import features as F
 from smoke.__main__ import build_parser
-from tests.server_fakes import port_recording_server
+from tests.server_fakes import VariantRecorder, port_recording_server
 
 
 def outcome(ids: list[int], finish: object = None, lps: list[float] | None = None,
@@ -227,33 +226,12 @@ def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monk
 
 
 # ----------------------------------------------------------------------------- variants side by side
-class VariantRecorder:
-    """Stands in for run_variant: records each call's variant, port and thread, and how many calls
-    were in flight at once. With a barrier, a call waits there for the other one (and fails after
-    its timeout, instead of hanging, when the variants run one after the other)."""
-
-    def __init__(self, barrier: threading.Barrier | None = None, slow: tuple[str, ...] = (),
-                 crash: tuple[str, ...] = ()):
-        self.barrier, self.slow, self.crash = barrier, slow, crash
-        self.calls: list[tuple[str, int | None, str]] = []
-        self.lock = threading.Lock()
-        self.in_flight = self.most_in_flight = 0
+class MatrixVariantRecorder(VariantRecorder):
+    """Stands in for the feature matrix's run_variant (tests/server_fakes.py)."""
 
     def __call__(self, opts, key, cases, refs, pressure, vocab, port=None):
-        with self.lock:
-            self.calls.append((key, port, threading.current_thread().name))
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            if self.barrier is not None:
-                self.barrier.wait()
-            time.sleep(0.3 if key in self.slow else 0.01)  # a slow one ends last
-            if key in self.crash:
-                raise RuntimeError(f"{key} blew up")
-            return {"overlap": F.VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}, "ran": key}
-        finally:
-            with self.lock:
-                self.in_flight -= 1
+        return self.record(key, port, lambda: RuntimeError(f"{key} blew up"),
+                           {"overlap": F.VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}, "ran": key})
 
 
 def matrix_options(tmp_path, monkeypatch, recorder, **kw) -> F.FeatureOptions:
@@ -267,7 +245,7 @@ def matrix_options(tmp_path, monkeypatch, recorder, **kw) -> F.FeatureOptions:
 
 
 def test_parallel_variants_run_at_once_each_on_its_own_port(tmp_path, monkeypatch):
-    rec = VariantRecorder(threading.Barrier(2, timeout=5), slow=("overlap",))
+    rec = MatrixVariantRecorder(threading.Barrier(2, timeout=5), slow=("overlap",))
     opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True)
     state: dict = {}
     report = F.run_features(opts, state)
@@ -279,14 +257,14 @@ def test_parallel_variants_run_at_once_each_on_its_own_port(tmp_path, monkeypatc
     assert [rep["ran"] for rep in report["variants"].values()] == ["overlap", "sync"]
     assert set(state["variants"]) == {"overlap", "sync"} and not report["failures"]
     # the order asked decides the places: sync first takes base + 1
-    rec = VariantRecorder(threading.Barrier(2, timeout=5))
+    rec = MatrixVariantRecorder(threading.Barrier(2, timeout=5))
     opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True, variants=("sync", "overlap"))
     assert list(F.run_features(opts, {})["variants"]) == ["sync", "overlap"]
     assert {key: port for key, port, _ in rec.calls} == {"sync": 30101, "overlap": 30102}
 
 
 def test_parallel_variants_keep_the_other_s_result_when_one_crashes(tmp_path, monkeypatch):
-    rec = VariantRecorder(threading.Barrier(2, timeout=5), crash=("overlap",))
+    rec = MatrixVariantRecorder(threading.Barrier(2, timeout=5), crash=("overlap",))
     opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True)
     state: dict = {}
     report = F.run_features(opts, state)
@@ -300,7 +278,7 @@ def test_parallel_variants_keep_the_other_s_result_when_one_crashes(tmp_path, mo
 
 
 def test_parallel_variants_rerun_only_what_is_not_done(tmp_path, monkeypatch):
-    rec = VariantRecorder()
+    rec = MatrixVariantRecorder()
     opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True)
     earlier = {"overlap": True, "cuda_graph": True, "cases": {}, "ran": "an earlier call"}
     state: dict = {"variants": {"overlap": earlier}}
@@ -309,14 +287,14 @@ def test_parallel_variants_rerun_only_what_is_not_done(tmp_path, monkeypatch):
     assert list(report["variants"]) == ["overlap", "sync"]
     assert report["variants"]["overlap"] is earlier
     # too little time left: nothing starts, both skipped as the serial run skips them
-    rec = VariantRecorder()
+    rec = MatrixVariantRecorder()
     opts = matrix_options(tmp_path, monkeypatch, rec, parallel_variants=True, deadline=F.Deadline(0.0))
     report = F.run_features(opts, {"variants": {}})
     assert rec.calls == [] and report["skipped"] == ["overlap", "sync"] and report["variants"] == {}
 
 
 def test_without_the_flag_variants_run_one_after_the_other_on_today_s_port(tmp_path, monkeypatch):
-    rec = VariantRecorder(slow=("overlap",))
+    rec = MatrixVariantRecorder(slow=("overlap",))
     opts = matrix_options(tmp_path, monkeypatch, rec)
     assert opts.parallel_variants is False
     report = F.run_features(opts, {})
@@ -384,7 +362,7 @@ def test_every_request_of_the_matrix_is_one_the_real_server_accepts(flavor, sgla
 
 
 def test_the_partial_smoke_names_every_case_it_could_not_run():
-    from sglang_image.smoke import NOT_CHECKED_WITHOUT_GPU, full_command
+    from sglang_image.image_smoke import NOT_CHECKED_WITHOUT_GPU, full_command
 
     expected = {"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}
     base = F.Outcome(ids=[list(range(10, 60))], text=["abcdefghijklmnopqrstuvwxyz"], finish=["length"])
@@ -397,7 +375,7 @@ def test_the_partial_smoke_names_every_case_it_could_not_run():
 
 def test_the_smoke_checks_an_image_against_the_series_of_its_own_flavor():
     from sglang_image.errors import SmokeError
-    from sglang_image.smoke import image_flavor
+    from sglang_image.image_smoke import image_flavor
 
     labels = {"io.sglang-image.flavor": "sglang-0.5.17"}
     assert image_flavor("img", labels, None) == "sglang-0.5.17"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.e2e import host_stack_problems
-from sglang_image import gpu, lock, pins, plugin
+from sglang_image import gpu, lock, pins, plugin_wheel
 
 FLAVOR = "sglang-0.5.23"
 
@@ -204,7 +204,7 @@ def test_host_stack_lines_name_what_differs() -> None:
 def test_launch_path_imports_what_the_bundle_and_the_host_stack_have(tmp_path: Path) -> None:
     flavor = pins.load_flavor(FLAVOR)
     wheels = gpu.fetch_wheels(flavor, tmp_path / "fetched", only=gpu.bundle_members(flavor))
-    wheels.append(plugin.build_wheel(tmp_path / "plugin"))
+    wheels.append(plugin_wheel.build_wheel(tmp_path / "plugin"))
     site = tmp_path / "site"
     for wheel in wheels:
         lay_out(wheel, site)

@@ -23,10 +23,8 @@ def test_flavor_loads_and_lock_is_fresh(name: str) -> None:
     lock.check_fresh(flavor)  # fails when the toml changed after the lock was made
     entries = {e.name: e for e in lock.read_lock(flavor.lock_path)}
     assert entries["sglang"].version == flavor.sglang_version
-    assert entries["flashinfer-python"].version == flavor.flashinfer_version
-    assert entries["transformers"].version == flavor.transformers_version
-    assert entries[flavor.kernel_package].version == flavor.kernel_version
-    assert entries["torch"].version == flavor.torch_version
+    for pinned in ("flashinfer-python", "transformers", flavor.kernel_package, "torch"):
+        assert entries[pinned].version == flavor.pinned(pinned), pinned
 
 
 def test_default_flavor_lock_is_complete() -> None:
@@ -116,33 +114,15 @@ def test_a_long_download_says_how_far_it_got() -> None:
     assert (returncode, output) == (3, "no\n")
 
 
-def _imports_of(path: Path) -> set[str]:
-    """sglang_image modules a source file imports (anywhere but under `if TYPE_CHECKING:`)."""
-    import ast
-
-    tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang_image"):
-            if node.module == "sglang_image":
-                found.update(alias.name for alias in node.names)
-            else:
-                found.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("sglang_image."))
-    return found
-
-
 def test_src_has_no_import_cycle_and_the_applier_is_stdlib_only() -> None:
     import graphlib
     import sys
 
+    from tests.test_layout import project_imports  # the project's one import-graph walker
+
     src = pins.REPO_ROOT / "src" / "sglang_image"
-    graph = {p.stem: _imports_of(p) - {p.stem} for p in src.glob("*.py")}
+    graph = {p.stem: {dep.split(".")[1] for dep in project_imports(p, "sglang_image")} - {p.stem}
+             for p in src.glob("*.py")}
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
     # patch.py runs inside the image before any third-party package is trusted
     assert graph["patch"] == {"errors"} and graph["errors"] == set()
@@ -167,7 +147,7 @@ def test_each_version_is_written_once_in_the_flavor_file(tmp_path: Path) -> None
     """[lock] requirements are the one record of a version: the stack reads them, a version
     written again in [stack] is refused by name, and a stack pin missing from [lock] too."""
     flavor = pins.load_flavor()
-    assert flavor.kernel_version == flavor.pinned(flavor.kernel_package)
+    assert flavor.pinned(flavor.kernel_package)  # [stack] names the kernel, [lock] pins it
     changed = dataclasses.replace(flavor, requirements=tuple(
         "sglang==9.9.9" if r.startswith("sglang==") else r for r in flavor.requirements))
     assert changed.sglang_version == "9.9.9"

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from sglang_image import pins, plugin
+from sglang_image import pins, plugin_check, plugin_source, plugin_wheel
 from smoke import runner
 from tests.eagle3_draft import EAGLE3_LEAVES
 from tests.probe import probe_result
@@ -63,7 +63,7 @@ def tree(sglang_tree: Callable[[str, bool], Path]) -> Path:
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The plugin's wheel as pip would install it: its files and dist-info (entry points)."""
     out = tmp_path_factory.mktemp("plugin")
-    wheel = plugin.build_wheel(out / "dist")
+    wheel = plugin_wheel.build_wheel(out / "dist")
     site = out / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
@@ -108,7 +108,9 @@ LAUNCHER = textwrap.dedent("""
             sa.check_server_args()
         except ValueError as e:
             return {"error": str(e)}
-        setting = pickle.loads(pickle.dumps(sa))._sglang_image_spec_disable
+        from sglang_image_plugin import state
+        from sglang_image_plugin.state import ArgsState
+        setting = state.peek(pickle.loads(pickle.dumps(sa)), ArgsState).setting
         return {"threshold": setting.threshold, "hysteresis": setting.hysteresis}
 """)
 
@@ -124,8 +126,8 @@ def _probe(run_in_tree: Callable[..., subprocess.CompletedProcess[str]], tree: P
 
 
 def test_wheel_is_reproducible_and_declares_the_entry_point(tmp_path: Path) -> None:
-    first = plugin.build_wheel(tmp_path / "a")
-    second = plugin.build_wheel(tmp_path / "b")
+    first = plugin_wheel.build_wheel(tmp_path / "a")
+    second = plugin_wheel.build_wheel(tmp_path / "b")
     assert first.name == "sglang_image_plugin-0.1.0-py3-none-any.whl"
     assert first.read_bytes() == second.read_bytes()
     with zipfile.ZipFile(first) as zf:
@@ -139,7 +141,7 @@ def test_wheel_is_reproducible_and_declares_the_entry_point(tmp_path: Path) -> N
     assert "\nRequires-Python: >=3.11\n" in metadata
     pinned = sorted(line.split("==")[1] for line in metadata.splitlines()
                     if line.startswith("Requires-Dist: sglang=="))
-    assert pinned == sorted(plugin.load_digests())
+    assert pinned == sorted(plugin_check.load_digests())
 
 
 def test_discovered_applied_and_checked_at_start(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
@@ -185,8 +187,8 @@ def test_a_hook_that_does_not_take_stops_the_process(run_in_tree, tree, plugin_s
         from sglang.srt.plugins import load_plugins
         load_plugins()
         from sglang_image_plugin import registry
-        from sglang_image_plugin.targets import hooks_of
-        registry.install(hooks_of("threshold"), "plain-step")
+        from sglang_image_plugin.targets import Group, hooks_of
+        registry.install(hooks_of(Group.THRESHOLD), "plain-step")
         emit({"still": "running"})
     """)
     proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}"}, timeout=900)
@@ -256,6 +258,8 @@ def test_a_threshold_server_keeps_a_plain_servers_running_limit(run_in_tree, tre
         load_plugins()
         from sglang.srt.server_args import prepare_server_args
         from sglang.srt.arg_groups.overrides import resolving_view
+        from sglang_image_plugin import state
+        from sglang_image_plugin.state import ArgsState
         def limit(extra, plain=False):
             argv = ["--model-path", MODEL, "--skip-tokenizer-init", "--device", "cpu", *extra]
             if not plain:
@@ -275,7 +279,7 @@ def test_a_threshold_server_keeps_a_plain_servers_running_limit(run_in_tree, tre
                 logging.getLogger().removeHandler(capture)
             return [resolving_view(sa).max_running_requests,
                     any("reset to 48" in m for m in seen),
-                    bool(getattr(sa, "_sglang_image_plain_running_limit", False))]
+                    state.of(sa, ArgsState).running_limit]
         emit({"threshold": limit(["--speculative-disable-batch-threshold", "16"]),
               "auto": limit(["--speculative-disable-batch-threshold", "auto"]),
               "given": limit(["--speculative-disable-batch-threshold", "16", "--max-running-requests", "64"]),
@@ -331,11 +335,11 @@ def test_another_plugin_on_the_same_targets_keeps_its_hooks(run_in_tree, tree, p
         ns = parser.parse_args(["--model-path", "m", "--other-plugin-flag", "x",
                                 "--speculative-disable-batch-threshold", "8"])
         from sglang_image_plugin import registry, worker
-        from sglang_image_plugin.targets import hooks_of
+        from sglang_image_plugin.targets import Group, hooks_of
         graphs = EAGLEWorkerV2.__dict__["init_cuda_graphs"]
         verify_before = EAGLEWorkerV2.__dict__["_build_trivial_verify_input"]
         # a threshold worker installs its per-step hooks over the other plugin's, which stay
-        registry.install(hooks_of("threshold"), "plain-step")
+        registry.install(hooks_of(Group.THRESHOLD), "plain-step")
         verify = EAGLEWorkerV2.__dict__["_build_trivial_verify_input"]
         emit({"order": [ep.name for ep in entry_points(group="sglang.srt.plugins")],
               "not_taken": sglang_image_plugin.hooks_not_taken(),
@@ -345,7 +349,7 @@ def test_another_plugin_on_the_same_targets_keeps_its_hooks(run_in_tree, tree, p
               "theirs_before_install": registry.wraps_hook(verify_before, other_plugin.around_verify),
               "both_after_install": [registry.wraps_hook(verify, other_plugin.around_verify),
                                      registry.wraps_hook(verify, worker.trivial_verify_input)],
-              "again": registry.install(hooks_of("threshold"), "plain-step") is None
+              "again": registry.install(hooks_of(Group.THRESHOLD), "plain-step") is None
                        and EAGLEWorkerV2.__dict__["_build_trivial_verify_input"] is verify})
     """, env={"PYTHONPATH": f"{plugin_site}:{other}:{tree}"})
     assert out["order"] == ["sglang_image", "other"]
@@ -398,8 +402,8 @@ def test_zero_step_verify_hands_int64_draft_tokens_to_the_tree_kernel(run_in_tre
         from sglang.srt.plugins import load_plugins
         load_plugins()
         from sglang_image_plugin import registry
-        from sglang_image_plugin.targets import hooks_of
-        registry.install(hooks_of("threshold"), "plain-step")  # as a threshold worker does
+        from sglang_image_plugin.targets import Group, hooks_of
+        registry.install(hooks_of(Group.THRESHOLD), "plain-step")  # as a threshold worker does
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
         from sglang.srt.speculative.eagle_info import EagleDraftInput
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -613,8 +617,10 @@ def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(r
         worker._draft_worker.target_worker = NS(model_runner=NS(kv_index_translator=None))
 """
     body = """
+        from sglang_image_plugin import state
+        from sglang_image_plugin.state import DraftState
         emit({"policy": policy, "built": built, "steps": steps,
-              "kv_only": getattr(worker._draft_worker, "_sglang_image_kv_only", None) is controller.params,
+              "kv_only": state.of(worker._draft_worker, DraftState).catch_up is controller.params,
               "lines": [r for r in records if r.startswith("Plain step:")]})
     """
     out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, llama_draft, SWITCH, body)
@@ -658,9 +664,9 @@ def test_worker_refuses_a_draft_sharing_qsa_indices(run_in_tree, tree, plugin_si
 
 def _doctored_copy(tree: Path, dest: Path) -> Path:
     """The files the check reads, copied from the wheel (and its dist-info)."""
-    targets = plugin._targets()
+    targets = plugin_source.targets()
     for dotted in [h.target for h in targets.HOOKS] + list(targets.RELIED):
-        located = plugin._locate(tree, dotted)
+        located = plugin_check._locate(tree, dotted)
         assert located is not None, dotted
         copy = dest / located[0].relative_to(tree)
         copy.parent.mkdir(parents=True, exist_ok=True)
@@ -670,15 +676,15 @@ def _doctored_copy(tree: Path, dest: Path) -> Path:
 
 
 def test_hook_target_check_passes_on_the_wheel_and_names_what_changed(tree: Path, tmp_path: Path) -> None:
-    assert plugin.check_hook_targets(tree, SGLANG_VERSION) == []
+    assert plugin_check.check_hook_targets(tree, SGLANG_VERSION) == []
     doctored = _doctored_copy(tree, tmp_path / "site")
-    assert plugin.check_hook_targets(doctored, SGLANG_VERSION) == []
+    assert plugin_check.check_hook_targets(doctored, SGLANG_VERSION) == []
     worker = doctored / "sglang/srt/speculative/eagle_worker_v2.py"
     text = worker.read_text()
     worker.write_text(text.replace("draft_token_num=1,", "draft_token_num=2,", 1))
     state = doctored / "sglang/srt/managers/scheduler_components/internal_state.py"
     state.write_text(state.read_text().replace("def _add_speculative(", "def _add_spec_info(", 1))
-    problems = plugin.check_hook_targets(doctored, SGLANG_VERSION)
+    problems = plugin_check.check_hook_targets(doctored, SGLANG_VERSION)
     assert problems == [
         ("hook target sglang.srt.managers.scheduler_components.internal_state."
          "SchedulerInternalStateController._add_speculative (after: adds speculative_disable to "
@@ -688,7 +694,7 @@ def test_hook_target_check_passes_on_the_wheel_and_names_what_changed(tree: Path
          "then record the digests again"),
     ]
     assert any("no digests recorded for sglang 0.5.99" in p
-               for p in plugin.check_hook_targets(tree, "0.5.99"))
+               for p in plugin_check.check_hook_targets(tree, "0.5.99"))
 
 
 def test_plugin_check_command(tree: Path) -> None:
@@ -847,7 +853,8 @@ def test_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_
         import torch
         from types import SimpleNamespace as NS
         from sglang.srt.speculative import eagle_worker_v2
-        from sglang_image_plugin import draft_kv, plain_step, plain_target
+        from sglang_image_plugin import plain_step, plain_target, state
+        from sglang_image_plugin.state import DraftState, WorkerState
         seen = []
         def original(worker, steps, tokens, *a, **k):
             seen.append([steps, eagle_worker_v2.DecodeCudaGraphRunner.__name__])
@@ -858,7 +865,7 @@ def test_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_
                 capture_tail_hooks=hooks if hooks is not None else [],
                 req_to_token_pool=NS(req_to_token=torch.zeros(8, 4)))))
             if step is not None:
-                setattr(w, plain_step.ATTR, step)
+                state.of(w, WorkerState).plain_step = step
             return w
         deferred = plain_step.PlainStep(kv_only_reason=None, layout_reason=None, deferred_reason=None)
         eager = plain_step.PlainStep(kv_only_reason=None, layout_reason="sync", deferred_reason="sync")
@@ -870,11 +877,11 @@ def test_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_
             hooks = []
             w = worker(step, hooks)
             def capture(worker, steps, tokens, *a, **k):
-                d = getattr(w.draft_worker, draft_kv.DEFERRED_ATTR, None)
+                d = state.of(w.draft_worker, DraftState).deferred
                 if d is not None:
                     d.pos[1] = 5  # what a capture run with dummy rows leaves
             plain_target.build_runtime_state(capture, w, 0, 1)
-            d = getattr(w.draft_worker, draft_kv.DEFERRED_ATTR, None)
+            d = state.of(w.draft_worker, DraftState).deferred
             return [len(hooks), None if d is None else [list(d.hidden.shape), d.pos.tolist()]]
         emit({"seen": seen, "base": [b.__name__ for b in cls.__mro__[1:3]],
               "spec_info": cls.get_spec_info(None, 8),
@@ -891,6 +898,8 @@ def test_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_
 # The fake draft's worker: its runner (model, KV pool, slot translators), as the hooks read it.
 EAGLE3_DRAFT = EAGLE3_LEAVES + """
 def draft_worker(model, steps=0, pool=None, catch_up=None, translating=False):
+    from sglang_image_plugin import state
+    from sglang_image_plugin.state import DraftState
     class Algo:
         def is_standalone(self):
             return False
@@ -900,7 +909,7 @@ def draft_worker(model, steps=0, pool=None, catch_up=None, translating=False):
     w = NS(draft_runner=runner, speculative_num_steps=steps, topk=1, device="cpu",
            target_worker=NS(model_runner=NS(kv_index_translator=NS(is_translating=False))))
     if catch_up is not None:
-        setattr(w, "_sglang_image_kv_only", catch_up)
+        state.of(w, DraftState).catch_up = catch_up
     return w
 """
 
@@ -994,7 +1003,8 @@ LAYOUT_FAKES = """
     overlap_utils.gather_spec_extras = lambda i, p, t, o, h: (  # (a triton kernel upstream)
         p[i], t[i], o[i], None if h is None else h[i])
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang_image_plugin import draft_kv, layout as L
+    from sglang_image_plugin import draft_kv, layout as L, state
+    from sglang_image_plugin.state import DraftState, WorkerState
     from sglang_image_plugin.acceptance import AcceptanceAroundPlain
     from sglang_image_plugin.policy import CatchUpPolicy
     EAGLE = SpeculativeAlgorithm.EAGLE3
@@ -1033,7 +1043,7 @@ LAYOUT_FAKES = """
         real_decided = watch.decided
         watch.decided = lambda spec, bs: (decided.append(spec), real_decided(spec, bs))
         lay = L.PlainLayout(worker, fm, EAGLE, policy, watch)
-        setattr(worker, L.LAYOUT_ATTR, lay)
+        state.of(worker, WorkerState).layout = lay
         L._active = lay
         # the worker's verify callback as upstream's and the plugin's hooks make it: the policy's
         # on_verify_complete, the acceptance watch
@@ -1330,7 +1340,7 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
         upstream_plain_prepare(s.batch)
         s.batch.input_ids = torch.tensor([100, 101, 102])
         s.worker.draft_worker = NS(draft_runner=NS(model=NS(model=None), token_to_kv_pool=None))
-        setattr(s.worker.draft_worker, draft_kv.DEFERRED_ATTR, rec)
+        state.of(s.worker.draft_worker, DraftState).deferred = rec
         for graph in (True, False):
             s.worker.target_worker = NS(forward_batch_generation=lambda b, capture_hidden_mode=None: NS(
                 next_token_ids=torch.tensor([1, 2, 3]), can_run_cuda_graph=graph,
@@ -1342,7 +1352,7 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
         L.forward_batch_generation(lambda *a, **k: "prefill", s.worker, prefill)
         # the draft extend of a speculative-layout zero-step step
         dw = NS(speculative_num_steps=0)
-        setattr(dw, draft_kv.DEFERRED_ATTR, rec)
+        state.of(dw, DraftState).deferred = rec
         verified = NS(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([3, 5]),
                       input_ids=torch.tensor([7, 8]), seq_lens=torch.tensor([12, 22]))
         draft_kv.draft_extend_for_decode(lambda *a, **k: calls.append(["full draft extend"]), dw, verified, None)
@@ -1366,23 +1376,24 @@ def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tr
     # reused row: its old pending K/V would go to a freed slot), and the plain step says so.
     out = _probe(run_in_tree, tree, plugin_site, """
         from types import SimpleNamespace as NS
-        from sglang_image_plugin import draft_kv, layout as L, observe, plain_step, worker as W
+        from sglang_image_plugin import observe, plain_step, state
+        from sglang_image_plugin.state import DraftState, WorkerState
         def scheduler(overlap):
             draft = NS()
-            setattr(draft, draft_kv.KV_ONLY_ATTR, object())
             deferred = NS(disabled=False)
             deferred.disable = lambda: setattr(deferred, "disabled", True)
-            setattr(draft, draft_kv.DEFERRED_ATTR, deferred)
+            state.of(draft, DraftState).catch_up = object()
+            state.of(draft, DraftState).deferred = deferred
             worker = NS(_draft_worker=draft)
-            setattr(worker, W.CONTROLLER_ATTR, NS())
-            setattr(worker, plain_step.ATTR, plain_step.PlainStep(
-                kv_only_reason=None, layout_reason=None, deferred_reason=None))
+            state.of(worker, WorkerState).controller = NS()
+            state.of(worker, WorkerState).plain_step = plain_step.PlainStep(
+                kv_only_reason=None, layout_reason=None, deferred_reason=None)
             s = NS(draft_worker=worker, model_worker=worker, enable_overlap=overlap, page_size=1,
                    future_map=object(), spec_algorithm="EAGLE3", metrics_reporter=None)
             observe.scheduler_init(None, s)
-            kept = getattr(draft, draft_kv.DEFERRED_ATTR)
+            kept = state.of(draft, DraftState).deferred
             step = plain_step.of(worker)
-            return [kept is deferred, deferred.disabled, getattr(worker, L.LAYOUT_ATTR, None) is not None,
+            return [kept is deferred, deferred.disabled, state.of(worker, WorkerState).layout is not None,
                     step.layout, step.deferred]
         emit({"sync": scheduler(False), "overlap": scheduler(True)})
     """)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sglang_image.plugin import PLUGIN_DIR
+from sglang_image.plugin_source import PLUGIN_DIR
 
 sys.path.insert(0, str(PLUGIN_DIR))
 

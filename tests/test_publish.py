@@ -14,7 +14,7 @@ import pytest
 import requests
 from docker import DockerClient
 
-from sglang_image import build, cli, pins, publish, smoke
+from sglang_image import build, cli, image_smoke, pins, publish
 from sglang_image.errors import PublishError, SmokeError
 from sglang_image.labels import SBOM_PATH
 from tests.conftest_docker import one_engine
@@ -57,8 +57,8 @@ def test_tags_come_from_the_image_labels() -> None:
 
 
 def _record(records: Path, image_id: str, mode: str) -> None:
-    res = smoke.SmokeResult(mode, True, 0, records, image_id=image_id)
-    assert smoke.write_record(res, "img:tag", records) is not None
+    res = image_smoke.SmokeResult(mode, True, 0, records, image_id=image_id)
+    assert image_smoke.write_record(res, "img:tag", records) is not None
 
 
 def test_smoke_gate(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_smoke_gate(tmp_path: Path) -> None:
                                  records_dir=tmp_path).mode == "partial"
     # Another image's record does not count, even under a copied file name.
     other = "sha256:" + "c" * 64
-    smoke.record_path(other, tmp_path).write_text(smoke.record_path(image_id, tmp_path).read_text())
+    image_smoke.record_path(other, tmp_path).write_text(image_smoke.record_path(image_id, tmp_path).read_text())
     with pytest.raises(PublishError, match="no passed smoke"):
         publish.require_smoke(other, "img:tag", allow_partial=True, records_dir=tmp_path)
     _record(tmp_path, image_id, "full")
@@ -81,9 +81,9 @@ def test_smoke_gate(tmp_path: Path) -> None:
 
 
 def test_failed_smoke_leaves_no_record(tmp_path: Path) -> None:
-    res = smoke.SmokeResult("full", False, 1, tmp_path, image_id="sha256:" + "d" * 64)
-    assert smoke.write_record(res, "img:tag", tmp_path) is None
-    assert smoke.passed_smoke(res.image_id, tmp_path) is None
+    res = image_smoke.SmokeResult("full", False, 1, tmp_path, image_id="sha256:" + "d" * 64)
+    assert image_smoke.write_record(res, "img:tag", tmp_path) is None
+    assert image_smoke.passed_smoke(res.image_id, tmp_path) is None
 
 
 # --- real registries and engines --------------------------------------------------------------------
@@ -389,11 +389,11 @@ def test_light_image_partial_smoke_then_publish(docker_client: DockerClient,
     PARTIAL pass, which publish takes only when told; the SBOM comes back as built."""
     records, tag = tmp_path / "records", light_image.tags[0]
     argv = ["--image", tag, "--no-gpu", "--records", str(records), "--out", str(tmp_path / "o")]
-    assert cli.main(["smoke", *argv]) == smoke.PARTIAL_EXIT_CODE
+    assert cli.main(["smoke", *argv]) == image_smoke.PARTIAL_EXIT_CODE
     out = capsys.readouterr().out
     assert "NOT a pass" in out and "EAGLE-3 greedy outputs equal to plain decoding" in out
     assert cli.main(["smoke", *argv, "--accept-partial"]) == 0
-    record = smoke.passed_smoke(light_image.image_id, records)
+    record = image_smoke.passed_smoke(light_image.image_id, records)
     assert record is not None and record.mode == "partial"
     target = publish.parse_registry(f"{open_registry.address}/light")
     with pytest.raises(PublishError, match="PARTIAL"):
@@ -406,8 +406,8 @@ def test_light_image_partial_smoke_then_publish(docker_client: DockerClient,
     _clean(docker_client, result)
     # A later failed smoke of the same image (here: a series the image was not built from)
     # takes its pass away.
-    real = smoke.expected_series(pins.load_flavor())
+    real = image_smoke.expected_series(pins.load_flavor())
     tampered = [dict(real[0], sha256="0" * 64), *real[1:]]
-    monkeypatch.setattr(smoke, "expected_series", lambda flavor=None: tampered)
+    monkeypatch.setattr(image_smoke, "expected_series", lambda flavor=None: tampered)
     assert cli.main(["smoke", *argv]) == SmokeError.exit_code
-    assert smoke.passed_smoke(light_image.image_id, records) is None
+    assert image_smoke.passed_smoke(light_image.image_id, records) is None

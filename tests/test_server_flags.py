@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bench import throughput
-from sglang_image import plugin
+from sglang_image import plugin_wheel
 from smoke import features, runner
 from smoke.server import ServerConfig, cuda_graph_max_bs_flag
 from tests.probe import probe_result
@@ -84,7 +84,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("plugin")
-    wheel = plugin.build_wheel(out / "dist")
+    wheel = plugin_wheel.build_wheel(out / "dist")
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(out / "site")
     return out / "site"

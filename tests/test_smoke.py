@@ -26,7 +26,8 @@ if str(REPO) not in sys.path:
 from bench.__main__ import build_parser as bench_parser
 from smoke import client, models, partial, runner
 from smoke.__main__ import build_parser
-from tests.server_fakes import port_recording_server
+from tests.draft_emulation import emulate_draft
+from tests.server_fakes import VariantRecorder, port_recording_server
 
 # A server log as sglang 0.5.17 writes it (launch of an EAGLE-3 server), without the patch's line.
 SERVER_LOG = """\
@@ -102,7 +103,7 @@ def test_draft_files_are_in_the_eagle3_format_sglang_loads(tiny_models):
 def test_draft_acceptance_is_the_designed_one(tiny_models, draft, want):
     exp = json.loads((tiny_models[draft] / "expected.json").read_text())
     assert exp["designed_accept_length"] == pytest.approx(want)
-    emu = models.emulate_draft(tiny_models[draft], rounds=5)
+    emu = emulate_draft(tiny_models[draft], rounds=5)
     assert emu["accept_length"] == pytest.approx(want)
     # speculative decoding reproduces the target's greedy output
     n = len(exp["prompt_ids"])
@@ -271,13 +272,15 @@ def test_argument_parsing(tmp_path):
     for bad in ("auto8", "-1", "lots"):
         with pytest.raises(SystemExit, match=r"give `auto` .* or a whole number N >= 1"):
             runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", bad]))
-    from sglang_image import smoke as nox_smoke
+    from sglang_image import image_smoke
 
-    script = nox_smoke.full_command("auto")[-1]
+    script = image_smoke.full_command("auto")[-1]
     assert "smoke run --models /tmp/models --out /out --threshold auto" in script.replace(
-        nox_smoke.OUT_MOUNT, "/out")
-    assert f"features --models /tmp/models --out /out/features --threshold {runner.DEFAULT_THRESHOLD}" in (
-        script.replace(nox_smoke.OUT_MOUNT, "/out"))
+        image_smoke.OUT_MOUNT, "/out")
+    # with auto the feature matrix runs at its own default N, the runner's DEFAULT_THRESHOLD
+    assert script.replace(image_smoke.OUT_MOUNT, "/out").endswith(
+        "features --models /tmp/models --out /out/features")
+    assert ap.parse_args(["features", "--models", "m", "--out", "o"]).threshold == runner.DEFAULT_THRESHOLD
     a = ap.parse_args(["models", str(tmp_path), "--size", "1b", "--draft", "chain",
                        "--draft-accept", "0.7", "--device", "cuda"])
     assert (a.size, a.draft, a.draft_accept, a.device) == ("1b", "chain", 0.7, "cuda")
@@ -312,14 +315,14 @@ def test_partial_manifest_comparison():
 
 def test_nox_side_container_and_device_command(tmp_path):
     pytest.importorskip("docker")
-    from sglang_image import gpu, pins, smoke
+    from sglang_image import gpu, image_smoke, pins
 
-    kw = smoke.container_kwargs(gpu=True, out_dir=tmp_path)
+    kw = image_smoke.container_kwargs(gpu=True, out_dir=tmp_path)
     req = kw["device_requests"][0]
     assert req["Count"] == -1 and req["Capabilities"] == [["gpu"]]
     assert kw["network_mode"] == "none"
-    assert "device_requests" not in smoke.container_kwargs(gpu=False, out_dir=tmp_path)
-    series = smoke.expected_series(pins.load_flavor("sglang-0.5.17"))
+    assert "device_requests" not in image_smoke.container_kwargs(gpu=False, out_dir=tmp_path)
+    series = image_smoke.expected_series(pins.load_flavor("sglang-0.5.17"))
     names = [line.split("#")[0].strip() for line in
              (REPO / "patches" / "sglang-0.5.17" / "series").read_text().splitlines()]
     assert [s["name"] for s in series] == [n for n in names if n]
@@ -332,10 +335,10 @@ def test_nox_side_container_and_device_command(tmp_path):
 
 def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_path):
     """The no-GPU image check, run on the real sglang 0.5.17 wheel with the series applied."""
-    from sglang_image import pins, smoke
+    from sglang_image import image_smoke, pins
 
     tree = sglang_tree("sglang-0.5.17", True)
-    expected = smoke.expected_series(pins.load_flavor("sglang-0.5.17"))
+    expected = image_smoke.expected_series(pins.load_flavor("sglang-0.5.17"))
     manifest = tmp_path / "patches.json"
     manifest.write_text(json.dumps([dict(e, files=[]) for e in expected]))
     repo, series, man = str(REPO), json.dumps(expected), str(manifest)
@@ -641,33 +644,12 @@ def test_the_host_start_lock_leaves_nothing_in_the_temporary_directory():
 
 
 # ----------------------------------------------------------------------------- variants side by side
-class VariantRecorder:
-    """Stands in for run_variant / run_auto_variant: records each call's variant, port and thread,
-    and how many calls were in flight at once. With a barrier, a call waits there for the other
-    (and fails after its timeout, instead of hanging, when the variants run one after the other)."""
-
-    def __init__(self, barrier: threading.Barrier | None = None, slow: tuple[str, ...] = (),
-                 crash: tuple[str, ...] = ()):
-        self.barrier, self.slow, self.crash = barrier, slow, crash
-        self.calls: list[tuple[str, int | None, str]] = []
-        self.lock = threading.Lock()
-        self.in_flight = self.most_in_flight = 0
+class SmokeVariantRecorder(VariantRecorder):
+    """Stands in for run_variant / run_auto_variant (tests/server_fakes.py)."""
 
     def __call__(self, opts, v, draft, sets, refs, port=None):
-        with self.lock:
-            self.calls.append((v.name, port, threading.current_thread().name))
-            self.in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        try:
-            if self.barrier is not None:
-                self.barrier.wait()
-            time.sleep(0.3 if v.name in self.slow else 0.01)  # a slow one ends last
-            if v.name in self.crash:
-                raise KeyError("missing field")
-            return {"name": v.name, "ok": True, "phases": {}, "port": port}
-        finally:
-            with self.lock:
-                self.in_flight -= 1
+        return self.record(v.name, port, lambda: KeyError("missing field"),
+                           {"name": v.name, "ok": True, "phases": {}, "port": port})
 
 
 def smoke_options(tmp_path, monkeypatch, recorder, *, auto: bool = False, **kw) -> runner.SmokeOptions:
@@ -683,7 +665,7 @@ def smoke_options(tmp_path, monkeypatch, recorder, *, auto: bool = False, **kw) 
 
 @pytest.mark.parametrize("auto", [False, True])
 def test_parallel_smoke_variants_run_at_once_each_on_its_own_port(tmp_path, monkeypatch, auto):
-    rec = VariantRecorder(threading.Barrier(2, timeout=5), slow=("eagle_overlap",))
+    rec = SmokeVariantRecorder(threading.Barrier(2, timeout=5), slow=("eagle_overlap",))
     opts = smoke_options(tmp_path, monkeypatch, rec, auto=auto, parallel_variants=True)
     state: dict = {"refs": {}}
     report = runner.run_smoke(opts, state)
@@ -696,7 +678,7 @@ def test_parallel_smoke_variants_run_at_once_each_on_its_own_port(tmp_path, monk
 
 
 def test_parallel_smoke_variants_keep_the_other_s_result_when_one_crashes(tmp_path, monkeypatch):
-    rec = VariantRecorder(threading.Barrier(2, timeout=5), crash=("eagle_sync",))
+    rec = SmokeVariantRecorder(threading.Barrier(2, timeout=5), crash=("eagle_sync",))
     opts = smoke_options(tmp_path, monkeypatch, rec, parallel_variants=True)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "server_eagle_sync.log").write_text("the sync server's last words\n")
@@ -712,14 +694,14 @@ def test_parallel_smoke_variants_keep_the_other_s_result_when_one_crashes(tmp_pa
 
 
 def test_parallel_smoke_variants_rerun_only_what_is_not_done(tmp_path, monkeypatch):
-    rec = VariantRecorder()
+    rec = SmokeVariantRecorder()
     opts = smoke_options(tmp_path, monkeypatch, rec, parallel_variants=True)
     earlier = {"name": "eagle_overlap", "ok": True, "phases": {}, "from": "an earlier call"}
     report = runner.run_smoke(opts, {"refs": {}, "variants": {"eagle_overlap": earlier}})
     assert [(name, port) for name, port, _ in rec.calls] == [("eagle_sync", 30002)]
     assert list(report["variants"]) == ["eagle_overlap", "eagle_sync"]
     assert report["variants"]["eagle_overlap"] is earlier
-    rec = VariantRecorder()  # too little time left: nothing starts, both skipped by name
+    rec = SmokeVariantRecorder()  # too little time left: nothing starts, both skipped by name
     opts = smoke_options(tmp_path, monkeypatch, rec, parallel_variants=True, deadline=runner.Deadline(0.0))
     report = runner.run_smoke(opts, {"refs": {}})
     assert rec.calls == [] and report["variants"] == {}
@@ -727,7 +709,7 @@ def test_parallel_smoke_variants_rerun_only_what_is_not_done(tmp_path, monkeypat
 
 
 def test_without_the_flag_smoke_variants_run_one_after_the_other_on_today_s_port(tmp_path, monkeypatch):
-    rec = VariantRecorder(slow=("eagle_overlap",))
+    rec = SmokeVariantRecorder(slow=("eagle_overlap",))
     opts = smoke_options(tmp_path, monkeypatch, rec)
     assert opts.parallel_variants is False
     report = runner.run_smoke(opts, {"refs": {}})

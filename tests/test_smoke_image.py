@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_image import pins, smoke
+from sglang_image import image_smoke, pins
 from sglang_image.build import BuildResult
 
 pytestmark = pytest.mark.docker
@@ -18,23 +18,23 @@ def _engine_under_test(docker_host: str, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_partial_smoke_passes_on_the_light_image(light_image: BuildResult, tmp_path: Path) -> None:
-    res = smoke.run_smoke(light_image.tags[0], gpu=False, out_dir=tmp_path)
+    res = image_smoke.smoke_image(light_image.tags[0], gpu=False, out_dir=tmp_path)
     assert res.mode == "partial" and res.report.get("light") is True, res.log_tail
-    assert res.ok, smoke.describe(res)
+    assert res.ok, image_smoke.describe(res)
     checks = {c["name"]: c for c in res.report["checks"]}
     manifest = next(c for n, c in checks.items() if n.startswith("patch manifest"))
     assert manifest["ok"] and not manifest["skipped"]
     assert checks["patched files present and compiling"]["ok"]
     # what the light image cannot show is said, not faked
     assert checks["pip check"]["skipped"]
-    assert "PARTIAL" in smoke.describe(res) and "[skip]" in smoke.describe(res)
+    assert "PARTIAL" in image_smoke.describe(res) and "[skip]" in image_smoke.describe(res)
 
 
 def test_partial_smoke_fails_when_the_image_has_other_patches(
         light_image: BuildResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = smoke.expected_series(pins.load_flavor())
+    real = image_smoke.expected_series(pins.load_flavor())
     tampered = [dict(real[0], sha256="0" * 64), *real[1:]]
-    monkeypatch.setattr(smoke, "expected_series", lambda flavor=None: tampered)
-    res = smoke.run_smoke(light_image.tags[0], gpu=False, out_dir=tmp_path)
+    monkeypatch.setattr(image_smoke, "expected_series", lambda flavor=None: tampered)
+    res = image_smoke.smoke_image(light_image.tags[0], gpu=False, out_dir=tmp_path)
     assert not res.ok
-    assert f"sha256 differs for ['{real[0]['name']}']" in smoke.describe(res)
+    assert f"sha256 differs for ['{real[0]['name']}']" in image_smoke.describe(res)

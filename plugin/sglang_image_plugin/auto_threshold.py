@@ -45,21 +45,12 @@ import bisect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Final
 
 # The flag, its parser and the fixed threshold's hysteresis live with the other flags.
-from sglang_image_plugin.spec_disable import AUTO, THRESHOLD_FLAG, default_hysteresis
+from sglang_image_plugin.spec_disable import AUTO, THRESHOLD_FLAG, Mode, default_hysteresis
 
 EXTRAPOLATION_SPAN: Final = 1.5  # see AutoController._seconds_at
-
-
-class Mode(StrEnum):
-    SPECULATIVE = "speculative"
-    PLAIN = "plain"
-
-    def other(self) -> Mode:
-        return Mode.PLAIN if self is Mode.SPECULATIVE else Mode.SPECULATIVE
 
 
 def resume_batch_size(threshold: int) -> int:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_image_plugin import draft_kv
+from sglang_image_plugin import draft_kv, state
+from sglang_image_plugin.state import DraftState
 
 
 class DeferredDraftKv:
@@ -132,9 +133,9 @@ def install(worker: Any, runner_class: type) -> DeferredDraftKv:
     """Before the zero-step state's capture (where why_not_in_graph is None): the worker's
     DeferredDraftKv and the target's tail hook that writes it."""
     draft_worker = worker.draft_worker
-    existing: DeferredDraftKv | None = getattr(draft_worker, draft_kv.DEFERRED_ATTR, None)
-    if existing is not None:
-        return existing
+    own = state.of(draft_worker, DraftState)
+    if own.deferred is not None:
+        return own.deferred
     runner = draft_worker.draft_runner
     target = worker.target_worker.model_runner
     fc = runner.model.model.fc
@@ -147,5 +148,5 @@ def install(worker: Any, runner_class: type) -> DeferredDraftKv:
         device=fc.weight.device,
     )
     target.capture_tail_hooks.append(tail_hook(deferred, runner_class))
-    setattr(draft_worker, draft_kv.DEFERRED_ATTR, deferred)
+    own.deferred = deferred
     return deferred

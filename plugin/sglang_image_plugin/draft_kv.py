@@ -18,10 +18,8 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-# On EagleDraftWorker: the CatchUpPolicy that says whether this plain step drafts in full.
-KV_ONLY_ATTR = "_sglang_image_kv_only"
-# On EagleDraftWorker: deferred_kv.DeferredDraftKv (layout): the draft K/V a plain-layout step left.
-DEFERRED_ATTR = "_sglang_image_deferred_kv"
+from sglang_image_plugin import state
+from sglang_image_plugin.state import DraftState
 
 
 def why_not_kv_only(draft_worker: Any, rejection_sampling: bool) -> str | None:
@@ -89,8 +87,8 @@ def draft_extend_for_decode(original: Callable[..., Any], draft_worker: Any, bat
     """AROUND EagleDraftWorker._draft_extend_for_decode: a plain step other than the catch-up
     writes the draft's K/V alone (installed where the worker's plain step has the K/V-only part;
     with the plain layout, it first flushes what the last plain-layout step left pending)."""
-    catch_up = getattr(draft_worker, KV_ONLY_ATTR, None)
-    deferred = getattr(draft_worker, DEFERRED_ATTR, None)
+    own = state.peek(draft_worker, DraftState) or DraftState()
+    catch_up, deferred = own.catch_up, own.deferred
     if deferred is not None and draft_worker.speculative_num_steps == 0 and not batch.forward_mode.is_idle():
         # (layout) what the last plain-layout step left pending, before this step writes its own:
         # the token fed now sits at seq_lens (spec v2's lengths exclude it)

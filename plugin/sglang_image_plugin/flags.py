@@ -14,18 +14,13 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import registry, spec_disable
+from sglang_image_plugin import registry, spec_disable, state
 from sglang_image_plugin.spec_disable import Setting
+from sglang_image_plugin.state import ArgsState
 
 logger = logging.getLogger(__name__)
 
-# Bookkeeping attributes on ServerArgs (not fields: pickled to the scheduler by
-# ServerArgs.__reduce__, never part of the resolved configuration).
-FLAGS_ATTR = "_sglang_image_spec_disable_flags"
-SETTING_ATTR = spec_disable.SETTING_ATTR
 SKIP_DRAFT_EXTEND_ENV = "SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND"
-# On ServerArgs: upstream's running-request limit for speculation was not applied.
-RUNNING_LIMIT_ATTR = "_sglang_image_plain_running_limit"
 # Upstream's warning when it applies that limit (sglang/srt/arg_groups/speculative_hook.py).
 UPSTREAM_LIMIT_WARNING = "Max running requests is reset to 48 for speculative decoding"
 
@@ -43,8 +38,14 @@ def from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Namesp
         getattr(args, spec_disable.THRESHOLD_DEST, None),
         getattr(args, spec_disable.HYSTERESIS_DEST, None),
     )
-    setattr(server_args, FLAGS_ATTR, flags)
+    state.of(server_args, ArgsState).flags = flags
     return server_args
+
+
+def _flags(server_args: Any) -> tuple[Any, Any]:
+    """The two flags as parsed, (None, None) where from_cli_args did not see them."""
+    args = state.peek(server_args, ArgsState)
+    return args.flags if args is not None else (None, None)
 
 
 def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> Setting:
@@ -52,7 +53,7 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
     the flag. Off without looking further when neither the flag nor the env is set,
     so servers that do not use the feature are not touched."""
     environ = dict(os.environ) if environ is None else environ
-    threshold_flag, hysteresis_flag = getattr(server_args, FLAGS_ATTR, (None, None))
+    threshold_flag, hysteresis_flag = _flags(server_args)
     if threshold_flag is None and not environ.get(spec_disable.THRESHOLD_ENV, "").strip():
         if hysteresis_flag is not None:
             raise ValueError(
@@ -148,12 +149,12 @@ def upstream_adaptive_refusal(server_args: Any) -> str | None:
 def check_server_args(result: None, server_args: Any) -> None:
     """AFTER ServerArgs.check_server_args: bad input stops the launch here, naming
     the flag; the scheduler processes read the resolved setting from the record."""
-    setattr(server_args, SETTING_ATTR, resolve_setting(server_args))
+    state.of(server_args, ArgsState).setting = resolve_setting(server_args)
 
 
 def _threshold_requested(server_args: Any) -> bool:
     """Whether the flag or the variable asks for a threshold (a bad value: validation names it)."""
-    threshold_flag, _ = getattr(server_args, FLAGS_ATTR, (None, None))
+    threshold_flag, _ = _flags(server_args)
     try:
         return spec_disable.resolve_threshold(threshold_flag) != 0
     except ValueError:
@@ -192,7 +193,7 @@ def eagle_running_requests(original: Callable[..., Any], server_args: Any, *args
     for source, fields in stash:
         if source == "_handle_eagle_family" and "max_running_requests" in fields:
             del fields["max_running_requests"]
-    setattr(server_args, RUNNING_LIMIT_ATTR, True)
+    state.of(server_args, ArgsState).running_limit = True
     return result
 
 

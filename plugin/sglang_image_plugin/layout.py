@@ -32,13 +32,22 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import draft_kv
-
-# On EAGLEWorkerV2: its PlainLayout.
-LAYOUT_ATTR = "_sglang_image_plain_layout"
+from sglang_image_plugin import draft_kv, state
+from sglang_image_plugin.state import DraftState, WorkerState
 
 # The scheduler process's layout (one scheduler per process); set by install().
 _active: PlainLayout | None = None
+
+
+def _layout(worker: Any) -> PlainLayout | None:
+    own = state.peek(worker, WorkerState)
+    return own.layout if own is not None else None
+
+
+def _deferred(draft_worker: Any) -> Any:
+    """The draft's DeferredDraftKv (deferred_kv.py), None where its K/V are written at once."""
+    own = state.peek(draft_worker, DraftState)
+    return own.deferred if own is not None else None
 
 
 def why_not_plain_layout(scheduler: Any) -> str | None:
@@ -182,7 +191,7 @@ class PlainLayout:
             batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         draft_worker = self.worker.draft_worker
         runner = draft_worker.draft_runner
-        deferred = getattr(draft_worker, draft_kv.DEFERRED_ATTR, None)
+        deferred = _deferred(draft_worker)
         # the input token sits at seq_lens - 1 (a plain step's lengths include it)
         positions = (batch.seq_lens - 1).to(torch.int64)
         if deferred is None:
@@ -227,7 +236,7 @@ def install(scheduler: Any, catch_up: Any, watch: Any) -> str | None:
         return reason
     worker = scheduler.model_worker
     layout = PlainLayout(worker, scheduler.future_map, scheduler.spec_algorithm, catch_up, watch)
-    setattr(worker, LAYOUT_ATTR, layout)
+    state.of(worker, WorkerState).layout = layout
     _active = layout
     return None
 
@@ -245,7 +254,7 @@ def prepare_for_decode(original: Callable[..., Any], batch: Any, *args: Any, **k
 
 def decided_at_prepare(worker: Any) -> bool:
     """For EAGLEWorkerV2.activate_step_by_batch: this step was decided at prepare (skip it)."""
-    layout = getattr(worker, LAYOUT_ATTR, None)
+    layout = _layout(worker)
     if layout is not None and layout.predecided:
         layout.predecided = False
         return True
@@ -255,9 +264,9 @@ def decided_at_prepare(worker: Any) -> bool:
 def forward_batch_generation(original: Callable[..., Any], worker: Any, batch: Any,
                              *args: Any, **kwargs: Any) -> Any:
     """AROUND EAGLEWorkerV2.forward_batch_generation: a plain-layout decode batch's step."""
-    layout = getattr(worker, LAYOUT_ATTR, None)
+    layout = _layout(worker)
     if layout is not None and batch.forward_mode.is_extend():
-        deferred = getattr(worker.draft_worker, draft_kv.DEFERRED_ATTR, None)
+        deferred = _deferred(worker.draft_worker)
         if deferred is not None:  # new requests in these rows: nothing of theirs is pending
             deferred.forget(batch.req_pool_indices)
     if (

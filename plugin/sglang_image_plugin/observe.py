@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from sglang_image_plugin import draft_kv, layout, plain_step, spec_disable
+from sglang_image_plugin import layout, plain_step, spec_disable
+from sglang_image_plugin import state as plugin_state
+from sglang_image_plugin.state import DraftState, WorkerState
 from sglang_image_plugin.tp import log_on_rank0
-from sglang_image_plugin.worker import ACCEPTANCE_ATTR, CONTROLLER_ATTR
 
 
 class PrometheusMetrics(spec_disable.Metrics):
@@ -72,53 +73,49 @@ def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> N
     """AFTER Scheduler.__init__: metrics for the controller, when metrics are on; the plain
     layout where the worker's plain step has it (layout.py) and this scheduler can run it."""
     worker: Any = getattr(scheduler, "draft_worker", None)
-    controller = getattr(worker, CONTROLLER_ATTR, None)
+    own = plugin_state.peek(worker, WorkerState)
+    controller = own.controller if own is not None else None
     collector = getattr(scheduler, "metrics_collector", None)
     labels = getattr(collector, "labels", None)
     if controller is not None and labels is not None:
         controller.metrics = PrometheusMetrics(dict(labels))
     step = plain_step.of(worker)
-    if worker is None or controller is None or step is None or not step.kv_only:
+    if own is None or controller is None or step is None or not step.kv_only:
         return
-    draft = worker._draft_worker
+    draft = plugin_state.of(worker._draft_worker, DraftState)
     reason = step.layout_reason
     if reason is None and scheduler.model_worker is not worker:
         reason = "the scheduler runs another worker than the EAGLE-3 one"
     if reason is None:
-        reason = layout.install(scheduler, getattr(draft, draft_kv.KV_ONLY_ATTR),
-                                getattr(worker, ACCEPTANCE_ATTR, None))
+        reason = layout.install(scheduler, draft.catch_up, own.acceptance)
     if reason is None:
         return
     # every plain step stays a speculative-layout one and writes its own K/V: a deferred step
     # already captured into the graph is switched off there and nothing is flushed
-    deferred = getattr(draft, draft_kv.DEFERRED_ATTR, None)
-    if deferred is not None:
-        deferred.disable()
-    setattr(draft, draft_kv.DEFERRED_ATTR, None)
+    if draft.deferred is not None:
+        draft.deferred.disable()
+    draft.deferred = None
     if reason != step.layout_reason:
-        setattr(worker, plain_step.ATTR, replace(step, layout_reason=reason,
-                                                 deferred_reason="the speculative layout"))
+        own.plain_step = replace(step, layout_reason=reason,
+                                 deferred_reason="the speculative layout")
         log_on_rank0(f"Plain step: plain steps keep the speculative layout: {reason}")
 
 
 def scheduler_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE Scheduler.on_idle: `auto` times a step until the next decode step; an idle gap
     between them is no step time (AutoPolicy.note_idle)."""
-    controller = getattr(getattr(scheduler, "draft_worker", None), CONTROLLER_ATTR, None)
-    note_idle = getattr(controller, "note_idle", None)
+    own = plugin_state.peek(getattr(scheduler, "draft_worker", None), WorkerState)
+    note_idle = getattr(own.controller, "note_idle", None) if own is not None else None
     if note_idle is not None:
         note_idle()
 
 
 def add_speculative_state(result: None, state_controller: Any, state: dict[str, Any]) -> None:
     """AFTER SchedulerInternalStateController._add_speculative: the server info."""
-    worker = getattr(state_controller.scheduler, "draft_worker", None)
-    controller = getattr(worker, CONTROLLER_ATTR, None)
-    if controller is not None:
-        state["speculative_disable"] = controller.snapshot()
-        step = plain_step.of(worker)
-        if step is not None:
-            state["speculative_disable"]["plain_step"] = step.view()
-        watch = getattr(worker, ACCEPTANCE_ATTR, None)
-        if watch is not None:
-            state["speculative_disable"]["acceptance_around_plain"] = watch.view()
+    own = plugin_state.peek(getattr(state_controller.scheduler, "draft_worker", None), WorkerState)
+    if own is not None and own.controller is not None:
+        state["speculative_disable"] = own.controller.snapshot()
+        if own.plain_step is not None:
+            state["speculative_disable"]["plain_step"] = own.plain_step.view()
+        if own.acceptance is not None:
+            state["speculative_disable"]["acceptance_around_plain"] = own.acceptance.view()

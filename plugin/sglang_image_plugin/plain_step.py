@@ -24,11 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# On EAGLEWorkerV2: its PlainStep.
-ATTR = "_sglang_image_plain_step"
-
-# Hook groups (targets.HookSpec.group) beyond the start-up hooks.
-THRESHOLD, KV_ONLY, LAYOUT, AUTO = "threshold", "kv_only", "layout", "auto"
+from sglang_image_plugin import state
+from sglang_image_plugin.state import WorkerState
+from sglang_image_plugin.targets import Group
 
 
 @dataclass(frozen=True)
@@ -52,14 +50,14 @@ class PlainStep:
     def deferred(self) -> bool:
         return self.deferred_reason is None
 
-    def hook_groups(self) -> tuple[str, ...]:
-        groups = [THRESHOLD]
+    def hook_groups(self) -> tuple[Group, ...]:
+        groups = [Group.THRESHOLD]
         if self.kv_only:
-            groups.append(KV_ONLY)
+            groups.append(Group.KV_ONLY)
         if self.layout:
-            groups.append(LAYOUT)
+            groups.append(Group.LAYOUT)
         if self.auto:
-            groups.append(AUTO)
+            groups.append(Group.AUTO_ONLY)
         return tuple(groups)
 
     def view(self) -> dict[str, str]:
@@ -122,5 +120,5 @@ def resolve(worker: Any, auto: bool) -> PlainStep:
 
 
 def of(worker: Any) -> PlainStep | None:
-    found: PlainStep | None = getattr(worker, ATTR, None)
-    return found
+    own = state.peek(worker, WorkerState)
+    return own.plain_step if own is not None else None

@@ -16,8 +16,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin.auto_threshold import AutoController, AutoPolicy, Mode, resume_batch_size
-from sglang_image_plugin.spec_disable import MODE_LOG_INTERVAL_S, Metrics, SpecDisableController
+from sglang_image_plugin.auto_threshold import AutoController, AutoPolicy, resume_batch_size
+from sglang_image_plugin.spec_disable import (
+    MODE_LOG_INTERVAL_S,
+    Metrics,
+    Mode,
+    SpecDisableController,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +52,7 @@ class ThresholdPolicy:
     def get_steps_for_batch(self, batch_size: int) -> int:
         """Called once per decode batch before it drafts (an idle batch: 0 requests)."""
         if batch_size <= 0:
-            plain = self.controller.mode != "speculative"
+            plain = self.controller.mode is not Mode.SPECULATIVE
         else:
             plain = self.controller.step(batch_size)
         return PLAIN_STEPS if plain else self.speculative_steps

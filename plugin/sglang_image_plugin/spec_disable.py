@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
@@ -26,11 +27,7 @@ THRESHOLD_DEST = "speculative_disable_batch_threshold"
 HYSTERESIS_DEST = "speculative_disable_hysteresis"
 
 AUTO: Literal["auto"] = "auto"
-# The resolved Setting on ServerArgs (bookkeeping, not a field: pickled to the scheduler).
-SETTING_ATTR = "_sglang_image_spec_disable"
 
-MODE_SPECULATIVE = "speculative"
-MODE_PLAIN = "plain"
 # Mode-change log lines closer together than this are folded into the next one.
 MODE_LOG_INTERVAL_S = 5.0
 SUPPORTED_ALGORITHMS = ("EAGLE", "EAGLE3")
@@ -51,6 +48,16 @@ HYSTERESIS_HELP = (
 )
 
 Threshold = int | Literal["auto"]
+
+
+class Mode(StrEnum):
+    """How the worker decodes a step: drafting and verifying, or with the target alone."""
+
+    SPECULATIVE = "speculative"
+    PLAIN = "plain"
+
+    def other(self) -> Mode:
+        return Mode.PLAIN if self is Mode.SPECULATIVE else Mode.SPECULATIVE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,7 +260,7 @@ class SpecDisableController:
             )
         self.threshold = threshold
         self.hysteresis = hysteresis
-        self.mode = MODE_SPECULATIVE
+        self.mode = Mode.SPECULATIVE
         self.speculative_steps = 0
         self.plain_steps = 0
         self.mode_changes = 0
@@ -268,11 +275,11 @@ class SpecDisableController:
     def resume_batch_size(self) -> int:
         return self.threshold - self.hysteresis
 
-    def next_mode(self, batch_size: int) -> str:
+    def next_mode(self, batch_size: int) -> Mode:
         """The transition function alone (no side effects)."""
-        if self.mode == MODE_SPECULATIVE:
-            return MODE_PLAIN if batch_size > self.threshold else MODE_SPECULATIVE
-        return MODE_SPECULATIVE if batch_size <= self.resume_batch_size else MODE_PLAIN
+        if self.mode is Mode.SPECULATIVE:
+            return Mode.PLAIN if batch_size > self.threshold else Mode.SPECULATIVE
+        return Mode.SPECULATIVE if batch_size <= self.resume_batch_size else Mode.PLAIN
 
     def step(self, batch_size: int) -> bool:
         """Account one decode step of this many requests; True: it runs plain."""
@@ -281,7 +288,7 @@ class SpecDisableController:
             self.mode = new_mode
             self.mode_changes += 1
             self._log_mode_change(batch_size)
-        plain = self.mode == MODE_PLAIN
+        plain = self.mode is Mode.PLAIN
         if plain:
             self.plain_steps += 1
         else:
@@ -294,7 +301,7 @@ class SpecDisableController:
         if self._last_log_time is not None and now - self._last_log_time < self._log_interval_s:
             self._suppressed += 1
             return
-        if self.mode == MODE_PLAIN:
+        if self.mode is Mode.PLAIN:
             why = f"batch size {batch_size} > threshold {self.threshold}"
         else:
             why = (

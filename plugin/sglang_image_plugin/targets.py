@@ -13,18 +13,31 @@ each one's source per sglang release is recorded in upstream_digests.json, and
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import NamedTuple
+
+
+class Group(StrEnum):
+    """Which hooks go in together: START at plugin load, the others installed by a worker for the
+    plain step it resolved (plain_step.PlainStep.hook_groups)."""
+
+    START = "start"
+    THRESHOLD = "threshold"  # every threshold server
+    KV_ONLY = "kv_only"  # a draft that writes only its K/V
+    LAYOUT = "layout"  # the plain layout (overlap scheduler)
+    AUTO_ONLY = "auto"  # what only an `auto` threshold needs
+
+
+START = Group.START
 
 
 class HookSpec(NamedTuple):
     target: str
     hook_type: str  # "before", "after", "around" or "replace" (HookType values)
     function: str  # the hook installed there, resolved with pkgutil.resolve_name
-    group: str  # START: registered at plugin load; else a plain_step group, installed by the worker
+    group: Group
     why: str
 
-
-START = "start"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _WORKER = "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2"
 _FLAGS = "sglang_image_plugin.flags"
@@ -51,48 +64,48 @@ HOOKS: tuple[HookSpec, ...] = (
              f"{_OBSERVE}:scheduler_init", START, "metrics; the plain layout"),
     # -- every threshold server (installed by the worker)
     HookSpec(f"{_WORKER}.build_adaptive_runtime_state", "around",
-             "sglang_image_plugin.plain_target:build_runtime_state", "threshold",
+             "sglang_image_plugin.plain_target:build_runtime_state", Group.THRESHOLD,
              "the zero-step state's target graph in DECODE mode"),
     HookSpec("sglang.srt.speculative.eagle_utils.eagle_prepare_for_verify", "around",
-             "sglang_image_plugin.plain_target:prepare_for_verify", "threshold",
+             "sglang_image_plugin.plain_target:prepare_for_verify", Group.THRESHOLD,
              "a DECODE forward batch for that graph (speculative-layout plain steps)"),
     HookSpec(f"{_WORKER}._build_trivial_verify_input", "around",
-             f"{_WORKER_HOOKS}:trivial_verify_input", "threshold",
+             f"{_WORKER_HOOKS}:trivial_verify_input", Group.THRESHOLD,
              "int64 draft token for the zero-step verify under the synchronous scheduler"),
-    HookSpec(f"{_WORKER}.activate_step_by_batch", "around", f"{_WORKER_HOOKS}:step_decided", "threshold",
+    HookSpec(f"{_WORKER}.activate_step_by_batch", "around", f"{_WORKER_HOOKS}:step_decided", Group.THRESHOLD,
              "the step count of each decode batch, for the acceptance around plain phases "
              "(plain layout: decided before the batch is prepared)"),
     HookSpec(f"{_WORKER}.on_verify_complete_cpu", "before", f"{_WORKER_HOOKS}:step_verified",
-             "threshold", "each batch's accepted drafts, for the acceptance around plain phases"),
+             Group.THRESHOLD, "each batch's accepted drafts, for the acceptance around plain phases"),
     HookSpec("sglang.srt.managers.scheduler_components.internal_state."
              "SchedulerInternalStateController._add_speculative", "after",
-             f"{_OBSERVE}:add_speculative_state", "threshold",
+             f"{_OBSERVE}:add_speculative_state", Group.THRESHOLD,
              "adds speculative_disable to the server info"),
     # -- a draft that writes only its K/V
     HookSpec("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
-             "around", "sglang_image_plugin.draft_kv:draft_extend_for_decode", "kv_only",
+             "around", "sglang_image_plugin.draft_kv:draft_extend_for_decode", Group.KV_ONLY,
              "a plain step writes only the draft's K/V"),
     # -- the plain layout (overlap scheduler)
     HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode", "around",
-             f"{_LAYOUT}:prepare_for_decode", "layout", "the step's mode and the batch's layout"),
+             f"{_LAYOUT}:prepare_for_decode", Group.LAYOUT, "the step's mode and the batch's layout"),
     HookSpec(f"{_WORKER}.forward_batch_generation", "around",
-             f"{_LAYOUT}:forward_batch_generation", "layout",
+             f"{_LAYOUT}:forward_batch_generation", Group.LAYOUT,
              "the plain step (target DECODE forward, draft K/V)"),
     HookSpec("sglang.srt.managers.overlap_utils.FutureMap.publish", "around", f"{_LAYOUT}:publish",
-             "layout", "a plain step's length in spec v2's convention"),
+             Group.LAYOUT, "a plain step's length in spec v2's convention"),
     HookSpec("sglang.srt.managers.overlap_utils.resolve_forward_inputs", "around",
-             f"{_LAYOUT}:resolve_forward_inputs", "layout",
+             f"{_LAYOUT}:resolve_forward_inputs", Group.LAYOUT,
              "the input token of a plain-layout batch"),
     HookSpec("sglang.srt.managers.scheduler_components.batch_result_processor."
              "SchedulerBatchResultProcessor.process_batch_result_decode", "before",
-             f"{_LAYOUT}:plain_result", "layout", "a plain step's result counted as a zero-step verify's"),
+             f"{_LAYOUT}:plain_result", Group.LAYOUT, "a plain step's result counted as a zero-step verify's"),
     # -- auto
     HookSpec("sglang.srt.managers.scheduler.Scheduler.on_idle", "before", f"{_OBSERVE}:scheduler_idle",
-             "auto", "auto: an idle gap is no step time"),
+             Group.AUTO_ONLY, "auto: an idle gap is no step time"),
 )
 
 
-def hooks_of(*groups: str) -> tuple[HookSpec, ...]:
+def hooks_of(*groups: Group) -> tuple[HookSpec, ...]:
     """The hooks of these groups, in table order."""
     return tuple(h for h in HOOKS if h.group in groups)
 

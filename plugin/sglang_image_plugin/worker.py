@@ -10,20 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import draft_kv, flags, plain_step, registry, spec_disable
+from sglang_image_plugin import flags, plain_step, registry, spec_disable, state
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController
 from sglang_image_plugin.layout import decided_at_prepare
 from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
+from sglang_image_plugin.state import ArgsState, DraftState, WorkerState
 from sglang_image_plugin.targets import hooks_of
 from sglang_image_plugin.tp import broadcast_ints, log_on_rank0, tp_agree, tp_group
-
-# On EAGLEWorkerV2: the controller (auto: the policy), read by the observability hooks.
-CONTROLLER_ATTR = "sglang_image_spec_disable"
-# On EAGLEWorkerV2: `auto` waits for init_cuda_graphs to install its policy.
-AUTO_PENDING_ATTR = "_sglang_image_spec_disable_auto_pending"
-# On EAGLEWorkerV2: the accept length before and after each plain phase (acceptance.py).
-ACCEPTANCE_ATTR = "_sglang_image_acceptance_around_plain"
 
 
 def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
@@ -32,7 +26,8 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     `auto`, installed by worker_init_cuda_graphs, once the server's batch limit is known)."""
     registry.check_once()
     server_args = worker.server_args
-    setting = getattr(server_args, flags.SETTING_ATTR, None)
+    on_args = state.peek(server_args, ArgsState)
+    setting = on_args.setting if on_args is not None else None
     if setting is None:  # a launch path that skipped check_server_args
         setting = flags.resolve_setting(server_args)
     if not setting.enabled or not worker._hosts_draft:
@@ -46,9 +41,10 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
             "indices across its steps (index_share_for_mtp_iteration): its index buffers "
             "belong to one step count (as with --speculative-adaptive)"
         )
-    setattr(worker, ACCEPTANCE_ATTR, AcceptanceAroundPlain())
+    own = state.of(worker, WorkerState)
+    own.acceptance = AcceptanceAroundPlain()
     if setting.threshold == spec_disable.AUTO:
-        setattr(worker, AUTO_PENDING_ATTR, True)
+        own.auto_pending = True
     else:
         assert isinstance(setting.threshold, int)
         controller = spec_disable.SpecDisableController(
@@ -59,7 +55,7 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
         worker.adaptive_controller = eagle_worker_v2.AdaptiveController(
             worker, ThresholdPolicy(controller, worker.speculative_num_steps)
         )
-        setattr(worker, CONTROLLER_ATTR, controller)
+        own.controller = controller
     log_on_rank0(spec_disable.start_log_line(setting.threshold))
 
 
@@ -94,15 +90,16 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
     time is graph building, not a step), so the controller starts as always-on EAGLE-3 does and
     measures the plain mode in each batch-size bucket it meets, at a bounded rate
     (AutoConfig.explore_steps / explore_gap of the steps)."""
-    auto = bool(getattr(worker, AUTO_PENDING_ATTR, False))
-    if not auto and getattr(worker, CONTROLLER_ATTR, None) is None:
+    own = state.peek(worker, WorkerState)
+    if own is None or not own.auto_pending and own.controller is None:
         return  # no threshold on this worker
+    auto = own.auto_pending
     step = plain_step.resolve(worker, auto)
-    setattr(worker, plain_step.ATTR, step)
+    own.plain_step = step
     registry.install(hooks_of(*step.hook_groups()), "plain-step")
     max_running_requests = int(worker.target_worker.model_runner.max_running_requests)
     if auto:
-        setattr(worker, AUTO_PENDING_ATTR, False)
+        own.auto_pending = False
         from sglang.srt.speculative import eagle_worker_v2
 
         agree = None
@@ -119,7 +116,7 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
             log_fn=log_on_rank0,
         )
         worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
-        setattr(worker, CONTROLLER_ATTR, policy)
+        own.controller = policy
         log_on_rank0(
             f"Speculation crossover: auto, learned online per batch-size bucket up to "
             f"{max_running_requests} running requests; starting speculative everywhere"
@@ -128,7 +125,7 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
     if step.kv_only:
         catch_up = CatchUpPolicy(adaptive.params)
         adaptive.params = catch_up
-        setattr(worker._draft_worker, draft_kv.KV_ONLY_ATTR, catch_up)
+        state.of(worker._draft_worker, DraftState).catch_up = catch_up
     for line in step.log_lines():
         log_on_rank0(line)
     log_on_rank0(_running_limit_line(worker, max_running_requests))
@@ -142,9 +139,9 @@ def _running_limit_line(worker: Any, max_running_requests: int) -> str:
     sizes = [] if decode.backend == "disabled" else list(decode.bs or [])
     graphs = (f"decode CUDA graphs up to batch {min(max(sizes), max_running_requests)}" if sizes
               else "no decode CUDA graphs")
+    on_args = state.peek(worker.server_args, ArgsState)
     why = ("the limit of the same server without speculation: no --max-running-requests"
-           if getattr(worker.server_args, flags.RUNNING_LIMIT_ATTR, False)
-           else "--max-running-requests")
+           if on_args is not None and on_args.running_limit else "--max-running-requests")
     return f"Running-request limit {max_running_requests} ({why}); {graphs}"
 
 
@@ -156,7 +153,7 @@ def step_decided(original: Callable[..., Any], worker: Any, batch_size: int, *ar
     if decided_at_prepare(worker):
         return None
     result = original(worker, batch_size, *args, **kwargs)
-    watch = getattr(worker, ACCEPTANCE_ATTR, None)
+    watch = _acceptance(worker)
     if watch is not None:
         watch.decided(worker.speculative_num_steps > 0, int(batch_size))
     return result
@@ -165,8 +162,13 @@ def step_decided(original: Callable[..., Any], worker: Any, batch_size: int, *ar
 def step_verified(worker: Any, num_correct_drafts_per_req: list[int], *args: Any,
                   **kwargs: Any) -> None:
     """BEFORE EAGLEWorkerV2.on_verify_complete_cpu: that batch's accepted drafts per request."""
-    watch = getattr(worker, ACCEPTANCE_ATTR, None)
+    watch = _acceptance(worker)
     if watch is not None:
         watch.verified(num_correct_drafts_per_req)
+
+
+def _acceptance(worker: Any) -> AcceptanceAroundPlain | None:
+    own = state.peek(worker, WorkerState)
+    return own.acceptance if own is not None else None
 
 

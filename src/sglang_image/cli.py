@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -27,21 +26,19 @@ from sglang_image import (
     deploy,
     docker_engine,
     gpu,
+    image_smoke,
     imageref,
     lock,
-    patch,
-    patchwork,
+    patch_series,
     pins,
-    plugin,
+    plugin_check,
     publish,
-    smoke,
+    threshold,
     topology,
-    trees,
 )
-from sglang_image.errors import PARTIAL_EXIT_CODE, SglangImageError, UsageError, exit_code_table
+from sglang_image.errors import PARTIAL_EXIT_CODE, SglangImageError, exit_code_table
 from sglang_image.plan import IMAGE_REPO, BuildOptions
 
-console = Console(highlight=False, soft_wrap=True)
 error_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -122,14 +119,15 @@ def _add_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                         "here and remove what it left in /tmp")
     p.add_argument("--state", type=Path, default=state,
                    help=f"the engine's data, socket and log (default: {state})")
-    p.set_defaults(func=lambda a: docker_engine.run(a.action, a.state))
+    p.set_defaults(func=lambda a: docker_engine.run(None, docker_engine.EngineOptions(
+        action=a.action, state=a.state)))
 
 
 # --- smoke --------------------------------------------------------------------------------------
 
 def _add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = _stage_parser(sub, "smoke", "smoke-test the built image (full with a GPU, PARTIAL without)",
-                      smoke.__doc__)
+                      image_smoke.__doc__)
     p.add_argument("image_pos", nargs="?", metavar="IMAGE", help="the image to test (or --image)")
     p.add_argument("--image", default=None,
                    help="the image to test (default: the tag nox -s build gives the flavor, "
@@ -144,16 +142,16 @@ def _add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="run only the PARTIAL check, even on a GPU host")
     p.add_argument("--out", type=Path, default=None,
                    help="where logs and reports go (default: out/smoke)")
-    p.add_argument("--threshold", type=smoke.threshold_value, default=smoke.DEFAULT_THRESHOLD,
-                   help=f"the EAGLE-3 servers' {plugin.names().THRESHOLD_FLAG}: N running "
-                        f"requests, or auto where the flavor has it (default: "
-                        f"{smoke.DEFAULT_THRESHOLD})")
+    p.add_argument("--threshold", type=threshold.parse, default=None,
+                   help=f"the EAGLE-3 servers' {threshold.FLAG}: N running requests, or auto "
+                        "where the flavor has it (default: the smoke's own small N, which the "
+                        "tiny model's load crosses both ways)")
     p.add_argument("--accept-partial", action="store_true",
                    help=f"exit 0 when the PARTIAL check passes (default: exit "
                         f"{PARTIAL_EXIT_CODE})")
     p.add_argument("--records", type=Path, default=None,
                    help="where passed smokes are recorded (default: out/smoke-records)")
-    p.set_defaults(func=lambda a: smoke.run(a.flavor, smoke.SmokeOptions(
+    p.set_defaults(func=lambda a: image_smoke.run(a.flavor, image_smoke.ImageSmokeOptions(
         image=a.image or a.image_pos, gpu=a.gpu, out_dir=a.out, threshold=a.threshold,
         accept_partial=a.accept_partial, records=a.records)))
 
@@ -189,15 +187,11 @@ def _add_publish(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _publish(a: argparse.Namespace) -> int:
-    if a.fetch_sbom:
-        return publish.run_fetch_sbom(a.fetch_sbom, a.out)
-    if a.registry is None:
-        raise UsageError("nox -s publish needs --registry HOST[:PORT]/NAMESPACE (or --fetch-sbom "
-                         "REFERENCE)")
     return publish.run(a.flavor, publish.PublishOptions(
         target=a.registry, image=a.image, allow_partial_smoke=a.allow_partial_smoke,
         verify_host=a.verify_host, smoke_records=a.smoke_records,
-        deploy_out=None if a.no_deploy else a.deploy_out))
+        deploy_out=None if a.no_deploy else a.deploy_out, fetch_sbom=a.fetch_sbom,
+        sbom_out=a.out))
 
 
 # --- deploy -------------------------------------------------------------------------------------
@@ -269,141 +263,39 @@ def _add_gpu_e2e(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 def _add_plugin_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = _stage_parser(sub, "plugin-check",
                       "check the plugin's hook targets against an unpacked sglang wheel",
-                      (plugin.__doc__ or "").split("\n\n")[0])
+                      (plugin_check.__doc__ or "").split("\n\n")[0])
     p.add_argument("--site-packages", type=Path, required=True,
                    help="an unpacked sglang wheel (the directory holding sglang/)")
-    p.add_argument("--sglang-version", help="default: read from its dist-info")
+    add_flavor(p, "the flavor whose sglang release the wheel is",
+               default_help="the release the wheel's dist-info names")
+    p.add_argument("--sglang-version", help="default: the flavor's, else read from its dist-info")
     p.add_argument("--record", action="store_true",
                    help="after review: record this release's digests of the relied-on code")
-    p.set_defaults(func=lambda a: plugin.run(a.site_packages, a.sglang_version, a.record))
+    p.set_defaults(func=lambda a: plugin_check.run(a.flavor, plugin_check.PluginCheckOptions(
+        site_packages=a.site_packages, sglang_version=a.sglang_version, record=a.record)))
 
 
 # --- patches ------------------------------------------------------------------------------------
 
-def check_plugin_targets(flavor: pins.Flavor, tree: Path) -> list[str]:
-    """Problems of the project's plugin against the flavor's unpacked upstream `tree` (empty: none).
-
-    Flavors without the plugin have none. For the others: every hook target resolves in this tree
-    and every upstream definition the plugin relies on is unchanged since its digest was recorded.
-    """
-    if not flavor.plugin:
-        return []
-    return plugin.check_hook_targets(tree, flavor.sglang_version)
-
-
-def check_all_series(flavor_names: Sequence[str]) -> int:
-    """Applies every flavor's series to its real, hash-checked wheels (one line per patch) and
-    checks the plugin's hook targets for flavors that carry it."""
-    failures = 0
-    for name in flavor_names:
-        flavor = pins.load_flavor(name)
-        with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
-            trees.prepare_tree(flavor, Path(tmp), patched=False)
-            results = patch.apply_series(flavor.series(), Path(tmp), keep_going=True)
-            plugin_problems = check_plugin_targets(flavor, Path(tmp))
-        console.print(f"[bold]{name}[/]: {len(results)} patches on "
-                      f"{', '.join(flavor.patch_targets)} (zero fuzz)")
-        for r in results:
-            if r.ok:
-                console.print(f"  [green]applied[/] {r.name}  ({', '.join(r.files)})")
-            else:
-                failures += 1
-                console.print(f"  [red]FAILED[/]  {r.message}")
-        if flavor.plugin:
-            for problem in plugin_problems:
-                console.print(f"  [red]plugin[/]  {problem}")
-            if not plugin_problems:
-                console.print("  [green]plugin[/]  hook targets exist, relied-on upstream code unchanged")
-            failures += len(plugin_problems)
-    return 1 if failures else 0
-
-
-def cmd_patches(args: argparse.Namespace) -> int:
-    words = list(args.words)
-    action = words.pop(0) if words and words[0] in ("check", "edit", "export", "rebase") else "check"
-    args.flavors = words
-    if action == "check":
-        return check_all_series(args.flavors or pins.flavor_names())
-    if action == "edit":
-        flavor = pins.load_flavor(args.flavors[0] if args.flavors else None)
-        repo = patchwork.edit(flavor)
-        console.print(f"work tree: {repo}\n  one commit per patch after the tag 'upstream'; amend, "
-                      f"add or reorder commits (git rebase -i upstream), then:\n"
-                      f"  nox -s patches -- export {flavor.name}")
-        return 0
-    if action == "export":
-        flavor = pins.load_flavor(args.flavors[0] if args.flavors else None)
-        for e in patchwork.export(flavor):
-            note = " (new: fill in its DEP-3 header)" if e.header_added else ""
-            console.print(f"  {'written' if e.changed else 'same   '} {e.name}{note}")
-        return check_all_series([flavor.name])
-    if action == "rebase":
-        if args.cont:
-            repo = _rebase_in_progress(args.flavors)
-            return _report_rebase(patchwork.rebase_continue(repo))
-        if len(args.flavors) != 2:
-            raise UsageError("usage: nox -s patches -- rebase FROM_FLAVOR TO_FLAVOR "
-                             "| rebase --continue [TO_FLAVOR]")
-        source, target = (pins.load_flavor(n) for n in args.flavors)
-        return _report_rebase(patchwork.rebase(source, target))
-    raise UsageError(f"unknown action {action!r}: check, edit, export or rebase")
-
-
-def _rebase_in_progress(flavor_names: Sequence[str]) -> Path:
-    if flavor_names:
-        return patchwork.WORK_ROOT / pins.load_flavor(flavor_names[0]).name
-    found = sorted(p.parents[1] for p in patchwork.WORK_ROOT.glob("*/.git/sglang-image-rebase.json"))
-    if len(found) != 1:
-        raise UsageError(f"{len(found)} rebases in progress under {patchwork.WORK_ROOT}: "
-                         "name the target flavor: nox -s patches -- rebase --continue FLAVOR")
-    return found[0]
-
-
-def _report_rebase(result: patchwork.RebaseResult) -> int:
-    for o in result.outcomes:
-        mark = "[green]carried[/]" if o.carried else "[red]stopped[/]"
-        console.print(f"  {mark} {o.name}: {o.detail}")
-    target = result.repo.name
-    if result.stopped is not None:
-        console.print(f"work tree: {result.repo}\n  {result.stopped.name} is applied there with "
-                      f"conflict markers. Fix each file, `git add` (or `git rm`) it (to drop the "
-                      f"patch: `git reset --hard HEAD`; export leaves out empty ones), then:\n"
-                      f"  nox -s patches -- rebase --continue {target}")
-        return 1
-    console.print(f"work tree: {result.repo} (one commit per patch after 'upstream'). Check them, "
-                  f"then: nox -s patches -- export {target}")
-    return 0
-
-
 def _add_patches(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = _stage_parser(sub, "patches", "check, edit, export or rebase the patch series")
+    p = _stage_parser(sub, "patches", "check, edit, export or rebase the patch series",
+                      (patch_series.__doc__ or "").split("\n\n")[0])
     p.add_argument("words", nargs="*", metavar="[ACTION] FLAVOR",
-                   help="check (default) [FLAVOR...] | edit FLAVOR | export FLAVOR | rebase FROM TO"
-                        " | rebase --continue [TO]")
+                   help=f"{patch_series.USAGE} (default: check every flavor)")
     p.add_argument("--continue", dest="cont", action="store_true",
                    help="rebase: resume after fixing the stopped patch's conflicts")
-    p.set_defaults(func=cmd_patches)
+    p.set_defaults(func=lambda a: patch_series.run(*patch_series.from_words(a.words, a.cont)))
 
 
 # --- lock ---------------------------------------------------------------------------------------
-
-def cmd_lock(args: argparse.Namespace) -> int:
-    flavors: list[pins.Flavor] = args.flavors or [pins.load_flavor(n) for n in pins.flavor_names()]
-    for flavor in flavors:
-        path = lock.regenerate(flavor)
-        entries = lock.read_lock(path)
-        unverified = [e.requirement for e in entries if not e.verified]
-        console.print(f"{flavor.name}: {len(entries)} packages -> "
-                      f"{path.relative_to(pins.REPO_ROOT)}"
-                      + (f" [yellow](incomplete: {', '.join(unverified)})[/]" if unverified else ""))
-    return 0
-
 
 def _add_lock(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = _stage_parser(sub, "lock", "regenerate the hash-pinned lock of flavors")
     p.add_argument("flavors", nargs="*", metavar="FLAVOR", type=pins.load_flavor,
                    help=f"the flavors to lock (default: all: {', '.join(pins.flavor_names())})")
-    p.set_defaults(func=cmd_lock)
+    p.set_defaults(func=lambda a: max(
+        lock.run(f, lock.LockOptions())
+        for f in (a.flavors or [pins.load_flavor(n) for n in pins.flavor_names()])))
 
 
 # --- the command line -----------------------------------------------------------------------------

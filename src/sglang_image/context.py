@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_image import lock, normalize, plugin
+from sglang_image import lock, normalize, plugin_wheel
 from sglang_image.fetch import fetch_entries
 from sglang_image.pins import REPO_ROOT, Flavor
 from sglang_image.plan import BuildPlan
@@ -130,7 +130,7 @@ def add_plugin(flavor: Flavor, dest: Path) -> tuple[str, str] | None:
     returns (wheel file name, sha256). None, and nothing written, for other flavors."""
     if not flavor.plugin:
         return None
-    wheel = plugin.build_wheel(dest)
+    wheel = plugin_wheel.build_wheel(dest)
     digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
     name, version = wheel.name.split("-")[:2]
     (dest / "requirements.txt").write_text(

@@ -22,8 +22,8 @@ import docker
 import docker.errors
 from docker import DockerClient
 
-from sglang_image.errors import DockerUnavailableError
-from sglang_image.pins import REPO_ROOT
+from sglang_image.errors import DockerUnavailableError, UsageError
+from sglang_image.pins import REPO_ROOT, Flavor
 
 # Short paths: dockerd's unix sockets (containerd, netns) break beyond ~100 characters.
 DEFAULT_STATE = Path(os.environ.get("SGLANG_IMAGE_DOCKER_STATE", REPO_ROOT / ".cache" / "docker"))
@@ -220,10 +220,24 @@ def stop_dockerd(state: Path = DEFAULT_STATE, timeout: float = 30) -> int | None
     return pid
 
 
-def run(action: str, state: Path = DEFAULT_STATE) -> int:
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """What `nox -s engine` was asked for; checked when made."""
+
+    action: str = "start"  # start: unless one answers; stop: the one started under `state`
+    state: Path = DEFAULT_STATE  # the engine's data, socket and log
+
+    def __post_init__(self) -> None:
+        if self.action not in ("start", "stop"):
+            raise UsageError(f"engine action {self.action!r}: give start or stop")
+
+
+def run(flavor: Flavor | None, options: EngineOptions) -> int:
     """`nox -s engine [start|stop]`: start the project's own engine unless one answers, and print
-    the DOCKER_HOST to export; or stop the one started under `state`."""
-    if action == "stop":
+    the DOCKER_HOST to export; or stop the one started under `options.state`. One engine serves
+    every flavor: `flavor` is None."""
+    state = options.state
+    if options.action == "stop":
         pid = stop_dockerd(state)
         print(f"stopped dockerd (pid {pid})" if pid else f"no engine runs under {state}")
         return 0

@@ -84,6 +84,12 @@ class ImageNotFoundError(SglangImageError):
     exit_code = 13
 
 
+class PluginError(SglangImageError):
+    """The plugin cannot be built, or does not fit a sglang release."""
+
+    exit_code = 14
+
+
 # Exit code -> its cause, for the documentation and --help (tests/test_errors.py keeps them in step).
 EXIT_CODES: dict[int, str] = {
     0: "done (smoke: the full GPU smoke passed)",
@@ -100,7 +106,7 @@ EXIT_CODES: dict[int, str] = {
     PARTIAL_EXIT_CODE: "smoke: only the PARTIAL check (no GPU) passed; 0 with --accept-partial",
     PinError.exit_code: "a flavor file is missing or malformed (unknown --flavor)",
     ImageNotFoundError.exit_code: "the image to smoke-test or publish is not in the engine",
-    14: "the plugin cannot be built, or does not fit the sglang release (plugin.PluginError)",
+    PluginError.exit_code: "the plugin cannot be built, or does not fit the sglang release",
 }
 
 

@@ -30,8 +30,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sglang_image import plugin
-from sglang_image.errors import FetchError, SglangImageError
+from sglang_image import plugin_wheel
+from sglang_image.errors import FetchError, SglangImageError, UsageError
 from sglang_image.fetch import WHEEL_CACHE, fetch_entries, fetch_wheels
 from sglang_image.lock import LockEntry, normalize, reachable, read_lock, read_requirements_graph
 from sglang_image.pins import REPO_ROOT, Flavor, flavor_names, load_flavor
@@ -253,7 +253,7 @@ def place_plugin_wheel(flavor: Flavor, bundle_dir: Path) -> Path | None:
     bundle_dir.mkdir(parents=True, exist_ok=True)
     for old in bundle_dir.glob("sglang_image_plugin-*.whl"):
         old.unlink()
-    return plugin.build_wheel(bundle_dir) if flavor.plugin else None
+    return plugin_wheel.build_wheel(bundle_dir) if flavor.plugin else None
 
 
 def record_plugin(meta_path: Path, wheel: Path | None) -> None:
@@ -378,13 +378,21 @@ def host_command(*, phases: str = "all", out: str = "out/gpu-e2e") -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class BundleOptions:
-    """What `nox -s gpu-e2e` was asked for, besides the flavor."""
+    """What `nox -s gpu-e2e` was asked for, besides the flavor; checked when made (the names of
+    host_provides against the lock, by build_bundle)."""
 
     skip_build: bool = False  # only print the command to run on the GPU host
     force: bool = False  # rebuild the archive even if it is current
     host_provides: tuple[str, ...] = ()  # distributions of the lock the GPU host already has
     part_mib: int = 0  # also write the archive in parts of at most this many MiB (0: none)
     xz_level: int = 6
+
+    def __post_init__(self) -> None:
+        if self.part_mib < 0:
+            raise UsageError(f"--part-mib {self.part_mib}: give a size in MiB >= 1, or 0 for "
+                             "one archive")
+        if not 0 <= self.xz_level <= 9:
+            raise UsageError(f"--xz-level {self.xz_level}: give 0 (fastest) to 9 (smallest)")
 
 
 def run(flavor: Flavor, options: BundleOptions) -> int:

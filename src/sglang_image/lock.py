@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_image.errors import LockError
-from sglang_image.pins import Flavor
+from sglang_image.pins import REPO_ROOT, Flavor
 
 PYPI = "https://pypi.org/simple"
 _HEADER_DIGEST = "# inputs-sha256: "
@@ -211,3 +211,20 @@ def require_complete(flavor: Flavor) -> list[LockEntry]:
                         f"here. On a machine that reaches {', '.join(flavor.indexes + flavor.find_links)}"
                         f" run: nox -s lock -- {flavor.name}")
     return entries
+
+
+@dataclass(frozen=True, kw_only=True)
+class LockOptions:
+    """What `nox -s lock` was asked for besides the flavor: nothing yet (a lock already there
+    seeds the resolution; delete it to resolve afresh)."""
+
+
+def run(flavor: Flavor, options: LockOptions) -> int:
+    """`nox -s lock -- FLAVOR`: regenerates the flavor's lock and says what it holds (and which
+    entries are unverified, for an incomplete one)."""
+    path = regenerate(flavor)
+    entries = read_lock(path)
+    unverified = [e.requirement for e in entries if not e.verified]
+    print(f"{flavor.name}: {len(entries)} packages -> {path.relative_to(REPO_ROOT)}"
+          + (f" (incomplete: {', '.join(unverified)})" if unverified else ""))
+    return 0

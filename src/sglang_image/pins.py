@@ -75,22 +75,6 @@ class Flavor:
     def sglang_version(self) -> str:
         return self.pinned("sglang")
 
-    @property
-    def torch_version(self) -> str:
-        return self.pinned("torch")
-
-    @property
-    def kernel_version(self) -> str:
-        return self.pinned(self.kernel_package)
-
-    @property
-    def flashinfer_version(self) -> str:
-        return self.pinned("flashinfer-python")
-
-    @property
-    def transformers_version(self) -> str:
-        return self.pinned("transformers")
-
     def series(self) -> list[Path]:
         """The patch files in the order of patches/<flavor>/series."""
         return read_series(self.patch_dir)

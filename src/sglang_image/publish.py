@@ -35,7 +35,7 @@ from docker import DockerClient
 from rich.console import Console
 from rich.markup import escape
 
-from sglang_image import deploy, docker_engine, dockerbuild, imageref, plan, smoke, topology
+from sglang_image import deploy, docker_engine, dockerbuild, image_smoke, imageref, plan, topology
 from sglang_image.errors import PublishError, SglangImageError, UsageError
 from sglang_image.imageref import Target, is_loopback
 from sglang_image.labels import LABEL_PREFIX, SBOM_PATH
@@ -108,9 +108,9 @@ def sbom_tag(image_digest: str) -> str:
 # --- smoke gate ----------------------------------------------------------------------------------
 
 def require_smoke(image_id: str, image: str, *, allow_partial: bool,
-                  records_dir: Path | None = None) -> smoke.SmokeRecord:
+                  records_dir: Path | None = None) -> image_smoke.SmokeRecord:
     """The passed smoke of exactly this image, or a PublishError naming the command to run."""
-    record = smoke.passed_smoke(image_id, records_dir)
+    record = image_smoke.passed_smoke(image_id, records_dir)
     if record is None:
         raise PublishError(
             f"no passed smoke of {image} ({image_id}): run `nox -s smoke -- --image {image}` on a "
@@ -389,7 +389,7 @@ def publish(client: DockerClient, image: str, target: Target, *, allow_partial_s
     try:
         local = client.images.get(image)
     except docker.errors.ImageNotFound:
-        raise smoke.image_missing(image) from None
+        raise image_smoke.image_missing(image) from None
     labels = local.labels or {}
     version_tag, flavor_tag = release_tags(labels)
     record = require_smoke(str(local.id), image, allow_partial=allow_partial_smoke,
@@ -443,15 +443,24 @@ def _image_sbom(client: DockerClient, image_id: str, labels: dict[str, str]) -> 
 
 @dataclass(frozen=True, kw_only=True)
 class PublishOptions:
-    """What `nox -s publish` was asked for, besides the flavor (whose image is the default)."""
+    """What `nox -s publish` was asked for, besides the flavor (whose image is the default);
+    checked when made."""
 
-    target: Target  # parse_registry(--registry)
+    target: Target | None = None  # parse_registry(--registry); None only with fetch_sbom
     image: str | None = None  # default: the tag nox -s build gives the flavor
     allow_partial_smoke: bool = False
     verify_host: str | None = None  # default: a temporary engine with a fresh data root
-    smoke_records: Path | None = None  # default: smoke.RECORDS_DIR
+    smoke_records: Path | None = None  # default: image_smoke.RECORDS_DIR
     # where the deployment manifests of the pushed digest go (None: --no-deploy, none written)
     deploy_out: Path | None = deploy.DEFAULT_OUT
+    # --fetch-sbom REFERENCE: fetch that image's published SBOM into sbom_out instead
+    fetch_sbom: str | None = None
+    sbom_out: Path = Path(SBOM_TITLE)
+
+    def __post_init__(self) -> None:
+        if self.target is None and self.fetch_sbom is None:
+            raise UsageError("nox -s publish needs --registry HOST[:PORT]/NAMESPACE (or "
+                             "--fetch-sbom REFERENCE)")
 
 
 def _deploy_settings(flavor: Flavor | None) -> topology.Settings:
@@ -465,7 +474,11 @@ def _deploy_settings(flavor: Flavor | None) -> topology.Settings:
 
 def run(flavor: Flavor, options: PublishOptions) -> int:
     """`nox -s publish`: publishes (see the module docstring), writes the deployment manifests of
-    the pushed digest, prints the references (stderr) and the digest alone (stdout, for scripts)."""
+    the pushed digest, prints the references (stderr) and the digest alone (stdout, for scripts).
+    With fetch_sbom: only that image's published SBOM, into sbom_out."""
+    if options.fetch_sbom is not None:
+        return run_fetch_sbom(options.fetch_sbom, options.sbom_out)
+    assert options.target is not None  # checked when made
     console = Console(stderr=True, soft_wrap=True)  # references stay whole, to copy
     log: Callable[[str], None] = lambda m: console.print(escape(m), highlight=False)
     image = options.image or plan.default_tag(flavor)

@@ -14,7 +14,6 @@ Kubernetes manifests.
 """
 from __future__ import annotations
 
-import argparse
 import posixpath
 import re
 import tomllib
@@ -23,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from sglang_image import plugin, smoke
+from sglang_image import threshold as thresholds
 from sglang_image.errors import UsageError
 from sglang_image.pins import Flavor
 
@@ -37,7 +36,7 @@ ROUTER_METRICS_PORT = 29000
 MODELS_MOUNT = "/models"  # where the models volume is mounted, read-only
 QUANTITY_UNITS = {"Mi": "m", "Gi": "g", "Ti": "t"}  # --shm-size: Kubernetes unit -> Docker's
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label: a Kubernetes name
-THRESHOLD_FLAG: str = plugin.names().THRESHOLD_FLAG
+THRESHOLD_FLAG: str = thresholds.FLAG
 ROUTER_MODULE = "sglang_router.launch_router"
 # LeaderWorkerSet puts these into every pod of a group; Kubernetes expands $(NAME) in args.
 LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
@@ -155,22 +154,12 @@ def override(settings: Settings, options: Mapping[str, Any]) -> Settings:
     return replace(settings, **given)
 
 
-def threshold_value(raw: object) -> int | str:
-    """`auto` or a number of running requests >= 1 (`nox -s smoke`'s --threshold, which is the
-    plugin's own parser), as a UsageError naming the value and the fix."""
-    text = str(raw).strip() if isinstance(raw, (int, str)) and not isinstance(raw, bool) else repr(raw)
-    try:
-        return smoke.threshold_value(text)
-    except argparse.ArgumentTypeError as exc:
-        raise UsageError(str(exc)) from None
-
-
 def check(s: Settings, flavor: Flavor | None = None) -> Settings:
     """The settings, checked (threshold normalised), or a UsageError naming the value and the
     fix. `flavor`: the image's flavor where known (`auto` needs the plugin)."""
-    threshold = threshold_value(s.threshold)
+    threshold = thresholds.parse(s.threshold)
     if flavor is not None:
-        smoke.check_threshold(threshold, flavor)
+        thresholds.check_flavor(threshold, flavor)
     for name in ("model_path", "draft_model_path"):
         _check_model(name, getattr(s, name))
     for name, low in (("tp", 1), ("replicas", 1), ("nodes", 1), ("gpus_per_node", 1), ("cpu", 1),

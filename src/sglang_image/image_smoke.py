@@ -15,7 +15,6 @@ an image that has one (a PARTIAL one only with --allow-partial-smoke).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
@@ -26,11 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_image import plugin
+from sglang_image import threshold as thresholds
 from sglang_image.docker_engine import ensure_engine
-from sglang_image.errors import PARTIAL_EXIT_CODE, ImageNotFoundError, SmokeError, UsageError
-from sglang_image.pins import REPO_ROOT, Flavor, flavor_names, load_flavor
-from sglang_image.plan import default_tag
+from sglang_image.errors import PARTIAL_EXIT_CODE, ImageNotFoundError, SmokeError
+from sglang_image.pins import REPO_ROOT, Flavor, load_flavor
+from sglang_image.plan import check_reference, default_tag
+from sglang_image.plugin_source import PACKAGE_DIR
+from sglang_image.threshold import Threshold
 
 MOUNT = "/opt/sglang-smoke"
 OUT_MOUNT = "/out"
@@ -118,34 +119,14 @@ def host_has_gpu() -> bool:
     return p.returncode == 0 and "GPU" in p.stdout
 
 
-DEFAULT_THRESHOLD = 4
-AUTO: str = plugin.names().AUTO  # the server finds the crossover itself: flavors with the plugin only
-
-
-def threshold_value(text: str) -> int | str:
-    """--threshold: a number of running requests >= 1, or `auto` (the plugin's own parser)."""
-    try:
-        value: int | str = plugin.names().parse_threshold(text, source="--threshold",
-                                                         allow_zero=False)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def check_threshold(threshold: int | str, flavor: Flavor) -> None:
-    """`auto` only where the flavor's image carries the plugin that implements it."""
-    if threshold == AUTO and not flavor.plugin:
-        having = ", ".join(n for n in flavor_names() if load_flavor(n).plugin) or "none"
-        raise UsageError(f"--threshold auto: the {flavor.name} image has no automatic threshold "
-                         f"(flavors that have it: {having}); give a number of requests instead")
-
-
-def full_command(threshold: int | str = DEFAULT_THRESHOLD) -> list[str]:
+def full_command(threshold: Threshold | None = None) -> list[str]:
+    """The smoke, then the feature matrix, with `threshold` (None: the smoke's own default)."""
+    given = "" if threshold is None else f" --threshold {threshold}"
+    # the matrix crosses a fixed N both ways; with auto it runs at the smoke's default N
+    matrix = "" if threshold == thresholds.AUTO else given
     script = ("set -e; python3 -m smoke models /tmp/models --device cuda; "
-              f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT} --threshold {threshold}; "
-              f"python3 -m smoke features --models /tmp/models --out {OUT_MOUNT}/features "
-              # the matrix crosses a fixed N both ways; with auto it runs at the default N
-              f"--threshold {DEFAULT_THRESHOLD if threshold == AUTO else threshold}")
+              f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT}{given}; "
+              f"python3 -m smoke features --models /tmp/models --out {OUT_MOUNT}/features{matrix}")
     return ["bash", "-c", script]
 
 
@@ -162,7 +143,7 @@ def container_kwargs(*, gpu: bool, out_dir: Path) -> dict[str, Any]:
         # the smoke, and the one module whose names it shares with the plugin (smoke/names.py
         # looks for it beside smoke/, where the repository has it)
         "volumes": {str(REPO_ROOT / "smoke"): {"bind": f"{MOUNT}/smoke", "mode": "ro"},
-                    str(plugin.PACKAGE_DIR / "spec_disable.py"): {
+                    str(PACKAGE_DIR / "spec_disable.py"): {
                         "bind": f"{MOUNT}/plugin/sglang_image_plugin/spec_disable.py", "mode": "ro"},
                     str(out_dir): {"bind": OUT_MOUNT, "mode": "rw"}},
         "working_dir": MOUNT,
@@ -192,8 +173,8 @@ def image_missing(image: str) -> ImageNotFoundError:
                               f"or nox -s build -- --flavor FLAVOR), or name another with --image")
 
 
-def run_smoke(image: str, *, flavor: Flavor | None = None, gpu: bool | None = None,
-              out_dir: Path | None = None, threshold: int | str = DEFAULT_THRESHOLD) -> SmokeResult:
+def smoke_image(image: str, *, flavor: Flavor | None = None, gpu: bool | None = None,
+                out_dir: Path | None = None, threshold: Threshold | None = None) -> SmokeResult:
     """Runs the smoke (full with a GPU, else PARTIAL) in `image` against `flavor`'s series (None:
     the flavor the image was built for, by its label)."""
     import docker.errors
@@ -212,7 +193,8 @@ def run_smoke(image: str, *, flavor: Flavor | None = None, gpu: bool | None = No
     built_for = image_flavor(image, labels, flavor.name if flavor else None)
     if flavor is None:
         flavor = load_flavor(built_for)  # the image's own flavor (the default without a label)
-    check_threshold(threshold, flavor)
+    if threshold is not None:
+        thresholds.check_flavor(threshold, flavor)
     (out_dir / "expected-series.json").write_text(json.dumps(expected_series(flavor), indent=1))
     light = labels.get("io.sglang-image.light") == "true"
     cmd = full_command(threshold) if gpu and not light else partial_command(light)
@@ -272,18 +254,23 @@ def describe(res: SmokeResult) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SmokeOptions:
-    """What `nox -s smoke` was asked for, besides the flavor."""
+class ImageSmokeOptions:
+    """What `nox -s smoke` was asked for, besides the flavor; checked when made (the threshold
+    against the flavor in `run`, once the image's flavor is known)."""
 
     image: str | None = None  # default: the tag nox -s build gives the flavor
     gpu: bool | None = None  # default: when nvidia-smi lists a GPU
     out_dir: Path | None = None  # default: out/smoke
-    threshold: int | str = DEFAULT_THRESHOLD
+    threshold: Threshold | None = None  # default: the smoke's own (smoke/runner.py)
     accept_partial: bool = False  # exit 0, not PARTIAL_EXIT_CODE, when the PARTIAL check passes
     records: Path | None = None  # default: RECORDS_DIR
 
+    def __post_init__(self) -> None:
+        if self.image is not None:
+            check_reference(self.image, "--image", digest=True)
 
-def run(flavor: Flavor | None, options: SmokeOptions) -> int:
+
+def run(flavor: Flavor | None, options: ImageSmokeOptions) -> int:
     """`nox -s smoke`: runs it, says what it checked, records a pass under the image's digest (a
     failure removes an earlier pass of the image and raises SmokeError); returns 0, or
     PARTIAL_EXIT_CODE for a PARTIAL pass unless accepted. `flavor` None: the one the image was
@@ -292,8 +279,8 @@ def run(flavor: Flavor | None, options: SmokeOptions) -> int:
     if image is None:
         flavor = flavor or load_flavor()
         image = default_tag(flavor)
-    res = run_smoke(image, flavor=flavor, gpu=options.gpu, out_dir=options.out_dir,
-                    threshold=options.threshold)
+    res = smoke_image(image, flavor=flavor, gpu=options.gpu, out_dir=options.out_dir,
+                      threshold=options.threshold)
     print(describe(res))
     if not res.ok:
         stale = record_path(res.image_id, options.records)

@@ -1,71 +1,27 @@
-"""The SGLang plugin package (plugin/): its reproducible wheel, and the check
-that its hook targets still exist and the upstream code it relies on is unchanged.
+"""`nox -s plugin-check`: the plugin's hook targets still exist in an unpacked sglang wheel and
+the upstream code it relies on is unchanged since its digests were recorded.
 
-The check reads an unpacked sglang wheel's sources (ast, no import, no GPU), so it runs
-on a new release before anything is built: `python -m sglang_image plugin-check
---site-packages DIR`.
+The check reads the wheel's sources (ast, no import, no GPU), so it runs on a new release before
+anything is built; `nox -s patches` runs it on every flavor with the plugin.
 """
 from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
-import os
 import re
-import shutil
-import stat
-import subprocess
-import sys
-import tempfile
 import textwrap
-import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
-from sglang_image.errors import SglangImageError
-from sglang_image.pins import REPO_ROOT
-
-PLUGIN_DIR = REPO_ROOT / "plugin"
-PACKAGE_DIR = PLUGIN_DIR / "sglang_image_plugin"
-# Wheel timestamps: zip's earliest date (the build must not depend on when it ran).
-WHEEL_EPOCH = 315532800
-
-
-class PluginError(SglangImageError):
-    """The plugin cannot be built, or does not fit a sglang release."""
-
-    exit_code = 14
-
-
-def _load(name: str) -> ModuleType:
-    """A standard-library-only module of plugin/sglang_image_plugin/, loaded by path (the build
-    system does not import the plugin package, which reaches into sglang)."""
-    key = f"_sglang_image_plugin_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, PACKAGE_DIR / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module  # dataclasses look their module up while defining
-    spec.loader.exec_module(module)
-    return module
-
-
-def _targets() -> ModuleType:
-    """targets.py: the hooks and the upstream code relied on (pure data)."""
-    return _load("targets")
-
-
-def names() -> ModuleType:
-    """spec_disable.py: the threshold flag, its environment variable, `auto` and the parser,
-    spelled there once for the plugin, the build system, the smoke and the benchmark."""
-    return _load("spec_disable")
+from sglang_image import plugin_source
+from sglang_image.errors import PluginError, UsageError
+from sglang_image.pins import Flavor
+from sglang_image.plugin_source import PACKAGE_DIR
 
 
 def digests_path() -> Path:
-    return PACKAGE_DIR / str(_targets().DIGESTS_FILE)
+    return PACKAGE_DIR / str(plugin_source.targets().DIGESTS_FILE)
 
 
 def load_digests() -> dict[str, dict[str, str]]:
@@ -133,7 +89,7 @@ def check_hook_targets(site_packages: Path, sglang_version: str,
     """Problems, one line each naming what to review: a hook target that does not
     exist in this tree, an upstream definition the plugin relies on that is missing,
     has no recorded digest for this version, or changed since it was recorded."""
-    targets = _targets()
+    targets = plugin_source.targets()
     recorded = (load_digests() if digests is None else digests).get(sglang_version)
     problems = []
     found_version = wheel_version(site_packages)
@@ -163,7 +119,7 @@ def check_hook_targets(site_packages: Path, sglang_version: str,
 def record_digests(site_packages: Path, sglang_version: str) -> dict[str, str]:
     """Write this release's digests of every relied-on definition (after review)."""
     entry = {}
-    for dotted in _targets().RELIED:
+    for dotted in plugin_source.targets().RELIED:
         source = definition_source(site_packages, dotted)
         if source is None:
             raise PluginError(f"{dotted} does not exist under {site_packages}: fix the plugin "
@@ -175,60 +131,39 @@ def record_digests(site_packages: Path, sglang_version: str) -> dict[str, str]:
     return entry
 
 
-def _pinned_backend() -> str:
-    """The one build requirement of the plugin's pyproject.toml (`setuptools==X`)."""
-    requires = tomllib.loads((PLUGIN_DIR / "pyproject.toml").read_text())["build-system"]["requires"]
-    if len(requires) != 1 or not re.fullmatch(r"setuptools==[\w.]+", requires[0]):
-        raise PluginError(f"{PLUGIN_DIR / 'pyproject.toml'}: build-system.requires must be one "
-                          f"exact setuptools pin, got {requires}")
-    return str(requires[0]).split("==")[1]
+def check_flavor(flavor: Flavor, tree: Path) -> list[str]:
+    """Problems of the plugin against the flavor's unpacked upstream `tree` (empty: none; a flavor
+    without the plugin has none)."""
+    return check_hook_targets(tree, flavor.sglang_version) if flavor.plugin else []
 
 
-def build_wheel(out_dir: Path) -> Path:
-    """Build the plugin's wheel into out_dir; the same sources give the same bytes
-    (fixed timestamps and file modes, the pinned setuptools, no build isolation)."""
-    pinned = _pinned_backend()
-    installed = importlib.metadata.version("setuptools")
-    if installed != pinned:
-        raise PluginError(f"the plugin builds with setuptools=={pinned} (plugin/"
-                          f"pyproject.toml), this environment has {installed}: "
-                          f"install setuptools=={pinned}, or update the pin and the lock")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="sglang-image-plugin-") as tmp:
-        src = Path(tmp) / "src"
-        shutil.copytree(PLUGIN_DIR, src, ignore=shutil.ignore_patterns(
-            "__pycache__", "*.pyc", "build", "dist", "*.egg-info"))
-        for path in sorted(src.rglob("*")):
-            mode = 0o755 if path.is_dir() else 0o644
-            path.chmod(mode)
-            os.utime(path, (WHEEL_EPOCH, WHEEL_EPOCH))
-        dist = Path(tmp) / "dist"
-        env = {**os.environ, "SOURCE_DATE_EPOCH": str(WHEEL_EPOCH), "PYTHONHASHSEED": "0"}
-        proc = subprocess.run(
-            [sys.executable, "-c",
-         "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))",
-         str(dist)],
-            cwd=src, env=env, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise PluginError(f"building the plugin wheel failed:\n{proc.stderr[-3000:]}")
-        wheel = dist / proc.stdout.strip().splitlines()[-1]
-        target = out_dir / wheel.name
-        shutil.copyfile(wheel, target)
-        target.chmod(stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
-    return target
+@dataclass(frozen=True, kw_only=True)
+class PluginCheckOptions:
+    """What `nox -s plugin-check` was asked for; checked when made."""
+
+    site_packages: Path  # an unpacked sglang wheel (the directory holding sglang/)
+    sglang_version: str | None = None  # default: the flavor's, else the wheel's dist-info
+    record: bool = False  # after review: record this release's digests of the relied-on code
+
+    def __post_init__(self) -> None:
+        if not (self.site_packages / "sglang").is_dir():
+            raise PluginError(f"{self.site_packages} has no sglang/ directory: unpack the wheel "
+                              "there (python -m zipfile -e sglang-X.whl DIR)")
 
 
-def run(site: Path, sglang_version: str | None = None, record: bool = False) -> int:
-    """`nox -s plugin-check -- --site-packages DIR [--sglang-version V] [--record]`: the hook
-    targets and relied-on code in an unpacked sglang wheel (or, with `record`, their digests
-    recorded after review); 1 when a check fails."""
-    if not (site / "sglang").is_dir():
-        raise PluginError(f"{site} has no sglang/ directory: unpack the wheel there "
-                          "(python -m zipfile -e sglang-X.whl DIR)")
-    version = sglang_version or wheel_version(site)
+def run(flavor: Flavor | None, options: PluginCheckOptions) -> int:
+    """`nox -s plugin-check -- --site-packages DIR`: the hook targets and relied-on code in an
+    unpacked sglang wheel of `flavor`'s release (None: the release the wheel names), or, with
+    `record`, their digests recorded after review; 1 when a check fails."""
+    site = options.site_packages
+    if flavor is not None and options.sglang_version not in (None, flavor.sglang_version):
+        raise UsageError(f"--sglang-version {options.sglang_version} and --flavor {flavor.name} "
+                         f"(sglang {flavor.sglang_version}) disagree: give one of them")
+    version = (options.sglang_version or (flavor.sglang_version if flavor else None)
+               or wheel_version(site))
     if version is None:
         raise PluginError(f"{site} has no sglang-*.dist-info: pass --sglang-version")
-    if record:
+    if options.record:
         entry = record_digests(site, version)
         print(f"recorded {len(entry)} digests for sglang {version} in {digests_path()}")
         return 0
@@ -236,7 +171,7 @@ def run(site: Path, sglang_version: str | None = None, record: bool = False) -> 
     for line in problems:
         print(f"FAIL {line}")
     if not problems:
-        targets = _targets()
+        targets = plugin_source.targets()
         print(f"ok: sglang {version}: {len(targets.HOOKS)} hook targets exist, "
               f"{len(targets.RELIED)} relied-on definitions unchanged")
     return 1 if problems else 0
