@@ -35,7 +35,6 @@ from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                     "NVSHMEM_DISABLE_NVLS": "1"}
-BASE = ("--disable-cuda-graph",)  # ServerConfig adds triton attention, pytorch sampling, no grammar
 SYMM_FLAGS = ("--enable-torch-symm-mem",)
 FUSION_FLAGS = ("--flashinfer-allreduce-fusion-backend", "trtllm")
 SYMM_TWO_SHOT = "torch symm mem: multicast unavailable, using two-shot all-reduce over P2P"

@@ -509,7 +509,8 @@ class E2E:
             self.log(f"== {ph} ({self.deadline.left():.0f}s left)")
             try:
                 steps[ph]()
-                if done_key and not self.phase_failures(ph):
+                launch_only = ph == "bench" and self.a.bench_launch_only  # nothing measured yet
+                if done_key and not self.phase_failures(ph) and not launch_only:
                     self.state[done_key] = True  # a failed phase runs again on the next call
             except Deadline_ as exc:
                 incomplete.append(str(exc))
@@ -556,7 +557,7 @@ class E2E:
 
     def bring_back_jit_cache(self) -> None:
         """OUT/jit-cache.tar.xz when this call compiled kernels the bundle's cache lacks (copy it into
-        the bundle folder for the next call: see smoke.jitcache)."""
+        the bundle folder for the next call: see bench.jitcache)."""
         jit = self.state_dir / "jit"
         now = jitcache.fingerprint(jit)
         if not self.state.get("install") or now == self.state.get("jit_fingerprint"):

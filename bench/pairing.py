@@ -38,7 +38,7 @@ def bootstrap_interval(values: Sequence[float], stat: Callable[[Sequence[float]]
     n = len(values)
     stats = sorted(stat([values[rnd.randrange(n)] for _ in range(n)]) for _ in range(resamples))
     lo_k = int((1 - level) / 2 * (resamples - 1))
-    hi_k = int(round((1 + level) / 2 * (resamples - 1)))
+    hi_k = round((1 + level) / 2 * (resamples - 1))
     return stats[lo_k], stats[hi_k]
 
 

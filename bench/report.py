@@ -125,6 +125,18 @@ def idle_cpu(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def host_ranges(result: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Per host figure (steal share, CPU MHz, GPU SM MHz, GPU power): its least and most over the
+    windows (bench.hostinfo)."""
+    seen: dict[str, list[float]] = {}
+    for blocks in result.get("blocks", {}).values():
+        for b in blocks:
+            for w in b["windows"].values():
+                for k, v in (w.get("host") or {}).items():
+                    seen.setdefault(k, []).append(float(v))
+    return {k: (min(v), max(v)) for k, v in seen.items()}
+
+
 def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per concurrency, auto against the alternatives a user has, each ratio taken within a block:
     the better of plain and always-on EAGLE-3, and the fixed threshold with the highest median
@@ -226,8 +238,8 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {c} | " + " | ".join(cells) + f" | {interval(floor.get(c)) if floor else 'not measured'} |")
         lines.append("")
     elif floor:
-        lines += ["A/A floor: the plain twin over plain within a block, the same procedure as every comparison "
-                  "(a perfect bench: 1.00x with a narrow interval):", "",
+        lines += [("A/A floor: the plain twin over plain within a block, the same procedure as every comparison "
+                   "(a perfect bench: 1.00x with a narrow interval):"), "",
                   "| concurrency | twin / plain | per-block ratios |", "|---:|---:|---|"]
         for c in sorted(floor, key=int):
             lines.append(f"| {c} | {interval(floor[c])} | {', '.join(f'{r:.3f}' for r in floor[c]['ratios'])} |")
@@ -278,6 +290,17 @@ def markdown(result: dict[str, Any]) -> str:
     if idle:
         lines.append("- servers not under load: at most " + ", ".join(
             f"{label(n)} {v:.2f}" for n, v in sorted(idle.items())) + " CPU cores during another server's window")
+    host = host_ranges(result)
+    if host:
+        parts = []
+        if "steal_share" in host:
+            parts.append(f"CPU time stolen by the hypervisor {100 * host['steal_share'][0]:.1f}-"
+                         f"{100 * host['steal_share'][1]:.1f}%")
+        for key, what in (("cpu_mhz", "CPU clock"), ("gpu_sm_mhz", "GPU SM clock"), ("gpu_power_w", "GPU power")):
+            if key in host:
+                unit = "W" if key == "gpu_power_w" else "MHz"
+                parts.append(f"{what} {host[key][0]:.0f}-{host[key][1]:.0f} {unit}")
+        lines.append("- the host over the windows: " + "; ".join(parts))
     cpus = {n: c for n, c in (result.get("cpus") or {}).items() if c}
     if cpus:
         lines.append("- CPUs: " + "; ".join(f"{label(n)} {','.join(map(str, c))}" for n, c in cpus.items())

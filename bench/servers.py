@@ -150,7 +150,8 @@ class ServerPool:
 
     # ------------------------------------------------------------- CPUs and ports
     def client_cpus(self) -> tuple[int, ...]:
-        return tuple(sorted(os.sched_getaffinity(0))[:CLIENT_CPUS])
+        """The last CPUs: the first ones take most of a machine's interrupts."""
+        return tuple(sorted(os.sched_getaffinity(0))[-CLIENT_CPUS:])
 
     def free_cpus(self, taken: set[int]) -> tuple[int, ...]:
         """The next `cpus_per_server` CPUs held by neither the client nor a recorded server; () where
@@ -158,7 +159,7 @@ class ServerPool:
         if self.cpus_per_server <= 0:
             return ()
         mine = sorted(os.sched_getaffinity(0))
-        free = [c for c in mine[CLIENT_CPUS:] if c not in taken]
+        free = [c for c in mine[:-CLIENT_CPUS] if c not in taken]
         return tuple(free[:self.cpus_per_server]) if len(free) >= self.cpus_per_server else ()
 
     def free_port(self, taken: set[int]) -> int:
@@ -172,6 +173,16 @@ class ServerPool:
         """The recorded group still runs the recorded server (not another process that got its pid)."""
         argv = " ".join(cfg.argv(port))
         return group_running(entry.pgid) and group_cmdline(entry.pgid) == argv
+
+    def recorded_alive(self, configs: dict[str, ServerConfig], key_extra: str) -> dict[str, bool]:
+        """The configs whose recorded server runs with the same options: name -> warmed up."""
+        recorded = self.read()
+        out = {}
+        for name, cfg in configs.items():
+            entry = recorded.get(self.id(name))
+            if entry is not None and entry.key == options_key(cfg, key_extra) and group_running(entry.pgid):
+                out[name] = entry.warmed
+        return out
 
     def launch(self, configs: dict[str, ServerConfig], key_extra: str, log_for: Callable[[str], Path]) -> list[str]:
         """Each config's server found in the registry (alive, same options) or launched now, side by

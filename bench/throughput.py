@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import diagnose, pairing, servers
+from bench import diagnose, hostinfo, pairing, servers
 from bench import report as bench_report
 from smoke import client, names
 from smoke.client import Prompt
@@ -111,7 +111,7 @@ class BenchOptions:
     # --max-total-tokens of every server (0: room for the top concurrency's requests)
     max_total_tokens: int = 0
     server_args: tuple[str, ...] = ()  # appended to every server's flags
-    cpus_per_server: int = 3  # each server pinned to this many CPUs of its own (0: no pinning)
+    cpus_per_server: int = 0  # each server pinned to this many CPUs of its own (0: no pinning)
     diagnose: bool = False
     device_timer: bool = False  # GPU seconds per window (diagnose's device timer, without its solo units)
     pyspy_dirs: tuple[Path, ...] = ()  # --diagnose: where to look for py-spy besides PATH
@@ -232,7 +232,7 @@ def decode_steps(before: dict[str, float], after: dict[str, float]) -> int | Non
     keys = [k for k in after if k.startswith(DECODE_PASSES + "{") and re.search(r'mode="decode', k)]
     if not keys:
         return None
-    return int(round(sum(after[k] - before.get(k, 0.0) for k in keys)))
+    return round(sum(after[k] - before.get(k, 0.0) for k in keys))
 
 
 def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, settle_s: float, window_s: float,
@@ -536,7 +536,7 @@ class Bench:
 
     def block_cost(self, c: int) -> float:
         """A window on every server: settle, count, the end (the longest end seen at this level)."""
-        tails = [w.get("tail_s", 0.0) for b in self.result["blocks"].get(str(c), []) for w in b["windows"].values()]
+        tails = [float(w.get("tail_s", 0.0)) for b in self.result["blocks"].get(str(c), []) for w in b["windows"].values()]
         end = max([WINDOW_END_S, *tails]) + 0.5
         return len(self.names) * (self.opts.settle_s + self.opts.window_s + end)
 
@@ -546,10 +546,13 @@ class Bench:
         return 60.0  # diagnose: a full-load window with py-spy and the profiler
 
     def start_cost(self) -> float:
-        """Starting and warming up whatever is not up yet, side by side: the slowest of them."""
-        starts = [self.result["start_s"].get(n, START_S) for n in self.names]
-        warms = [self.result["warm_s"].get(n, WARM_S) for n in self.names]
-        return max(starts) + max(warms)
+        """Starting and warming up whatever is not up and warm yet, side by side: the slowest of
+        them (a server an earlier call left running costs nothing)."""
+        configs = {name: server_config(name, self.opts) for name in self.names}
+        alive = self.pool.recorded_alive(configs, self.opts.key_extra)
+        starts = [self.result["start_s"].get(n, START_S) for n in self.names if n not in alive]
+        warms = [self.result["warm_s"].get(n, WARM_S) for n in self.names if not alive.get(n)]
+        return max(starts, default=0.0) + max(warms, default=0.0)
 
     def reserve(self) -> float:
         """The end of a call: the report, and where the bench is complete, each server's checks and stop."""
@@ -684,12 +687,13 @@ class Bench:
             flush_cache(srv.base)
             idle = {n: s for n, s in self.servers.items() if n != name and s.pgid is not None}
             cpu0 = {n: servers.group_cpu_seconds(s.pgid) for n, s in idle.items() if s.pgid is not None}
-            t0 = time.time()
+            t0, host0 = time.time(), hostinfo.sample()
             m = measure(srv.base, prompt_at, c, opts.settle_s, opts.window_s, opts.deadline.request_timeout(240),
                         opts.deadline.at - self.reserve(), diagnose.scrape)
             if m.pop("cut"):
                 return False
             wall = max(time.time() - t0, 1e-6)
+            m["host"] = hostinfo.during(host0, hostinfo.sample())
             m["idle_cpu"] = {n: round((servers.group_cpu_seconds(s.pgid) - cpu0[n]) / wall, 3)
                              for n, s in idle.items() if s.pgid is not None and n in cpu0}
             outputs[name] = m.pop("outputs")
@@ -851,8 +855,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="each server's --mem-fraction-static (the pool itself is --max-total-tokens)")
     ap.add_argument(p + "max-total-tokens", type=int, default=0,
                     help="KV pool of every server (0: room for the top concurrency's requests)")
-    ap.add_argument(p + "cpus-per-server", type=int, default=3,
-                    help="pin each server to this many CPUs of its own, the client to one more (0: no pinning)")
+    ap.add_argument(p + "cpus-per-server", type=int, default=0,
+                    help="pin each server to this many CPUs of its own, the client to one more (0, the "
+                         "default: no pinning; it did not narrow the A/A floor on an H200 host)")
     ap.add_argument(p + "server-args", default="",
                     help="extra flags for every server, one shell-quoted string (e.g. '--gc-threshold 50000')")
     ap.add_argument(p + "diagnose", action="store_true",

@@ -16,7 +16,6 @@ import statistics
 import struct
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -446,11 +445,11 @@ def test_servers_start_side_by_side_and_each_is_pinned_to_its_own_cpus(pool_of, 
     got = pool.ensure({n: sleepy(n, tmp_path, 1.0) for n in names}, "", logs(tmp_path), 30)
     spawned = [float(s.log_path.read_text().split("spawned ")[1].split()[0]) for s in got.values()]
     assert max(spawned) - min(spawned) < 0.9  # none held back until another answered (1 s after its spawn)
-    assert pool.client_cpus() == (cpus[0],)
+    assert pool.client_cpus() == (cpus[-1],)  # the last: the first ones take the interrupts
     pins = {n: os.sched_getaffinity(s.pgid) for n, s in got.items()}
     pinned = [n for n in names if len(pins[n]) == 1]
     assert pinned == names[:-1] and len({min(pins[n]) for n in pinned}) == len(pinned)
-    assert all(cpus[0] not in pins[n] for n in pinned)
+    assert all(cpus[-1] not in pins[n] for n in pinned)
     assert pool_of.events[-1] == (f"{names[-1]}: not pinned: fewer than 1 CPUs left beside the client's 1 and "
                                   "the other servers'")
     entries = json.loads((tmp_path / "reg.json").read_text())
@@ -530,6 +529,9 @@ class FakeLab:
 
             def client_cpus(self) -> tuple[int, ...]:
                 return ()
+
+            def recorded_alive(self, configs: dict[str, ServerConfig], key_extra: str) -> dict[str, bool]:
+                return {n: n in lab.warm for n in configs if n in lab.running}
 
             def stop(self, name: str) -> None:
                 self.servers.pop(name)
@@ -714,6 +716,29 @@ def test_e2e_keeps_each_unit_and_its_next_call_goes_on(lab, tmp_path):
     assert not lab.running
 
 
+def test_an_e2e_call_that_only_launches_does_not_count_the_bench_done(lab, tmp_path, monkeypatch):
+    """A GPU run of 2026-12-04: the measuring call after a --bench-launch-only one said "bench: done
+    in an earlier call" and measured nothing."""
+    from bench import e2e
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
+    models = tmp_path / "state" / "models" / "1b"
+    models.mkdir(parents=True)
+    (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+
+    def driver(*extra: str) -> e2e.E2E:
+        drv = e2e.E2E(build_parser().parse_args([
+            "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
+            str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1",
+            "--bench-pairs", "1", "--bench-window-s", "20", *extra]))
+        drv.deadline.at = time.time() + 600
+        return drv
+
+    assert driver("--bench-launch-only").run() == 0 and lab.launched == ["plain", "eagle3"] and not lab.windows
+    assert driver().run() == 0 and len(lab.windows) == 2 and lab.launched == ["plain", "eagle3"]
+    assert "done in an earlier call" not in (tmp_path / "out" / "e2e.log").read_text()
+
+
 FAKE_SGLANG = """
 import json, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -876,7 +901,7 @@ def test_options_and_refused_values():
     o = bench_options()
     assert o.concurrency == (1, 4, 16, 64, 256) and o.configs == bench.DEFAULT_CONFIGS == ("plain", "eagle3", "eagle3_thr")
     assert o.pairs == 6 and o.window_s == 3.0 and o.settle_s == 1.0 and o.out == Path("docs/bench")
-    assert o.registry is None and o.cpus_per_server == 3
+    assert o.registry is None and o.cpus_per_server == 0  # pinning is asked for, not the default
     o = bench_options("--concurrency", "256,1,8", "--configs", "plain,plain_twin,eagle3_auto",
                       "--server-args", "--gc-threshold 7 8", "--threshold", "32,8", "--state", "st.json")
     assert o.concurrency == (1, 8, 256) and o.configs == ("plain", "plain_twin", "eagle3_auto")
@@ -997,3 +1022,18 @@ def test_a_server_still_starting_at_the_deadline_is_left_for_the_next_call(pool_
     assert group_running(entry["pgid"])  # not stopped: the next call finds it, up by then
     srv = pool_of().ensure({"slow": sleepy("slow", tmp_path, 3.0)}, "", logs(tmp_path), 30)["slow"]
     assert srv.pgid == entry["pgid"] and client.healthy(srv.base)
+
+
+def test_what_the_host_did_during_a_window_is_kept(monkeypatch):
+    before = bench.hostinfo.sample()
+    end = time.time() + 0.3
+    while time.time() < end:  # some CPU time to account
+        pass
+    monkeypatch.setattr(bench.hostinfo.shutil, "which", lambda exe: None)  # no GPU here
+    got = bench.hostinfo.during(before, bench.hostinfo.sample())
+    assert 0 <= got["steal_share"] <= 1 and 0 < got["busy_share"] <= 1 and "gpu_sm_mhz" not in got
+    result = json.loads(RESULT.read_text())
+    result["blocks"]["1"][0]["windows"]["plain"]["host"] = {"steal_share": 0.02, "gpu_sm_mhz": 1980.0}
+    result["blocks"]["1"][1]["windows"]["plain"]["host"] = {"steal_share": 0.10, "gpu_sm_mhz": 1755.0}
+    assert ("- the host over the windows: CPU time stolen by the hypervisor 2.0-10.0%; GPU SM clock "
+            "1755-1980 MHz") in bench_report.markdown(result)

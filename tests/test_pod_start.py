@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from sglang_image import cli, pins, plugin, topology
+from sglang_image import cli, pins, plugin_wheel, topology
 from tests import deploy_checks as checks
 from tests.probe import probe_result
 
@@ -141,7 +141,7 @@ def start_entrypoint(args: list[str], env: dict[str, str], tmp: Path
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("plugin")
-    with zipfile.ZipFile(plugin.build_wheel(out / "dist")) as zf:
+    with zipfile.ZipFile(plugin_wheel.build_wheel(out / "dist")) as zf:
         zf.extractall(out / "site")
     return out / "site"
 
