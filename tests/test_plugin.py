@@ -627,8 +627,8 @@ def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(r
     assert out["policy"] == "CatchUpPolicy" and out["kv_only"]
     assert out["built"] == [[0, 1, [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]]]
     assert out["steps"] == [3, 0, 0, 0, 3, 3]  # 20 <= 28 resumes after one catch-up step
-    assert out["lines"][0] == ("Plain step: plain steps write only the draft's K/V, one catch-up "
-                               "step before speculation resumes")
+    assert out["lines"][0] == ("Plain step: plain steps and prefills in plain mode write only the "
+                               "draft's K/V, one catch-up step before speculation resumes")
     assert runner.draft_plain_step({}, "\n".join(out["lines"])) == "kv_only"  # what the smoke reads
     other = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
     assert other["policy"] == "ThresholdPolicy" and not other["kv_only"]
@@ -988,6 +988,182 @@ def test_plain_step_writes_draft_kv_only_except_catch_up_speculative_and_idle(ru
     assert out["calls"] == 4  # the K/V-only step did not call upstream's draft extend
     assert out["loc"] == [70, 71, 99] and out["same_kv"]
     assert out["stubs"] == [[3, 1], "torch.float32", [3, 1], "torch.int64", [3, 16]]
+
+
+# A prefill of three requests for the draft's extend, on the real ForwardBatch.init_new and
+# upstream's real EagleDraftWorker._draft_extend_for_prefill: request 0 extends 3 tokens after a
+# cached prefix of 5, request 1 a whole prompt of 2, request 2 a chunk of 3 after 4 whose next
+# prompt token is 47 (its tail). The draft's runner runs the real one-layer LlamaModel.forward
+# with upstream's rope; its attention records the K/V it would write. Stand-ins: the batch's and
+# requests' unused fields (None), the server-wide config reads (parallel widths, MoE backends,
+# rejection sampling) and the target's forward.
+PREFILL_FAKES = EAGLE3_DRAFT + """
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.managers.utils import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.speculative import eagle_worker_v2 as ew
+import contextlib
+ew.get_spec = lambda: NS(speculative_use_rejection_sampling=False)
+ew.speculative_moe_backend_context = ew.speculative_moe_a2a_backend_context = contextlib.nullcontext
+
+class Unset(NS):
+    def __getattr__(self, name):
+        return None
+
+class DraftRunner:  # the draft's ModelRunner as the draft extend uses it
+    device, is_draft_worker, prefill_attention_backend_str = "cpu", True, "torch_native"
+    lora_manager = canary_manager = None
+    ngram_embedding_manager = NS(enabled=False)
+    kv_index_translator = NS(is_translating=False)
+    spec_algorithm = NS(is_standalone=lambda: False)
+    def __init__(self, model, dtype):
+        self.model, self.forwards = NS(model=model), 0
+        self.token_to_kv_pool = RecordingPool()
+        self.model_config = NS(model_is_mrope=False, requires_mm_token_modalities=False,
+                               spec_hidden_size=D, dtype=dtype)
+    def forward(self, fb):
+        self.forwards += 1
+        self.positions = fb.positions.tolist()
+        hidden, aux = self.model.model.forward(fb.input_ids, fb.positions, fb)
+        last = torch.cumsum(fb.extend_seq_lens, 0) - 1
+        logits = (hidden[last].float() @ torch.arange(D * VOCAB, dtype=torch.float32).reshape(D, VOCAB).sin())
+        return NS(logits_output=LogitsProcessorOutput(next_token_logits=logits, hidden_states=aux[0][last]))
+
+class Plan:  # the target prefill's plan: the draft writes the target's slots
+    def bind(self, fb, translator, cols=None):
+        fb.out_cache_loc = SLOTS3
+
+SLOTS3 = torch.tensor([40, 41, 42, 50, 51, 60, 61, 62])
+SAMPLED = torch.tensor([13, 22, 31])
+
+def prefill_batch(mode=ForwardMode.EXTEND):
+    reqs = [Unset(rid=r, extend_end=e, full_untruncated_fill_ids=[0] * f)
+            for r, e, f in (("a", 8, 8), ("b", 2, 2), ("c", 7, 12))]
+    return Unset(forward_mode=mode, input_ids=torch.tensor([10, 11, 12, 20, 21, 30, 31, 32]),
+                 extend_lens=[3, 2, 3], prefix_lens=[5, 0, 4], extend_num_tokens=8,
+                 seq_lens=torch.tensor([8, 2, 7]), seq_lens_cpu=torch.tensor([8, 2, 7]),
+                 out_cache_loc=SLOTS3, reqs=reqs, req_pool_indices=torch.tensor([4, 6, 9]),
+                 extend_logprob_start_lens=[0, 0, 0], chunked_req=reqs[2],
+                 chunked_req_next_prompt_token=47)
+
+def prefill_draft(dtype=torch.float32, catch_up=None):
+    torch.manual_seed(1)
+    model = make_draft()
+    model.layers[0].self_attn.rotary_emb = real_rope()
+    model = model.to(dtype)
+    runner = DraftRunner(model, dtype)
+    dw = object.__new__(ew.EagleDraftWorker)
+    dw.__dict__.update(draft_runner=runner, speculative_algorithm=runner.spec_algorithm, topk=1,
+                       device="cpu", seed_dsa_topk_from_draft_extend=False,
+                       parallel_layout=NS(tp_group=None))
+    if catch_up is not None:
+        state.of(dw, DraftState).catch_up = catch_up
+    return dw, runner
+
+def target_hidden(dtype=torch.float32):
+    torch.manual_seed(2)
+    return torch.randn(8, 3 * TARGET).to(dtype)
+
+def parallel():
+    return get_parallel().override(moe_ep_size=1, attn_dcp_size=1)
+"""
+
+
+def test_kv_only_prefill_writes_the_full_draft_extends_kv(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # A prefill while the mode is plain: the K/V the hook writes into the draft's pool equal, bit
+    # for bit, in float32 and in bfloat16, what upstream's full draft extend of the same prefill
+    # hands to the draft's attention (the tokens shifted by one, each request's tail, the
+    # positions after its cached prefix), at the target's slots; the new requests get
+    # upstream's placeholder proposal and their sampled tokens as bonus tokens.
+    out = _probe(run_in_tree, tree, plugin_site, PREFILL_FAKES, """
+        from sglang_image_plugin import draft_kv, state
+        from sglang_image_plugin.state import DraftState
+        original = ew.EagleDraftWorker._draft_extend_for_prefill
+        res = {}
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            with torch.no_grad(), parallel():
+                full, full_runner = prefill_draft(dtype)
+                original(full, prefill_batch(), target_hidden(dtype), SAMPLED, None, kv_loc_plan=Plan())
+                k_full, v_full = full.draft_runner.model.model.layers[0].self_attn.attn.seen[-1]
+                only, runner = prefill_draft(dtype, catch_up=NS(draft_stale=True))
+                nd = draft_kv.draft_extend_for_prefill(original, only, prefill_batch(), target_hidden(dtype),
+                                                       SAMPLED, None, kv_loc_plan=Plan())
+            (layer, loc, k, v, _, _), = runner.token_to_kv_pool.writes
+            res[name] = {"k": bool(torch.equal(k, k_full)), "v": bool(torch.equal(v, v_full)),
+                         "dtype": str(k.dtype), "loc": loc.tolist(), "forwards": runner.forwards,
+                         "positions": full_runner.positions,
+                         "stubs": [nd.topk_p.tolist(), nd.topk_index.tolist(), list(nd.hidden_states.shape),
+                                   nd.bonus_tokens.tolist(), nd.num_tokens_per_req]}
+        emit(res)
+    """)
+    for name in ("float32", "bfloat16"):
+        got = out[name]
+        assert got["k"] and got["v"], name
+        assert got["dtype"] == f"torch.{name}"
+        assert got["loc"] == [40, 41, 42, 50, 51, 60, 61, 62] and got["forwards"] == 0
+        assert got["positions"] == [5, 6, 7, 0, 1, 4, 5, 6]
+        assert got["stubs"] == [[[0.0]] * 3, [[0]] * 3, [3, 16], [13, 22, 31], 1]
+
+
+def test_prefill_runs_the_draft_forward_only_where_speculation_needs_it(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # Through upstream's EAGLEWorkerV2._forward_prefill_batch with the plugin's K/V-only hooks
+    # installed as the worker installs them: while the mode is plain (a plain step ran since the
+    # last full draft step) the prefill runs no forward of the draft and writes only its K/V;
+    # in speculative mode, on the catch-up step's turn, after speculation resumed, for a mixed
+    # batch and without a threshold it runs upstream's draft extend, unchanged (the same
+    # proposal and K/V as upstream's own code without the plugin's hooks).
+    out = _probe(run_in_tree, tree, plugin_site, PREFILL_FAKES, """
+        from sglang_image_plugin import registry, state
+        from sglang_image_plugin.policy import CatchUpPolicy
+        from sglang_image_plugin.state import DraftState
+        from sglang_image_plugin.targets import Group, hooks_of
+        unhooked = ew.EagleDraftWorker._draft_extend_for_prefill
+        registry.install(hooks_of(Group.KV_ONLY), "plain-step")
+        def policy(*steps):
+            inner = NS(get_steps_for_batch=lambda bs: steps_left.pop(0))
+            steps_left = list(steps)
+            p = CatchUpPolicy(inner)
+            for _ in steps:
+                p.get_steps_for_batch(8)
+            return p
+        def prefill(catch_up, mode=ForwardMode.EXTEND):
+            dw, runner = prefill_draft(catch_up=catch_up)
+            worker = object.__new__(ew.EAGLEWorkerV2)
+            result = GenerationBatchResult(logits_output=LogitsProcessorOutput(
+                next_token_logits=None, hidden_states=target_hidden()))
+            result.next_token_ids = SAMPLED
+            worker.__dict__.update(_draft_worker=dw, _target_worker=NS(
+                forward_batch_generation=lambda b, **k: (setattr(result, "kv_loc_plan", Plan()), result)[1]),
+                speculative_algorithm=runner.spec_algorithm)
+            with torch.no_grad(), parallel():
+                out = ew.EAGLEWorkerV2._forward_prefill_batch(worker, prefill_batch(mode))
+            seen = runner.model.model.layers[0].self_attn.attn.seen
+            return runner, out.next_draft_input, seen
+        def upstream():  # the same prefill's draft extend, the hooks left out
+            dw, runner = prefill_draft()
+            with torch.no_grad(), parallel():
+                nd = unhooked(dw, prefill_batch(), target_hidden(), SAMPLED, None, kv_loc_plan=Plan())
+            return nd, runner.model.model.layers[0].self_attn.attn.seen
+        ref, ref_seen = upstream()
+        res = {}
+        for name, catch_up, mode in (("plain", policy(0), ForwardMode.EXTEND),
+                                     ("plain_again", policy(3, 0, 0), ForwardMode.EXTEND),
+                                     ("speculative", policy(3), ForwardMode.EXTEND),
+                                     ("catch_up_turn", policy(0, 3), ForwardMode.EXTEND),
+                                     ("resumed", policy(0, 3, 3), ForwardMode.EXTEND),
+                                     ("no_threshold", None, ForwardMode.EXTEND),
+                                     ("mixed", policy(0), ForwardMode.MIXED)):
+            runner, nd, seen = prefill(catch_up, mode)
+            same = (torch.equal(nd.topk_p, ref.topk_p) and torch.equal(nd.topk_index, ref.topk_index)
+                    and torch.equal(nd.hidden_states, ref.hidden_states)
+                    and len(seen) == 1 and all(torch.equal(a, b) for a, b in zip(seen[0], ref_seen[0])))
+            res[name] = [runner.forwards, len(runner.token_to_kv_pool.writes), bool(same)]
+        emit(res)
+    """)
+    assert out["plain"] == [0, 1, False] and out["plain_again"] == [0, 1, False]
+    for name in ("speculative", "catch_up_turn", "resumed", "no_threshold", "mixed"):
+        assert out[name] == [1, 0, True], name
 
 
 # The plain layout (layout.py) against upstream's real FutureMap and

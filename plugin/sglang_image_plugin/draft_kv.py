@@ -9,6 +9,11 @@ proposal's placeholders. The step that would resume speculation runs one more pl
 the full draft extend (the catch-up step, CatchUpPolicy), so the first speculative step
 drafts from a current proposal and the draft's KV cache covers every plain-decoded token.
 
+A prefill while the mode is plain (the catch-up step still to come) writes only the draft's K/V of
+the new tokens too, with the target's batch, slots and hidden states: no draft batch, metadata,
+forward, logits or top-k of its own (draft_extend_for_prefill); the catch-up step then drafts for
+the new requests as for the others.
+
 sglang and torch are imported inside the functions only.
 """
 
@@ -120,3 +125,68 @@ def draft_extend_for_decode(original: Callable[..., Any], draft_worker: Any, bat
                                  draft_worker=draft_worker)
     EAGLEWorkerV2._stub_skipped_draft_extend(stub_owner, batch, batch_result)
     return None
+
+
+def prefill_inputs(batch: Any, next_token_ids: Any) -> tuple[Any, Any]:
+    """The draft's tokens and positions for a prefill's K/V, as upstream's draft extend feeds its
+    forward: at each position p the token at p + 1 (each request's last position takes its tail
+    token: the sampled one, or a chunked request's next prompt token), at the target's positions
+    (prefix length onwards). Upstream's per-request loop, vectorised: one host-to-device copy."""
+    import torch
+    from sglang.srt.speculative import eagle_worker_v2
+
+    input_ids = batch.input_ids
+    device = input_ids.device
+    lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
+    ends = torch.cumsum(lens, dim=0) - 1
+    starts = ends + 1 - lens
+    offsets = torch.tensor(batch.prefix_lens, dtype=torch.int64) - starts
+    count = int(input_ids.shape[0])
+    # positions and each request's last index in one buffer; pinned, so the copy does not make
+    # the host wait for the target's forward
+    host = torch.empty(count + int(lens.shape[0]), dtype=torch.int64,
+                       pin_memory=input_ids.is_cuda)
+    torch.cat([torch.arange(count, dtype=torch.int64) + torch.repeat_interleave(offsets, lens),
+               ends], out=host)
+    on_device = host.to(device, non_blocking=True)
+    positions, last = on_device[:count], on_device[count:]
+    tokens = torch.empty_like(input_ids)
+    tokens[:-1] = input_ids[1:]
+    tokens[last] = eagle_worker_v2._eagle_prefill_tail_tokens(batch, next_token_ids)
+    return tokens.to(torch.int64), positions
+
+
+def draft_extend_for_prefill(original: Callable[..., Any], draft_worker: Any, batch: Any,
+                             target_hidden_states: Any, next_token_ids: Any,
+                             mm_input_embeds: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """AROUND EagleDraftWorker._draft_extend_for_prefill: while the mode is plain, a prefill
+    writes the draft's K/V of its tokens alone (installed where the worker's plain step has the
+    K/V-only part). Its proposal for the new requests is upstream's placeholders: no plain step
+    reads it, and the catch-up step, which runs before any speculative step while the mode is
+    plain (CatchUpPolicy.draft_stale), drafts for every request. Speculative mode, the catch-up
+    step's turn, a mixed or idle batch and multimodal inputs run upstream's draft extend."""
+    own = state.peek(draft_worker, DraftState)
+    catch_up = own.catch_up if own is not None else None
+    if catch_up is None or not catch_up.draft_stale or mm_input_embeds is not None:
+        return original(draft_worker, batch, target_hidden_states, next_token_ids,
+                        mm_input_embeds, *args, **kwargs)
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    if batch.forward_mode != ForwardMode.EXTEND:
+        return original(draft_worker, batch, target_hidden_states, next_token_ids,
+                        mm_input_embeds, *args, **kwargs)
+    from sglang.srt.speculative.eagle_info import EagleDraftInput
+    from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+    runner = draft_worker.draft_runner
+    tokens, positions = prefill_inputs(batch, next_token_ids)
+    # the target's slots (the plan's, untranslated: why_not_kv_only) and its hidden states
+    write_draft_kv(runner.model.model, tokens, positions, target_hidden_states,
+                   batch.out_cache_loc, runner.token_to_kv_pool)
+    next_draft_input = EagleDraftInput(bonus_tokens=next_token_ids, num_tokens_per_req=1,
+                                       num_tokens_for_logprob_per_req=1)
+    stub_owner = SimpleNamespace(device=draft_worker.device, topk=draft_worker.topk,
+                                 draft_worker=draft_worker)
+    EAGLEWorkerV2._stub_skipped_draft_extend(stub_owner, batch,
+                                             SimpleNamespace(next_draft_input=next_draft_input))
+    return next_draft_input

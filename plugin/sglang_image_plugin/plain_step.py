@@ -6,9 +6,10 @@ speculation resumes. Where each part lives:
 
 - target: a DECODE forward under the zero-step state's own DECODE CUDA graph
   (plain_target.py), instead of upstream's one-token TARGET_VERIFY graph with its tree mask;
-- draft: a one-layer Llama EAGLE-3 draft writes only its K/V (draft_kv.py), and the step that
-  would resume speculation runs one more plain step with the full draft extend
-  (policy.CatchUpPolicy); any other draft runs upstream's full draft extend;
+- draft: a one-layer Llama EAGLE-3 draft writes only its K/V (draft_kv.py), for plain steps and
+  for prefills while the mode is plain, and the step that would resume speculation runs one more
+  plain step with the full draft extend (policy.CatchUpPolicy); any other draft runs upstream's
+  full draft extend;
 - layout: under the overlap scheduler the scheduler prepares, runs and processes the step as a
   plain server's decode step (layout.py); otherwise spec v2's layout with a one-token verify;
 - the draft's K/V write: inside the next plain step's target graph (deferred_kv.py), where the
@@ -73,8 +74,8 @@ class PlainStep:
     def log_lines(self) -> list[str]:
         """One line per part, with the reason where a part does not apply (the smoke reads the
         draft's line)."""
-        draft = ("plain steps write only the draft's K/V, one catch-up step before speculation "
-                 "resumes" if self.kv_only
+        draft = ("plain steps and prefills in plain mode write only the draft's K/V, one catch-up "
+                 "step before speculation resumes" if self.kv_only
                  else f"plain steps run the draft's full step: {self.kv_only_reason}")
         layout = ("plain steps run in the plain layout" if self.layout
                   else f"plain steps keep the speculative layout: {self.layout_reason}")

@@ -90,6 +90,13 @@ class CatchUpPolicy:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    @property
+    def draft_stale(self) -> bool:
+        """The mode is plain: a plain step ran since the last full draft step, so the next step
+        that would speculate runs the catch-up step first (a prefill now may write only the
+        draft's K/V: draft_kv.draft_extend_for_prefill)."""
+        return self._draft_stale
+
     def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
         self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
         self.inner.set_cuda_graph_bs(cuda_graph_bs)

@@ -85,6 +85,9 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
              "around", "sglang_image_plugin.draft_kv:draft_extend_for_decode", Group.KV_ONLY,
              "a plain step writes only the draft's K/V"),
+    HookSpec("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill",
+             "around", "sglang_image_plugin.draft_kv:draft_extend_for_prefill", Group.KV_ONLY,
+             "a prefill while the mode is plain writes only the draft's K/V"),
     # -- the plain layout (overlap scheduler)
     HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode", "around",
              f"{_LAYOUT}:prepare_for_decode", Group.LAYOUT, "the step's mode and the batch's layout"),
@@ -179,6 +182,12 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.models.llama.LlamaAttention.forward_prepare_native",
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer",
     f"{_WORKER}._stub_skipped_draft_extend",
+    # The K/V-only prefill: the draft extend it stands in for (its token shift, positions and
+    # slots), its caller (the draft's group entered, the lengths published before it) and the
+    # tail tokens it takes from upstream.
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill",
+    f"{_WORKER}._forward_prefill_batch",
+    "sglang.srt.speculative.eagle_utils._eagle_prefill_tail_tokens",
     # The plain layout (layout.py): the scheduler's decode step around the batch it
     # converts, and what reads or writes the converted fields.
     "sglang.srt.managers.scheduler.Scheduler.update_running_batch",
