@@ -416,7 +416,12 @@ class E2E:
             rep = bench_mod.run_bench(opts, {})
             self.log(f"bench: servers of {self.a.bench_size} launched: {', '.join(rep['configs'])}")
             return
-        st = self.state.setdefault("bench_runs", {}).setdefault(self.bench_key, {})
+        runs = self.state.setdefault("bench_runs", {})
+        if (runs.get(self.bench_key) or {}).get("result", {}).get("failures"):
+            # a failed phase runs again (as the others do), not its earlier failure replayed
+            self.log("bench: the run of an earlier call with these options failed: measured anew")
+            runs[self.bench_key] = {}
+        st = runs.setdefault(self.bench_key, {})
 
         def progress(rep: dict[str, Any]) -> None:  # every finished unit is kept, even if this call is killed
             self.state.setdefault("bench_reports", {})[self.bench_key] = rep
@@ -426,6 +431,9 @@ class E2E:
         rep = bench_mod.run_bench(opts, st, progress)
         self.state.setdefault("bench_reports", {})[self.bench_key] = rep
         self.log("\n" + rep["table"])
+        if rep.get("start_failures"):
+            raise RuntimeError("a server did not start (the next call starts it again): "
+                               + "; ".join(f.splitlines()[0] for f in rep["start_failures"]))
         if rep.get("skipped"):
             raise Deadline_(f"bench: skipped {rep['skipped']}")
 

@@ -514,6 +514,7 @@ class Bench:
         self.pool = servers.ServerPool(opts.registry, opts.models.name, opts.port, opts.cpus_per_server,
                                        say=self.event)
         self.notes: list[str] = []  # why this call left work undone
+        self.starting = False  # the servers are being started (a failure then is a start's)
 
     def event(self, line: str) -> None:
         """A server found, lost or started again: kept in the report and printed."""
@@ -645,6 +646,7 @@ class Bench:
             if self.opts.launch_only:
                 self.launch_only()
                 return
+            self.starting = True
             try:
                 self.up()
             except servers.StillStarting as exc:
@@ -653,6 +655,7 @@ class Bench:
                 if self.opts.registry is None:
                     raise
                 return
+            self.starting = False
         with on_cpus(self.pool.client_cpus() if self.opts.cpus_per_server > 0 else ()):
             self.blocks()
             if not self.blocks_left():
@@ -761,7 +764,8 @@ def finish(result: dict[str, Any], st: dict[str, Any], notes: list[str], names: 
     digests = st.get("ramp_digests", {})
     result["mismatches"] = result["window_mismatches"] + mismatches(
         {n: digests[n] for n in names if n in digests}, "ramp")
-    result["failures"] = result["checks"] + result["mismatches"] + errors(result)
+    result["failures"] = (result["checks"] + result.get("start_failures", []) + result["mismatches"]
+                          + errors(result))
     left = remaining(result, st, names)
     result["skipped"] = left + ([f"(this call: {'; '.join(notes)})"] if left and notes else [])
     result["table"] = bench_report.markdown(result)
@@ -774,7 +778,8 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
     the result (bench_report's input). Resumable: `state` (JSON) keeps every finished unit, so a
     call with the state of one that the deadline stopped measures only what is left (and a call
     after the last one returns the finished result). `progress(result)` after every unit, for the
-    caller to keep the state."""
+    caller to keep the state. A failure ends the run, except a server's failed start where the
+    servers are recorded: that call fails, and the next one starts the server again."""
     state = state if state is not None else {}
     if state.get("result"):
         return dict(state["result"])
@@ -783,6 +788,7 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
     names = server_names(opts)
     result: dict[str, Any] = state.setdefault("partial", new_result(opts, expected))
     result["calls"] += 1
+    result["start_failures"] = []  # this call's: the next call starts the server again
     result["ramp_cycles"], result["diagnose_wanted"] = opts.ramp_cycles, opts.diagnose
     if "eagle3_auto" in names and not auto_supported():
         names.remove("eagle3_auto")
@@ -795,12 +801,18 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
     try:
         run.run()
     except Exception as exc:  # noqa: BLE001 - SmokeError, HTTPFailure or an unexpected answer
-        failed = True
         logs = {n: s.log_path for n, s in run.servers.items()}
         if isinstance(exc, SmokeError) and exc.log is not None and exc.log not in logs.values():
             logs["the server that failed"] = exc.log  # a start that failed: no longer among the servers
-        result["checks"].append(f"{getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}\n"
-                                + "\n".join(f"-- {n}\n{log_tail(path, 20)}" for n, path in logs.items()))
+        text = (f"{getattr(exc, 'cause', f'{type(exc).__name__}: {exc}')}\n"
+                + "\n".join(f"-- {n}\n{log_tail(path, 20)}" for n, path in logs.items()))
+        if run.starting and isinstance(exc, SmokeError) and opts.registry is not None:
+            # a server that did not start (a host not ready, memory still held): this call fails,
+            # the blocks measured and the servers up stay, and the next call starts it again
+            result["start_failures"].append(text)
+        else:
+            failed = True
+            result["checks"].append(text)
     finish(result, state, run.notes, names)
     complete = not result["skipped"] and not opts.launch_only
     if failed or complete or opts.registry is None:

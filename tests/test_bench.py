@@ -870,6 +870,7 @@ def test_command_line_state_file_resumes_and_stop_ends_its_servers(lab, tmp_path
 
 
 def test_a_server_that_fails_to_start_ends_the_run_with_its_log(lab, monkeypatch, tmp_path):
+    """Without a registry nothing outlives the call: the failed start ends the run."""
     (tmp_path / "eagle3.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
 
     def ensure(self: Any, configs: dict[str, ServerConfig], key_extra: str, log_for: Any, timeout: float) -> Any:
@@ -877,11 +878,58 @@ def test_a_server_that_fails_to_start_ends_the_run_with_its_log(lab, monkeypatch
 
     monkeypatch.setattr(servers.ServerPool, "ensure", ensure)
     state: dict[str, Any] = {}
-    result = bench.run_bench(lab.options(600), state)
+    result = bench.run_bench(lab.options(600, registry=None), state)
     assert result["failures"][0].startswith("eagle3: server exited with code 1")
     assert "CUDA out of memory" in result["failures"][0]
     assert not result["skipped"] and result["not_measured"][0] == "concurrency 1: 2 of 2 blocks"
     assert state["result"] is result and "- not measured: concurrency 1: 2 of 2 blocks" in result["table"]
+
+
+def test_a_failed_start_fails_its_call_and_the_next_call_starts_the_server_again(lab, monkeypatch, tmp_path):
+    """A GPU run of 2026-12-04: the servers died at start (the host's torch was not in place yet);
+    the run kept that as its final failure, so every call after the host was fixed replayed it
+    and measured nothing. With the servers recorded, a failed start fails its own call only."""
+    (tmp_path / "eagle3.log").write_text("Traceback ...\nImportError: undefined symbol\n")
+    ensure = servers.ServerPool.ensure
+
+    def failing(self: Any, configs: dict[str, ServerConfig], key_extra: str, log_for: Any, timeout: float) -> Any:
+        raise SmokeError("eagle3: server exited with code 1 before it became healthy", log=tmp_path / "eagle3.log")
+
+    monkeypatch.setattr(servers.ServerPool, "ensure", failing)
+    state: dict[str, Any] = {}
+    first = bench.run_bench(lab.options(600), state)
+    assert first["failures"][0].startswith("eagle3: server exited") and "undefined symbol" in first["failures"][0]
+    assert "result" not in state and first["skipped"][0] == "concurrency 1: 2 of 2 blocks"
+    monkeypatch.setattr(servers.ServerPool, "ensure", ensure)
+    second = bench.run_bench(lab.options(600), state)
+    assert not second["failures"] and not second["skipped"] and state["result"] is second
+    assert len(lab.measured(second)) == 8  # 2 servers, 2 concurrencies, 2 blocks
+    assert "eagle3: server exited" not in second["table"]
+
+
+def test_an_e2e_bench_that_failed_runs_again_on_the_next_call(lab, tmp_path, monkeypatch):
+    """A failed phase runs again on the next call, the bench too: not its earlier failure replayed."""
+    from bench import e2e
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
+    models = tmp_path / "state" / "models" / "1b"
+    models.mkdir(parents=True)
+    (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+
+    def driver() -> e2e.E2E:
+        drv = e2e.E2E(build_parser().parse_args([
+            "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
+            str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1",
+            "--bench-pairs", "1", "--bench-window-s", "20"]))
+        drv.deadline.at = time.time() + 600
+        return drv
+
+    monkeypatch.setattr(bench, "server_checks",
+                        lambda name, srv, top: ({"kv_used_after_flush": 7}, [f"{name}: 7 KV tokens in use"]))
+    assert driver().run() == 1 and len(lab.windows) == 2
+    monkeypatch.setattr(bench, "server_checks", lambda name, srv, top: ({"kv_used_after_flush": 0}, []))
+    assert driver().run() == 0 and len(lab.windows) == 4
+    assert "measured anew" in (tmp_path / "out" / "e2e.log").read_text()
 
 
 def test_state_file_of_other_options_is_refused(tmp_path):
