@@ -23,7 +23,11 @@ patch series is refused unless this call installs again):
            next call goes on with them; they stop when the bench is complete or with --stop
   comm     TP=2/TP=1 runs of a tiny Qwen3 with torch symm mem / FlashInfer allreduce fusion (bench.comm;
            needs 2 GPUs; `python3 -m bench comm` = this driver with install,patch,models,comm)
-The models phase builds only the models of the selected phases (all when none of smoke/bench/comm is).
+  router   sglang-router with deploy/'s rendered flags in front of two threshold servers (1B-shaped
+           models): load across each threshold, outputs equal to plain, a server killed mid-load
+           with no request lost (bench.router; --router-*)
+The models phase builds only the models of the selected phases (all when none of
+smoke/bench/comm/router is).
 No server is started with less than ~150 s left before the deadline; what is done is written to
 OUT (report.json, summary.txt, e2e.log, logs.tar.gz: at most 8 files come back), and the kernels
 compiled in this call as jit-cache.tar.xz, for the bundle folder (bench.jitcache).
@@ -49,20 +53,21 @@ from typing import Any
 
 from bench import comm as comm_mod
 from bench import jitcache
+from bench import router as router_mod
 from bench import servers as bench_servers
 from bench import throughput as bench_mod
 from smoke import features as features_mod
 from smoke import names, runner
 from smoke.runner import Deadline
 
-PHASES = ("install", "patch", "check", "models", "smoke", "features", "bench", "comm")
-RUN_PHASES = ("smoke", "features", "bench", "comm")  # marked done in the state once complete
+PHASES = ("install", "patch", "check", "models", "smoke", "features", "bench", "comm", "router")
+RUN_PHASES = ("smoke", "features", "bench", "comm", "router")  # marked done in the state once complete
 # state of the installed site, and prefixes of the results measured on it: a new site drops both
 SITE_STATE = ("patch", "check")
-RESULT_STATE = ("smoke", "features", "bench_", "comm")
+RESULT_STATE = ("smoke", "features", "bench_", "comm", "router")
 # model dir -> (`smoke models` args, the phases that use it)
 MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], ("smoke", "features")),
-          "1b": (["--size", "1b", "--draft", "chain"], ("bench",)),
+          "1b": (["--size", "1b", "--draft", "chain"], ("bench", "router")),
           "8b": (["--size", "8b", "--draft", "chain"], ("bench",)),
           "qwen3": (["--arch", "qwen3", "--size", "tp2"], ("comm",))}
 REPO = Path(__file__).resolve().parents[1]
@@ -316,11 +321,12 @@ class E2E:
         # in a subprocess: the driver must not keep GPU memory while the servers run
         phases = set(self.phases)
         wanted = [n for n, (_, used_by) in MODELS.items() if phases & set(used_by)] or list(MODELS)
-        # the bench runs on one model size (--bench-size)
-        wanted = [n for n in wanted if "bench" not in MODELS[n][1] or n == self.a.bench_size]
+        # the bench runs on one model size (--bench-size); the router phase on the 1B shape
+        wanted = [n for n in wanted if "bench" not in MODELS[n][1] or n == self.a.bench_size
+                  or (n == "1b" and "router" in phases)]
         for name in wanted:
             args = list(MODELS[name][0])
-            if "bench" in MODELS[name][1]:
+            if "bench" in MODELS[name][1]:  # the router phase's 1B models are the bench's
                 args += ["--draft-accept", str(self.a.bench_draft_accept)]
             d = self.models / name
             if (d / "expected.json").exists() and self.state.get(f"models_{name}") == args:
@@ -375,7 +381,9 @@ class E2E:
                      "bench": [self.a.bench_size, self.a.bench_draft_accept,
                                {k: v for k, v in bench_mod.tuning_options(self.a, "bench-").items()
                                 if k != "launch_only"}],
-                     "comm": [self.a.comm_runs]}[ph]
+                     "comm": [self.a.comm_runs],
+                     "router": [self.a.router_threshold, self.a.router_levels, self.a.router_kill,
+                                self.a.bench_draft_accept]}[ph]
         return hashlib.sha256(json.dumps(opts, default=str).encode()).hexdigest()[:10]
 
     @functools.cached_property
@@ -453,6 +461,18 @@ class E2E:
         if rep.get("skipped"):
             raise Deadline_(f"comm: skipped {rep['skipped']}")
 
+    def phase_router(self) -> None:
+        opts = router_mod.RouterOptions(
+            models=self.models / "1b", out=self.logs / "router", deadline=self.deadline,
+            threshold=self.a.router_threshold,
+            levels=tuple(int(c) for c in self.a.router_levels.split(",")),
+            kill_level=self.a.router_levels.count(",") if self.a.router_kill else -1)
+        if self.deadline.left() < 420:  # three starts side by side, the router, the levels
+            raise Deadline_(f"router: not started with {self.deadline.left():.0f}s left (~420 s needed)")
+        rep = router_mod.run_router(opts)
+        self.state["router_report"] = rep
+        self.log("\n" + rep["summary"])
+
     # ------------------------------------------------------------------ driver
     def stale_site(self) -> str | None:
         """Why the selected phases would run on a site that no longer matches this tree (its bundle or
@@ -502,7 +522,7 @@ class E2E:
             "install": self.phase_install, "patch": self.phase_patch, "check": self.phase_check,
             "models": self.phase_models, "smoke": self.phase_smoke, "features": self.phase_features,
             "bench": self.phase_bench,
-            "comm": self.phase_comm}
+            "comm": self.phase_comm, "router": self.phase_router}
         stale = self.stale_site()
         if stale:
             self.log(f"FAILED: {stale}")
@@ -559,6 +579,7 @@ class E2E:
                 for f in feats.get("failures", [])]
         for key, bench in self.state.get("bench_reports", {}).items():
             out += [f"bench {key}: {f.splitlines()[0]}" for f in bench.get("failures", [])]
+        out += [f"router: {f.splitlines()[0]}" for f in (self.state.get("router_report") or {}).get("failures", [])]
         comm = self.state.get("comm_report") or {}
         out += [f"{f['variant']}: {f['cause']}" for f in comm.get("failures", [])]
         return out
@@ -590,7 +611,7 @@ class E2E:
                   "incomplete": incomplete, "patches": self.state.get("patch"),
                   "smoke": self.state.get("smoke_report"),
                   "features": self.state.get("features_report"), "bench": self.state.get("bench_reports") or None,
-                  "comm": self.state.get("comm_report")}
+                  "comm": self.state.get("comm_report"), "router": self.state.get("router_report")}
         (self.out / "report.json").write_text(json.dumps(report, indent=1))
         parts = []
         if report["smoke"]:
@@ -601,6 +622,8 @@ class E2E:
             parts.append(f"bench {key}:\n{bench['table']}")
         if report["comm"]:
             parts.append(comm_mod.summarize(report["comm"]))
+        if report["router"]:
+            parts.append(report["router"]["summary"])
         if report["failures"] or incomplete:
             parts.append("\n".join([f"FAILED {f[:300]}" for f in report["failures"]]
                                    + [f"INCOMPLETE {i}" for i in incomplete]))
@@ -646,6 +669,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     bench_mod.add_tuning_arguments(ap, "bench-")
     ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
                     help="comm phase: comma list of runs, in this order")
+    ap.add_argument("--router-threshold", type=int, default=16,
+                    help="router phase: each server's threshold N (an integer)")
+    ap.add_argument("--router-levels", default=",".join(map(str, router_mod.RouterOptions.levels)),
+                    help="router phase: clients through the router, level after level (comma list)")
+    ap.add_argument("--router-kill", action=argparse.BooleanOptionalAction, default=True,
+                    help="router phase: kill the second server during the last level")
     ap.add_argument("--fresh", action="store_true", help="forget the state of earlier calls")
     ap.add_argument("--stop", action="store_true",
                     help="stop the servers earlier calls left running (the bench's outlive a call), and exit")
@@ -658,4 +687,11 @@ def main(a: argparse.Namespace) -> int:
     runner.comma_list(a.feature_variants, features_mod.VARIANT_FLAGS, "--feature-variants")
     runner.comma_list(a.comm_runs, comm_mod.RUN_NAMES, "--comm-runs")
     bench_mod.tuning_options(a, "bench-")  # exits naming a bad --bench-* value before any work
+    try:
+        levels = [int(c) for c in a.router_levels.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1 or a.router_threshold < 1:
+        raise SystemExit(f"--router-levels {a.router_levels} --router-threshold {a.router_threshold}: "
+                         "give client counts >= 1 as a comma list (e.g. 2,8,96) and a threshold >= 1")
     return E2E(a).run()

@@ -164,6 +164,8 @@ def test_bundle_is_sglangs_requirements_less_the_host_stack() -> None:
             "sgl-deep-gemm", "sglang", "sglang-kernel", "flashinfer-python"} <= members
     # ... and what sglang imports without declaring it (seen missing on a GPU host too)
     assert {"dill", "jsonschema", "rpds-py", "sentencepiece"} <= members
+    # the router the image carries, for the router run on a GPU host
+    assert "sglang-router" in members
     # the host's stack is not: torch and what it requires in the lock
     assert {"torch", "triton", "nvidia-nccl-cu13", "numpy"} <= host
     assert not members & host

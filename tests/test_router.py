@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import requests
 
+from bench import router as router_run
 from sglang_image import topology
 from tests.deploy_checks import expand, flags, need
 from tests.sglang_workers import Worker, workers
@@ -45,18 +46,10 @@ def wait_until(what: str, check: Callable[[], bool], log: Path) -> None:
 
 def loopback_argv(rendered: tuple[str, ...], urls: dict[str, str], port: int,
                   metrics: int, *, fast_health: bool) -> list[str]:
-    """The rendered router flags with the servers' and the router's addresses on loopback and,
-    with `fast_health`, the health checks every second (the rendered pace is 10 s) and an open
-    circuit closed after 2 s (60 s)."""
-    values = {"--host": "127.0.0.1", "--port": str(port), "--prometheus-host": "127.0.0.1",
-              "--prometheus-port": str(metrics)}
-    argv, flag = [], ""
-    for arg in rendered:
-        if arg.startswith("--"):
-            flag = arg
-            argv.append(arg)
-        else:
-            argv.append(values.get(flag, urls.get(arg, arg)))
+    """The rendered router flags with the servers' and the router's addresses on loopback (as
+    the GPU host's router run maps them) and, with `fast_health`, the health checks every second
+    (the rendered pace is 10 s) and an open circuit closed after 2 s (60 s)."""
+    argv = router_run.on_loopback(list(rendered), [urls[u] for u in rendered if u in urls], port, metrics)
     if fast_health:  # and an open circuit closes after 2 s, not 60
         argv += ["--health-check-interval-secs", "1", "--health-failure-threshold", "1",
                  "--health-success-threshold", "1", "--cb-timeout-duration-secs", "2"]

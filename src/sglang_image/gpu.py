@@ -157,6 +157,14 @@ UNDECLARED_IMPORTS: dict[str, str] = {
 }
 
 
+# What the image carries beside the server that a GPU run starts: the router of deploy/'s router
+# topology (bench.router runs it in front of two servers). Bundled with what it requires, where
+# the flavor's lock has it.
+IMAGE_TOOLS: dict[str, str] = {
+    "sglang-router": "the router of deploy/'s router topology (the e2e driver's router phase)",
+}
+
+
 def host_stack(flavor: Flavor) -> set[str]:
     """The distributions the GPU host provides: HOST_ROOTS and what they require in the lock."""
     return reachable(read_requirements_graph(flavor.lock_path), HOST_ROOTS)
@@ -182,14 +190,16 @@ def bundle_members(flavor: Flavor, host_provides: tuple[str, ...] = ()) -> list[
         raise FetchError(f"--host-provides {','.join(sorted(provided - set(graph)))}: not in "
                          f"{flavor.lock_path.name}; name distributions of the lock")
     stop = host_stack(flavor) | set(NOT_ON_LAUNCH_PATH) | provided
-    return sorted(reachable(graph, ["sglang", *UNDECLARED_IMPORTS], stop=stop))
+    tools = [name for name in IMAGE_TOOLS if name in graph]
+    return sorted(reachable(graph, ["sglang", *tools, *UNDECLARED_IMPORTS], stop=stop))
 
 
 def bundle_requirements(flavor: Flavor,
                         host_provides: tuple[str, ...] = ()) -> tuple[list[str], str]:
     """`name==version` of each bundled wheel, from the flavor's lock, and where they came from."""
     locked = {e.name: e.version for e in read_lock(flavor.lock_path)}
-    source = (f"sglang's requirements in {flavor.lock_path.relative_to(REPO_ROOT)} less the "
+    source = (f"sglang's requirements and {', '.join(IMAGE_TOOLS)} in "
+              f"{flavor.lock_path.relative_to(REPO_ROOT)} less the "
               f"host's torch stack and {len(NOT_ON_LAUNCH_PATH)} not on the launch path")
     if host_provides:
         source += f", and {','.join(host_provides)} (--host-provides)"
