@@ -13,7 +13,7 @@ patch series is refused unless this call installs again):
            --site-packages SITE --manifest STATE/patches.json (on a fresh SITE only: never twice)
            then unpacks the bundle's jit-cache.tar.xz for these wheels and patches (bench.jitcache)
   check    imports the server chain; `launch_server --help` must show the threshold flag
-  models   tiny smoke models and the 1B-shaped bench models (--device cuda: seconds)
+  models   the models of the selected phases: --smoke-size, --bench-size (--device cuda: seconds)
   smoke    plain reference server, EAGLE-3 + threshold (overlap on, CUDA graphs) and
            (--disable-overlap-schedule, no CUDA graphs) with every check of smoke.runner
   features the feature matrix of smoke.features (sampling, logprobs, stops, streams, grammars,
@@ -67,7 +67,7 @@ SITE_STATE = ("patch", "check")
 RESULT_STATE = ("smoke", "features", "bench_", "comm", "router")
 # model dir -> (`smoke models` args, the phases that use it)
 MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], ("smoke", "features")),
-          "1b": (["--size", "1b", "--draft", "chain"], ("bench", "router")),
+          "1b": (["--size", "1b", "--draft", "chain"], ("bench", "router", "smoke", "features")),
           "8b": (["--size", "8b", "--draft", "chain"], ("bench",)),
           "qwen3": (["--arch", "qwen3", "--size", "tp2"], ("comm",))}
 REPO = Path(__file__).resolve().parents[1]
@@ -319,14 +319,15 @@ class E2E:
 
     def phase_models(self) -> None:
         # in a subprocess: the driver must not keep GPU memory while the servers run
-        phases = set(self.phases)
-        wanted = [n for n, (_, used_by) in MODELS.items() if phases & set(used_by)] or list(MODELS)
-        # the bench runs on one model size (--bench-size); the router phase on the 1B shape
-        wanted = [n for n in wanted if "bench" not in MODELS[n][1] or n == self.a.bench_size
-                  or (n == "1b" and "router" in phases)]
+        # the smoke and the feature matrix run on --smoke-size, the bench on --bench-size, the
+        # router run on the 1B shape; all of them when no phase that runs servers is selected
+        by_phase = {"smoke": self.a.smoke_size, "features": self.a.smoke_size,
+                    "bench": self.a.bench_size, "router": "1b", "comm": "qwen3"}
+        wanted = list(dict.fromkeys(by_phase[ph] for ph in self.phases if ph in by_phase)
+                      or dict.fromkeys(["tiny", self.a.bench_size, "qwen3"]))
         for name in wanted:
             args = list(MODELS[name][0])
-            if "bench" in MODELS[name][1]:  # the router phase's 1B models are the bench's
+            if "bench" in MODELS[name][1]:  # one 1B folder for the bench, the smoke and the router
                 args += ["--draft-accept", str(self.a.bench_draft_accept)]
             d = self.models / name
             if (d / "expected.json").exists() and self.state.get(f"models_{name}") == args:
@@ -343,7 +344,7 @@ class E2E:
     def phase_smoke(self) -> None:
         st = self.resumable("smoke")
         auto, threshold = self.smoke_threshold()
-        opts = runner.SmokeOptions(models=self.models / "tiny", out=self.logs, auto=auto,
+        opts = runner.SmokeOptions(models=self.models / self.a.smoke_size, out=self.logs, auto=auto,
                                    threshold=threshold,
                                    deadline=self.deadline, mem_fraction=0.15,
                                    variants=tuple(self.a.smoke_variants.split(",")),
@@ -362,7 +363,8 @@ class E2E:
 
     def phase_features(self) -> None:
         st = self.resumable("features")
-        opts = features_mod.FeatureOptions(models=self.models / "tiny", out=self.logs,
+        opts = features_mod.FeatureOptions(models=self.models / self.a.smoke_size, out=self.logs,
+                                           graph_bs=self.a.feature_graph_bs,
                                            threshold=self.smoke_threshold()[1],
                                            deadline=self.deadline,
                                            variants=tuple(self.a.feature_variants.split(",")),
@@ -376,8 +378,9 @@ class E2E:
     def options_digest(self, ph: str) -> str:
         """The options a run phase's result depends on: a later call that changes any of them runs the
         phase again instead of reporting the earlier result as its own."""
-        opts: Any = {"smoke": [self.a.threshold, self.a.smoke_variants],
-                     "features": [self.a.threshold, self.a.feature_variants],
+        opts: Any = {"smoke": [self.a.threshold, self.a.smoke_variants, self.a.smoke_size],
+                     "features": [self.a.threshold, self.a.feature_variants, self.a.smoke_size,
+                                  self.a.feature_graph_bs],
                      "bench": [self.a.bench_size, self.a.bench_draft_accept,
                                {k: v for k, v in bench_mod.tuning_options(self.a, "bench-").items()
                                 if k != "launch_only"}],
@@ -659,6 +662,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
     ap.add_argument("--feature-variants", default="overlap,sync",
                     help="features phase: comma list of overlap,sync (CUDA graphs on in both)")
+    ap.add_argument("--smoke-size", default="tiny", choices=[n for n, (_, used_by) in MODELS.items() if "smoke" in used_by],
+                    help="smoke and features phases: the models (tiny, or the bench's 1B shape)")
+    ap.add_argument("--feature-graph-bs", type=int, default=64,
+                    help="features phase: decode CUDA graphs captured up to this batch "
+                         f"(at most {features_mod.PRESSURE_REQUESTS})")
     ap.add_argument("--parallel-variants", action="store_true",
                     help="smoke and features phases: the variants side by side, each server on a "
                          "port of its own (for a GPU with memory for two servers)")
@@ -686,6 +694,9 @@ def main(a: argparse.Namespace) -> int:
     runner.comma_list(a.smoke_variants, runner.VARIANTS, "--smoke-variants")
     runner.comma_list(a.feature_variants, features_mod.VARIANT_FLAGS, "--feature-variants")
     runner.comma_list(a.comm_runs, comm_mod.RUN_NAMES, "--comm-runs")
+    if not 1 <= a.feature_graph_bs <= features_mod.PRESSURE_REQUESTS:
+        raise SystemExit(f"--feature-graph-bs {a.feature_graph_bs}: give 1 to "
+                         f"{features_mod.PRESSURE_REQUESTS} (the feature servers' running-request limit)")
     bench_mod.tuning_options(a, "bench-")  # exits naming a bad --bench-* value before any work
     try:
         levels = [int(c) for c in a.router_levels.split(",")]

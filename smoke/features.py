@@ -503,6 +503,7 @@ class FeatureOptions:
     deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
     health_timeout: float = 480
     min_server_s: float = 150
+    graph_bs: int = 64  # decode CUDA graphs captured up to this batch (at most PRESSURE_REQUESTS)
     # the variants' servers side by side, each on its own port: opt-in, as it needs a GPU with
     # memory for two servers (mem_fraction each)
     parallel_variants: bool = False
@@ -521,7 +522,7 @@ def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool
     n = opts.threshold
     return ServerConfig(name, opts.models / "target", draft=(opts.models / "draft") if draft else None,
                         threshold=n if draft else None, overlap=overlap, cuda_graph=True,
-                        cuda_graph_max_bs=64, max_running=PRESSURE_REQUESTS,
+                        cuda_graph_max_bs=opts.graph_bs, max_running=PRESSURE_REQUESTS,
                         mem_fraction=opts.mem_fraction, enable_metrics=draft, extra=extra)
 
 

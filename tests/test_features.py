@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -223,6 +224,53 @@ def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monk
         drv.phase_features()
         assert seen["smoke"].parallel_variants is want and seen["features"].parallel_variants is want
         assert isinstance(seen["smoke"], runner.SmokeOptions)
+
+
+def test_smoke_and_matrix_run_on_the_1b_models_with_graphs_to_256_when_asked(tmp_path, monkeypatch):
+    """--smoke-size 1b and --feature-graph-bs 256: the smoke and the matrix on the bench's 1B
+    models, the matrix's servers capturing decode graphs up to 256; the models phase builds the
+    1B models for them (and the tiny ones only where a phase runs on them)."""
+    from bench import e2e
+
+    seen: dict = {}
+
+    def fake(phase: str):
+        def run(opts, state):
+            seen[phase] = opts
+            return {"threshold": opts.threshold, "variants": {}, "failures": []}
+        return run
+
+    monkeypatch.setattr(e2e.features_mod, "run_features", fake("features"))
+    monkeypatch.setattr(e2e.runner, "run_smoke", fake("smoke"))
+    built: list[str] = []
+
+    class Done:
+        returncode, stdout, stderr = 0, "built", ""
+
+    def sh(self, cmd, log, **kw):
+        built.append(cmd[cmd.index("models") + 1].rsplit("/", 1)[-1])
+        Path(cmd[cmd.index("models") + 1]).mkdir(parents=True, exist_ok=True)
+        (Path(cmd[cmd.index("models") + 1]) / "expected.json").write_text("{}")
+        return Done()
+
+    monkeypatch.setattr(e2e.E2E, "sh", sh)
+
+    def driver(*flags: str) -> e2e.E2E:
+        return e2e.E2E(bench_parser().parse_args(["e2e", "--state", str(tmp_path / "state"), "--out",
+                                                  str(tmp_path / "out"), *flags]))
+
+    drv = driver("--phases", "models,smoke,features", "--smoke-size", "1b", "--feature-graph-bs", "256")
+    drv.phase_models()
+    drv.phase_smoke()
+    drv.phase_features()
+    assert built == ["1b"]
+    assert seen["smoke"].models.name == "1b" and seen["features"].models.name == "1b"
+    assert F.server_config("x", seen["features"], draft=True).cuda_graph_max_bs == 256
+    assert F.server_config("x", F.FeatureOptions(models=tmp_path, out=tmp_path), draft=True).cuda_graph_max_bs == 64
+    driver("--phases", "models,smoke,bench", "--bench-size", "8b").phase_models()
+    assert built == ["1b", "tiny", "8b"]
+    with pytest.raises(SystemExit, match="--feature-graph-bs 512"):
+        e2e.main(bench_parser().parse_args(["e2e", "--feature-graph-bs", "512"]))
 
 
 # ----------------------------------------------------------------------------- variants side by side
