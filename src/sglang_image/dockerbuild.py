@@ -8,6 +8,7 @@ import io
 import json
 import re
 import tarfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -192,8 +193,10 @@ def runtime_base(client: DockerClient, plan: BuildPlan, ctx: Path, *, buildargs:
             pass
     size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
     log(f"runtime base: building {tag} ({size / 1e9:.2f} GB of context, network off)")
+    started = time.monotonic()
     raw_id, stages = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
                                console=console, target="runtime-base")
+    log(f"runtime base: the Dockerfile's steps took {time.monotonic() - started:.0f} s")
     normalize.normalize_image(client, raw_id, epoch=plan.epoch, tags=[tag],
                               base_diff_ids=list(base.diff_ids), base_history=base.history, log=log,
                               cache=opts.work_dir / "normalized-layers.json", config_out=config_file,

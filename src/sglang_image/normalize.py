@@ -28,6 +28,7 @@ import queue
 import re
 import tarfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -338,7 +339,9 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
     keep = set(base_diff_ids)
     known = json.loads(cache.read_text()) if cache and cache.exists() else {}
     log("normalise: pass 1/2, hashing rewritten layers")
+    started = time.monotonic()
     layers, config, manifest = _scan(client, image_id, keep, epoch, known, drop, log)
+    log(f"normalise: pass 1/2 took {time.monotonic() - started:.0f} s")
     if cache is not None:
         known.update({layer.raw: [layer.new, layer.size, layer.dropped] for layer in layers.values()
                       if not layer.passthrough})
@@ -389,7 +392,10 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
                                      "(non-deterministic export?)")
                 put(b"\0" * (-sink.size % BLOCK))
 
-    return _load(client, config_bytes, put_layers, tags)
+    started = time.monotonic()
+    new_id = _load(client, config_bytes, put_layers, tags)
+    log(f"normalise: pass 2/2 took {time.monotonic() - started:.0f} s")
+    return new_id
 
 
 def _load(client: DockerClient, config_bytes: bytes,
