@@ -1544,6 +1544,67 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
         ["speculative extend"]]
 
 
+def test_a_plain_step_under_the_graph_makes_no_tensor_of_the_hooks_own(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # Host work per plain step (issue 41): the hooks of a plain-layout step that ran the graph
+    # (the draft's K/V deferred into it) run one tensor op, the input token's gather that a plain
+    # server's resolve runs too. The draft's positions are made only where a write needs them on
+    # the host, and the publish takes the step's own lengths (batch.seq_lens, spec v2's
+    # convention) for the scheduler's batch.seq_lens + 1 instead of subtracting one again.
+    out = _probe(run_in_tree, tree, plugin_site, LAYOUT_FAKES, """
+        from torch.overrides import TorchFunctionMode
+
+        class Ops(TorchFunctionMode):  # every torch function and tensor method called
+            def __init__(self):
+                super().__init__()
+                self.names = []
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", str(func))
+                if name != "__get__":  # (a tensor property read)
+                    self.names.append(name)
+                return func(*args, **(kwargs or {}))
+
+        s = setup([0, 0])
+        s.lay.prepare(s.batch)                                   # speculative -> plain
+        upstream_plain_prepare(s.batch)
+        s.worker.draft_worker = NS(draft_runner=NS(model=NS(model=None), token_to_kv_pool=None))
+        pending = NS(pending=False)
+        state.of(s.worker.draft_worker, DraftState).deferred = pending
+        result = NS(next_token_ids=torch.tensor([1, 2, 3]), can_run_cuda_graph=True,
+                    logits_output=NS(hidden_states=torch.zeros(3, 4)))
+        s.worker.target_worker = NS(forward_batch_generation=lambda b, capture_hidden_mode=None: result)
+        res = {}
+        for step in range(2):
+            names = []
+            if step:  # plain again: no conversion (the first step's is a one-off per change)
+                with Ops() as ops:
+                    L.prepare_for_decode(lambda b: None, s.batch)
+                names += ops.names
+                upstream_plain_prepare(s.batch)
+            upstream_new = s.batch.seq_lens + 1                  # (the scheduler's, a plain server's)
+            published = []
+            with Ops() as ops:
+                s.batch.input_ids = None
+                L.resolve_forward_inputs(resolve_forward_inputs, s.batch, s.fm)
+                L.forward_batch_generation(lambda *a, **k: "speculative path", s.worker, s.batch)
+                L.publish(lambda fm, idx, lens: published.append(lens), s.fm, ROWS, upstream_new)
+                L.plain_result(s.processor, s.batch, result)
+            names += ops.names
+            res[step] = [names, published[0] is s.batch.seq_lens,
+                         (upstream_new - 1).tolist() == published[0].tolist(), pending.pending]
+        # through the real FutureMap: a plain step's publish writes spec v2's lengths, the next
+        # publish (no plain step before it) what it is given
+        L.forward_batch_generation(lambda *a, **k: "speculative path", s.worker, s.batch)
+        L.publish(FutureMap.publish, s.fm, ROWS, s.batch.seq_lens + 1)
+        res["plain"] = s.fm.new_seq_lens_buf[ROWS].tolist() == s.batch.seq_lens.tolist()
+        L.publish(FutureMap.publish, s.fm, ROWS, s.batch.seq_lens + 1)
+        res["next"] = s.fm.new_seq_lens_buf[ROWS].tolist() == (s.batch.seq_lens + 1).tolist()
+        emit(res)
+    """)
+    for step in ("0", "1"):
+        assert out[step] == [["__getitem__"], True, True, True], out[step]
+    assert out["plain"] and out["next"]
+
+
 def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # A scheduler that cannot run the plain layout although the server arguments let the worker
     # expect it (here: overlap off): every plain step writes its own draft K/V in the speculative
