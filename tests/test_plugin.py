@@ -1106,6 +1106,52 @@ def test_kv_only_prefill_writes_the_full_draft_extends_kv(run_in_tree, tree, plu
         assert got["stubs"] == [[[0.0]] * 3, [[0]] * 3, [3, 16], [13, 22, 31], 1]
 
 
+def test_kv_only_prefill_under_the_plain_layout_hands_no_placeholder_proposal(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # Host work per prefill while the mode is plain (issue 41): where the overlap scheduler's
+    # FutureMap relays the draft's proposal by row (the plain layout), a K/V-only prefill makes
+    # no placeholder proposal (three tensors) for the scheduler to scatter into the FutureMap
+    # (three more ops): the real FutureMap then relays the sampled tokens and keeps the rows'
+    # extras, which a zero-step step does not read and the catch-up step replaces; the batch's
+    # draft input merges by row. Elsewhere (the synchronous scheduler merges the proposals
+    # themselves) upstream's placeholders stay.
+    out = _probe(run_in_tree, tree, plugin_site, PREFILL_FAKES, """
+        import sglang.srt.speculative.spec_utils as spec_utils
+        spec_utils.spec_need_hidden_states = lambda: True  # (reads the server's published config)
+        from sglang.srt.managers.overlap_utils import FutureMap, RelayPayload
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from sglang_image_plugin import draft_kv, state
+        from sglang_image_plugin.state import DraftState
+        original = ew.EagleDraftWorker._draft_extend_for_prefill
+        rows = torch.tensor([4, 6, 9])
+        res = {}
+        for by_row in (False, True):
+            fm = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.EAGLE3,
+                           NS(req_to_token=torch.zeros((16, 64), dtype=torch.int32)))
+            # these rows' extras as a speculative step left them
+            fm.stash(rows, RelayPayload(bonus_tokens=torch.tensor([1, 2, 3]), topk_p=torch.full((3, 1), 0.5),
+                                        topk_index=torch.tensor([[7], [8], [9]]), hidden_states=torch.ones(3, 16)))
+            dw, runner = prefill_draft(catch_up=NS(draft_stale=True))
+            state.of(dw, DraftState).proposal_by_row = by_row
+            with torch.no_grad(), parallel():
+                nd = draft_kv.draft_extend_for_prefill(original, dw, prefill_batch(), target_hidden(), SAMPLED,
+                                                       None, kv_loc_plan=Plan())
+            fm.stash(rows, RelayPayload.from_draft_input(nd))   # as Scheduler._relay_forward_payload does
+            nd.future_indices = rows                            # as run_batch sets it
+            other = EagleDraftInput(bonus_tokens=torch.tensor([5]))
+            other.future_indices = torch.tensor([2])
+            nd.merge_batch(other)
+            res[str(by_row)] = [[x is None for x in (nd.topk_p, nd.topk_index, nd.hidden_states)],
+                                fm.output_tokens_buf[rows].tolist(), fm.topk_p_buf[rows].tolist(),
+                                fm.topk_index_buf[rows].tolist(), fm.hidden_states_buf[rows].sum().item(),
+                                len(runner.token_to_kv_pool.writes), nd.future_indices.tolist()]
+        emit(res)
+    """)
+    placeholders, by_row = out["False"], out["True"]
+    assert placeholders == [[False] * 3, [13, 22, 31], [[0.0]] * 3, [[0]] * 3, 0.0, 1, [4, 6, 9, 2]]
+    assert by_row == [[True] * 3, [13, 22, 31], [[0.5]] * 3, [[7], [8], [9]], 48.0, 1, [4, 6, 9, 2]]
+
+
 def test_prefill_runs_the_draft_forward_only_where_speculation_needs_it(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # Through upstream's EAGLEWorkerV2._forward_prefill_batch with the plugin's K/V-only hooks
     # installed as the worker installs them: while the mode is plain (a plain step ran since the
@@ -1631,8 +1677,10 @@ def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tr
             kept = state.of(draft, DraftState).deferred
             step = plain_step.of(worker)
             return [kept is deferred, deferred.disabled, state.of(worker, WorkerState).layout is not None,
-                    step.layout, step.deferred]
+                    step.layout, step.deferred, state.of(draft, DraftState).proposal_by_row]
         emit({"sync": scheduler(False), "overlap": scheduler(True)})
     """)
-    # sync: dropped and switched off in the graph that already holds it; overlap: kept, on
-    assert out == {"sync": [False, True, False, False, False], "overlap": [True, False, True, True, True]}
+    # sync: dropped and switched off in the graph that already holds it; overlap: kept, on (and
+    # the FutureMap relays the draft's proposal by row: a K/V-only prefill hands none)
+    assert out == {"sync": [False, True, False, False, False, False],
+                   "overlap": [True, False, True, True, True, True]}
