@@ -1106,6 +1106,52 @@ def test_kv_only_prefill_writes_the_full_draft_extends_kv(run_in_tree, tree, plu
         assert got["stubs"] == [[[0.0]] * 3, [[0]] * 3, [3, 16], [13, 22, 31], 1]
 
 
+def test_kv_only_prefill_under_the_plain_layout_hands_no_placeholder_proposal(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # Host work per prefill while the mode is plain (issue 41): where the overlap scheduler's
+    # FutureMap relays the draft's proposal by row (the plain layout), a K/V-only prefill makes
+    # no placeholder proposal (three tensors) for the scheduler to scatter into the FutureMap
+    # (three more ops): the real FutureMap then relays the sampled tokens and keeps the rows'
+    # extras, which a zero-step step does not read and the catch-up step replaces; the batch's
+    # draft input merges by row. Elsewhere (the synchronous scheduler merges the proposals
+    # themselves) upstream's placeholders stay.
+    out = _probe(run_in_tree, tree, plugin_site, PREFILL_FAKES, """
+        import sglang.srt.speculative.spec_utils as spec_utils
+        spec_utils.spec_need_hidden_states = lambda: True  # (reads the server's published config)
+        from sglang.srt.managers.overlap_utils import FutureMap, RelayPayload
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        from sglang_image_plugin import draft_kv, state
+        from sglang_image_plugin.state import DraftState
+        original = ew.EagleDraftWorker._draft_extend_for_prefill
+        rows = torch.tensor([4, 6, 9])
+        res = {}
+        for by_row in (False, True):
+            fm = FutureMap(torch.device("cpu"), SpeculativeAlgorithm.EAGLE3,
+                           NS(req_to_token=torch.zeros((16, 64), dtype=torch.int32)))
+            # these rows' extras as a speculative step left them
+            fm.stash(rows, RelayPayload(bonus_tokens=torch.tensor([1, 2, 3]), topk_p=torch.full((3, 1), 0.5),
+                                        topk_index=torch.tensor([[7], [8], [9]]), hidden_states=torch.ones(3, 16)))
+            dw, runner = prefill_draft(catch_up=NS(draft_stale=True))
+            state.of(dw, DraftState).proposal_by_row = by_row
+            with torch.no_grad(), parallel():
+                nd = draft_kv.draft_extend_for_prefill(original, dw, prefill_batch(), target_hidden(), SAMPLED,
+                                                       None, kv_loc_plan=Plan())
+            fm.stash(rows, RelayPayload.from_draft_input(nd))   # as Scheduler._relay_forward_payload does
+            nd.future_indices = rows                            # as run_batch sets it
+            other = EagleDraftInput(bonus_tokens=torch.tensor([5]))
+            other.future_indices = torch.tensor([2])
+            nd.merge_batch(other)
+            res[str(by_row)] = [[x is None for x in (nd.topk_p, nd.topk_index, nd.hidden_states)],
+                                fm.output_tokens_buf[rows].tolist(), fm.topk_p_buf[rows].tolist(),
+                                fm.topk_index_buf[rows].tolist(), fm.hidden_states_buf[rows].sum().item(),
+                                len(runner.token_to_kv_pool.writes), nd.future_indices.tolist()]
+        emit(res)
+    """)
+    placeholders, by_row = out["False"], out["True"]
+    assert placeholders == [[False] * 3, [13, 22, 31], [[0.0]] * 3, [[0]] * 3, 0.0, 1, [4, 6, 9, 2]]
+    assert by_row == [[True] * 3, [13, 22, 31], [[0.5]] * 3, [[7], [8], [9]], 48.0, 1, [4, 6, 9, 2]]
+
+
 def test_prefill_runs_the_draft_forward_only_where_speculation_needs_it(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # Through upstream's EAGLEWorkerV2._forward_prefill_batch with the plugin's K/V-only hooks
     # installed as the worker installs them: while the mode is plain (a plain step ran since the
@@ -1544,6 +1590,67 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
         ["speculative extend"]]
 
 
+def test_a_plain_step_under_the_graph_makes_no_tensor_of_the_hooks_own(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # Host work per plain step (issue 41): the hooks of a plain-layout step that ran the graph
+    # (the draft's K/V deferred into it) run one tensor op, the input token's gather that a plain
+    # server's resolve runs too. The draft's positions are made only where a write needs them on
+    # the host, and the publish takes the step's own lengths (batch.seq_lens, spec v2's
+    # convention) for the scheduler's batch.seq_lens + 1 instead of subtracting one again.
+    out = _probe(run_in_tree, tree, plugin_site, LAYOUT_FAKES, """
+        from torch.overrides import TorchFunctionMode
+
+        class Ops(TorchFunctionMode):  # every torch function and tensor method called
+            def __init__(self):
+                super().__init__()
+                self.names = []
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", str(func))
+                if name != "__get__":  # (a tensor property read)
+                    self.names.append(name)
+                return func(*args, **(kwargs or {}))
+
+        s = setup([0, 0])
+        s.lay.prepare(s.batch)                                   # speculative -> plain
+        upstream_plain_prepare(s.batch)
+        s.worker.draft_worker = NS(draft_runner=NS(model=NS(model=None), token_to_kv_pool=None))
+        pending = NS(pending=False)
+        state.of(s.worker.draft_worker, DraftState).deferred = pending
+        result = NS(next_token_ids=torch.tensor([1, 2, 3]), can_run_cuda_graph=True,
+                    logits_output=NS(hidden_states=torch.zeros(3, 4)))
+        s.worker.target_worker = NS(forward_batch_generation=lambda b, capture_hidden_mode=None: result)
+        res = {}
+        for step in range(2):
+            names = []
+            if step:  # plain again: no conversion (the first step's is a one-off per change)
+                with Ops() as ops:
+                    L.prepare_for_decode(lambda b: None, s.batch)
+                names += ops.names
+                upstream_plain_prepare(s.batch)
+            upstream_new = s.batch.seq_lens + 1                  # (the scheduler's, a plain server's)
+            published = []
+            with Ops() as ops:
+                s.batch.input_ids = None
+                L.resolve_forward_inputs(resolve_forward_inputs, s.batch, s.fm)
+                L.forward_batch_generation(lambda *a, **k: "speculative path", s.worker, s.batch)
+                L.publish(lambda fm, idx, lens: published.append(lens), s.fm, ROWS, upstream_new)
+                L.plain_result(s.processor, s.batch, result)
+            names += ops.names
+            res[step] = [names, published[0] is s.batch.seq_lens,
+                         (upstream_new - 1).tolist() == published[0].tolist(), pending.pending]
+        # through the real FutureMap: a plain step's publish writes spec v2's lengths, the next
+        # publish (no plain step before it) what it is given
+        L.forward_batch_generation(lambda *a, **k: "speculative path", s.worker, s.batch)
+        L.publish(FutureMap.publish, s.fm, ROWS, s.batch.seq_lens + 1)
+        res["plain"] = s.fm.new_seq_lens_buf[ROWS].tolist() == s.batch.seq_lens.tolist()
+        L.publish(FutureMap.publish, s.fm, ROWS, s.batch.seq_lens + 1)
+        res["next"] = s.fm.new_seq_lens_buf[ROWS].tolist() == (s.batch.seq_lens + 1).tolist()
+        emit(res)
+    """)
+    for step in ("0", "1"):
+        assert out[step] == [["__getitem__"], True, True, True], out[step]
+    assert out["plain"] and out["next"]
+
+
 def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # A scheduler that cannot run the plain layout although the server arguments let the worker
     # expect it (here: overlap off): every plain step writes its own draft K/V in the speculative
@@ -1570,8 +1677,10 @@ def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tr
             kept = state.of(draft, DraftState).deferred
             step = plain_step.of(worker)
             return [kept is deferred, deferred.disabled, state.of(worker, WorkerState).layout is not None,
-                    step.layout, step.deferred]
+                    step.layout, step.deferred, state.of(draft, DraftState).proposal_by_row]
         emit({"sync": scheduler(False), "overlap": scheduler(True)})
     """)
-    # sync: dropped and switched off in the graph that already holds it; overlap: kept, on
-    assert out == {"sync": [False, True, False, False, False], "overlap": [True, False, True, True, True]}
+    # sync: dropped and switched off in the graph that already holds it; overlap: kept, on (and
+    # the FutureMap relays the draft's proposal by row: a K/V-only prefill hands none)
+    assert out == {"sync": [False, True, False, False, False, False],
+                   "overlap": [True, False, True, True, True, True]}

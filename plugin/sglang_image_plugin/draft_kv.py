@@ -161,9 +161,10 @@ def draft_extend_for_prefill(original: Callable[..., Any], draft_worker: Any, ba
                              mm_input_embeds: Any = None, *args: Any, **kwargs: Any) -> Any:
     """AROUND EagleDraftWorker._draft_extend_for_prefill: while the mode is plain, a prefill
     writes the draft's K/V of its tokens alone (installed where the worker's plain step has the
-    K/V-only part). Its proposal for the new requests is upstream's placeholders: no plain step
-    reads it, and the catch-up step, which runs before any speculative step while the mode is
-    plain (CatchUpPolicy.draft_stale), drafts for every request. Speculative mode, the catch-up
+    K/V-only part). Its proposal for the new requests is upstream's placeholders, or none where
+    the overlap scheduler's FutureMap relays it by row (the plain layout): no plain step reads
+    it, and the catch-up step, which runs before any speculative step while the mode is plain
+    (CatchUpPolicy.draft_stale), drafts for every request. Speculative mode, the catch-up
     step's turn, a mixed or idle batch and multimodal inputs run upstream's draft extend."""
     own = state.peek(draft_worker, DraftState)
     catch_up = own.catch_up if own is not None else None
@@ -185,6 +186,12 @@ def draft_extend_for_prefill(original: Callable[..., Any], draft_worker: Any, ba
                    batch.out_cache_loc, runner.token_to_kv_pool)
     next_draft_input = EagleDraftInput(bonus_tokens=next_token_ids, num_tokens_per_req=1,
                                        num_tokens_for_logprob_per_req=1)
+    if own is not None and own.proposal_by_row:
+        # The overlap scheduler relays the proposal through its FutureMap, which keeps a row's
+        # draft extras when the payload has none (FutureMap.stash), and the batch's draft input
+        # merges, filters and resolves by row (future_indices): no placeholders to make, nor to
+        # scatter into the FutureMap, per prefill.
+        return next_draft_input
     stub_owner = SimpleNamespace(device=draft_worker.device, topk=draft_worker.topk,
                                  draft_worker=draft_worker)
     EAGLEWorkerV2._stub_skipped_draft_extend(stub_owner, batch,

@@ -17,8 +17,9 @@ the mode stays plain the running batch has spec_algorithm NONE and no spec_info.
   zero-step state's DECODE graph, then the draft's K/V (draft_kv.write_draft_kv). The scheduler
   relays the sampled token alone (upstream keeps the draft's extras in the FutureMap) and publishes
   the length as a plain server does, one more than spec v2's (the KV written): AROUND
-  FutureMap.publish takes that one off, and resolve_forward_inputs gathers the input token, which
-  upstream does for a non-speculative server only.
+  FutureMap.publish publishes the step's own lengths instead (no tensor op: a plain step under
+  the graph runs none of ours but the input token's gather), and resolve_forward_inputs gathers
+  the input token, which upstream does for a non-speculative server only.
 - Its result (BEFORE the scheduler's process_batch_result_decode) is counted as a zero-step
   verify's: the spec metrics, and the worker's verify callback, in decode order with the steps
   the policy timed (`auto`) and the acceptance watch queued.
@@ -90,7 +91,9 @@ class PlainLayout:
         self.catch_up = catch_up  # policy.CatchUpPolicy: whether this plain step drafts in full
         self.watch = watch  # acceptance.AcceptanceAroundPlain or None
         self.predecided = False  # the worker's own decision call for this step is skipped
-        self.plain_publish = False  # the scheduler's next publish is a plain step's
+        # the lengths the scheduler's next publish takes (a plain step's batch.seq_lens: spec v2's
+        # convention), None when that publish is not a plain step's
+        self.plain_publish: Any = None
         self.to_plain_changes = 0
         self.to_speculative_changes = 0
         self.plain_steps = 0
@@ -190,26 +193,30 @@ class PlainLayout:
         result = self.worker.target_worker.forward_batch_generation(
             batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         draft_worker = self.worker.draft_worker
-        runner = draft_worker.draft_runner
         deferred = _deferred(draft_worker)
-        # the input token sits at seq_lens - 1 (a plain step's lengths include it)
-        positions = (batch.seq_lens - 1).to(torch.int64)
-        if deferred is None:
-            with _draft_context(draft_worker):
-                draft_kv.write_draft_kv(
-                    runner.model.model,
-                    result.next_token_ids.to(torch.int64),
-                    positions,
-                    result.logits_output.hidden_states,
-                    batch.out_cache_loc,
-                    runner.token_to_kv_pool,
-                )
-        elif not result.can_run_cuda_graph:  # the graph did it otherwise
-            deferred.step(batch.req_pool_indices, batch.input_ids, positions,
-                          result.logits_output.hidden_states, batch.out_cache_loc)
+        if deferred is not None and result.can_run_cuda_graph:
+            deferred.pending = True  # the graph wrote the previous step's and kept this one's
         else:
-            deferred.pending = True
-        self.plain_publish = True
+            # the input token sits at seq_lens - 1 (a plain step's lengths include it); made only
+            # here: the step under the graph (the common one) needs no tensor of its own
+            positions = (batch.seq_lens - 1).to(torch.int64)
+            if deferred is None:
+                runner = draft_worker.draft_runner
+                with _draft_context(draft_worker):
+                    draft_kv.write_draft_kv(
+                        runner.model.model,
+                        result.next_token_ids.to(torch.int64),
+                        positions,
+                        result.logits_output.hidden_states,
+                        batch.out_cache_loc,
+                        runner.token_to_kv_pool,
+                    )
+            else:
+                deferred.step(batch.req_pool_indices, batch.input_ids, positions,
+                              result.logits_output.hidden_states, batch.out_cache_loc)
+        # the scheduler then publishes batch.seq_lens + 1 (a plain server's length): the KV
+        # written, spec v2's, is batch.seq_lens itself, taken by the publish hook as it is
+        self.plain_publish = batch.seq_lens
         self.plain_steps += 1
         return result
 
@@ -305,11 +312,12 @@ def plain_result(processor: Any, batch: Any, result: Any, *args: Any, **kwargs: 
 
 def publish(original: Callable[..., Any], future_map: Any, future_indices: Any,
             new_seq_lens: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND FutureMap.publish: a plain step's length in spec v2's convention (the KV written)."""
+    """AROUND FutureMap.publish: a plain step's length in spec v2's convention (the KV written):
+    the step's own batch.seq_lens, which equal the new_seq_lens the scheduler passes (its
+    batch.seq_lens + 1, a plain server's) less one, without a tensor op of ours."""
     layout = _active
-    if layout is not None and layout.plain_publish and future_map is layout.future_map:
-        layout.plain_publish = False
-        new_seq_lens = new_seq_lens - 1
+    if layout is not None and layout.plain_publish is not None and future_map is layout.future_map:
+        new_seq_lens, layout.plain_publish = layout.plain_publish, None
     return original(future_map, future_indices, new_seq_lens, *args, **kwargs)
 
 

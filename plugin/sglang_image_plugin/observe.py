@@ -89,6 +89,7 @@ def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> N
     if reason is None:
         reason = layout.install(scheduler, draft.catch_up, own.acceptance)
     if reason is None:
+        draft.proposal_by_row = True  # the FutureMap relays the draft's proposal
         return
     # every plain step stays a speculative-layout one and writes its own K/V: a deferred step
     # already captured into the graph is switched off there and nothing is flushed

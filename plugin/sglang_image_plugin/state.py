@@ -50,6 +50,9 @@ class DraftState:
 
     catch_up: CatchUpPolicy | None = None  # whether this plain step drafts in full (K/V-only draft)
     deferred: DeferredDraftKv | None = None  # the K/V a plain-layout step left for the next
+    # the overlap scheduler's FutureMap relays the proposal by request row (the plain layout's
+    # scheduler): a K/V-only prefill then hands none (draft_kv.draft_extend_for_prefill)
+    proposal_by_row: bool = False
 
 
 State = TypeVar("State", ArgsState, WorkerState, DraftState)

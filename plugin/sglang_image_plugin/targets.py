@@ -188,6 +188,12 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill",
     f"{_WORKER}._forward_prefill_batch",
     "sglang.srt.speculative.eagle_utils._eagle_prefill_tail_tokens",
+    # Under the overlap scheduler a K/V-only prefill hands no proposal: the relay keeps a row's
+    # extras when a payload has none, a draft input with rows merges and filters by row alone,
+    # and a zero-step step reads only the bonus token (EAGLEWorkerV2.forward_batch_generation).
+    "sglang.srt.managers.overlap_utils.RelayPayload.from_draft_input",
+    "sglang.srt.speculative.eagle_info.EagleDraftInput.merge_batch",
+    "sglang.srt.speculative.eagle_info.EagleDraftInput.filter_batch",
     # The plain layout (layout.py): the scheduler's decode step around the batch it
     # converts, and what reads or writes the converted fields.
     "sglang.srt.managers.scheduler.Scheduler.update_running_batch",
