@@ -1,6 +1,7 @@
 """Shared fixtures: real, unpacked (and patched) SGLang wheels, and a Docker engine."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_image import lock, patch, pins, trees
+from sglang_image import lock, patch, pins, plugin_wheel, trees
+from tests.forkserver import ProbeRunner, forked_probes, warm_imports
 
 REPO_ROOT = pins.REPO_ROOT
 TREE_CACHE = REPO_ROOT / ".cache" / "trees"
@@ -172,3 +174,46 @@ def run_in_tree() -> Callable[..., subprocess.CompletedProcess[str]]:
                               capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+# The session's warm interpreters (forked_in_tree): the last test that uses them, by node id, and
+# what stops them (some 800 MB each): they stop once that test is torn down, not at the run's end.
+_FORKED = pytest.StashKey[tuple[str, contextlib.ExitStack]]()
+
+
+@pytest.fixture(scope="session")
+def forked_in_tree(request: pytest.FixtureRequest) -> Iterator[ProbeRunner]:
+    """forked_in_tree(tree, code, env=None, timeout=600, path=None): run_in_tree's answer, but the
+    code runs in a child forked from one warm interpreter per (tree, path) that the test modules
+    share (tests/forkserver.py): importing torch and sglang.srt.server_args, which most probes
+    start with, happens once a tree instead of once a probe. `path`: the interpreter's PYTHONPATH
+    where it is not the tree alone. For probes that need no environment at import time; `env`
+    applies in the child only. The interpreters stop after the last test that uses them."""
+    with contextlib.ExitStack() as stack:
+        run = stack.enter_context(forked_probes(warm_imports(("torch", "sglang.srt.server_args"))))
+        users = [i.nodeid for i in request.session.items if "forked_in_tree" in i.fixturenames]
+        if users:
+            request.session.stash[_FORKED] = (users[-1], stack)
+        yield run
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    result = yield
+    last = item.session.stash.get(_FORKED, None)
+    if last is not None and last[0] == item.nodeid:
+        last[1].close()  # the fixture's own exit at the session's end then has nothing left to do
+    return result
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The plugin's wheel (built here) as pip would install it: its files and dist-info (entry
+    points). One a session, so that probes with it on their path share a warm interpreter."""
+    import zipfile
+
+    out = tmp_path_factory.mktemp("plugin")
+    wheel = plugin_wheel.build_wheel(out / "dist")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(out / "site")
+    return out / "site"

@@ -122,8 +122,12 @@ class ForkServer:
         return subprocess.CompletedProcess(["<forked probe>"], a["rc"], a["stdout"], a["stderr"])
 
     def close(self) -> None:
+        """Stops the server. Between probes it holds nothing to save (each probe's child has exited
+        and its output files are gone): SIGTERM stops it at once, where an exit at the end of its
+        input would first tear down torch and sglang (seconds a server)."""
         if self._proc.stdin:
             self._proc.stdin.close()
+        self._proc.terminate()
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -150,20 +154,24 @@ def warm_imports(modules: tuple[str, ...]) -> str:
 
 @contextmanager
 def forked_probes(warmup: str, server_env: dict[str, str] | None = None) -> Iterator[ProbeRunner]:
-    """run(tree, code, env=None, timeout=600), like conftest's run_in_tree, but each tree gets one
-    warm ForkServer (started on first use with `warmup` and `server_env`); all close on exit."""
-    servers: dict[Path, ForkServer] = {}
-    locks: dict[Path, threading.Lock] = {}
+    """run(tree, code, env=None, timeout=600, path=None), like conftest's run_in_tree, but each
+    tree gets one warm ForkServer (started on first use with `warmup` and `server_env`); all close
+    on exit. `path`: the server's PYTHONPATH where it is not the tree alone (a plugin's site first,
+    say); each (tree, path) gets a server of its own, as a fork keeps its server's path."""
+    servers: dict[tuple[Path, str | None], ForkServer] = {}
+    locks: dict[tuple[Path, str | None], threading.Lock] = {}
     guard = threading.Lock()
 
     def run(tree: Path, code: str, env: dict[str, str | None] | None = None,
-            timeout: float = 600) -> subprocess.CompletedProcess[str]:
+            timeout: float = 600, path: str | None = None) -> subprocess.CompletedProcess[str]:
+        key = (tree, path)
         with guard:
-            lock = locks.setdefault(tree, threading.Lock())
-        with lock:  # one server per tree, however many threads ask first; trees start side by side
-            if tree not in servers:
-                servers[tree] = ForkServer(tree, warmup, server_env)
-        return servers[tree].run(code, env, timeout)
+            lock = locks.setdefault(key, threading.Lock())
+        with lock:  # one server per key, however many threads ask first; keys start side by side
+            if key not in servers:
+                servers[key] = ForkServer(tree, warmup, {**(server_env or {}),
+                                                         **({"PYTHONPATH": path} if path else {})})
+        return servers[key].run(code, env, timeout)
 
     try:
         yield run

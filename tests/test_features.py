@@ -397,14 +397,14 @@ print("checked", checked)
 
 
 @pytest.mark.parametrize("flavor", ["sglang-0.5.17", "sglang-0.5.23"])
-def test_every_request_of_the_matrix_is_one_the_real_server_accepts(flavor, sglang_tree, run_in_tree):
+def test_every_request_of_the_matrix_is_one_the_real_server_accepts(flavor, sglang_tree, forked_in_tree):
     """Each case's payload goes through the flavor's own request classes (GenerateReqInput with its
     normalisation, SamplingParams.verify, the OpenAI protocol models): a misplaced field (say,
     return_logprob inside sampling_params) fails here, not after a GPU server started."""
     from pathlib import Path
 
     tree = sglang_tree(flavor, False)
-    p = run_in_tree(tree, ACCEPTS.format(repo=str(Path(__file__).resolve().parents[1])))
+    p = forked_in_tree(tree, ACCEPTS.format(repo=str(Path(__file__).resolve().parents[1])))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "checked" in p.stdout
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -78,10 +79,23 @@ def _guarded(handlers: list[ast.ExceptHandler]) -> bool:
     return bool(names & set(IMPORT_GUARDS))
 
 
+# (module, digest of its file's bytes) -> what it imports: the check runs on a copy of the same
+# files with folders left out, and parsing thousands of files twice would cost as much again.
+_IMPORTS_SEEN: dict[tuple[str, bytes], list[str]] = {}
+
+
 def unconditional_imports(path: Path, module: str) -> list[str]:
     """The modules a module imports whenever it is imported: top-level import statements and those
     in `try:` blocks that do not catch the ImportError (not in `if` blocks: platform branches)."""
-    tree = ast.parse(path.read_text(errors="replace"))
+    data = path.read_bytes()
+    key = (module, hashlib.sha256(data).digest())
+    if key not in _IMPORTS_SEEN:
+        _IMPORTS_SEEN[key] = _parse_imports(data.decode(errors="replace"), path, module)
+    return list(_IMPORTS_SEEN[key])
+
+
+def _parse_imports(text: str, path: Path, module: str) -> list[str]:
+    tree = ast.parse(text)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[str] = []
 
@@ -111,6 +125,13 @@ def missing_on_launch(entries: tuple[str, ...], roots: list[Path], host_tops: se
     missing: dict[str, str] = {}
     seen: set[str] = set()
     todo = [(entry, "(launch path)") for entry in entries]
+    located: dict[str, Path | None] = {}
+
+    def where(name: str) -> Path | None:  # module_file, each name looked up once
+        if name not in located:
+            located[name] = module_file(name, roots)
+        return located[name]
+
     while todo:
         name, importer = todo.pop()
         if name in seen:
@@ -119,14 +140,14 @@ def missing_on_launch(entries: tuple[str, ...], roots: list[Path], host_tops: se
         top = name.split(".")[0]
         if top in sys.stdlib_module_names or top in ("__future__", "__main__") or top in host_tops:
             continue
-        path = module_file(name, roots)
+        path = where(name)
         parts = name.split(".")
-        if path is None and any(str(module_file(".".join(parts[:i]), roots)).endswith(".so")
+        if path is None and any(str(where(".".join(parts[:i]))).endswith(".so")
                                 for i in range(1, len(parts))):
             continue  # inside an extension module: its submodules and names are not files
         if path is None:
             parent = name.rpartition(".")[0]
-            if parent and module_file(parent, roots) is not None and "." in name and \
+            if parent and where(parent) is not None and "." in name and \
                     name.rsplit(".", 1)[1] not in ("*",) and importer != "(launch path)":
                 continue  # `from package import attribute`: an attribute, not a module
             missing[name] = importer

@@ -1,7 +1,12 @@
 """The plugin against the real sglang 0.5.23 wheel, on a CPU: discovery through its entry point
 (the built wheel's dist-info on the path), hooks applied and checked at start, the flag, the
 environment variable, validation, the start log line, and the worker's switch as far as it runs
-without a GPU. Each probe runs in its own interpreter and prints one JSON line.
+without a GPU. Each probe prints one JSON line; it runs in a child forked from one warm
+interpreter that imported torch and the sglang modules the probes use (tests/forkserver.py), with
+the plugin's site first on its path but the plugin not loaded: each probe loads it itself, over
+upstream modules already imported (its hooks reach them as SGLang's hook registry propagates them).
+A probe with another path (no plugin, a second plugin) runs in a fresh interpreter, and so do
+tests/test_pod_start.py's, which load the plugin before sglang's server arguments are imported.
 
 GPU-only pieces faked (test_worker_switch): the worker's build_adaptive_runtime_state (captures
 attention backends and CUDA graphs) and apply_runtime_state (swaps them); the EAGLEWorkerV2 object
@@ -25,6 +30,7 @@ import pytest
 from sglang_image import pins, plugin_check, plugin_source, plugin_wheel
 from smoke import runner
 from tests.eagle3_draft import EAGLE3_LEAVES
+from tests.forkserver import forked_probes, warm_imports
 from tests.probe import probe_result
 
 SGLANG_VERSION = "0.5.23"
@@ -60,22 +66,42 @@ def tree(sglang_tree: Callable[[str, bool], Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The plugin's wheel as pip would install it: its files and dist-info (entry points)."""
-    out = tmp_path_factory.mktemp("plugin")
-    wheel = plugin_wheel.build_wheel(out / "dist")
-    site = out / "site"
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(site)
-    return site
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A config-only Llama: enough for the server arguments to resolve on a CPU."""
     path = tmp_path_factory.mktemp("tiny-llama")
     (path / "config.json").write_text(json.dumps(TINY_LLAMA))
     return path
+
+
+# What the warm interpreter imports before it forks the probes: upstream's modules only (the
+# plugin is what each probe loads and checks). A module that fails to import here fails in the probe
+# that needs it, with its traceback.
+WARM_MODULES = (
+    "torch", "sglang.srt.plugins", "sglang.srt.plugins.hook_registry", "sglang.srt.server_args",
+    "sglang.srt.arg_groups.overrides", "sglang.srt.speculative.spec_info",
+    "sglang.srt.speculative.eagle_info", "sglang.srt.speculative.eagle_worker_v2",
+    "sglang.srt.speculative.spec_utils", "sglang.srt.model_executor.forward_batch_info",
+    "sglang.srt.managers.scheduler", "sglang.srt.managers.overlap_utils",
+    "sglang.srt.managers.utils", "sglang.srt.managers.scheduler_components.internal_state",
+    "sglang.srt.layers.logits_processor",
+)
+
+
+@pytest.fixture(scope="module")
+def run_in_tree(run_in_tree, tree, plugin_site):  # type: ignore[no-untyped-def]
+    """conftest's run_in_tree, but a probe in `tree` with the plugin's site first on its path
+    (nearly all of them) forks from one warm interpreter of that path (see the docstring)."""
+    fresh = run_in_tree
+    path = f"{plugin_site}:{tree}"
+    with forked_probes(warm_imports(WARM_MODULES), server_env={"PYTHONPATH": path}) as forked:
+        def run(where: Path, code: str, env: dict[str, str] | None = None,
+                timeout: int = 600) -> subprocess.CompletedProcess[str]:
+            rest = {k: v for k, v in (env or {}).items() if k != "PYTHONPATH"}
+            if where == tree and (env or {}).get("PYTHONPATH", path) == path:
+                return forked(where, code, env=rest, timeout=timeout)
+            return fresh(where, code, env=env, timeout=timeout)
+
+        yield run
 
 
 PRELUDE = textwrap.dedent("""

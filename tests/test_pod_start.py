@@ -14,14 +14,13 @@ import shlex
 import socket
 import subprocess
 import sys
-import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sglang_image import cli, pins, plugin_wheel, topology
+from sglang_image import cli, pins, topology
 from tests import deploy_checks as checks
 from tests.probe import probe_result
 
@@ -137,14 +136,6 @@ def start_entrypoint(args: list[str], env: dict[str, str], tmp: Path
 
 
 # --- the real sglang -----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("plugin")
-    with zipfile.ZipFile(plugin_wheel.build_wheel(out / "dist")) as zf:
-        zf.extractall(out / "site")
-    return out / "site"
-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:

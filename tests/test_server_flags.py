@@ -5,7 +5,6 @@ old spelling is an ambiguous prefix that stopped every smoke server at start."""
 from __future__ import annotations
 
 import json
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ from typing import Any
 import pytest
 
 from bench import throughput
-from sglang_image import plugin_wheel
 from smoke import features, runner
 from smoke.server import ServerConfig, cuda_graph_max_bs_flag
 from tests.probe import probe_result
@@ -81,15 +79,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("plugin")
-    wheel = plugin_wheel.build_wheel(out / "dist")
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(out / "site")
-    return out / "site"
-
-
 def test_the_flag_of_the_largest_captured_batch_follows_the_release() -> None:
     assert cuda_graph_max_bs_flag((0, 5, 17)) == "--cuda-graph-max-bs"
     assert cuda_graph_max_bs_flag((0, 5, 9)) == "--cuda-graph-max-bs"
@@ -101,13 +90,13 @@ def test_the_flag_of_the_largest_captured_batch_follows_the_release() -> None:
     ("sglang-0.5.17", (0, 5, 17), True, False),
 ])
 def test_every_server_configuration_parses_on_its_flavor(
-        sglang_tree: Callable[[str, bool], Path], run_in_tree: Callable[..., Any], models: Path,
+        sglang_tree: Callable[[str, bool], Path], forked_in_tree: Callable[..., Any], models: Path,
         plugin_site: Path, flavor: str, release: tuple[int, ...], patched: bool,
         with_plugin: bool) -> None:
     tree = sglang_tree(flavor, patched)
     argvs = configurations(models, release, auto=with_plugin)
     path = f"{plugin_site}:{tree}" if with_plugin else str(tree)
-    proc = run_in_tree(tree, PARSE.replace("sys.argv[1]", repr(json.dumps(argvs))),
-                       env={"PYTHONPATH": path}, timeout=900)
+    proc = forked_in_tree(tree, PARSE.replace("sys.argv[1]", repr(json.dumps(argvs))), path=path,
+                          timeout=900)
     result = probe_result(proc)
     assert result == {name: "ok" for name in argvs}

@@ -31,7 +31,6 @@ from pathlib import Path
 import pytest
 
 from sglang_image import fetch
-from tests.forkserver import forked_probes, warm_imports
 from tests.probe import probe_result
 
 FLAVORS = ["sglang-0.5.17", "sglang-0.5.9"]
@@ -90,19 +89,20 @@ EPILOGUE = '\nprint("RESULT " + json.dumps(OUT, default=str))\n'
 
 
 @pytest.fixture(scope="module")
-def run_in_tree(run_in_tree):
-    """This module's probes fork from one warm interpreter per tree (tests/forkserver.py) that has
-    imported what every probe imports first, torch and sglang.srt.server_args, with torch honestly
-    CPU-only; each probe fakes the GPU in its own child. A probe with its own PYTHONPATH runs in a
-    fresh interpreter (conftest's run_in_tree): a fork keeps the server's path."""
+def run_in_tree(run_in_tree, forked_in_tree):
+    """This module's probes fork from one warm interpreter per tree (tests/forkserver.py; the
+    session's, conftest's forked_in_tree) that has imported what every probe imports first, torch
+    and sglang.srt.server_args, with torch honestly CPU-only; each probe fakes the GPU in its own
+    child. A probe with its own PYTHONPATH runs in a fresh interpreter (conftest's run_in_tree): a
+    fork keeps the server's path."""
     fresh = run_in_tree
-    with forked_probes(warm_imports(("torch", "sglang.srt.server_args"))) as forked:
-        def run(tree, code, env=None, timeout=600):
-            if env:
-                return fresh(tree, code, env=env, timeout=timeout)
-            return forked(tree, code, timeout=timeout)
 
-        yield run
+    def run(tree, code, env=None, timeout=600):
+        if env:
+            return fresh(tree, code, env=env, timeout=timeout)
+        return forked_in_tree(tree, code, timeout=timeout)
+
+    return run
 
 
 def probe(sglang_tree, run_in_tree, flavor: str, patched: bool, body: str,

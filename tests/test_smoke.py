@@ -333,7 +333,7 @@ def test_nox_side_container_and_device_command(tmp_path):
     assert any(line.startswith("sgl-deep-gemm==") for line in lines)
 
 
-def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_path):
+def test_partial_checks_on_the_real_patched_tree(sglang_tree, forked_in_tree, tmp_path):
     """The no-GPU image check, run on the real sglang 0.5.17 wheel with the series applied."""
     from sglang_image import image_smoke, pins
 
@@ -345,7 +345,7 @@ def test_partial_checks_on_the_real_patched_tree(sglang_tree, run_in_tree, tmp_p
     code = (f"import json, sys; from pathlib import Path; sys.path.append({repo!r})\n"
             "from smoke import partial\n"
             f"print(json.dumps(partial.run_checks(json.loads({series!r}), Path({man!r}))))")
-    p = run_in_tree(tree, code, timeout=900)
+    p = forked_in_tree(tree, code, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     rep = json.loads(p.stdout.strip().splitlines()[-1])
     checks = {c["name"]: c for c in rep["checks"]}
