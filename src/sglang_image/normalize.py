@@ -29,7 +29,7 @@ import re
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -131,9 +131,10 @@ def is_build_input(name: str, drop: str = BUILD_INPUTS) -> bool:
 
 
 def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH,
-                  drop: str | None = None) -> bool:
+                  drop: str | None = None, only: Container[str] | None = None) -> bool:
     """Copies a layer tar entry by entry, every mtime set to `epoch`, atime/ctime and owner
-    names dropped; with `drop`, the build inputs under it left out (is_build_input). Returns
+    names dropped; with `drop`, the build inputs under it left out (is_build_input); with
+    `only`, every entry whose path (no leading ./ or trailing /) is not in it left out. Returns
     whether the layer held nothing but build inputs and their parent folders.
 
     Set, not clamped: a layer reused from the build cache must not depend on when the cache
@@ -145,6 +146,12 @@ def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH,
         for info in tin:
             if drop and is_build_input(info.name, drop):
                 continue
+            if only is not None:
+                if _path(info.name) not in only:
+                    continue
+                if info.islnk() and _path(info.linkname) not in only:
+                    raise BuildError(f"{info.name} is a hard link to {info.linkname}, which the "
+                                     "layer does not hold: the step changed one name of a linked file")
             if not (info.isdir() and info.name.removeprefix("./").rstrip("/") in parents):
                 only_inputs = False
             info.mtime = epoch
@@ -155,6 +162,10 @@ def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH,
                                 if k not in ("mtime", "atime", "ctime", "uname", "gname")}
             tout.addfile(info, tin.extractfile(info) if info.isreg() else None)
     return bool(drop) and only_inputs
+
+
+def _path(name: str) -> str:
+    return name.removeprefix("./").strip("/")
 
 
 def _parents(path: str | None) -> list[str]:
@@ -441,6 +452,43 @@ def export_layer(client: DockerClient, image_id: str, dest: Path) -> tuple[str, 
                     rewrite_layer(fh, sink)
                 return sink.digest(), sink.size
     raise BuildError(f"the export of {image_id} holds no layer")
+
+
+def container_layer(client: DockerClient, container_id: str, dest: Path,
+                    drop: str | None = None, log: Callable[[str], None] | None = None
+                    ) -> tuple[str, int]:
+    """What a stopped container changed in its image's file system, as a layer rewritten like
+    every layer of ours, into the file `dest`; returns its diff ID and size.
+
+    The engine's own diff names the changed paths and its export streams the container's file
+    system, which is read once and cut down to them. No commit (the engine would copy the layer)
+    and no save (Engine 20.10 writes a whole image to a temp folder before it streams a byte)."""
+    changes = client.api.diff(container_id) or []  # type: ignore[no-untyped-call]
+    removed = sorted(str(c["Path"]) for c in changes if c["Kind"] == 2)
+    if removed:
+        raise BuildError(f"the step removed {len(removed)} path(s) of its image "
+                         f"({', '.join(removed[:3])}): a layer cut from an export cannot hold a "
+                         "removal; leave the image's files in place")
+    changed = {_path(str(c["Path"])) for c in changes}
+    chunks: Iterator[bytes] = iter(client.api.export(container_id, chunk_size=CHUNK))  # type: ignore[no-untyped-call]
+    if log is not None:
+        listed = client.api.containers(all=True, size=True, filters={"id": container_id})  # type: ignore[no-untyped-call]
+        total = int(listed[0].get("SizeRootFs") or 0) if listed else 0
+        chunks = _counted(chunks, Progress(log, "layer: read the container's file system", total))
+    with dest.open("wb") as out:
+        sink = _Sink(out.write)
+        rewrite_layer(io.BufferedReader(_ChunkReader(chunks), CHUNK), sink, drop=drop, only=changed)  # type: ignore[arg-type]
+    return sink.digest(), sink.size
+
+
+def with_layer(config_bytes: bytes, diff_id: str, step: str, *, epoch: int, base_history: int,
+               labels: dict[str, str] | None = None) -> bytes:
+    """An image config with one layer more on top (its history entry `step`), normalised like
+    every config of ours, `labels` added."""
+    config = json.loads(config_bytes)
+    config["history"] = [*config.get("history", []), {"created_by": step}]
+    diff_ids = [*config["rootfs"]["diff_ids"], diff_id]
+    return normalized_config(config, diff_ids, epoch, labels, base_history)
 
 
 def load_composed(client: DockerClient, config_bytes: bytes, new_layers: dict[str, Path],
