@@ -228,7 +228,7 @@ def runtime_base(client: DockerClient, plan: BuildPlan, ctx: Path, inputs: Path,
         config = normalize.with_layer(settings_file.read_bytes(), diff_id, INSTALL_STEP,
                                       epoch=plan.epoch, base_history=base.history)
         started = time.monotonic()
-        normalize.load_composed(client, config, {diff_id: layer_file}, [tag])
+        normalize.load_composed(client, config, {diff_id: layer_file}, [tag], log=log)
         log(f"runtime base: loading it took {time.monotonic() - started:.0f} s")
     finally:
         layer_file.unlink(missing_ok=True)
@@ -250,9 +250,11 @@ def install_venv(client: DockerClient, image_id: str, inputs: Path, dest: Path, 
     environment, `inputs` mounted read-only at /tmp/build-inputs) and writes what it changed,
     the mount point left out, as a layer into `dest`; returns its diff ID and size."""
     env = [f"PATH={PATH_ENV}", "HOME=/root", f"PYTHON_VERSION={python_version}"]
+    script = f"/{BUILD_INPUTS}/{INSTALL_SCRIPT}"
+    # Exit 3: the mount is empty (an engine on another machine sees no such folder).
+    run = f'test -f {script} || exit 3; exec /bin/sh {script}'
     container = client.containers.create(
-        image_id, entrypoint=["/usr/bin/env", "-i", *env, "/bin/sh", f"/{BUILD_INPUTS}/{INSTALL_SCRIPT}"],
-        command=[], user="0:0", working_dir="/", network_mode="none",
+        image_id, entrypoint=["/usr/bin/env", "-i", *env, "/bin/sh", "-c", run], command=[], user="0:0", working_dir="/", network_mode="none",
         healthcheck={"test": ["NONE"]},
         volumes={str(inputs.resolve()): {"bind": f"/{BUILD_INPUTS}", "mode": "ro"}})
     try:
@@ -271,7 +273,7 @@ def install_venv(client: DockerClient, image_id: str, inputs: Path, dest: Path, 
         if status != 0:
             raise BuildError(f"installing the venv failed (exit {status}); last lines:\n"
                              + "\n".join(tail))
-        return normalize.container_layer(client, container.id, dest, drop=normalize.BUILD_INPUTS,
-                                         log=log)
+        return normalize.container_layer(client, str(container.id), dest,
+                                         drop=normalize.BUILD_INPUTS, log=log)
     finally:
         container.remove(force=True)
