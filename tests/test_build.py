@@ -19,11 +19,13 @@ from typing import Any
 import docker.errors
 import pytest
 from docker import DockerClient
+from rich.console import Console
 
 from sglang_image import (
     build,
     context,
     docker_engine,
+    dockerbuild,
     fetch,
     labels,
     normalize,
@@ -128,12 +130,18 @@ def test_rewrite_layer_sets_times_and_keeps_the_rest() -> None:
         assert tar.extractfile(members[1]).read() == b"22"  # type: ignore[union-attr]
 
 
-def test_build_inputs_are_left_out_of_the_layers() -> None:
-    """The wheelhouse layer of the runtime base (only /tmp/build-inputs and its parent) goes
-    whole; in the venv layer, the whiteout that removed it goes, the rest stays."""
+def test_a_layer_cut_from_an_export_keeps_the_changed_paths_without_the_build_inputs() -> None:
+    """container_layer's filter: of a container's whole file system, the paths the engine's diff
+    names, the wheelhouse's mount point and what lies under it left out; a kept hard link to a
+    file the layer does not hold is refused (it would point at nothing)."""
     def folder(name: str) -> tarfile.TarInfo:
         info = tarfile.TarInfo(name)
         info.type = tarfile.DIRTYPE
+        return info
+
+    def link(name: str, target: str) -> tarfile.TarInfo:
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname = tarfile.LNKTYPE, target
         return info
 
     def tar_of(members: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
@@ -144,19 +152,31 @@ def test_build_inputs_are_left_out_of_the_layers() -> None:
                 tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
         return buf.getvalue()
 
-    inputs = tar_of([(folder("tmp"), b""), (folder("tmp/build-inputs"), b""),
-                     (tarfile.TarInfo("tmp/build-inputs/deps.txt"), b"x==1"),
-                     (tarfile.TarInfo("tmp/build-inputs/wheels/x-1-py3-none-any.whl"), b"PK")])
-    assert normalize.rewrite_layer(io.BytesIO(inputs), io.BytesIO(), drop=normalize.BUILD_INPUTS)
-    venv = tar_of([(folder("opt/venv"), b""), (tarfile.TarInfo("opt/venv/pyvenv.cfg"), b"home"),
-                   (folder("tmp"), b""), (tarfile.TarInfo("tmp/.wh.build-inputs"), b"")])
+    base_file, linked = tarfile.TarInfo("usr/bin/sh"), link("usr/bin/dash", "usr/bin/sh")
+    members = [(folder("opt"), b""), (folder("opt/venv"), b""),
+               (tarfile.TarInfo("opt/venv/pyvenv.cfg"), b"home"),
+               (link("opt/venv/cfg", "opt/venv/pyvenv.cfg"), b""),
+               (folder("tmp"), b""), (folder("tmp/build-inputs"), b""),
+               (tarfile.TarInfo("tmp/build-inputs/deps.txt"), b"x==1"),
+               (folder("usr/bin"), b""), (base_file, b"ELF"), (linked, b"")]
+    export = tar_of(members)
+    changed = {"opt", "opt/venv", "opt/venv/pyvenv.cfg", "opt/venv/cfg", "tmp",
+               "tmp/build-inputs", "tmp/build-inputs/deps.txt"}  # as the engine's diff lists them
     out = io.BytesIO()
-    assert not normalize.rewrite_layer(io.BytesIO(venv), out, drop=normalize.BUILD_INPUTS)
+    normalize.rewrite_layer(io.BytesIO(export), out, drop=normalize.BUILD_INPUTS, only=changed)
     with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tar:
-        assert tar.getnames() == ["opt/venv", "opt/venv/pyvenv.cfg", "tmp"]
-    # without drop nothing goes (part 2's layer, the base's)
-    assert not normalize.rewrite_layer(io.BytesIO(inputs), io.BytesIO())
+        assert tar.getnames() == ["opt", "opt/venv", "opt/venv/pyvenv.cfg", "opt/venv/cfg", "tmp"]
+        assert tar.extractfile("opt/venv/pyvenv.cfg").read() == b"home"  # type: ignore[union-attr]
+    # a changed name of a file linked to one the step did not change
+    with pytest.raises(BuildError, match="usr/bin/dash is a hard link to usr/bin/sh"):
+        normalize.rewrite_layer(io.BytesIO(export), io.BytesIO(), only=changed | {"usr/bin/dash"})
+    # without drop and only nothing goes (part 2's layer, the settings image's)
+    whole = io.BytesIO()
+    normalize.rewrite_layer(io.BytesIO(export), whole)
+    with tarfile.open(fileobj=io.BytesIO(whole.getvalue())) as tar:
+        assert len(tar.getnames()) == len(members)
     assert not normalize.is_build_input("tmp/build-inputs-other/x")
+    assert normalize.is_build_input("./tmp/build-inputs/")
 
 
 def test_archive_header_holds_a_layer_over_8_gb() -> None:
@@ -554,6 +574,29 @@ def test_unchanged_inputs_reuse_the_image(light_image: build.BuildResult,
     assert again.image_id == light_image.image_id and again.raw_image_id == ""
     assert [name for name, _ in again.phases] == ["lock and base", "fetch wheels",
                                                    "tag and copy out"]
+
+
+@pytest.mark.docker
+def test_a_venv_layer_is_refused_for_a_removal_or_a_wheelhouse_the_engine_cannot_see(
+        docker_client: DockerClient, debootstrap_base: str, tmp_path: Path) -> None:
+    """What a layer cut from a container's export cannot be: a step that removed a file of its
+    image (no whiteout in an export) is refused by name; an engine that does not see the
+    wheelhouse folder (one on another machine mounts an empty one) is said so, not a pip error."""
+    container = docker_client.containers.create(debootstrap_base, ["rm", "/etc/debian_version"],
+                                                entrypoint=[], network_mode="none")
+    try:
+        container.start()
+        assert container.wait()["StatusCode"] == 0
+        with pytest.raises(BuildError, match=r"removed 1 path\(s\) of its image \(/etc/debian_version\)"):
+            normalize.container_layer(docker_client, container.id, tmp_path / "layer.tar")
+    finally:
+        container.remove(force=True)
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(BuildError, match="did not mount the wheelhouse .*elsewhere.*DOCKER_HOST"):
+        dockerbuild.install_venv(docker_client, debootstrap_base, tmp_path / "elsewhere",
+                                 tmp_path / "venv.tar", python_version="3.12",
+                                 console=Console(file=io.StringIO()), log=lambda _: None)
+    assert not (tmp_path / "venv.tar").exists()
 
 
 @pytest.mark.docker

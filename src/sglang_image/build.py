@@ -81,16 +81,6 @@ class _Phases:
         self._mark = now
 
 
-def compose_config(base_config: bytes, layer_diff_id: str, *, epoch: int, labels: dict[str, str],
-                   base_history: int) -> bytes:
-    """The image's config: the runtime base's, with part 2's layer, its history entry, the labels
-    and this commit's time."""
-    config = json.loads(base_config)
-    config["history"] = [*config.get("history", []), {"created_by": ASSEMBLE_STEP}]
-    diff_ids = [*config["rootfs"]["diff_ids"], layer_diff_id]
-    return normalize.normalized_config(config, diff_ids, epoch, labels, base_history)
-
-
 def build(flavor: Flavor, options: BuildOptions, console: Console | None = None,
           client: DockerClient | None = None) -> BuildResult:
     """Builds the flavor's image (the steps in the module docstring) on `client`, or on the engine
@@ -126,7 +116,7 @@ def build(flavor: Flavor, options: BuildOptions, console: Console | None = None,
     if image_id:
         log(f"build: inputs unchanged, reusing {image_id[:19]}")
     else:
-        base_tag, base_config = runtime_base(client, plan, ctx / "runtime-base",
+        base_tag, base_config = runtime_base(client, plan, ctx / "runtime-base", ctx / "build-inputs",
                                              buildargs=base_args, console=console, log=log)
         phases.done("runtime base")
         log(f"build: part 2 of {flavor.name} on {base_tag}, network off")
@@ -145,8 +135,8 @@ def build(flavor: Flavor, options: BuildOptions, console: Console | None = None,
         phases.done("part 2")
         layer_file = work / "part2-layer.tar"
         diff_id, size = normalize.export_layer(client, raw_id, layer_file)
-        config = compose_config(base_config, diff_id, epoch=epoch, labels=build_labels,
-                                base_history=base.history)
+        config = normalize.with_layer(base_config, diff_id, ASSEMBLE_STEP, epoch=epoch,
+                                      base_history=base.history, labels=build_labels)
         log(f"compose: part 2 is {size / 1e6:.1f} MB ({diff_id[:19]})")
         image_id = normalize.load_composed(client, config, {diff_id: layer_file}, [])
         layer_file.unlink()

@@ -1,5 +1,6 @@
-"""The two build contexts of one plan: part 1 (the runtime base: Dockerfile, deps.txt and every
-locked wheel but SGLang's) and part 2 (SGLang's wheel, the series and the stdlib-only applier, the
+"""The build contexts of one plan: part 1 (the runtime base: its Dockerfile, and beside it the
+wheelhouse its venv is installed from: deps.txt, every locked wheel but SGLang's, the install
+script) and part 2 (SGLang's wheel, the series and the stdlib-only applier, the
 image's tool folder, the plugin wheel), streamed to the engine as tars with fixed owners and times.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sglang_image.plan import BuildPlan
 
 DOCKERFILE = REPO_ROOT / "images" / "Dockerfile"                     # part 1: the runtime base
 ASSEMBLE_DOCKERFILE = REPO_ROOT / "images" / "assemble.Dockerfile"   # part 2: one layer on it
+INSTALL_VENV = REPO_ROOT / "images" / "install-venv.sh"              # part 1's venv, in a container
 IMAGE_TOOL_DIR = REPO_ROOT / "images" / "tool"
 
 
@@ -28,7 +30,7 @@ IMAGE_TOOL_DIR = REPO_ROOT / "images" / "tool"
 class BuildContext:
     """What prepare_context laid out, and the facts the labels and build arguments need."""
 
-    root: Path  # root/runtime-base (part 1) and root/assemble (part 2)
+    root: Path  # root/runtime-base and root/build-inputs (part 1), root/assemble (part 2)
     patches: tuple[tuple[str, str], ...]  # (file name, sha256) in series order
     cuda_home: str  # where nvcc lands in the image's venv
     wheels: int
@@ -78,7 +80,8 @@ def _link(src: Path, dest: Path) -> None:
 
 
 def prepare_context(plan: BuildPlan, ctx: Path, log: Callable[[str], None]) -> BuildContext:
-    """Fills ctx/runtime-base (part 1: Dockerfile, build-inputs/ with deps.txt and the wheels) and
+    """Fills ctx/runtime-base and ctx/build-inputs (part 1: Dockerfile; deps.txt, the wheels and
+    the install script) and
     ctx/assemble (part 2: SGLang's wheel, the series, the tool, the plugin) from the plan's
     verified lock entries."""
     flavor, entries = plan.flavor, list(plan.entries)
@@ -86,8 +89,9 @@ def prepare_context(plan: BuildPlan, ctx: Path, log: Callable[[str], None]) -> B
     sglang_name = lock.normalize("sglang")
     shutil.rmtree(ctx, ignore_errors=True)
     first, second = ctx / "runtime-base", ctx / "assemble"
-    inputs = first / "build-inputs"  # lands in /tmp/build-inputs: see images/Dockerfile
+    inputs = ctx / "build-inputs"  # mounted at /tmp/build-inputs: see images/install-venv.sh
     (inputs / "wheels").mkdir(parents=True)
+    first.mkdir(parents=True)
     (second / "requirements").mkdir(parents=True)
     log(f"fetch: {len(entries)} wheels of {flavor.lock_path.name}, by hash")
     wheelhouse = ctx / "fetched"
@@ -104,6 +108,7 @@ def prepare_context(plan: BuildPlan, ctx: Path, log: Callable[[str], None]) -> B
     (inputs / "deps.txt").write_text(requirement_lines(deps))
     (second / "requirements" / "sglang.txt").write_text(requirement_lines([by_name[sglang_name]]))
     shutil.copy2(DOCKERFILE, first / "Dockerfile")
+    shutil.copy2(INSTALL_VENV, inputs / INSTALL_VENV.name)
     shutil.copy2(ASSEMBLE_DOCKERFILE, second / "Dockerfile")
     # The image keeps the series and the stdlib-only applier (the same code as nox -s patches).
     image = second / "image"

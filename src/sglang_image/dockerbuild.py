@@ -22,6 +22,13 @@ from sglang_image.context import context_tar
 from sglang_image.errors import BuildError, PatchApplyError
 from sglang_image.plan import IMAGE_REPO, BuildPlan
 
+# The venv's step (images/install-venv.sh, run by install_venv) and its history entry.
+INSTALL_SCRIPT = "install-venv.sh"
+BUILD_INPUTS = normalize.BUILD_INPUTS
+INSTALL_STEP = ("sglang-image: python -m venv /opt/venv, pip install --no-index --require-hashes "
+                "--no-deps -r deps.txt: every locked wheel but SGLang's (images/install-venv.sh)")
+PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
 # Stages of the one-stage Dockerfile (before the runtime base and part 2) whose cache images an
 # engine may still hold tagged: each build removes them.
 LEGACY_CACHE_STAGES = ("deps", "sglang")
@@ -161,12 +168,12 @@ def _retag(client: DockerClient, image_id: str, tags: list[str]) -> None:
             _remove_quietly(client, previous)
 
 
-def runtime_base_key(ctx: Path, buildargs: dict[str, str], base_id: str) -> str:
-    """What part 1 is made of: its Dockerfile, the locked wheels (their hashes are in deps.txt),
-    its build arguments and the base image."""
+def runtime_base_key(ctx: Path, inputs: Path, buildargs: dict[str, str], base_id: str) -> str:
+    """What part 1 is made of: its Dockerfile, the install script, the locked wheels (their
+    hashes are in deps.txt), its build arguments and the base image."""
     digest = hashlib.sha256(json.dumps([buildargs, base_id], sort_keys=True).encode())
-    for name in ("Dockerfile", "build-inputs/deps.txt"):
-        digest.update((ctx / name).read_bytes())
+    for path in (ctx / "Dockerfile", inputs / INSTALL_SCRIPT, inputs / "deps.txt"):
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -177,11 +184,16 @@ def _remove_quietly(client: DockerClient, ref: str) -> None:
         pass  # in use (a container, a child image): the user's to remove
 
 
-def runtime_base(client: DockerClient, plan: BuildPlan, ctx: Path, *, buildargs: dict[str, str],
-                 console: Console, log: Callable[[str], None]) -> tuple[str, bytes]:
-    """Part 1, built and normalised once per key and kept tagged; returns (tag, its config)."""
+def runtime_base(client: DockerClient, plan: BuildPlan, ctx: Path, inputs: Path, *,
+                 buildargs: dict[str, str], console: Console,
+                 log: Callable[[str], None]) -> tuple[str, bytes]:
+    """Part 1, built and normalised once per key and kept tagged; returns (tag, its config).
+
+    images/Dockerfile makes the user and the container's settings (seconds); the venv is then
+    installed in a container of that image with the wheelhouse `inputs` mounted (install_venv)
+    and what it changed is loaded as the last layer."""
     opts, work, base = plan.options, plan.work, plan.base
-    key = runtime_base_key(ctx, buildargs, base.image_id)[:16]
+    key = runtime_base_key(ctx, inputs, buildargs, base.image_id)[:16]
     tag = f"{IMAGE_REPO}-runtime-base:{work.name}-{key}"
     config_file = opts.work_dir / "runtime-base" / f"{work.name}-{key}.json"
     if not opts.no_cache and config_file.exists():
@@ -191,22 +203,77 @@ def runtime_base(client: DockerClient, plan: BuildPlan, ctx: Path, *, buildargs:
                 return tag, config_file.read_bytes()
         except docker.errors.ImageNotFound:
             pass
-    size = sum(p.stat().st_size for p in ctx.rglob("*") if p.is_file())
-    log(f"runtime base: building {tag} ({size / 1e9:.2f} GB of context, network off)")
+    size = sum(p.stat().st_size for p in inputs.rglob("*") if p.is_file())
+    log(f"runtime base: building {tag} (a wheelhouse of {size / 1e9:.2f} GB, network off)")
     started = time.monotonic()
-    raw_id, stages = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
+    dockerfile_args = {k: v for k, v in buildargs.items() if k != "PYTHON_VERSION"}
+    raw_id, stages = run_build(client, ctx, buildargs=dockerfile_args, no_cache=opts.no_cache,
                                console=console, target="runtime-base")
-    log(f"runtime base: the Dockerfile's steps took {time.monotonic() - started:.0f} s")
-    normalize.normalize_image(client, raw_id, epoch=plan.epoch, tags=[tag],
-                              base_diff_ids=list(base.diff_ids), base_history=base.history, log=log,
-                              cache=opts.work_dir / "normalized-layers.json", config_out=config_file,
-                              drop=normalize.BUILD_INPUTS)
-    # The builder's images (with the wheelhouse and the venv) are gigabytes that only a rebuild of
-    # this very key would reuse: they go. So do earlier runtime bases of this flavor.
-    for image_id in [*stages.values(), raw_id]:
+    settings_file = config_file.with_suffix(".settings.json")
+    settings_id = normalize.normalize_image(
+        client, raw_id, epoch=plan.epoch, tags=[], base_diff_ids=list(base.diff_ids),
+        base_history=base.history, log=log, cache=opts.work_dir / "normalized-layers.json",
+        config_out=settings_file)
+    for image_id in [*stages.values(), raw_id]:  # the builder's: nothing reuses them
         _remove_quietly(client, image_id)
+    log(f"runtime base: the user and the settings took {time.monotonic() - started:.0f} s")
+    layer_file = config_file.with_suffix(".venv.tar")
+    try:
+        started = time.monotonic()
+        diff_id, layer_size = install_venv(client, settings_id, inputs, layer_file,
+                                           python_version=buildargs["PYTHON_VERSION"],
+                                           console=console, log=log)
+        log(f"runtime base: the venv ({layer_size / 1e9:.2f} GB) took "
+            f"{time.monotonic() - started:.0f} s")
+        config = normalize.with_layer(settings_file.read_bytes(), diff_id, INSTALL_STEP,
+                                      epoch=plan.epoch, base_history=base.history)
+        started = time.monotonic()
+        normalize.load_composed(client, config, {diff_id: layer_file}, [tag], log=log)
+        log(f"runtime base: loading it took {time.monotonic() - started:.0f} s")
+    finally:
+        layer_file.unlink(missing_ok=True)
+        settings_file.unlink(missing_ok=True)
+        _remove_quietly(client, settings_id)  # untagged; the runtime base holds its layers
+    config_file.write_bytes(config)
+    # Earlier runtime bases of this flavor are gigabytes nothing reads again.
     for image in client.images.list(name=f"{IMAGE_REPO}-runtime-base"):
         for old in image.tags:
             if old.startswith(f"{IMAGE_REPO}-runtime-base:{work.name}-") and old != tag:
                 _remove_quietly(client, old)
-    return tag, config_file.read_bytes()
+    return tag, config
+
+
+def install_venv(client: DockerClient, image_id: str, inputs: Path, dest: Path, *,
+                 python_version: str, console: Console,
+                 log: Callable[[str], None]) -> tuple[str, int]:
+    """Runs images/install-venv.sh as root in a container of `image_id` (network off, a clean
+    environment, `inputs` mounted read-only at /tmp/build-inputs) and writes what it changed,
+    the mount point left out, as a layer into `dest`; returns its diff ID and size."""
+    env = [f"PATH={PATH_ENV}", "HOME=/root", f"PYTHON_VERSION={python_version}"]
+    script = f"/{BUILD_INPUTS}/{INSTALL_SCRIPT}"
+    # Exit 3: the mount is empty (an engine on another machine sees no such folder).
+    run = f'test -f {script} || exit 3; exec /bin/sh {script}'
+    container = client.containers.create(
+        image_id, entrypoint=["/usr/bin/env", "-i", *env, "/bin/sh", "-c", run], command=[], user="0:0", working_dir="/", network_mode="none",
+        healthcheck={"test": ["NONE"]},
+        volumes={str(inputs.resolve()): {"bind": f"/{BUILD_INPUTS}", "mode": "ro"}})
+    try:
+        container.start()
+        tail: list[str] = []
+        for chunk in container.logs(stream=True, follow=True):
+            for line in chunk.decode(errors="replace").splitlines():
+                tail = (tail + [line])[-40:]
+                if line.strip():
+                    console.print(f"  {line}", highlight=False, markup=False)
+        status = int(container.wait()["StatusCode"])
+        if status == 3:
+            raise BuildError(f"the engine did not mount the wheelhouse {inputs}: the runtime base "
+                             "is installed from a folder of this machine, so the engine must run "
+                             "here (unset DOCKER_HOST, or let the build start its own engine)")
+        if status != 0:
+            raise BuildError(f"installing the venv failed (exit {status}); last lines:\n"
+                             + "\n".join(tail))
+        return normalize.container_layer(client, str(container.id), dest,
+                                         drop=normalize.BUILD_INPUTS, log=log)
+    finally:
+        container.remove(force=True)

@@ -18,6 +18,9 @@ Two streaming passes, no copy on disk: pass 1 computes each rewritten layer's sh
 engine. Layers whose rewritten chain is already in the engine are left out of the archive: the
 engine's loader skips a layer whose chain it has, so a patch-only rebuild loads one small layer.
 Both passes of a cold build read gigabytes for minutes: each says how far it got (progress.py).
+
+The runtime base's venv (gigabytes) goes through neither pass: container_layer cuts it from the
+export of the container that installed it, into a file, and load_composed loads it on top.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import re
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -117,36 +120,36 @@ class _Sink:
         return "sha256:" + self.sha.hexdigest()
 
 
-# Where a Dockerfile of ours puts what only its build needs (the wheelhouse): the layer that adds
-# it and the removal of it from a later layer are left out of the image.
+# Where the build mounts what only its build needs (the wheelhouse of the runtime base's venv):
+# the mount point, and anything under it, is left out of the layer (container_layer).
 BUILD_INPUTS = "tmp/build-inputs"
 
 
 def is_build_input(name: str, drop: str = BUILD_INPUTS) -> bool:
-    """An entry under `drop`, `drop` itself, or the whiteout that removes it."""
-    name = name.removeprefix("./").rstrip("/")
-    parent, _, leaf = drop.rpartition("/")
-    return (name == drop or name.startswith(drop + "/")
-            or name == (f"{parent}/.wh.{leaf}" if parent else f".wh.{leaf}"))
+    """`drop` itself or an entry under it."""
+    name = _path(name)
+    return name == drop or name.startswith(drop + "/")
 
 
 def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH,
-                  drop: str | None = None) -> bool:
+                  drop: str | None = None, only: Container[str] | None = None) -> None:
     """Copies a layer tar entry by entry, every mtime set to `epoch`, atime/ctime and owner
-    names dropped; with `drop`, the build inputs under it left out (is_build_input). Returns
-    whether the layer held nothing but build inputs and their parent folders.
+    names dropped; with `drop`, the build inputs under it left out (is_build_input); with
+    `only`, every entry whose path (no leading ./ or trailing /) is not in it left out.
 
     Set, not clamped: a layer reused from the build cache must not depend on when the cache
     was filled."""
-    parents = {p for p in _parents(drop)} if drop else set()
-    only_inputs = True
     with tarfile.open(fileobj=src, mode="r|") as tin, \
             tarfile.open(fileobj=dst, mode="w|", format=tarfile.PAX_FORMAT) as tout:
         for info in tin:
             if drop and is_build_input(info.name, drop):
                 continue
-            if not (info.isdir() and info.name.removeprefix("./").rstrip("/") in parents):
-                only_inputs = False
+            if only is not None:
+                if _path(info.name) not in only:
+                    continue
+                if info.islnk() and _path(info.linkname) not in only:
+                    raise BuildError(f"{info.name} is a hard link to {info.linkname}, which the "
+                                     "layer does not hold: the step changed one name of a linked file")
             info.mtime = epoch
             # Owner names: Engine 20.10 writes them, Engine 25+ leaves them empty; the numeric
             # IDs are what a container sees.
@@ -154,12 +157,10 @@ def rewrite_layer(src: IO[bytes], dst: Any, epoch: int = LAYER_EPOCH,
             info.pax_headers = {k: v for k, v in info.pax_headers.items()
                                 if k not in ("mtime", "atime", "ctime", "uname", "gname")}
             tout.addfile(info, tin.extractfile(info) if info.isreg() else None)
-    return bool(drop) and only_inputs
 
 
-def _parents(path: str | None) -> list[str]:
-    parts = (path or "").split("/")
-    return ["/".join(parts[:i]) for i in range(1, len(parts))]
+def _path(name: str) -> str:
+    return name.removeprefix("./").strip("/")
 
 
 @dataclass
@@ -168,7 +169,6 @@ class _Layer:
     new: str  # diff ID after the rewrite
     size: int  # size of the rewritten tar
     passthrough: bool
-    dropped: bool = False  # build inputs only: not part of the image
 
 
 def _export(client: DockerClient, image_id: str,
@@ -180,7 +180,7 @@ def _export(client: DockerClient, image_id: str,
 
 
 def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int,
-          known: dict[str, list[Any]] | None = None, drop: str | None = None,
+          known: dict[str, list[Any]] | None = None,
           log: Callable[[str], None] | None = None
           ) -> tuple[dict[str, _Layer], dict[str, Any], list[dict[str, Any]]]:
     """Pass 1: every layer's rewritten diff ID and size, keyed by its member in the export.
@@ -208,18 +208,18 @@ def _scan(client: DockerClient, image_id: str, keep: set[str], epoch: int,
                 bool(blob and f"sha256:{blob}" in raw_diff_ids)
             if blob and is_layer and known and f"sha256:{blob}" in known:
                 # rewritten before (the cache is keyed by the layer's own digest): no rewrite
-                new, size, *rest = known[f"sha256:{blob}"]  # [new, size, dropped]
+                new, size, *_ = known[f"sha256:{blob}"]  # [new, size]
                 raw = f"sha256:{blob}"
-                layers[member.name] = _Layer(raw, new, int(size), raw == new, bool(rest and rest[0]))
+                layers[member.name] = _Layer(raw, new, int(size), raw == new)
             elif is_layer:
                 reader = _HashingReader(fh)
                 sink = _Sink()
-                only_inputs = rewrite_layer(reader, sink, drop=drop)  # type: ignore[arg-type]
+                rewrite_layer(reader, sink)  # type: ignore[arg-type]
                 raw = reader.drain()
                 if raw in keep:
                     layers[member.name] = _Layer(raw, raw, member.size, True)
                 else:
-                    layers[member.name] = _Layer(raw, sink.digest(), sink.size, False, only_inputs)
+                    layers[member.name] = _Layer(raw, sink.digest(), sink.size, False)
             elif member.name == "manifest.json":
                 manifest = json.loads(fh.read())
             elif member.name in (f"{config_hex}.json", f"blobs/sha256/{config_hex}"):
@@ -328,8 +328,7 @@ def _present_chains(client: DockerClient) -> set[tuple[str, ...]]:
 def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: list[str],
                     base_diff_ids: list[str], labels: dict[str, str] | None = None,
                     base_history: int = 0, log: Callable[[str], None] = print,
-                    cache: Path | None = None, config_out: Path | None = None,
-                    drop: str | None = None) -> str:
+                    cache: Path | None = None, config_out: Path | None = None) -> str:
     """Rewrites `image_id` as described above, loads it tagged `tags`; returns the new image ID.
 
     `cache`: a JSON file of {raw diff ID: [rewritten diff ID, size]}; a layer found there is not
@@ -340,22 +339,15 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
     known = json.loads(cache.read_text()) if cache and cache.exists() else {}
     log("normalise: pass 1/2, hashing rewritten layers")
     started = time.monotonic()
-    layers, config, manifest = _scan(client, image_id, keep, epoch, known, drop, log)
+    layers, config, manifest = _scan(client, image_id, keep, epoch, known, log)
     log(f"normalise: pass 1/2 took {time.monotonic() - started:.0f} s")
     if cache is not None:
-        known.update({layer.raw: [layer.new, layer.size, layer.dropped] for layer in layers.values()
+        known.update({layer.raw: [layer.new, layer.size] for layer in layers.values()
                       if not layer.passthrough})
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(known, indent=0, sort_keys=True) + "\n")
     folder_of = {layers[m].raw: m for m in manifest[0]["Layers"]}
-    all_raw_ids: list[str] = config["rootfs"]["diff_ids"]
-    dropped = [layers[folder_of[raw]].dropped for raw in all_raw_ids]
-    if any(dropped):  # the history entry of a layer left out is marked empty, as for ENV steps
-        with_layer = iter(dropped)
-        config = {**config, "history": [
-            {**h, "empty_layer": True} if not h.get("empty_layer") and next(with_layer) else h
-            for h in config.get("history", [])]}
-    raw_ids = [raw for raw, gone in zip(all_raw_ids, dropped) if not gone]
+    raw_ids: list[str] = config["rootfs"]["diff_ids"]
     new_ids = [layers[folder_of[raw]].new for raw in raw_ids]
     config_bytes = normalized_config(config, new_ids, epoch, labels, base_history)
     if config_out is not None:
@@ -386,7 +378,7 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
                     while block := fh.read(CHUNK):
                         sink.write(block)
                 else:
-                    rewrite_layer(fh, sink, drop=drop)
+                    rewrite_layer(fh, sink)
                 if sink.digest() != layer.new or sink.size != layer.size:
                     raise BuildError(f"layer {member.name} rewrote differently twice "
                                      "(non-deterministic export?)")
@@ -443,10 +435,47 @@ def export_layer(client: DockerClient, image_id: str, dest: Path) -> tuple[str, 
     raise BuildError(f"the export of {image_id} holds no layer")
 
 
+def container_layer(client: DockerClient, container_id: str, dest: Path,
+                    drop: str | None = None, log: Callable[[str], None] | None = None
+                    ) -> tuple[str, int]:
+    """What a stopped container changed in its image's file system, as a layer rewritten like
+    every layer of ours, into the file `dest`; returns its diff ID and size.
+
+    The engine's own diff names the changed paths and its export streams the container's file
+    system, which is read once and cut down to them. No commit (the engine would copy the layer)
+    and no save (Engine 20.10 writes a whole image to a temp folder before it streams a byte)."""
+    changes = client.api.diff(container_id) or []
+    removed = sorted(str(c["Path"]) for c in changes if c["Kind"] == 2)
+    if removed:
+        raise BuildError(f"the step removed {len(removed)} path(s) of its image "
+                         f"({', '.join(removed[:3])}): a layer cut from an export cannot hold a "
+                         "removal; leave the image's files in place")
+    changed = {_path(str(c["Path"])) for c in changes}
+    chunks: Iterator[bytes] = iter(client.api.export(container_id, chunk_size=CHUNK))
+    if log is not None:
+        listed = client.api.containers(all=True, size=True, filters={"id": container_id})
+        total = int(listed[0].get("SizeRootFs") or 0) if listed else 0
+        chunks = _counted(chunks, Progress(log, "layer: read the container's file system", total))
+    with dest.open("wb") as out:
+        sink = _Sink(out.write)
+        rewrite_layer(io.BufferedReader(_ChunkReader(chunks), CHUNK), sink, drop=drop, only=changed)
+    return sink.digest(), sink.size
+
+
+def with_layer(config_bytes: bytes, diff_id: str, step: str, *, epoch: int, base_history: int,
+               labels: dict[str, str] | None = None) -> bytes:
+    """An image config with one layer more on top (its history entry `step`), normalised like
+    every config of ours, `labels` added."""
+    config = json.loads(config_bytes)
+    config["history"] = [*config.get("history", []), {"created_by": step}]
+    diff_ids = [*config["rootfs"]["diff_ids"], diff_id]
+    return normalized_config(config, diff_ids, epoch, labels, base_history)
+
+
 def load_composed(client: DockerClient, config_bytes: bytes, new_layers: dict[str, Path],
-                  tags: list[str]) -> str:
+                  tags: list[str], log: Callable[[str], None] | None = None) -> str:
     """Loads the image of `config_bytes` whose layers are in the engine already, except those in
-    `new_layers` (diff ID -> layer tar); returns its ID."""
+    `new_layers` (diff ID -> layer tar); returns its ID. With `log`, says how far it got."""
     diff_ids: list[str] = json.loads(config_bytes)["rootfs"]["diff_ids"]
     present = _present_chains(client)
     missing = [d for i, d in enumerate(diff_ids) if tuple(diff_ids[: i + 1]) not in present
@@ -455,6 +484,9 @@ def load_composed(client: DockerClient, config_bytes: bytes, new_layers: dict[st
         raise BuildError(f"cannot load the image: layers {missing} are neither in the engine "
                          "nor given")
 
+    progress = None if log is None else Progress(
+        log, "load", sum(path.stat().st_size for path in new_layers.values()))
+
     def put_layers(put: Callable[[bytes], None]) -> None:
         for diff_id, path in new_layers.items():
             size = path.stat().st_size
@@ -462,6 +494,8 @@ def load_composed(client: DockerClient, config_bytes: bytes, new_layers: dict[st
             with path.open("rb") as fh:
                 while block := fh.read(CHUNK):
                     put(block)
+                    if progress is not None:
+                        progress.add(len(block))
             put(b"\0" * (-size % BLOCK))
 
     return _load(client, config_bytes, put_layers, tags)
