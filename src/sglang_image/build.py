@@ -106,9 +106,10 @@ def build(flavor: Flavor, options: BuildOptions, console: Console | None = None,
     build_labels = labels(flavor, epoch=epoch, base_name=base.name, base_digest=base.digest,
                           patches=list(context.patches), light=options.light,
                           plugin_wheel=context.plugin)
-    base_args = {"BASE_IMAGE": base.ref, "PYTHON_VERSION": flavor.python_version,
+    base_args = {"BASE_IMAGE": base.ref,
                  "CUDA_HOME": context.cuda_home, "TORCH_CUDA_ARCH_LIST": flavor.cuda_arch_list}
-    key = build_key(ctx, {**base_args, "SOURCE_DATE_EPOCH": str(epoch)}, base.image_id, build_labels)
+    key = build_key(ctx, {**base_args, "PYTHON_VERSION": flavor.python_version,
+                          "SOURCE_DATE_EPOCH": str(epoch)}, base.image_id, build_labels)
     phases.done("fetch wheels")
     index = work / "built.json"
     raw_id = ""

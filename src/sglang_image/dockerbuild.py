@@ -18,16 +18,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from sglang_image import normalize
-from sglang_image.context import context_tar
+from sglang_image.base import PATH_ENV
+from sglang_image.context import INSTALL_VENV, context_tar
 from sglang_image.errors import BuildError, PatchApplyError
 from sglang_image.plan import IMAGE_REPO, BuildPlan
 
-# The venv's step (images/install-venv.sh, run by install_venv) and its history entry.
-INSTALL_SCRIPT = "install-venv.sh"
-BUILD_INPUTS = normalize.BUILD_INPUTS
+# The history entry of the venv's layer (images/install-venv.sh, run by install_venv).
 INSTALL_STEP = ("sglang-image: python -m venv /opt/venv, pip install --no-index --require-hashes "
                 "--no-deps -r deps.txt: every locked wheel but SGLang's (images/install-venv.sh)")
-PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # Stages of the one-stage Dockerfile (before the runtime base and part 2) whose cache images an
 # engine may still hold tagged: each build removes them.
@@ -168,11 +166,14 @@ def _retag(client: DockerClient, image_id: str, tags: list[str]) -> None:
             _remove_quietly(client, previous)
 
 
-def runtime_base_key(ctx: Path, inputs: Path, buildargs: dict[str, str], base_id: str) -> str:
+def runtime_base_key(ctx: Path, inputs: Path, buildargs: dict[str, str], python_version: str,
+                     base_id: str) -> str:
     """What part 1 is made of: its Dockerfile, the install script, the locked wheels (their
-    hashes are in deps.txt), its build arguments and the base image."""
-    digest = hashlib.sha256(json.dumps([buildargs, base_id], sort_keys=True).encode())
-    for path in (ctx / "Dockerfile", inputs / INSTALL_SCRIPT, inputs / "deps.txt"):
+    hashes are in deps.txt), its build arguments, the Python the venv is made with and the base
+    image."""
+    digest = hashlib.sha256(json.dumps([buildargs, python_version, base_id],
+                                       sort_keys=True).encode())
+    for path in (ctx / "Dockerfile", inputs / INSTALL_VENV.name, inputs / "deps.txt"):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -193,7 +194,8 @@ def runtime_base(client: DockerClient, plan: BuildPlan, ctx: Path, inputs: Path,
     installed in a container of that image with the wheelhouse `inputs` mounted (install_venv)
     and what it changed is loaded as the last layer."""
     opts, work, base = plan.options, plan.work, plan.base
-    key = runtime_base_key(ctx, inputs, buildargs, base.image_id)[:16]
+    python_version = plan.flavor.python_version
+    key = runtime_base_key(ctx, inputs, buildargs, python_version, base.image_id)[:16]
     tag = f"{IMAGE_REPO}-runtime-base:{work.name}-{key}"
     config_file = opts.work_dir / "runtime-base" / f"{work.name}-{key}.json"
     if not opts.no_cache and config_file.exists():
@@ -206,33 +208,30 @@ def runtime_base(client: DockerClient, plan: BuildPlan, ctx: Path, inputs: Path,
     size = sum(p.stat().st_size for p in inputs.rglob("*") if p.is_file())
     log(f"runtime base: building {tag} (a wheelhouse of {size / 1e9:.2f} GB, network off)")
     started = time.monotonic()
-    dockerfile_args = {k: v for k, v in buildargs.items() if k != "PYTHON_VERSION"}
-    raw_id, stages = run_build(client, ctx, buildargs=dockerfile_args, no_cache=opts.no_cache,
+    raw_id, stages = run_build(client, ctx, buildargs=buildargs, no_cache=opts.no_cache,
                                console=console, target="runtime-base")
-    settings_file = config_file.with_suffix(".settings.json")
-    settings_id = normalize.normalize_image(
+    settings_id, settings_config = normalize.normalize_image(
         client, raw_id, epoch=plan.epoch, tags=[], base_diff_ids=list(base.diff_ids),
-        base_history=base.history, log=log, cache=opts.work_dir / "normalized-layers.json",
-        config_out=settings_file)
+        base_history=base.history, log=log, cache=opts.work_dir / "normalized-layers.json")
     for image_id in [*stages.values(), raw_id]:  # the builder's: nothing reuses them
         _remove_quietly(client, image_id)
     log(f"runtime base: the user and the settings took {time.monotonic() - started:.0f} s")
     layer_file = config_file.with_suffix(".venv.tar")
+    layer_file.parent.mkdir(parents=True, exist_ok=True)
     try:
         started = time.monotonic()
         diff_id, layer_size = install_venv(client, settings_id, inputs, layer_file,
-                                           python_version=buildargs["PYTHON_VERSION"],
+                                           python_version=python_version,
                                            console=console, log=log)
         log(f"runtime base: the venv ({layer_size / 1e9:.2f} GB) took "
             f"{time.monotonic() - started:.0f} s")
-        config = normalize.with_layer(settings_file.read_bytes(), diff_id, INSTALL_STEP,
+        config = normalize.with_layer(settings_config, diff_id, INSTALL_STEP,
                                       epoch=plan.epoch, base_history=base.history)
         started = time.monotonic()
         normalize.load_composed(client, config, {diff_id: layer_file}, [tag], log=log)
         log(f"runtime base: loading it took {time.monotonic() - started:.0f} s")
     finally:
         layer_file.unlink(missing_ok=True)
-        settings_file.unlink(missing_ok=True)
         _remove_quietly(client, settings_id)  # untagged; the runtime base holds its layers
     config_file.write_bytes(config)
     # Earlier runtime bases of this flavor are gigabytes nothing reads again.
@@ -249,14 +248,15 @@ def install_venv(client: DockerClient, image_id: str, inputs: Path, dest: Path, 
     """Runs images/install-venv.sh as root in a container of `image_id` (network off, a clean
     environment, `inputs` mounted read-only at /tmp/build-inputs) and writes what it changed,
     the mount point left out, as a layer into `dest`; returns its diff ID and size."""
-    env = [f"PATH={PATH_ENV}", "HOME=/root", f"PYTHON_VERSION={python_version}"]
-    script = f"/{BUILD_INPUTS}/{INSTALL_SCRIPT}"
+    env = [PATH_ENV, "HOME=/root", f"PYTHON_VERSION={python_version}"]
+    mount = f"/{normalize.BUILD_INPUTS}"
+    script = f"{mount}/{INSTALL_VENV.name}"
     # Exit 3: the mount is empty (an engine on another machine sees no such folder).
-    run = f'test -f {script} || exit 3; exec /bin/sh {script}'
+    run = f"test -f {script} || exit 3; exec /bin/sh {script}"
     container = client.containers.create(
-        image_id, entrypoint=["/usr/bin/env", "-i", *env, "/bin/sh", "-c", run], command=[], user="0:0", working_dir="/", network_mode="none",
-        healthcheck={"test": ["NONE"]},
-        volumes={str(inputs.resolve()): {"bind": f"/{BUILD_INPUTS}", "mode": "ro"}})
+        image_id, entrypoint=["/usr/bin/env", "-i", *env, "/bin/sh", "-c", run], command=[],
+        user="0:0", working_dir="/", network_mode="none", healthcheck={"test": ["NONE"]},
+        volumes={str(inputs.resolve()): {"bind": mount, "mode": "ro"}})
     try:
         container.start()
         tail: list[str] = []

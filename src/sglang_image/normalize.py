@@ -328,13 +328,13 @@ def _present_chains(client: DockerClient) -> set[tuple[str, ...]]:
 def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: list[str],
                     base_diff_ids: list[str], labels: dict[str, str] | None = None,
                     base_history: int = 0, log: Callable[[str], None] = print,
-                    cache: Path | None = None, config_out: Path | None = None) -> str:
-    """Rewrites `image_id` as described above, loads it tagged `tags`; returns the new image ID.
+                    cache: Path | None = None) -> tuple[str, bytes]:
+    """Rewrites `image_id` as described above, loads it tagged `tags`; returns the new image ID
+    and its config (for a layer composed on top without exporting the image again).
 
     `cache`: a JSON file of {raw diff ID: [rewritten diff ID, size]}; a layer found there is not
     rewritten in pass 1 (OCI layout only: there a layer's name is its raw diff ID before it is
-    read; in the legacy layout its digest is known only after reading it). `config_out`: where to
-    keep the new image's config (compose() builds on it without exporting the image again)."""
+    read; in the legacy layout its digest is known only after reading it)."""
     keep = set(base_diff_ids)
     known = json.loads(cache.read_text()) if cache and cache.exists() else {}
     log("normalise: pass 1/2, hashing rewritten layers")
@@ -350,9 +350,6 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
     raw_ids: list[str] = config["rootfs"]["diff_ids"]
     new_ids = [layers[folder_of[raw]].new for raw in raw_ids]
     config_bytes = normalized_config(config, new_ids, epoch, labels, base_history)
-    if config_out is not None:
-        config_out.parent.mkdir(parents=True, exist_ok=True)
-        config_out.write_bytes(config_bytes)
     present = _present_chains(client)
     needed = {folder_of[raw] for i, raw in enumerate(raw_ids)
               if tuple(new_ids[: i + 1]) not in present}
@@ -387,7 +384,7 @@ def normalize_image(client: DockerClient, image_id: str, *, epoch: int, tags: li
     started = time.monotonic()
     new_id = _load(client, config_bytes, put_layers, tags)
     log(f"normalise: pass 2/2 took {time.monotonic() - started:.0f} s")
-    return new_id
+    return new_id, config_bytes
 
 
 def _load(client: DockerClient, config_bytes: bytes,
