@@ -1535,6 +1535,47 @@ def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(r
     assert out["off"] == [[[0, 0, 0]] * 3, [-1, -1, -1]]
 
 
+def test_deferred_draft_kv_forgets_and_flushes_without_a_host_value(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # Host time per plain step (issue 41; py-spy of the 8B-shaped threshold server at 256
+    # requests: 0.24 ms a step in forget alone): `pos[rows] = -1` on a GPU tensor makes -1 a
+    # host tensor that the index_put copies to the device, a blocking copy that waits for every
+    # forward queued before it, at every prefill. The forget (each prefill) and the flush (the
+    # catch-up step) pass no host value to an indexed write; their books stay the same.
+    out = _probe(run_in_tree, tree, plugin_site, EAGLE3_DRAFT, """
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from sglang_image_plugin.deferred_kv import DeferredDraftKv
+
+        class HostValues(TorchDispatchMode):  # indexed writes given a 0-dim (host scalar) value
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket.__name__)
+                if name.startswith("index_put") and any(
+                        isinstance(a, torch.Tensor) and a.dim() == 0 for a in args):
+                    self.seen.append(name)
+                return func(*args, **(kwargs or {}))
+
+        model = make_draft()
+        rows = torch.tensor([3, 5, 7])
+        with torch.no_grad():
+            d = DeferredDraftKv(model, RecordingPool(), rows=16, hidden_size=3 * TARGET,
+                                dtype=torch.float32, device="cpu")
+            d.step(rows, torch.tensor([1, 2, 3]), torch.tensor([10, 20, 30]), torch.randn(3, 3 * TARGET),
+                   torch.tensor([100, 200, 300]))
+            with HostValues() as forget_mode:
+                d.forget(torch.tensor([5], dtype=torch.int32))
+            after_forget = d.pos[rows].tolist()
+            with HostValues() as flush_mode:
+                d.flush(rows, torch.tensor([4, 5, 6]), torch.tensor([11, 21, 31]))
+            after_flush = d.pos[rows].tolist()
+        emit({"forget": forget_mode.seen, "flush": flush_mode.seen,
+              "after_forget": after_forget, "after_flush": after_flush})
+    """)
+    assert out["forget"] == [] and out["flush"] == [], out
+    assert out["after_forget"] == [10, -1, 30] and out["after_flush"] == [-1, -1, -1]
+
+
 def test_deferred_step_never_ropes_a_position_before_the_first(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # What crashed the server at start with the 1B-shaped models: the graph capture runs the deferred
     # step on dummy rows (row 0, position 0, slot 0) with nothing pending (-1), and -1 == 0 - 1 read

@@ -82,14 +82,16 @@ class DeferredDraftKv:
         if not self.pending:
             return
         rows = self._write_pending(rows, tokens, positions)
-        self.pos[rows] = -1
+        self.pos.index_fill_(0, rows, -1)  # a scalar kernel argument: see forget
         self.pending = False
 
     def forget(self, rows: Any) -> None:
         """A prefill: these rows hold new requests."""
         import torch
 
-        self.pos[rows.to(torch.int64)] = -1
+        # index_fill_ passes -1 to the kernel; `pos[rows] = -1` would copy it from the host
+        # first, a blocking copy that waits for every queued forward (one per prefill)
+        self.pos.index_fill_(0, rows.to(torch.int64), -1)
 
     def reset(self) -> None:
         """After graph capture (its runs fed dummy rows)."""
