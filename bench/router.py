@@ -47,7 +47,10 @@ class RouterOptions:
     requests_per_client: int = 3
     output_len: int = 128
     kill_level: int = 4  # the level (index) during which a server is killed; -1: none
-    kill_after_s: float = 3.0  # ... this long into it, requests in flight on it
+    # ... once this many requests run on it (a fixed delay met a drained server on a fast GPU),
+    # waiting at most kill_wait_s for them
+    kill_when_running: int = 4
+    kill_wait_s: float = 30.0
     port: int = 31000
     mem_share: float = 0.85
     health_timeout: float = 480
@@ -181,6 +184,14 @@ def run_level(base: str, prompts: list[list[Prompt]], timeout: float,
     return [r for rs in results for r in rs], time.time() - t0
 
 
+def running_on(srv: Server) -> int | None:
+    """The requests running on a server now (None: it does not answer)."""
+    try:
+        return int(client.load(srv.base).get("num_running_reqs") or 0)
+    except client.HTTPFailure:
+        return None
+
+
 def kill_group(srv: Server) -> None:
     """The server's whole process group at once (SIGKILL): a crash, not a shutdown."""
     if srv.pgid is not None:
@@ -254,14 +265,19 @@ def load_through(router: RouterProcess, servers: dict[str, Server], opts: Router
                     for j in range(opts.requests_per_client)] for i in range(c)]
         before = {w: speculation(servers[w].base) for w in WORKERS}
         def kill(level: int = k, clients: int = c) -> None:
-            time.sleep(opts.kill_after_s)
-            try:
-                in_flight = client.load(victim.base).get("num_running_reqs")
-            except client.HTTPFailure:
-                in_flight = None
+            t0 = time.time()
+            in_flight = running_on(victim)
+            while (in_flight or 0) < opts.kill_when_running and time.time() - t0 < opts.kill_wait_s:
+                time.sleep(0.02)
+                in_flight = running_on(victim)
             kill_group(victim)
             rep["killed"] = {"server": victim.cfg.name, "level": level, "clients": clients,
-                             "after_s": opts.kill_after_s, "running_on_it": in_flight}
+                             "after_s": round(time.time() - t0, 2), "running_on_it": in_flight}
+            if (in_flight or 0) < opts.kill_when_running:
+                rep["failures"].append(
+                    f"the kill of {victim.cfg.name} met {in_flight} requests in flight on it (wanted "
+                    f">= {opts.kill_when_running} within {opts.kill_wait_s:.0f} s): no request could "
+                    "be lost, so the run proves nothing about it; give the kill level more clients")
 
         results, seconds = run_level(router.base, prompts, opts.deadline.request_timeout(300),
                                      kill if k == opts.kill_level else None)
