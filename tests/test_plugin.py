@@ -968,6 +968,48 @@ def test_draft_kv_only_write_equals_the_full_forward(run_in_tree, tree, plugin_s
     assert out["rejection"] == "rejection sampling carries the draft's probabilities between steps"
 
 
+def test_draft_kv_only_write_projects_k_and_v_alone(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # GPU time per plain step (issue 41; profile of the 8B-shaped threshold server: the plain
+    # step's K/V projection GEMM 0.03 ms of its 0.16 ms over plain's): an unquantized fused QKV
+    # projection runs its K/V rows alone, and the K/V written are the full projection's. A
+    # quantized one (another linear method) runs whole.
+    out = _probe(run_in_tree, tree, plugin_site, EAGLE3_DRAFT, """
+        from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+        from sglang_image_plugin import draft_kv
+
+        class FusedQKV(nn.Module):  # sglang's QKVParallelLinear on one rank: [Q; K; V] weight rows
+            def __init__(self, weight, method):
+                super().__init__()
+                self.weight, self.bias, self.skip_bias_add = nn.Parameter(weight), None, False
+                self.quant_method, self.calls = method, 0
+            def forward(self, x):
+                self.calls += 1
+                return torch.nn.functional.linear(x, self.weight), None
+
+        class OtherMethod:  # a quantized linear's method
+            pass
+
+        model = make_draft()
+        attn = model.layers[0].self_attn
+        weight = attn.qkv_proj.lin.weight.detach().clone()
+        res = {}
+        with torch.no_grad():
+            for name, method in (("unquantized", UnquantizedLinearMethod()), ("quantized", OtherMethod())):
+                attn.qkv_proj = FusedQKV(weight, method)
+                k_full, v_full = full_forward_kv(model, TOKENS, POSITIONS, TARGET_HIDDEN)
+                full_calls = attn.qkv_proj.calls
+                pool = RecordingPool()
+                draft_kv.write_draft_kv(model, TOKENS, POSITIONS, TARGET_HIDDEN, SLOTS, pool)
+                (_, _, k, v, _, _), = pool.writes
+                res[name] = {"projection_calls": attn.qkv_proj.calls - full_calls,
+                             "k": torch.allclose(k, k_full, rtol=1e-6, atol=1e-6),
+                             "v": torch.allclose(v, v_full, rtol=1e-6, atol=1e-6)}
+        emit(res)
+    """)
+    assert out["unquantized"] == {"projection_calls": 0, "k": True, "v": True}, out
+    assert out["quantized"] == {"projection_calls": 1, "k": True, "v": True}, out
+
+
 def test_plain_step_writes_draft_kv_only_except_catch_up_speculative_and_idle(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # The hook around EagleDraftWorker._draft_extend_for_decode: a plain (zero-step) step of a
     # worker set up for decode-kv writes the draft's K/V of the token it sampled, at the slot its

@@ -73,8 +73,16 @@ def write_draft_kv(model: Any, tokens: Any, positions: Any, target_hidden: Any, 
                                dim=-1)
         hidden = model.fc(hidden)
     hidden = layer.hidden_norm(hidden)
-    qkv, _ = attn.qkv_proj(torch.cat([embeds, hidden], dim=-1))
-    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    x = torch.cat([embeds, hidden], dim=-1)
+    kv_weight = kv_rows(attn)
+    if kv_weight is None:
+        qkv, _ = attn.qkv_proj(x)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    else:
+        # K and V alone: the projection's K/V rows (two thirds of its FLOPs and weight reads are
+        # Q's, which no K/V-only write reads)
+        k, v = torch.nn.functional.linear(x, *kv_weight).split([attn.kv_size, attn.kv_size], dim=-1)
+        q = torch.empty_like(k)  # the rope rotates a query in place too: a scratch one, unread
     _, k = attn.rotary_emb(positions, q, k)
     radix = attn.attn
     pool.set_kv_buffer(
@@ -85,6 +93,27 @@ def write_draft_kv(model: Any, tokens: Any, positions: Any, target_hidden: Any, 
         radix.k_scale,
         radix.v_scale,
     )
+
+
+def kv_rows(attn: Any) -> tuple[Any, Any] | None:
+    """The K/V rows of the attention's fused QKV projection (weight, bias), where it is an
+    unquantized linear whose weight holds [Q; K; V] row blocks (this rank's shard); None
+    elsewhere (the full projection then runs and Q is dropped)."""
+    proj = attn.qkv_proj
+    method = getattr(proj, "quant_method", None)
+    weight = getattr(proj, "weight", None)
+    if (
+        type(method).__name__ != "UnquantizedLinearMethod"
+        or getattr(proj, "use_intel_amx_backend", False)  # a packed weight: rows are not rows
+        or weight is None
+        or weight.dim() != 2
+        or weight.shape[0] != attn.q_size + 2 * attn.kv_size
+    ):
+        return None
+    rows = slice(attn.q_size, attn.q_size + 2 * attn.kv_size)
+    bias = getattr(proj, "bias", None)
+    return weight[rows], (bias[rows] if bias is not None and not getattr(proj, "skip_bias_add", False)
+                          else None)
 
 
 def draft_extend_for_decode(original: Callable[..., Any], draft_worker: Any, batch: Any,
