@@ -70,9 +70,12 @@ def test_a_server_killed_mid_load_costs_no_request_and_each_crosses_its_threshol
     # the kill met requests in flight on the killed server, and the router answered them elsewhere
     assert rep["killed"]["server"] == "worker-1" and rep["killed"]["running_on_it"] >= 2
     assert rep["levels"][3]["steps"]["worker-1"] is None  # gone after the kill
-    # 2 and 8 clients over two servers: at most 4 each (speculative); 24: about 12 each (plain)
+    # 2 clients: speculative steps, never a plain one (the router may send both to one server;
+    # each server's speculating at some level is the run's own check, failures == [] above);
+    # 24 clients over two servers: about 12 each, plain steps on both
+    assert sum(rep["levels"][0]["steps"][w]["speculative"] for w in router.WORKERS) > 0
     for w in router.WORKERS:
-        assert rep["levels"][0]["steps"][w]["plain"] == 0 < rep["levels"][0]["steps"][w]["speculative"]
+        assert rep["levels"][0]["steps"][w]["plain"] == 0
         assert rep["levels"][1]["steps"][w]["plain"] > 0
     # the router ran with the flags deploy/ renders, on loopback
     flags = rep["router_flags"]
