@@ -192,6 +192,16 @@ def running_on(srv: Server) -> int | None:
         return None
 
 
+def wait_for_running(srv: Server, count: int, timeout: float) -> int | None:
+    """Polls the server until `count` requests run on it or `timeout` passes; the last count."""
+    end = time.time() + timeout
+    while True:
+        running = running_on(srv)
+        if (running or 0) >= count or time.time() >= end:
+            return running
+        time.sleep(0.02)
+
+
 def kill_group(srv: Server) -> None:
     """The server's whole process group at once (SIGKILL): a crash, not a shutdown."""
     if srv.pgid is not None:
@@ -266,10 +276,7 @@ def load_through(router: RouterProcess, servers: dict[str, Server], opts: Router
         before = {w: speculation(servers[w].base) for w in WORKERS}
         def kill(level: int = k, clients: int = c) -> None:
             t0 = time.time()
-            in_flight = running_on(victim)
-            while (in_flight or 0) < opts.kill_when_running and time.time() - t0 < opts.kill_wait_s:
-                time.sleep(0.02)
-                in_flight = running_on(victim)
+            in_flight = wait_for_running(victim, opts.kill_when_running, opts.kill_wait_s)
             kill_group(victim)
             rep["killed"] = {"server": victim.cfg.name, "level": level, "clients": clients,
                              "after_s": round(time.time() - t0, 2), "running_on_it": in_flight}

@@ -81,12 +81,11 @@ class DeferredDraftKv:
         speculative-layout plain step): the pending K/V before `positions`, then none pending."""
         if not self.pending:
             return
-        rows = self._write_pending(rows, tokens, positions)
-        self.pos.index_fill_(0, rows, -1)  # a scalar kernel argument: see forget
+        self.forget(self._write_pending(rows, tokens, positions))
         self.pending = False
 
     def forget(self, rows: Any) -> None:
-        """A prefill: these rows hold new requests."""
+        """Nothing pending for these rows (at a prefill: they hold new requests)."""
         import torch
 
         # index_fill_ passes -1 to the kernel; `pos[rows] = -1` would copy it from the host
