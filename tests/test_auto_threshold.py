@@ -30,6 +30,7 @@ from sglang_image_plugin.auto_threshold import (
     Prior,
     resume_batch_size,
 )
+from sglang_image_plugin.policy import CatchUpPolicy
 from sglang_image_plugin.spec_disable import (
     AUTO,
     THRESHOLD_ENV,
@@ -106,13 +107,23 @@ def simulate(ctl: AutoController, model: CostModel, batches: list[int], rng: ran
     return run
 
 
+def fixed_share(model: CostModel, batches: list[int], n: int) -> float:
+    """How well a fixed threshold N serves these batches: the mean share of the better mode."""
+    return sum(model.share_of_best(Mode.SPECULATIVE if b <= n else Mode.PLAIN, b) for b in batches) / len(batches)
+
+
 def best_fixed_threshold(model: CostModel, batches: list[int], edges: tuple[int, ...]) -> tuple[int, float]:
-    """The bucket edge N that, as a fixed threshold, serves these batches best (mean share of the
-    better mode), and that share."""
-    scores = {n: sum(model.share_of_best(Mode.SPECULATIVE if b <= n else Mode.PLAIN, b) for b in batches)
-              / len(batches) for n in (0, *edges)}
+    """The bucket edge N that, as a fixed threshold, serves these batches best, and that share."""
+    scores = {n: fixed_share(model, batches, n) for n in (0, *edges)}
     best = max(scores, key=lambda n: scores[n])
     return best, scores[best]
+
+
+# where the model's crossover lies inside a bucket, the edges on either side of it serve the
+# traffic within 1% of each other (the tolerance a run's share is held to below): which one the
+# controller settles on depends on the batch sizes of the bucket's latest traffic and on the noise
+# of its last estimates (the hysteresis keeps it there)
+EDGE_SHARE = 0.01
 
 
 def changes(seq: list[Mode] | list[int]) -> int:
@@ -130,7 +141,7 @@ def test_finds_the_crossover_of_a_cost_model(seed):
     run = simulate(ctl, model, batches, rng)
     best, best_share = best_fixed_threshold(model, batches, cfg.edges)
     assert best == 64 and 32 < model.crossover() < 128  # the model's crossover lies in the 33-64 bucket
-    assert ctl.crossover() == best
+    assert ctl.crossover() in (32, 64) and fixed_share(model, batches, ctl.crossover()) > best_share - EDGE_SHARE
     # it serves the traffic nearly as well as the best fixed threshold, the difference being the
     # exploration and the learning at the start, and better than either mode alone
     always = {m: sum(model.share_of_best(m, b) for b in batches) / len(batches) for m in Mode}
@@ -306,7 +317,7 @@ def test_argparse_shows_the_message(capsys):
                                      ({"margin": -0.1}, "margin"), ({"memory": 1.0}, "memory"),
                                      ({"explore_steps": 10, "explore_gap": 5}, "explore_steps"),
                                      ({"update_every": 0}, "update_every"),
-                                     ({"outlier_factor": 1.0}, "outlier_factor")])
+                                     ({"min_samples": 0}, "min_samples")])
 def test_bad_config_is_refused(kw, word):
     with pytest.raises(ValueError, match=word):
         AutoConfig(**{"max_batch_size": 8, **kw})
@@ -333,10 +344,11 @@ def test_step_times_are_compared_at_one_batch_size():
     batch size its traffic runs at, extrapolating plain's time no steeper than in proportion."""
     model = CostModel()
     ctl = AutoController(AutoConfig(max_batch_size=MAX_BATCH))
-    for batch, seconds in ((126, 0.0110), (129, 0.0129)):
-        ctl.record(Mode.PLAIN, batch, seconds, batch)
-    for batch in (110, 196):
-        ctl.record(Mode.SPECULATIVE, batch, model.seconds(Mode.SPECULATIVE, batch), round(batch * model.accept))
+    for _ in range(ctl.config.min_samples):
+        for batch, seconds in ((126, 0.0110), (129, 0.0129)):
+            ctl.record(Mode.PLAIN, batch, seconds, batch)
+        for batch in (110, 196):
+            ctl.record(Mode.SPECULATIVE, batch, model.seconds(Mode.SPECULATIVE, batch), round(batch * model.accept))
     top = ctl.estimates()[-1]
     assert (top.low, top.high) == (129, 256) and 129 < top.batch_size < 196
     assert top.plain_tok_s is not None and top.speculative_tok_s is not None
@@ -367,17 +379,20 @@ class RecordingController(AutoController):
 
 
 def run_overlapped(policy: AutoPolicy, clock: Clock, model: CostModel, batches: list[int]) -> list[int]:
-    """sglang's overlap loop: the policy is asked before each batch, each batch's verify result
-    comes after the next batch was asked for; the clock moves by the model's step time."""
-    steps, late = [], None
+    """sglang's overlap loop: the policy is asked before each batch, which is launched before the
+    host waits for the batch before it; that batch's verify result comes then. So the host asks
+    for the next batch once the previous batch is done, and each interval between two asks is the
+    previous step's time."""
+    steps, late, previous = [], None, 0.0
     for batch in batches:
         k = policy.get_steps_for_batch(batch)
         steps.append(k)
+        clock.now += previous  # the wait for the step before
         if late is not None:
             policy.on_verify_complete(*late)
         accepted = round(model.accept - 1) if k else 0  # accepted drafts per request
         late = ([accepted] * batch, batch)
-        clock.now += model.seconds(Mode.SPECULATIVE if k else Mode.PLAIN, batch)
+        previous = model.seconds(Mode.SPECULATIVE if k else Mode.PLAIN, batch)
     return steps
 
 
@@ -388,20 +403,33 @@ def test_policy_times_each_step_and_pairs_it_with_its_late_result():
     assert policy.candidate_steps == [0, 3]
     batches = traffic(random.Random(11), 12000)
     steps = run_overlapped(policy, clock, model, batches)
-    # every step but the last (no next call timed it, no result came) is recorded, in order, with
-    # its own mode, time and tokens
-    assert len(ctl.recorded) == len(batches) - 1 and policy.dropped == 0
-    for (mode, batch, seconds, tokens), k, b in zip(ctl.recorded, steps, batches, strict=False):
-        assert batch == b and (mode is Mode.SPECULATIVE) == (k == 3)
-        assert seconds == pytest.approx(model.seconds(mode, b))
-        assert tokens == (3 * b if k else b)
-    assert ctl.crossover() == best_fixed_threshold(model, batches, ctl.config.edges)[0]
+    # the interval after each ask times the step before it: a step is recorded, with its own mode
+    # and tokens and the time of the step before it, where that step was of the same mode; the
+    # first step of a mode after the other is left out (and the last step: no next ask timed it)
+    same = [i for i in range(1, len(batches) - 1) if (steps[i] == 3) == (steps[i - 1] == 3)]
+    assert len(ctl.recorded) == len(same) and policy.dropped == 0
+    assert len(same) < len(batches) - 2  # the modes did change
+    for (mode, batch, seconds, tokens), i in zip(ctl.recorded, same, strict=True):
+        assert batch == batches[i] and (mode is Mode.SPECULATIVE) == (steps[i] == 3)
+        assert seconds == pytest.approx(model.seconds(mode, batches[i - 1]))
+        assert tokens == (3 * batch if steps[i] else batch)
+    best, best_share = best_fixed_threshold(model, batches, ctl.config.edges)
+    assert best == 64 and ctl.crossover() in (32, 64)
+    assert fixed_share(model, batches, ctl.crossover()) > best_share - EDGE_SHARE
+
+
+def first_step(policy: AutoPolicy, batch: int = 4) -> None:
+    """One step and its result, so that the next step of its mode is compared (the first after
+    an idle gap is not: its interval times the prefill before it)."""
+    policy.get_steps_for_batch(batch)
+    policy.on_verify_complete([0 if policy.controller.mode is Mode.PLAIN else 2] * batch, batch)
 
 
 def test_policy_leaves_out_idle_gaps_and_resyncs_after_lost_results():
     clock = Clock()
     ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
     policy = AutoPolicy(ctl, 3, clock)
+    first_step(policy)
     policy.get_steps_for_batch(4)
     clock.now += 0.01
     assert policy.get_steps_for_batch(0) in (0, 3)  # idle: the step before has no time
@@ -432,33 +460,33 @@ def test_policy_charges_no_step_with_the_scheduler_s_idle_gap():
     clock = Clock()
     ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
     policy = AutoPolicy(ctl, 3, clock)
-    policy.get_steps_for_batch(4)
-    clock.now += 0.01
-    policy.get_steps_for_batch(4)  # the first step: 10 ms
-    policy.on_verify_complete([2] * 4, 4)
-    clock.now += 0.01
-    policy.note_idle()  # the burst is over; the second step's result comes with the idle loop
-    policy.on_verify_complete([2] * 4, 4)
-    clock.now += 30.0  # a pause between bursts
-    policy.get_steps_for_batch(4)
-    clock.now += 0.01
-    policy.get_steps_for_batch(4)
-    policy.on_verify_complete([2] * 4, 4)
+    for burst in range(2):
+        policy.get_steps_for_batch(4)  # the first step of a burst: left out
+        for _ in range(2):
+            clock.now += 0.01
+            policy.get_steps_for_batch(4)
+            policy.on_verify_complete([2] * 4, 4)
+        clock.now += 0.01
+        policy.note_idle()  # the burst is over; its last step's result comes with the idle loop
+        policy.on_verify_complete([2] * 4, 4)
+        clock.now += 30.0  # a pause between bursts
     seconds = [rec[2] for rec in ctl.recorded]
-    assert seconds == [pytest.approx(0.01), pytest.approx(0.01)]
-    assert policy.dropped == 1  # the step the pause followed
+    assert seconds == [pytest.approx(0.01)] * 2
+    assert policy.dropped == 2  # the steps the pauses followed
     policy.note_idle()
     policy.note_idle()  # the idle loop runs many times: nothing more to drop
-    assert policy.dropped == 1
+    assert policy.dropped == 2
 
 
 def test_policy_leaves_the_catch_up_step_out_and_keeps_the_pairing():
     # The catch-up step before speculation resumes was decided speculative but drafts nothing: its
-    # result (one token per request) must not lower the speculative accept length, and the steps
-    # after it still pair with their own results.
+    # result (one token per request) must not lower the speculative accept length; the step after
+    # it times the catch-up step, so it is left out too; the steps after those still pair with
+    # their own results.
     clock = Clock()
     ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
     policy = AutoPolicy(ctl, 3, clock)
+    first_step(policy)
     policy.get_steps_for_batch(4)
     policy.leave_out_last()  # the catch-up step
     clock.now += 0.01
@@ -467,7 +495,10 @@ def test_policy_leaves_the_catch_up_step_out_and_keeps_the_pairing():
     clock.now += 0.02
     policy.get_steps_for_batch(4)
     policy.on_verify_complete([2] * 4, 4)
-    assert [rec[1:] for rec in ctl.recorded] == [(4, pytest.approx(0.02), 12)]
+    clock.now += 0.03
+    policy.get_steps_for_batch(4)
+    policy.on_verify_complete([2] * 4, 4)
+    assert [rec[1:] for rec in ctl.recorded] == [(4, pytest.approx(0.03), 12)]
     assert policy.dropped == 0
 
 
@@ -486,6 +517,7 @@ def test_the_scheduler_idle_hook_reaches_auto_s_policy():
     ctl = RecordingController(AutoConfig(max_batch_size=MAX_BATCH))
     policy = AutoPolicy(ctl, 3, clock)
     scheduler = SimpleNamespace(draft_worker=eagle_worker(policy))
+    first_step(policy)
     policy.get_steps_for_batch(4)
     observe.scheduler_idle(scheduler)  # BEFORE Scheduler.on_idle
     policy.on_verify_complete([2] * 4, 4)
@@ -493,3 +525,109 @@ def test_the_scheduler_idle_hook_reaches_auto_s_policy():
     # a fixed threshold's controller has no step clock; a server without the feature, no worker
     observe.scheduler_idle(SimpleNamespace(draft_worker=eagle_worker(object())))
     observe.scheduler_idle(SimpleNamespace())
+
+
+# ----------------------------------------------------------------------------- a benchmark's traffic
+class OverlapLoop:
+    """sglang's overlap scheduler as `auto` sees it, driving the plugin's policies (AutoPolicy
+    behind CatchUpPolicy, as a server with the default plain step runs them): each iteration asks
+    for a decode batch, launches it, then waits for the batch before it (whose verify result comes
+    then); a prefill is an iteration of its own between two decode steps; the first use of each
+    step shape carries a compile; the scheduler goes idle between loads. GPU costs of an 8B-shaped
+    model with a three-step chain draft (accept length 3), as the H200 runs them."""
+
+    HOST = 0.3e-3  # the host's own work per iteration
+    COMPILE = 0.3  # a first use's compile
+
+    def __init__(self, policy: CatchUpPolicy, rng: random.Random) -> None:
+        self.policy, self.rng = policy, rng
+        self.clock = Clock()
+        policy.inner._clock = self.clock
+        self.gpu_free = 0.0
+        self.waiting: tuple[float, tuple[list[int], int] | None] | None = None
+        self.compiled: set[tuple[str, int]] = set()
+        self.kinds: list[tuple[str, int]] = []
+
+    @staticmethod
+    def gpu_seconds(kind: str, batch: int) -> float:
+        if kind == "speculative":
+            return 6.07e-3 + 0.195e-3 * (batch - 1)
+        plain = 4.42e-3 + 0.0266e-3 * (batch - 1)
+        return plain + 0.6e-3 + 0.02e-3 * batch if kind == "catch-up" else plain
+
+    def _launch(self, key: tuple[str, int], seconds: float, result: tuple[list[int], int] | None) -> None:
+        if key not in self.compiled:
+            self.compiled.add(key)
+            seconds += self.COMPILE
+        self.clock.now += self.HOST
+        self.gpu_free = max(self.clock.now, self.gpu_free) + seconds
+        self._wait()
+        self.waiting = (self.gpu_free, result)
+
+    def _wait(self) -> None:
+        if self.waiting is not None:
+            done, result = self.waiting
+            self.clock.now = max(self.clock.now, done) + self.HOST
+            if result is not None:
+                self.policy.on_verify_complete(*result)
+            self.waiting = None
+
+    def prefill(self, requests: int) -> None:
+        self._launch(("prefill", 1 << (requests - 1).bit_length()), 2e-3 + 0.3e-3 * requests, None)
+
+    def decode(self, batch: int) -> int:
+        """One decode step; the tokens each request gets."""
+        steps = self.policy.get_steps_for_batch(batch)
+        kind = "speculative" if steps else ("catch-up" if self.policy.full_draft_extend else "plain")
+        self.kinds.append((kind, batch))
+        seconds = self.gpu_seconds(kind, batch) * math.exp(self.rng.gauss(0, 0.05))
+        self._launch((kind, batch), seconds, ([2] * batch if steps else [0] * batch, batch))
+        return 3 if steps else 1
+
+    def idle(self) -> None:
+        self._wait()
+        self.policy.note_idle()
+
+    def load(self, clients: int, output_len: int, *, requests: int | None = None,
+             seconds: float | None = None) -> None:
+        """Closed-loop clients until `requests` are done or `seconds` passed (then all abort)."""
+        left, new, done, start = [output_len] * clients, clients, 0, self.clock.now
+        while True:
+            if new:
+                self.prefill(new)
+                new = 0
+            batch = sum(1 for n in left if n > 0)
+            if batch == 0:
+                break
+            tokens = self.decode(batch)
+            over = seconds is not None and self.clock.now - start >= seconds
+            for i, n in enumerate(left):
+                if n > 0:
+                    left[i] = 0 if over else n - tokens
+                    if left[i] <= 0 and not over and (requests is None or (done := done + 1) + batch <= requests):
+                        left[i], new = output_len, new + 1
+        self.idle()
+
+
+def test_a_benchmark_s_traffic_through_the_overlap_loop():
+    """The paired bench's traffic (a warm-up of short requests at each concurrency, then 4 s loads
+    of 256-token requests at 1, 16, 64 and 256 clients, idle between them) through the overlap
+    loop: at 1 and 16 requests the server speculates (1.9x and 1.5x plain's tokens/s in this
+    model), at 256 it decodes plain (speculation 0.6x). Each interval the policy times is the
+    step before's, a prefill wave or a first use's compile: a controller that averages them, or
+    compares a mode's first step after the other, learns either mode's speed wrong."""
+    ctl = AutoController(AutoConfig(max_batch_size=4096))
+    loop = OverlapLoop(CatchUpPolicy(AutoPolicy(ctl, 3)), random.Random(0))
+    for clients in (1, 16, 64, 256):
+        loop.load(clients, 32, requests=max(2, clients))
+    for clients in (1, 16, 64, 256):
+        phase = len(loop.kinds)
+        for _ in range(4):
+            loop.load(clients, 256, seconds=4.0)
+        steps = [kind for kind, batch in loop.kinds[phase:] if batch == clients]
+        speculative = steps.count("speculative") / len(steps)
+        if clients <= 16:
+            assert speculative > 0.9, (clients, speculative, ctl.estimates_text())
+        elif clients == 256:
+            assert speculative < 0.1, (clients, speculative, ctl.estimates_text())
+    assert ctl.crossover() in (16, 32, 64), ctl.estimates_text()

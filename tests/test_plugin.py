@@ -793,6 +793,7 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
               "max_batch_size": ctl.config.max_batch_size, "built": built,
               "crossover": crossover, "ramp_crossovers": sorted(set(crossovers)),
               "ramp": ramp, "ramp_steps": ramp_steps, "ramp_explored": ctl.explore_steps - explored,
+              "burst": ctl.config.explore_steps,
               "unrecorded": controller.params.dropped, "state": state["speculative_disable"],
               "gauge": REGISTRY.get_sample_value("sglang:spec_disable_crossover",
                                                  Scheduler.metrics_collector.labels),
@@ -816,7 +817,7 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
         mode = 0 if mode == 3 and bs > 32 else 3 if mode == 0 and bs <= 28 else mode
         expected.append(mode)
     mismatches = sum(a != b for a, b in zip(out["ramp_steps"], expected, strict=True))
-    assert mismatches == out["ramp_explored"] <= (len(out["ramp"]) // 256 + 1) * 4
+    assert mismatches == out["ramp_explored"] <= (len(out["ramp"]) // 256 + 1) * out["burst"]
     assert 0 in out["ramp_steps"] and 3 in out["ramp_steps"]
     # reported: server info, the gauge, the mode line
     assert out["state"]["threshold"] == "auto" and out["state"]["crossover"] == 32
@@ -827,7 +828,7 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
 
 
 def test_worker_auto_from_the_environment(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
-    head = f"MODEL = {str(model_dir)!r}\nARGS = []\nTRACE = [1] * 6\nHF_CONFIG = {{}}\n"
+    head = f"MODEL = {str(model_dir)!r}\nARGS = []\nTRACE = [1] * 8\nHF_CONFIG = {{}}\n"
     body = """
         emit({"policy": policy, "steps": steps,
               "start": [r for r in records if r.startswith("Dynamic speculation disable")]})
@@ -835,7 +836,7 @@ def test_worker_auto_from_the_environment(run_in_tree, tree, plugin_site, model_
     out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, FAKE_CLOCK, SWITCH, body,
                  env={ENV: "auto"})
     # cold start: speculative, after one burst measuring plain (nothing measured yet)
-    assert out == {"policy": "AutoThresholdPolicy", "steps": [0, 0, 0, 0, 3, 3],
+    assert out == {"policy": "AutoThresholdPolicy", "steps": [0] * 6 + [3, 3],
                    "start": ["Dynamic speculation disable enabled: threshold=auto"]}
 
 
@@ -1452,7 +1453,8 @@ def test_auto_pairs_each_plain_layout_step_with_its_own_result(run_in_tree, tree
     # `auto` times every decode step from its decision and pairs it with the next verify result.
     # A plain-layout step has no verify of upstream's: its result must still reach the worker's
     # callback, in decode order, or a later speculative result is taken for a plain step's. The
-    # catch-up step is neither mode's figure and is left out.
+    # catch-up step is neither mode's figure and is left out; so is the first step of a kind
+    # after another (its interval times the step before it).
     out = _probe(run_in_tree, tree, plugin_site, LAYOUT_FAKES, """
         from sglang_image_plugin.auto_threshold import AutoPolicy, Mode
 
@@ -1466,26 +1468,27 @@ def test_auto_pairs_each_plain_layout_step_with_its_own_result(run_in_tree, tree
                 self.records.append([mode.value, batch_size, seconds, tokens])
 
         S, P = Mode.SPECULATIVE, Mode.PLAIN
-        ctl = ScriptedController([S, P, P, S, S, S])
+        ctl = ScriptedController([S, S, P, P, P, S, S, S, S])
         ticks = iter(range(100))
         auto = AutoPolicy(ctl, 3, clock=lambda: float(next(ticks)))
         s = setup([], inner=auto)
-        s.lay.prepare(s.batch)                                   # speculative
-        s.worker.on_verify_complete_cpu([1, 1, 1], batch_size=3)  # (upstream's, for a speculative batch)
-        s.lay.prepare(s.batch)                                   # plain
-        plain_step(s, [200, 201, 202])
-        s.lay.prepare(s.batch)                                   # plain
-        plain_step(s, [300, 301, 302])
+        for accepted in ([1, 1, 1], [2, 2, 2]):                   # speculative
+            s.lay.prepare(s.batch)
+            s.worker.on_verify_complete_cpu(accepted, batch_size=3)  # (upstream's, for a speculative batch)
+        for tokens in ([200, 201, 202], [300, 301, 302], [400, 401, 402]):
+            s.lay.prepare(s.batch)                               # plain
+            plain_step(s, tokens)
         s.lay.prepare(s.batch)                                   # the catch-up step
         s.worker.on_verify_complete_cpu([0, 0, 0], batch_size=3)
-        s.lay.prepare(s.batch)                                   # speculative
-        s.worker.on_verify_complete_cpu([2, 2, 2], batch_size=3)
+        for accepted in ([2, 2, 2], [1, 1, 1]):                   # speculative
+            s.lay.prepare(s.batch)
+            s.worker.on_verify_complete_cpu(accepted, batch_size=3)
         s.lay.prepare(s.batch)
         emit({"records": ctl.records, "dropped": auto.dropped, "catch_up": s.policy.catch_up_steps,
               "watch": s.watch.view()})
     """)
-    assert out["records"] == [["speculative", 3, 1.0, 6], ["plain", 3, 1.0, 3], ["plain", 3, 1.0, 3],
-                              ["speculative", 3, 1.0, 9]]
+    assert out["records"] == [["speculative", 3, 1.0, 9], ["plain", 3, 1.0, 3], ["plain", 3, 1.0, 3],
+                              ["speculative", 3, 1.0, 6]]
     assert out["dropped"] == 0 and out["catch_up"] == 1
     assert out["watch"]["unpaired_steps"] == 0
 

@@ -248,7 +248,8 @@ def test_auto_policy_reports_each_crossover_move_in_the_line_metrics_and_snapsho
     assert metrics.crossovers == [256, 32, 64]
     assert metrics.plain == [s == 0 for s in steps[:9] + steps[10:]]
     assert lines[0].startswith("Speculation crossover -> 32 (auto, was 256; accept length ")
-    assert lines[0].endswith("mode=plain; mode_changes=3, crossover_changes=1")
+    assert lines[0].endswith("mode=plain; per bucket, speculative / plain: no bucket measured in both "
+                             "modes yet; mode_changes=3, crossover_changes=1")
     # the move at t=7 falls within 5 s of the line at t=3: logged once the interval passed
     assert len(lines) == 2 and lines[1].startswith("Speculation crossover -> 64 (auto, was 32;")
     assert "crossover_changes=2" in lines[1]
@@ -264,6 +265,7 @@ def test_auto_policy_reports_each_crossover_move_in_the_line_metrics_and_snapsho
     snapshot = policy.snapshot()
     assert snapshot["threshold"] == "auto" and snapshot["crossover"] == 64
     assert snapshot["mode"] == "speculative" and snapshot["max_batch_size"] == 256
+    assert snapshot["estimates"] == ctl.estimates_text()
     assert isinstance(policy, AutoPolicy) and policy.candidate_steps == [0, 3]
 
 

@@ -15,8 +15,12 @@ What it estimates: per batch-size bucket, the output tokens/s of a speculative s
 accept length per request over its step time) and of a plain step (one token per request), both
 at the batch size the bucket's traffic runs at (each mode's step time interpolated between the
 buckets it was measured in: within a bucket the two modes are seldom measured at the same batch
-sizes). Speculation pays in a prefix of the batch sizes (its step costs a multiple of a plain
-one's compute, so its advantage shrinks as the batch fills the GPU); the crossover is the split
+sizes). A mode's step time in a bucket is the median of its recent steps there, and a bucket
+counts once both modes have `min_samples` of them: a step timed by the scheduler's clock may
+carry a first use's compile, a wave of prefills or an abort, and one such step in a mean of ten
+outweighs the difference between the modes. Speculation pays in a prefix of the batch sizes
+(its step costs a multiple of a plain one's compute, so its advantage shrinks as the batch fills
+the GPU); the crossover is the split
 that maximizes the summed log advantage of the speculating buckets. Every `update_every` steps it
 moves there only if that beats the current split by `margin` plus twice the noise of the
 difference (from the spread of the step times): hysteresis on the estimate. Running batches
@@ -25,12 +29,13 @@ switch like a fixed threshold N = crossover: plain above N, speculative again at
 
 The live accept length is measured wherever the server speculates and applied to every bucket,
 so a shift of acceptance moves the crossover without exploring. A bucket whose other mode has no
-recent measurement (`stale_steps`) runs that mode for `explore_steps` steps, at most one such burst
+recent measurement (`stale_steps`) of `min_samples` steps runs that mode for `explore_steps` steps, at most one such burst
 every `explore_gap` steps; so does a bucket next to the crossover whose advantage is still within
 its noise. Exploration costs at most explore_steps / explore_gap of the steps.
-A cold start may take a prior (for example step times timed at CUDA-graph capture, per batch size),
-weighted like one measurement, so the first real steps replace it; without one it speculates
-everywhere, as EAGLE-3 does, until measurements say otherwise.
+A cold start may take a prior (for example step times timed at CUDA-graph capture, per batch size):
+one step of each mode in each bucket it covers, which counts there at once and which the steps
+measured then outvote; without one it speculates everywhere, as EAGLE-3 does, until measurements
+say otherwise.
 
 Every decision is a function of the measurements given, without randomness. Step times differ
 between tensor-parallel ranks, so a TP hook passes `agree` (a broadcast of rank 0's Decision):
@@ -43,6 +48,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -83,12 +90,16 @@ class AutoConfig:
     # one bucket), besides the noise: a switch costs a catch-up step, and so close a choice matters little
     margin: float = 0.02
     update_every: int = 32  # steps between two re-estimates of the crossover
-    memory: float = 0.9  # per-sample weight kept by a bucket's average step time (~10 samples)
+    # how fast a bucket forgets: the weight each sample of its batch sizes keeps per new one; its
+    # median step time is taken over as many steps as make it as precise as that mean would be
+    # (`window`: 30 at 0.9)
+    memory: float = 0.9
     accept_memory: float = 0.98  # per-step weight kept by the live accept length (~50 steps)
     stale_steps: int = 4000  # a measurement older than this many steps is not recent
-    explore_steps: int = 4  # steps of one exploration burst (the first after a switch warms up)
+    # steps of one exploration burst; the first one or two time the step before (see AutoPolicy)
+    explore_steps: int = 6
     explore_gap: int = 256  # steps between the starts of two bursts, at least
-    outlier_factor: float = 4.0  # a step slower than this times its bucket's average counts as that
+    min_samples: int = 4  # steps of each mode a bucket needs before it counts
 
     def __post_init__(self) -> None:
         problems = []
@@ -102,19 +113,24 @@ class AutoConfig:
         for name in ("memory", "accept_memory"):
             if not 0 < getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)} not in (0, 1)")
-        for name in ("update_every", "stale_steps", "explore_steps", "explore_gap"):
+        for name in ("update_every", "stale_steps", "explore_steps", "explore_gap", "min_samples"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)} < 1")
         if self.explore_steps > self.explore_gap:
             problems.append(f"explore_steps {self.explore_steps} > explore_gap {self.explore_gap}")
-        if self.outlier_factor <= 1:
-            problems.append(f"outlier_factor {self.outlier_factor} <= 1")
         if problems:
             raise ValueError(f"{THRESHOLD_FLAG} auto: bad controller config: " + "; ".join(problems))
 
     @property
     def edges(self) -> tuple[int, ...]:
         return self.bucket_edges or power_of_two_edges(self.max_batch_size)
+
+    @property
+    def window(self) -> int:
+        """The steps a bucket's median step time is taken over: a mean forgetting at `memory`
+        weighs (1 + memory) / (1 - memory) samples' worth, and a median needs pi / 2 times the
+        samples of a mean for its precision."""
+        return max(1, round(math.pi / 2 * (1 + self.memory) / (1 - self.memory)))
 
     @property
     def explore_share(self) -> float:
@@ -146,41 +162,71 @@ class _Average:
 
     total: float = 0.0
     weight: float = 0.0
-    squares: float = 0.0  # of the values, weighted alike
-    weight_squares: float = 0.0  # of the weights, for the effective number of samples
 
     def add(self, value: float, memory: float, weight: float = 1.0) -> None:
         self.total = self.total * memory + value * weight
-        self.squares = self.squares * memory + value * value * weight
         self.weight = self.weight * memory + weight
-        self.weight_squares = self.weight_squares * memory * memory + weight * weight
 
     @property
     def value(self) -> float | None:
         return self.total / self.weight if self.weight > 0 else None
 
+
+class _Times:
+    """One mode's recent step seconds in one bucket: their median, which a few steps that carried
+    something else do not move far, and its noise."""
+
+    def __init__(self, window: int) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+        self.seeded = False  # holds a prior's step (AutoController._seed)
+
+    def add(self, value: float) -> None:
+        self._samples.append(value)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def enough(self, min_samples: int) -> bool:
+        """Whether to decide on it: min_samples steps (or all the window holds), or a prior."""
+        return self.seeded or len(self._samples) >= min(min_samples, self._samples.maxlen or min_samples)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self._samples) if self._samples else None
+
     def relative_variance(self) -> float:
-        """The squared standard error of the mean over the mean squared (0 with one sample)."""
-        if self.weight <= 0 or self.total == 0:
+        """The squared standard error of the median over the median squared (0 with one step).
+        The spread is the median absolute deviation's (an outlier would make it a standard
+        deviation's for as long as the step stays in the window), with its small-sample factor."""
+        n = len(self._samples)
+        if n < 2:
             return 0.0
-        mean = self.total / self.weight
-        spread = max(0.0, self.squares / self.weight - mean * mean)
-        return spread * self.weight_squares / (self.weight * self.weight) / (mean * mean)
+        median = statistics.median(self._samples)
+        sigma = 1.4826 * statistics.median(abs(x - median) for x in self._samples) * n / (n - 0.8)
+        return math.pi / 2 * sigma * sigma / n / (median * median)
 
 
 @dataclass
 class _Bucket:
     low: int
     high: int
+    window: int
     # per mode: step seconds, and the batch sizes they were measured at
-    seconds: dict[Mode, _Average] = field(default_factory=lambda: {m: _Average() for m in Mode})
+    seconds: dict[Mode, _Times] = field(init=False)
     batch: dict[Mode, _Average] = field(default_factory=lambda: {m: _Average() for m in Mode})
     last_seen: dict[Mode, int | None] = field(default_factory=lambda: {m: None for m in Mode})
+
+    def __post_init__(self) -> None:
+        self.seconds = {m: _Times(self.window) for m in Mode}
 
     def point(self, mode: Mode) -> tuple[float, float] | None:
         """(batch size, step seconds) of this mode here, None before a measurement."""
         b, t = self.batch[mode].value, self.seconds[mode].value
         return None if b is None or t is None else (b, t)
+
+    def counts(self, mode: Mode, min_samples: int) -> bool:
+        """Whether this mode's step time here has enough steps (or a prior) to decide on."""
+        return self.seconds[mode].enough(min_samples)
 
     def reference_batch(self) -> float:
         """The batch size this bucket's traffic runs at, both modes pooled."""
@@ -207,6 +253,8 @@ class BucketEstimate:
     speculative_tok_s: float | None
     plain_tok_s: float | None
     speculate: bool
+    speculative_steps: int = 0  # the steps each mode's median is taken over
+    plain_steps: int = 0
 
 
 class AutoController:
@@ -216,7 +264,8 @@ class AutoController:
                  agree: Callable[[Decision], Decision] | None = None) -> None:
         self.config = config
         edges = config.edges
-        self._buckets = [_Bucket(low + 1, high) for low, high in zip((0, *edges[:-1]), edges, strict=True)]
+        self._buckets = [_Bucket(low + 1, high, config.window)
+                         for low, high in zip((0, *edges[:-1]), edges, strict=True)]
         self._edges = edges
         self._agree = agree
         self._accept = _Average()
@@ -274,10 +323,7 @@ class AutoController:
         if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
             raise ValueError(f"record: output_tokens must be a whole number >= 0, got {output_tokens!r}")
         bucket = self._buckets[self._bucket(batch_size)]
-        average = bucket.seconds[mode]
-        if average.value is not None:
-            step_seconds = min(step_seconds, self.config.outlier_factor * average.value)
-        average.add(step_seconds, self.config.memory)
+        bucket.seconds[mode].add(step_seconds)
         bucket.batch[mode].add(batch_size, self.config.memory)
         bucket.last_seen[mode] = self.steps
         if mode is Mode.SPECULATIVE:
@@ -305,11 +351,20 @@ class AutoController:
             ref = b.reference_batch()
             spec = self._seconds_at(curves[Mode.SPECULATIVE], ref)
             plain = self._seconds_at(curves[Mode.PLAIN], ref)
-            measured = all(b.point(m) for m in Mode)
+            measured = self._counts(b)
             out.append(BucketEstimate(b.low, b.high, round(ref, 1),
                                       ref * accept / spec if measured and spec and accept else None,
-                                      ref / plain if measured and plain else None, i < self._split))
+                                      ref / plain if measured and plain else None, i < self._split,
+                                      len(b.seconds[Mode.SPECULATIVE]), len(b.seconds[Mode.PLAIN])))
         return out
+
+    def estimates_text(self) -> str:
+        """The buckets measured in both modes, for a log line: `low-high: speculative / plain
+        tokens/s (steps of each in the median)`."""
+        parts = [f"{e.low}-{e.high}: {e.speculative_tok_s:.0f} / {e.plain_tok_s:.0f} tok/s "
+                 f"({e.speculative_steps}/{e.plain_steps} steps)"
+                 for e in self.estimates() if e.speculative_tok_s is not None and e.plain_tok_s is not None]
+        return "; ".join(parts) if parts else "no bucket measured in both modes yet"
 
     def state(self) -> dict[str, object]:
         """For server info and metrics."""
@@ -325,8 +380,10 @@ class AutoController:
         return min(bisect.bisect_left(self._edges, batch_size), len(self._edges) - 1)
 
     def _recent(self, bucket: _Bucket, mode: Mode) -> bool:
+        """Whether this mode was measured here lately, in enough steps to decide on."""
         seen = bucket.last_seen[mode]
-        return seen is not None and self.steps - seen <= self.config.stale_steps
+        return (seen is not None and self.steps - seen <= self.config.stale_steps
+                and bucket.counts(mode, self.config.min_samples))
 
     def _explore(self, index: int) -> Mode | None:
         """The mode to explore this step, None to follow the crossover."""
@@ -355,7 +412,7 @@ class AutoController:
         curves = self._curves()
         known: dict[int, tuple[float, float]] = {}
         for i, b in enumerate(self._buckets):
-            if accept is None or not all(b.point(m) for m in Mode):
+            if accept is None or not self._counts(b):
                 continue
             ref = b.reference_batch()
             spec = self._seconds_at(curves[Mode.SPECULATIVE], ref)
@@ -384,9 +441,15 @@ class AutoController:
                 out.append((d0 + (d1 - d0) * w, v0 + (v1 - v0) * w))
         return out
 
+    def _counts(self, bucket: _Bucket) -> bool:
+        """Whether both modes' step times in this bucket have enough steps to decide on."""
+        return all(bucket.counts(m, self.config.min_samples) for m in Mode)
+
     def _curves(self) -> dict[Mode, list[tuple[float, float]]]:
-        """Per mode, the (batch size, step seconds) of the buckets it was measured in, by batch size."""
-        return {m: sorted(p for b in self._buckets if (p := b.point(m)) is not None) for m in Mode}
+        """Per mode, the (batch size, step seconds) of the buckets it counts in, by batch size."""
+        return {m: sorted(p for b in self._buckets
+                          if b.counts(m, self.config.min_samples) and (p := b.point(m)) is not None)
+                for m in Mode}
 
     @staticmethod
     def _seconds_at(points: list[tuple[float, float]], batch_size: float) -> float | None:
@@ -430,8 +493,7 @@ class AutoController:
         undecided = set()
         if advantages is not None:
             for i in (split - 1, split):
-                if 0 <= i < len(advantages) and self._buckets[i].point(Mode.PLAIN) \
-                        and self._buckets[i].point(Mode.SPECULATIVE):
+                if 0 <= i < len(advantages) and self._counts(self._buckets[i]):
                     d, variance = advantages[i]
                     if abs(d) <= self.config.margin + 2 * math.sqrt(variance):
                         undecided.add(i)
@@ -444,12 +506,18 @@ class AutoController:
         self._undecided = set(decision.undecided)
 
     def _seed(self, prior: Prior) -> None:
-        """The prior as one sample per bucket and mode, then a crossover from it alone."""
+        """The prior as one step per bucket and mode (the means of the batch sizes it gives there,
+        and of their times: their spread is the batch sizes', not noise), then a crossover from it
+        alone."""
         for mode, seconds in ((Mode.SPECULATIVE, prior.speculative_seconds), (Mode.PLAIN, prior.plain_seconds)):
+            by_bucket: dict[int, list[tuple[int, float]]] = {}
             for batch_size, t in seconds.items():
-                bucket = self._buckets[self._bucket(batch_size)]
-                bucket.seconds[mode].add(t, self.config.memory)
-                bucket.batch[mode].add(batch_size, self.config.memory)
+                by_bucket.setdefault(self._bucket(batch_size), []).append((batch_size, t))
+            for index, points in by_bucket.items():
+                bucket = self._buckets[index]
+                bucket.seconds[mode].add(statistics.fmean(t for _, t in points))
+                bucket.seconds[mode].seeded = True
+                bucket.batch[mode].add(statistics.fmean(b for b, _ in points), self.config.memory)
         self._accept.add(prior.accept_length, self.config.accept_memory)
         advantages = self._advantages()
         if advantages is not None:
@@ -463,7 +531,12 @@ class _Step:
     start: float
     seconds: float | None = None  # 0.0: no time (the server went idle after it)
     output_tokens: int | None = None
-    left_out: bool = False  # paired with its result, not recorded (AutoPolicy.leave_out_last)
+    left_out: bool = False  # paired with its result, not recorded
+    catch_up: bool = False  # the catch-up step (AutoPolicy.leave_out_last)
+
+    @property
+    def kind(self) -> str:
+        return "catch-up" if self.catch_up else str(self.mode)
 
 
 class AutoPolicy:
@@ -474,7 +547,11 @@ class AutoPolicy:
 
     A step's time is the interval from its `get_steps_for_batch` to the next one: with overlap
     scheduling the host prepares a batch while the previous one runs, so in steady state that is
-    the step time the traffic sees, prefills between decode steps included. Verify results come in
+    the step time the traffic sees, prefills between decode steps included. But the host waits for
+    a step's result only after it has launched the next one, so that interval ends when the step
+    before it is done: it times the previous step. The first step of a kind (plain, speculative,
+    the catch-up step) after another kind is therefore left out: it carries the other kind's time
+    (and a change to plain waits once for the last speculative step). Verify results come in
     decode order, usually a step late; each fills the oldest step still waiting for one. A result
     whose batch size differs from that step's means the two sequences lost step: the pending steps
     are dropped. An idle call (no requests), or the scheduler going idle (note_idle), leaves the
@@ -492,6 +569,7 @@ class AutoPolicy:
         self.speculative_steps = speculative_steps
         self._clock = clock or time.perf_counter
         self._pending: list[_Step] = []
+        self._previous: _Step | None = None  # the step decided last (recorded or not)
         self._cuda_graph_bs: list[int] | None = None
         self.dropped = 0  # steps not recorded: no time, or lost step with the results
 
@@ -513,9 +591,12 @@ class AutoPolicy:
             last.seconds = now - last.start if batch_size > 0 else 0.0
         self._flush()
         if batch_size <= 0:
+            self._previous = None
             return 0 if self.controller.mode is Mode.PLAIN else self.speculative_steps
         mode = self.controller.decide(batch_size)
-        self._pending.append(_Step(mode, batch_size, now))
+        step = _Step(mode, batch_size, now)
+        self._after(step)
+        self._pending.append(step)
         while len(self._pending) > self.MAX_PENDING:
             self._pending.pop(0)
             self.dropped += 1
@@ -525,12 +606,20 @@ class AutoPolicy:
         """The step just decided runs as neither mode (the catch-up step that prepares the draft
         when speculation resumes): its result is paired with it and not recorded."""
         if self._pending:
-            self._pending[-1].left_out = True
+            self._pending[-1].left_out = self._pending[-1].catch_up = True
+
+    def _after(self, step: _Step) -> None:
+        """Leave out a step whose interval times another kind's step, or, the first after an
+        idle gap, the prefill that ended it."""
+        previous, self._previous = self._previous, step
+        if previous is None or previous.kind != step.kind:
+            step.left_out = True
 
     def note_idle(self) -> None:
         """The scheduler found nothing to run: the step before this has no step time (the interval
         to the next decode step would be the idle gap, and a burst after a pause would charge the
         whole pause to the last step before it)."""
+        self._previous = None
         last = self._pending[-1] if self._pending else None
         if last is not None and last.seconds is None:
             last.seconds = 0.0

@@ -204,7 +204,8 @@ class AutoThresholdPolicy(AutoPolicy):
             accept = self.controller.accept_length()
             shown = "unknown" if accept is None else f"{accept:.2f}"
             line = (f"Speculation crossover -> {crossover} (auto, was {self._logged[0]}; "
-                    f"accept length {shown}); mode={mode}")
+                    f"accept length {shown}); mode={mode}; per bucket, speculative / plain: "
+                    f"{self.controller.estimates_text()}")
         elif mode is Mode.PLAIN:
             line = f"Speculation mode -> plain (batch size {batch_size} > crossover {crossover}, auto)"
         else:
@@ -223,4 +224,4 @@ class AutoThresholdPolicy(AutoPolicy):
     def snapshot(self) -> dict[str, Any]:
         """The server-info view: internal_states[i]["speculative_disable"]."""
         return {**self.controller.state(), "max_batch_size": self.controller.config.max_batch_size,
-                "unrecorded_steps": self.dropped}
+                "unrecorded_steps": self.dropped, "estimates": self.controller.estimates_text()}
