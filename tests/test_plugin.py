@@ -1580,6 +1580,80 @@ def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(r
     assert out["off"] == [[[0, 0, 0]] * 3, [-1, -1, -1]]
 
 
+def test_deferred_draft_kv_writes_the_pending_k_v_beside_the_target_s_forward(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # Issue 41 (8B shape, 64 requests, P9): the threshold server's plain step spent 3% more GPU
+    # time than a plain server's, the draft's K/V write (~25 kernels, two GEMMs) following the
+    # target's forward in the graph. Those K/V need only the previous step's books and the token
+    # fed now: the head hook forks them onto a side stream before the forward, and the tail joins
+    # that stream before it keeps this step's books (which the pending write reads). The draft's
+    # cache holds what the write after the forward gave; a runner other than the plain DECODE
+    # graph's forks nothing.
+    out = _probe(run_in_tree, tree, plugin_site, EAGLE3_DRAFT, """
+        import contextlib
+        from sglang_image_plugin import deferred_kv
+        from sglang_image_plugin.deferred_kv import DeferredDraftKv
+
+        events = []
+        class Side:  # a SideStream that records where the work falls
+            @contextlib.contextmanager
+            def beside(self):
+                events.append("fork")
+                yield
+                events.append("forked")
+            def join(self):
+                events.append("join")
+
+        class LoggingPool(RecordingPool):
+            def set_kv_buffer(self, layer, loc, k, v, k_scale=None, v_scale=None):
+                events.append("write")
+                super().set_kv_buffer(layer, loc, k, v, k_scale, v_scale)
+
+        class Plain: pass
+        class Other: pass
+        model = make_draft()
+        rows = torch.tensor([3, 5, 7])
+        fed = torch.randint(0, VOCAB, (4, 3))
+        pos = [torch.tensor([10, 20, 30]) + t for t in range(4)]
+        loc = [torch.tensor([100, 200, 300]) + t for t in range(4)]
+        hid = [torch.randn(3, 3 * TARGET) for _ in range(4)]
+
+        def run(side, runner):
+            pool = LoggingPool()
+            d = DeferredDraftKv(model, pool, rows=16, hidden_size=3 * TARGET, dtype=torch.float32,
+                                device="cpu", side=side)
+            head, tail = deferred_kv.head_hook(d, Plain), deferred_kv.tail_hook(d, Plain)
+            kept = []
+            for t in range(4):
+                fb = NS(req_pool_indices=rows, input_ids=fed[t], positions=pos[t], out_cache_loc=loc[t])
+                head(runner, fb)
+                events.append("forward")
+                tail(runner, NS(hidden_states=hid[t]), fb, 3)
+                kept.append(d.pos[rows].tolist())
+            return pool, kept
+
+        with torch.no_grad():
+            forked, forked_kept = run(Side(), Plain())
+            forked_events = list(events)
+            events.clear()
+            serial, serial_kept = run(None, Plain())
+            serial_events = list(events)
+            events.clear()
+            other, _ = run(Side(), Other())
+            other_events = list(events)
+        same = len(forked.writes) == len(serial.writes) and all(
+            torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+            for a, b in zip(forked.writes, serial.writes))
+        emit({"forked": forked_events, "serial": serial_events, "other": other_events, "same": same,
+              "kept": forked_kept == serial_kept, "slots": [w[1].tolist() for w in forked.writes]})
+    """)
+    # each step: the pending write on the side stream, the forward beside it, the join, the keep
+    assert out["forked"] == ["fork", "write", "forked", "forward", "join"] * 4
+    assert out["serial"] == ["forward", "write"] * 4  # without a side stream: after the forward
+    assert out["other"] == ["forward"] * 4  # another graph: nothing
+    assert out["same"] and out["kept"]
+    assert out["slots"] == [[0, 0, 0], [100, 200, 300], [101, 201, 301], [102, 202, 302]]
+
+
 def test_deferred_draft_kv_forgets_and_flushes_without_a_host_value(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # Host time per plain step (issue 41; py-spy of the 8B-shaped threshold server at 256
     # requests: 0.24 ms a step in forget alone): `pos[rows] = -1` on a GPU tensor makes -1 a

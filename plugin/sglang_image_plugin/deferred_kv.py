@@ -6,6 +6,10 @@ it is fed now is the one they need) and keeps its own rows' target hidden states
 slots for the next: no launch on the host for the draft. The write is recorded into the zero-step
 state's DECODE graph through ModelRunner.capture_tail_hooks (0.5.17's _DeferredDraftKv, there a
 hook of our patch); a step that runs without that graph does the same bookkeeping eagerly.
+Inside the graph the previous step's K/V, which need only the token fed now, are written on a side
+stream beside the target's forward (ModelRunner.capture_head_hooks, before it), and the step keeps
+its own rows after joining it: the draft's ~25 kernels (two GEMMs, the rest small) then share the
+GPU with the 8B target's forward instead of following it.
 
 Per request row (the req_to_token row): the pending position (-1: none), KV slot and hidden state.
 A step writes a row's pending K/V when a position is pending (>= 0) and it is just before the
@@ -25,21 +29,51 @@ torch and sglang are imported inside the functions only.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from sglang_image_plugin import draft_kv, state
 from sglang_image_plugin.state import DraftState
 
 
+class SideStream:
+    """A CUDA stream beside the current one (upstream forks its in-graph metadata prep the same
+    way): work forked onto it is recorded into a graph being captured as a parallel branch, and
+    the current stream waits for it at the join."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.stream = torch.cuda.Stream(device=device)
+        self.done = torch.cuda.Event()
+
+    @contextlib.contextmanager
+    def beside(self) -> Iterator[None]:
+        import torch
+
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+            self.done.record()
+
+    def join(self) -> None:
+        import torch
+
+        torch.cuda.current_stream().wait_event(self.done)
+
+
 class DeferredDraftKv:
     """The pending draft K/V of each request row, and the step that writes and keeps them."""
 
     def __init__(self, model: Any, pool: Any, rows: int, hidden_size: int, dtype: Any,
-                 device: Any) -> None:
+                 device: Any, side: Any = None) -> None:
         import torch
 
         self.model = model
         self.pool = pool
+        self.side = side  # a SideStream: write_ahead forks the pending write onto it (None: no fork)
+        self._ahead = False  # write_ahead wrote this step's pending K/V; step() joins them
         # on the host: a plain-layout step ran since the last flush (else a flush has nothing to
         # write, and a speculative-layout plain step after another skips it)
         self.pending = False
@@ -63,13 +97,29 @@ class DeferredDraftKv:
                                 self.hidden[rows], torch.where(valid, self.loc[rows], zero), self.pool)
         return rows
 
+    def write_ahead(self, rows: Any, tokens: Any, positions: Any) -> None:
+        """Before the target's forward of a plain step fed `tokens` at `positions`: the previous
+        step's pending K/V, on the side stream (they read only what that step kept and the tokens
+        fed now); step() joins them before it keeps this step's. Without a side stream, step()
+        writes them."""
+        if self.side is None:
+            return
+        with self.side.beside():
+            self._write_pending(rows, tokens, positions)
+        self._ahead = True
+
     def step(self, rows: Any, tokens: Any, positions: Any, hidden: Any, loc: Any) -> None:
         """A plain step fed `tokens` at `positions` (its KV slots `loc`, the target's hidden states
-        `hidden`): the previous step's pending K/V, then this step's kept. Fixed shapes only: it is
-        recorded into a CUDA graph."""
+        `hidden`): the previous step's pending K/V (unless write_ahead wrote them), then this
+        step's kept. Fixed shapes only: it is recorded into a CUDA graph."""
         import torch
 
-        rows = self._write_pending(rows, tokens, positions)
+        if self._ahead:
+            self._ahead = False
+            self.side.join()  # the pending K/V read the books this step overwrites
+            rows = rows.to(torch.int64)
+        else:
+            rows = self._write_pending(rows, tokens, positions)
         self.pending = True
         positions = positions.to(torch.int64)
         self.pos[rows] = torch.where(self.enabled, positions, torch.full_like(positions, -1))
@@ -96,6 +146,7 @@ class DeferredDraftKv:
         """After graph capture (its runs fed dummy rows)."""
         self.pos.fill_(-1)
         self.pending = False
+        self._ahead = False
 
     def disable(self) -> None:
         """The scheduler keeps the speculative layout, where each plain step writes its own draft
@@ -103,6 +154,19 @@ class DeferredDraftKv:
         request reuses would otherwise have its old pending K/V written at a freed slot)."""
         self.enabled.fill_(False)
         self.reset()
+
+
+def head_hook(deferred: DeferredDraftKv, runner_class: type) -> Any:
+    """ModelRunner.capture_head_hooks entry: inside the zero-step state's DECODE graph (and its
+    warm-up runs), before the target's forward, the pending K/V written beside it."""
+
+    def hook(graph_runner: Any, forward_batch: Any) -> None:
+        if not isinstance(graph_runner, runner_class):
+            return
+        deferred.write_ahead(forward_batch.req_pool_indices, forward_batch.input_ids,
+                             forward_batch.positions)
+
+    return hook
 
 
 def tail_hook(deferred: DeferredDraftKv, runner_class: type) -> Any:
@@ -140,6 +204,8 @@ def install(worker: Any, runner_class: type) -> DeferredDraftKv:
     runner = draft_worker.draft_runner
     target = worker.target_worker.model_runner
     fc = runner.model.model.fc
+    heads: list[Any] | None = getattr(target, "capture_head_hooks", None)
+    fork = heads is not None and fc.weight.device.type == "cuda"
     deferred = DeferredDraftKv(
         runner.model.model,
         runner.token_to_kv_pool,
@@ -147,7 +213,10 @@ def install(worker: Any, runner_class: type) -> DeferredDraftKv:
         hidden_size=int(fc.weight.shape[1]),
         dtype=fc.weight.dtype,
         device=fc.weight.device,
+        side=SideStream(fc.weight.device) if fork else None,
     )
+    if heads is not None and fork:
+        heads.append(head_hook(deferred, runner_class))
     target.capture_tail_hooks.append(tail_hook(deferred, runner_class))
     own.deferred = deferred
     return deferred
