@@ -315,6 +315,8 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"- {label(name)}: threshold {st.get('threshold')}{crossover}, "
                          f"{st.get('speculative_steps')} speculative / {st.get('plain_steps')} plain steps, "
                          f"{st.get('mode_changes')} mode changes" + acceptance_note(st))
+            if st.get("estimates"):  # auto: what it measured, per batch-size bucket
+                lines.append(f"- {label(name)}: per bucket, speculative / plain: {st['estimates']}")
     lines += [f"- server: {e}" for e in result.get("server_events", [])]
     lines += [f"- {label(n)} not run: {why}" for n, why in result.get("not_run", {}).items()]
     lines += [f"- remaining: {s}" for s in result.get("skipped", [])]

@@ -1085,3 +1085,16 @@ def test_what_the_host_did_during_a_window_is_kept(monkeypatch):
     result["blocks"]["1"][1]["windows"]["plain"]["host"] = {"steal_share": 0.10, "gpu_sm_mhz": 1755.0}
     assert ("- the host over the windows: CPU time stolen by the hypervisor 2.0-10.0%; GPU SM clock "
             "1755-1980 MHz") in bench_report.markdown(result)
+
+
+def test_the_report_shows_what_auto_measured_per_bucket():
+    # Row 35: auto ran plain at 1 and 16 requests and the report gave only its crossover; the
+    # server's per-bucket estimates say why it moved there.
+    result = json.loads(RESULT.read_text())
+    estimates = "1-1: 494 / 251 tok/s (30/5 steps); 9-16: 5188 / 2973 tok/s (30/5 steps)"
+    result["servers"]["eagle3_auto"] = {"kv_used_after_flush": 0, "running_limit": 4096, "speculative_disable": {
+        "threshold": "auto", "crossover": 16, "speculative_steps": 10, "plain_steps": 5, "mode_changes": 2,
+        "estimates": estimates}}
+    md = bench_report.markdown(result)
+    assert f"EAGLE-3 + auto: per bucket, speculative / plain: {estimates}" in md
+    assert "threshold 16: per bucket" not in md  # a fixed threshold measures nothing
