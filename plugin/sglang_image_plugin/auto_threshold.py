@@ -224,10 +224,6 @@ class _Bucket:
         b, t = self.batch[mode].value, self.seconds[mode].value
         return None if b is None or t is None else (b, t)
 
-    def counts(self, mode: Mode, min_samples: int) -> bool:
-        """Whether this mode's step time here has enough steps (or a prior) to decide on."""
-        return self.seconds[mode].enough(min_samples)
-
     def reference_batch(self) -> float:
         """The batch size this bucket's traffic runs at, both modes pooled."""
         weight = sum(a.weight for a in self.batch.values())
@@ -383,7 +379,7 @@ class AutoController:
         """Whether this mode was measured here lately, in enough steps to decide on."""
         seen = bucket.last_seen[mode]
         return (seen is not None and self.steps - seen <= self.config.stale_steps
-                and bucket.counts(mode, self.config.min_samples))
+                and bucket.seconds[mode].enough(self.config.min_samples))
 
     def _explore(self, index: int) -> Mode | None:
         """The mode to explore this step, None to follow the crossover."""
@@ -443,12 +439,12 @@ class AutoController:
 
     def _counts(self, bucket: _Bucket) -> bool:
         """Whether both modes' step times in this bucket have enough steps to decide on."""
-        return all(bucket.counts(m, self.config.min_samples) for m in Mode)
+        return all(bucket.seconds[m].enough(self.config.min_samples) for m in Mode)
 
     def _curves(self) -> dict[Mode, list[tuple[float, float]]]:
         """Per mode, the (batch size, step seconds) of the buckets it counts in, by batch size."""
         return {m: sorted(p for b in self._buckets
-                          if b.counts(m, self.config.min_samples) and (p := b.point(m)) is not None)
+                          if b.seconds[m].enough(self.config.min_samples) and (p := b.point(m)) is not None)
                 for m in Mode}
 
     @staticmethod

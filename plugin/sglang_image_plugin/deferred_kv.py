@@ -38,9 +38,11 @@ from sglang_image_plugin.state import DraftState
 
 
 class SideStream:
-    """A CUDA stream beside the current one (upstream forks its in-graph metadata prep the same
-    way): work forked onto it is recorded into a graph being captured as a parallel branch, and
-    the current stream waits for it at the join."""
+    """A CUDA stream beside the current one: work forked onto it is recorded into a graph being
+    captured as a parallel branch, and the current stream waits for it at the join. Upstream forks
+    its in-graph metadata prep the same way, but its helper (forked_metadata_prep) keeps one
+    pending join that the graph runner requires joined right after the forward, before the tail
+    hooks: this one is joined in the tail."""
 
     def __init__(self, device: Any) -> None:
         import torch
@@ -204,8 +206,9 @@ def install(worker: Any, runner_class: type) -> DeferredDraftKv:
     runner = draft_worker.draft_runner
     target = worker.target_worker.model_runner
     fc = runner.model.model.fc
-    heads: list[Any] | None = getattr(target, "capture_head_hooks", None)
-    fork = heads is not None and fc.weight.device.type == "cuda"
+    # the pending write forks onto a side stream where the graph runner has head hooks (on CUDA)
+    heads: list[Any] | None = (getattr(target, "capture_head_hooks", None)
+                               if fc.weight.device.type == "cuda" else None)
     deferred = DeferredDraftKv(
         runner.model.model,
         runner.token_to_kv_pool,
@@ -213,9 +216,9 @@ def install(worker: Any, runner_class: type) -> DeferredDraftKv:
         hidden_size=int(fc.weight.shape[1]),
         dtype=fc.weight.dtype,
         device=fc.weight.device,
-        side=SideStream(fc.weight.device) if fork else None,
+        side=SideStream(fc.weight.device) if heads is not None else None,
     )
-    if heads is not None and fork:
+    if heads is not None:
         heads.append(head_hook(deferred, runner_class))
     target.capture_tail_hooks.append(tail_hook(deferred, runner_class))
     own.deferred = deferred
