@@ -81,7 +81,7 @@ ADAPTIVE_CONFIG = {
     "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
 }
 START_S = 150  # the servers' start, side by side, budgeted until measured
-WARM_S = 30  # their warm-up, side by side, budgeted until measured
+WARM_S = 15  # one server's warm-up (they warm up one after the other), budgeted until measured
 WINDOW_END_S = 1.5  # a window's end: the abort, the requests coming back, the next cache flush
 MAX_PROMPT_LEN = 64  # prompts of 32-64 tokens
 MODE_POLL_S = 0.5  # how often the ramp asks a threshold server for its mode
@@ -547,13 +547,13 @@ class Bench:
         return 60.0  # diagnose: a full-load window with py-spy and the profiler
 
     def start_cost(self) -> float:
-        """Starting and warming up whatever is not up and warm yet, side by side: the slowest of
-        them (a server an earlier call left running costs nothing)."""
+        """Starting whatever is not up yet, side by side (the slowest start), then warming up what
+        is not warm yet, one after the other (a server an earlier call left running costs nothing)."""
         configs = {name: server_config(name, self.opts) for name in self.names}
         alive = self.pool.recorded_alive(configs, self.opts.key_extra)
         starts = [self.result["start_s"].get(n, START_S) for n in self.names if n not in alive]
-        warms = [self.result["warm_s"].get(n, WARM_S) for n in self.names if not alive.get(n)]
-        return max(starts, default=0.0) + max(warms, default=0.0)
+        warms = [float(self.result["warm_s"].get(n, WARM_S)) for n in self.names if not alive.get(n)]
+        return max(starts, default=0.0) + sum(warms)
 
     def reserve(self) -> float:
         """The end of a call: the report, and where the bench is complete, each server's checks and stop."""
@@ -565,7 +565,7 @@ class Bench:
     # -------------------------------------------------------- servers
     def up(self) -> None:
         """Every server healthy (the recorded ones reused, the rest started side by side), pinned to
-        its CPUs and warmed up once; then no recorded server of this host still starting."""
+        its CPUs and warmed up once, one after the other; then no recorded server of this host still starting."""
         configs = {name: server_config(name, self.opts) for name in self.names}
         timeout = min(self.opts.health_timeout, self.opts.deadline.left() - self.reserve())
         self.pool.ensure(configs, self.opts.key_extra, self.log_path, timeout)
@@ -578,24 +578,11 @@ class Bench:
         if len(set(pools.values())) > 1 and not any(f.startswith("unequal KV pools") for f in self.result["checks"]):
             self.result["checks"].append(f"unequal KV pools {pools}: lower --mem-share or set --max-total-tokens "
                                          "so that every server holds the same")
-        cold = [n for n in self.names if not self.pool.warmed(n)]
-        t0 = time.time()
-        errors: list[BaseException] = []
-
-        def warm(name: str) -> None:
-            try:
-                warm_up(self.servers[name].base, self.opts)
-            except BaseException as exc:  # noqa: BLE001 - raised below, after every thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=warm, args=(n,)) for n in cold]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        for name in cold:
+        # One at a time: a server that learns from its own step times (`auto`) would otherwise learn
+        # them while the others share the GPU (four warming up side by side made its steps 4x slower).
+        for name in [n for n in self.names if not self.pool.warmed(n)]:
+            t0 = time.time()
+            warm_up(self.servers[name].base, self.opts)
             self.pool.mark_warmed(name)
             self.result["warm_s"][name] = round(time.time() - t0, 1)
         self.pool.wait_for_other_starts(min(self.opts.health_timeout, self.opts.deadline.left() - self.reserve()))

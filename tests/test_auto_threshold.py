@@ -547,6 +547,9 @@ class OverlapLoop:
         self.waiting: tuple[float, tuple[list[int], int] | None] | None = None
         self.compiled: set[tuple[str, int]] = set()
         self.kinds: list[tuple[str, int]] = []
+        # steps of these kinds share the GPU with other servers' (each takes shared_by times as long)
+        self.shared_kinds: frozenset[str] = frozenset()
+        self.shared_by = 4
 
     @staticmethod
     def gpu_seconds(kind: str, batch: int) -> float:
@@ -581,6 +584,7 @@ class OverlapLoop:
         kind = "speculative" if steps else ("catch-up" if self.policy.full_draft_extend else "plain")
         self.kinds.append((kind, batch))
         seconds = self.gpu_seconds(kind, batch) * math.exp(self.rng.gauss(0, 0.05))
+        seconds *= self.shared_by if kind in self.shared_kinds else 1
         self._launch((kind, batch), seconds, ([2] * batch if steps else [0] * batch, batch))
         return 3 if steps else 1
 
@@ -631,3 +635,28 @@ def test_a_benchmark_s_traffic_through_the_overlap_loop():
         elif clients == 256:
             assert speculative < 0.1, (clients, speculative, ctl.estimates_text())
     assert ctl.crossover() in (16, 32, 64), ctl.estimates_text()
+
+
+def test_a_mode_timed_while_the_gpu_was_shared_is_timed_again():
+    """Four servers warming up side by side, as the bench did: on the H200 the others' requests
+    overlapped this server's speculative steps at one request (21 steps timed at 85 tok/s, 4x
+    slow) but not its first plain burst (5 steps at 227 tok/s, as alone). Then the bench's loads at
+    1 and 16 clients, alone. Speculation, never timed again at one request (plain won there), kept
+    the server plain at 1 and, by the prefix rule, at 16 (0.45x and 0.62x of a fixed threshold).
+    Now those steps go stale (about one 4 s load at one request) and speculation is explored again,
+    its new steps replacing the old; and when the crossover rises to 16, a batch of 16 running
+    plain takes its side at once (the batch-size hysteresis held it plain)."""
+    ctl = AutoController(AutoConfig(max_batch_size=4096))
+    loop = OverlapLoop(CatchUpPolicy(AutoPolicy(ctl, 3)), random.Random(0))
+    loop.shared_kinds = frozenset({"speculative", "catch-up"})
+    for clients in (1, 16, 64, 256):
+        loop.load(clients, 32, requests=max(2, clients))
+    loop.shared_kinds = frozenset()
+    for clients in (1, 16):
+        shares = []
+        for _ in range(4):
+            start = len(loop.kinds)
+            loop.load(clients, 256, seconds=4.0)
+            steps = [kind for kind, batch in loop.kinds[start:] if batch == clients]
+            shares.append(steps.count("speculative") / len(steps))
+        assert min(shares[2:]) > 0.95, (clients, shares, ctl.estimates_text())

@@ -611,13 +611,31 @@ def test_a_deadline_too_short_starts_no_server_and_says_so(tmp_path):
     assert "remaining: concurrency 256: 6 of 6 blocks" in result["table"] and not result["blocks"]
 
 
+def test_servers_warm_up_one_after_the_other(lab, monkeypatch):
+    """A server that learns its crossover from its own step times must not learn them while the
+    others share the GPU: the warm-ups do not overlap."""
+    active: list[str] = []
+    seen: list[tuple[str, int]] = []
+
+    def warm_up(base: str, opts: bench.BenchOptions) -> None:
+        active.append(base)
+        seen.append((base.removeprefix("http://"), len(active)))
+        time.sleep(0.02)  # long enough for a second thread to enter, were there one
+        lab.spend(10)
+        active.remove(base)
+
+    monkeypatch.setattr(bench, "warm_up", warm_up)
+    bench.run_bench(lab.options(400, configs=("plain", "eagle3", "plain_twin")), {})
+    assert seen == [("plain", 1), ("eagle3", 1), ("plain_twin", 1)]
+
+
 def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
     """Three calls with one state, as e2e makes them after each deadline: the servers start once,
     side by side, and the later calls use them; no block or ramp is measured twice; the blocks of
     one concurrency come back to back, the order reversed every other one; the bench complete, the
     servers are checked and stopped, and a call after the end measures nothing. Budgets: a start
-    150 s + a warm-up 30 s until measured; a block (settle + window + 2 s) per server; 20 s + 12 s
-    per server kept to end a call."""
+    150 s + a warm-up 15 s per server until measured; a block (settle + window + 2 s) per server;
+    20 s + 12 s per server kept to end a call."""
     state: dict[str, Any] = {}
     saved: list[list[str]] = []
     # plan: 180 s to start, 2 x 23 s a block, 44 s kept = 270 s; spent: 60 + 20 s to start, 42 s a block

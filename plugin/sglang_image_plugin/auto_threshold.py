@@ -25,13 +25,16 @@ that maximizes the summed log advantage of the speculating buckets. Every `updat
 moves there only if that beats the current split by `margin` plus twice the noise of the
 difference (from the spread of the step times): hysteresis on the estimate. Running batches
 switch like a fixed threshold N = crossover: plain above N, speculative again at N - N//8
-(hysteresis on the batch size), so one arrival does not flip the mode.
+(hysteresis on the batch size), so one arrival does not flip the mode; when the crossover
+moves, the running batch takes its side at once.
 
 The live accept length is measured wherever the server speculates and applied to every bucket,
 so a shift of acceptance moves the crossover without exploring. A bucket whose other mode has no
 recent measurement (`stale_steps`) of `min_samples` steps runs that mode for `explore_steps` steps, at most one such burst
 every `explore_gap` steps; so does a bucket next to the crossover whose advantage is still within
-its noise. Exploration costs at most explore_steps / explore_gap of the steps.
+its noise. Steps measured after a stale gap replace the old ones where the two differ beyond
+their noise: a mode timed once, while something else slowed the GPU, and never again (the other
+mode winning there), would otherwise hold the bucket's decision for good. Exploration costs at most explore_steps / explore_gap of the steps.
 A cold start may take a prior (for example step times timed at CUDA-graph capture, per batch size):
 one step of each mode in each bucket it covers, which counts there at once and which the steps
 measured then outvote; without one it speculates everywhere, as EAGLE-3 does, until measurements
@@ -95,7 +98,10 @@ class AutoConfig:
     # (`window`: 30 at 0.9)
     memory: float = 0.9
     accept_memory: float = 0.98  # per-step weight kept by the live accept length (~50 steps)
-    stale_steps: int = 4000  # a measurement older than this many steps is not recent
+    # a measurement older than this many steps is not recent: the bucket explores that mode again
+    # (at most ~0.6% of the steps, in bursts of explore_steps), and where the new steps differ
+    # from the old beyond their noise they replace them (see _Bucket.add)
+    stale_steps: int = 1024
     # steps of one exploration burst; the first one or two time the step before (see AutoPolicy)
     explore_steps: int = 6
     explore_gap: int = 256  # steps between the starts of two bursts, at least
@@ -174,17 +180,35 @@ class _Average:
 
 class _Times:
     """One mode's recent step seconds in one bucket: their median, which a few steps that carried
-    something else do not move far, and its noise."""
+    something else do not move far, its noise, and the mean batch size of those steps."""
 
     def __init__(self, window: int) -> None:
         self._samples: deque[float] = deque(maxlen=window)
+        self._batches: deque[float] = deque(maxlen=window)
         self.seeded = False  # holds a prior's step (AutoController._seed)
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, batch_size: float) -> None:
         self._samples.append(value)
+        self._batches.append(batch_size)
+
+    def extend(self, other: _Times) -> None:
+        self._samples.extend(other._samples)
+        self._batches.extend(other._batches)
+
+    @property
+    def batch(self) -> float | None:
+        return statistics.fmean(self._batches) if self._batches else None
 
     def __len__(self) -> int:
         return len(self._samples)
+
+    def differs(self, other: _Times) -> bool:
+        """Whether the two medians are apart by more than three times the noise of their ratio
+        (a few steps' spread is itself uncertain)."""
+        a, b = self.value, other.value
+        if a is None or b is None:
+            return True
+        return abs(math.log(a / b)) > 3 * math.sqrt(self.relative_variance() + other.relative_variance())
 
     def enough(self, min_samples: int) -> bool:
         """Whether to decide on it: min_samples steps (or all the window holds), or a prior."""
@@ -211,17 +235,37 @@ class _Bucket:
     low: int
     high: int
     window: int
-    # per mode: step seconds, and the batch sizes they were measured at
+    # per mode: recent step seconds and their batch sizes; and the batch sizes of its traffic
     seconds: dict[Mode, _Times] = field(init=False)
     batch: dict[Mode, _Average] = field(default_factory=lambda: {m: _Average() for m in Mode})
     last_seen: dict[Mode, int | None] = field(default_factory=lambda: {m: None for m in Mode})
 
     def __post_init__(self) -> None:
         self.seconds = {m: _Times(self.window) for m in Mode}
+        self.fresh: dict[Mode, _Times | None] = dict.fromkeys(Mode)  # see add
+
+    def add(self, mode: Mode, seconds: float, batch_size: int, after_stale_gap: bool, min_samples: int) -> None:
+        """One step's seconds. The steps after a stale gap gather apart until they are enough to
+        decide on (the old ones count meanwhile); then they replace the old ones if the two differ
+        beyond their noise (the GPU was not what it is now, e.g. shared), else they join them
+        (a window of a few steps would decide on more noise)."""
+        if after_stale_gap:
+            self.fresh[mode] = _Times(self.window)
+        fresh = self.fresh[mode]
+        if fresh is None:
+            self.seconds[mode].add(seconds, batch_size)
+            return
+        fresh.add(seconds, batch_size)
+        if fresh.enough(min_samples):
+            old, self.fresh[mode] = self.seconds[mode], None
+            if old.differs(fresh):
+                self.seconds[mode] = fresh
+            else:
+                old.extend(fresh)
 
     def point(self, mode: Mode) -> tuple[float, float] | None:
-        """(batch size, step seconds) of this mode here, None before a measurement."""
-        b, t = self.batch[mode].value, self.seconds[mode].value
+        """(batch size, step seconds) of this mode's recent steps here, None before a measurement."""
+        b, t = self.seconds[mode].batch, self.seconds[mode].value
         return None if b is None or t is None else (b, t)
 
     def reference_batch(self) -> float:
@@ -283,6 +327,7 @@ class AutoController:
             self._seed(prior)
             if agree is not None:
                 self._split = agree(Decision(self._split, frozenset())).split
+        self._mode_for = self.crossover()  # the crossover self._mode was last set against
 
     # ------------------------------------------------------------------ per step
     def decide(self, batch_size: int) -> Mode:
@@ -293,7 +338,13 @@ class AutoController:
         if self.steps % self.config.update_every == 0:
             self._update()
         n = self.crossover()
-        if self._mode is Mode.SPECULATIVE and batch_size > n:
+        if n != self._mode_for:
+            # the estimate moved the crossover: the batch takes its side now (hysteresis holds a
+            # mode against the batch size's wobble, not against a new estimate; a closed loop of
+            # exactly N requests would otherwise stay plain under a crossover that rose to N)
+            self._mode_for = n
+            self._mode = Mode.SPECULATIVE if batch_size <= n else Mode.PLAIN
+        elif self._mode is Mode.SPECULATIVE and batch_size > n:
             self._mode = Mode.PLAIN
         elif self._mode is Mode.PLAIN and batch_size <= resume_batch_size(n):
             self._mode = Mode.SPECULATIVE
@@ -319,7 +370,9 @@ class AutoController:
         if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
             raise ValueError(f"record: output_tokens must be a whole number >= 0, got {output_tokens!r}")
         bucket = self._buckets[self._bucket(batch_size)]
-        bucket.seconds[mode].add(step_seconds)
+        seen = bucket.last_seen[mode]
+        bucket.add(mode, step_seconds, batch_size, seen is not None and self.steps - seen > self.config.stale_steps,
+                   self.config.min_samples)
         bucket.batch[mode].add(batch_size, self.config.memory)
         bucket.last_seen[mode] = self.steps
         if mode is Mode.SPECULATIVE:
@@ -511,7 +564,7 @@ class AutoController:
                 by_bucket.setdefault(self._bucket(batch_size), []).append((batch_size, t))
             for index, points in by_bucket.items():
                 bucket = self._buckets[index]
-                bucket.seconds[mode].add(statistics.fmean(t for _, t in points))
+                bucket.seconds[mode].add(statistics.fmean(t for _, t in points), statistics.fmean(b for b, _ in points))
                 bucket.seconds[mode].seeded = True
                 bucket.batch[mode].add(statistics.fmean(b for b, _ in points), self.config.memory)
         self._accept.add(prior.accept_length, self.config.accept_memory)
