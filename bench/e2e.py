@@ -368,7 +368,10 @@ class E2E:
                                            threshold=self.smoke_threshold()[1],
                                            deadline=self.deadline,
                                            variants=tuple(self.a.feature_variants.split(",")),
-                                           parallel_variants=self.a.parallel_variants)
+                                           parallel_variants=self.a.parallel_variants,
+                                           # progress in e2e.log, and the state on disk as each
+                                           # case is done: a call killed from outside keeps them
+                                           progress=self.log, save_state=self.save)
         rep = features_mod.run_features(opts, st)
         self.state["features_report"] = rep
         self.log("\n" + features_mod.summarize(rep))

@@ -14,6 +14,12 @@ the change did not happen while the case's requests were in flight. After every 
 KV pool must be back to its idle size. The KV-pressure case runs once per server, with 256
 concurrent requests against a small pool, so that the scheduler retracts requests in both modes.
 
+The matrix keeps its deadline: each request takes its timeout from the time left as it starts, a
+case starts only with time left for it, and a case the deadline cuts short is skipped, not failed.
+What is finished is kept in the resume state as it ends (the references case by case, each variant's
+cases one by one): the next call with the same state runs only what is missing. A line is printed as
+each piece ends.
+
 What "equal" means per case (the reference is always the plain server):
   greedy, stop, constrained, penalties, n>1, long prompts, KV pressure: token ids (and finish reason)
     equal; streams: the streamed text equal.
@@ -36,6 +42,7 @@ import math
 import random
 import re
 import statistics
+import threading
 import time
 import traceback
 import urllib.request
@@ -48,6 +55,7 @@ from typing import Any
 from smoke import client
 from smoke.runner import (
     DEFAULT_THRESHOLD,
+    REFERENCE_CONCURRENCY,
     Deadline,
     check_kv_back,
     check_log_clean,
@@ -81,10 +89,33 @@ STOP_REPEATS = 5         # the stop case's requests, each sent this many times (
 ATTEMPTS = 3             # runs of a case under a crossing mode before "the mode did not change" fails
 RETRACT_LOG = re.compile(r"Retract requests")  # the scheduler's warning (not `retraction_policy`)
 SCHEDULE_CONSERVATIVENESS = 0.2  # admit against ~14% of max_new_tokens, so 256 requests overfill the pool
+# The deadline: every request ends REQUEST_MARGIN_S before it, so that the servers stop and the report
+# is written in time; with less than MIN_REQUEST_S left before that, a request is not started.
+REQUEST_CAP_S = 600.0    # a request that hangs fails after this long, deadline or not
+REQUEST_MARGIN_S = 25.0
+MIN_REQUEST_S = 10.0
+DEADLINE = "deadline: "  # an Outcome's error that starts so: the deadline, not the server, stopped it
+# A case starts only with this much left (beyond the margin): the slowest case of this call so far,
+# half again (the cases differ: stop repeats its requests, a crossing may need all ATTEMPTS), and at
+# least CASE_RESERVE_MIN_S (the first case has no measure yet; four modes' waits for the mode and for
+# the pool alone take about a minute). A case cut short is run again whole by the next call.
+CASE_RESERVE_FACTOR = 1.5
+CASE_RESERVE_MIN_S = 90.0
+# A run of one mode starts only with this much left (beyond the margin): before its requests go out
+# it may wait 20 s for the filler to move the mode and 10 s for its first request to run.
+MODE_RESERVE_S = 45.0
+# The resume state is written by the variants' threads at once (each its own entries); the caller's
+# save_state reads all of it.
+STATE_LOCK = threading.Lock()
 
 
 class DeadlineReached(Exception):
-    """Too little time is left to start the named server: the next call resumes there."""
+    """Too little time is left to start the named server, or to finish its work: the next call
+    resumes there."""
+
+
+class CaseInterrupted(Exception):
+    """The deadline stopped a case (not the server): skipped, and run again by the next call."""
 
 
 class CaseFailure(Exception):
@@ -138,12 +169,16 @@ def read_generate(answer: Any) -> Outcome:
 def sse_events(url: str, payload: dict[str, Any], timeout: float,
                stop_after: int | None = None) -> list[dict[str, Any]]:
     """The JSON events of a server-sent-events answer; with stop_after, the connection is closed
-    after that many (the server must abort the request)."""
+    after that many (the server must abort the request). `timeout` bounds the whole stream (the
+    socket's own timeout bounds each read only)."""
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
     events: list[dict[str, Any]] = []
+    ends_at = time.time() + timeout
     with urllib.request.urlopen(req, timeout=timeout) as answer:
         for raw in answer:
+            if time.time() > ends_at:
+                raise TimeoutError(f"the stream ran past its timeout ({timeout:.0f}s)")
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:"):
                 continue
@@ -168,7 +203,33 @@ def read_stream(events: list[dict[str, Any]], chat: bool) -> Outcome:
     return Outcome(text=["".join(text)], finish=[finish])
 
 
-def send(base: str, req: Request, timeout: float) -> Outcome:
+def request_budget(deadline: Deadline, cap: float = REQUEST_CAP_S) -> float | None:
+    """The timeout of a request started now: it ends REQUEST_MARGIN_S before the deadline; None when
+    too little time is left to start one."""
+    left = deadline.left() - REQUEST_MARGIN_S
+    return min(cap, left) if left >= MIN_REQUEST_S else None
+
+
+def cut_by_deadline(outs: Sequence[Outcome]) -> bool:
+    """Whether the deadline stopped one of these requests (or kept it from starting)."""
+    return any(o.error is not None and o.error.startswith(DEADLINE) for o in outs)
+
+
+def send(base: str, req: Request, deadline: Deadline, cap: float = REQUEST_CAP_S) -> Outcome:
+    """One request, its timeout taken from the deadline as it starts; one the deadline stopped or
+    kept from starting answers an error that starts with DEADLINE."""
+    timeout = request_budget(deadline, cap)
+    if timeout is None:
+        return Outcome(error=f"{DEADLINE}not started, {deadline.left():.0f}s left")
+    try:
+        return _send(base, req, timeout)
+    except (client.HTTPFailure, OSError, ValueError) as exc:
+        # a timeout the deadline shortened ran out with the deadline: not the server's failure
+        why = DEADLINE if timeout < cap and request_budget(deadline) is None else ""
+        return Outcome(error=f"{why}{type(exc).__name__}: {exc}"[:600])
+
+
+def _send(base: str, req: Request, timeout: float) -> Outcome:
     try:
         if req.kind == "generate":
             return read_generate(client.post_json(base + "/generate", req.payload, timeout))
@@ -181,15 +242,13 @@ def send(base: str, req: Request, timeout: float) -> Outcome:
         raise ValueError(f"unknown request kind {req.kind}")
     except CaseFailure as exc:
         return Outcome(error=str(exc))
-    except (client.HTTPFailure, OSError, ValueError) as exc:
-        return Outcome(error=f"{type(exc).__name__}: {exc}"[:600])
 
 
-def send_all(base: str, reqs: Sequence[Request], concurrency: int, timeout: float) -> list[Outcome]:
+def send_all(base: str, reqs: Sequence[Request], concurrency: int, deadline: Deadline) -> list[Outcome]:
     if concurrency <= 1:
-        return [send(base, r, timeout) for r in reqs]
+        return [send(base, r, deadline) for r in reqs]
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(pool.map(lambda r: send(base, r, timeout), reqs))
+        return list(pool.map(lambda r: send(base, r, deadline), reqs))
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -390,11 +449,12 @@ def stop_cases(base: Outcome, p: list[int]) -> list[Case]:
 # ----------------------------------------------------------------------------- load modes
 class Filler:
     """4N greedy requests that keep the threshold server's batch above the threshold. `rolling`: each
-    slot sends its next request when one ends, until stop(); else each slot sends one."""
+    slot sends its next request when one ends, until stop(); else each slot sends one. No request
+    outlives the deadline's margin, and none starts past it."""
 
-    def __init__(self, base: str, prompts: list[list[int]], max_new: int, tag: str, timeout: float,
+    def __init__(self, base: str, prompts: list[list[int]], max_new: int, tag: str, deadline: Deadline,
                  rolling: bool):
-        self.base, self.max_new, self.tag, self.timeout, self.rolling = base, max_new, tag, timeout, rolling
+        self.base, self.max_new, self.tag, self.deadline, self.rolling = base, max_new, tag, deadline, rolling
         self.stopping = False
         self.current: dict[int, str] = {}
         self.pool = ThreadPoolExecutor(max_workers=len(prompts))
@@ -403,13 +463,16 @@ class Filler:
     def _slot(self, i: int, ids: list[int]) -> str | None:
         k = 0
         while not self.stopping:
+            timeout = request_budget(self.deadline)
+            if timeout is None:
+                return None  # the case's own requests say that the deadline stopped the run
             rid = self.current[i] = f"{self.tag}-{i}-{k}"
             payload = {"input_ids": ids, "rid": rid, "sampling_params": {
                 "temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True}}
             try:
-                client.post_json(self.base + "/generate", payload, self.timeout)
+                client.post_json(self.base + "/generate", payload, timeout)
             except client.HTTPFailure as exc:
-                if not self.stopping:
+                if not self.stopping and request_budget(self.deadline) is not None:
                     return f"filler request {rid}: {exc}"[:400]
             k += 1
             if not self.rolling:
@@ -447,37 +510,46 @@ def wait_running(base: str, n: int, timeout: float = 10) -> None:
         time.sleep(0.01)
 
 
+def stop_if_cut(case: Case, mode: str, outs: Sequence[Outcome]) -> None:
+    """A run the deadline cut short proves nothing either way: the case is run again next call."""
+    if cut_by_deadline(outs):
+        raise CaseInterrupted(f"{case.name} {mode}: the deadline stopped its requests")
+
+
 def run_under(mode: str, base: str, case: Case, filler_prompts: list[list[int]],
-              timeout: float) -> tuple[list[Outcome], dict[str, Any]]:
+              deadline: Deadline) -> tuple[list[Outcome], dict[str, Any]]:
     """The case's requests on the threshold server under one load mode; what the mode did."""
     tag = f"filler-{case.name}-{mode}-{int(time.time() * 1000)}"
 
     def case_run() -> list[Outcome]:
-        return send_all(base, case.requests, case.concurrency, timeout)
+        return send_all(base, case.requests, case.concurrency, deadline)
 
     seen: dict[str, Any] = {}
     if mode == "below":
-        return case_run(), seen
+        outs = case_run()
+        stop_if_cut(case, mode, outs)
+        return outs, seen
     with ThreadPoolExecutor(max_workers=1) as one:
         if mode == "above":
-            filler = Filler(base, filler_prompts, 400, tag, timeout, rolling=True)
+            filler = Filler(base, filler_prompts, 400, tag, deadline, rolling=True)
             seen["plain_before"] = wait_mode(base, "plain")
             outs = case_run()
             seen["plain_after"] = spec_state(client.server_info(base))["mode"] == "plain"
             filler.stop()
+            stop_if_cut(case, mode, outs)
             if not (seen["plain_before"] and seen["plain_after"]):
                 raise NotExercised(f"above: the server was not in plain mode for the whole case ({seen})")
             return outs, seen
         if mode == "cross_up":
             fut = one.submit(case_run)
             wait_running(base, 1)  # the case's first request is in the batch
-            filler = Filler(base, filler_prompts, 400, tag, timeout, rolling=True)
+            filler = Filler(base, filler_prompts, 400, tag, deadline, rolling=True)
             seen["crossed_in_flight"] = wait_mode(base, "plain") and not fut.done()
             outs = fut.result()
             filler.stop()
         elif mode == "cross_down":
             # short: it ends while the case's requests (CASE_TOKENS new tokens) still run
-            filler = Filler(base, filler_prompts, 64, tag, timeout, rolling=False)
+            filler = Filler(base, filler_prompts, 64, tag, deadline, rolling=False)
             plain_before = wait_mode(base, "plain")
             fut = one.submit(case_run)
             seen["crossed_in_flight"] = plain_before and wait_mode(base, "speculative") and not fut.done()
@@ -485,6 +557,7 @@ def run_under(mode: str, base: str, case: Case, filler_prompts: list[list[int]],
             filler.wait()
         else:
             raise ValueError(mode)
+    stop_if_cut(case, mode, outs)
     if not seen.get("crossed_in_flight"):
         raise NotExercised(f"{mode}: the mode did not change while the case's requests were in flight "
                           f"({seen}): the run proved nothing")
@@ -492,6 +565,14 @@ def run_under(mode: str, base: str, case: Case, filler_prompts: list[list[int]],
 
 
 # ----------------------------------------------------------------------------- the matrix
+def print_now(line: str) -> None:
+    print(line, flush=True)
+
+
+def nothing_to_save() -> None:
+    pass
+
+
 @dataclass
 class FeatureOptions:
     models: Path
@@ -507,6 +588,11 @@ class FeatureOptions:
     # the variants' servers side by side, each on its own port: opt-in, as it needs a GPU with
     # memory for two servers (mem_fraction each)
     parallel_variants: bool = False
+    # a line as each piece of work ends: a call stopped from outside still shows where it was
+    progress: Callable[[str], None] = print_now
+    # called (under STATE_LOCK) each time a piece of work is kept in the resume state: the caller
+    # may write the state out, so that a call stopped from outside leaves it for the next
+    save_state: Callable[[], None] = nothing_to_save
 
 
 VARIANT_FLAGS = {"overlap": True, "sync": False}  # CUDA graphs on in both
@@ -536,71 +622,142 @@ def retractions(log: Path) -> int:
     return sum(1 for line in log.read_text(errors="replace").splitlines() if RETRACT_LOG.search(line))
 
 
+def pool_back(base: str, baseline: dict[str, Any], deadline: Deadline, timeout: float = 30) -> None:
+    """The KV pool back at its idle size after a run (wait_idle, ended by the deadline's margin). A
+    wait the deadline cut short is no failure: the pool may still have been emptying."""
+    allowed = min(timeout, deadline.left() - REQUEST_MARGIN_S)
+    idle = wait_idle(base, baseline, timeout=max(0.0, allowed))
+    try:
+        check_kv_back(baseline, idle)
+    except SmokeError as exc:
+        if allowed < timeout:
+            raise CaseInterrupted(f"the deadline came while the pool emptied: {exc.cause}") from exc
+        raise CaseFailure(exc.cause) from exc
+
+
 def run_case_mode(case: Case, mode: str, ref: list[Outcome], base: str, baseline: dict[str, Any],
-                  filler_prompts: list[list[int]], timeout: float) -> dict[str, Any]:
+                  filler_prompts: list[list[int]], deadline: Deadline) -> dict[str, Any]:
     before = spec_state(client.server_info(base))
     try:
-        outs, seen = run_under(mode, base, case, filler_prompts, timeout)
+        outs, seen = run_under(mode, base, case, filler_prompts, deadline)
         detail = case.check(ref, outs)
         after = spec_state(client.server_info(base))
         if mode == "below" and after["plain_steps"] - before["plain_steps"] > 1:
             raise CaseFailure(f"below: {after['plain_steps'] - before['plain_steps']} plain steps "
                               "while the batch stayed under the threshold")
-        idle = wait_idle(base, baseline)
-        try:
-            check_kv_back(baseline, idle)
-        except SmokeError as exc:
-            raise CaseFailure(exc.cause) from exc
+        pool_back(base, baseline, deadline)
         # the steps, not only the mode: on 0.5.17 a batch holding a grammar or penalties keeps
         # speculating while the mode is plain (they are applied inside verification)
         return {"ok": True, **detail, **seen, "mode_changes": after["mode_changes"] - before["mode_changes"],
                 "plain_steps": after["plain_steps"] - before["plain_steps"],
                 "speculative_steps": after["speculative_steps"] - before["speculative_steps"]}
     except CaseFailure as exc:
-        wait_idle(base, baseline)
+        wait_idle(base, baseline, timeout=max(0.0, min(30, deadline.left() - REQUEST_MARGIN_S)))
         return {"ok": False, "cause": str(exc), "not_exercised": isinstance(exc, NotExercised)}
 
 
 def run_case_modes(case: Case, ref: list[Outcome], base: str, baseline: dict[str, Any],
-                   filler_prompts: list[list[int]], timeout: float) -> dict[str, Any]:
+                   filler_prompts: list[list[int]], deadline: Deadline) -> dict[str, Any]:
+    """Every mode of the case, a mode that did not move as it needed tried again; CaseInterrupted
+    where the deadline leaves too little time for the next run."""
     rows: dict[str, Any] = {}
     for mode in case.modes:
         for attempt in range(1, ATTEMPTS + 1):
-            rows[mode] = run_case_mode(case, mode, ref, base, baseline, filler_prompts, timeout)
+            if deadline.left() - REQUEST_MARGIN_S < MODE_RESERVE_S:
+                raise CaseInterrupted(f"{case.name} {mode}: not started, {deadline.left():.0f}s left")
+            rows[mode] = run_case_mode(case, mode, ref, base, baseline, filler_prompts, deadline)
             rows[mode]["attempts"] = attempt
             if rows[mode]["ok"] or not rows[mode].get("not_exercised"):
                 break
     return rows
 
 
+def keep(opts: FeatureOptions, store: dict[str, Any], name: str, value: Any) -> None:
+    """One finished piece of work into the resume state (`store` lies inside it)."""
+    with STATE_LOCK:
+        store[name] = value
+        opts.save_state()
+
+
 def references(opts: FeatureOptions, cases: list[Case], stop_prompt: list[int],
                state: dict[str, Any]) -> tuple[list[Case], dict[str, list[Outcome]]]:
-    """Every case's answers from the plain server (kept in `state` between calls). The stop case is
-    made from the plain server's greedy output for stop_prompt, so it is added here."""
-    if "refs" not in state:
-        if opts.deadline.left() < opts.min_server_s:
-            raise DeadlineReached("plain")
-        log = opts.out / "features_plain.log"
-        with Server(server_config("features_plain", opts, draft=False), opts.port, log) as srv:
-            srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
-            timeout = opts.deadline.request_timeout(600)
-            base_out = send(srv.base, _gen(stop_prompt, max_new_tokens=64), timeout)
-            if base_out.error:
-                raise SmokeError(f"plain server: {base_out.error}", log=log)
-            state["stop_base"] = base_out.__dict__
-            refs = {c.name: [o.__dict__ for o in send_all(srv.base, c.requests, 8, timeout)]
-                    for c in cases + stop_cases(base_out, stop_prompt)}
-            for name, outs in refs.items():
-                errs = [o["error"] for o in outs if o["error"]]
-                if errs:
-                    raise SmokeError(f"plain server, case {name}: {errs[0]}", log=log)
+    """Every case's answers from the plain server, kept in `state` case by case: a call the deadline
+    stops keeps what it has (DeadlineReached), and the next asks the plain server only for the rest.
+    The stop case is made from the plain server's greedy output for stop_prompt, so it is added here."""
+    kept: dict[str, Any] = state.setdefault("refs", {})
+
+    def all_cases() -> list[Case]:
+        return cases + stop_cases(Outcome(**state["stop_base"]), stop_prompt)
+
+    if "stop_base" not in state or any(c.name not in kept for c in all_cases()):
+        answer_references(opts, cases, stop_prompt, state)
+    every = all_cases()
+    return every, {c.name: [Outcome(**o) for o in state["refs"][c.name]] for c in every}
+
+
+def answer_references(opts: FeatureOptions, cases: list[Case], stop_prompt: list[int],
+                      state: dict[str, Any]) -> None:
+    """The plain server answers what `state` lacks. A failure forgets every answer kept so far (a
+    failed plain server's answers are not trusted: the next call asks again); the deadline keeps
+    them and raises DeadlineReached."""
+    if opts.deadline.left() < opts.min_server_s:
+        raise DeadlineReached("plain")
+    log = opts.out / "features_plain.log"
+    with Server(server_config("features_plain", opts, draft=False), opts.port, log) as srv:
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
+        opts.progress(f"features references: plain server up in {srv.start_seconds:.0f}s "
+                      f"(left {opts.deadline.left():.0f}s)")
+        try:
+            finished = answer_missing(opts, srv.base, cases, stop_prompt, state, log)
             check_log_clean(log.read_text(errors="replace"))
-        state["refs"] = refs
-    all_cases = cases + stop_cases(Outcome(**state["stop_base"]), stop_prompt)
-    return all_cases, {k: [Outcome(**o) for o in v] for k, v in state["refs"].items()}
+        except (SmokeError, client.HTTPFailure):
+            with STATE_LOCK:
+                state.pop("refs", None)
+                state.pop("stop_base", None)
+                opts.save_state()
+            raise
+    if not finished:
+        raise DeadlineReached("plain")
+
+
+def answer_missing(opts: FeatureOptions, base: str, cases: list[Case], stop_prompt: list[int],
+                   state: dict[str, Any], log: Path) -> bool:
+    """The stop case's base request first (the stop case is made from its answer), then each case
+    not in state["refs"], REFERENCE_CONCURRENCY requests at a time (as the smoke's references: the
+    models' greedy outputs do not depend on the batch), each kept as it completes. False where the
+    deadline stopped it."""
+    if "stop_base" not in state:
+        out = send(base, _gen(stop_prompt, max_new_tokens=64), opts.deadline)
+        if cut_by_deadline([out]):
+            opts.progress("features references: stopped by the deadline before the first case")
+            return False
+        if out.error:
+            raise SmokeError(f"plain server: {out.error}", log=log)
+        keep(opts, state, "stop_base", out.__dict__)
+    kept: dict[str, Any] = state["refs"]
+    todo = [c for c in cases + stop_cases(Outcome(**state["stop_base"]), stop_prompt) if c.name not in kept]
+    opts.progress(f"features references: {len(todo)} case(s) to answer")
+    for done, case in enumerate(todo):
+        started = opts.deadline.left()
+        outs = send_all(base, case.requests, REFERENCE_CONCURRENCY, opts.deadline)
+        if cut_by_deadline(outs):
+            opts.progress(f"features references: stopped by the deadline at {case.name}; "
+                          f"{len(todo) - done} case(s) left for the next call")
+            return False
+        errs = [o.error for o in outs if o.error]
+        if errs:
+            raise SmokeError(f"plain server, case {case.name}: {errs[0]}", log=log)
+        keep(opts, kept, case.name, [o.__dict__ for o in outs])
+        opts.progress(f"features references: {case.name} {len(outs)} request(s) "
+                      f"{started - opts.deadline.left():.1f}s (left {opts.deadline.left():.0f}s)")
+    opts.progress("features references: done")
+    return True
 
 
 def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The plain server's references, then each variant's matrix. `state` (a dict kept between
+    calls) holds what is finished: the references case by case, each variant's finished cases
+    (state["variant_cases"]) and its report once it ran to its end (state["variants"])."""
     state = state if state is not None else {}
     opts.out.mkdir(parents=True, exist_ok=True)
     expected = json.loads((opts.models / "expected.json").read_text())
@@ -625,8 +782,10 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
         return report
     report["cases"] = {c.name: c.note for c in cases}
     done = state.setdefault("variants", {})
+    cases_kept = state.setdefault("variant_cases", {})
+    matrix = [c for c in cases if c is not pressure]
     if opts.parallel_variants:
-        run_side_by_side(opts, [c for c in cases if c is not pressure], refs, pressure, vocab, done, report)
+        run_side_by_side(opts, matrix, refs, pressure, vocab, done, cases_kept, report)
     else:
         for key in opts.variants:
             if key in done:
@@ -635,10 +794,9 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
             if opts.deadline.left() < opts.min_server_s:
                 report.setdefault("skipped", []).append(key)
                 continue
-            rep = run_variant(opts, key, [c for c in cases if c is not pressure], refs, pressure, vocab)
+            rep = run_variant(opts, key, matrix, refs, pressure, vocab, kept=cases_kept.setdefault(key, {}))
             report["variants"][key] = rep
-            if not rep.get("skipped"):
-                done[key] = rep
+            file_variant(done, cases_kept, key, rep)
     for key, rep in report["variants"].items():
         if rep.get("cause"):
             report["failures"].append({"variant": key, "case": "-", "mode": "-", "cause": rep["cause"],
@@ -653,11 +811,25 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
     return report
 
 
+def file_variant(done: dict[str, Any], cases_kept: dict[str, Any], key: str, rep: dict[str, Any],
+                 crashed: bool = False) -> None:
+    """A variant that ran to its end is done (the next call reuses its report); one the deadline
+    stopped keeps its finished cases in `cases_kept` for the next call; one that crashed is run
+    again whole."""
+    if crashed:
+        cases_kept.pop(key, None)
+    elif not rep.get("skipped"):
+        done[key] = rep
+        cases_kept.pop(key, None)
+
+
 def run_side_by_side(opts: FeatureOptions, cases: list[Case], refs: dict[str, Any], pressure: Case,
-                     vocab: int, done: dict[str, Any], report: dict[str, Any]) -> None:
+                     vocab: int, done: dict[str, Any], cases_kept: dict[str, Any],
+                     report: dict[str, Any]) -> None:
     """run_features' variants at once, each server on its own port (side_port): the same skips, the
-    same reports in the order of opts.variants, `done` (the resume state) written here only. A
-    variant that raised is a failure of its own and is not kept as done (the next call reruns it)."""
+    same reports in the order of opts.variants. Each thread writes only its own variant's entry of
+    `cases_kept`; `done` is written here only. A variant that raised is a failure of its own and is
+    not kept (the next call reruns it)."""
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
     for key in opts.variants:
         if key in done or key in jobs:
@@ -666,7 +838,8 @@ def run_side_by_side(opts: FeatureOptions, cases: list[Case], refs: dict[str, An
             report.setdefault("skipped", []).append(key)
             continue
         jobs[key] = functools.partial(run_variant, opts, key, cases, refs, pressure, vocab,
-                                      port=side_port(opts.port, opts.variants, key))
+                                      port=side_port(opts.port, opts.variants, key),
+                                      kept=cases_kept.setdefault(key, {}))
     crashed: set[str] = set()
 
     def on_error(key: str, exc: Exception) -> dict[str, Any]:
@@ -681,16 +854,16 @@ def run_side_by_side(opts: FeatureOptions, cases: list[Case], refs: dict[str, An
             report["variants"][key] = done[key]
         elif key in reports:
             report["variants"][key] = reports[key]
-            if not reports[key].get("skipped") and key not in crashed:
-                done[key] = reports[key]
+            file_variant(done, cases_kept, key, reports[key], crashed=key in crashed)
 
 
 def run_pressure(pressure: Case, ref: list[Outcome], base: str, baseline: dict[str, Any], log: Path,
-                 timeout: float) -> dict[str, Any]:
+                 deadline: Deadline) -> dict[str, Any]:
     """KV pressure: all requests at once into a small pool; retractions must happen and change nothing."""
     retract_before = retractions(log)
     before = spec_state(client.server_info(base))
-    outs = send_all(base, pressure.requests, pressure.concurrency, timeout)
+    outs = send_all(base, pressure.requests, pressure.concurrency, deadline)
+    stop_if_cut(pressure, "above", outs)
     try:
         row: dict[str, Any] = {"ok": True, **equal_tokens(ref, outs)}
         after = spec_state(client.server_info(base))
@@ -699,40 +872,46 @@ def run_pressure(pressure: Case, ref: list[Outcome], base: str, baseline: dict[s
         row["retract_log_lines"] = retractions(log) - retract_before
         if row["retract_log_lines"] == 0:
             raise CaseFailure("no request was retracted: the pool was not under pressure")
-        check_kv_back(baseline, wait_idle(base, baseline, timeout=60))
+        pool_back(base, baseline, deadline, timeout=60)
     except (CaseFailure, SmokeError) as exc:
         row = {"ok": False, "cause": getattr(exc, "cause", str(exc))}
     return row
 
 
+def case_verdict(rows: dict[str, Any]) -> str:
+    failed = [mode for mode, row in rows.items() if isinstance(row, dict) and not row.get("ok")]
+    return f"FAILED ({', '.join(failed)})" if failed else "ok"
+
+
+def case_reserve(slowest: float) -> float:
+    """The time a case needs left (beyond the margin) to start: see CASE_RESERVE_FACTOR."""
+    return max(CASE_RESERVE_MIN_S, CASE_RESERVE_FACTOR * slowest)
+
+
 def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[str, Any],
-                pressure: Case, vocab: int, port: int | None = None) -> dict[str, Any]:
-    """One threshold server (on `port`, default opts.port + 1): every case under every mode."""
+                pressure: Case, vocab: int, port: int | None = None,
+                kept: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One threshold server (on `port`, default opts.port + 1): every case under every mode, then
+    the pressure case. `kept` (this variant's finished cases in the resume state) gets each case as
+    it ends, and the cases already in it are not run again. The cases the deadline left or cut short
+    are listed in rep["skipped"]: the next call runs them."""
+    kept = kept if kept is not None else {}
     log = opts.out / f"features_{key}.log"
     cfg = server_config(f"features_{key}", opts, draft=True, overlap=VARIANT_FLAGS[key])
     rep: dict[str, Any] = {"overlap": VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}}
     rnd = random.Random(5)
     filler_prompts = [[rnd.randrange(3, vocab) for _ in range(32)] for _ in range(4 * opts.threshold)]
+    todo = [c for c in [*cases, pressure] if c.name not in kept]
     srv = Server(cfg, opts.port + 1 if port is None else port, log)
     try:
         srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
         rep["start_s"] = round(srv.start_seconds, 1)
-        base = srv.base
-        baseline = wait_idle(base, client.load(base))
-        timeout = opts.deadline.request_timeout(600)
-        for case in cases:
-            if opts.deadline.left() < 60:
-                rep.setdefault("skipped", []).append(case.name)
-                continue
-            t0 = time.time()
-            rep["cases"][case.name] = run_case_modes(case, refs[case.name], base, baseline,
-                                                     filler_prompts, timeout)
-            rep["cases"][case.name]["seconds"] = round(time.time() - t0, 1)
-        if opts.deadline.left() < 60:
-            rep.setdefault("skipped", []).append(pressure.name)
-        else:
-            rep["cases"][pressure.name] = {"above": run_pressure(pressure, refs[pressure.name], base,
-                                                                 baseline, log, timeout)}
+        opts.progress(f"features {key}: server up in {srv.start_seconds:.0f}s, {len(todo)} case(s) "
+                      f"to run (left {opts.deadline.left():.0f}s)")
+        baseline = wait_idle(srv.base, client.load(srv.base))
+        skipped = run_cases(opts, key, todo, refs, pressure, srv.base, baseline, filler_prompts, log, kept)
+        if skipped:
+            rep["skipped"] = skipped
         if not srv.alive():
             raise SmokeError("server process died during the matrix")
         check_log_clean(log.read_text(errors="replace"))
@@ -741,7 +920,41 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
         rep["log_tail"] = log_tail(log, 40)
     finally:
         srv.stop()
+    rep["cases"] = {c.name: kept[c.name] for c in [*cases, pressure] if c.name in kept}
     return rep
+
+
+def run_cases(opts: FeatureOptions, key: str, todo: list[Case], refs: dict[str, Any], pressure: Case,
+              base: str, baseline: dict[str, Any], filler_prompts: list[list[int]], log: Path,
+              kept: dict[str, Any]) -> list[str]:
+    """The cases of `todo` one after the other on variant `key`'s server, each kept as it ends; the
+    names of those the deadline left to the next call."""
+    skipped: list[str] = []
+    slowest = 0.0
+    for case in todo:
+        if opts.deadline.left() - REQUEST_MARGIN_S < case_reserve(slowest):
+            skipped.append(case.name)
+            continue
+        started = opts.deadline.left()
+        rows: dict[str, Any]
+        try:
+            if case is pressure:
+                rows = {"above": run_pressure(case, refs[case.name], base, baseline, log, opts.deadline)}
+            else:
+                rows = run_case_modes(case, refs[case.name], base, baseline, filler_prompts, opts.deadline)
+        except CaseInterrupted as exc:
+            skipped.append(case.name)
+            opts.progress(f"features {key}: {case.name} stopped by the deadline: {exc}")
+            continue
+        seconds = started - opts.deadline.left()
+        slowest = max(slowest, seconds)
+        rows["seconds"] = round(seconds, 1)
+        keep(opts, kept, case.name, rows)
+        opts.progress(f"features {key}: {case.name} {case_verdict(rows)} {seconds:.1f}s "
+                      f"(left {opts.deadline.left():.0f}s)")
+    if skipped:
+        opts.progress(f"features {key}: left for the next call: {', '.join(skipped)}")
+    return skipped
 
 
 def summarize(report: dict[str, Any]) -> str:

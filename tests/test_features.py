@@ -224,6 +224,12 @@ def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monk
         drv.phase_features()
         assert seen["smoke"].parallel_variants is want and seen["features"].parallel_variants is want
         assert isinstance(seen["smoke"], runner.SmokeOptions)
+        # the matrix's progress reaches e2e.log, and its state the disk as each case is done
+        seen["features"].progress("features overlap: greedy ok")
+        assert "features overlap: greedy ok" in (tmp_path / "out" / "e2e.log").read_text()
+        drv.state["features"]["marker"] = 1
+        seen["features"].save_state()
+        assert json.loads(drv.state_file.read_text())["features"]["marker"] == 1
 
 
 def test_smoke_and_matrix_run_on_the_1b_models_with_graphs_to_256_when_asked(tmp_path, monkeypatch):
@@ -277,7 +283,7 @@ def test_smoke_and_matrix_run_on_the_1b_models_with_graphs_to_256_when_asked(tmp
 class MatrixVariantRecorder(VariantRecorder):
     """Stands in for the feature matrix's run_variant (tests/server_fakes.py)."""
 
-    def __call__(self, opts, key, cases, refs, pressure, vocab, port=None):
+    def __call__(self, opts, key, cases, refs, pressure, vocab, port=None, kept=None):
         return self.record(key, port, lambda: RuntimeError(f"{key} blew up"),
                            {"overlap": F.VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}, "ran": key})
 
@@ -363,6 +369,335 @@ def test_a_variant_s_server_listens_on_the_port_it_is_given(tmp_path, monkeypatc
     assert F.run_variant(opts, "sync", [], {}, pressure, 100)["cause"] == "no GPU here"
     F.run_variant(opts, "sync", [], {}, pressure, 100, port=30107)
     assert ports == [opts.port + 1, 30107]
+
+
+# ----------------------------------------------------------------------------- the deadline
+class Clock:
+    """Fake time for a Deadline: it moves only when a fake request or case says it took time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now += seconds
+
+
+class ClockDeadline(F.Deadline):
+    def __init__(self, clock: Clock, at: float) -> None:
+        super().__init__(at)
+        self.clock = clock
+
+    def left(self) -> float:
+        return self.at - self.clock.now
+
+
+def fake_server(started: list[str], names_by_base: dict[str, str] | None = None) -> type:
+    """A Server that starts at once (its log empty) and records its name as it starts."""
+
+    class FakeServer:
+        def __init__(self, cfg, port, log):
+            self.cfg, self.log_path = cfg, log
+            self.base = f"http://fake:{port}"
+            self.start_seconds = 1.0
+            if names_by_base is not None:
+                names_by_base[self.base] = cfg.name
+
+        def start(self, timeout):
+            started.append(self.cfg.name)
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.touch()
+
+        def alive(self):
+            return True
+
+        def stop(self):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.stop()
+
+    return FakeServer
+
+
+GREEDY_ANSWER = {"output_ids": list(range(100, 164)), "text": "abcdefghijklmnopqrstuvwxyz" * 2,
+                 "meta_info": {"finish_reason": {"type": "length"}}}
+EXPECTED = {"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}
+
+
+def test_no_request_is_given_a_timeout_beyond_the_deadline(monkeypatch):
+    clock = Clock()
+    deadline = ClockDeadline(clock, 700.0)
+    given: list[tuple[float, float]] = []  # (timeout, time left as the request started)
+
+    def takes_100s(timeout: float) -> None:
+        with clock.lock:
+            given.append((timeout, deadline.left()))
+            clock.now += 100
+
+    def post_json(url, payload, timeout):
+        takes_100s(timeout)
+        return GREEDY_ANSWER
+
+    def sse_events(url, payload, timeout, stop_after=None):
+        takes_100s(timeout)
+        return [{"choices": [{"text": "x", "delta": {"content": "x"}, "finish_reason": "length"}]}]
+
+    monkeypatch.setattr(F.client, "post_json", post_json)
+    monkeypatch.setattr(F, "sse_events", sse_events)
+    case = next(c for c in F.make_cases(EXPECTED, 4, "m") if c.name == "completions_stream")
+    kinds = [F._gen([5, 6]), case.requests[0], F.Request("chat_stream", {}),
+             F.Request("abort_stream", {})] * 3
+    outs = F.send_all("http://x", kinds, 1, deadline)
+    # 700 s left: seven requests of 100 s start, each ending before the margin; the rest do not start
+    assert len(given) == 7 and [o.error for o in outs[:7]] == [None] * 7
+    assert all(timeout <= left - F.REQUEST_MARGIN_S for timeout, left in given)
+    assert given[0][0] == F.REQUEST_CAP_S and given[-1][0] == 100 - F.REQUEST_MARGIN_S
+    assert all(o.error.startswith(F.DEADLINE) for o in outs[7:]) and F.cut_by_deadline(outs)
+    # the filler's requests too: it sends until the deadline leaves no time, then stops quietly
+    given.clear()
+    clock.now = 0.0
+    F.Filler("http://x", [[1, 2]], 8, "t", deadline, rolling=True).wait()  # one slot: one order
+    assert len(given) == 7 and all(timeout <= left - F.REQUEST_MARGIN_S for timeout, left in given)
+    # a run of a case that the deadline stopped is an interruption, not a failure
+    with pytest.raises(F.CaseInterrupted, match="deadline"):
+        F.run_under("below", "http://x", case, [], deadline)
+
+
+def test_a_timeout_at_the_deadline_is_the_deadline_s_and_an_early_failure_the_server_s(monkeypatch):
+    clock = Clock()
+    deadline = ClockDeadline(clock, 100.0)
+
+    def times_out(url, payload, timeout):
+        clock.now += timeout  # the deadline shortened the timeout, and it ran out
+        raise F.client.HTTPFailure("timed out")
+
+    monkeypatch.setattr(F.client, "post_json", times_out)
+    assert F.send("http://x", F._gen([5]), deadline).error.startswith(F.DEADLINE)
+
+    def refused(url, payload, timeout):
+        raise F.client.HTTPFailure("connection refused")
+
+    clock.now = 0.0
+    monkeypatch.setattr(F.client, "post_json", refused)
+    out = F.send("http://x", F._gen([5]), deadline)
+    assert "connection refused" in out.error and not F.cut_by_deadline([out])
+
+
+def test_references_the_deadline_stops_are_kept_and_the_next_call_asks_only_for_the_rest(
+        tmp_path, monkeypatch):
+    (tmp_path / "expected.json").write_text(json.dumps(EXPECTED))
+    singles = [c for c in F.make_cases(EXPECTED, 4, "m")
+               if c.name in ("n2", "long_prompt", "json_schema", "regex")]  # one request each
+    monkeypatch.setattr(F, "make_cases", lambda *a, **k: list(singles))
+    monkeypatch.setattr(F, "pressure_requests", lambda seed, vocab: tuple(
+        F._gen([7, 8, i], max_new_tokens=384) for i in range(8)))
+    started: list[str] = []
+    monkeypatch.setattr(F, "Server", fake_server(started))
+    monkeypatch.setattr(F, "run_variant", MatrixVariantRecorder())
+    clock = Clock()
+    sent: list[dict] = []
+    given: list[tuple[float, float]] = []
+    deadline: list[F.Deadline] = [ClockDeadline(clock, 80.0)]
+
+    def post_json(url, payload, timeout):
+        with clock.lock:  # each request takes 10 s
+            sent.append(payload)
+            given.append((timeout, deadline[0].left()))
+            clock.now += 10
+        return GREEDY_ANSWER
+
+    monkeypatch.setattr(F.client, "post_json", post_json)
+    concurrency: list[int] = []
+    real_send_all = F.send_all
+
+    def send_all(base, reqs, conc, dl):
+        concurrency.append(conc)
+        return real_send_all(base, reqs, conc, dl)
+
+    monkeypatch.setattr(F, "send_all", send_all)
+    lines: list[str] = []
+    saved: list[int] = []
+
+    def options() -> F.FeatureOptions:
+        return F.FeatureOptions(models=tmp_path, out=tmp_path / "out", deadline=deadline[0],
+                                min_server_s=0, progress=lines.append,
+                                save_state=lambda: saved.append(len(state.get("refs", {}))))
+
+    state: dict = {}
+    report = F.run_features(options(), state)
+    # 80 s: the stop case's base request and the four single cases (10 s each) fit; the pressure
+    # case's requests would end past the margin: none starts, and the call ends resumable
+    assert report["skipped"] == ["plain", "overlap", "sync"] and not report["failures"]
+    assert sorted(state["refs"]) == ["json_schema", "long_prompt", "n2", "regex"]
+    assert len(sent) == 5 and saved == [0, 1, 2, 3, 4]  # the state is handed out as each case ends
+    assert all(timeout <= left - F.REQUEST_MARGIN_S for timeout, left in given)
+    assert any("stopped by the deadline at kv_pressure" in line for line in lines)
+    assert concurrency and set(concurrency) == {F.REFERENCE_CONCURRENCY}
+
+    state = json.loads(json.dumps(state))  # as the caller keeps it between calls
+    sent.clear()
+    deadline[0] = ClockDeadline(clock, clock.now + 10_000)
+    report = F.run_features(options(), state)
+    assert started == ["features_plain", "features_plain"]
+    # only the rest: the pressure case's 8 and the stop case's requests, not the base request again
+    asked = {json.dumps(p, sort_keys=True) for p in sent}
+    assert not asked & {json.dumps(r.payload, sort_keys=True) for c in singles for r in c.requests}
+    (stop,) = F.stop_cases(F.Outcome(**state["stop_base"]), [0])
+    assert len(sent) == 8 + len(stop.requests)
+    assert all(p["sampling_params"]["max_new_tokens"] != 64 for p in sent)
+    assert "skipped" not in report and not report["failures"]
+    assert set(state["refs"]) == {"n2", "long_prompt", "json_schema", "regex", "kv_pressure", "stop"}
+    # a third call finds every reference kept: no plain server
+    monkeypatch.setattr(F, "Server", lambda *a, **k: pytest.fail("a server was started"))
+    cases, refs = F.references(options(), singles, [1, 2, 3], state)
+    assert [c.name for c in cases] == [*(c.name for c in singles), "stop"] and set(refs) == {
+        c.name for c in cases}
+
+
+def test_a_failed_plain_server_s_answers_are_not_kept(tmp_path, monkeypatch):
+    started: list[str] = []
+    monkeypatch.setattr(F, "Server", fake_server(started))
+    monkeypatch.setattr(F.client, "post_json", lambda url, payload, timeout: (
+        {"error": "boom"} if payload["input_ids"] == [9] else GREEDY_ANSWER))
+    cases = [F.Case("a", (F._gen([5]),), F.equal_tokens), F.Case("b", (F._gen([9]),), F.equal_tokens)]
+    state: dict = {"refs": {"earlier": []}}
+    opts = F.FeatureOptions(models=tmp_path, out=tmp_path / "out", min_server_s=0)
+    opts.out.mkdir()
+    with pytest.raises(F.SmokeError, match="case b: no output_ids"):
+        F.references(opts, cases, [1, 2, 3], state)
+    assert "refs" not in state and "stop_base" not in state
+
+
+def case_rows(case_name: str) -> dict:
+    return {"below": {"ok": True, "requests": 1, "attempts": 1, "case": case_name}}
+
+
+def fake_matrix(tmp_path, monkeypatch, clock: Clock, interrupt: set[str]) -> tuple[list, list]:
+    """run_features over fake servers whose cases each take 40 s of `clock`; the cases named in
+    `interrupt` are stopped by the deadline once. Returns (servers started, cases run)."""
+    (tmp_path / "expected.json").write_text(json.dumps(EXPECTED))
+    monkeypatch.setattr(F, "references", lambda opts, cases, stop_prompt, state: (
+        cases, {c.name: [] for c in cases}))
+    started: list[str] = []
+    names_by_base: dict[str, str] = {}
+    monkeypatch.setattr(F, "Server", fake_server(started, names_by_base))
+    monkeypatch.setattr(F.client, "load", lambda base: {"num_used_tokens": 0})
+    monkeypatch.setattr(F, "wait_idle", lambda base, baseline, timeout=30: baseline)
+    ran: list[tuple[str, str]] = []
+
+    def run_case(case, base):
+        ran.append((names_by_base[base], case.name))
+        clock.advance(40)
+        if case.name in interrupt:
+            interrupt.discard(case.name)
+            raise F.CaseInterrupted(f"{case.name} below: the deadline stopped its requests")
+
+    def run_case_modes(case, ref, base, baseline, filler_prompts, deadline):
+        run_case(case, base)
+        return case_rows(case.name)
+
+    def run_pressure(pressure, ref, base, baseline, log, deadline):
+        run_case(pressure, base)
+        return {"ok": True, "retract_log_lines": 3}
+
+    monkeypatch.setattr(F, "run_case_modes", run_case_modes)
+    monkeypatch.setattr(F, "run_pressure", run_pressure)
+    return started, ran
+
+
+def test_the_matrix_the_deadline_stops_resumes_with_the_missing_cases_only(tmp_path, monkeypatch):
+    clock = Clock()
+    started, ran = fake_matrix(tmp_path, monkeypatch, clock, interrupt=set())
+    whole = F.run_features(F.FeatureOptions(models=tmp_path, out=tmp_path / "one",
+                                            deadline=ClockDeadline(clock, 10_000), progress=lambda _: None),
+                           {})
+    every = [name for _, name in ran if _ == "features_overlap"]
+    assert len(every) == 12 and "skipped" not in whole and not whole["failures"]
+
+    clock = Clock()
+    started, ran = fake_matrix(tmp_path, monkeypatch, clock, interrupt={"sampling"})
+    lines: list[str] = []
+    state: dict = {}
+    # 400 s: a case starts with 90 s + the margin left, each takes 40 s: eight start (sampling is
+    # cut short by the deadline), four are left; no time to start the sync server
+    opts = F.FeatureOptions(models=tmp_path, out=tmp_path / "two", deadline=ClockDeadline(clock, 400),
+                            progress=lines.append)
+    report = F.run_features(opts, state)
+    assert started == ["features_overlap"]
+    assert [name for _, name in ran] == every[:8]
+    left = ["sampling", *every[8:]]
+    assert report["skipped"] == ["sync", *(f"overlap: {name}" for name in left)]
+    assert not report["failures"]  # an interrupted case is skipped, not failed
+    assert list(state["variant_cases"]["overlap"]) == [n for n in every[:8] if n != "sampling"]
+    assert "overlap" not in state["variants"]
+    assert "features overlap: greedy ok 40.0s (left 360s)" in lines
+    assert any("sampling stopped by the deadline" in line for line in lines)
+
+    state = json.loads(json.dumps(state))  # as the caller keeps it between calls
+    ran.clear()
+    opts.deadline = ClockDeadline(clock, clock.now + 10_000)
+    again = F.run_features(opts, state)
+    assert started == ["features_overlap", "features_overlap", "features_sync"]
+    assert [name for key, name in ran if key == "features_overlap"] == left
+    assert [name for key, name in ran if key == "features_sync"] == every
+    assert "skipped" not in again and not again["failures"]
+    for key in ("overlap", "sync"):
+        assert again["variants"][key]["cases"] == whole["variants"][key]["cases"]
+    assert set(state["variants"]) == {"overlap", "sync"} and state["variant_cases"] == {}
+
+
+def without_seconds(cases: dict) -> dict:
+    return {name: {k: v for k, v in rows.items() if k != "seconds"} for name, rows in cases.items()}
+
+
+def test_parallel_variants_resume_each_its_own_missing_cases(tmp_path, monkeypatch):
+    clock = Clock()
+    started, ran = fake_matrix(tmp_path, monkeypatch, clock, interrupt=set())
+    whole = F.run_features(F.FeatureOptions(models=tmp_path, out=tmp_path / "one", parallel_variants=True,
+                                            deadline=ClockDeadline(clock, 10_000), progress=lambda _: None),
+                           {})
+    clock = Clock()
+    started, ran = fake_matrix(tmp_path, monkeypatch, clock, interrupt=set())
+    state: dict = {}
+    opts = F.FeatureOptions(models=tmp_path, out=tmp_path / "two", parallel_variants=True,
+                            deadline=ClockDeadline(clock, 400), progress=lambda _: None)
+    report = F.run_features(opts, state)
+    first = list(ran)
+    assert sorted(started) == ["features_overlap", "features_sync"] and report["skipped"]
+    for key in ("overlap", "sync"):  # each thread kept its own cases, and only those
+        assert list(state["variant_cases"][key]) == [n for k, n in first if k == f"features_{key}"]
+    state = json.loads(json.dumps(state))
+    ran.clear()
+    opts.deadline = ClockDeadline(clock, clock.now + 10_000)
+    again = F.run_features(opts, state)
+    assert "skipped" not in again and not again["failures"]
+    for key in ("overlap", "sync"):
+        mine = f"features_{key}"
+        assert not {n for k, n in ran if k == mine} & {n for k, n in first if k == mine}
+        assert without_seconds(again["variants"][key]["cases"]) == without_seconds(
+            whole["variants"][key]["cases"])
+
+
+def test_a_case_stops_between_attempts_when_the_deadline_is_near(monkeypatch):
+    clock = Clock()
+    calls: list[str] = []
+
+    def not_exercised(case, mode, ref, base, baseline, filler_prompts, deadline):
+        calls.append(mode)
+        clock.advance(30)
+        return {"ok": False, "cause": "the mode did not change", "not_exercised": True}
+
+    monkeypatch.setattr(F, "run_case_mode", not_exercised)
+    case = F.Case("greedy", (), F.equal_tokens)
+    # 100 s: two attempts of 30 s start; the third would start with less than a mode's reserve
+    with pytest.raises(F.CaseInterrupted, match="greedy below: not started"):
+        F.run_case_modes(case, [], "http://x", {}, [], ClockDeadline(clock, 100))
+    assert calls == ["below", "below"]
 
 
 ACCEPTS = """
