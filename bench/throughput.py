@@ -565,7 +565,8 @@ class Bench:
     # -------------------------------------------------------- servers
     def up(self) -> None:
         """Every server healthy (the recorded ones reused, the rest started side by side), pinned to
-        its CPUs and warmed up once, one after the other; then no recorded server of this host still starting."""
+        its CPUs and warmed up once, one after the other; then no recorded server of this host
+        still starting."""
         configs = {name: server_config(name, self.opts) for name in self.names}
         timeout = min(self.opts.health_timeout, self.opts.deadline.left() - self.reserve())
         self.pool.ensure(configs, self.opts.key_extra, self.log_path, timeout)

@@ -30,11 +30,12 @@ moves, the running batch takes its side at once.
 
 The live accept length is measured wherever the server speculates and applied to every bucket,
 so a shift of acceptance moves the crossover without exploring. A bucket whose other mode has no
-recent measurement (`stale_steps`) of `min_samples` steps runs that mode for `explore_steps` steps, at most one such burst
-every `explore_gap` steps; so does a bucket next to the crossover whose advantage is still within
-its noise. Steps measured after a stale gap replace the old ones where the two differ beyond
+recent measurement (`stale_steps`) of `min_samples` steps runs that mode for `explore_steps`
+steps, at most one such burst every `explore_gap` steps; so does a bucket next to the crossover
+whose advantage is still within its noise. Exploration costs at most explore_steps / explore_gap
+of the steps. Steps measured after a stale gap replace the old ones where the two differ beyond
 their noise: a mode timed once, while something else slowed the GPU, and never again (the other
-mode winning there), would otherwise hold the bucket's decision for good. Exploration costs at most explore_steps / explore_gap of the steps.
+mode winning there), would otherwise hold the bucket's decision for good.
 A cold start may take a prior (for example step times timed at CUDA-graph capture, per batch size):
 one step of each mode in each bucket it covers, which counts there at once and which the steps
 measured then outvote; without one it speculates everywhere, as EAGLE-3 does, until measurements
