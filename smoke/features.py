@@ -89,11 +89,9 @@ STOP_REPEATS = 5         # the stop case's requests, each sent this many times (
 ATTEMPTS = 3             # runs of a case under a crossing mode before "the mode did not change" fails
 RETRACT_LOG = re.compile(r"Retract requests")  # the scheduler's warning (not `retraction_policy`)
 SCHEDULE_CONSERVATIVENESS = 0.2  # admit against ~14% of max_new_tokens, so 256 requests overfill the pool
-# The deadline: every request ends REQUEST_MARGIN_S before it, so that the servers stop and the report
-# is written in time; with less than MIN_REQUEST_S left before that, a request is not started.
+# The deadline: every request ends REQUEST_MARGIN_S before it, and none starts with less than
+# MIN_REQUEST_S left (Deadline.request_budget).
 REQUEST_CAP_S = 600.0    # a request that hangs fails after this long, deadline or not
-REQUEST_MARGIN_S = 25.0
-MIN_REQUEST_S = 10.0
 DEADLINE = "deadline: "  # an Outcome's error that starts so: the deadline, not the server, stopped it
 # A case starts only with this much left (beyond the margin): the slowest case of this call so far,
 # half again (the cases differ: stop repeats its requests, a crossing may need all ATTEMPTS), and at
@@ -203,13 +201,6 @@ def read_stream(events: list[dict[str, Any]], chat: bool) -> Outcome:
     return Outcome(text=["".join(text)], finish=[finish])
 
 
-def request_budget(deadline: Deadline, cap: float = REQUEST_CAP_S) -> float | None:
-    """The timeout of a request started now: it ends REQUEST_MARGIN_S before the deadline; None when
-    too little time is left to start one."""
-    left = deadline.left() - REQUEST_MARGIN_S
-    return min(cap, left) if left >= MIN_REQUEST_S else None
-
-
 def cut_by_deadline(outs: Sequence[Outcome]) -> bool:
     """Whether the deadline stopped one of these requests (or kept it from starting)."""
     return any(o.error is not None and o.error.startswith(DEADLINE) for o in outs)
@@ -218,14 +209,14 @@ def cut_by_deadline(outs: Sequence[Outcome]) -> bool:
 def send(base: str, req: Request, deadline: Deadline, cap: float = REQUEST_CAP_S) -> Outcome:
     """One request, its timeout taken from the deadline as it starts; one the deadline stopped or
     kept from starting answers an error that starts with DEADLINE."""
-    timeout = request_budget(deadline, cap)
+    timeout = deadline.request_budget(cap)
     if timeout is None:
         return Outcome(error=f"{DEADLINE}not started, {deadline.left():.0f}s left")
     try:
         return _send(base, req, timeout)
     except (client.HTTPFailure, OSError, ValueError) as exc:
         # a timeout the deadline shortened ran out with the deadline: not the server's failure
-        why = DEADLINE if timeout < cap and request_budget(deadline) is None else ""
+        why = DEADLINE if timeout < cap and deadline.request_budget(REQUEST_CAP_S) is None else ""
         return Outcome(error=f"{why}{type(exc).__name__}: {exc}"[:600])
 
 
@@ -463,7 +454,7 @@ class Filler:
     def _slot(self, i: int, ids: list[int]) -> str | None:
         k = 0
         while not self.stopping:
-            timeout = request_budget(self.deadline)
+            timeout = self.deadline.request_budget(REQUEST_CAP_S)
             if timeout is None:
                 return None  # the case's own requests say that the deadline stopped the run
             rid = self.current[i] = f"{self.tag}-{i}-{k}"
@@ -472,7 +463,7 @@ class Filler:
             try:
                 client.post_json(self.base + "/generate", payload, timeout)
             except client.HTTPFailure as exc:
-                if not self.stopping and request_budget(self.deadline) is not None:
+                if not self.stopping and self.deadline.request_budget(REQUEST_CAP_S) is not None:
                     return f"filler request {rid}: {exc}"[:400]
             k += 1
             if not self.rolling:
@@ -625,7 +616,7 @@ def retractions(log: Path) -> int:
 def pool_back(base: str, baseline: dict[str, Any], deadline: Deadline, timeout: float = 30) -> None:
     """The KV pool back at its idle size after a run (wait_idle, ended by the deadline's margin). A
     wait the deadline cut short is no failure: the pool may still have been emptying."""
-    allowed = min(timeout, deadline.left() - REQUEST_MARGIN_S)
+    allowed = min(timeout, deadline.left_for_requests())
     idle = wait_idle(base, baseline, timeout=max(0.0, allowed))
     try:
         check_kv_back(baseline, idle)
@@ -652,7 +643,7 @@ def run_case_mode(case: Case, mode: str, ref: list[Outcome], base: str, baseline
                 "plain_steps": after["plain_steps"] - before["plain_steps"],
                 "speculative_steps": after["speculative_steps"] - before["speculative_steps"]}
     except CaseFailure as exc:
-        wait_idle(base, baseline, timeout=max(0.0, min(30, deadline.left() - REQUEST_MARGIN_S)))
+        wait_idle(base, baseline, timeout=max(0.0, min(30, deadline.left_for_requests())))
         return {"ok": False, "cause": str(exc), "not_exercised": isinstance(exc, NotExercised)}
 
 
@@ -663,7 +654,7 @@ def run_case_modes(case: Case, ref: list[Outcome], base: str, baseline: dict[str
     rows: dict[str, Any] = {}
     for mode in case.modes:
         for attempt in range(1, ATTEMPTS + 1):
-            if deadline.left() - REQUEST_MARGIN_S < MODE_RESERVE_S:
+            if deadline.left_for_requests() < MODE_RESERVE_S:
                 raise CaseInterrupted(f"{case.name} {mode}: not started, {deadline.left():.0f}s left")
             rows[mode] = run_case_mode(case, mode, ref, base, baseline, filler_prompts, deadline)
             rows[mode]["attempts"] = attempt
@@ -932,7 +923,7 @@ def run_cases(opts: FeatureOptions, key: str, todo: list[Case], refs: dict[str, 
     skipped: list[str] = []
     slowest = 0.0
     for case in todo:
-        if opts.deadline.left() - REQUEST_MARGIN_S < case_reserve(slowest):
+        if opts.deadline.left_for_requests() < case_reserve(slowest):
             skipped.append(case.name)
             continue
         started = opts.deadline.left()

@@ -12,6 +12,7 @@ import pytest
 from bench.__main__ import build_parser as bench_parser
 from smoke import features as F
 from smoke.__main__ import build_parser
+from smoke.runner import REQUEST_MARGIN_S
 from tests.server_fakes import VariantRecorder, port_recording_server
 
 
@@ -455,14 +456,14 @@ def test_no_request_is_given_a_timeout_beyond_the_deadline(monkeypatch):
     outs = F.send_all("http://x", kinds, 1, deadline)
     # 700 s left: seven requests of 100 s start, each ending before the margin; the rest do not start
     assert len(given) == 7 and [o.error for o in outs[:7]] == [None] * 7
-    assert all(timeout <= left - F.REQUEST_MARGIN_S for timeout, left in given)
-    assert given[0][0] == F.REQUEST_CAP_S and given[-1][0] == 100 - F.REQUEST_MARGIN_S
+    assert all(timeout <= left - REQUEST_MARGIN_S for timeout, left in given)
+    assert given[0][0] == F.REQUEST_CAP_S and given[-1][0] == 100 - REQUEST_MARGIN_S
     assert all(o.error.startswith(F.DEADLINE) for o in outs[7:]) and F.cut_by_deadline(outs)
     # the filler's requests too: it sends until the deadline leaves no time, then stops quietly
     given.clear()
     clock.now = 0.0
     F.Filler("http://x", [[1, 2]], 8, "t", deadline, rolling=True).wait()  # one slot: one order
-    assert len(given) == 7 and all(timeout <= left - F.REQUEST_MARGIN_S for timeout, left in given)
+    assert len(given) == 7 and all(timeout <= left - REQUEST_MARGIN_S for timeout, left in given)
     # a run of a case that the deadline stopped is an interruption, not a failure
     with pytest.raises(F.CaseInterrupted, match="deadline"):
         F.run_under("below", "http://x", case, [], deadline)
@@ -535,7 +536,7 @@ def test_references_the_deadline_stops_are_kept_and_the_next_call_asks_only_for_
     assert report["skipped"] == ["plain", "overlap", "sync"] and not report["failures"]
     assert sorted(state["refs"]) == ["json_schema", "long_prompt", "n2", "regex"]
     assert len(sent) == 5 and saved == [0, 1, 2, 3, 4]  # the state is handed out as each case ends
-    assert all(timeout <= left - F.REQUEST_MARGIN_S for timeout, left in given)
+    assert all(timeout <= left - REQUEST_MARGIN_S for timeout, left in given)
     assert any("stopped by the deadline at kv_pressure" in line for line in lines)
     assert concurrency and set(concurrency) == {F.REFERENCE_CONCURRENCY}
 
