@@ -697,6 +697,13 @@ def main(a: argparse.Namespace) -> int:
     runner.comma_list(a.smoke_variants, runner.VARIANTS, "--smoke-variants")
     runner.comma_list(a.feature_variants, features_mod.VARIANT_FLAGS, "--feature-variants")
     runner.comma_list(a.comm_runs, comm_mod.RUN_NAMES, "--comm-runs")
+    try:
+        threshold = names.parse_threshold(a.threshold)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    phases = PHASES if a.phases == "all" else a.phases.split(",")
+    if "features" in phases and not a.stop:  # auto: the matrix runs at the default N
+        features_mod.check_threshold(runner.DEFAULT_THRESHOLD if threshold == runner.AUTO else int(threshold))
     if not 1 <= a.feature_graph_bs <= features_mod.PRESSURE_REQUESTS:
         raise SystemExit(f"--feature-graph-bs {a.feature_graph_bs}: give 1 to "
                          f"{features_mod.PRESSURE_REQUESTS} (the feature servers' running-request limit)")

@@ -12,7 +12,8 @@ sends the same requests to both; on the threshold server it runs four times, und
 A crossing is not assumed from timing: the runner watches the server's mode and fails the case if
 the change did not happen while the case's requests were in flight. After every run of a case the
 KV pool must be back to its idle size. The KV-pressure case runs once per server, with 256
-concurrent requests against a small pool, so that the scheduler retracts requests in both modes.
+concurrent requests against a pool that holds 2N whole filler requests and no more (pool_tokens),
+so that the scheduler retracts requests in both modes.
 
 The matrix keeps its deadline: each request takes its timeout from the time left as it starts, a
 case starts only with time left for it, and a case the deadline cuts short is skipped, not failed.
@@ -77,13 +78,25 @@ LOGPROB_BF16_STEPS = 4   # ... by a few steps of bf16 (8 significant bits) at th
                          # -27.69 vs -27.38 (2.5 steps), -16.25 vs -16.50 (2 steps)
 SAMPLING_Z = 4.5         # a false alarm about once in 150,000 checks
 SAMPLES = 24             # sampled requests per run of the sampling case
-POOL_TOKENS = 16384      # --max-total-tokens of both servers: small enough for the pressure case
+MIN_POOL_TOKENS = 16384  # --max-total-tokens of both servers at least (see pool_tokens)
 CHUNKED_PREFILL = 512    # --chunked-prefill-size: the long-prompt case is longer
 PRESSURE_REQUESTS = 256
 # new tokens per pressure request: long, so that requests admitted together outgrow what admission
 # reserves for them (a share of max_new_tokens) before any can finish; with 96-160 early finishes
 # made room as fast as the rest grew (GPU, 0.5.23: the pool peaked at 75%, nothing retracted)
 PRESSURE_NEW_TOKENS = (384, 448, 512)
+PRESSURE_PROMPT_TOKENS = (24, 64)  # fewest and most prompt tokens of a pressure request
+# the pressure requests admitted together must need this many times the pool before one can finish
+PRESSURE_OVERFILL = 1.5
+# the filler: 4N requests of FILLER_PROMPT_TOKENS, each FILLER_NEW_TOKENS long while it keeps the
+# batch above N ("above", "cross_up"), CROSS_DOWN_NEW_TOKENS when it must leave mid-case
+FILLER_PROMPT_TOKENS = 32
+FILLER_NEW_TOKENS = 400
+CROSS_DOWN_NEW_TOKENS = 64
+# the pool holds this many times N whole filler requests: admission reserves up to a request's whole
+# length after a retraction (GPU, 0.5.23, N=64: a pool of 16,384 tokens ran 37 filler requests, and
+# the batch never passed the threshold)
+FILLER_POOL_FACTOR = 2
 CASE_TOKENS = 192        # new tokens per request: long enough for a mode change mid-request
 STOP_REPEATS = 5         # the stop case's requests, each sent this many times (see stop_cases)
 ATTEMPTS = 3             # runs of a case under a crossing mode before "the mode did not change" fails
@@ -105,6 +118,41 @@ MODE_RESERVE_S = 45.0
 # The resume state is written by the variants' threads at once (each its own entries); the caller's
 # save_state reads all of it.
 STATE_LOCK = threading.Lock()
+
+
+def pool_tokens(threshold: int) -> int:
+    """--max-total-tokens of the matrix's servers: room for FILLER_POOL_FACTOR x N whole filler
+    requests (else the filler cannot hold the batch above N), at least MIN_POOL_TOKENS."""
+    return max(MIN_POOL_TOKENS, FILLER_POOL_FACTOR * threshold * (FILLER_PROMPT_TOKENS + FILLER_NEW_TOKENS))
+
+
+def pressure_overfill(pool: int) -> float:
+    """How many times the pool the pressure requests admitted together need before the first can
+    finish: all of them if their reservations fit (their prompts and a share of max_new_tokens,
+    sglang's initial new-token ratio 0.7 x the conservativeness), else as many as do."""
+    prompt = statistics.fmean(PRESSURE_PROMPT_TOKENS)
+    new = statistics.fmean(PRESSURE_NEW_TOKENS)
+    reserved = prompt + 0.7 * SCHEDULE_CONSERVATIVENESS * new
+    admitted = min(PRESSURE_REQUESTS, pool / reserved)
+    return admitted * (prompt + min(PRESSURE_NEW_TOKENS)) / pool
+
+
+def max_threshold() -> int:
+    """The largest N whose pool the pressure case still overfills."""
+    return max((n for n in range(2, PRESSURE_REQUESTS + 1)
+                if pressure_overfill(pool_tokens(n)) >= PRESSURE_OVERFILL), default=1)
+
+
+def check_threshold(threshold: int, flag: str = "--threshold") -> None:
+    """SystemExit naming the cause and the fix for an N the matrix cannot run."""
+    if threshold < 2:
+        raise SystemExit(f"{flag} {threshold}: the feature matrix needs N >= 2 (its 'below' runs need "
+                         "one request under the threshold)")
+    if threshold > max_threshold():
+        raise SystemExit(f"{flag} {threshold}: the feature matrix holds the batch above N with 4N requests, "
+                         f"which needs a KV pool of {pool_tokens(threshold)} tokens; its KV-pressure case "
+                         f"({PRESSURE_REQUESTS} requests) cannot overfill a pool that large. Run the matrix "
+                         f"with N <= {max_threshold()}")
 
 
 class DeadlineReached(Exception):
@@ -522,7 +570,7 @@ def run_under(mode: str, base: str, case: Case, filler_prompts: list[list[int]],
         return outs, seen
     with ThreadPoolExecutor(max_workers=1) as one:
         if mode == "above":
-            filler = Filler(base, filler_prompts, 400, tag, deadline, rolling=True)
+            filler = Filler(base, filler_prompts, FILLER_NEW_TOKENS, tag, deadline, rolling=True)
             seen["plain_before"] = wait_mode(base, "plain")
             outs = case_run()
             seen["plain_after"] = spec_state(client.server_info(base))["mode"] == "plain"
@@ -534,13 +582,13 @@ def run_under(mode: str, base: str, case: Case, filler_prompts: list[list[int]],
         if mode == "cross_up":
             fut = one.submit(case_run)
             wait_running(base, 1)  # the case's first request is in the batch
-            filler = Filler(base, filler_prompts, 400, tag, deadline, rolling=True)
+            filler = Filler(base, filler_prompts, FILLER_NEW_TOKENS, tag, deadline, rolling=True)
             seen["crossed_in_flight"] = wait_mode(base, "plain") and not fut.done()
             outs = fut.result()
             filler.stop()
         elif mode == "cross_down":
             # short: it ends while the case's requests (CASE_TOKENS new tokens) still run
-            filler = Filler(base, filler_prompts, 64, tag, deadline, rolling=False)
+            filler = Filler(base, filler_prompts, CROSS_DOWN_NEW_TOKENS, tag, deadline, rolling=False)
             plain_before = wait_mode(base, "plain")
             fut = one.submit(case_run)
             seen["crossed_in_flight"] = plain_before and wait_mode(base, "speculative") and not fut.done()
@@ -592,7 +640,7 @@ VARIANT_FLAGS = {"overlap": True, "sync": False}  # CUDA graphs on in both
 def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool = True) -> ServerConfig:
     # metrics on for the threshold server only; xgrammar for the constrained cases; a small pool and
     # chunked prefill for the pressure and long-prompt cases
-    extra = ("--grammar-backend", "xgrammar", "--max-total-tokens", str(POOL_TOKENS),
+    extra = ("--grammar-backend", "xgrammar", "--max-total-tokens", str(pool_tokens(opts.threshold)),
              "--chunked-prefill-size", str(CHUNKED_PREFILL),
              # at the default (1.0) 0.5.23 admitted so few requests that the pool stayed 59% full
              "--schedule-conservativeness", str(SCHEDULE_CONSERVATIVENESS))
@@ -605,7 +653,7 @@ def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool
 
 def pressure_requests(seed: int, vocab: int) -> tuple[Request, ...]:
     rnd = random.Random(seed + 7)
-    return tuple(_gen([rnd.randrange(3, vocab) for _ in range(rnd.randint(24, 64))],
+    return tuple(_gen([rnd.randrange(3, vocab) for _ in range(rnd.randint(*PRESSURE_PROMPT_TOKENS))],
                       max_new_tokens=rnd.choice(PRESSURE_NEW_TOKENS)) for _ in range(PRESSURE_REQUESTS))
 
 
@@ -757,9 +805,9 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
     stop_prompt = [rnd.randrange(3, vocab) for _ in range(24)]
     pressure = Case("kv_pressure", pressure_requests(0, vocab), equal_tokens, PRESSURE_REQUESTS,
                     modes=("above",),
-                    note=f"{PRESSURE_REQUESTS} concurrent requests, pool of {POOL_TOKENS} tokens")
+                    note=f"{PRESSURE_REQUESTS} concurrent requests, pool of {pool_tokens(opts.threshold)} tokens")
     report: dict[str, Any] = {"threshold": opts.threshold, "variants": {}, "failures": [],
-                              "pool_tokens": POOL_TOKENS}
+                              "pool_tokens": pool_tokens(opts.threshold)}
     try:
         cases, refs = references(opts, make_cases(expected, opts.threshold, str(opts.models / "target"))
                                  + [pressure], stop_prompt, state)
@@ -891,7 +939,8 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
     cfg = server_config(f"features_{key}", opts, draft=True, overlap=VARIANT_FLAGS[key])
     rep: dict[str, Any] = {"overlap": VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}}
     rnd = random.Random(5)
-    filler_prompts = [[rnd.randrange(3, vocab) for _ in range(32)] for _ in range(4 * opts.threshold)]
+    filler_prompts = [[rnd.randrange(3, vocab) for _ in range(FILLER_PROMPT_TOKENS)]
+                      for _ in range(4 * opts.threshold)]
     todo = [c for c in [*cases, pressure] if c.name not in kept]
     srv = Server(cfg, opts.port + 1 if port is None else port, log)
     try:
@@ -969,7 +1018,8 @@ def summarize(report: dict[str, Any]) -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", type=Path, required=True, help="dir from `python -m smoke models`")
     ap.add_argument("--out", type=Path, required=True, help="logs and features.json go here")
-    ap.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD)
+    ap.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD,
+                    help=f"N, 2 to {max_threshold()} (the KV pool grows with N; see pool_tokens)")
     ap.add_argument("--variants", default="overlap,sync",
                     help="comma list of: overlap, sync (--disable-overlap-schedule); CUDA graphs on")
     ap.add_argument("--port", type=int, default=30100)
@@ -982,8 +1032,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def options(a: argparse.Namespace) -> FeatureOptions:
     variants = comma_list(a.variants, VARIANT_FLAGS, "--variants")
-    if a.threshold < 2:
-        raise SystemExit("--threshold must be >= 2 (the 'below' runs need one request under it)")
+    check_threshold(a.threshold)
     return FeatureOptions(models=a.models, out=a.out, threshold=a.threshold, variants=variants,
                           port=a.port, deadline=Deadline(time.time() + a.deadline),
                           parallel_variants=a.parallel_variants)

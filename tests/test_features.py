@@ -129,7 +129,7 @@ def test_the_pressure_requests_outgrow_what_admission_reserves_before_any_can_fi
         reserved = [len(r.payload["input_ids"]) + ratio * r.payload["sampling_params"]["max_new_tokens"]
                     for r in reqs]
         held = [len(r.payload["input_ids"]) + first_finish for r in reqs]
-        assert sum(reserved) > F.POOL_TOKENS  # the queue fills the pool with reservations
+        assert sum(reserved) > pool_of(opts)  # the queue fills the pool with reservations
         assert min(h / r for h, r in zip(held, reserved)) >= 3
 
 
@@ -194,8 +194,54 @@ def test_e2e_and_cli_take_the_features_phase():
     a = bench_parser().parse_args(["e2e", "--phases", "models,features", "--feature-variants", "sync"])
     assert a.phases == "models,features" and a.feature_variants == "sync"
     a = build_parser().parse_args(["features", "--models", "m", "--out", "o", "--threshold", "1"])
-    with pytest.raises(SystemExit, match="threshold must be >= 2"):
+    with pytest.raises(SystemExit, match="needs N >= 2"):
         F.options(a)
+
+
+def pool_of(opts: F.FeatureOptions) -> int:
+    argv = F.server_config("x", opts, draft=True).extra
+    return int(argv[argv.index("--max-total-tokens") + 1])
+
+
+@pytest.mark.parametrize("threshold", [2, 4, 16, 64, F.max_threshold()])
+def test_the_pool_holds_the_filler_above_the_threshold_and_the_pressure_still_overfills_it(threshold, tmp_path):
+    # GPU, 0.5.23, N=64: in a pool of 16,384 tokens the filler's 256 requests ran 37 at a time (the
+    # pool full of their whole lengths after a retraction), so "above" and "cross_up" never left
+    # speculation
+    pool = pool_of(F.FeatureOptions(models=tmp_path, out=tmp_path, threshold=threshold))
+    whole_filler_request = F.FILLER_PROMPT_TOKENS + F.FILLER_NEW_TOKENS
+    assert pool // whole_filler_request >= 2 * threshold
+    assert pool >= F.MIN_POOL_TOKENS
+    # the pressure case, against the same pool: its requests admitted together need well over the
+    # pool before the first can finish (the same model of admission as the test above)
+    reqs = F.pressure_requests(0, 3000)
+    prompts = [len(r.payload["input_ids"]) for r in reqs]
+    news = [r.payload["sampling_params"]["max_new_tokens"] for r in reqs]
+    assert min(prompts) >= F.PRESSURE_PROMPT_TOKENS[0] and max(prompts) <= F.PRESSURE_PROMPT_TOKENS[1]
+    reserved = [p + 0.7 * F.SCHEDULE_CONSERVATIVENESS * n for p, n in zip(prompts, news)]
+    admitted, room = 0, pool
+    for r in sorted(reserved):
+        if r > room:
+            break
+        admitted, room = admitted + 1, room - r
+    held = sorted(p + min(news) for p in prompts)[:admitted]
+    assert sum(held) >= 1.4 * pool, (threshold, pool, admitted)
+
+
+def test_a_threshold_the_matrix_cannot_run_is_refused_before_any_work(tmp_path):
+    too_high = F.max_threshold() + 1
+    a = build_parser().parse_args(["features", "--models", "m", "--out", "o", "--threshold", str(too_high)])
+    with pytest.raises(SystemExit, match=f"--threshold {too_high}: .* N <= {F.max_threshold()}"):
+        F.options(a)
+    from bench import e2e
+    for phases in ("models,features", "all"):
+        with pytest.raises(SystemExit, match=f"--threshold {too_high}: .*KV pool"):
+            e2e.main(bench_parser().parse_args(["e2e", "--phases", phases, "--out", str(tmp_path / "o"),
+                                                "--threshold", str(too_high)]))
+    with pytest.raises(SystemExit, match="--threshold"):
+        e2e.main(bench_parser().parse_args(["e2e", "--phases", "smoke", "--out", str(tmp_path / "o"),
+                                            "--threshold", "lots"]))
+    assert not (tmp_path / "o").exists()
 
 
 def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monkeypatch):
