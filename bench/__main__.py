@@ -1,10 +1,10 @@
-"""python -m bench {run,e2e,comm} ... (see each module's docstring)."""
+"""python -m bench {run,e2e,comm,auto-trace} ... (see each module's docstring)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench import comm, e2e, throughput
+from bench import autotrace, comm, e2e, throughput
 
 
 def _add_comm_arguments(ap: argparse.ArgumentParser) -> None:
@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("e2e", e2e.__doc__, e2e.add_arguments, e2e.main,
              "the whole GPU-host run: install, patch, models, smoke, bench"),
             ("comm", comm.__doc__, _add_comm_arguments, e2e.main,
-             "2-GPU all-reduce proof: e2e's install,patch,models,comm")):
+             "2-GPU all-reduce proof: e2e's install,patch,models,comm"),
+            ("auto-trace", autotrace.__doc__, autotrace.add_arguments, autotrace.main,
+             "an auto server's step trace, per batch-size bucket and mode")):
         p = sub.add_parser(name, help=help_, description=doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(p)

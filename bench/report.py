@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import diagnose, pairing
+from bench import autotrace, diagnose, pairing
 
 TWIN = "plain_twin"  # bench.throughput.TWIN (the report is drawn without importing the bench)
 LABELS = {"plain": "plain", TWIN: "plain (A/A twin)", "eagle3": "EAGLE-3", "eagle3_adaptive": "EAGLE-3 adaptive (upstream)",
@@ -317,6 +317,8 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{st.get('mode_changes')} mode changes" + acceptance_note(st))
             if st.get("estimates"):  # auto: what it measured, per batch-size bucket
                 lines.append(f"- {label(name)}: per bucket, speculative / plain: {st['estimates']}")
+        if info.get("step_trace"):  # auto: its steps' times, as its estimate and the traffic read them
+            lines += [f"- {label(name)} steps: {line}" for line in autotrace.render(info["step_trace"])]
     lines += [f"- server: {e}" for e in result.get("server_events", [])]
     lines += [f"- {label(n)} not run: {why}" for n, why in result.get("not_run", {}).items()]
     lines += [f"- remaining: {s}" for s in result.get("skipped", [])]

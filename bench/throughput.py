@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import diagnose, hostinfo, pairing, servers
+from bench import autotrace, diagnose, hostinfo, pairing, servers
 from bench import report as bench_report
 from smoke import client, names
 from smoke.client import Prompt
@@ -146,6 +146,8 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
         cfg.threshold = int(name.removeprefix("eagle3_thr"))
     if name == "eagle3_auto":
         extra += [THRESHOLD_FLAG, "auto"]
+        # its step trace, to read offline why it chose what it chose (in the logs it brings back)
+        cfg.env[names.AUTO_TRACE_ENV] = str((opts.out / f"{name}_steps.jsonl").resolve())
     if name == "eagle3_adaptive":
         extra += ["--speculative-adaptive", "--speculative-adaptive-config", str(opts.out / "adaptive_config.json")]
     if opts.diagnose or opts.device_timer:
@@ -453,6 +455,9 @@ def server_checks(name: str, srv: Server, top: int) -> tuple[dict[str, Any], lis
             info["speculative_disable"] = speculation_state(srv.base)
         except (SmokeError, client.HTTPFailure, ValueError) as exc:
             problems.append(f"{name}: no speculation state: {getattr(exc, 'cause', exc)}")
+    trace = Path(srv.cfg.env.get(names.AUTO_TRACE_ENV, "-"))
+    if trace.is_file():  # auto's steps, written out as the server went idle after the load
+        info["step_trace"] = [r.as_dict() for r in autotrace.summarize(autotrace.read(trace))]
     try:
         check_log_clean(srv.log_path.read_text(errors="replace"))
     except SmokeError as exc:

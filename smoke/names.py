@@ -45,6 +45,7 @@ def load() -> ModuleType:
 _names = load()
 THRESHOLD_FLAG: str = _names.THRESHOLD_FLAG
 THRESHOLD_ENV: str = _names.THRESHOLD_ENV
+AUTO_TRACE_ENV: str = _names.AUTO_TRACE_ENV
 AUTO: str = _names.AUTO
 
 

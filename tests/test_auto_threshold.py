@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 import random
 import sys
@@ -28,6 +29,7 @@ from sglang_image_plugin.auto_threshold import (
     Decision,
     Mode,
     Prior,
+    StepTrace,
     resume_batch_size,
 )
 from sglang_image_plugin.policy import CatchUpPolicy
@@ -576,6 +578,7 @@ class OverlapLoop:
             self.waiting = None
 
     def prefill(self, requests: int) -> None:
+        self.policy.inner.note_prefill(32 * requests)  # what the server's prefill hook reports
         self._launch(("prefill", 1 << (requests - 1).bit_length()), 2e-3 + 0.3e-3 * requests, None)
 
     def decode(self, batch: int) -> int:
@@ -660,3 +663,50 @@ def test_a_mode_timed_while_the_gpu_was_shared_is_timed_again():
             steps = [kind for kind, batch in loop.kinds[start:] if batch == clients]
             shares.append(steps.count("speculative") / len(steps))
         assert min(shares[2:]) > 0.95, (clients, shares, ctl.estimates_text())
+
+
+def test_the_trace_holds_every_step_the_estimate_was_made_of_and_the_prefills_between():
+    """The step trace (SGLANG_IMAGE_AUTO_TRACE) is what reading a server's choice offline needs:
+    each step's kind, batch, time and tokens as the estimate got them, the steps it left out, and
+    the prefills that fell inside the intervals."""
+    ctl = RecordingController(AutoConfig(max_batch_size=4096))
+    trace: list[dict[str, object]] = []
+    loop = OverlapLoop(CatchUpPolicy(AutoPolicy(ctl, 3, trace=trace.append)), random.Random(0))
+    prefills = 0
+    real_prefill = loop.prefill
+
+    def counted(requests: int) -> None:
+        nonlocal prefills
+        prefills += 1
+        real_prefill(requests)
+
+    loop.prefill = counted  # type: ignore[method-assign]
+    for clients in (1, 16, 64, 256):
+        loop.load(clients, 64, seconds=4.0)
+    steps = [r for r in trace if r["kind"] != "prefill"]
+    recorded = [(Mode(r["kind"]), r["batch"], r["seconds"], r["tokens"]) for r in steps if r["recorded"]]
+    assert len(recorded) == len(ctl.recorded) > 200, len(recorded)
+    assert [(m, b, t) for m, b, _, t in recorded] == [(m, b, t) for m, b, _, t in ctl.recorded]
+    assert all(abs(a[2] - b[2]) < 1e-5 for a, b in zip(recorded, ctl.recorded, strict=True))
+    left_out = [r for r in steps if not r["recorded"]]
+    assert {r["kind"] for r in left_out} >= {"catch-up", "speculative", "plain"}  # the first of each kind
+    assert sum(1 for r in trace if r["kind"] == "prefill") == prefills
+    # each prefill falls inside the interval of the step decided before it (but the first of a load)
+    assert prefills - 4 <= sum(int(r["prefills"]) for r in steps) <= prefills
+    assert [r["t"] for r in steps] == sorted(r["t"] for r in steps)
+
+
+def test_the_step_trace_file_is_written_out_when_the_server_goes_idle(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    clock = Clock()
+    policy = AutoPolicy(AutoController(AutoConfig(max_batch_size=64)), 3, clock=clock, trace=StepTrace(str(path)))
+    for _ in range(5):
+        steps = policy.get_steps_for_batch(4)  # a cold start measures plain first
+        clock.now += 0.01
+        policy.on_verify_complete([2 if steps else 0] * 4, 4)
+    assert path.read_text() == ""  # buffered while the server runs
+    policy.note_idle()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["kind"] for r in lines] == ["plain"] * 5
+    assert [r["recorded"] for r in lines] == [False, True, True, True, False]  # first of its kind; no time
+    assert lines[1]["seconds"] == 0.01 and lines[1]["tokens"] == 4 and lines[1]["batch"] == 4

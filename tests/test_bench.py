@@ -286,6 +286,10 @@ def test_configs_map_to_server_flags(tmp_path):
     assert bench.server_config("plain", opts).env == {}
     assert bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, diagnose=True)).env \
         == diagnose.SERVER_ENV
+    # auto traces its steps into the bench's folder (the logs a GPU run brings back)
+    assert bench.server_config("eagle3_auto", opts).env == {
+        "SGLANG_IMAGE_AUTO_TRACE": str(tmp_path.resolve() / "eagle3_auto_steps.jsonl")}
+    assert all(bench.server_config(n, opts).env == {} for n in names if n != "eagle3_auto")
 
 
 def test_switching_servers_can_start_with_the_servers_own_limits(tmp_path):
@@ -306,8 +310,9 @@ def test_switching_servers_can_start_with_the_servers_own_limits(tmp_path):
 
 
 class ChecksServer:
-    def __init__(self, log: Path):
+    def __init__(self, log: Path, env: dict[str, str] | None = None):
         self.base, self.log_path = "http://x", log
+        self.cfg = ServerConfig("x", log.parent, env=env or {})
 
 
 def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_path):
@@ -328,6 +333,17 @@ def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_
     monkeypatch.setattr(bench, "kv_used_after_flush", lambda base: 0)
     monkeypatch.setattr(bench, "running_limit", lambda base: 256)
     assert bench.server_checks("eagle3_thr16", ChecksServer(log), 256)[1] == []
+    # auto's step trace, where its server wrote one, is read back into the report
+    trace = tmp_path / "eagle3_auto_steps.jsonl"
+    env = {"SGLANG_IMAGE_AUTO_TRACE": str(trace)}
+    assert "step_trace" not in bench.server_checks("eagle3_auto", ChecksServer(log, env), 256)[0]
+    trace.write_text("".join(json.dumps({"t": 0.0, "kind": k, "batch": 8, "seconds": 0.01, "tokens": n,
+                                         "recorded": True, "prefills": 0}) + "\n"
+                             for k, n in (("plain", 8), ("speculative", 24)) for _ in range(4)))
+    info, problems = bench.server_checks("eagle3_auto", ChecksServer(log, env), 256)
+    assert problems == [] and [r["kind"] for r in info["step_trace"]] == ["plain", "speculative"]
+    md = bench_report.markdown({"configs": ["eagle3_auto"], "servers": {"eagle3_auto": info}})
+    assert "- EAGLE-3 + auto steps: 5-8 speculative / plain: 3.000x by the medians, 3.000x by the sums" in md
 
 
 def test_auto_runs_only_where_the_plugin_is_installed(tmp_path, monkeypatch):
@@ -1116,3 +1132,40 @@ def test_the_report_shows_what_auto_measured_per_bucket():
     md = bench_report.markdown(result)
     assert f"EAGLE-3 + auto: per bucket, speculative / plain: {estimates}" in md
     assert "threshold 16: per bucket" not in md  # a fixed threshold measures nothing
+
+
+def test_auto_s_step_trace_is_read_back_per_bucket_and_mode(tmp_path, capsys):
+    from bench import autotrace
+    from bench.__main__ import main as bench_main
+
+    def step(kind, batch, seconds, tokens, prefills=0, recorded=True):
+        return {"t": 0.0, "kind": kind, "batch": batch, "seconds": seconds, "tokens": tokens,
+                "recorded": recorded, "prefills": prefills, "crossover": 64}
+
+    # at 64 requests: plain steps of 5 ms, a quarter of them 9 ms with a prefill; speculative steps
+    # of 15 ms, three quarters of them 19 ms with one (requests end three times as often)
+    records = ([step("plain", 64, 0.005, 64)] * 30 + [step("plain", 64, 0.009, 64, 1)] * 10
+               + [step("speculative", 63, 0.015, 189)] * 10 + [step("speculative", 64, 0.019, 192, 1)] * 30
+               + [step("plain", 64, 0.1, 64, recorded=False), step("catch-up", 64, 0.007, 64, recorded=False),
+                  {"t": 1.0, "kind": "prefill", "tokens": 48}, step("speculative", 1, 0.006, 3)])
+    path = tmp_path / "eagle3_auto_steps.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"t": 2.0, "kind": "spe')  # cut short
+    rows = {(r.low, r.high, r.kind): r for r in autotrace.summarize(autotrace.read(path))}
+    assert set(rows) == {(33, 64, "plain"), (33, 64, "speculative"), (1, 1, "speculative")}
+    plain, spec = rows[(33, 64, "plain")], rows[(33, 64, "speculative")]
+    assert (plain.steps, plain.left_out, plain.with_prefill) == (40, 1, 0.25)
+    assert plain.median_ms == pytest.approx(5.0) and plain.mean_ms == pytest.approx(6.0)
+    assert plain.tok_s_median == pytest.approx(64 / 0.005) and plain.tok_s_sums == pytest.approx(64 / 0.006)
+    assert spec.median_ms == pytest.approx(19.0) and spec.mean_batch == pytest.approx(63.75)
+    assert spec.tok_s_sums == pytest.approx((10 * 189 + 30 * 192) / (10 * 0.015 + 30 * 0.019))
+    lines = autotrace.render(list(rows.values()))
+    by_medians = (spec.tok_s_median / plain.tok_s_median)
+    by_sums = (spec.tok_s_sums / plain.tok_s_sums)
+    assert f"33-64 speculative / plain: {by_medians:.3f}x by the medians, {by_sums:.3f}x by the sums" in lines
+    assert any(line.startswith("33-64 plain: 40 steps (+1 left out), batch 64.0, 25% with a prefill") for line in lines)
+    # the same lines from the report's dicts, and from the command line
+    assert autotrace.render([r.as_dict() for r in rows.values()]) == lines
+    assert bench_main(["auto-trace", str(path)]) == 0
+    assert lines[0] in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no such trace"):
+        bench_main(["auto-trace", str(tmp_path / "none.jsonl")])

@@ -827,17 +827,29 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
     assert any(line.startswith("Speculation crossover -> 32 (auto, was ") for line in out["lines"])
 
 
-def test_worker_auto_from_the_environment(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+def test_worker_auto_from_the_environment(run_in_tree, tree, plugin_site, model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     head = f"MODEL = {str(model_dir)!r}\nARGS = []\nTRACE = [1] * 8\nHF_CONFIG = {{}}\n"
     body = """
-        emit({"policy": policy, "steps": steps,
-              "start": [r for r in records if r.startswith("Dynamic speculation disable")]})
+        import json as _json, os as _os
+        inner = getattr(controller.params, "inner", controller.params)
+        for k in steps:  # the steps' verify results, in decode order
+            inner.on_verify_complete([2 if k else 0], 1)
+        inner.note_idle()  # the scheduler goes idle: the step trace is written out
+        with open(_os.environ["SGLANG_IMAGE_AUTO_TRACE"]) as fh:
+            traced = [_json.loads(line)["kind"] for line in fh]
+        emit({"policy": policy, "steps": steps, "traced": traced,
+              "start": [r for r in records if r.startswith("Dynamic speculation disable")],
+              "auto": [r for r in records if r.startswith("Speculation crossover: auto")]})
     """
+    trace = tmp_path / "auto-steps.jsonl"
     out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, FAKE_CLOCK, SWITCH, body,
-                 env={ENV: "auto"})
+                 env={ENV: "auto", "SGLANG_IMAGE_AUTO_TRACE": str(trace)})
     # cold start: speculative, after one burst measuring plain (nothing measured yet)
-    assert out == {"policy": "AutoThresholdPolicy", "steps": [0] * 6 + [3, 3],
-                   "start": ["Dynamic speculation disable enabled: threshold=auto"]}
+    assert out["policy"] == "AutoThresholdPolicy" and out["steps"] == [0] * 6 + [3, 3]
+    assert out["start"] == ["Dynamic speculation disable enabled: threshold=auto"]
+    # the step trace the environment asked for: the steps settled so far, and where it goes
+    assert out["traced"] == ["plain"] * 6 + ["speculative"] * 2
+    assert out["auto"] and out["auto"][0].endswith(f"; its steps traced to {trace}")
 
 
 ENTRYPOINT = pins.REPO_ROOT / "images" / "tool" / "entrypoint.sh"
@@ -1484,13 +1496,23 @@ def test_auto_pairs_each_plain_layout_step_with_its_own_result(run_in_tree, tree
             s.lay.prepare(s.batch)
             s.worker.on_verify_complete_cpu(accepted, batch_size=3)
         s.lay.prepare(s.batch)
+        # a prefill batch through the worker reaches auto's step trace (the step it fell in)
+        traced = []
+        auto._trace = traced.append
+        state.of(s.worker, WorkerState).controller = auto
+        s.worker.draft_worker = NS()
+        prefill = NS(forward_mode=ForwardMode.EXTEND, spec_algorithm=EAGLE, req_pool_indices=torch.tensor([9]),
+                     extend_num_tokens=48)
+        ran = L.forward_batch_generation(lambda *a, **k: "prefill", s.worker, prefill)
         emit({"records": ctl.records, "dropped": auto.dropped, "catch_up": s.policy.catch_up_steps,
-              "watch": s.watch.view()})
+              "watch": s.watch.view(), "ran": ran, "traced": traced,
+              "in_step": auto._pending[-1].prefills})
     """)
     assert out["records"] == [["speculative", 3, 1.0, 9], ["plain", 3, 1.0, 3], ["plain", 3, 1.0, 3],
                               ["speculative", 3, 1.0, 6]]
     assert out["dropped"] == 0 and out["catch_up"] == 1
     assert out["watch"]["unpaired_steps"] == 0
+    assert out["ran"] == "prefill" and [r["tokens"] for r in out["traced"]] == [48] and out["in_step"] == 1
 
 
 def test_deferred_draft_kv_writes_what_the_immediate_write_does_one_step_later(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]

@@ -583,6 +583,7 @@ class _Step:
     output_tokens: int | None = None
     left_out: bool = False  # paired with its result, not recorded
     catch_up: bool = False  # the catch-up step (AutoPolicy.leave_out_last)
+    prefills: int = 0  # prefill batches launched while this step was the last one decided
 
     @property
     def kind(self) -> str:
@@ -605,12 +606,17 @@ class AutoPolicy:
     decode order, usually a step late; each fills the oldest step still waiting for one. A result
     whose batch size differs from that step's means the two sequences lost step: the pending steps
     are dropped. An idle call (no requests), or the scheduler going idle (note_idle), leaves the
-    pending step without a time."""
+    pending step without a time.
+
+    `trace`, if given, gets a record per decided step once its time and tokens are in (recorded or
+    left out), and one per prefill the server reports (note_prefill): the raw data the estimate
+    is made of, for reading offline why `auto` chose what it chose (see StepTrace)."""
 
     MAX_PENDING = 8  # steps waiting for their results, at most (overlap keeps one or two)
 
     def __init__(self, controller: AutoController, speculative_steps: int,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None,
+                 trace: Callable[[dict[str, object]], None] | None = None) -> None:
         if speculative_steps < 1:
             raise ValueError(f"{THRESHOLD_FLAG} auto needs --speculative-num-steps >= 1, got {speculative_steps}")
         import time  # measurement only; the tests pass their own clock
@@ -622,6 +628,7 @@ class AutoPolicy:
         self._previous: _Step | None = None  # the step decided last (recorded or not)
         self._cuda_graph_bs: list[int] | None = None
         self.dropped = 0  # steps not recorded: no time, or lost step with the results
+        self._trace = trace
 
     @property
     def candidate_steps(self) -> list[int]:
@@ -674,6 +681,18 @@ class AutoPolicy:
         if last is not None and last.seconds is None:
             last.seconds = 0.0
             self._flush()
+        flush = getattr(self._trace, "flush", None)
+        if flush is not None:
+            flush()
+
+    def note_prefill(self, tokens: int) -> None:
+        """The scheduler launched a prefill batch of `tokens` new tokens: it falls inside the
+        interval of the last step decided (for the trace; the estimate does not use it)."""
+        last = self._pending[-1] if self._pending else None
+        if last is not None and last.seconds is None:
+            last.prefills += 1
+        if self._trace is not None:
+            self._trace({"t": round(self._clock(), 6), "kind": "prefill", "tokens": int(tokens)})
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         """The output tokens of the oldest step waiting for them: the accepted drafts plus one per
@@ -693,9 +712,32 @@ class AutoPolicy:
         """Record the oldest steps that have both their time and their tokens."""
         while self._pending and self._pending[0].seconds is not None and self._pending[0].output_tokens is not None:
             s = self._pending.pop(0)
-            if s.left_out:
-                continue
-            if s.seconds and s.output_tokens is not None:
-                self.controller.record(s.mode, s.batch_size, s.seconds, s.output_tokens)
-            else:
-                self.dropped += 1
+            recorded = not s.left_out and bool(s.seconds) and s.output_tokens is not None
+            if recorded:
+                self.controller.record(s.mode, s.batch_size, s.seconds or 0.0, s.output_tokens or 0)
+            elif not s.left_out:
+                self.dropped += 1  # no time (idle after it)
+            if self._trace is not None:
+                self._trace({"t": round(s.start, 6), "kind": s.kind, "batch": s.batch_size,
+                             "seconds": round(s.seconds or 0.0, 6), "tokens": s.output_tokens,
+                             "recorded": recorded, "prefills": s.prefills,
+                             "crossover": self.controller.crossover()})
+
+
+class StepTrace:
+    """AutoPolicy's trace as JSON lines in a file (AUTO_TRACE_ENV): buffered, written out
+    whenever the server goes idle (flush) and when the process exits."""
+
+    def __init__(self, path: str) -> None:
+        import atexit
+        import json
+
+        self._dumps = json.dumps
+        self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")  # noqa: SIM115 (kept open)
+        atexit.register(self._file.close)
+
+    def __call__(self, record: dict[str, object]) -> None:
+        self._file.write(self._dumps(record, separators=(",", ":")) + "\n")
+
+    def flush(self) -> None:
+        self._file.flush()

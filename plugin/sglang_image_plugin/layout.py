@@ -272,10 +272,14 @@ def forward_batch_generation(original: Callable[..., Any], worker: Any, batch: A
                              *args: Any, **kwargs: Any) -> Any:
     """AROUND EAGLEWorkerV2.forward_batch_generation: a plain-layout decode batch's step."""
     layout = _layout(worker)
-    if layout is not None and batch.forward_mode.is_extend():
-        deferred = _deferred(worker.draft_worker)
+    if batch.forward_mode.is_extend():
+        deferred = _deferred(worker.draft_worker) if layout is not None else None
         if deferred is not None:  # new requests in these rows: nothing of theirs is pending
             deferred.forget(batch.req_pool_indices)
+        own = state.peek(worker, WorkerState)
+        note_prefill = getattr(own.controller, "note_prefill", None) if own is not None else None
+        if note_prefill is not None:  # auto's step trace
+            note_prefill(int(getattr(batch, "extend_num_tokens", 0) or 0))
     if (
         layout is None
         or not batch.spec_algorithm.is_none()

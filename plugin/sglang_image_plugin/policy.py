@@ -149,8 +149,9 @@ class AutoThresholdPolicy(AutoPolicy):
         clock: Callable[[], float] | None = None,
         log_interval_s: float = MODE_LOG_INTERVAL_S,
         step_clock: Callable[[], float] | None = None,
+        trace: Callable[[dict[str, object]], None] | None = None,
     ) -> None:
-        super().__init__(controller, speculative_steps, step_clock)
+        super().__init__(controller, speculative_steps, step_clock, trace)
         self._metrics = Metrics()
         self._published_crossover = controller.crossover()
         self._log_fn = log_fn if log_fn is not None else logger.info

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
 HYSTERESIS_FLAG = "--speculative-disable-hysteresis"
 THRESHOLD_ENV = "SGLANG_SPEC_DISABLE_BATCH_THRESHOLD"
+# `auto`: a file to append its step trace to (JSON lines, rank 0; auto_threshold.StepTrace)
+AUTO_TRACE_ENV = "SGLANG_IMAGE_AUTO_TRACE"
 # argparse destinations: not ServerArgs fields, so ServerArgs.from_cli_args skips them.
 THRESHOLD_DEST = "speculative_disable_batch_threshold"
 HYSTERESIS_DEST = "speculative_disable_hysteresis"

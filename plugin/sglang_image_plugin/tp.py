@@ -14,15 +14,19 @@ from sglang_image_plugin.auto_threshold import Decision
 logger = logging.getLogger(__name__)
 
 
-def log_on_rank0(message: str) -> None:
-    """Log once per TP group (every rank decides alike)."""
+def tp_rank() -> int:
+    """This process's rank in its TP group (0 where none is published: a process of its own)."""
     from sglang.srt.runtime_context import get_parallel
 
     try:
-        rank = get_parallel().tp_rank
-    except RuntimeError:  # no rank published: a process of its own
-        rank = 0
-    if rank == 0:
+        return int(get_parallel().tp_rank)
+    except RuntimeError:
+        return 0
+
+
+def log_on_rank0(message: str) -> None:
+    """Log once per TP group (every rank decides alike)."""
+    if tp_rank() == 0:
         logger.info(message)
 
 

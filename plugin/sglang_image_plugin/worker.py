@@ -7,17 +7,18 @@ sglang is imported inside the hooks only: they run in a process that has it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from sglang_image_plugin import flags, plain_step, registry, spec_disable, state
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
-from sglang_image_plugin.auto_threshold import AutoConfig, AutoController
+from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, StepTrace
 from sglang_image_plugin.layout import decided_at_prepare
 from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
 from sglang_image_plugin.state import ArgsState, DraftState, WorkerState
 from sglang_image_plugin.targets import hooks_of
-from sglang_image_plugin.tp import broadcast_ints, log_on_rank0, tp_agree, tp_group
+from sglang_image_plugin.tp import broadcast_ints, log_on_rank0, tp_agree, tp_group, tp_rank
 
 
 def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
@@ -110,17 +111,21 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
                                                   [max_running_requests])[0]
             buckets = len(AutoConfig(max_batch_size=max_running_requests).edges)
             agree = tp_agree(group.cpu_group, group.ranks[0], buckets)
+        trace_path = os.environ.get(spec_disable.AUTO_TRACE_ENV)
+        trace = StepTrace(trace_path) if trace_path and tp_rank() == 0 else None
         policy = AutoThresholdPolicy(
             AutoController(AutoConfig(max_batch_size=max_running_requests), agree=agree),
             worker.speculative_num_steps,
             log_fn=log_on_rank0,
+            trace=trace,
         )
         worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
         own.controller = policy
         log_on_rank0(
             f"Speculation crossover: auto, learned online per batch-size bucket up to "
             f"{max_running_requests} running requests; starting speculative everywhere"
-            + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else ""))
+            + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else "")
+            + (f"; its steps traced to {trace_path}" if trace is not None else ""))
     adaptive = worker.adaptive_controller
     if step.kv_only:
         catch_up = CatchUpPolicy(adaptive.params)
