@@ -319,7 +319,8 @@ def test_argparse_shows_the_message(capsys):
                                      ({"margin": -0.1}, "margin"), ({"memory": 1.0}, "memory"),
                                      ({"explore_steps": 10, "explore_gap": 5}, "explore_steps"),
                                      ({"update_every": 0}, "update_every"),
-                                     ({"min_samples": 0}, "min_samples")])
+                                     ({"min_samples": 0}, "min_samples"),
+                                     ({"step_noise": 1.0}, "step_noise")])
 def test_bad_config_is_refused(kw, word):
     with pytest.raises(ValueError, match=word):
         AutoConfig(**{"max_batch_size": 8, **kw})
@@ -710,3 +711,37 @@ def test_the_step_trace_file_is_written_out_when_the_server_goes_idle(tmp_path):
     assert [r["kind"] for r in lines] == ["plain"] * 5
     assert [r["recorded"] for r in lines] == [False, True, True, True, False]  # first of its kind; no time
     assert lines[1]["seconds"] == 0.01 and lines[1]["tokens"] == 4 and lines[1]["batch"] == 4
+
+
+def test_a_burst_of_steps_that_happened_to_run_fast_does_not_outvote_a_window():
+    """GPU, 8B shape, 64 requests: plain won there by 7% and the crossover sat at 32. Speculation,
+    stale in the 33-64 bucket, was timed again in a burst; its 4 steps replaced the 30 before
+    them (their own spread was tight, so they "differed beyond their noise") and, read as 4%
+    ahead of plain, moved the crossover to 64 for the next half minute. Here one such burst runs
+    12% fast. The estimate takes no step time as surer than AutoConfig.step_noise: the crossover
+    holds; without that floor (0) it moves."""
+
+    def crossovers(step_noise: float, seed: int) -> set[int]:
+        rng = random.Random(seed)
+        ctl = AutoController(AutoConfig(max_batch_size=256, step_noise=step_noise))
+        model = CostModel(plain_fixed=4.42e-3, plain_per_request=0.0266e-3, spec_fixed=6.07e-3,
+                          spec_per_request=0.216e-3, accept=3.0)
+        assert model.share_of_best(Mode.SPECULATIVE, 64) == pytest.approx(0.93, abs=0.01)
+        bursts, last, seen = 0, None, set()
+        for phase, (batch, steps) in enumerate([(16, 3000), (64, 12000)]):
+            for _ in range(steps):
+                mode = ctl.decide(batch)
+                seconds = model.seconds(mode, batch) * math.exp(rng.gauss(0, 0.03))
+                if phase == 1 and mode is Mode.SPECULATIVE and ctl.crossover() == 32:
+                    bursts += last is not Mode.SPECULATIVE
+                    if bursts == 2:  # the second re-timing burst after the crossover fell to 32
+                        seconds *= 0.88
+                last = mode
+                ctl.record(mode, batch, seconds, batch * (3 if mode is Mode.SPECULATIVE else 1))
+                if phase == 1 and bursts >= 1:
+                    seen.add(ctl.crossover())
+        return seen
+
+    for seed in range(3):
+        assert crossovers(AutoConfig(max_batch_size=1).step_noise, seed) == {32}, seed
+    assert any(64 in crossovers(0.0, seed) for seed in range(3))

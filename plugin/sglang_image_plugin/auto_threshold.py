@@ -23,7 +23,8 @@ outweighs the difference between the modes. Speculation pays in a prefix of the 
 the GPU); the crossover is the split
 that maximizes the summed log advantage of the speculating buckets. Every `update_every` steps it
 moves there only if that beats the current split by `margin` plus twice the noise of the
-difference (from the spread of the step times): hysteresis on the estimate. Running batches
+difference (from the spread of the step times, taken as at least `step_noise` a step, so that a
+few steps that happened to run alike do not pass for a sure figure): hysteresis on the estimate. Running batches
 switch like a fixed threshold N = crossover: plain above N, speculative again at N - N//8
 (hysteresis on the batch size), so one arrival does not flip the mode; when the crossover
 moves, the running batch takes its side at once.
@@ -107,6 +108,10 @@ class AutoConfig:
     explore_steps: int = 6
     explore_gap: int = 256  # steps between the starts of two bursts, at least
     min_samples: int = 4  # steps of each mode a bucket needs before it counts
+    # the least spread of one step's time the estimate assumes: a few steps can look as alike as
+    # a few microseconds by chance, and a burst of them would then outvote a window (GPU, 8B
+    # shape, 64 requests: 4 speculative steps replaced 30 and moved the crossover the wrong way)
+    step_noise: float = 0.05
 
     def __post_init__(self) -> None:
         problems = []
@@ -117,6 +122,8 @@ class AutoConfig:
             problems.append(f"bucket_edges {edges}: must increase from >= 1 to max_batch_size")
         if not 0 <= self.margin < 1:
             problems.append(f"margin {self.margin} not in [0, 1)")
+        if not 0 <= self.step_noise < 1:
+            problems.append(f"step_noise {self.step_noise} not in [0, 1)")
         for name in ("memory", "accept_memory"):
             if not 0 < getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)} not in (0, 1)")
@@ -183,9 +190,10 @@ class _Times:
     """One mode's recent step seconds in one bucket: their median, which a few steps that carried
     something else do not move far, its noise, and the mean batch size of those steps."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, step_noise: float = 0.0) -> None:
         self._samples: deque[float] = deque(maxlen=window)
         self._batches: deque[float] = deque(maxlen=window)
+        self.step_noise = step_noise  # AutoConfig.step_noise
         self.seeded = False  # holds a prior's step (AutoController._seed)
 
     def add(self, value: float, batch_size: float) -> None:
@@ -220,15 +228,17 @@ class _Times:
         return statistics.median(self._samples) if self._samples else None
 
     def relative_variance(self) -> float:
-        """The squared standard error of the median over the median squared (0 with one step).
-        The spread is the median absolute deviation's (an outlier would make it a standard
-        deviation's for as long as the step stays in the window), with its small-sample factor."""
+        """The squared standard error of the median over the median squared (0 with one step: a
+        prior's). The spread is the median absolute deviation's (an outlier would make it a
+        standard deviation's for as long as the step stays in the window), with its small-sample
+        factor, and at least step_noise of the median."""
         n = len(self._samples)
         if n < 2:
             return 0.0
         median = statistics.median(self._samples)
         sigma = 1.4826 * statistics.median(abs(x - median) for x in self._samples) * n / (n - 0.8)
-        return math.pi / 2 * sigma * sigma / n / (median * median)
+        relative = max(sigma / median, self.step_noise)
+        return math.pi / 2 * relative * relative / n
 
 
 @dataclass
@@ -236,13 +246,14 @@ class _Bucket:
     low: int
     high: int
     window: int
+    step_noise: float = 0.0
     # per mode: recent step seconds and their batch sizes; and the batch sizes of its traffic
     seconds: dict[Mode, _Times] = field(init=False)
     batch: dict[Mode, _Average] = field(default_factory=lambda: {m: _Average() for m in Mode})
     last_seen: dict[Mode, int | None] = field(default_factory=lambda: {m: None for m in Mode})
 
     def __post_init__(self) -> None:
-        self.seconds = {m: _Times(self.window) for m in Mode}
+        self.seconds = {m: _Times(self.window, self.step_noise) for m in Mode}
         self.fresh: dict[Mode, _Times | None] = dict.fromkeys(Mode)  # see add
 
     def add(self, mode: Mode, seconds: float, batch_size: int, after_stale_gap: bool, min_samples: int) -> None:
@@ -251,7 +262,7 @@ class _Bucket:
         beyond their noise (the GPU was not what it is now, e.g. shared), else they join them
         (a window of a few steps would decide on more noise)."""
         if after_stale_gap:
-            self.fresh[mode] = _Times(self.window)
+            self.fresh[mode] = _Times(self.window, self.step_noise)
         fresh = self.fresh[mode]
         if fresh is None:
             self.seconds[mode].add(seconds, batch_size)
@@ -305,7 +316,7 @@ class AutoController:
                  agree: Callable[[Decision], Decision] | None = None) -> None:
         self.config = config
         edges = config.edges
-        self._buckets = [_Bucket(low + 1, high, config.window)
+        self._buckets = [_Bucket(low + 1, high, config.window, config.step_noise)
                          for low, high in zip((0, *edges[:-1]), edges, strict=True)]
         self._edges = edges
         self._agree = agree
