@@ -560,10 +560,16 @@ def run_under(mode: str, base: str, case: Case, filler_prompts: list[list[int]],
     """The case's requests on the threshold server under one load mode; what the mode did."""
     tag = f"filler-{case.name}-{mode}-{int(time.time() * 1000)}"
 
-    def case_run() -> list[Outcome]:
-        return send_all(base, case.requests, case.concurrency, deadline)
-
     seen: dict[str, Any] = {}
+    # the cross modes: how long the case's requests ran and when the mode changed, both from their
+    # start (a crossing that came too late says by how much)
+    started = time.monotonic()
+
+    def case_run() -> list[Outcome]:
+        outs = send_all(base, case.requests, case.concurrency, deadline)
+        seen["case_ran_s"] = round(time.monotonic() - started, 2)
+        return outs
+
     if mode == "below":
         outs = case_run()
         stop_if_cut(case, mode, outs)
@@ -583,19 +589,24 @@ def run_under(mode: str, base: str, case: Case, filler_prompts: list[list[int]],
             fut = one.submit(case_run)
             wait_running(base, 1)  # the case's first request is in the batch
             filler = Filler(base, filler_prompts, FILLER_NEW_TOKENS, tag, deadline, rolling=True)
-            seen["crossed_in_flight"] = wait_mode(base, "plain") and not fut.done()
-            outs = fut.result()
-            filler.stop()
+            changed = wait_mode(base, "plain")
+            seen["crossed_in_flight"] = changed and not fut.done()
         elif mode == "cross_down":
             # short: it ends while the case's requests (CASE_TOKENS new tokens) still run
             filler = Filler(base, filler_prompts, CROSS_DOWN_NEW_TOKENS, tag, deadline, rolling=False)
             plain_before = wait_mode(base, "plain")
+            started = time.monotonic()
             fut = one.submit(case_run)
-            seen["crossed_in_flight"] = plain_before and wait_mode(base, "speculative") and not fut.done()
-            outs = fut.result()
-            filler.wait()
+            changed = plain_before and wait_mode(base, "speculative")
+            seen["crossed_in_flight"] = changed and not fut.done()
         else:
             raise ValueError(mode)
+        seen["mode_changed_after_s"] = round(time.monotonic() - started, 2) if changed else None
+        outs = fut.result()
+        if mode == "cross_up":
+            filler.stop()
+        else:
+            filler.wait()
     stop_if_cut(case, mode, outs)
     if not seen.get("crossed_in_flight"):
         raise NotExercised(f"{mode}: the mode did not change while the case's requests were in flight "

@@ -2,9 +2,12 @@
 itself needs a GPU and runs in `python -m bench e2e --phases ...,features` (docs/validation.md)."""
 from __future__ import annotations
 
+import ast
 import json
 import random
+import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -812,3 +815,46 @@ def test_the_smoke_checks_an_image_against_the_series_of_its_own_flavor():
     assert image_flavor("img", {}, None) is None  # the default flavor
     with pytest.raises(SmokeError, match="built for flavor sglang-0.5.17, not sglang-0.5.23"):
         image_flavor("img", labels, "sglang-0.5.23")
+
+
+@pytest.mark.parametrize("mode", ["cross_up", "cross_down"])
+def test_a_crossing_that_came_too_late_says_by_how_much(mode, monkeypatch):
+    # GPU, 0.5.23, threshold 64: two requests of a case can end in a quarter of a second, which is
+    # about what 4N filler requests take to lift a batch past N. The run that proved nothing now
+    # says when the mode changed and when the case's requests ended, both from their start.
+    deadline = F.Deadline(time.time() + 600)
+    timing = {"case": 0.05, "mode": 0.2}
+
+    class FakeFiller:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def stop(self):
+            pass
+
+        def wait(self):
+            pass
+
+    def send_all(base, requests, concurrency, deadline):
+        time.sleep(timing["case"])
+        return [F.Outcome(ids=[[1]]) for _ in requests]
+
+    def wait_mode(base, want, timeout=20):
+        if want == "plain" and mode == "cross_down":
+            return True  # the filler's load is up before the case starts
+        time.sleep(timing["mode"])
+        return True
+
+    monkeypatch.setattr(F, "Filler", FakeFiller)
+    monkeypatch.setattr(F, "send_all", send_all)
+    monkeypatch.setattr(F, "wait_mode", wait_mode)
+    monkeypatch.setattr(F, "wait_running", lambda base, n, timeout=10: None)
+    case = next(c for c in F.make_cases(EXPECTED, 4, "m") if c.name == "greedy")
+    with pytest.raises(F.NotExercised, match="did not change while") as exc:
+        F.run_under(mode, "http://x", case, [], deadline)
+    seen = ast.literal_eval(re.search(r"(\{.*\})", str(exc.value)).group(1))
+    assert seen["crossed_in_flight"] is False
+    assert 0.04 <= seen["case_ran_s"] < 0.15 and 0.19 <= seen["mode_changed_after_s"] < 0.35
+    timing.update(case=0.3, mode=0.05)
+    outs, seen = F.run_under(mode, "http://x", case, [], deadline)
+    assert seen["crossed_in_flight"] and seen["mode_changed_after_s"] < seen["case_ran_s"]
