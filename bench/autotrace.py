@@ -1,20 +1,26 @@
 """`auto`'s step trace (SGLANG_IMAGE_AUTO_TRACE, JSON lines), read back: per batch-size bucket and
 mode, the steps its estimate was made of, how their times spread, and how many carried a prefill.
 
-    python -m bench auto-trace FILE [FILE ...]
+    python -m bench auto-trace FILE [FILE ...] [--replay KEY=VALUE,...]
 
 The estimate takes a mode's median step time in a bucket; the traffic pays the mean, prefills
 included. Where the two disagree between the modes, the crossover it learns is not the one the
-traffic sees: these rows show both side by side.
+traffic sees: these rows show both side by side. --replay feeds the same steps, in the same order,
+to a fresh controller with other settings (AutoConfig's fields; none: today's) and prints the
+crossovers it would have moved to beside the server's: an estimator change tried on a GPU's steps.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
 import statistics
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 KINDS = ("speculative", "plain")
@@ -100,17 +106,91 @@ def render(rows: list[Row] | list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def controller_module() -> ModuleType:
+    """The plugin's auto_threshold: installed, or from this repository's plugin/ folder."""
+    try:
+        return importlib.import_module("sglang_image_plugin.auto_threshold")
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
+        return importlib.import_module("sglang_image_plugin.auto_threshold")
+
+
+def parse_settings(raw: str) -> dict[str, Any]:
+    """`step_noise=0.05,stale_steps=2048` into AutoConfig's fields, typed as they are there; a
+    SystemExit naming the key and the fields for a wrong one."""
+    auto = controller_module()
+    fields = {f.name: f for f in dataclasses.fields(auto.AutoConfig)}
+    out: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        key, _, value = item.partition("=")
+        kind = {"int": int, "float": float}.get(str(fields[key].type)) if key in fields else None
+        if kind is None or not value:
+            raise SystemExit(f"--replay {item!r}: give KEY=VALUE with KEY one of "
+                             f"{', '.join(k for k, f in fields.items() if str(f.type) in ('int', 'float'))}")
+        try:
+            out[key] = kind(value)
+        except ValueError:
+            raise SystemExit(f"--replay {item!r}: {value!r} is not a {kind.__name__}") from None
+    return out
+
+
+def replay(records: Iterable[dict[str, Any]], settings: dict[str, Any]) -> tuple[list[tuple[float, int]], str]:
+    """The trace's decode steps, in order, through a fresh controller: each step is decided (the
+    controller's clock and its updates) and a step the server recorded is recorded with the mode it
+    ran in. Returns its crossover changes (time, crossover) and its estimates at the end."""
+    auto = controller_module()
+    steps = [r for r in records if r.get("kind") in (*KINDS, "catch-up") and r.get("batch")]
+    top = max((int(r["batch"]) for r in steps), default=1)
+    size = 1
+    while size < top:
+        size *= 2
+    ctl = auto.AutoController(auto.AutoConfig(**{"max_batch_size": size, **settings}))
+    changes, last = [], ctl.crossover()
+    for r in steps:
+        ctl.decide(int(r["batch"]))
+        if r.get("recorded") and r.get("tokens") is not None:
+            ctl.record(auto.Mode(r["kind"]), int(r["batch"]), float(r["seconds"]), int(r["tokens"]))
+        if ctl.crossover() != last:
+            last = ctl.crossover()
+            changes.append((float(r["t"]), last))
+    return changes, ctl.estimates_text()
+
+
+def server_changes(records: Iterable[dict[str, Any]]) -> list[tuple[float, int]]:
+    """The crossover the server had as each step settled, where it changed."""
+    out: list[tuple[float, int]] = []
+    for r in records:
+        if r.get("kind") in (*KINDS, "catch-up") and "crossover" in r and (not out or out[-1][1] != r["crossover"]):
+            out.append((float(r["t"]), int(r["crossover"])))
+    return out
+
+
+def timeline(changes: list[tuple[float, int]], t0: float) -> str:
+    return ", ".join(f"{c} at {t - t0:.1f}s" for t, c in changes) or "none"
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("traces", type=Path, nargs="+", help="step traces (JSON lines) of auto servers")
+    ap.add_argument("--replay", metavar="KEY=VALUE,...", default=None,
+                    help="replay the steps through a controller with these AutoConfig settings "
+                         "('' for today's defaults)")
 
 
 def main(a: argparse.Namespace) -> int:
+    settings = parse_settings(a.replay) if a.replay is not None else None
     for path in a.traces:
         if not path.is_file():
             raise SystemExit(f"{path}: no such trace (a server with {THRESHOLD_TRACE_HINT} writes one)")
+        records = read(path)
         print(f"{path}:")
-        for line in render(summarize(read(path))):
+        for line in render(summarize(records)):
             print(f"  {line}")
+        if settings is not None:
+            t0 = min((float(r["t"]) for r in records if "t" in r), default=0.0)
+            changes, estimates = replay(records, settings)
+            print(f"  the server's crossover: {timeline(server_changes(records), t0)}")
+            print(f"  replayed ({a.replay or 'defaults'}): {timeline(changes, t0)}")
+            print(f"  replayed estimates at the end: {estimates}")
     return 0
 
 

@@ -1169,3 +1169,49 @@ def test_auto_s_step_trace_is_read_back_per_bucket_and_mode(tmp_path, capsys):
     assert lines[0] in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no such trace"):
         bench_main(["auto-trace", str(tmp_path / "none.jsonl")])
+
+
+def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with_others_shows_theirs(tmp_path, capsys):
+    """--replay: the steps of a trace through a fresh controller. With the settings that made the
+    trace it must move its crossover exactly as the server did (else it would not show what another
+    setting changes); with today's step_noise, the lucky burst of the auto test moves nothing."""
+    import math
+    import random
+
+    from bench import autotrace
+    from bench.__main__ import main as bench_main
+
+    auto = autotrace.controller_module()
+    rng = random.Random(0)
+    ctl = auto.AutoController(auto.AutoConfig(max_batch_size=64, step_noise=0.0))
+    plain = {16: 4.82e-3, 64: 6.1e-3}
+    spec = {16: 9.3e-3, 64: 19.7e-3}  # 1.55x plain's tokens/s at 16, 0.93x at 64
+    records, clock, bursts, last = [], 0.0, 0, None
+    for phase, (batch, steps) in enumerate([(16, 3000), (64, 8000)]):
+        for _ in range(steps):
+            mode = ctl.decide(batch)
+            is_spec = mode is auto.Mode.SPECULATIVE
+            seconds = (spec if is_spec else plain)[batch] * math.exp(rng.gauss(0, 0.03))
+            if phase == 1 and is_spec and ctl.crossover() == 32:
+                bursts += last is not auto.Mode.SPECULATIVE
+                seconds *= 0.88 if bursts == 2 else 1.0
+            last = mode
+            ctl.record(mode, batch, seconds, batch * (3 if is_spec else 1))
+            records.append({"t": clock, "kind": str(mode), "batch": batch, "seconds": seconds,
+                            "tokens": batch * (3 if is_spec else 1), "recorded": True, "prefills": 0,
+                            "crossover": ctl.crossover()})
+            clock += seconds
+    served = autotrace.server_changes(records)
+    assert [c for _, c in served] == [64, 32, 64, 32]  # the burst moved it (and back)
+    same, _ = autotrace.replay(records, {"step_noise": 0.0})
+    assert same == served[1:]  # (the server started at its max batch: no change to replay there)
+    today, estimates = autotrace.replay(records, {})
+    assert [c for _, c in today] == [32] and "33-64" in estimates
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert bench_main(["auto-trace", str(path), "--replay", "step_noise=0"]) == 0
+    out = capsys.readouterr().out
+    assert "the server's crossover: 64 at 0.0s, 32 at " in out and "replayed (step_noise=0): 32 at " in out
+    for bad in ("noise=1", "step_noise=", "step_noise=much", "bucket_edges=1"):
+        with pytest.raises(SystemExit, match="--replay"):
+            bench_main(["auto-trace", str(path), "--replay", bad])

@@ -858,3 +858,4 @@ def test_a_crossing_that_came_too_late_says_by_how_much(mode, monkeypatch):
     timing.update(case=0.3, mode=0.05)
     outs, seen = F.run_under(mode, "http://x", case, [], deadline)
     assert seen["crossed_in_flight"] and seen["mode_changed_after_s"] < seen["case_ran_s"]
+    assert len(outs) == len(case.requests)
