@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 KINDS = ("speculative", "plain")
+THRESHOLD_TRACE_HINT = "--speculative-disable-batch-threshold auto and SGLANG_IMAGE_AUTO_TRACE=FILE"
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -192,6 +193,3 @@ def main(a: argparse.Namespace) -> int:
             print(f"  replayed ({a.replay or 'defaults'}): {timeline(changes, t0)}")
             print(f"  replayed estimates at the end: {estimates}")
     return 0
-
-
-THRESHOLD_TRACE_HINT = "--speculative-disable-batch-threshold auto and SGLANG_IMAGE_AUTO_TRACE=FILE"

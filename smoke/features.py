@@ -649,8 +649,8 @@ VARIANT_FLAGS = {"overlap": True, "sync": False}  # CUDA graphs on in both
 
 
 def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool = True) -> ServerConfig:
-    # metrics on for the threshold server only; xgrammar for the constrained cases; a small pool and
-    # chunked prefill for the pressure and long-prompt cases
+    # metrics on for the threshold server only; xgrammar for the constrained cases; a pool sized for
+    # the filler and the pressure case (pool_tokens), chunked prefill for the long-prompt case
     extra = ("--grammar-backend", "xgrammar", "--max-total-tokens", str(pool_tokens(opts.threshold)),
              "--chunked-prefill-size", str(CHUNKED_PREFILL),
              # at the default (1.0) 0.5.23 admitted so few requests that the pool stayed 59% full

@@ -24,9 +24,9 @@ the GPU); the crossover is the split
 that maximizes the summed log advantage of the speculating buckets. Every `update_every` steps it
 moves there only if that beats the current split by `margin` plus twice the noise of the
 difference (from the spread of the step times, taken as at least `step_noise` a step, so that a
-few steps that happened to run alike do not pass for a sure figure): hysteresis on the estimate. Running batches
-switch like a fixed threshold N = crossover: plain above N, speculative again at N - N//8
-(hysteresis on the batch size), so one arrival does not flip the mode; when the crossover
+few steps that happened to run alike do not pass for a sure figure): hysteresis on the estimate.
+Running batches switch like a fixed threshold N = crossover: plain above N, speculative again at
+N - N//8 (hysteresis on the batch size), so one arrival does not flip the mode; when the crossover
 moves, the running batch takes its side at once.
 
 The live accept length is measured wherever the server speculates and applied to every bucket,
