@@ -140,7 +140,10 @@ def host_ranges(result: dict[str, Any]) -> dict[str, tuple[float, float]]:
 def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per concurrency, auto against the alternatives a user has, each ratio taken within a block:
     the better of plain and always-on EAGLE-3, and the fixed threshold with the highest median
-    tokens/s at that concurrency."""
+    tokens/s at that concurrency. Beside it, the floor of that comparison: the other fixed
+    thresholds that run the same mode as the best there (C requests speculate under N >= C),
+    against it; servers that do the same work differ by that much, and the best of several is
+    picked after the fact."""
     out: dict[str, dict[str, Any]] = {}
     names = result.get("configs", [])
     if "eagle3_auto" not in names:
@@ -159,6 +162,12 @@ def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             fixed_n = best.removeprefix("eagle3_thr")
             row["best_fixed"] = int(fixed_n) if fixed_n.isdigit() else fixed_n
             row["vs_best_fixed"] = vs.as_dict() if vs else None
+            same = [n for n in fixed if n != best and fixed_n.isdigit() and n.removeprefix("eagle3_thr").isdigit()
+                    and (int(c) <= int(n.removeprefix("eagle3_thr"))) == (int(c) <= int(fixed_n))]
+            floors = {n: r for n in same if (r := pairing.compare(blocks, n, [best])) is not None}
+            if floors:
+                low = min(floors, key=lambda n: floors[n].median)
+                row["same_mode_floor"] = {"threshold": int(low.removeprefix("eagle3_thr")), **floors[low].as_dict()}
         out[c] = row
     return out
 
@@ -247,12 +256,15 @@ def markdown(result: dict[str, Any]) -> str:
     auto = auto_comparison(result)
     if auto:
         lines += ["`auto` against the alternatives (ratios within a block, median [95% interval]):", "",
-                  "| concurrency | auto / better of plain and EAGLE-3 | best fixed threshold | auto / best fixed |",
-                  "|---:|---:|---:|---:|"]
+                  ("| concurrency | auto / better of plain and EAGLE-3 | best fixed threshold | auto / best fixed "
+                   "| another fixed threshold in the same mode / best fixed |"),
+                  "|---:|---:|---:|---:|---:|"]
         for c in sorted(auto, key=int):
             a = auto[c]
+            floor_ = a.get("same_mode_floor")
+            same = f"{interval(floor_)} ({floor_['threshold']})" if floor_ else "-"
             lines.append(f"| {c} | {interval(a.get('vs_better_of_plain_eagle3'))} | {a.get('best_fixed', '-')} | "
-                         f"{interval(a.get('vs_best_fixed'))} |")
+                         f"{interval(a.get('vs_best_fixed'))} | {same} |")
         lines.append("")
     steps = step_table(result)
     if steps:

@@ -1215,3 +1215,25 @@ def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with
     for bad in ("noise=1", "step_noise=", "step_noise=much", "bucket_edges=1"):
         with pytest.raises(SystemExit, match="--replay"):
             bench_main(["auto-trace", str(path), "--replay", bad])
+
+
+def test_auto_s_comparison_carries_the_spread_of_fixed_thresholds_that_do_the_same_work():
+    # row 38 (8B shape): at 4 requests thresholds 8, 16 and 32 all speculate, yet threshold 8 ran
+    # at 0.97x of 16; auto's "0.97x of the best" there is that spread, not a wrong mode
+    tok = {"4": {"eagle3_auto": 1710, "eagle3_thr8": 1722, "eagle3_thr16": 1784, "eagle3_thr32": 1779},
+           "64": {"eagle3_auto": 9554, "eagle3_thr8": 10293, "eagle3_thr16": 10127, "eagle3_thr32": 10368},
+           "1": {"eagle3_auto": 475, "eagle3_thr8": 469}}
+    names = ["eagle3_auto", "eagle3_thr8", "eagle3_thr16", "eagle3_thr32"]
+    result = {"configs": names, "thresholds": [8, 16, 32], "blocks": {
+        c: [{"block": b, "order": list(row), "windows": {n: {"tok_per_s": v * (1 + 0.001 * b), "output_tokens": v,
+                                                            "seconds": 1.0, "requests": 4, "errors": 0}
+                                                        for n, v in row.items()}}
+            for b in range(4)] for c, row in tok.items()}}
+    auto = bench_report.auto_comparison(result)
+    assert auto["4"]["best_fixed"] == 16 and auto["4"]["same_mode_floor"]["threshold"] == 8
+    assert auto["4"]["same_mode_floor"]["median"] == pytest.approx(1722 / 1784, abs=1e-3)
+    # at 64 all three decode plain: the lowest of the other two against the best (32)
+    assert auto["64"]["best_fixed"] == 32 and auto["64"]["same_mode_floor"]["threshold"] == 16
+    assert "same_mode_floor" not in auto["1"]  # threshold 8 alone there
+    md = bench_report.markdown(result)
+    assert "| 4 | - | 16 | 0.96x [0.96-0.96] | 0.97x [0.97-0.97] (8) |" in md
