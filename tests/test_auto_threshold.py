@@ -711,6 +711,8 @@ def test_the_step_trace_file_is_written_out_when_the_server_goes_idle(tmp_path):
     assert [r["kind"] for r in lines] == ["plain"] * 5
     assert [r["recorded"] for r in lines] == [False, True, True, True, False]  # first of its kind; no time
     assert lines[1]["seconds"] == 0.01 and lines[1]["tokens"] == 4 and lines[1]["batch"] == 4
+    with pytest.raises(ValueError, match=r"SGLANG_IMAGE_AUTO_TRACE=.*/no/such/dir/t.jsonl: cannot append .* unset it"):
+        StepTrace(str(tmp_path / "no" / "such" / "dir" / "t.jsonl"))
 
 
 def test_a_burst_of_steps_that_happened_to_run_fast_does_not_outvote_a_window():

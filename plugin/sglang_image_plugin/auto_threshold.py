@@ -60,7 +60,13 @@ from dataclasses import dataclass, field
 from typing import Final
 
 # The flag, its parser and the fixed threshold's hysteresis live with the other flags.
-from sglang_image_plugin.spec_disable import AUTO, THRESHOLD_FLAG, Mode, default_hysteresis
+from sglang_image_plugin.spec_disable import (
+    AUTO,
+    AUTO_TRACE_ENV,
+    THRESHOLD_FLAG,
+    Mode,
+    default_hysteresis,
+)
 
 EXTRAPOLATION_SPAN: Final = 1.5  # see AutoController._seconds_at
 
@@ -744,7 +750,11 @@ class StepTrace:
         import json
 
         self._dumps = json.dumps
-        self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")  # noqa: SIM115 (kept open)
+        try:
+            self._file = open(path, "a", buffering=1 << 16, encoding="utf-8")  # noqa: SIM115 (kept open)
+        except OSError as exc:
+            raise ValueError(f"{AUTO_TRACE_ENV}={path}: cannot append `auto`'s step trace there "
+                             f"({exc.strerror}); give a writable file path, or unset it") from exc
         atexit.register(self._file.close)
 
     def __call__(self, record: dict[str, object]) -> None:
