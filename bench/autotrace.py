@@ -1,13 +1,14 @@
 """`auto`'s step trace (SGLANG_IMAGE_AUTO_TRACE, JSON lines), read back: per batch-size bucket and
 mode, the steps its estimate was made of, how their times spread, and how many carried a prefill.
 
-    python -m bench auto-trace FILE [FILE ...] [--replay KEY=VALUE,...]
+    python -m bench auto-trace FILE [FILE ...] [--replay KEY=VALUE,... [--leave-out-prefills same|next]]
 
 The estimate takes a mode's median step time in a bucket; the traffic pays the mean, prefills
 included. Where the two disagree between the modes, the crossover it learns is not the one the
 traffic sees: these rows show both side by side. --replay feeds the same steps, in the same order,
 to a fresh controller with other settings (AutoConfig's fields; none: today's) and prints the
-crossovers it would have moved to beside the server's: an estimator change tried on a GPU's steps.
+crossovers it would have moved to beside the server's: an estimator change tried on a GPU's steps
+(--leave-out-prefills: the estimate without the steps a prefill fell in).
 """
 from __future__ import annotations
 
@@ -135,21 +136,34 @@ def parse_settings(raw: str) -> dict[str, Any]:
     return out
 
 
-def replay(records: Iterable[dict[str, Any]], settings: dict[str, Any]) -> tuple[list[tuple[float, int]], str]:
+LEAVE_OUT = ("none", "same", "next")  # --leave-out-prefills: which steps a prefill marks
+
+
+def replay(records: Iterable[dict[str, Any]], settings: dict[str, Any],
+           leave_out_prefills: str = "none") -> tuple[list[tuple[float, int]], str]:
     """The trace's decode steps, in order, through a fresh controller: each step is decided (the
     controller's clock and its updates) and a step the server recorded is recorded with the mode it
-    ran in. Returns its crossover changes (time, crossover) and its estimates at the end."""
+    ran in, except, with `leave_out_prefills`, a step whose interval a prefill fell in ("same": the
+    step it was noted with; "next": the one after it, where the prefill's GPU time may land).
+    Returns its crossover changes (time, crossover) and its estimates at the end."""
+    if leave_out_prefills not in LEAVE_OUT:
+        raise ValueError(f"leave_out_prefills {leave_out_prefills!r}: one of {', '.join(LEAVE_OUT)}")
     auto = controller_module()
     steps = [r for r in records if r.get("kind") in (*KINDS, "catch-up") and r.get("batch")]
+    marked = [bool(r.get("prefills")) for r in steps]
+    if leave_out_prefills == "next":
+        marked = [False, *marked[:-1]]
+    elif leave_out_prefills == "none":
+        marked = [False] * len(steps)
     top = max((int(r["batch"]) for r in steps), default=1)
     size = 1
     while size < top:
         size *= 2
     ctl = auto.AutoController(auto.AutoConfig(**{"max_batch_size": size, **settings}))
     changes, last = [], ctl.crossover()
-    for r in steps:
+    for r, skip in zip(steps, marked, strict=True):
         ctl.decide(int(r["batch"]))
-        if r.get("recorded") and r.get("tokens") is not None:
+        if r.get("recorded") and r.get("tokens") is not None and not skip:
             ctl.record(auto.Mode(r["kind"]), int(r["batch"]), float(r["seconds"]), int(r["tokens"]))
         if ctl.crossover() != last:
             last = ctl.crossover()
@@ -175,6 +189,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replay", metavar="KEY=VALUE,...", default=None,
                     help="replay the steps through a controller with these AutoConfig settings "
                          "('' for today's defaults)")
+    ap.add_argument("--leave-out-prefills", choices=LEAVE_OUT, default="none",
+                    help="--replay: leave out the steps a prefill fell in (same: the step it was "
+                         "noted with; next: the one after it)")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -188,8 +205,9 @@ def main(a: argparse.Namespace) -> int:
             print(f"  {line}")
         if settings is not None:
             t0 = min((float(r["t"]) for r in records if "t" in r), default=0.0)
-            changes, estimates = replay(records, settings)
+            changes, estimates = replay(records, settings, a.leave_out_prefills)
             print(f"  the server's crossover: {timeline(server_changes(records), t0)}")
-            print(f"  replayed ({a.replay or 'defaults'}): {timeline(changes, t0)}")
+            left_out = f"; steps with a prefill left out: {a.leave_out_prefills}" if a.leave_out_prefills != "none" else ""
+            print(f"  replayed ({a.replay or 'defaults'}{left_out}): {timeline(changes, t0)}")
             print(f"  replayed estimates at the end: {estimates}")
     return 0

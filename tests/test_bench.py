@@ -1212,6 +1212,8 @@ def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with
     assert bench_main(["auto-trace", str(path), "--replay", "step_noise=0"]) == 0
     out = capsys.readouterr().out
     assert "the server's crossover: 64 at 0.0s, 32 at " in out and "replayed (step_noise=0): 32 at " in out
+    assert bench_main(["auto-trace", str(path), "--replay", "", "--leave-out-prefills", "next"]) == 0
+    assert "replayed (defaults; steps with a prefill left out: next): 32 at " in capsys.readouterr().out
     for bad in ("noise=1", "step_noise=", "step_noise=much", "bucket_edges=1"):
         with pytest.raises(SystemExit, match="--replay"):
             bench_main(["auto-trace", str(path), "--replay", bad])
@@ -1237,3 +1239,22 @@ def test_auto_s_comparison_carries_the_spread_of_fixed_thresholds_that_do_the_sa
     assert "same_mode_floor" not in auto["1"]  # threshold 8 alone there
     md = bench_report.markdown(result)
     assert "| 4 | - | 16 | 0.96x [0.96-0.96] | 0.97x [0.97-0.97] (8) |" in md
+
+
+@pytest.mark.parametrize("leave_out,steps", [("none", "(10/10 steps)"), ("same", "(9/6 steps)"),
+                                             ("next", "(10/5 steps)")])
+def test_a_replay_can_leave_out_the_steps_a_prefill_fell_in(leave_out, steps):
+    # where a prefill's GPU time lands (the step it was noted with, or the one after it under the
+    # overlap scheduler) is for a GPU trace to show; the replay tries both
+    from bench import autotrace
+
+    def step(kind, prefills):
+        return {"t": 0.0, "kind": kind, "batch": 64, "seconds": 0.02 if kind == "speculative" else 0.006,
+                "tokens": 192 if kind == "speculative" else 64, "recorded": True, "prefills": prefills}
+
+    records = ([step("speculative", 0)] * 9 + [step("speculative", 1)]
+               + [step("plain", i in (1, 3, 5, 7)) for i in range(10)])
+    _, estimates = autotrace.replay(records, {}, leave_out)
+    assert estimates.startswith("33-64: ") and estimates.endswith(steps)
+    with pytest.raises(ValueError, match="leave_out_prefills 'all'"):
+        autotrace.replay(records, {}, "all")
