@@ -13,7 +13,9 @@ crossovers it would have moved to beside the server's: an estimator change tried
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
+import functools
 import importlib
 import json
 import statistics
@@ -39,12 +41,17 @@ def read(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+@functools.cache
+def server_edges() -> tuple[int, ...]:
+    """The bucket edges an auto server uses (the plugin's power_of_two_edges), far past any batch."""
+    return tuple(controller_module().power_of_two_edges(1 << 20))
+
+
 def bucket_of(batch: int) -> tuple[int, int]:
-    """The power-of-two bucket (low, high) a batch size falls in: 1-1, 2-2, 3-4, 5-8, ..."""
-    high = 1
-    while high < batch:
-        high *= 2
-    return (high // 2 + 1, high)
+    """The server's bucket (low, high) of a batch size: 1-1, 2-2, 3-4, 5-8, ... (as _bucket finds it)."""
+    edges = server_edges()
+    i = bisect.bisect_left(edges, batch)
+    return (edges[i - 1] + 1 if i else 1, edges[i])
 
 
 @dataclass(frozen=True)
@@ -156,9 +163,7 @@ def replay(records: Iterable[dict[str, Any]], settings: dict[str, Any],
     elif leave_out_prefills == "none":
         marked = [False] * len(steps)
     top = max((int(r["batch"]) for r in steps), default=1)
-    size = 1
-    while size < top:
-        size *= 2
+    size = 1 << (top - 1).bit_length()  # the power of two at or above the largest batch
     ctl = auto.AutoController(auto.AutoConfig(**{"max_batch_size": size, **settings}))
     changes, last = [], ctl.crossover()
     for r, skip in zip(steps, marked, strict=True):

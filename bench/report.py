@@ -137,6 +137,12 @@ def host_ranges(result: dict[str, Any]) -> dict[str, tuple[float, float]]:
     return {k: (min(v), max(v)) for k, v in seen.items()}
 
 
+def fixed_threshold(name: str) -> int | None:
+    """N of a fixed-threshold server's name (eagle3_thrN), None for another name."""
+    n = name.removeprefix("eagle3_thr")
+    return int(n) if name.startswith("eagle3_thr") and n.isdigit() else None
+
+
 def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per concurrency, auto against the alternatives a user has, each ratio taken within a block:
     the better of plain and always-on EAGLE-3, and the fixed threshold with the highest median
@@ -159,15 +165,16 @@ def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if fixed:
             best = max(fixed, key=lambda n: table[c][n]["tok_per_s"])
             vs = pairing.compare(blocks, "eagle3_auto", [best])
-            fixed_n = best.removeprefix("eagle3_thr")
-            row["best_fixed"] = int(fixed_n) if fixed_n.isdigit() else fixed_n
+            n_best = fixed_threshold(best)
+            row["best_fixed"] = n_best if n_best is not None else best.removeprefix("eagle3_thr")
             row["vs_best_fixed"] = vs.as_dict() if vs else None
-            same = [n for n in fixed if n != best and fixed_n.isdigit() and n.removeprefix("eagle3_thr").isdigit()
-                    and (int(c) <= int(n.removeprefix("eagle3_thr"))) == (int(c) <= int(fixed_n))]
+            # C requests speculate under a fixed N >= C
+            same = [n for n in fixed if n != best and n_best is not None
+                    and (t := fixed_threshold(n)) is not None and (int(c) <= t) == (int(c) <= n_best)]
             floors = {n: r for n in same if (r := pairing.compare(blocks, n, [best])) is not None}
             if floors:
                 low = min(floors, key=lambda n: floors[n].median)
-                row["same_mode_floor"] = {"threshold": int(low.removeprefix("eagle3_thr")), **floors[low].as_dict()}
+                row["same_mode_floor"] = {"threshold": fixed_threshold(low), **floors[low].as_dict()}
         out[c] = row
     return out
 

@@ -455,9 +455,9 @@ def server_checks(name: str, srv: Server, top: int) -> tuple[dict[str, Any], lis
             info["speculative_disable"] = speculation_state(srv.base)
         except (SmokeError, client.HTTPFailure, ValueError) as exc:
             problems.append(f"{name}: no speculation state: {getattr(exc, 'cause', exc)}")
-    trace = Path(srv.cfg.env.get(names.AUTO_TRACE_ENV, "-"))
-    if trace.is_file():  # auto's steps, written out as the server went idle after the load
-        info["step_trace"] = [r.as_dict() for r in autotrace.summarize(autotrace.read(trace))]
+    trace = srv.cfg.env.get(names.AUTO_TRACE_ENV)
+    if trace and Path(trace).is_file():  # auto's steps, written out as the server went idle after the load
+        info["step_trace"] = [r.as_dict() for r in autotrace.summarize(autotrace.read(Path(trace)))]
     try:
         check_log_clean(srv.log_path.read_text(errors="replace"))
     except SmokeError as exc:
