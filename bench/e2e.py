@@ -369,6 +369,7 @@ class E2E:
                                            deadline=self.deadline,
                                            variants=tuple(self.a.feature_variants.split(",")),
                                            parallel_variants=self.a.parallel_variants,
+                                           cases=self.feature_cases(),
                                            # progress in e2e.log, and the state on disk as each
                                            # case is done: a call killed from outside keeps them
                                            progress=self.log, save_state=self.save)
@@ -378,12 +379,15 @@ class E2E:
         if rep.get("skipped"):
             raise Deadline_(f"features: skipped {rep['skipped']}")
 
+    def feature_cases(self) -> tuple[str, ...]:
+        return runner.comma_list(self.a.feature_cases, features_mod.CASE_NAMES, "--feature-cases")
+
     def options_digest(self, ph: str) -> str:
         """The options a run phase's result depends on: a later call that changes any of them runs the
         phase again instead of reporting the earlier result as its own."""
         opts: Any = {"smoke": [self.a.threshold, self.a.smoke_variants, self.a.smoke_size],
                      "features": [self.a.threshold, self.a.feature_variants, self.a.smoke_size,
-                                  self.a.feature_graph_bs],
+                                  self.a.feature_graph_bs, sorted(self.feature_cases())],
                      "bench": [self.a.bench_size, self.a.bench_draft_accept,
                                {k: v for k, v in bench_mod.tuning_options(self.a, "bench-").items()
                                 if k != "launch_only"}],
@@ -670,6 +674,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--feature-graph-bs", type=int, default=64,
                     help="features phase: decode CUDA graphs captured up to this batch "
                          f"(at most {features_mod.PRESSURE_REQUESTS})")
+    ap.add_argument("--feature-cases", default=",".join(features_mod.CASE_NAMES),
+                    help="features phase: comma list of the cases to run (default: all)")
     ap.add_argument("--parallel-variants", action="store_true",
                     help="smoke and features phases: the variants side by side, each server on a "
                          "port of its own (for a GPU with memory for two servers)")
@@ -696,6 +702,7 @@ def main(a: argparse.Namespace) -> int:
         runner.comma_list(a.phases, PHASES, "--phases")
     runner.comma_list(a.smoke_variants, runner.VARIANTS, "--smoke-variants")
     runner.comma_list(a.feature_variants, features_mod.VARIANT_FLAGS, "--feature-variants")
+    runner.comma_list(a.feature_cases, features_mod.CASE_NAMES, "--feature-cases")
     runner.comma_list(a.comm_runs, comm_mod.RUN_NAMES, "--comm-runs")
     try:
         threshold = names.parse_threshold(a.threshold)

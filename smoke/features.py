@@ -22,8 +22,13 @@ cases one by one): the next call with the same state runs only what is missing. 
 each piece ends.
 
 What "equal" means per case (the reference is always the plain server):
-  greedy, stop, constrained, penalties, n>1, long prompts, KV pressure: token ids (and finish reason)
-    equal; streams: the streamed text equal.
+  greedy, stop, penalties, n>1, long prompts, KV pressure: token ids (and finish reason) equal;
+    streams: the streamed text equal.
+  constrained (JSON schema, regex): token ids equal up to a tie, if any: a position where the plain
+    server's first two choices among the tokens the grammar allows lie within TIE_LOGITS of each
+    other and the threshold server took the second (a random model under a grammar mask has such
+    near-ties, and the verify and decode kernels round them differently). From a tie on, the
+    output must still be one the grammar allows (smoke.grammar_check).
   logprobs: token ids equal; each returned logprob within LOGPROB_TOL plus LOGPROB_BF16_STEPS
     steps of bf16 at its magnitude of the plain server's (upstream's verify and decode kernels
     round differently, and bf16 resolves an unlikely token's logprob more coarsely).
@@ -54,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from smoke import client
+from smoke.grammar_check import Grammar, first_break
 from smoke.runner import (
     DEFAULT_THRESHOLD,
     REFERENCE_CONCURRENCY,
@@ -76,6 +82,9 @@ LOGPROB_TOL = 0.05       # nats; decode and verify kernels round differently in 
 LOGPROB_BF16_STEPS = 4   # ... by a few steps of bf16 (8 significant bits) at the value's magnitude:
                          # seen on a GPU, 0.5.23, in pure speculation too (below the threshold):
                          # -27.69 vs -27.38 (2.5 steps), -16.25 vs -16.50 (2 steps)
+# two choices closer than this (logits) are a tie that rounding may break either way: bf16 logits of
+# magnitude 16-64 lie 0.125-0.25 apart, and upstream's verify and decode kernels round differently
+TIE_LOGITS = 0.5
 SAMPLING_Z = 4.5         # a false alarm about once in 150,000 checks
 SAMPLES = 24             # sampled requests per run of the sampling case
 MIN_POOL_TOKENS = 16384  # --max-total-tokens of both servers at least (see pool_tokens)
@@ -302,13 +311,59 @@ def equal_tokens(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, An
     for i, (r, g) in enumerate(zip(ref, got)):
         if (g.ids, g.finish) != (r.ids, r.finish):
             for c, (a, b) in enumerate(zip(g.ids, r.ids)):
-                if a != b:
-                    at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                at = first_difference(a, b)
+                if at is not None:
                     raise CaseFailure(f"request {i} choice {c}: first difference at token {at}: got "
                                       f"{a[at:at + 5]} expected {b[at:at + 5]} (lengths {len(a)}/{len(b)})")
             raise CaseFailure(f"request {i}: finish {g.finish} / {len(g.ids)} choice(s), plain server "
                               f"{r.finish} / {len(r.ids)}")
     return {"requests": len(got)}
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where a and b differ (the shorter one's length if one begins the other),
+    None if they are equal."""
+    if list(a) == list(b):
+        return None
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def equal_until_tie(grammar: Grammar) -> Callable[[Sequence[Outcome], Sequence[Outcome]], dict[str, Any]]:
+    """The constrained cases' check (see the module's docstring): the requests ask for the top 2
+    logprobs, so that the plain server's answer says where its choice was a tie."""
+
+    def check(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]:
+        no_errors(got, "threshold server")
+        ties: list[dict[str, Any]] = []
+        for i, (r, g) in enumerate(zip(ref, got)):
+            if len(g.ids) != len(r.ids):
+                raise CaseFailure(f"request {i}: {len(g.ids)} choice(s), plain server {len(r.ids)}")
+            for c, (a, b) in enumerate(zip(g.ids, r.ids)):
+                at = first_difference(a, b)
+                if at is None:
+                    if g.finish[c] != r.finish[c]:
+                        raise CaseFailure(f"request {i} choice {c}: finish {g.finish[c]}, plain server "
+                                          f"{r.finish[c]}")
+                    continue
+                head = (f"request {i} choice {c}: first difference at token {at}: got {a[at:at + 5]} "
+                        f"expected {b[at:at + 5]} (lengths {len(a)}/{len(b)})")
+                if at >= min(len(a), len(b)):
+                    raise CaseFailure(head)
+                top = sorted(r.top[c][at] if at < len(r.top[c]) else [], key=lambda t: -t[1])
+                if len(top) < 2 or (top[0][0], top[1][0]) != (b[at], a[at]):
+                    raise CaseFailure(f"{head}; not the plain server's second choice there "
+                                      f"(its top 2: {top[:2]})")
+                margin = top[0][1] - top[1][1]
+                if margin > TIE_LOGITS:
+                    raise CaseFailure(f"{head}; the plain server's first two choices there lie {margin:.3f} "
+                                      f"apart, not a tie (at most {TIE_LOGITS})")
+                broken = first_break(grammar, a)
+                if broken:
+                    raise CaseFailure(f"{head}; a tie ({margin:.3f} apart), but after it {broken}")
+                ties.append({"request": i, "at": at, "margin": round(margin, 4)})
+        return {"requests": len(got), "ties": ties}
+
+    return check
 
 
 def equal_text(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]:
@@ -428,6 +483,10 @@ def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int =
     # a temperature at which the first and second choice of the model are about 2:1 (the models'
     # top-1/top-2 margin is many logits, so temperature 1 would sample the greedy token every time)
     temperature = max(1.0, float(expected.get("mean_top1_top2_margin", 1.0)) / math.log(2))
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                          "n": {"type": "integer"}},
+                         "required": ["name", "n"]})
+    regex = "(yes|no) [0-9]{2,40}[a-f]+"
     cases = [
         Case("greedy", tuple(_gen(ids(24)) for _ in range(2)), equal_tokens, conc),
         Case("logprobs", tuple(_gen(ids(24), logprobs=5) for _ in range(2)),
@@ -440,12 +499,10 @@ def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int =
         Case("n2", (_gen(ids(24), n=2, max_new_tokens=96),), equal_tokens, 1),
         Case("long_prompt", (_gen(ids(3 * CHUNKED_PREFILL + 37), max_new_tokens=96),), equal_tokens, 1,
              note=f"{3 * CHUNKED_PREFILL + 37} prompt tokens, chunked prefill {CHUNKED_PREFILL}"),
-        Case("json_schema", (_gen(ids(16), json_schema=json.dumps(
-            {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                              "n": {"type": "integer"}},
-             "required": ["name", "n"]}), ignore_eos=False),), equal_tokens, 1),
-        Case("regex", (_gen(ids(16), regex="(yes|no) [0-9]{2,40}[a-f]+", ignore_eos=False),),
-             equal_tokens, 1),
+        Case("json_schema", (_gen(ids(16), json_schema=schema, ignore_eos=False, logprobs=2),),
+             equal_until_tie(Grammar("json_schema", schema, model)), 1),
+        Case("regex", (_gen(ids(16), regex=regex, ignore_eos=False, logprobs=2),),
+             equal_until_tie(Grammar("regex", regex, model)), 1),
         Case("completions_stream", (Request("completions_stream", {
             "model": model, "prompt": ids(24), "max_tokens": CASE_TOKENS, "temperature": 0,
             "stream": True}),), equal_text, 1),
@@ -638,6 +695,9 @@ class FeatureOptions:
     # the variants' servers side by side, each on its own port: opt-in, as it needs a GPU with
     # memory for two servers (mem_fraction each)
     parallel_variants: bool = False
+    # the cases to run on the threshold servers (the plain server answers all of them): a subset
+    # reruns what failed without the rest
+    cases: tuple[str, ...] = CASE_NAMES
     # a line as each piece of work ends: a call stopped from outside still shows where it was
     progress: Callable[[str], None] = print_now
     # called (under STATE_LOCK) each time a piece of work is kept in the resume state: the caller
@@ -663,9 +723,16 @@ def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool
 
 
 def pressure_requests(seed: int, vocab: int) -> tuple[Request, ...]:
+    """Not ignore_eos: 0.5.23's admission reserves the whole max_new_tokens of such a request, so
+    they never overfill the pool (GPU: nothing retracted). min_new_tokens keeps them as long."""
     rnd = random.Random(seed + 7)
-    return tuple(_gen([rnd.randrange(3, vocab) for _ in range(rnd.randint(*PRESSURE_PROMPT_TOKENS))],
-                      max_new_tokens=rnd.choice(PRESSURE_NEW_TOKENS)) for _ in range(PRESSURE_REQUESTS))
+
+    def one() -> Request:
+        prompt = [rnd.randrange(3, vocab) for _ in range(rnd.randint(*PRESSURE_PROMPT_TOKENS))]
+        new = rnd.choice(PRESSURE_NEW_TOKENS)
+        return _gen(prompt, max_new_tokens=new, min_new_tokens=new, ignore_eos=False)
+
+    return tuple(one() for _ in range(PRESSURE_REQUESTS))
 
 
 def retractions(log: Path) -> int:
@@ -819,6 +886,8 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
                     note=f"{PRESSURE_REQUESTS} concurrent requests, pool of {pool_tokens(opts.threshold)} tokens")
     report: dict[str, Any] = {"threshold": opts.threshold, "variants": {}, "failures": [],
                               "pool_tokens": pool_tokens(opts.threshold)}
+    if set(opts.cases) != set(CASE_NAMES):
+        report["only_cases"] = [n for n in CASE_NAMES if n in opts.cases]
     try:
         cases, refs = references(opts, make_cases(expected, opts.threshold, str(opts.models / "target"))
                                  + [pressure], stop_prompt, state)
@@ -952,7 +1021,7 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
     rnd = random.Random(5)
     filler_prompts = [[rnd.randrange(3, vocab) for _ in range(FILLER_PROMPT_TOKENS)]
                       for _ in range(4 * opts.threshold)]
-    todo = [c for c in [*cases, pressure] if c.name not in kept]
+    todo = [c for c in [*cases, pressure] if c.name in opts.cases and c.name not in kept]
     srv = Server(cfg, opts.port + 1 if port is None else port, log)
     try:
         srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
@@ -1008,15 +1077,21 @@ def run_cases(opts: FeatureOptions, key: str, todo: list[Case], refs: dict[str, 
     return skipped
 
 
+def tie_note(row: dict[str, Any]) -> str:
+    """", tie at 17 (0.062)": where a constrained output parted from plain's at a tie."""
+    return "".join(f", tie at {t['at']} ({t['margin']})" for t in row.get("ties") or [])
+
+
 def summarize(report: dict[str, Any]) -> str:
     """A line per case: each mode's result, with (mode changes, plain/speculative steps)."""
-    lines = [f"features: threshold={report['threshold']} pool={report.get('pool_tokens')} tokens"]
+    lines = [f"features: threshold={report['threshold']} pool={report.get('pool_tokens')} tokens"
+             + (f"; only the cases {', '.join(report['only_cases'])}" if report.get("only_cases") else "")]
     for key, rep in report.get("variants", {}).items():
         lines.append(f"  {key}: overlap={rep.get('overlap')} cuda_graph={rep.get('cuda_graph')} "
                      f"start {rep.get('start_s')}s")
         for name, rows in rep.get("cases", {}).items():
             cells = [f"{mode} " + (f"PASS({row.get('mode_changes')}, {row.get('plain_steps')}p/"
-                                   f"{row.get('speculative_steps')}s)" if row.get("ok") else "FAIL")
+                                   f"{row.get('speculative_steps')}s{tie_note(row)})" if row.get("ok") else "FAIL")
                      for mode, row in rows.items() if isinstance(row, dict)]
             lines.append(f"    {name:20s} " + "  ".join(cells) + f"  [{rows.get('seconds', '-')}s]")
     for s in report.get("skipped", []):
@@ -1035,6 +1110,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="comma list of: overlap, sync (--disable-overlap-schedule); CUDA graphs on")
     ap.add_argument("--port", type=int, default=30100)
     ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
+    ap.add_argument("--cases", default=",".join(CASE_NAMES),
+                    help="comma list of the cases to run (default: all); a subset reruns what failed")
     ap.add_argument("--parallel-variants", action="store_true",
                     help="run the variants side by side, their servers on ports PORT+1, PORT+2, "
                          "...: they start one after the other, then their matrices overlap; for a "
@@ -1046,7 +1123,8 @@ def options(a: argparse.Namespace) -> FeatureOptions:
     check_threshold(a.threshold)
     return FeatureOptions(models=a.models, out=a.out, threshold=a.threshold, variants=variants,
                           port=a.port, deadline=Deadline(time.time() + a.deadline),
-                          parallel_variants=a.parallel_variants)
+                          parallel_variants=a.parallel_variants,
+                          cases=comma_list(a.cases, CASE_NAMES, "--cases"))
 
 
 def main(a: argparse.Namespace) -> int:

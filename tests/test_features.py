@@ -136,6 +136,33 @@ def test_the_pressure_requests_outgrow_what_admission_reserves_before_any_can_fi
         assert min(h / r for h, r in zip(held, reserved)) >= 3
 
 
+ADMISSION_RESERVES = """
+import json, sys
+from types import SimpleNamespace
+from sglang.srt.managers.schedule_policy import PrefillAdder
+from sglang.srt.sampling.sampling_params import SamplingParams
+adder = SimpleNamespace(new_token_ratio=float(sys.argv[2]))
+print(json.dumps([PrefillAdder._get_running_request_total_token_offset(
+    adder, SimpleNamespace(sampling_params=SamplingParams(**p), output_ids=[]))
+    for p in json.loads(sys.argv[1])]))
+"""
+
+
+def test_sglangs_admission_reserves_a_share_of_each_pressure_requests_new_tokens(sglang_tree, run_in_tree):
+    # GPU, 0.5.23, N=64: the pressure requests were ignore_eos, which 0.5.23's admission reserves
+    # whole (ratio 1.0): about 110 ran at once, the pool peaked at 70% and nothing was retracted
+    params = [r.payload["sampling_params"] for r in F.pressure_requests(0, 3000)]
+    ratio = 0.7 * F.SCHEDULE_CONSERVATIVENESS  # sglang's initial new-token ratio, 0.7 by default
+    code = (ADMISSION_RESERVES.replace("sys.argv[1]", repr(json.dumps(params)))
+            .replace("sys.argv[2]", repr(str(ratio))))
+    res = run_in_tree(sglang_tree("sglang-0.5.23", True), code, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    reserved = json.loads(res.stdout.strip().splitlines()[-1])
+    assert reserved == pytest.approx([ratio * p["max_new_tokens"] for p in params])
+    # each still runs its whole length: no EOS before max_new_tokens
+    assert all(p["min_new_tokens"] == p["max_new_tokens"] for p in params)
+
+
 def test_a_late_call_skips_the_matrix_instead_of_starting_a_server(tmp_path, monkeypatch):
     (tmp_path / "expected.json").write_text('{"vocab_size": 100}')
     monkeypatch.setattr(F, "Server", lambda *a, **k: pytest.fail("a server was started"))
@@ -327,6 +354,9 @@ def test_smoke_and_matrix_run_on_the_1b_models_with_graphs_to_256_when_asked(tmp
     assert built == ["1b", "tiny", "8b"]
     with pytest.raises(SystemExit, match="--feature-graph-bs 512"):
         e2e.main(bench_parser().parse_args(["e2e", "--feature-graph-bs", "512"]))
+    assert driver("--feature-cases", "regex,kv_pressure").feature_cases() == ("regex", "kv_pressure")
+    with pytest.raises(SystemExit, match=r"--feature-cases: unknown \['regexp'\]"):
+        e2e.main(bench_parser().parse_args(["e2e", "--feature-cases", "regex,regexp"]))
 
 
 # ----------------------------------------------------------------------------- variants side by side
@@ -859,3 +889,108 @@ def test_a_crossing_that_came_too_late_says_by_how_much(mode, monkeypatch):
     outs, seen = F.run_under(mode, "http://x", case, [], deadline)
     assert seen["crossed_in_flight"] and seen["mode_changed_after_s"] < seen["case_ran_s"]
     assert len(outs) == len(case.requests)
+
+
+# ----------------------------------------------------------------------------- constrained cases
+@pytest.fixture(scope="module")
+def grammar_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What smoke.grammar_check reads of a checkpoint: the tokenizer smoke.models makes, and its
+    config's vocab size and EOS id."""
+    from smoke import models
+
+    d = tmp_path_factory.mktemp("grammar-model")
+    tok = models.make_tokenizer(models.SIZES["tiny"].vocab, 200_000)
+    tok.save_pretrained(d)
+    (d / "config.json").write_text(json.dumps({"vocab_size": len(tok), "eos_token_id": tok.eos_token_id}))
+    return d
+
+
+def encode(model: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)(text, add_special_tokens=False)["input_ids"]
+
+
+REGEX = "(yes|no) [0-9]{2,40}[a-f]+"
+SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                      "n": {"type": "integer"}}, "required": ["name", "n"]})
+
+
+def test_the_grammar_check_tells_an_allowed_output_from_a_refused_one(grammar_model):
+    from smoke.grammar_check import Grammar, first_break
+
+    regex, schema = Grammar("regex", REGEX, str(grammar_model)), Grammar("json_schema", SCHEMA, str(grammar_model))
+    assert first_break(regex, encode(grammar_model, "yes 1234abc")) is None
+    assert first_break(regex, encode(grammar_model, "no 12")) is None  # the start of an allowed output
+    assert "is not one the grammar allows" in first_break(regex, encode(grammar_model, "maybe 12"))
+    assert first_break(schema, encode(grammar_model, '{"name": "ab", "n": 15}')) is None
+    assert "is not one the grammar allows" in first_break(schema, encode(grammar_model, '{"n": "x"}'))
+
+
+def tie_case(grammar_model: Path, kind: str, source: str, ref_text: str, got_text: str,
+             margin: float) -> tuple[F.Outcome, F.Outcome, F.Case]:
+    """A reference and an answer that part at their first differing token, the reference's top 2
+    there being its own token and the answer's, `margin` apart."""
+    from smoke.grammar_check import Grammar
+
+    b, a = encode(grammar_model, ref_text), encode(grammar_model, got_text)
+    at = F.first_difference(a, b)
+    top = [[(t, -0.1)] for t in b]
+    if at is not None and at < min(len(a), len(b)):
+        top[at] = [(a[at], -0.7 - margin), (b[at], -0.7)]  # not in order: the check ranks them
+    ref = outcome(b, ["length", None], top=top)
+    got = outcome(a, ["length", None])
+    return ref, got, F.Case(kind, (), F.equal_until_tie(Grammar(kind, source, str(grammar_model))))
+
+
+def test_a_constrained_output_equal_to_plains_passes_with_no_tie(grammar_model):
+    ref, got, case = tie_case(grammar_model, "regex", REGEX, "yes 1234abc", "yes 1234abc", 0.0)
+    assert case.check([ref], [got]) == {"requests": 1, "ties": []}
+
+
+def test_a_constrained_output_may_part_from_plains_only_at_a_tie_and_must_keep_the_grammar(grammar_model):
+    # GPU, 0.5.23, the 1B models at threshold 64: the JSON output parted from plain's at token 17
+    # or 42, the regex output at token 4 or 74, in every mode, pure speculation too
+    ref, got, case = tie_case(grammar_model, "regex", REGEX, "yes 1234abc", "yes 1299abc", 0.2)
+    detail = case.check([ref], [got])
+    assert [t["margin"] for t in detail["ties"]] == [0.2]
+    at = detail["ties"][0]["at"]
+    report = {"threshold": 64, "variants": {"overlap": {"cases": {"regex": {"below": {"ok": True, **detail}}}}}}
+    assert f"below PASS(None, Nonep/Nones, tie at {at} (0.2))" in F.summarize(report)
+    ref, got, case = tie_case(grammar_model, "json_schema", SCHEMA, '{"name": "ab", "n": 15}',
+                              '{"name": "xy", "n": 7}', 0.1)
+    assert len(case.check([ref], [got])["ties"]) == 1
+    # the same parting with the choices far apart is a failure, and says so
+    ref, got, case = tie_case(grammar_model, "regex", REGEX, "yes 1234abc", "yes 1299abc", 2.0)
+    with pytest.raises(F.CaseFailure, match="lie 2.000 apart, not a tie"):
+        case.check([ref], [got])
+    # a tie after which the output leaves the grammar
+    ref, got, case = tie_case(grammar_model, "regex", REGEX, "yes 1234abc", "yes 12zz", 0.2)
+    with pytest.raises(F.CaseFailure, match="a tie .* but after it token"):
+        case.check([ref], [got])
+
+
+def test_a_constrained_output_parting_at_a_token_plain_did_not_rank_second_fails(grammar_model):
+    ref, got, case = tie_case(grammar_model, "regex", REGEX, "yes 1234abc", "yes 1299abc", 0.2)
+    ref.top[0][F.first_difference(got.ids[0], ref.ids[0])] = [(ref.ids[0][0], -0.5), (7, -0.6)]
+    with pytest.raises(F.CaseFailure, match="not the plain server's second choice"):
+        case.check([ref], [got])
+    # one output the start of the other: no tie to speak of
+    ref, got, case = tie_case(grammar_model, "regex", REGEX, "yes 1234abc", "yes 1234", 0.0)
+    with pytest.raises(F.CaseFailure, match="first difference"):
+        case.check([ref], [got])
+
+
+def test_a_subset_of_the_cases_runs_only_those_and_says_so(tmp_path, monkeypatch):
+    clock = Clock()
+    _, ran = fake_matrix(tmp_path, monkeypatch, clock, interrupt=set())
+    only = ("regex", "kv_pressure")
+    report = F.run_features(F.FeatureOptions(models=tmp_path, out=tmp_path / "one", cases=only,
+                                             deadline=ClockDeadline(clock, 10_000), progress=lambda _: None), {})
+    assert sorted(ran) == sorted((f"features_{v}", n) for v in ("overlap", "sync") for n in only)
+    assert set(report["variants"]["overlap"]["cases"]) == set(only) and "skipped" not in report
+    assert "; only the cases regex, kv_pressure" in F.summarize(report).splitlines()[0]
+    a = build_parser().parse_args(["features", "--models", "m", "--out", "o", "--cases", "regex,kv_pressure"])
+    assert F.options(a).cases == only
+    with pytest.raises(SystemExit, match=r"--cases: unknown \['json'\]"):
+        F.options(build_parser().parse_args(["features", "--models", "m", "--out", "o", "--cases", "json"]))
