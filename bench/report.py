@@ -143,13 +143,23 @@ def fixed_threshold(name: str) -> int | None:
     return int(n) if name.startswith("eagle3_thr") and n.isdigit() else None
 
 
+PLAIN_ACCEPT = 1.1  # a median accept length under this: the server decoded plain (1.0: no drafts)
+
+
+def ran_plain(row: dict[str, Any]) -> bool | None:
+    """Whether a server decoded plain at a concurrency, by its median accept length there; None
+    where none was measured. Measured, not inferred from N: at C = N the mode a threshold server
+    holds depends on where the load came from (hysteresis; rows 38 and 40 at 16 requests)."""
+    accept = row.get("accept_length")
+    return None if accept is None else accept < PLAIN_ACCEPT
+
+
 def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per concurrency, auto against the alternatives a user has, each ratio taken within a block:
     the better of plain and always-on EAGLE-3, and the fixed threshold with the highest median
     tokens/s at that concurrency. Beside it, the floor of that comparison: the other fixed
-    thresholds that run the same mode as the best there (C requests speculate under N >= C),
-    against it; servers that do the same work differ by that much, and the best of several is
-    picked after the fact."""
+    thresholds that ran the same mode as the best there (ran_plain), against it; servers that do
+    the same work differ by that much, and the best of several is picked after the fact."""
     out: dict[str, dict[str, Any]] = {}
     names = result.get("configs", [])
     if "eagle3_auto" not in names:
@@ -168,9 +178,8 @@ def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             n_best = fixed_threshold(best)
             row["best_fixed"] = n_best if n_best is not None else best.removeprefix("eagle3_thr")
             row["vs_best_fixed"] = vs.as_dict() if vs else None
-            # C requests speculate under a fixed N >= C
-            same = [n for n in fixed if n != best and n_best is not None
-                    and (t := fixed_threshold(n)) is not None and (int(c) <= t) == (int(c) <= n_best)]
+            mode = ran_plain(table[c][best])
+            same = [n for n in fixed if n != best and mode is not None and ran_plain(table[c][n]) == mode]
             floors = {n: r for n in same if (r := pairing.compare(blocks, n, [best])) is not None}
             if floors:
                 low = min(floors, key=lambda n: floors[n].median)

@@ -1222,13 +1222,19 @@ def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with
 def test_auto_s_comparison_carries_the_spread_of_fixed_thresholds_that_do_the_same_work():
     # row 38 (8B shape): at 4 requests thresholds 8, 16 and 32 all speculate, yet threshold 8 ran
     # at 0.97x of 16; auto's "0.97x of the best" there is that spread, not a wrong mode
+    # row 40: at 16 requests threshold 16 decoded plain (accept length 1.00) and 32 speculated: not
+    # the same mode, though 16 <= 16 (where the load came from decides at C = N)
     tok = {"4": {"eagle3_auto": 1710, "eagle3_thr8": 1722, "eagle3_thr16": 1784, "eagle3_thr32": 1779},
+           "16": {"eagle3_auto": 5112, "eagle3_thr8": 3151, "eagle3_thr16": 3143, "eagle3_thr32": 5076},
            "64": {"eagle3_auto": 9554, "eagle3_thr8": 10293, "eagle3_thr16": 10127, "eagle3_thr32": 10368},
            "1": {"eagle3_auto": 475, "eagle3_thr8": 469}}
+    accept = {"4": 3.1, "64": 1.0, "1": 3.1}
+    accept_16 = {"eagle3_auto": 3.0, "eagle3_thr8": 1.0, "eagle3_thr16": 1.004, "eagle3_thr32": 3.1}
     names = ["eagle3_auto", "eagle3_thr8", "eagle3_thr16", "eagle3_thr32"]
     result = {"configs": names, "thresholds": [8, 16, 32], "blocks": {
         c: [{"block": b, "order": list(row), "windows": {n: {"tok_per_s": v * (1 + 0.001 * b), "output_tokens": v,
-                                                            "seconds": 1.0, "requests": 4, "errors": 0}
+                                                            "seconds": 1.0, "requests": 4, "errors": 0,
+                                                            "accept_length": accept.get(c) or accept_16[n]}
                                                         for n, v in row.items()}}
             for b in range(4)] for c, row in tok.items()}}
     auto = bench_report.auto_comparison(result)
@@ -1237,6 +1243,7 @@ def test_auto_s_comparison_carries_the_spread_of_fixed_thresholds_that_do_the_sa
     # at 64 all three decode plain: the lowest of the other two against the best (32)
     assert auto["64"]["best_fixed"] == 32 and auto["64"]["same_mode_floor"]["threshold"] == 16
     assert "same_mode_floor" not in auto["1"]  # threshold 8 alone there
+    assert auto["16"]["best_fixed"] == 32 and "same_mode_floor" not in auto["16"]
     md = bench_report.markdown(result)
     assert "| 4 | - | 16 | 0.96x [0.96-0.96] | 0.97x [0.97-0.97] (8) |" in md
 
