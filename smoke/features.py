@@ -706,6 +706,11 @@ class FeatureOptions:
 
 
 VARIANT_FLAGS = {"overlap": True, "sync": False}  # CUDA graphs on in both
+# --mem-fraction-static of servers that start side by side: sglang keeps (1 - share) of the memory
+# free before its weights load for what is not weights and KV pool, and takes the pool from what is
+# free after them; a share this large leaves the pool (fixed: --max-total-tokens) whole whatever the
+# other server takes meanwhile (1B models: a few GB each)
+SIDE_BY_SIDE_MEM_SHARE = 0.6
 
 
 def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool = True) -> ServerConfig:
@@ -716,10 +721,11 @@ def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool
              # at the default (1.0) 0.5.23 admitted so few requests that the pool stayed 59% full
              "--schedule-conservativeness", str(SCHEDULE_CONSERVATIVENESS))
     n = opts.threshold
+    share = SIDE_BY_SIDE_MEM_SHARE if opts.parallel_variants else opts.mem_fraction
     return ServerConfig(name, opts.models / "target", draft=(opts.models / "draft") if draft else None,
                         threshold=n if draft else None, overlap=overlap, cuda_graph=True,
                         cuda_graph_max_bs=opts.graph_bs, max_running=PRESSURE_REQUESTS,
-                        mem_fraction=opts.mem_fraction, enable_metrics=draft, extra=extra)
+                        mem_fraction=share, enable_metrics=draft, extra=extra)
 
 
 def pressure_requests(seed: int, vocab: int) -> tuple[Request, ...]:
@@ -1017,14 +1023,16 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
     kept = kept if kept is not None else {}
     log = opts.out / f"features_{key}.log"
     cfg = server_config(f"features_{key}", opts, draft=True, overlap=VARIANT_FLAGS[key])
-    rep: dict[str, Any] = {"overlap": VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}}
+    rep: dict[str, Any] = {"overlap": VARIANT_FLAGS[key], "cuda_graph": True, "cases": {},
+                           "started_beside": opts.parallel_variants}
     rnd = random.Random(5)
     filler_prompts = [[rnd.randrange(3, vocab) for _ in range(FILLER_PROMPT_TOKENS)]
                       for _ in range(4 * opts.threshold)]
     todo = [c for c in [*cases, pressure] if c.name in opts.cases and c.name not in kept]
     srv = Server(cfg, opts.port + 1 if port is None else port, log)
     try:
-        srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
+        # side by side: their pools are fixed (server_config), so they need not start one by one
+        srv.start(min(opts.health_timeout, opts.deadline.left() - 60), alone=not opts.parallel_variants)
         rep["start_s"] = round(srv.start_seconds, 1)
         opts.progress(f"features {key}: server up in {srv.start_seconds:.0f}s, {len(todo)} case(s) "
                       f"to run (left {opts.deadline.left():.0f}s)")
@@ -1114,7 +1122,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="comma list of the cases to run (default: all); a subset reruns what failed")
     ap.add_argument("--parallel-variants", action="store_true",
                     help="run the variants side by side, their servers on ports PORT+1, PORT+2, "
-                         "...: they start one after the other, then their matrices overlap; for a "
+                         "...: they start at once (their KV pools are fixed), then their matrices overlap; for a "
                          "GPU with memory for two servers")
 
 

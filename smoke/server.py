@@ -155,10 +155,14 @@ class Server:
         self.t_launch = 0.0
         self.start_seconds = 0.0
 
-    def start(self, timeout: float) -> None:
+    def start(self, timeout: float, alone: bool = True) -> None:
         """Starts the server and waits until it is healthy: `timeout` s in all, the wait for another
-        server's start (STARTING) included. For servers whose KV pool is not fixed up front: one
-        at a time, see STARTING (a bench server, whose pool is fixed, uses launch())."""
+        server's start (STARTING) included. alone: one at a time, see STARTING; False for a server
+        whose KV pool is fixed up front (--max-total-tokens) with a memory share that holds it
+        whatever the others take meanwhile: it starts at once, beside the others."""
+        if not alone:
+            self._start(timeout)
+            return
         t_call = time.time()
         with STARTING, host_start_lock(timeout) as locked:
             left = timeout - (time.time() - t_call)

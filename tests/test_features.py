@@ -484,8 +484,8 @@ def fake_server(started: list[str], names_by_base: dict[str, str] | None = None)
             if names_by_base is not None:
                 names_by_base[self.base] = cfg.name
 
-        def start(self, timeout):
-            started.append(self.cfg.name)
+        def start(self, timeout, alone=True):
+            started.append(self.cfg.name if alone else f"{self.cfg.name} (beside)")
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log_path.touch()
 
@@ -748,7 +748,7 @@ def test_parallel_variants_resume_each_its_own_missing_cases(tmp_path, monkeypat
                             deadline=ClockDeadline(clock, 400), progress=lambda _: None)
     report = F.run_features(opts, state)
     first = list(ran)
-    assert sorted(started) == ["features_overlap", "features_sync"] and report["skipped"]
+    assert sorted(started) == ["features_overlap (beside)", "features_sync (beside)"] and report["skipped"]
     for key in ("overlap", "sync"):  # each thread kept its own cases, and only those
         assert list(state["variant_cases"][key]) == [n for k, n in first if k == f"features_{key}"]
     state = json.loads(json.dumps(state))
@@ -994,3 +994,18 @@ def test_a_subset_of_the_cases_runs_only_those_and_says_so(tmp_path, monkeypatch
     assert F.options(a).cases == only
     with pytest.raises(SystemExit, match=r"--cases: unknown \['json'\]"):
         F.options(build_parser().parse_args(["features", "--models", "m", "--out", "o", "--cases", "json"]))
+
+
+def test_parallel_variants_start_beside_each_other_with_a_share_that_holds_their_pools(tmp_path, monkeypatch):
+    # GPU, 0.5.23: each variant's server took 75-87 s to start, one after the other, in every call
+    clock = Clock()
+    started, _ = fake_matrix(tmp_path, monkeypatch, clock, interrupt=set())
+    opts = F.FeatureOptions(models=tmp_path, out=tmp_path / "one", parallel_variants=True,
+                            deadline=ClockDeadline(clock, 10_000), progress=lambda _: None)
+    F.run_features(opts, {})
+    assert sorted(started) == ["features_overlap (beside)", "features_sync (beside)"]
+    assert F.server_config("x", opts, draft=True).mem_fraction == F.SIDE_BY_SIDE_MEM_SHARE
+    alone = F.FeatureOptions(models=tmp_path, out=tmp_path / "two")
+    assert F.server_config("x", alone, draft=True).mem_fraction == alone.mem_fraction < F.SIDE_BY_SIDE_MEM_SHARE
+    # the pool is fixed in both: what a server beside takes cannot shrink it
+    assert "--max-total-tokens" in F.server_config("x", opts, draft=True).extra

@@ -528,7 +528,7 @@ def test_servers_of_one_process_start_one_after_the_other(tmp_path):
     leader = textwrap.dedent("""
         import http.server, sys, time
         print("spawned", time.time(), flush=True)
-        time.sleep(0.5)
+        time.sleep(float(sys.argv[2]))
         class H(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 self.send_response(200); self.end_headers()
@@ -540,8 +540,8 @@ def test_servers_of_one_process_start_one_after_the_other(tmp_path):
     """)
 
     class FakeConfig(server_mod.ServerConfig):
-        def argv(self, port: int) -> list[str]:
-            return [sys.executable, "-c", leader, str(port)]
+        def argv(self, port: int) -> list[str]:  # the first one is slow to listen
+            return [sys.executable, "-c", leader, str(port), "3" if self.name == "first" else "0.5"]
 
     def free_port() -> int:
         with socket.socket() as sock:
@@ -551,8 +551,8 @@ def test_servers_of_one_process_start_one_after_the_other(tmp_path):
     def stamp(log: Path, what: str) -> float:
         return next(float(line.split()[1]) for line in log.read_text().splitlines() if line.startswith(what))
 
-    first, late, second = (server_mod.Server(FakeConfig(name, tmp_path), free_port(), tmp_path / f"{name}.log")
-                           for name in ("first", "late", "second"))
+    first, late, second, beside = (server_mod.Server(FakeConfig(name, tmp_path), free_port(), tmp_path / f"{name}.log")
+                                   for name in ("first", "late", "second", "beside"))
     try:
         starting = threading.Thread(target=first.start, args=(30,))
         starting.start()
@@ -560,15 +560,18 @@ def test_servers_of_one_process_start_one_after_the_other(tmp_path):
             if "spawned" in (first.log_path.read_text() if first.log_path.exists() else ""):
                 break
             time.sleep(0.05)
+        # a server whose pool is fixed up front starts at once, beside the one starting
+        beside.start(30, alone=False)
         with pytest.raises(runner.SmokeError, match="no time left to start after waiting"):
             late.start(0.3)
         assert late.proc is None  # never spawned
         second.start(30)
         starting.join(30)
-        assert first.alive() and second.alive()
+        assert first.alive() and second.alive() and beside.alive()
         assert stamp(second.log_path, "spawned") >= stamp(first.log_path, "listening")
+        assert stamp(beside.log_path, "spawned") < stamp(first.log_path, "listening")
     finally:
-        for srv in (first, late, second):
+        for srv in (first, late, second, beside):
             srv.stop()
 
 
