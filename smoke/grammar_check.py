@@ -20,6 +20,7 @@ class Grammar:
     kind: str     # "json_schema" or "regex": the sampling parameter that carries it
     source: str   # the schema (JSON text) or the regular expression, as sent
     model: str    # the checkpoint the servers load: its tokenizer, vocab size and EOS ids
+    any_whitespace: bool = True  # JSON: False where the servers run --constrained-json-disable-any-whitespace
 
 
 @functools.lru_cache(maxsize=4)
@@ -45,7 +46,7 @@ def first_break(grammar: Grammar, ids: Sequence[int]) -> str | None:
 
     compiler = _compiler(grammar.model)
     if grammar.kind == "json_schema":
-        compiled = compiler.compile_json_schema(grammar.source, any_whitespace=True)
+        compiled = compiler.compile_json_schema(grammar.source, any_whitespace=grammar.any_whitespace)
     elif grammar.kind == "regex":
         compiled = compiler.compile_regex(grammar.source)
     else:
