@@ -913,6 +913,39 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
                               "pool_tokens": pool_tokens(opts.threshold)}
     if set(opts.cases) != set(CASE_NAMES):
         report["only_cases"] = [n for n in CASE_NAMES if n in opts.cases]
+    early = spawn_variants_early(opts, state.setdefault("variants", {}))
+    try:
+        return run_matrix(opts, state, report, expected, stop_prompt, pressure, early)
+    finally:
+        for srv in early.values():  # those run_variant did not reach (it stops the others)
+            srv.stop()
+
+
+def spawn_variants_early(opts: FeatureOptions, done: dict[str, Any]) -> dict[str, Server]:
+    """Side by side (opts.parallel_variants): the variants' servers spawned before the plain server
+    starts for the references, so that they start while it starts and answers (their pools are
+    fixed: server_config); run_variant waits for them. One that cannot be spawned is left to
+    run_variant, which starts it and reports its failure."""
+    early: dict[str, Server] = {}
+    if not opts.parallel_variants or opts.deadline.left() < opts.min_server_s:
+        return early
+    for key in opts.variants:
+        if key in done or key in early:
+            continue
+        cfg = server_config(f"features_{key}", opts, draft=True, overlap=VARIANT_FLAGS[key])
+        srv = Server(cfg, side_port(opts.port, opts.variants, key), opts.out / f"features_{key}.log")
+        try:
+            srv.spawn()
+        except SmokeError:
+            continue
+        early[key] = srv
+    return early
+
+
+def run_matrix(opts: FeatureOptions, state: dict[str, Any], report: dict[str, Any], expected: dict[str, Any],
+               stop_prompt: list[int], pressure: Case, early: dict[str, Server]) -> dict[str, Any]:
+    """run_features' work once its servers are spawned: the references, then the variants."""
+    vocab = int(expected["vocab_size"])
     try:
         cases, refs = references(opts, make_cases(expected, opts.threshold, str(opts.models / "target"))
                                  + [pressure], stop_prompt, state)
@@ -929,7 +962,7 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
     cases_kept = state.setdefault("variant_cases", {})
     matrix = [c for c in cases if c is not pressure]
     if opts.parallel_variants:
-        run_side_by_side(opts, matrix, refs, pressure, vocab, done, cases_kept, report)
+        run_side_by_side(opts, matrix, refs, pressure, vocab, done, cases_kept, report, early)
     else:
         for key in opts.variants:
             if key in done:
@@ -969,9 +1002,9 @@ def file_variant(done: dict[str, Any], cases_kept: dict[str, Any], key: str, rep
 
 def run_side_by_side(opts: FeatureOptions, cases: list[Case], refs: dict[str, Any], pressure: Case,
                      vocab: int, done: dict[str, Any], cases_kept: dict[str, Any],
-                     report: dict[str, Any]) -> None:
-    """run_features' variants at once, each server on its own port (side_port): the same skips, the
-    same reports in the order of opts.variants. Each thread writes only its own variant's entry of
+                     report: dict[str, Any], early: dict[str, Server] | None = None) -> None:
+    """run_features' variants at once, each server on its own port (side_port), those in `early`
+    already spawned: the same skips, the same reports in the order of opts.variants. Each thread writes only its own variant's entry of
     `cases_kept`; `done` is written here only. A variant that raised is a failure of its own and is
     not kept (the next call reruns it)."""
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
@@ -983,7 +1016,8 @@ def run_side_by_side(opts: FeatureOptions, cases: list[Case], refs: dict[str, An
             continue
         jobs[key] = functools.partial(run_variant, opts, key, cases, refs, pressure, vocab,
                                       port=side_port(opts.port, opts.variants, key),
-                                      kept=cases_kept.setdefault(key, {}))
+                                      kept=cases_kept.setdefault(key, {}),
+                                      spawned=(early or {}).get(key))
     crashed: set[str] = set()
 
     def on_error(key: str, exc: Exception) -> dict[str, Any]:
@@ -1034,9 +1068,9 @@ def case_reserve(slowest: float) -> float:
 
 def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[str, Any],
                 pressure: Case, vocab: int, port: int | None = None,
-                kept: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One threshold server (on `port`, default opts.port + 1): every case under every mode, then
-    the pressure case. `kept` (this variant's finished cases in the resume state) gets each case as
+                kept: dict[str, Any] | None = None, spawned: Server | None = None) -> dict[str, Any]:
+    """One threshold server (on `port`, default opts.port + 1; `spawned`: already spawned there by
+    spawn_variants_early, waited for here): every case under every mode, then the pressure case. `kept` (this variant's finished cases in the resume state) gets each case as
     it ends, and the cases already in it are not run again. The cases the deadline left or cut short
     are listed in rep["skipped"]: the next call runs them."""
     kept = kept if kept is not None else {}
@@ -1048,12 +1082,16 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
     filler_prompts = [[rnd.randrange(3, vocab) for _ in range(FILLER_PROMPT_TOKENS)]
                       for _ in range(4 * opts.threshold)]
     todo = [c for c in [*cases, pressure] if c.name in opts.cases and c.name not in kept]
-    srv = Server(cfg, opts.port + 1 if port is None else port, log)
+    srv = spawned or Server(cfg, opts.port + 1 if port is None else port, log)
     try:
-        # side by side: their pools are fixed (server_config), so they need not start one by one
-        srv.start(min(opts.health_timeout, opts.deadline.left() - 60), alone=not opts.parallel_variants)
+        timeout = min(opts.health_timeout, opts.deadline.left() - 60)
+        if spawned is not None:
+            srv.wait_healthy(timeout)
+        else:  # side by side: their pools are fixed (server_config), so they need not start one by one
+            srv.start(timeout, alone=not opts.parallel_variants)
         rep["start_s"] = round(srv.start_seconds, 1)
-        opts.progress(f"features {key}: server up in {srv.start_seconds:.0f}s, {len(todo)} case(s) "
+        early = " (spawned beside the plain server)" if spawned is not None else ""
+        opts.progress(f"features {key}: server up in {srv.start_seconds:.0f}s{early}, {len(todo)} case(s) "
                       f"to run (left {opts.deadline.left():.0f}s)")
         baseline = wait_idle(srv.base, client.load(srv.base))
         skipped = run_cases(opts, key, todo, refs, pressure, srv.base, baseline, filler_prompts, log, kept)

@@ -172,12 +172,17 @@ class Server:
             self._start(left, waited=time.time() - t_call)
 
     def _start(self, timeout: float, waited: float = 0.0) -> None:
+        self.spawn()
+        self.wait_healthy(timeout, waited)
+
+    def spawn(self) -> None:
+        """launch(), its process group recorded in SMOKE_SERVER_PIDFILE (where set): a later run
+        kills the group if this one is killed before stop(). wait_healthy() waits for it."""
         self.launch()
         pidfile = os.environ.get("SMOKE_SERVER_PIDFILE")
-        if pidfile:  # lets a later run kill this group if this one is killed before stop()
+        if pidfile:
             with open(pidfile, "a") as fh:
                 fh.write(f"{self.pgid}\n")
-        self.wait_healthy(timeout, waited)
 
     def launch(self) -> None:
         """Spawns the server in a process session of its own (it outlives this process unless

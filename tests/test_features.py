@@ -363,18 +363,20 @@ def test_smoke_and_matrix_run_on_the_1b_models_with_graphs_to_256_when_asked(tmp
 class MatrixVariantRecorder(VariantRecorder):
     """Stands in for the feature matrix's run_variant (tests/server_fakes.py)."""
 
-    def __call__(self, opts, key, cases, refs, pressure, vocab, port=None, kept=None):
+    def __call__(self, opts, key, cases, refs, pressure, vocab, port=None, kept=None, spawned=None):
         return self.record(key, port, lambda: RuntimeError(f"{key} blew up"),
                            {"overlap": F.VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}, "ran": key})
 
 
 def matrix_options(tmp_path, monkeypatch, recorder, **kw) -> F.FeatureOptions:
     """FeatureOptions over a models dir with only expected.json; the plain server's references
-    (F.references) and each variant (F.run_variant) replaced: no server starts."""
+    (F.references), each variant (F.run_variant) and the servers spawned early replaced: no
+    server starts."""
     (tmp_path / "expected.json").write_text(json.dumps(
         {"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}))
     monkeypatch.setattr(F, "references", lambda opts, cases, stop_prompt, state: (cases, {}))
     monkeypatch.setattr(F, "run_variant", recorder)
+    monkeypatch.setattr(F, "Server", fake_server([]))
     return F.FeatureOptions(models=tmp_path, out=tmp_path / "out", port=30100, **kw)
 
 
@@ -488,6 +490,14 @@ def fake_server(started: list[str], names_by_base: dict[str, str] | None = None)
             started.append(self.cfg.name if alone else f"{self.cfg.name} (beside)")
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log_path.touch()
+
+        def spawn(self):
+            started.append(f"{self.cfg.name} (spawned)")
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log_path.touch()
+
+        def wait_healthy(self, timeout):
+            started.append(f"{self.cfg.name} (waited for)")
 
         def alive(self):
             return True
@@ -748,7 +758,8 @@ def test_parallel_variants_resume_each_its_own_missing_cases(tmp_path, monkeypat
                             deadline=ClockDeadline(clock, 400), progress=lambda _: None)
     report = F.run_features(opts, state)
     first = list(ran)
-    assert sorted(started) == ["features_overlap (beside)", "features_sync (beside)"] and report["skipped"]
+    assert sorted(started) == ["features_overlap (spawned)", "features_overlap (waited for)",
+                               "features_sync (spawned)", "features_sync (waited for)"] and report["skipped"]
     for key in ("overlap", "sync"):  # each thread kept its own cases, and only those
         assert list(state["variant_cases"][key]) == [n for k, n in first if k == f"features_{key}"]
     state = json.loads(json.dumps(state))
@@ -1016,13 +1027,47 @@ def test_a_subset_of_the_cases_runs_only_those_and_says_so(tmp_path, monkeypatch
 
 
 def test_parallel_variants_start_beside_each_other_with_a_share_that_holds_their_pools(tmp_path, monkeypatch):
-    # GPU, 0.5.23: each variant's server took 75-87 s to start, one after the other, in every call
+    # GPU, 0.5.23: the plain server started (87-155 s), answered, stopped, then each variant's
+    # server started (75-87 s), one after the other, in every call
     clock = Clock()
     started, _ = fake_matrix(tmp_path, monkeypatch, clock, interrupt=set())
+    refs = F.references
+
+    def references(opts, cases, stop_prompt, state):
+        started.append("references")
+        return refs(opts, cases, stop_prompt, state)
+
+    monkeypatch.setattr(F, "references", references)
     opts = F.FeatureOptions(models=tmp_path, out=tmp_path / "one", parallel_variants=True,
                             deadline=ClockDeadline(clock, 10_000), progress=lambda _: None)
     F.run_features(opts, {})
-    assert sorted(started) == ["features_overlap (beside)", "features_sync (beside)"]
+    # both spawned before the plain server's references, and waited for after them
+    assert started[:3] == ["features_overlap (spawned)", "features_sync (spawned)", "references"]
+    assert sorted(started[3:]) == ["features_overlap (waited for)", "features_sync (waited for)"]
+    # a later call whose variants are done spawns none; one that runs them one by one, none early
+    started.clear()
+    state = {"variants": {"overlap": {"cases": {}}, "sync": {"cases": {}}}}
+    F.run_features(opts, state)
+    assert started == ["references"]
+    started.clear()
+    F.run_features(F.FeatureOptions(models=tmp_path, out=tmp_path / "two", deadline=ClockDeadline(clock, 10_000),
+                                    progress=lambda _: None), {})
+    assert started == ["references", "features_overlap", "features_sync"]
+    # references that fail: the servers spawned early are stopped, not left running
+    stopped: list[str] = []
+
+    class Recording(fake_server([])):
+        def stop(self):
+            stopped.append(self.cfg.name)
+
+    def failing(opts, cases, stop_prompt, state):
+        raise F.SmokeError("plain: server exited with code 1 before it became healthy")
+
+    monkeypatch.setattr(F, "Server", Recording)
+    monkeypatch.setattr(F, "references", failing)
+    report = F.run_features(opts, {})
+    assert sorted(stopped) == ["features_overlap", "features_sync"]
+    assert [f["variant"] for f in report["failures"]] == ["plain"]
     assert F.server_config("x", opts, draft=True).mem_fraction == F.SIDE_BY_SIDE_MEM_SHARE
     alone = F.FeatureOptions(models=tmp_path, out=tmp_path / "two")
     assert F.server_config("x", alone, draft=True).mem_fraction == alone.mem_fraction < F.SIDE_BY_SIDE_MEM_SHARE
