@@ -85,8 +85,9 @@ LOGPROB_TOL = 0.05       # nats; decode and verify kernels round differently in 
 LOGPROB_BF16_STEPS = 4   # ... by a few steps of bf16 (8 significant bits) at the value's magnitude:
                          # seen on a GPU, 0.5.23, in pure speculation too (below the threshold):
                          # -27.69 vs -27.38 (2.5 steps), -16.25 vs -16.50 (2 steps)
-# two choices closer than this (logits) are a tie that rounding may break either way: bf16 logits of
-# magnitude 16-64 lie 0.125-0.25 apart, and upstream's verify and decode kernels round differently
+# two choices closer than this (logits) are a tie that rounding may break either way: the same
+# token's logprob differed by up to 0.19 between the plain and the threshold server (GPU, the
+# logprobs case), so two tokens may move 0.38 against each other
 TIE_LOGITS = 0.5
 TIE_TOP = 5  # top logprobs the constrained cases ask for (tie_margin)
 SAMPLING_Z = 4.5         # a false alarm about once in 150,000 checks
