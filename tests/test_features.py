@@ -212,10 +212,12 @@ def test_the_stop_case_runs_as_long_as_a_case_a_mode_change_can_cross():
 
 def test_cases_keep_below_under_the_threshold_and_are_plain_json():
     expected = {"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}
-    for threshold in (2, 4, 16):
+    for threshold in (2, 4, 16, 64):
         for case in F.make_cases(expected, threshold, "m"):
             n = max(int(r.payload.get("sampling_params", {}).get("n", 1)) for r in case.requests)
             assert case.concurrency * n < threshold or case.concurrency * n == 2, case.name
+            if threshold == 64 and len(case.requests) > 1:  # as many at once as N allows, up to 8
+                assert case.concurrency == F.CASE_CONCURRENCY, case.name
             json.dumps([r.payload for r in case.requests])
             assert set(case.modes) <= set(F.MODES)
 
