@@ -715,8 +715,8 @@ class FeatureOptions:
     health_timeout: float = 480
     min_server_s: float = 150
     graph_bs: int = 64  # decode CUDA graphs captured up to this batch (at most PRESSURE_REQUESTS)
-    # the variants' servers side by side, each on its own port: opt-in, as it needs a GPU with
-    # memory for two servers (mem_fraction each)
+    # the variants' servers side by side, each on its own port, started at once: opt-in, as it
+    # needs a GPU with memory for them all (SIDE_BY_SIDE_MEM_SHARE)
     parallel_variants: bool = False
     # the cases to run on the threshold servers (the plain server answers all of them): a subset
     # reruns what failed without the rest
@@ -1010,9 +1010,9 @@ def run_side_by_side(opts: FeatureOptions, cases: list[Case], refs: dict[str, An
                      vocab: int, done: dict[str, Any], cases_kept: dict[str, Any],
                      report: dict[str, Any], early: dict[str, Server] | None = None) -> None:
     """run_features' variants at once, each server on its own port (side_port), those in `early`
-    already spawned: the same skips, the same reports in the order of opts.variants. Each thread writes only its own variant's entry of
-    `cases_kept`; `done` is written here only. A variant that raised is a failure of its own and is
-    not kept (the next call reruns it)."""
+    already spawned: the same skips, the same reports in the order of opts.variants. Each thread
+    writes only its own variant's entry of `cases_kept`; `done` is written here only. A variant
+    that raised is a failure of its own and is not kept (the next call reruns it)."""
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
     for key in opts.variants:
         if key in done or key in jobs:
@@ -1076,14 +1076,14 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
                 pressure: Case, vocab: int, port: int | None = None,
                 kept: dict[str, Any] | None = None, spawned: Server | None = None) -> dict[str, Any]:
     """One threshold server (on `port`, default opts.port + 1; `spawned`: already spawned there by
-    spawn_variants_early, waited for here): every case under every mode, then the pressure case. `kept` (this variant's finished cases in the resume state) gets each case as
-    it ends, and the cases already in it are not run again. The cases the deadline left or cut short
+    spawn_variants_early, waited for here): every case under every mode, then the pressure case.
+    `kept` (this variant's finished cases in the resume state) gets each case as it ends, and the
+    cases already in it are not run again. The cases the deadline left or cut short
     are listed in rep["skipped"]: the next call runs them."""
     kept = kept if kept is not None else {}
     log = opts.out / f"features_{key}.log"
     cfg = server_config(f"features_{key}", opts, draft=True, overlap=VARIANT_FLAGS[key])
-    rep: dict[str, Any] = {"overlap": VARIANT_FLAGS[key], "cuda_graph": True, "cases": {},
-                           "started_beside": opts.parallel_variants}
+    rep: dict[str, Any] = {"overlap": VARIANT_FLAGS[key], "cuda_graph": True, "cases": {}}
     rnd = random.Random(5)
     filler_prompts = [[rnd.randrange(3, vocab) for _ in range(FILLER_PROMPT_TOKENS)]
                       for _ in range(4 * opts.threshold)]
