@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import random
 import re
 import threading
@@ -1075,3 +1076,77 @@ def test_parallel_variants_start_beside_each_other_with_a_share_that_holds_their
     assert F.server_config("x", alone, draft=True).mem_fraction == alone.mem_fraction < F.SIDE_BY_SIDE_MEM_SHARE
     # the pool is fixed in both: what a server beside takes cannot shrink it
     assert "--max-total-tokens" in F.server_config("x", opts, draft=True).extra
+
+
+def constrained_greedy(model: object, compiler: object, payload: dict, eos: int, vocab: int,
+                       cached: bool) -> F.Outcome:
+    """A server's answer to a constrained case's request, on the CPU: greedy under xgrammar's
+    mask in bf16, step by step with a KV cache (cached) or a full forward at each step (the other
+    order of sums a verify pass has), with its logprobs and top 5 as the matrix asks for them."""
+    import torch
+    import xgrammar as xgr
+
+    sp = payload["sampling_params"]
+    grammar = (compiler.compile_json_schema(sp["json_schema"], any_whitespace=False) if "json_schema" in sp
+               else compiler.compile_regex(sp["regex"]))
+    matcher, mask = xgr.GrammarMatcher(grammar), xgr.allocate_token_bitmask(1, vocab)
+    ids, out, lps, tops, past = list(payload["input_ids"]), [], [], [], None
+    step = torch.tensor([ids])
+    with torch.no_grad():
+        while len(out) < sp["max_new_tokens"] and not matcher.is_terminated():
+            o = model(input_ids=step, past_key_values=past, use_cache=True) if cached else \
+                model(input_ids=torch.tensor([ids]))
+            past = o.past_key_values if cached else None
+            logits = o.logits[0, -1, :vocab].float()
+            matcher.fill_next_token_bitmask(mask)
+            allowed = torch.zeros(1, vocab)
+            xgr.apply_token_bitmask_inplace(allowed, mask)
+            logits[~torch.isfinite(allowed[0])] = float("-inf")
+            lp = torch.log_softmax(logits, -1)
+            token = int(torch.argmax(logits))
+            top = torch.topk(lp, F.TIE_TOP)
+            out.append(token)
+            lps.append(float(lp[token]))
+            tops.append([(int(i), float(v)) for v, i in zip(top.values, top.indices)])
+            assert matcher.accept_token(token)
+            ids.append(token)
+            step = torch.tensor([[token]])
+            if token == eos:
+                break
+    finish = ["stop", eos] if out and out[-1] == eos else ["length", None]
+    return F.Outcome(ids=[out], text=[""], finish=[finish], logprobs=[lps], top=[tops])
+
+
+def test_the_constrained_cases_check_real_outputs_of_the_generated_models(tmp_path):
+    # the check as it meets a GPU: the generated models' own tokenizer and EOS, xgrammar's mask,
+    # bf16, and two orders of summation (CPU, the 1B models: they parted at an exact tie at token 8
+    # of the JSON output and at 0.008 apart at token 33 of the regex one)
+    import torch
+    import transformers
+    import xgrammar as xgr
+
+    from smoke import models
+
+    models.build(tmp_path, size="tiny", draft="chain", accept=1.0, corpus_bytes=200_000, gen_len=24)
+    target = tmp_path / "target"
+    expected = json.loads((tmp_path / "expected.json").read_text())
+    vocab, eos = int(expected["vocab_size"]), json.loads((target / "config.json").read_text())["eos_token_id"]
+    tok = transformers.AutoTokenizer.from_pretrained(target)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab, stop_token_ids=[eos]))
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    cases = {c.name: c for c in F.make_cases(expected, 64, str(target))}
+    for name in ("json_schema", "regex"):
+        case = cases[name]
+        plain, other = (constrained_greedy(model, compiler, case.requests[0].payload, eos, vocab, cached)
+                        for cached in (True, False))
+        detail = case.check([plain], [other])  # equal, or parted at a tie and still allowed
+        assert all(t["margin"] <= F.TIE_LOGITS for t in detail["ties"]), detail
+        if name == "json_schema":  # without free whitespace it ends, EOS and all
+            assert plain.finish[0] == ["stop", eos] and len(plain.ids[0]) < F.CASE_TOKENS
+        # the same answer with a token the grammar allows but the model ranks far below: no tie
+        at, far = next((k, t) for k, pos in enumerate(plain.top[0]) for t, lp in pos[1:]
+                       if math.isfinite(lp) and pos[0][1] - lp > 2 * F.TIE_LOGITS)
+        wrong = F.Outcome(ids=[plain.ids[0][:at] + [far]], text=[""], finish=[["length", None]],
+                          logprobs=[plain.logprobs[0][:at] + [dict(plain.top[0][at])[far]]], top=[[]])
+        with pytest.raises(F.CaseFailure, match="not a tie"):
+            case.check([plain], [wrong])
