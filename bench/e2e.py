@@ -356,10 +356,7 @@ class E2E:
             raise Deadline_(f"smoke: skipped {rep['skipped']}")
 
     def smoke_threshold(self) -> tuple[bool, int]:
-        """--threshold: (auto, N); with auto the loads (and the feature matrix) use the default N."""
-        parsed = names.parse_threshold(self.a.threshold)
-        auto = parsed == runner.AUTO
-        return auto, runner.DEFAULT_THRESHOLD if auto else int(parsed)
+        return smoke_threshold(self.a.threshold)
 
     def phase_features(self) -> None:
         st = self.resumable("features")
@@ -697,6 +694,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="stop the servers earlier calls left running (the bench's outlive a call), and exit")
 
 
+def smoke_threshold(text: str) -> tuple[bool, int]:
+    """--threshold: (auto, N); with auto the loads (and the feature matrix) use the default N.
+    ValueError names a bad value."""
+    parsed = names.parse_threshold(text)
+    auto = parsed == runner.AUTO
+    return auto, runner.DEFAULT_THRESHOLD if auto else int(parsed)
+
+
 def main(a: argparse.Namespace) -> int:
     if a.phases != "all":
         runner.comma_list(a.phases, PHASES, "--phases")
@@ -705,12 +710,12 @@ def main(a: argparse.Namespace) -> int:
     runner.comma_list(a.feature_cases, features_mod.CASE_NAMES, "--feature-cases")
     runner.comma_list(a.comm_runs, comm_mod.RUN_NAMES, "--comm-runs")
     try:
-        threshold = names.parse_threshold(a.threshold)
+        _, threshold = smoke_threshold(a.threshold)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     phases = PHASES if a.phases == "all" else a.phases.split(",")
     if "features" in phases and not a.stop:  # auto: the matrix runs at the default N
-        features_mod.check_threshold(runner.DEFAULT_THRESHOLD if threshold == runner.AUTO else int(threshold))
+        features_mod.check_threshold(threshold)
     if not 1 <= a.feature_graph_bs <= features_mod.PRESSURE_REQUESTS:
         raise SystemExit(f"--feature-graph-bs {a.feature_graph_bs}: give 1 to "
                          f"{features_mod.PRESSURE_REQUESTS} (the feature servers' running-request limit)")

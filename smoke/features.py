@@ -1093,8 +1093,8 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
         timeout = min(opts.health_timeout, opts.deadline.left() - 60)
         if spawned is not None:
             srv.wait_healthy(timeout)
-        else:  # side by side: their pools are fixed (server_config), so they need not start one by one
-            srv.start(timeout, alone=not opts.parallel_variants)
+        else:
+            srv.start(timeout)
         rep["start_s"] = round(srv.start_seconds, 1)
         early = " (spawned beside the plain server)" if spawned is not None else ""
         opts.progress(f"features {key}: server up in {srv.start_seconds:.0f}s{early}, {len(todo)} case(s) "

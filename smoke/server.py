@@ -155,14 +155,11 @@ class Server:
         self.t_launch = 0.0
         self.start_seconds = 0.0
 
-    def start(self, timeout: float, alone: bool = True) -> None:
+    def start(self, timeout: float) -> None:
         """Starts the server and waits until it is healthy: `timeout` s in all, the wait for another
-        server's start (STARTING) included. alone: one at a time, see STARTING; False for a server
-        whose KV pool is fixed up front (--max-total-tokens) with a memory share that holds it
-        whatever the others take meanwhile: it starts at once, beside the others."""
-        if not alone:
-            self._start(timeout)
-            return
+        server's start (STARTING) included. For servers whose KV pool is not fixed up front: one
+        at a time, see STARTING (one whose pool is fixed, with a memory share that holds it
+        whatever the others take meanwhile, may spawn() at once and wait_healthy())."""
         t_call = time.time()
         with STARTING, host_start_lock(timeout) as locked:
             left = timeout - (time.time() - t_call)

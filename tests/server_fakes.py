@@ -16,7 +16,7 @@ def port_recording_server(ports: list[int]) -> type:
         def __init__(self, cfg: Any, port: int, log: Any) -> None:
             ports.append(port)
 
-        def start(self, timeout: float, alone: bool = True) -> None:
+        def start(self, timeout: float) -> None:
             raise SmokeError("no GPU here")
 
         def stop(self) -> None:

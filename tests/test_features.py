@@ -489,8 +489,8 @@ def fake_server(started: list[str], names_by_base: dict[str, str] | None = None)
             if names_by_base is not None:
                 names_by_base[self.base] = cfg.name
 
-        def start(self, timeout, alone=True):
-            started.append(self.cfg.name if alone else f"{self.cfg.name} (beside)")
+        def start(self, timeout):
+            started.append(self.cfg.name)
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log_path.touch()
 

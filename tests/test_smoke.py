@@ -561,7 +561,8 @@ def test_servers_of_one_process_start_one_after_the_other(tmp_path):
                 break
             time.sleep(0.05)
         # a server whose pool is fixed up front starts at once, beside the one starting
-        beside.start(30, alone=False)
+        beside.spawn()
+        beside.wait_healthy(30)
         with pytest.raises(runner.SmokeError, match="no time left to start after waiting"):
             late.start(0.3)
         assert late.proc is None  # never spawned
