@@ -152,7 +152,7 @@ def run_one(opts: CommOptions, run: CommRun, prompts: list[Prompt], expected: di
         outputs = {r.key: r.output_ids for r in res}
         rep["outputs"] = outputs
         time.sleep(1)  # let the workers' log lines reach the file
-        text = log.read_text(errors="replace")
+        text = srv.log_text()
         rep["log_lines"] = find_lines(text, run.expect, run.absent)
         check_log_clean(text)
         check_log_lines(text, run)

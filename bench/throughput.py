@@ -459,7 +459,7 @@ def server_checks(name: str, srv: Server, top: int) -> tuple[dict[str, Any], lis
     if trace and Path(trace).is_file():  # auto's steps, written out as the server went idle after the load
         info["step_trace"] = [r.as_dict() for r in autotrace.summarize(autotrace.read(Path(trace)))]
     try:
-        check_log_clean(srv.log_path.read_text(errors="replace"))
+        check_log_clean(srv.log_text())
     except SmokeError as exc:
         problems.append(f"{name}: {exc.cause} ({srv.log_path.name})")
     return info, problems

@@ -857,7 +857,7 @@ def answer_references(opts: FeatureOptions, cases: list[Case], stop_prompt: list
                       f"(left {opts.deadline.left():.0f}s)")
         try:
             finished = answer_missing(opts, srv.base, cases, stop_prompt, state, log)
-            check_log_clean(log.read_text(errors="replace"))
+            check_log_clean(srv.log_text())
         except (SmokeError, client.HTTPFailure):
             with STATE_LOCK:
                 state.pop("refs", None)
@@ -1105,7 +1105,7 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
             rep["skipped"] = skipped
         if not srv.alive():
             raise SmokeError("server process died during the matrix")
-        check_log_clean(log.read_text(errors="replace"))
+        check_log_clean(srv.log_text())
     except (SmokeError, client.HTTPFailure) as exc:
         rep["cause"] = exc.cause if isinstance(exc, SmokeError) else f"HTTP failure: {exc}"
         rep["log_tail"] = log_tail(log, 40)

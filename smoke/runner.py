@@ -364,7 +364,7 @@ def record_references(opts: SmokeOptions, expected: dict[str, Any], prompts: lis
             raise
         refs = {r.key: r.output_ids for r in res if r.output_ids is not None}
         try:
-            check_log_clean(log.read_text(errors="replace"))
+            check_log_clean(srv.log_text())
         except SmokeError as exc:
             exc.log = log
             raise
@@ -421,7 +421,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
     srv, log, rep = variant_server(opts, v, draft, n, reach=4 * n, port=port)
     try:
         base = start_variant_server(srv, opts, rep)
-        start_log = log.read_text(errors="replace")
+        start_log = srv.log_text()
         check_start_log(start_log, n)
         st0 = spec_state(client.server_info(base))
         rep["draft_plain_step"] = draft_plain_step(st0, start_log)
@@ -493,7 +493,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
                 raise SmokeError(f"Prometheus metric {k} missing from /metrics (--enable-metrics is on)")
         if not srv.alive():
             raise SmokeError("server process died during the test")
-        text = log.read_text(errors="replace")
+        text = srv.log_text()
         check_log_clean(text)
         rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE in line)
         info = client.server_info(base)
@@ -518,7 +518,7 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
     srv, log, rep = variant_server(opts, v, draft, AUTO, reach=8 * n, port=port)
     try:
         base = start_variant_server(srv, opts, rep)
-        check_start_log(log.read_text(errors="replace"), AUTO)
+        check_start_log(srv.log_text(), AUTO)
         st0 = spec_state(client.server_info(base))
         if "crossover" not in st0:
             raise SmokeError(f"server info of an auto server has no crossover: {st0}")
@@ -552,7 +552,7 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
             raise SmokeError("Prometheus metric sglang:spec_disable_crossover missing (auto)")
         if not srv.alive():
             raise SmokeError("server process died during the test")
-        text = log.read_text(errors="replace")
+        text = srv.log_text()
         check_log_clean(text)
         rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE in line)
         rep["spec_disable_final"] = spec_state(client.server_info(base))

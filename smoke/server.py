@@ -154,6 +154,9 @@ class Server:
         self.pgid: int | None = None
         self.t_launch = 0.0
         self.start_seconds = 0.0
+        # where this process's output begins in log_path: the file keeps earlier servers' output
+        # (a failed start's stays readable), and their errors are not this one's
+        self.log_offset = 0
 
     def start(self, timeout: float) -> None:
         """Starts the server and waits until it is healthy: `timeout` s in all, the wait for another
@@ -193,6 +196,7 @@ class Server:
         env = dict(os.environ, **self.cfg.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self.log_offset = log.tell()
             log.write(("$ " + " ".join(self.cfg.argv(self.port)) + "\n").encode())
             log.flush()
             self.t_launch = time.time()
@@ -216,6 +220,15 @@ class Server:
         # a timeout mostly spent waiting for another run's server reads otherwise as a slow start
         after_wait = f" (after {waited:.0f}s waiting for another server's start)" if waited >= 1 else ""
         raise SmokeError(f"{self.cfg.name}: not healthy after {timeout:.0f}s{after_wait}", log=self.log_path)
+
+    def log_text(self) -> str:
+        """This server's output so far: its log from its own launch on (see log_offset)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_offset)
+                return log.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     @classmethod
     def attach(cls, cfg: ServerConfig, port: int, log_path: Path, pgid: int) -> Server:

@@ -31,8 +31,8 @@ from bench import report as bench_report
 from bench import throughput as bench
 from bench.__main__ import build_parser
 from smoke import client, models
-from smoke.runner import Deadline
-from smoke.server import ServerConfig, SmokeError, group_running
+from smoke.runner import Deadline, check_log_clean
+from smoke.server import Server, ServerConfig, SmokeError, group_running
 
 RESULT = REPO / "tests" / "data" / "bench_result_format.json"
 
@@ -314,6 +314,9 @@ class ChecksServer:
         self.base, self.log_path = "http://x", log
         self.cfg = ServerConfig("x", log.parent, env=env or {})
 
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
 
 def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_path):
     # The KV pool check of every server, a threshold server's too, even where its log shows an
@@ -384,6 +387,22 @@ def sleepy(name: str, tmp_path: Path, delay: float = 0.0, extra: tuple[str, ...]
     cfg = SleepyConfig(name, tmp_path, extra=extra)
     cfg.delay = delay
     return cfg
+
+
+def test_a_server_is_judged_by_its_own_output_not_by_an_earlier_server_s(tmp_path):
+    # The matrix's logs keep every start of a server (a failed one's output stays readable); a
+    # later run on the same machine judged its new server by the old traceback (GPU, 2026-12-04).
+    log = tmp_path / "features_plain.log"
+    log.write_text("$ the earlier server\nTraceback (most recent call last):\nImportError: no torch\n")
+    srv = Server(sleepy("plain", tmp_path), free_port_base(), log)
+    try:
+        srv.start(30)
+        text = srv.log_text()
+        assert text.startswith("$ ") and "spawned" in text and "Traceback" not in text
+        check_log_clean(text)
+        assert "ImportError: no torch" in log.read_text()  # the earlier output is kept
+    finally:
+        srv.stop()
 
 
 @pytest.fixture

@@ -505,6 +505,9 @@ def fake_server(started: list[str], names_by_base: dict[str, str] | None = None)
         def alive(self):
             return True
 
+        def log_text(self):
+            return self.log_path.read_text()
+
         def stop(self):
             pass
 
