@@ -223,13 +223,32 @@ def interval(d: dict[str, Any] | None) -> str:
     return f"{d['median']:.2f}x [{d['low']:.2f}-{d['high']:.2f}]"
 
 
+def output_tokens_text(result: dict[str, Any]) -> str:
+    """`256 output tokens`, or the range where the lengths were drawn (results before the spread
+    have output_len alone)."""
+    lengths = result.get("output_lengths")
+    if lengths and lengths[0] != lengths[1]:
+        return f"{lengths[0]}-{lengths[1]} output tokens (uniform, the same on every server)"
+    return f"{result.get('output_len')} output tokens"
+
+
+def learned_notes(result: dict[str, Any]) -> list[str]:
+    """What `auto` learned before the blocks (BenchOptions.auto_learn_s)."""
+    out = []
+    for name, got in (result.get("learned") or {}).items():
+        after = ", ".join(f"{c}: {x}" for c, x in (got.get("crossover_after") or {}).items())
+        out.append(f"- {label(name)}: {fmt2(got.get('seconds_per_level'))} s under each level's load before the "
+                   f"blocks (prompts no window sends); crossover after each level: {after or 'not read'}")
+    return out
+
+
 def markdown(result: dict[str, Any]) -> str:
     names: list[str] = result.get("configs", [])
     model = result.get("model", {})
     lines = [f"# Decode throughput, {result.get('date', '')}", "",
              (f"Model: {model.get('size')}-shaped target ({model.get('layers')} layers, hidden {model.get('hidden')}), "
               f"{model.get('draft')} EAGLE-3 draft (designed accept length {fmt2(model.get('designed_accept_length'))}); "
-              f"greedy, {result.get('output_len')} output tokens per request. Paired windows: at each "
+              f"greedy, {output_tokens_text(result)} per request. Paired windows: at each "
               f"concurrency {result.get('pairs')} blocks, each a window on every server back to back, the order "
               f"reversed every other block; a window counts {fmt2(result.get('window_s'))} s of output after "
               f"{fmt2(result.get('settle_s'))} s under load. A ratio is taken within a block; shown: the median "
@@ -314,6 +333,7 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(f"| {label(n)} | {r['mean_tok_per_s']:.0f} | {fmt(r['min_share_of_better'])} | "
                              f"{fmt(r['median_share_of_better'])} | {fmt(r['mode_changes'])} |")
         lines.append("")
+    lines += learned_notes(result)
     idle = idle_cpu(result)
     if idle:
         lines.append("- servers not under load: at most " + ", ".join(

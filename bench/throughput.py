@@ -103,7 +103,15 @@ class BenchOptions:
     settle_s: float = 1.0  # ... after this long under load
     ramp_cycles: int = 0  # 0: no ramp
     ramp_hold_s: float = 2.0
-    output_len: int = 256
+    output_len: int = 256  # the mean output length of a request
+    # each request's output length is drawn uniform within output_len * (1 -+ output_spread), the
+    # same on every server: with one length for all, the requests a window starts together end
+    # together, and a server that keeps them in step (plain steps) prefills their successors in a
+    # few large batches, one that does not (speculation accepts per request) in many small ones
+    output_spread: float = 0.25
+    # `auto` servers run this long under the window's load at every concurrency before the blocks:
+    # it learns where speculation stops paying once per batch size, as a serving server has done
+    auto_learn_s: float = 5.0
     port: int = 30000  # the first port tried; each server takes the next free one
     # each server's --mem-fraction-static: the most of the memory free at its start that it may
     # count for its weights and KV pool; the pool itself is max_total_tokens, the same for all
@@ -164,17 +172,22 @@ def server_names(opts: BenchOptions) -> list[str]:
     return out
 
 
-def window_prompt(vocab: int, concurrency: int, output_len: int, seed: int, i: int) -> Prompt:
-    """The i-th prompt of a window's stream: the same on every server of a block, another per block
-    (seed) and level."""
+def output_lengths(output_len: int, spread: float) -> tuple[int, int]:
+    """The shortest and longest output length of a request (BenchOptions.output_spread)."""
+    return max(1, round(output_len * (1 - spread))), max(1, round(output_len * (1 + spread)))
+
+
+def window_prompt(vocab: int, concurrency: int, output_len: int, seed: int, i: int, spread: float = 0.0) -> Prompt:
+    """The i-th prompt of a window's stream, with its output length: the same on every server of a
+    block, another per block (seed) and level."""
     rnd = random.Random(f"{seed}-{concurrency}-{i}")
-    return Prompt(f"c{concurrency}-{i}", tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, MAX_PROMPT_LEN))),
-                  output_len)
+    tokens = tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(32, MAX_PROMPT_LEN)))
+    return Prompt(f"c{concurrency}-{i}", tokens, rnd.randint(*output_lengths(output_len, spread)) if spread else output_len)
 
 
-def workload(vocab: int, concurrency: int, output_len: int, seed: int, n: int) -> list[Prompt]:
+def workload(vocab: int, concurrency: int, output_len: int, seed: int, n: int, spread: float = 0.0) -> list[Prompt]:
     """The first n prompts of a window's stream."""
-    return [window_prompt(vocab, concurrency, output_len, seed, i) for i in range(n)]
+    return [window_prompt(vocab, concurrency, output_len, seed, i, spread) for i in range(n)]
 
 
 def ramp_prompt(vocab: int, output_len: int, key: str) -> Prompt:
@@ -193,8 +206,9 @@ def ramp_levels(concurrency: tuple[int, ...], cycles: int) -> list[int]:
 
 
 def pool_tokens(opts: BenchOptions) -> int:
-    """KV room for the top concurrency's running requests with a quarter to spare."""
-    return int(1.25 * max(opts.concurrency) * (MAX_PROMPT_LEN + opts.output_len))
+    """KV room for the top concurrency's running requests at their longest, a tenth to spare (the
+    draft tokens of a speculative step)."""
+    return int(1.1 * max(opts.concurrency) * (MAX_PROMPT_LEN + output_lengths(opts.output_len, opts.output_spread)[1]))
 
 
 def switches(name: str) -> bool:
@@ -557,8 +571,14 @@ class Bench:
         configs = {name: server_config(name, self.opts) for name in self.names}
         alive = self.pool.recorded_alive(configs, self.opts.key_extra)
         starts = [self.result["start_s"].get(n, START_S) for n in self.names if n not in alive]
-        warms = [float(self.result["warm_s"].get(n, WARM_S)) for n in self.names if not alive.get(n)]
+        warms = [float(self.result["warm_s"].get(n, WARM_S + self.learn_cost(n))) for n in self.names if not alive.get(n)]
         return max(starts, default=0.0) + sum(warms)
+
+    def learn_cost(self, name: str) -> float:
+        """learn()'s seconds: a window of auto_learn_s at every level, and its end."""
+        if name != "eagle3_auto" or self.opts.auto_learn_s <= 0:
+            return 0.0
+        return len(self.opts.concurrency) * (self.opts.auto_learn_s + WINDOW_END_S + 0.5)
 
     def reserve(self) -> float:
         """The end of a call: the report, and where the bench is complete, each server's checks and stop."""
@@ -589,9 +609,29 @@ class Bench:
         for name in [n for n in self.names if not self.pool.warmed(n)]:
             t0 = time.time()
             warm_up(self.servers[name].base, self.opts)
+            if name == "eagle3_auto":
+                self.learn(name)
             self.pool.mark_warmed(name)
             self.result["warm_s"][name] = round(time.time() - t0, 1)
         self.pool.wait_for_other_starts(min(self.opts.health_timeout, self.opts.deadline.left() - self.reserve()))
+
+    def learn(self, name: str) -> None:
+        """`auto` under each level's load for opts.auto_learn_s (prompts no window sends): what it
+        learns at a batch size it has not met would otherwise be learned in the first block."""
+        opts, srv = self.opts, self.servers[name]
+        if opts.auto_learn_s <= 0:
+            return
+        crossovers = {}
+        for c in opts.concurrency:
+            prompt_at = functools.partial(window_prompt, self.vocab, c, opts.output_len, 50, spread=opts.output_spread)
+            m = measure(srv.base, prompt_at, c, 0.0, opts.auto_learn_s, opts.deadline.request_timeout(240),
+                        opts.deadline.at - self.reserve())
+            if m.get("cut"):
+                break
+            crossovers[str(c)] = mode_of(srv.base)[1]
+        self.result.setdefault("learned", {})[name] = {"seconds_per_level": opts.auto_learn_s,
+                                                       "crossover_after": crossovers}
+        flush_cache(srv.base)
 
     def log_path(self, name: str) -> Path:
         """A log of its own for each start of a server: the first number not taken in the output
@@ -673,7 +713,7 @@ class Bench:
         """Block k at concurrency c: a window on every server, back to back; kept only when every
         server finished its window."""
         opts = self.opts
-        prompt_at = functools.partial(window_prompt, self.vocab, c, opts.output_len, 100 + k)
+        prompt_at = functools.partial(window_prompt, self.vocab, c, opts.output_len, 100 + k, spread=opts.output_spread)
         got: dict[str, dict[str, Any]] = {}
         outputs: dict[str, dict[str, Any]] = {}
         prefixes: dict[str, dict[str, Any]] = {}
@@ -721,7 +761,7 @@ class Bench:
 
     def diagnose(self, name: str) -> None:
         c = max(self.opts.concurrency)
-        prompts = workload(self.vocab, c, self.opts.output_len, 7, 3 * c)
+        prompts = workload(self.vocab, c, self.opts.output_len, 7, 3 * c, self.opts.output_spread)
         self.result["diagnose"][name] = diagnose.full_load(self.servers[name], prompts, c, self.opts.out,
                                                            self.opts.pyspy_dirs, self.opts.deadline)
 
@@ -730,7 +770,8 @@ def new_result(opts: BenchOptions, expected: dict[str, Any]) -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d"), "thresholds": list(opts.thresholds),
             "concurrency": list(opts.concurrency), "pairs": opts.pairs, "window_s": opts.window_s,
             "settle_s": opts.settle_s, "ramp_hold_s": opts.ramp_hold_s, "output_len": opts.output_len,
-            "device_timer": opts.device_timer,
+            "output_lengths": list(output_lengths(opts.output_len, opts.output_spread)),
+            "auto_learn_s": opts.auto_learn_s, "device_timer": opts.device_timer,
             "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept",
                                                     "designed_accept_length")},
             "configs": [], "not_run": {}, "start_s": {}, "warm_s": {}, "kv_pool_tokens": {}, "blocks": {},
@@ -854,6 +895,13 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="seconds of a window whose output tokens are counted")
     ap.add_argument(p + "settle-s", type=float, default=1.0,
                     help="seconds under load before a window starts counting")
+    ap.add_argument(p + "output-spread", type=float, default=0.25,
+                    help="each request's output length uniform within the mean (--output-len) times "
+                         "1 -+ this, the same on every server (0: all alike; then the requests a window "
+                         "starts together end together, which rewards a server that keeps them in step)")
+    ap.add_argument(p + "auto-learn-s", type=float, default=5.0,
+                    help="seconds eagle3_auto runs each level's load before the blocks (0: it learns in "
+                         "the first block, as a newly started server does)")
     ap.add_argument(p + "ramp-cycles", type=int, default=0, help="ramp up and down this many times (0: none)")
     ap.add_argument(p + "ramp-hold", type=float, default=2.0, help="seconds per ramp level")
     ap.add_argument(p + "mem-share", type=float, default=0.85,
@@ -900,6 +948,10 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("window-s", "must be > 0 seconds (longer windows: less noise, a longer run)")
     if get("settle-s") < 0:
         raise refuse("settle-s", "must be >= 0 seconds")
+    if not 0 <= get("output-spread") < 1:
+        raise refuse("output-spread", "must be in [0, 1): lengths within the mean times 1 -+ it")
+    if get("auto-learn-s") < 0:
+        raise refuse("auto-learn-s", "must be >= 0 seconds (0: no learning before the blocks)")
     if get("ramp-cycles") < 0 or get("ramp-hold") <= 0 or get("pairs") + get("ramp-cycles") == 0:
         raise SystemExit(f"--{prefix}ramp-cycles {get('ramp-cycles')} / --{prefix}ramp-hold {get('ramp-hold')}: "
                          f"need cycles >= 0 (> 0 with --{prefix}pairs 0) and a hold > 0 seconds")
@@ -913,6 +965,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
             "switching_defaults": get("switching-defaults"), "pairs": get("pairs"),
             "window_s": get("window-s"), "settle_s": get("settle-s"),
+            "output_spread": get("output-spread"), "auto_learn_s": get("auto-learn-s"),
             "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
             "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),
             "cpus_per_server": get("cpus-per-server"),

@@ -282,7 +282,7 @@ def test_configs_map_to_server_flags(tmp_path):
     flag = {name: a[a.index(bench.THRESHOLD_FLAG) + 1] for name, a in argv.items() if bench.switches(name)}
     assert flag == {"eagle3_thr16": "16", "eagle3_thr64": "64", "eagle3_auto": "auto"}
     sized = bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 256)))
-    assert sized.argv(1)[sized.argv(1).index("--max-total-tokens") + 1] == str(int(1.25 * 256 * (64 + 256)))
+    assert sized.argv(1)[sized.argv(1).index("--max-total-tokens") + 1] == str(int(1.1 * 256 * (64 + 320)))
     assert bench.server_config("plain", opts).env == {}
     assert bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, diagnose=True)).env \
         == diagnose.SERVER_ENV
@@ -1284,3 +1284,49 @@ def test_a_replay_can_leave_out_the_steps_a_prefill_fell_in(leave_out, steps):
     assert estimates.startswith("33-64: ") and estimates.endswith(steps)
     with pytest.raises(ValueError, match="leave_out_prefills 'all'"):
         autotrace.replay(records, {}, "all")
+
+
+def test_output_lengths_vary_alike_on_every_server_around_the_mean():
+    # One length for all made a window's requests end in step on a server that keeps them in step
+    # (plain steps) and apart on one that does not (speculation): the second then prefilled their
+    # successors in 39 small batches a window against 10 (GPU, 8B shape, 64 requests, 2026-12-04).
+    prompts = bench.workload(3072, 64, 256, 101, 400, spread=0.25)
+    lengths = [p.max_new_tokens for p in prompts]
+    assert min(lengths) >= 192 and max(lengths) <= 320 and len(set(lengths)) > 50
+    assert abs(statistics.fmean(lengths) - 256) < 8
+    assert prompts == bench.workload(3072, 64, 256, 101, 400, spread=0.25)  # every server gets the same
+    alike = bench.workload(3072, 64, 256, 101, 400)
+    assert all(p.max_new_tokens == 256 for p in alike)
+    assert [p.input_ids for p in alike] == [p.input_ids for p in prompts]  # the spread changes the lengths alone
+    opts = bench.BenchOptions(models=Path("m"), out=Path("o"), concurrency=(1, 256))
+    assert bench.pool_tokens(opts) == int(1.1 * 256 * (64 + 320))  # room for every request at its longest
+
+
+def test_auto_learns_each_level_before_the_blocks(lab, monkeypatch):
+    """What `auto` learns at a batch size it meets for the first time must not land in the first
+    block: it runs every level's load once, with prompts no window sends, before any block."""
+    monkeypatch.setattr(bench, "auto_supported", lambda: True)
+    monkeypatch.setattr(bench, "mode_of", lambda base: ("plain", 32, 3))
+    windows: list[tuple[str, int, float, tuple[int, ...]]] = []
+    measure = lab.measure
+
+    def recording(base, prompt_at, c, settle_s, window_s, *args, **kw):
+        windows.append((base.removeprefix("http://"), c, window_s, prompt_at(0).input_ids))
+        return measure(base, prompt_at, c, settle_s, window_s, *args, **kw)
+
+    monkeypatch.setattr(bench, "measure", recording)
+    result = bench.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0,
+                                         auto_learn_s=3.0), {})
+    assert [w[:3] for w in windows[:2]] == [("eagle3_auto", 1, 3.0), ("eagle3_auto", 4, 3.0)]
+    assert all(w[2] == 20.0 for w in windows[2:]) and len(windows) == 2 + 2 * 2 * 2
+    learned_prompts = {w[3] for w in windows[:2]}
+    assert not learned_prompts & {w[3] for w in windows[2:]}
+    assert result["learned"]["eagle3_auto"] == {"seconds_per_level": 3.0, "crossover_after": {"1": 32, "4": 32}}
+    assert set(result["learned"]) == {"eagle3_auto"}  # the fixed modes have nothing to learn
+    md = bench_report.markdown(result)
+    assert "3.00 s under each level's load before the blocks" in md and "crossover after each level: 1: 32, 4: 32" in md
+    # 0: no learning (the first block learns, as a new server does)
+    windows.clear()
+    bench.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0, auto_learn_s=0.0,
+                                registry=lab.tmp_path / "other.json"), {})
+    assert all(w[2] == 20.0 for w in windows)
