@@ -248,13 +248,15 @@ class E2E:
                          str(self.site), str(plugin)], "setup.log")
             if p.returncode != 0:
                 raise RuntimeError(f"pip install of the plugin failed: {p.stderr[-1500:]}")
+        dated = jitcache.age_site(self.site)  # FlashInfer's ninja builds then take the cached kernels
         shutil.rmtree(self.state_dir / "stubs", ignore_errors=True)
         shutil.copytree(stage / "stubs", self.state_dir / "stubs")
         shutil.rmtree(stage)
         (self.site / ".installed").write_text(key)
         self.state["install"] = key
         self.env()  # the new site's .pth folders on the path of every server from here on
-        self.log(f"install: {len(wheels)} wheels into {self.site}")
+        self.log(f"install: {len(wheels)} wheels into {self.site} ({dated} files dated "
+                 f"{time.strftime('%Y-%m-%d', time.gmtime(jitcache.SITE_MTIME))})")
 
     def phase_patch(self) -> None:
         if self.state.get("patch"):

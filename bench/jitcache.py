@@ -10,6 +10,14 @@ The archive names the kernel key it was built for (`kernel_key`: the bundle's wh
 patches to anything but sglang's Python files): a cache for another key is not unpacked, and files
 already present are never overwritten. Patches to sglang's Python files keep the key: the kernels
 they hold are Triton's, and Triton keys its own cache by each kernel's source.
+
+FlashInfer's kernels are ninja builds, and ninja judges them by file times: an output older than an
+input, or than the time its build log or deps log recorded for it, is built again. A fresh install
+writes every source now, after the outputs were built, so the unpacked cache would be rebuilt in
+full (86 s for the sampling module alone on an H200 host). So the install dates the site's files
+to SITE_MTIME (age_site, before any patch: a patched file is new, and what it feeds is rebuilt),
+and seed() gives each unpacked file its time in the archive, to the whole second below (never
+later than the logs' record of it).
 """
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import hashlib
 import io
 import json
 import lzma
+import os
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +34,7 @@ ARCHIVE = "jit-cache.tar.xz"
 MANIFEST = "jit-cache.json"            # first member: {"key": kernel_key, "files": n}
 MAX_BYTES = 14 * 2**20                 # a file coming back from OUT may hold 16 MiB; the bundle travels too
 MAX_RAW_BYTES = 256 * 2**20            # more would not compress under MAX_BYTES, and takes long to try
+SITE_MTIME = 946684800                 # 2000-01-01: the installed sources' time, older than any build
 
 
 def kernel_key(wheels_sha256: str, manifest: list[dict[str, Any]]) -> str:
@@ -89,6 +99,19 @@ def extract_file(tar: tarfile.TarFile, member: tarfile.TarInfo, dest: Path) -> P
     return out
 
 
+def age_site(site: Path, mtime: int = SITE_MTIME) -> int:
+    """Date every file under a freshly installed site to `mtime` (see the module's docstring).
+    Returns the files dated."""
+    dated = 0
+    for root, _dirs, names in os.walk(site):
+        for name in names:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.utime(path, (mtime, mtime))
+                dated += 1
+    return dated
+
+
 def seed(archive: Path, jit_dir: Path, key: str) -> tuple[int, str]:
     """Unpack `archive` into jit_dir where it was built for `key`, leaving existing files alone.
     Returns (files added, "") or (0, why not)."""
@@ -107,7 +130,9 @@ def seed(archive: Path, jit_dir: Path, key: str) -> tuple[int, str]:
             for member in tar:
                 if member.name == MANIFEST or not member.isfile() or (jit_dir / member.name).exists():
                     continue
-                extract_file(tar, member, jit_dir)
+                out = extract_file(tar, member, jit_dir)
+                whole = int(member.mtime) * 10**9  # the archive's time may carry a float's rounding
+                os.utime(out, ns=(whole, whole))
                 added += 1
     except (tarfile.TarError, lzma.LZMAError, OSError, ValueError) as exc:
         return 0, f"{archive} unreadable ({type(exc).__name__}: {exc}): delete it"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -805,6 +806,67 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     assert failed.phase_failures("smoke") == [{"variant": "plain", "cause": "exited"}]
     failed.state["smoke_report"] = {"failures": []}
     assert failed.phase_failures("smoke") == [] and failed.phase_failures("comm") == []
+
+
+NINJA_BUILD = """\
+rule cc
+  command = cat $in > $out && printf '%s: %s %s\\n' $out $in {hdr} > $out.d
+  depfile = $out.d
+  deps = gcc
+rule link
+  command = cat $in > $out
+build {jit}/ops/kernel.o: cc {site}/flashinfer/csrc/kernel.cu
+build {jit}/ops/kernel.so: link {jit}/ops/kernel.o
+"""
+
+
+def test_unpacked_ninja_builds_are_not_built_again_on_a_fresh_install(tmp_path):
+    """FlashInfer's JIT kernels are ninja builds, judged by file times. On a fresh machine the site
+    is installed after the cached kernels were built: without dating the site's files back, ninja
+    built the whole cache again (the sampling module: 86 s, GPU host, 2026-12-04)."""
+    from bench import jitcache
+
+    site, jit = tmp_path / "site", tmp_path / "jit"
+
+    def install() -> None:  # the wheels' files, written now (later than any build before)
+        shutil.rmtree(site, ignore_errors=True)
+        (site / "flashinfer" / "csrc").mkdir(parents=True)
+        (site / "flashinfer" / "csrc" / "kernel.cu").write_text("__global__ void k() {}\n")
+        (site / "flashinfer" / "include.cuh").write_text("#pragma once\n")
+        later = time.time() + 100
+        for f in (site / "flashinfer" / "csrc" / "kernel.cu", site / "flashinfer" / "include.cuh"):
+            os.utime(f, (later, later))
+
+    def ninja(*args: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "ninja", "-C", str(jit), *args], check=False,
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout
+
+    def fresh_machine(age: bool) -> None:
+        shutil.rmtree(jit)
+        install()
+        if age:
+            jitcache.age_site(site)
+        assert jitcache.seed(archive, jit, "k")[0] == 5  # build.ninja, both logs, both outputs
+        (jit / "build.ninja").touch()  # FlashInfer writes it again on every build
+
+    install()
+    jitcache.age_site(site)
+    (jit / "ops").mkdir(parents=True)
+    (jit / "build.ninja").write_text(NINJA_BUILD.format(jit=jit, site=site, hdr=site / "flashinfer" / "include.cuh"))
+    time.sleep(1.1)  # the outputs' whole second is after the sources'
+    ninja()
+    assert "no work to do" in ninja()
+    archive = tmp_path / jitcache.ARCHIVE
+    assert jitcache.pack(jit, archive, "k")[1] == ""
+    fresh_machine(age=False)
+    assert "no work to do" not in ninja("-n")  # the old way: everything built again
+    fresh_machine(age=True)
+    assert "no work to do" in ninja("-n", "-d", "explain")
+    # a patched source (or header) is new, and what it feeds is built again
+    os.utime(site / "flashinfer" / "include.cuh")
+    assert "kernel.o" in ninja("-n")
 
 
 def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
