@@ -1018,6 +1018,8 @@ def test_options_and_refused_values():
                         (("--max-total-tokens", "-1"), "--max-total-tokens"), (("--output-len", "0"), "--output-len"),
                         (("--window-s", "0"), "--window-s"), (("--settle-s", "-1"), "--settle-s"),
                         (("--cpus-per-server", "-1"), "--cpus-per-server"),
+                        (("--output-spread", "1"), "--output-spread"), (("--output-spread", "-0.1"), "--output-spread"),
+                        (("--auto-learn-s", "-1"), "--auto-learn-s"),
                         (("--launch-only",), "--launch-only needs --state")):
         with pytest.raises(SystemExit, match=word):
             bench_options(*flags)
