@@ -122,6 +122,22 @@ def host_stack_problems(expected: dict[str, str], found: dict[str, str | None]) 
     return lines
 
 
+def torch_refusal(expected: dict[str, str], found: dict[str, str | None]) -> str | None:
+    """Why servers must not start on this host's torch: none installed, or another release than
+    the flavor pins (the server would fail deep in its imports, or measure another stack)."""
+    want = expected.get("torch")
+    if want is None:
+        return None
+    have = found.get("torch")
+    if have is None:
+        return (f"host stack: torch is not installed for this Python: install the flavor's torch {want} "
+                "first (MAINTAINING.md)")
+    if have.split("+")[0] != want.split("+")[0]:
+        return (f"host stack: this Python has torch {have}, the flavor pins {want}: put the flavor's "
+                "torch stack on its path before this command (MAINTAINING.md); nothing was run")
+    return None
+
+
 class E2E:
     def __init__(self, a: argparse.Namespace):
         self.a = a
@@ -140,6 +156,7 @@ class E2E:
         self.state: dict[str, Any] = (json.loads(self.state_file.read_text())
                                       if self.state_file.exists() else {})
         self.failures: list[str] = []
+        self.checked: set[str] = set()  # checks made once a call (check_host_stack)
         self.log_path = self.out / "e2e.log"
         self.phases = PHASES if a.phases == "all" else tuple(a.phases.split(","))
 
@@ -300,7 +317,11 @@ class E2E:
 
     def check_host_stack(self) -> None:
         """One line before any server starts where the host's torch stack is not the flavor's (the
-        import chain would otherwise fail deep inside, or run on another torch)."""
+        import chain would otherwise fail deep inside, or run on another torch); raises where its
+        torch is missing or another release (torch_refusal). Once a call."""
+        if "host_stack" in self.checked:
+            return
+        self.checked.add("host_stack")
         meta = self.a.bundle / "bundle.json"
         expected = json.loads(meta.read_text()).get("host_stack", {}) if meta.is_file() else {}
         code = ("import importlib.metadata as md, json, sys\n"
@@ -315,9 +336,9 @@ class E2E:
         for line in problems:
             self.log(f"host stack: {line}")
         self.state["host_stack"] = {"expected": expected, "found": found, "problems": problems}
-        if any(found.get(name) is None for name in expected if name == "torch"):
-            raise RuntimeError("host stack: torch is not installed on this host: install the "
-                               f"flavor's torch {expected.get('torch')} first (MAINTAINING.md)")
+        refusal = torch_refusal(expected, found)
+        if refusal:
+            raise RuntimeError(refusal)
 
     def phase_models(self) -> None:
         # in a subprocess: the driver must not keep GPU memory while the servers run
@@ -536,6 +557,14 @@ class E2E:
         if stale:
             self.log(f"FAILED: {stale}")
             return 1
+        if any(ph in phases for ph in ("check", "models", *RUN_PHASES)):
+            # before the install too: a call on the wrong torch otherwise installs, builds models
+            # and fails in its first server's imports, minutes later
+            try:
+                self.check_host_stack()
+            except RuntimeError as exc:
+                self.log(f"FAILED: {exc}")
+                return 1
         incomplete = []
         for ph in phases:
             done_key = (f"{ph}_done_" + (self.bench_key if ph == "bench" else self.options_digest(ph))

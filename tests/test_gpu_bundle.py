@@ -8,6 +8,7 @@ import ast
 import fnmatch
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import host_stack_problems
+from bench.e2e import host_stack_problems, torch_refusal
 from sglang_image import gpu, lock, pins, plugin_wheel
 
 FLAVOR = "sglang-0.5.23"
@@ -221,6 +222,34 @@ def test_host_stack_lines_name_what_differs() -> None:
     assert lines[1] == "triton 3.8.0 is not installed here"
     assert len(lines) == 2
     assert host_stack_problems({"torch": "2.14.1"}, {"torch": "2.14.1+cu130"}) == []
+
+
+def test_a_call_on_another_torch_is_refused_before_it_installs_anything(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPU call whose flavor stack was not on the path installed, built models, and failed in its
+    # first server's imports 75 s later (2026-12-04); now it stops at once and says why.
+    from bench import e2e
+    from bench.__main__ import build_parser
+
+    assert torch_refusal({"torch": "2.14.1"}, {"torch": "2.14.1+cu130"}) is None
+    assert "this Python has torch 2.11.0, the flavor pins 2.14.1" in (torch_refusal({"torch": "2.14.1"},
+                                                                                    {"torch": "2.11.0"}) or "")
+    assert "torch is not installed" in (torch_refusal({"torch": "2.14.1"}, {"torch": None}) or "")
+    assert torch_refusal({}, {"torch": "2.11.0"}) is None  # a bundle that names no stack
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "bundle.json").write_text(json.dumps({"host_stack": {"torch": "9.9.9"}}))
+
+    def run(phases: str) -> tuple[int, str]:
+        out = tmp_path / f"out-{phases}"
+        drv = e2e.E2E(build_parser().parse_args(["e2e", "--bundle", str(bundle), "--state", str(tmp_path / "st"),
+                                                 "--out", str(out), "--phases", phases]))
+        return drv.run(), (out / "e2e.log").read_text()
+
+    code, log = run("install,patch,models,features")
+    assert code == 1 and f"this Python has torch {importlib.metadata.version('torch')}, the flavor pins 9.9.9" in log
+    assert "== install" not in log and "nothing was run" in log
 
 
 @pytest.mark.network
