@@ -108,6 +108,11 @@ def pth_paths(site: Path) -> list[str]:
     return [str(p) for p in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
+def same_release(have: str, want: str) -> bool:
+    """Whether two versions are one release (a local version suffix such as +cu130 aside)."""
+    return have.split("+")[0] == want.split("+")[0]
+
+
 def host_stack_problems(expected: dict[str, str], found: dict[str, str | None]) -> list[str]:
     """One line per distribution of the flavor's torch stack that the host lacks or has at another
     version (a local version suffix such as +cu130 counts as the same release)."""
@@ -116,7 +121,7 @@ def host_stack_problems(expected: dict[str, str], found: dict[str, str | None]) 
         have = found.get(name)
         if have is None:
             lines.append(f"{name} {want} is not installed here")
-        elif have.split("+")[0] != want.split("+")[0]:
+        elif not same_release(have, want):
             lines.append(f"{name} is {have} here, the flavor pins {want}: servers run on this "
                          "host's stack, not the image's (bring the flavor's stack: MAINTAINING.md)")
     return lines
@@ -132,7 +137,7 @@ def torch_refusal(expected: dict[str, str], found: dict[str, str | None]) -> str
     if have is None:
         return (f"host stack: torch is not installed for this Python: install the flavor's torch {want} "
                 "first (MAINTAINING.md)")
-    if have.split("+")[0] != want.split("+")[0]:
+    if not same_release(have, want):
         return (f"host stack: this Python has torch {have}, the flavor pins {want}: put the flavor's "
                 "torch stack on its path before this command (MAINTAINING.md); nothing was run")
     return None
