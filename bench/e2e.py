@@ -161,7 +161,7 @@ class E2E:
         self.state: dict[str, Any] = (json.loads(self.state_file.read_text())
                                       if self.state_file.exists() else {})
         self.failures: list[str] = []
-        self.checked: set[str] = set()  # checks made once a call (check_host_stack)
+        self.host_stack_checked = False  # check_host_stack runs once a call
         self.log_path = self.out / "e2e.log"
         self.phases = PHASES if a.phases == "all" else tuple(a.phases.split(","))
 
@@ -324,9 +324,9 @@ class E2E:
         """One line before any server starts where the host's torch stack is not the flavor's (the
         import chain would otherwise fail deep inside, or run on another torch); raises where its
         torch is missing or another release (torch_refusal). Once a call."""
-        if "host_stack" in self.checked:
+        if self.host_stack_checked:
             return
-        self.checked.add("host_stack")
+        self.host_stack_checked = True
         meta = self.a.bundle / "bundle.json"
         expected = json.loads(meta.read_text()).get("host_stack", {}) if meta.is_file() else {}
         code = ("import importlib.metadata as md, json, sys\n"
@@ -371,7 +371,7 @@ class E2E:
 
     def phase_smoke(self) -> None:
         st = self.resumable("smoke")
-        auto, threshold = self.smoke_threshold()
+        auto, threshold = smoke_threshold(self.a.threshold)
         opts = runner.SmokeOptions(models=self.models / self.a.smoke_size, out=self.logs, auto=auto,
                                    threshold=threshold,
                                    deadline=self.deadline, mem_fraction=0.15,
@@ -383,14 +383,11 @@ class E2E:
         if rep.get("skipped"):
             raise Deadline_(f"smoke: skipped {rep['skipped']}")
 
-    def smoke_threshold(self) -> tuple[bool, int]:
-        return smoke_threshold(self.a.threshold)
-
     def phase_features(self) -> None:
         st = self.resumable("features")
         opts = features_mod.FeatureOptions(models=self.models / self.a.smoke_size, out=self.logs,
                                            graph_bs=self.a.feature_graph_bs,
-                                           threshold=self.smoke_threshold()[1],
+                                           threshold=smoke_threshold(self.a.threshold)[1],
                                            deadline=self.deadline,
                                            variants=tuple(self.a.feature_variants.split(",")),
                                            parallel_variants=self.a.parallel_variants,

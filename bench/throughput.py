@@ -609,18 +609,18 @@ class Bench:
         for name in [n for n in self.names if not self.pool.warmed(n)]:
             t0 = time.time()
             warm_up(self.servers[name].base, self.opts)
-            if name == "eagle3_auto":
-                self.learn(name)
+            self.learn(name)
             self.pool.mark_warmed(name)
             self.result["warm_s"][name] = round(time.time() - t0, 1)
         self.pool.wait_for_other_starts(min(self.opts.health_timeout, self.opts.deadline.left() - self.reserve()))
 
     def learn(self, name: str) -> None:
         """`auto` under each level's load for opts.auto_learn_s (prompts no window sends): what it
-        learns at a batch size it has not met would otherwise be learned in the first block."""
-        opts, srv = self.opts, self.servers[name]
-        if opts.auto_learn_s <= 0:
+        learns at a batch size it has not met would otherwise be learned in the first block. The
+        other servers have nothing to learn (learn_cost 0)."""
+        if not self.learn_cost(name):
             return
+        opts, srv = self.opts, self.servers[name]
         crossovers = {}
         for c in opts.concurrency:
             prompt_at = functools.partial(window_prompt, self.vocab, c, opts.output_len, 50, spread=opts.output_spread)
