@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import autotrace, diagnose, pairing
+from bench import autotrace, diagnose, hostinfo, pairing
 
 TWIN = "plain_twin"  # bench.throughput.TWIN (the report is drawn without importing the bench)
 LABELS = {"plain": "plain", TWIN: "plain (A/A twin)", "eagle3": "EAGLE-3", "eagle3_adaptive": "EAGLE-3 adaptive (upstream)",
@@ -112,6 +112,122 @@ def step_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]
         if row:
             out[c] = row
     return out
+
+
+def window_host(w: dict[str, Any]) -> dict[str, float]:
+    """A window's host figures where the server's counters were read (bench.hostinfo): per decode
+    step, its wall ms and its scheduler thread's ms on a CPU and waiting for one, and preemptions;
+    the rest of the server's processes in CPU cores; the probe's work seconds (the CPUs' speed)."""
+    sched, steps, secs = w.get("scheduler") or {}, w.get("steps"), w.get("seconds")
+    out: dict[str, float] = {}
+    if steps and secs:
+        out["wall"] = 1000 * secs / steps
+        if "scheduler_cpu_s" in sched:
+            out["on_cpu"] = 1000 * sched["scheduler_cpu_s"] / steps
+            out["waiting"] = 1000 * sched.get("scheduler_wait_s", 0.0) / steps
+            out["preempted"] = sched.get("scheduler_preempted", 0.0) / steps
+    if secs and "server_cpu_s" in sched:
+        out["rest_cores"] = (sched["server_cpu_s"] - sched.get("scheduler_cpu_s", 0.0)) / secs
+    work = (w.get("host") or {}).get("probe_work_s")
+    if work:
+        out["probe_work"] = float(work)
+    return out
+
+
+def host_attribution(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per concurrency, where the windows' host time went: per config the median and range over the
+    blocks of window_host's figures (`servers`), and, pooled over the configs (each window against
+    its own server's median at that level, so that the configs' own speeds drop out), the spread
+    of the wall time per step and of what may explain it, with each one's correlation to it
+    (`spread`: figure -> (lowest, highest relative deviation, r with the wall or None))."""
+    out: dict[str, dict[str, Any]] = {}
+    for c in levels(result):
+        per: dict[str, list[dict[str, float]]] = {}
+        for b in blocks_at(result, c):
+            for name, w in b["windows"].items():
+                figures = window_host(w)
+                if "on_cpu" in figures or "probe_work" in figures:
+                    per.setdefault(name, []).append(figures)
+        if not per:
+            continue
+        servers = {name: {k: (min(v), statistics.median(v), max(v))
+                          for k in ws[0] if len(v := [f[k] for f in ws if k in f]) == len(ws)}
+                   for name, ws in per.items()}
+        deviations: dict[str, list[float]] = {}
+        walls: dict[str, list[float]] = {}
+        for name, ws in per.items():
+            for key in ("wall", "on_cpu", "probe_work"):
+                if not all(key in f and "wall" in f for f in ws):
+                    continue
+                mid = statistics.median(f[key] for f in ws)
+                wall_mid = statistics.median(f["wall"] for f in ws)
+                if mid > 0 and wall_mid > 0:
+                    deviations.setdefault(key, []).extend(f[key] / mid - 1 for f in ws)
+                    walls.setdefault(key, []).extend(f["wall"] / wall_mid - 1 for f in ws)
+        spread: dict[str, tuple[float, float, float | None]] = {}
+        for key, devs in deviations.items():
+            r = None
+            if key != "wall" and len(devs) >= 3:
+                try:
+                    r = round(statistics.correlation(devs, walls[key]), 2)
+                except statistics.StatisticsError:  # one of them constant
+                    r = None
+            spread[key] = (round(min(devs), 3), round(max(devs), 3), r)
+        out[c] = {"servers": servers, "spread": spread}
+    return out
+
+
+def attribution_lines(result: dict[str, Any]) -> list[str]:
+    """The host attribution as the report's lines (empty where no counters were read)."""
+    table = host_attribution(result)
+    if not table:
+        return []
+    names = [n for n in result.get("configs", []) if any(n in row["servers"] for row in table.values())]
+    lines = [("Where the host time went, per decode step (median [least-most] over the blocks): wall ms / the "
+              "scheduler thread's ms on a CPU / its ms runnable but waiting for a CPU; the rest of the server "
+              "in CPU cores:"), "",
+             "| concurrency | " + " | ".join(label(n) for n in names) + " |", "|---:|" + "---:|" * len(names)]
+
+    def span(t: tuple[float, float, float] | None, digits: int = 2) -> str:
+        return "-" if t is None else f"{t[1]:.{digits}f} [{t[0]:.{digits}f}-{t[2]:.{digits}f}]"
+
+    for c in sorted(table, key=int):
+        cells = []
+        for n in names:
+            f = table[c]["servers"].get(n)
+            if not f or "wall" not in f:
+                cells.append("-")
+                continue
+            cells.append(f"{span(f['wall'])} / {span(f.get('on_cpu'))} / {span(f.get('waiting'))}"
+                         + (f"; {f['rest_cores'][1]:.2f} cores" if "rest_cores" in f else ""))
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines.append("")
+    words = {"wall": "wall time per step", "on_cpu": "the scheduler's time on a CPU per step",
+             "probe_work": "a fixed piece of work's CPU time (the CPUs' speed, inverted)"}
+    for c in sorted(table, key=int):
+        spread = table[c]["spread"]
+        parts = []
+        for key in ("wall", "on_cpu", "probe_work"):
+            if key in spread:
+                lo, hi, r = spread[key]
+                parts.append(f"{words[key]} {100 * lo:+.0f}% to {100 * hi:+.0f}%"
+                             + (f" (r = {r:.2f} with the wall time)" if r is not None else ""))
+        if parts:
+            lines.append(f"- {c} requests, window to window (each against its server's median): " + "; ".join(parts))
+    return lines + [""]
+
+
+def topology_lines(topology: dict[str, Any] | None, owners: dict[str, list[int]]) -> list[str]:
+    """The machine's CPUs and cores (bench.hostinfo.cpu_topology), and each core that two of the
+    pinned (`owners`: the servers, the client) share."""
+    if not topology or not topology.get("cpus"):
+        return []
+    n, cores = len(topology["cpus"]), topology.get("cores") or []
+    shared = [group for group in cores if len(group) > 1]
+    line = (f"- this process's CPUs: {n} on {len(cores)} cores"
+            + (" (" + "; ".join(",".join(map(str, g)) for g in shared) + " share a core)" if shared else ""))
+    clash = hostinfo.shared_cores(topology, owners)
+    return [line] + [f"- one core shared: {c}" for c in clash]
 
 
 def idle_cpu(result: dict[str, Any]) -> dict[str, float]:
@@ -321,6 +437,7 @@ def markdown(result: dict[str, Any]) -> str:
                     cells.append(f"{cell['wall_ms']:.2f} ({cell['tokens_per_step']:.0f})")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += attribution_lines(result)
     ramp = ramp_summary(result)
     if ramp:
         lines += [(f"Ramp: clients step through {', '.join(map(str, result.get('concurrency', [])))} and back, "
@@ -353,6 +470,8 @@ def markdown(result: dict[str, Any]) -> str:
     if cpus:
         lines.append("- CPUs: " + "; ".join(f"{label(n)} {','.join(map(str, c))}" for n, c in cpus.items())
                      + " (the client on others)")
+    lines += topology_lines(result.get("cpu_topology"),
+                            {**{label(n): c for n, c in cpus.items()}, "the client": result.get("client_cpus") or []})
     for name, info in result.get("servers", {}).items():
         lines.append(f"- {label(name)}: KV tokens in use after the load and a flush: "
                      f"{info.get('kv_used_after_flush')}; running-request limit "

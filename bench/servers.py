@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench import hostinfo
 from smoke import client
 from smoke.server import Server, ServerConfig, SmokeError, group_running, port_free
 
@@ -92,15 +93,7 @@ def pin_group(pgid: int, cpus: tuple[int, ...]) -> int:
 
 def group_cpu_seconds(pgid: int) -> float:
     """CPU seconds (user + system) used so far by the group's live processes."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in group_pids(pgid):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / tick
+    return hostinfo.process_cpu_seconds(group_pids(pgid))
 
 
 class StillStarting(SmokeError):

@@ -22,6 +22,10 @@ DIR holds a target and an EAGLE-3 draft (`python -m smoke models DIR --size 1b -
   measured by the same procedure, is the noise floor printed beside every comparison.
 - Host time per decode step (device timer, --device-timer): per server and c, wall and GPU-busy
   time per decode step (steps counted by the server's metrics); the host's share is the rest.
+- Where the host time went (bench.hostinfo), read in every window: the scheduler thread's time on
+  a CPU and waiting for one, the rest of the server's CPU, and a probe of the CPUs' speed; the
+  report says which of them moved with the wall time from window to window (the A/A floor's
+  cause on a host-bound shape), and which CPUs share a core.
 - Ramp: the number of clients steps through the concurrencies up to the top and back down, several
   times, a level every --ramp-hold seconds; tokens/s per level and, for the threshold servers, the
   mode they are in (and auto's crossover) over time.
@@ -252,12 +256,13 @@ def decode_steps(before: dict[str, float], after: dict[str, float]) -> int | Non
 
 
 def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, settle_s: float, window_s: float,
-            timeout: float, stop_at: float, scrape: Callable[[str], dict[str, float]] | None = None
-            ) -> dict[str, Any]:
+            timeout: float, stop_at: float, scrape: Callable[[str], dict[str, float]] | None = None,
+            counters: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
     """One window: `concurrency` clients each send the stream's next prompt when their last request
     ends; the tokens of [settle_s, settle_s + window_s] are counted; then sending stops and every
     request in flight is aborted (kept as a prefix). A window that would end past `stop_at` (the
-    call's deadline) is not started ("cut")."""
+    call's deadline) is not started ("cut"). `counters` (the server's host counters) are read at
+    the counted span's ends, as `scrape` is; `span` is that span (time.time())."""
     t0 = time.time()
     lo_at, hi_at = t0 + settle_s, t0 + settle_s + window_s
     if hi_at + WINDOW_END_S > stop_at:
@@ -285,8 +290,10 @@ def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, set
         t.start()
     time.sleep(max(0.0, lo_at - time.time()))
     lo, before = time.time(), scrape(base) if scrape else {}
+    host_before = counters() if counters else {}
     time.sleep(max(0.0, hi_at - time.time()))
     hi, after = time.time(), scrape(base) if scrape else {}
+    host_after = counters() if counters else {}
     with lock:
         stop[0] = True
     aborted_at = time.time()
@@ -317,7 +324,28 @@ def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, set
     gpu = diagnose.gpu_seconds(before, after) if scrape else {}
     if gpu:
         m["gpu_s"] = gpu
+    if counters:
+        m["span"] = [lo, hi]
+        m["counters"] = hostinfo.counters_delta(host_before, host_after)
     return m
+
+
+def host_counters(pgid: int | None) -> Callable[[], dict[str, float]] | None:
+    """What a window reads of a server's host time at its counted span's ends: the CPU seconds of
+    all its processes and its scheduler thread's counters (hostinfo.thread_counters, `scheduler_`
+    first); None for a server of no known process group."""
+    if pgid is None:
+        return None
+    pids = servers.group_pids(pgid)
+    scheduler = hostinfo.scheduler_pid(pids)
+
+    def read() -> dict[str, float]:
+        out = {"server_cpu_s": hostinfo.process_cpu_seconds(pids)}
+        if scheduler is not None:
+            out |= {f"scheduler_{k}": v for k, v in hostinfo.thread_counters(scheduler).items()}
+        return out
+
+    return read
 
 
 def speculation_state(base: str) -> dict[str, Any]:
@@ -534,6 +562,7 @@ class Bench:
                                        say=self.event)
         self.notes: list[str] = []  # why this call left work undone
         self.starting = False  # the servers are being started (a failure then is a start's)
+        self.probe: hostinfo.SpeedProbe | None = None  # the CPUs' speed, during the blocks
 
     def event(self, line: str) -> None:
         """A server found, lost or started again: kept in the report and printed."""
@@ -689,8 +718,16 @@ class Bench:
                     raise
                 return
             self.starting = False
-        with on_cpus(self.pool.client_cpus() if self.opts.cpus_per_server > 0 else ()):
-            self.blocks()
+        client_cpus = self.pool.client_cpus() if self.opts.cpus_per_server > 0 else ()
+        self.result["cpu_topology"] = hostinfo.cpu_topology()
+        self.result["client_cpus"] = list(client_cpus)
+        with on_cpus(client_cpus):
+            self.probe = hostinfo.SpeedProbe(client_cpus).start() if self.blocks_left() else None
+            try:
+                self.blocks()
+            finally:
+                if self.probe is not None:
+                    self.probe.stop()
             if not self.blocks_left():
                 self.solo()
 
@@ -725,11 +762,17 @@ class Bench:
             cpu0 = {n: servers.group_cpu_seconds(s.pgid) for n, s in idle.items() if s.pgid is not None}
             t0, host0 = time.time(), hostinfo.sample()
             m = measure(srv.base, prompt_at, c, opts.settle_s, opts.window_s, opts.deadline.request_timeout(240),
-                        opts.deadline.at - self.reserve(), diagnose.scrape)
+                        opts.deadline.at - self.reserve(), diagnose.scrape, host_counters(srv.pgid))
             if m.pop("cut"):
                 return False
             wall = max(time.time() - t0, 1e-6)
             m["host"] = hostinfo.during(host0, hostinfo.sample())
+            span, counted = m.pop("span", None), m.pop("counters", None)
+            if counted:
+                m["scheduler"] = counted
+            work = self.probe.work(*span) if self.probe is not None and span else None
+            if work is not None:
+                m["host"]["probe_work_s"] = work
             m["idle_cpu"] = {n: round((servers.group_cpu_seconds(s.pgid) - cpu0[n]) / wall, 3)
                              for n, s in idle.items() if s.pgid is not None and n in cpu0}
             outputs[name] = m.pop("outputs")

@@ -605,7 +605,7 @@ class FakeLab:
         self.deadline.at -= seconds
 
     def measure(self, base: str, prompt_at: Any, c: int, settle_s: float, window_s: float, timeout: float,
-                stop_at: float, scrape: Any = None) -> dict[str, Any]:
+                stop_at: float, scrape: Any = None, counters: Any = None) -> dict[str, Any]:
         self.spend(settle_s + window_s)
         name = base.removeprefix("http://")
         self.windows.append((name, c, prompt_at(0).key))
@@ -1332,3 +1332,124 @@ def test_auto_learns_each_level_before_the_blocks(lab, monkeypatch):
     bench.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0, auto_learn_s=0.0,
                                 registry=lab.tmp_path / "other.json"), {})
     assert all(w[2] == 20.0 for w in windows)
+
+
+# ----------------------------------------------------------------------------- where the host time went
+def titled(title: str, busy_s: float) -> Any:
+    """A process titled as SGLang titles its own (setproctitle), computing `busy_s` then sleeping
+    0.05 s, over and over."""
+    import subprocess
+
+    code = textwrap.dedent(f"""
+        import setproctitle, time
+        setproctitle.setproctitle({title!r})
+        print("titled", flush=True)
+        while True:
+            end = time.thread_time() + {busy_s}
+            while time.thread_time() < end:
+                pass
+            time.sleep(0.05)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "titled"
+    return proc
+
+
+def test_the_scheduler_thread_is_found_by_its_title_and_its_time_read():
+    """Of a server's processes, the one SGLang titles sglang::scheduler; its main thread's seconds
+    on a CPU grow while it computes, and it gives the CPU up each time it sleeps."""
+    from bench import hostinfo
+
+    scheduler, detokenizer = titled("sglang::scheduler_TP0", 0.05), titled("sglang::detokenizer", 0.0)
+    try:
+        pids = [detokenizer.pid, scheduler.pid]
+        assert hostinfo.scheduler_pid(pids) == scheduler.pid
+        assert hostinfo.scheduler_pid([detokenizer.pid]) is None
+        before = hostinfo.thread_counters(scheduler.pid)
+        time.sleep(1.0)
+        delta = hostinfo.counters_delta(before, hostinfo.thread_counters(scheduler.pid))
+        assert 0.25 < delta["cpu_s"] <= 1.05 and delta["wait_s"] >= 0 and delta["yields"] >= 5
+        idle = hostinfo.counters_delta(before, hostinfo.thread_counters(detokenizer.pid))
+        assert hostinfo.thread_counters(detokenizer.pid)["cpu_s"] < 0.2 and idle  # it sleeps
+        read = bench.host_counters(os.getpgid(scheduler.pid))  # the test's own group: it holds both
+        assert read is not None and {"server_cpu_s", "scheduler_cpu_s", "scheduler_wait_s"} <= set(read())
+    finally:
+        for proc in (scheduler, detokenizer):
+            proc.kill()
+            proc.wait()
+    assert hostinfo.thread_counters(scheduler.pid) == {}  # gone: nothing, no error
+    assert bench.host_counters(None) is None
+
+
+def test_a_window_reads_the_server_s_counters_at_its_counted_span(monkeypatch):
+    FakeGenerate(monkeypatch, per_token=0.002)
+    reads: list[float] = []
+
+    def counters() -> dict[str, float]:
+        reads.append(time.time())
+        return {"scheduler_cpu_s": 2.0 * len(reads), "server_cpu_s": 5.0}
+
+    m = bench.measure("b", lambda i: bench.window_prompt(3000, 1, 8, 100, i), 1, 0.2, 0.5, 10, time.time() + 60,
+                      counters=counters)
+    assert m["counters"] == {"scheduler_cpu_s": 2.0, "server_cpu_s": 0.0}
+    lo, hi = m["span"]
+    assert [round(t, 1) for t in reads] == [round(lo, 1), round(hi, 1)] and hi - lo == pytest.approx(0.5, abs=0.1)
+
+
+def test_the_speed_probe_reports_its_work_time_per_window():
+    from bench import hostinfo
+
+    probe = hostinfo.SpeedProbe(period_s=0.01).start()
+    try:
+        t0 = time.time()
+        time.sleep(0.8)
+        t1 = time.time()
+        work = probe.work(t0, t1)
+        assert work is not None and 0 < work < 0.5
+        inside = sorted(w for t, w in probe.samples if t0 <= t <= t1)
+        assert work == pytest.approx(statistics.median(inside))
+        assert probe.work(t1 + 100, t1 + 200) is None  # no sample there
+    finally:
+        probe.stop()
+    assert probe._proc is not None and probe._proc.poll() is not None
+
+
+def test_cpu_topology_and_the_cores_two_owners_share():
+    from bench import hostinfo
+
+    assert hostinfo._cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    mine = hostinfo.cpu_topology()
+    assert mine["cpus"] == sorted(os.sched_getaffinity(0)) and sorted(c for core in mine["cores"] for c in core) == mine["cpus"]
+    topology = {"cpus": [0, 1, 2, 3], "cores": [[0, 2], [1, 3]]}
+    assert hostinfo.shared_cores(topology, {"plain": [0], "plain (A/A twin)": [2], "the client": [1]}) == [
+        "CPUs 0,2: plain and plain (A/A twin)"]
+    lines = bench_report.topology_lines(topology, {"plain": [0], "the client": [2]})
+    assert lines == ["- this process's CPUs: 4 on 2 cores (0,2; 1,3 share a core)",
+                     "- one core shared: CPUs 0,2: plain and the client"]
+
+
+def test_the_report_says_where_the_host_time_went():
+    """Each window of plain and its twin at 256 requests with its scheduler's counters and the
+    probe's work: the report gives, per server, the wall, on-CPU and waiting ms per step, and
+    which of them moved with the wall time from window to window."""
+    result = json.loads(RESULT.read_text())
+    on_cpu = {"plain": [4.0, 6.0, 5.0, 5.0], "plain_twin": [4.5, 5.5, 5.0, 6.5]}
+    for k, b in enumerate(result["blocks"]["256"]):
+        for name in ("plain", "plain_twin"):
+            w = b["windows"][name]
+            w["steps"], w["seconds"] = 500, 3.0
+            cpu = on_cpu[name][k]  # ms per step; the wall follows it, 1 ms above
+            w["seconds"] = 500 * (cpu + 1.0) / 1000
+            w["scheduler"] = {"scheduler_cpu_s": 500 * cpu / 1000, "scheduler_wait_s": 0.005,
+                              "scheduler_preempted": 10.0, "server_cpu_s": 500 * cpu / 1000 + 1.2 * w["seconds"]}
+            w.setdefault("host", {})["probe_work_s"] = 0.001  # the CPUs' speed: no change
+    md = bench_report.markdown(result)
+    assert "Where the host time went, per decode step" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 256 |") and "cores" in line)
+    assert "6.00 [5.00-7.00] / 5.00 [4.00-6.00] / 0.01 [0.01-0.01]; 1.20 cores" in row
+    spread = next(line for line in md.splitlines() if line.startswith("- 256 requests, window to window"))
+    assert "the scheduler's time on a CPU per step -20% to +24% (r = 1.00 with the wall time)" in spread
+    assert "wall time per step -17% to +20%" in spread
+    assert spread.endswith("(the CPUs' speed, inverted) +0% to +0%")  # constant: no correlation to give
+    # no counters read (an older result): no such section
+    assert "Where the host time went" not in bench_report.markdown(json.loads(RESULT.read_text()))
