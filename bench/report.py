@@ -468,8 +468,11 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("- the host over the windows: " + "; ".join(parts))
     cpus = {n: c for n, c in (result.get("cpus") or {}).items() if c}
     if cpus:
-        lines.append("- CPUs: " + "; ".join(f"{label(n)} {','.join(map(str, c))}" for n, c in cpus.items())
-                     + " (the client on others)")
+        alone = result.get("scheduler_cpus") or {}
+        lines.append("- CPUs: " + "; ".join(
+            f"{label(n)} {','.join(map(str, c))}"
+            + (f" (its scheduler thread alone on {alone[n]})" if alone.get(n) is not None else "")
+            for n, c in cpus.items()) + " (the client on others)")
     lines += topology_lines(result.get("cpu_topology"),
                             {**{label(n): c for n, c in cpus.items()}, "the client": result.get("client_cpus") or []})
     for name, info in result.get("servers", {}).items():

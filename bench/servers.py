@@ -7,10 +7,11 @@
   key, process group, port, log, CPUs). The next call with the registry finds it alive and uses it;
   a dead one is said and started again; one recorded with other options is stopped and started
   anew. `stop_all` ends them (the bench when it is complete, or `--stop`).
-- Own CPUs: the measuring process keeps the first CLIENT_CPUS of this process's CPUs; each server
+- Own CPUs: the measuring process keeps the last CLIENT_CPUS of this process's CPUs; each server
   is pinned, once healthy, to the next `cpus_per_server` free ones (all its processes and threads),
-  so a loaded server shares no core with the client or with another server. A host with too few
-  CPUs pins nothing, and says so.
+  so a loaded server shares no CPU with the client or with another server; with two or more, its
+  scheduler thread has the first to itself (pin_group). A host with too few CPUs pins nothing,
+  and says so.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Entry:
     port: int
     log: str
     cpus: tuple[int, ...] = ()
+    scheduler_cpu: int | None = None  # the CPU its scheduler thread has to itself (pin_group)
     warmed: bool = False
     launched_at: float = 0.0
     start_s: float = 0.0  # from the launch until it first answered
@@ -77,18 +79,23 @@ def group_pids(pgid: int) -> list[int]:
     return out
 
 
-def pin_group(pgid: int, cpus: tuple[int, ...]) -> int:
-    """Every thread of every process of the group on `cpus` (threads started later inherit it);
-    how many threads were pinned."""
-    n = 0
-    for pid in group_pids(pgid):
+def pin_group(pgid: int, cpus: tuple[int, ...]) -> int | None:
+    """Every thread of every process of the group on `cpus` (threads started later inherit their
+    creator's). With two or more, the scheduler's main thread (hostinfo.scheduler_pid) gets the
+    first to itself and every other thread the rest: the server's HTTP front and detokenizer, busy
+    at high request rates, then never take the scheduler's CPU. Returns the scheduler's CPU (None:
+    not set apart)."""
+    pids = group_pids(pgid)
+    scheduler = hostinfo.scheduler_pid(pids) if len(cpus) > 1 else None
+    rest = cpus[1:] if scheduler is not None else cpus
+    for pid in pids:
         for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+            tid = int(task.name)
             try:
-                os.sched_setaffinity(int(task.name), cpus)
-                n += 1
+                os.sched_setaffinity(tid, cpus[:1] if tid == scheduler else rest)
             except OSError:
                 continue  # gone meanwhile
-    return n
+    return cpus[0] if scheduler is not None else None
 
 
 def group_cpu_seconds(pgid: int) -> float:
@@ -274,7 +281,7 @@ class ServerPool:
                          f"client's {CLIENT_CPUS} and the other servers'")
                 continue
             assert srv.pgid is not None
-            pin_group(srv.pgid, cpus)
+            entry.scheduler_cpu = pin_group(srv.pgid, cpus)
             taken |= set(cpus)
             entry.cpus = cpus
             self.record(name, entry)

@@ -629,6 +629,7 @@ class Bench:
                 self.result["start_s"][name] = round(srv.start_seconds, 1)
             self.result["kv_pool_tokens"][name] = kv_pool(srv)
             self.result.setdefault("cpus", {})[name] = list(self.pool.entries[name].cpus)
+            self.result.setdefault("scheduler_cpus", {})[name] = self.pool.entries[name].scheduler_cpu
         pools = self.result["kv_pool_tokens"]
         if len(set(pools.values())) > 1 and not any(f.startswith("unequal KV pools") for f in self.result["checks"]):
             self.result["checks"].append(f"unequal KV pools {pools}: lower --mem-share or set --max-total-tokens "
@@ -952,8 +953,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "max-total-tokens", type=int, default=0,
                     help="KV pool of every server (0: room for the top concurrency's requests)")
     ap.add_argument(p + "cpus-per-server", type=int, default=0,
-                    help="pin each server to this many CPUs of its own, the client to one more (0, the "
-                         "default: no pinning; it did not narrow the A/A floor on an H200 host)")
+                    help="pin each server to this many CPUs of its own, the client to one more; with 2 or "
+                         "more the server's scheduler thread has the first to itself (0, the default: no "
+                         "pinning; 3 CPUs each did not narrow the A/A floor on an H200 host)")
     ap.add_argument(p + "server-args", default="",
                     help="extra flags for every server, one shell-quoted string (e.g. '--gc-threshold 50000')")
     ap.add_argument(p + "diagnose", action="store_true",

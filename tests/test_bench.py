@@ -1453,3 +1453,47 @@ def test_the_report_says_where_the_host_time_went():
     assert spread.endswith("(the CPUs' speed, inverted) +0% to +0%")  # constant: no correlation to give
     # no counters read (an older result): no such section
     assert "Where the host time went" not in bench_report.markdown(json.loads(RESULT.read_text()))
+    result["cpus"], result["scheduler_cpus"] = {"plain": [0, 1, 2], "plain_twin": [3]}, {"plain": 0, "plain_twin": None}
+    assert ("- CPUs: plain 0,1,2 (its scheduler thread alone on 0); plain (A/A twin) 3 (the client on others)"
+            in bench_report.markdown(result))
+
+
+LAUNCH_TITLED = textwrap.dedent("""
+    import subprocess, sys
+    code = '''
+    import setproctitle, sys, time
+    setproctitle.setproctitle(sys.argv[1])
+    print("titled", flush=True)
+    time.sleep(60)
+    '''
+    procs = [subprocess.Popen([sys.executable, "-c", code, title], stdout=subprocess.PIPE, text=True)
+             for title in ("sglang::scheduler_TP0", "sglang::detokenizer")]
+    for p in procs:
+        p.stdout.readline()
+    print(" ".join(str(p.pid) for p in procs), flush=True)
+    procs[0].wait()
+""")
+
+
+def test_a_pinned_server_s_scheduler_thread_has_a_cpu_to_itself():
+    """With two CPUs or more, the scheduler's main thread gets the first alone and the server's
+    other processes (its HTTP front, the detokenizer) the rest; with one, all share it."""
+    import signal
+    import subprocess
+
+    cpus = tuple(sorted(os.sched_getaffinity(0))[:2])
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCH_TITLED], start_new_session=True,
+                                stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
+    scheduler, detokenizer = (int(x) for x in launcher.stdout.readline().split())
+    try:
+        assert servers.pin_group(launcher.pid, cpus) == cpus[0]
+        assert os.sched_getaffinity(scheduler) == {cpus[0]}
+        assert os.sched_getaffinity(detokenizer) == os.sched_getaffinity(launcher.pid) == {cpus[1]}
+        assert servers.pin_group(launcher.pid, cpus[:1]) is None
+        assert all(os.sched_getaffinity(p) == {cpus[0]} for p in (scheduler, detokenizer, launcher.pid))
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
