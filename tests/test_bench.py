@@ -504,8 +504,10 @@ def test_a_server_that_exits_at_start_fails_with_its_log(pool_of, tmp_path):
 
 # ----------------------------------------------------------------------------- resuming, deadlines
 class FakeServer:
+    group: int | None = None  # the process group every fake server reports (None: none known)
+
     def __init__(self, name: str, log: Path):
-        self.base, self.start_seconds, self.log_path, self.pgid = f"http://{name}", 60.0, log, None
+        self.base, self.start_seconds, self.log_path, self.pgid = f"http://{name}", 60.0, log, FakeServer.group
 
 
 class FakeLab:
@@ -1497,3 +1499,34 @@ def test_a_pinned_server_s_scheduler_thread_has_a_cpu_to_itself():
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
+
+
+def test_each_window_keeps_its_server_s_host_counters_and_the_cpus_speed(lab, monkeypatch):
+    """The block's glue: a server of a known process group gets its counters read at its window's
+    counted span, kept as the window's `scheduler` figures, and the probe's work there as the
+    host's; the run records the CPU topology, and the report draws the section from them."""
+    scheduler = titled("sglang::scheduler_TP0", 0.02)  # in this test's process group
+    measure = lab.measure
+
+    def with_counters(base, prompt_at, c, settle_s, window_s, timeout, stop_at, scrape=None, counters=None):
+        assert counters is not None  # a server of a known group
+        before, lo = counters(), time.time()
+        time.sleep(0.5)
+        after, hi = counters(), time.time()
+        m = measure(base, prompt_at, c, settle_s, window_s, timeout, stop_at)
+        return {**m, "steps": 100, "seconds": hi - lo, "span": [lo, hi],
+                "counters": bench.hostinfo.counters_delta(before, after)}
+
+    monkeypatch.setattr(bench, "measure", with_counters)
+    monkeypatch.setattr(FakeServer, "group", os.getpgid(0))
+    try:
+        result = bench.run_bench(lab.options(600, concurrency=(4,), pairs=1, ramp_cycles=0), {})
+    finally:
+        scheduler.kill()
+        scheduler.wait()
+    windows = result["blocks"]["4"][0]["windows"]
+    assert all(w["scheduler"]["scheduler_cpu_s"] > 0 and w["scheduler"]["server_cpu_s"] >= 0 for w in windows.values())
+    # the probe's first samples come once its interpreter is up: the second window has them at least
+    assert windows[result["blocks"]["4"][0]["order"][-1]]["host"]["probe_work_s"] > 0
+    assert result["cpu_topology"]["cpus"] == sorted(os.sched_getaffinity(0)) and result["client_cpus"] == []
+    assert "Where the host time went, per decode step" in bench_report.markdown(result)
