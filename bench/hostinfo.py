@@ -89,7 +89,7 @@ def during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the scheduler thread
 def scheduler_pid(pids: Iterable[int]) -> int | None:
     """The scheduler process among a server's `pids` (with tensor parallelism, the lowest pid: rank
-    0 is started first); None where none has its title yet."""
+    0 is started first; the other ranks' are not watched); None where none has its title yet."""
     found = []
     for pid in pids:
         try:
