@@ -116,8 +116,8 @@ def step_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]
 
 def window_host(w: dict[str, Any]) -> dict[str, float]:
     """A window's host figures where the server's counters were read (bench.hostinfo): per decode
-    step, its wall ms and its scheduler thread's ms on a CPU and waiting for one, and preemptions;
-    the rest of the server's processes in CPU cores; the probe's work seconds (the CPUs' speed)."""
+    step, its wall ms and its scheduler thread's ms on a CPU and waiting for one; the rest of the
+    server's processes in CPU cores; the probe's work seconds (the CPUs' speed)."""
     sched, steps, secs = w.get("scheduler") or {}, w.get("steps"), w.get("seconds")
     out: dict[str, float] = {}
     if steps and secs:
@@ -125,7 +125,6 @@ def window_host(w: dict[str, Any]) -> dict[str, float]:
         if "scheduler_cpu_s" in sched:
             out["on_cpu"] = 1000 * sched["scheduler_cpu_s"] / steps
             out["waiting"] = 1000 * sched.get("scheduler_wait_s", 0.0) / steps
-            out["preempted"] = sched.get("scheduler_preempted", 0.0) / steps
     if secs and "server_cpu_s" in sched:
         out["rest_cores"] = (sched["server_cpu_s"] - sched.get("scheduler_cpu_s", 0.0)) / secs
     work = (w.get("host") or {}).get("probe_work_s")
