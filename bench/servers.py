@@ -98,6 +98,13 @@ def pin_group(pgid: int, cpus: tuple[int, ...]) -> int | None:
     return cpus[0] if scheduler is not None else None
 
 
+def by_core(cpus: set[int]) -> list[int]:
+    """The CPUs ordered core by core, a core's sibling threads next to each other: CPUs handed out
+    in this order give a server whole cores where its count allows, and two servers share at most
+    the core between them (none where each CPU is a core of its own)."""
+    return [cpu for core in hostinfo.cpu_topology(cpus)["cores"] for cpu in core]
+
+
 def group_cpu_seconds(pgid: int) -> float:
     """CPU seconds (user + system) used so far by the group's live processes."""
     return hostinfo.process_cpu_seconds(group_pids(pgid))
@@ -151,14 +158,14 @@ class ServerPool:
     # ------------------------------------------------------------- CPUs and ports
     def client_cpus(self) -> tuple[int, ...]:
         """The last CPUs: the first ones take most of a machine's interrupts."""
-        return tuple(sorted(os.sched_getaffinity(0))[-CLIENT_CPUS:])
+        return tuple(by_core(os.sched_getaffinity(0))[-CLIENT_CPUS:])
 
     def free_cpus(self, taken: set[int]) -> tuple[int, ...]:
-        """The next `cpus_per_server` CPUs held by neither the client nor a recorded server; () where
-        too few are left (the server then runs where the OS puts it)."""
+        """The next `cpus_per_server` CPUs held by neither the client nor a recorded server, core by
+        core (by_core); () where too few are left (the server then runs where the OS puts it)."""
         if self.cpus_per_server <= 0:
             return ()
-        mine = sorted(os.sched_getaffinity(0))
+        mine = by_core(os.sched_getaffinity(0))
         free = [c for c in mine[:-CLIENT_CPUS] if c not in taken]
         return tuple(free[:self.cpus_per_server]) if len(free) >= self.cpus_per_server else ()
 

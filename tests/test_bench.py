@@ -1530,3 +1530,16 @@ def test_each_window_keeps_its_server_s_host_counters_and_the_cpus_speed(lab, mo
     assert windows[result["blocks"]["4"][0]["order"][-1]]["host"]["probe_work_s"] > 0
     assert result["cpu_topology"]["cpus"] == sorted(os.sched_getaffinity(0)) and result["client_cpus"] == []
     assert "Where the host time went, per decode step" in bench_report.markdown(result)
+
+
+def test_servers_get_cpus_core_by_core(monkeypatch, tmp_path):
+    """Where a core has two threads (siblings 0,2 and 1,3), a server of two CPUs gets one whole
+    core, not a thread of each (which it would share with the next server or the client)."""
+    from bench import hostinfo
+
+    monkeypatch.setattr(servers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(hostinfo, "cpu_topology", lambda cpus=None: {"cpus": [0, 1, 2, 3], "cores": [[0, 2], [1, 3]]})
+    pool = servers.ServerPool(None, "1b", 30000, 2)
+    assert servers.by_core({0, 1, 2, 3}) == [0, 2, 1, 3]
+    assert pool.client_cpus() == (3,) and pool.free_cpus(set()) == (0, 2)
+    assert pool.free_cpus({0, 2}) == ()  # one CPU left beside the client's: too few for a server
