@@ -87,18 +87,19 @@ def during(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the scheduler thread
+def cmdline(pid: int) -> str:
+    """A process's command line, arguments joined by spaces (a title set by setproctitle as it
+    reads); "" where the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def scheduler_pid(pids: Iterable[int]) -> int | None:
     """The scheduler process among a server's `pids` (with tensor parallelism, the lowest pid: rank
     0 is started first; the other ranks' are not watched); None where none has its title yet."""
-    found = []
-    for pid in pids:
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        except OSError:
-            continue
-        if title.startswith(SCHEDULER_TITLE):
-            found.append(pid)
-    return min(found, default=None)
+    return min((pid for pid in pids if cmdline(pid).startswith(SCHEDULER_TITLE)), default=None)
 
 
 def thread_counters(pid: int) -> dict[str, float]:

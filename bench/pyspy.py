@@ -20,7 +20,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-SCHEDULER_TITLE = "sglang::scheduler"
+from bench import hostinfo
+
 MAIN_LOOP = "event_loop"        # event_loop_normal / event_loop_overlap: the scheduler thread
 IDLE = "Scheduler.on_idle"      # no batch to run: before or after the load, never part of a step
 _LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
@@ -57,14 +58,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def scheduler_pid(server_pid: int) -> int | None:
-    for p in descendants(server_pid):
-        try:
-            cmdline = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if cmdline.startswith(SCHEDULER_TITLE):
-            return p
-    return None
+    """The scheduler process among the server's descendants (hostinfo.scheduler_pid)."""
+    return hostinfo.scheduler_pid(descendants(server_pid))
 
 
 def record(exe: str, pid: int, seconds: float, out: Path, rate: int = 1000) -> Path:

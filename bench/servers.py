@@ -60,13 +60,6 @@ def options_key(cfg: ServerConfig, extra: str = "") -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def group_cmdline(pgid: int) -> str:
-    try:
-        return Path(f"/proc/{pgid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 def group_pids(pgid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -179,7 +172,7 @@ class ServerPool:
     def alive(self, entry: Entry, cfg: ServerConfig, port: int) -> bool:
         """The recorded group still runs the recorded server (not another process that got its pid)."""
         argv = " ".join(cfg.argv(port))
-        return group_running(entry.pgid) and group_cmdline(entry.pgid) == argv
+        return group_running(entry.pgid) and hostinfo.cmdline(entry.pgid) == argv
 
     def recorded_alive(self, configs: dict[str, ServerConfig], key_extra: str) -> dict[str, bool]:
         """The configs whose recorded server runs with the same options: name -> warmed up."""
