@@ -10,18 +10,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import autotrace, diagnose, hostinfo, pairing
+from bench import autotrace, configs, diagnose, hostinfo, pairing
+from bench.configs import TWIN
 
-TWIN = "plain_twin"  # bench.throughput.TWIN (the report is drawn without importing the bench)
-LABELS = {"plain": "plain", TWIN: "plain (A/A twin)", "eagle3": "EAGLE-3", "eagle3_adaptive": "EAGLE-3 adaptive (upstream)",
-          "eagle3_thr": "EAGLE-3 + threshold", "eagle3_auto": "EAGLE-3 + auto"}
 FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
 
 
-def label(name: str) -> str:
-    if name.startswith("eagle3_thr"):
-        return f"EAGLE-3 + threshold {name.removeprefix('eagle3_thr')}"
-    return LABELS.get(name, name)
+def label(result: dict[str, Any], name: str) -> str:
+    """What a server of the result is, in words (its record's label)."""
+    rec = configs.from_result(result).get(name)
+    return rec.label if rec is not None else name
 
 
 def plain_step_note(st: dict[str, Any] | None) -> str:
@@ -185,7 +183,7 @@ def attribution_lines(result: dict[str, Any]) -> list[str]:
     lines = [("Where the host time went, per decode step (median [least-most] over the blocks): wall ms / the "
               "scheduler thread's ms on a CPU / its ms runnable but waiting for a CPU; the rest of the server "
               "in CPU cores:"), "",
-             "| concurrency | " + " | ".join(label(n) for n in names) + " |", "|---:|" + "---:|" * len(names)]
+             "| concurrency | " + " | ".join(label(result, n) for n in names) + " |", "|---:|" + "---:|" * len(names)]
 
     def span(t: tuple[float, float, float] | None, digits: int = 2) -> str:
         return "-" if t is None else f"{t[1]:.{digits}f} [{t[0]:.{digits}f}-{t[2]:.{digits}f}]"
@@ -252,12 +250,6 @@ def host_ranges(result: dict[str, Any]) -> dict[str, tuple[float, float]]:
     return {k: (min(v), max(v)) for k, v in seen.items()}
 
 
-def fixed_threshold(name: str) -> int | None:
-    """N of a fixed-threshold server's name (eagle3_thrN), None for another name."""
-    n = name.removeprefix("eagle3_thr")
-    return int(n) if name.startswith("eagle3_thr") and n.isdigit() else None
-
-
 PLAIN_ACCEPT = 1.1  # a median accept length under this: the server decoded plain (1.0: no drafts)
 
 
@@ -279,6 +271,7 @@ def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     names = result.get("configs", [])
     if "eagle3_auto" not in names:
         return out
+    records = configs.from_result(result)
     table = level_table(result)
     for c in levels(result):
         blocks = blocks_at(result, c)
@@ -286,19 +279,18 @@ def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         if all(n in names for n in FIXED_MODES):
             vs = pairing.compare(blocks, "eagle3_auto", list(FIXED_MODES))
             row["vs_better_of_plain_eagle3"] = vs.as_dict() if vs else None
-        fixed = [n for n in names if n.startswith("eagle3_thr") and n in table.get(c, {})]
+        fixed = [n for n in names if (rec := records.get(n)) and rec.kind == "threshold" and n in table.get(c, {})]
         if fixed:
             best = max(fixed, key=lambda n: table[c][n]["tok_per_s"])
             vs = pairing.compare(blocks, "eagle3_auto", [best])
-            n_best = fixed_threshold(best)
-            row["best_fixed"] = n_best if n_best is not None else best.removeprefix("eagle3_thr")
+            row["best_fixed"] = records[best].threshold
             row["vs_best_fixed"] = vs.as_dict() if vs else None
             mode = ran_plain(table[c][best])
             same = [n for n in fixed if n != best and mode is not None and ran_plain(table[c][n]) == mode]
             floors = {n: r for n in same if (r := pairing.compare(blocks, n, [best])) is not None}
             if floors:
                 low = min(floors, key=lambda n: floors[n].median)
-                row["same_mode_floor"] = {"threshold": fixed_threshold(low), **floors[low].as_dict()}
+                row["same_mode_floor"] = {"threshold": records[low].threshold, **floors[low].as_dict()}
         out[c] = row
     return out
 
@@ -352,7 +344,7 @@ def learned_notes(result: dict[str, Any]) -> list[str]:
     out = []
     for name, got in (result.get("learned") or {}).items():
         after = ", ".join(f"{c}: {x}" for c, x in (got.get("crossover_after") or {}).items())
-        out.append(f"- {label(name)}: {fmt2(got.get('seconds_per_level'))} s under each level's load before the "
+        out.append(f"- {label(result, name)}: {fmt2(got.get('seconds_per_level'))} s under each level's load before the "
                    f"blocks (prompts no window sends); crossover after each level: {after or 'not read'}")
     return out
 
@@ -373,7 +365,7 @@ def markdown(result: dict[str, Any]) -> str:
     floor = floor_table(result)
     if table:
         lines += ["Output tokens/s (median over the blocks) and the ratio to plain within a block:", "",
-                  "| concurrency | " + " | ".join(label(n) for n in names) + " |",
+                  "| concurrency | " + " | ".join(label(result, n) for n in names) + " |",
                   "|---:|" + "---:|" * len(names)]
         for c in sorted(table, key=int):
             blocks = max((cell["blocks"] for cell in table[c].values()), default=0)
@@ -385,12 +377,24 @@ def markdown(result: dict[str, Any]) -> str:
                              f"{cell['tok_per_s']:.0f}" + (f" ({interval(cell['vs_plain'])})" if cell["vs_plain"] else ""))
             lines.append(f"| {c}{partial} | " + " | ".join(cells) + " |")
         lines.append("")
+    accepts = {c: {n: cell["accept_length"] for n, cell in row.items() if cell.get("accept_length")}
+               for c, row in table.items()}
+    drafting = [n for n in names if any(n in row for row in accepts.values())]
+    if drafting:
+        lines += ["Accept length (tokens a request gains per speculative step, median over the blocks; "
+                  "1.00: the server decoded plain):", "",
+                  "| concurrency | " + " | ".join(label(result, n) for n in drafting) + " |",
+                  "|---:|" + "---:|" * len(drafting)]
+        for c in sorted(accepts, key=int):
+            lines.append(f"| {c} | " + " | ".join(fmt2(accepts[c].get(n)) if n in accepts[c] else "-"
+                                                   for n in drafting) + " |")
+        lines.append("")
     better = better_table(result)
     if better:
         switching = [n for n in names if any(n in row for row in better.values())]
-        lines += [("Each switching server over the better of plain and always-on EAGLE-3 in the same block, "
+        lines += [("Each other server over the better of plain and always-on EAGLE-3 in the same block, "
                    "with the A/A floor (the plain twin over plain: the noise of the procedure itself):"), "",
-                  "| concurrency | " + " | ".join(label(n) for n in switching) + " | A/A floor |",
+                  "| concurrency | " + " | ".join(label(result, n) for n in switching) + " | A/A floor |",
                   "|---:|" + "---:|" * (len(switching) + 1)]
         for c in sorted(better, key=int):
             cells = [interval(better[c].get(n)) for n in switching]
@@ -422,7 +426,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [("Per decode step (steps counted by each server; medians over the blocks): "
                    + ("wall / GPU busy / host ms (host: the GPU waiting for the host), tokens per step:" if timed
                       else "wall ms, tokens per step (GPU and host time need --device-timer):")), "",
-                  "| concurrency | " + " | ".join(label(n) for n in names) + " |", "|---:|" + "---:|" * len(names)]
+                  "| concurrency | " + " | ".join(label(result, n) for n in names) + " |", "|---:|" + "---:|" * len(names)]
         for c in sorted(steps, key=int):
             cells = []
             for n in names:
@@ -446,14 +450,14 @@ def markdown(result: dict[str, Any]) -> str:
         for n in names:
             r = ramp.get(n)
             if r:
-                lines.append(f"| {label(n)} | {r['mean_tok_per_s']:.0f} | {fmt(r['min_share_of_better'])} | "
+                lines.append(f"| {label(result, n)} | {r['mean_tok_per_s']:.0f} | {fmt(r['min_share_of_better'])} | "
                              f"{fmt(r['median_share_of_better'])} | {fmt(r['mode_changes'])} |")
         lines.append("")
     lines += learned_notes(result)
     idle = idle_cpu(result)
     if idle:
         lines.append("- servers not under load: at most " + ", ".join(
-            f"{label(n)} {v:.2f}" for n, v in sorted(idle.items())) + " CPU cores during another server's window")
+            f"{label(result, n)} {v:.2f}" for n, v in sorted(idle.items())) + " CPU cores during another server's window")
     host = host_ranges(result)
     if host:
         parts = []
@@ -469,27 +473,27 @@ def markdown(result: dict[str, Any]) -> str:
     if cpus:
         alone = result.get("scheduler_cpus") or {}
         lines.append("- CPUs: " + "; ".join(
-            f"{label(n)} {','.join(map(str, c))}"
+            f"{label(result, n)} {','.join(map(str, c))}"
             + (f" (its scheduler thread alone on {alone[n]})" if alone.get(n) is not None else "")
             for n, c in cpus.items()) + " (the client on others)")
     lines += topology_lines(result.get("cpu_topology"),
-                            {**{label(n): c for n, c in cpus.items()}, "the client": result.get("client_cpus") or []})
+                            {**{label(result, n): c for n, c in cpus.items()}, "the client": result.get("client_cpus") or []})
     for name, info in result.get("servers", {}).items():
-        lines.append(f"- {label(name)}: KV tokens in use after the load and a flush: "
+        lines.append(f"- {label(result, name)}: KV tokens in use after the load and a flush: "
                      f"{info.get('kv_used_after_flush')}; running-request limit "
                      f"{info.get('running_limit')}" + plain_step_note(info.get("speculative_disable")))
         st = info.get("speculative_disable")
         if st:
             crossover = f", crossover {st['crossover']}" if "crossover" in st else ""
-            lines.append(f"- {label(name)}: threshold {st.get('threshold')}{crossover}, "
+            lines.append(f"- {label(result, name)}: threshold {st.get('threshold')}{crossover}, "
                          f"{st.get('speculative_steps')} speculative / {st.get('plain_steps')} plain steps, "
                          f"{st.get('mode_changes')} mode changes" + acceptance_note(st))
             if st.get("estimates"):  # auto: what it measured, per batch-size bucket
-                lines.append(f"- {label(name)}: per bucket, speculative / plain: {st['estimates']}")
+                lines.append(f"- {label(result, name)}: per bucket, speculative / plain: {st['estimates']}")
         if info.get("step_trace"):  # auto: its steps' times, as its estimate and the traffic read them
-            lines += [f"- {label(name)} steps: {line}" for line in autotrace.render(info["step_trace"])]
+            lines += [f"- {label(result, name)} steps: {line}" for line in autotrace.render(info["step_trace"])]
     lines += [f"- server: {e}" for e in result.get("server_events", [])]
-    lines += [f"- {label(n)} not run: {why}" for n, why in result.get("not_run", {}).items()]
+    lines += [f"- {label(result, n)} not run: {why}" for n, why in result.get("not_run", {}).items()]
     lines += [f"- remaining: {s}" for s in result.get("skipped", [])]
     lines += [f"- not measured: {s}" for s in result.get("not_measured", [])]
     lines += [f"- FAILED: {f.splitlines()[0]}" for f in result.get("failures", [])]
@@ -528,7 +532,7 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
                            color="0.6", alpha=0.35, linewidth=0, label="A/A floor (95% interval)")
     for name in result.get("configs", []):
         xs = [c for c in xs_all if name in table[str(c)]]
-        line = ax.plot(xs, [table[str(c)][name]["tok_per_s"] for c in xs], marker="o", label=label(name))[0]
+        line = ax.plot(xs, [table[str(c)][name]["tok_per_s"] for c in xs], marker="o", label=label(result, name))[0]
         if name in ("plain", TWIN):
             continue
         rs = [(c, table[str(c)][name]["vs_plain"]) for c in xs if table[str(c)][name]["vs_plain"]]
@@ -570,7 +574,7 @@ def plot_ramp(result: dict[str, Any], path: Path) -> None:
     for name in names:
         ws = ramp[name]["windows"]
         axes[0].step([w["t"] for w in ws] + [ws[-1]["t"] + hold], [w["tok_per_s"] for w in ws] + [ws[-1]["tok_per_s"]],
-                     where="post", label=label(name))
+                     where="post", label=label(result, name))
     axes[0].set_ylabel("output tokens/s")
     axes[0].legend(fontsize=8)
     axes[0].grid(alpha=0.3)
@@ -586,7 +590,7 @@ def plot_ramp(result: dict[str, Any], path: Path) -> None:
             if w.get("crossover") is not None:
                 ax.text(w["t"] + hold / 2, 0.5, str(w["crossover"]), ha="center", va="center", fontsize=6)
         ax.set_ylim(0, 1)
-        ax.set_ylabel(label(name).replace("EAGLE-3 + ", "") + "\nplain share", fontsize=7)
+        ax.set_ylabel(label(result, name).replace("EAGLE-3 + ", "") + "\nplain share", fontsize=7)
     axes[-1].set_xlabel("seconds into the ramp")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -63,14 +63,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import autotrace, diagnose, hostinfo, pairing, servers
+from bench.configs import CONFIGS, TWIN, BenchConfig, expand
 from bench import report as bench_report
 from smoke import client, names
 from smoke.client import Prompt
 from smoke.runner import Deadline, check_log_clean, spec_state
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
-CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto")
-TWIN = "plain_twin"  # the A/A config: a second plain server
 DEFAULT_CONFIGS = ("plain", "eagle3", "eagle3_thr")  # the promise: a threshold against both fixed modes
 THRESHOLD_FLAG = names.THRESHOLD_FLAG
 DEFAULT_CONCURRENCY = (1, 4, 16, 64, 256)
@@ -97,6 +96,7 @@ class BenchOptions:
     models: Path
     out: Path
     thresholds: tuple[int, ...] = (16,)  # eagle3_thr: one server per fixed threshold (a sweep)
+    depths: tuple[int, ...] = (1, 2)  # eagle3_depth: one always-on EAGLE-3 server per draft depth
     # the switching servers (a threshold, auto) start without --max-running-requests and a decode
     # graph size, as the README's Serve command does: the plugin keeps a plain server's limits
     switching_defaults: bool = False
@@ -146,21 +146,22 @@ def auto_supported() -> bool:
 
 
 def server_config(name: str, opts: BenchOptions) -> ServerConfig:
-    top: int | None = None if opts.switching_defaults and switches(name) else max(opts.concurrency)
+    rec = config_records(opts)[name]
+    top: int | None = None if opts.switching_defaults and rec.switches else max(opts.concurrency)
     cfg = ServerConfig(name, opts.models / "target", cuda_graph=True, cuda_graph_max_bs=top,
                        max_running=top, mem_fraction=round(opts.mem_share, 3), enable_metrics=True)
     # a server waiting for its turn must not spin a core; the pool is fixed, so servers can start
     # side by side and every one holds the same
     extra: list[str] = ["--sleep-on-idle", "--max-total-tokens", str(opts.max_total_tokens or pool_tokens(opts))]
-    if name.startswith("eagle3"):
-        cfg.draft = opts.models / "draft"
-    if name.startswith("eagle3_thr"):
-        cfg.threshold = int(name.removeprefix("eagle3_thr"))
-    if name == "eagle3_auto":
+    if rec.draft:
+        cfg.draft, cfg.spec_steps = opts.models / "draft", rec.steps
+    if rec.kind == "threshold":
+        cfg.threshold = rec.threshold
+    if rec.kind == "auto":
         extra += [THRESHOLD_FLAG, "auto"]
         # its step trace, to read offline why it chose what it chose (in the logs it brings back)
         cfg.env[names.AUTO_TRACE_ENV] = str((opts.out / f"{name}_steps.jsonl").resolve())
-    if name == "eagle3_adaptive":
+    if rec.kind == "adaptive":
         extra += ["--speculative-adaptive", "--speculative-adaptive-config", str(opts.out / "adaptive_config.json")]
     if opts.diagnose or opts.device_timer:
         cfg.env.update(diagnose.SERVER_ENV)
@@ -168,12 +169,14 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     return cfg
 
 
+def config_records(opts: BenchOptions) -> dict[str, BenchConfig]:
+    """Every server's record (bench.configs), by its name."""
+    return {rec.name: rec for rec in expand(opts.configs, opts.thresholds, opts.depths)}
+
+
 def server_names(opts: BenchOptions) -> list[str]:
-    """The servers of the configs, in order: eagle3_thr becomes one per threshold (eagle3_thr16, ...)."""
-    out: list[str] = []
-    for name in opts.configs:
-        out += [f"eagle3_thr{n}" for n in opts.thresholds] if name == "eagle3_thr" else [name]
-    return out
+    """The servers of the configs, in order: a sweep becomes one per value (eagle3_thr16, ...)."""
+    return list(config_records(opts))
 
 
 def output_lengths(output_len: int, spread: float) -> tuple[int, int]:
@@ -213,11 +216,6 @@ def pool_tokens(opts: BenchOptions) -> int:
     """KV room for the top concurrency's running requests at their longest, a tenth to spare (the
     draft tokens of a speculative step)."""
     return int(1.1 * max(opts.concurrency) * (MAX_PROMPT_LEN + output_lengths(opts.output_len, opts.output_spread)[1]))
-
-
-def switches(name: str) -> bool:
-    """Whether the server switches between speculative and plain steps itself (a threshold, auto)."""
-    return name.startswith("eagle3_thr") or name == "eagle3_auto"
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -480,9 +478,9 @@ def running_limit(base: str) -> int | None:
         return None
 
 
-def server_checks(name: str, srv: Server, top: int) -> tuple[dict[str, Any], list[str]]:
+def server_checks(name: str, srv: Server, top: int, switching: bool) -> tuple[dict[str, Any], list[str]]:
     """After a server's load: its KV pool back to empty, its running-request limit, its mode
-    counters, its log clean. Every figure is kept, whichever check fails (the failures listed)."""
+    counters (a server `switching` between modes itself), its log clean. Every figure is kept, whichever check fails (the failures listed)."""
     info: dict[str, Any] = {"kv_used_after_flush": kv_used_after_flush(srv.base),
                             "running_limit": running_limit(srv.base)}
     problems = []
@@ -492,7 +490,7 @@ def server_checks(name: str, srv: Server, top: int) -> tuple[dict[str, Any], lis
     if info["running_limit"] is not None and info["running_limit"] < top:
         problems.append(f"{name}: runs at most {info['running_limit']} requests at once, below the "
                         f"top concurrency {top}")
-    if switches(name):
+    if switching:
         try:
             info["speculative_disable"] = speculation_state(srv.base)
         except (SmokeError, client.HTTPFailure, ValueError) as exc:
@@ -605,7 +603,7 @@ class Bench:
 
     def learn_cost(self, name: str) -> float:
         """learn()'s seconds: a window of auto_learn_s at every level, and its end."""
-        if name != "eagle3_auto" or self.opts.auto_learn_s <= 0:
+        if config_records(self.opts)[name].kind != "auto" or self.opts.auto_learn_s <= 0:
             return 0.0
         return len(self.opts.concurrency) * (self.opts.auto_learn_s + WINDOW_END_S + 0.5)
 
@@ -679,7 +677,8 @@ class Bench:
         problems = []
         for name in list(self.servers):
             try:
-                info, found = server_checks(name, self.servers[name], max(self.opts.concurrency))
+                info, found = server_checks(name, self.servers[name], max(self.opts.concurrency),
+                                            config_records(self.opts)[name].switches)
                 self.result["servers"][name] = info
                 problems += found
             except Exception as exc:  # noqa: BLE001 - check and stop every server, report each failure
@@ -797,7 +796,7 @@ class Bench:
     def ramp(self, name: str) -> None:
         srv, opts = self.servers[name], self.opts
         flush_cache(srv.base)
-        poll = functools.partial(mode_of, srv.base) if switches(name) else None
+        poll = functools.partial(mode_of, srv.base) if config_records(opts)[name].switches else None
         r = run_ramp(srv.base, ramp_levels(opts.concurrency, opts.ramp_cycles), opts.ramp_hold_s, self.vocab,
                      opts.output_len, opts.deadline.request_timeout(240), poll)
         self.st.setdefault("ramp_digests", {})[name] = {key: digest(ids) for key, ids in r.pop("outputs").items()}
@@ -874,6 +873,7 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
     if "eagle3_adaptive" in names:
         (opts.out / "adaptive_config.json").write_text(json.dumps(ADAPTIVE_CONFIG, indent=1))
     result["configs"] = names
+    result["config_records"] = {n: rec.as_dict() for n, rec in config_records(opts).items()}
     run = Bench(opts, state, int(expected["vocab_size"]), names, progress)
     failed = False
     try:
@@ -928,6 +928,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
     ap.add_argument(p + "threshold", default="16",
                     help="eagle3_thr's fixed threshold N; a comma list runs one server per N (a sweep)")
+    ap.add_argument(p + "depth", default="1,2",
+                    help="eagle3_depth's draft depths d, a comma list: one always-on EAGLE-3 server per d, "
+                         "drafting d steps and verifying d + 1 tokens a request (eagle3 itself drafts 3)")
     ap.add_argument(p + "switching-defaults", action="store_true",
                     help="start the threshold and auto servers without --max-running-requests and a "
                          "decode graph size, as the README's Serve command does (the others get the "
@@ -987,6 +990,9 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     thresholds = [x.strip() for x in str(get("threshold")).split(",") if x.strip()]
     if not thresholds or not all(x.isdigit() and int(x) >= 1 for x in thresholds) or len(set(thresholds)) < len(thresholds):
         raise refuse("threshold", "give distinct whole numbers >= 1, e.g. 16 or 8,16,32")
+    depths = [x.strip() for x in str(get("depth")).split(",") if x.strip()]
+    if not depths or not all(x.isdigit() and int(x) >= 1 for x in depths) or len(set(depths)) < len(depths):
+        raise refuse("depth", "give distinct draft depths >= 1, e.g. 1,2")
     if get("pairs") < 0:
         raise refuse("pairs", "must be >= 0 (0: the ramp alone)")
     if not get("window-s") > 0:
@@ -1008,6 +1014,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("cpus-per-server", "must be >= 0 (0: no pinning)")
     return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
+            "depths": tuple(sorted(int(x) for x in depths)),
             "switching_defaults": get("switching-defaults"), "pairs": get("pairs"),
             "window_s": get("window-s"), "settle_s": get("settle-s"),
             "output_spread": get("output-spread"), "auto_learn_s": get("auto-learn-s"),

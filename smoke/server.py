@@ -23,8 +23,14 @@ from smoke import client, names
 # (no FA3 kernels -> triton attention; pytorch sampling and no grammar avoid more JIT compilation).
 BASE_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
               "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info")
-EAGLE_FLAGS = ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
-               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
+EAGLE_STEPS = 3  # draft steps of a speculative step; top-k 1 verifies one token more
+
+
+def eagle_flags(steps: int = EAGLE_STEPS) -> tuple[str, ...]:
+    """EAGLE-3 drafting `steps` tokens a request (top-k 1: a chain) and verifying steps + 1."""
+    return ("--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(steps),
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(steps + 1))
+
 # One server of this host starts at a time (Server.start holds both locks until healthy): sglang
 # sizes a server's KV pool from the GPU memory free while it starts, so what a second server takes
 # meanwhile comes out of that pool, down to none (the start fails). The file lock covers servers of
@@ -77,6 +83,7 @@ class ServerConfig:
     name: str
     model: Path
     draft: Path | None = None          # EAGLE-3 when set
+    spec_steps: int = EAGLE_STEPS      # its draft steps (a chain: steps + 1 tokens verified)
     threshold: int | str | None = None  # --speculative-disable-batch-threshold (N or auto)
     overlap: bool = True               # False -> --disable-overlap-schedule
     cuda_graph: bool = True
@@ -101,7 +108,7 @@ class ServerConfig:
         elif not self.cuda_graph:
             a += ["--disable-cuda-graph"]
         if self.draft is not None:
-            a += [*EAGLE_FLAGS, "--speculative-draft-model-path", str(self.draft)]
+            a += [*eagle_flags(self.spec_steps), "--speculative-draft-model-path", str(self.draft)]
         if self.threshold is not None:
             a += [names.THRESHOLD_FLAG, str(self.threshold)]
         if not self.overlap:

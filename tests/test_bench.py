@@ -278,8 +278,8 @@ def test_configs_map_to_server_flags(tmp_path):
         assert a[a.index("--mem-fraction-static") + 1] == "0.8" and a[a.index("--max-total-tokens") + 1] == "1000"
         assert a[a.index("--cuda-graph-max-bs") + 1] == "256" and "--sleep-on-idle" in a
         assert a[-2:] == ["--gc-threshold", "50000"], name  # the user's flags last
-        assert (bench.THRESHOLD_FLAG in a) == bench.switches(name)
-    flag = {name: a[a.index(bench.THRESHOLD_FLAG) + 1] for name, a in argv.items() if bench.switches(name)}
+        assert (bench.THRESHOLD_FLAG in a) == bench.config_records(opts)[name].switches
+    flag = {name: a[a.index(bench.THRESHOLD_FLAG) + 1] for name, a in argv.items() if bench.THRESHOLD_FLAG in a}
     assert flag == {"eagle3_thr16": "16", "eagle3_thr64": "64", "eagle3_auto": "auto"}
     sized = bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 256)))
     assert sized.argv(1)[sized.argv(1).index("--max-total-tokens") + 1] == str(int(1.1 * 256 * (64 + 320)))
@@ -292,6 +292,58 @@ def test_configs_map_to_server_flags(tmp_path):
     assert all(bench.server_config(n, opts).env == {} for n in names if n != "eagle3_auto")
 
 
+def test_a_depth_sweep_is_one_always_on_eagle3_server_per_draft_depth(tmp_path):
+    # eagle3_depth d: drafts d steps and verifies d + 1 tokens a request (top-k 1, a chain);
+    # eagle3 is the launch depth, 3. The record, not the name, says what a server is.
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), depths=(1, 2),
+                              configs=("plain", "eagle3", "eagle3_depth"))
+    assert bench.server_names(opts) == ["plain", "eagle3", "eagle3_depth1", "eagle3_depth2"]
+
+    def spec(name: str) -> tuple[str | None, ...]:
+        a = bench.server_config(name, opts).argv(30000)
+        return tuple(a[a.index(f) + 1] if f in a else None for f in (
+            "--speculative-num-steps", "--speculative-num-draft-tokens", "--speculative-eagle-topk",
+            "--speculative-draft-model-path"))
+
+    draft = str(tmp_path / "draft")
+    assert spec("plain") == (None, None, None, None)
+    assert spec("eagle3") == ("3", "4", "1", draft)
+    assert spec("eagle3_depth1") == ("1", "2", "1", draft)
+    assert spec("eagle3_depth2") == ("2", "3", "1", draft)
+    records = bench.config_records(opts)
+    assert [(r.kind, r.steps, r.switches) for r in records.values()] == [
+        ("plain", 0, False), ("fixed", 3, False), ("fixed", 1, False), ("fixed", 2, False)]
+    assert bench_options("--configs", "plain,eagle3_depth", "--depth", "2,1").depths == (1, 2)
+    for bad in ("0", "1,1", "x", ""):
+        with pytest.raises(SystemExit, match="--depth .*distinct draft depths >= 1"):
+            bench_options("--configs", "plain,eagle3_depth", "--depth", bad)
+
+
+def test_the_report_labels_and_compares_each_depth_by_its_record():
+    # A fixed depth is one more server against the better of plain and EAGLE-3 in the same block,
+    # labelled by its record; its accept length is in the report's own table.
+    def window(tok: float, accept: float | None) -> dict[str, Any]:
+        return {"tok_per_s": tok, "accept_length": accept, "errors": 0, "output_tokens": int(tok * 3),
+                "seconds": 3.0, "steps": 300}
+    blocks = [{"block": k + 1, "order": [], "windows": {
+        "plain": window(1000 + k, None), "eagle3": window(990, 2.8), "eagle3_depth1": window(1100, 1.7)}}
+        for k in range(3)]
+    result: dict[str, Any] = {
+        "configs": ["plain", "eagle3", "eagle3_depth1"], "blocks": {"64": blocks}, "pairs": 3,
+        "config_records": {"plain": {"name": "plain", "kind": "plain"},
+                           "eagle3": {"name": "eagle3", "kind": "fixed", "steps": 3},
+                           "eagle3_depth1": {"name": "eagle3_depth1", "kind": "fixed", "steps": 1}}}
+    better = bench_report.better_table(result)
+    assert set(better["64"]) == {"eagle3_depth1"} and better["64"]["eagle3_depth1"]["median"] == pytest.approx(1100 / 1001, abs=1e-3)
+    text = bench_report.markdown(result)
+    assert "EAGLE-3 depth 1" in text and "| 64 | 2.80 | 1.70 |" in text
+    # a result of the bench before records: the names still say what ran
+    old = {"configs": ["plain", "eagle3", "eagle3_thr16"], "not_run": {"eagle3_auto": "no plugin"}}
+    assert bench_report.label(old, "eagle3_thr16") == "EAGLE-3 + threshold 16"
+    assert bench_report.label(old, "eagle3") == "EAGLE-3"
+    assert bench_report.label(old, "eagle3_auto") == "EAGLE-3 + auto"
+
+
 def test_switching_servers_can_start_with_the_servers_own_limits(tmp_path):
     # --switching-defaults: the threshold and auto servers start as the README's Serve command
     # does (no --max-running-requests, no decode graph size); the others keep the top concurrency.
@@ -300,7 +352,7 @@ def test_switching_servers_can_start_with_the_servers_own_limits(tmp_path):
                               switching_defaults=True)
     argv = {n: bench.server_config(n, opts).argv(30000) for n in bench.server_names(opts)}
     for name, a in argv.items():
-        given = not bench.switches(name)
+        given = not bench.config_records(opts)[name].switches
         assert ("--max-running-requests" in a) == given and ("--cuda-graph-max-bs-decode" in a
                                                              or "--cuda-graph-max-bs" in a) == given
         if given:
@@ -326,7 +378,7 @@ def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_
     monkeypatch.setattr(bench, "kv_used_after_flush", lambda base: 12)
     monkeypatch.setattr(bench, "running_limit", lambda base: 48)
     monkeypatch.setattr(bench, "speculation_state", lambda base: {"threshold": 16})
-    info, problems = bench.server_checks("eagle3_thr16", ChecksServer(log), 256)
+    info, problems = bench.server_checks("eagle3_thr16", ChecksServer(log), 256, True)
     assert info == {"kv_used_after_flush": 12, "running_limit": 48,
                     "speculative_disable": {"threshold": 16}}
     assert problems[0] == "eagle3_thr16: 12 KV tokens still in use after the load and a cache flush"
@@ -335,15 +387,15 @@ def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_
     log.write_text("all fine\n")
     monkeypatch.setattr(bench, "kv_used_after_flush", lambda base: 0)
     monkeypatch.setattr(bench, "running_limit", lambda base: 256)
-    assert bench.server_checks("eagle3_thr16", ChecksServer(log), 256)[1] == []
+    assert bench.server_checks("eagle3_thr16", ChecksServer(log), 256, True)[1] == []
     # auto's step trace, where its server wrote one, is read back into the report
     trace = tmp_path / "eagle3_auto_steps.jsonl"
     env = {"SGLANG_IMAGE_AUTO_TRACE": str(trace)}
-    assert "step_trace" not in bench.server_checks("eagle3_auto", ChecksServer(log, env), 256)[0]
+    assert "step_trace" not in bench.server_checks("eagle3_auto", ChecksServer(log, env), 256, True)[0]
     trace.write_text("".join(json.dumps({"t": 0.0, "kind": k, "batch": 8, "seconds": 0.01, "tokens": n,
                                          "recorded": True, "prefills": 0}) + "\n"
                              for k, n in (("plain", 8), ("speculative", 24)) for _ in range(4)))
-    info, problems = bench.server_checks("eagle3_auto", ChecksServer(log, env), 256)
+    info, problems = bench.server_checks("eagle3_auto", ChecksServer(log, env), 256, True)
     assert problems == [] and [r["kind"] for r in info["step_trace"]] == ["plain", "speculative"]
     md = bench_report.markdown({"configs": ["eagle3_auto"], "servers": {"eagle3_auto": info}})
     assert "- EAGLE-3 + auto steps: 5-8 speculative / plain: 3.000x by the medians, 3.000x by the sums" in md
@@ -593,7 +645,7 @@ class FakeLab:
         monkeypatch.setattr(bench, "flush_cache", lambda base: None)
         monkeypatch.setattr(bench, "measure", self.measure)
         monkeypatch.setattr(bench, "run_ramp", self.run_ramp)
-        monkeypatch.setattr(bench, "server_checks", lambda name, srv, top: ({"kv_used_after_flush": 0}, []))
+        monkeypatch.setattr(bench, "server_checks", lambda name, srv, top, switching: ({"kv_used_after_flush": 0}, []))
 
     def options(self, seconds: float, **kw: Any) -> bench.BenchOptions:
         kw = {"configs": ("plain", "eagle3"), "concurrency": (1, 4), "pairs": 2, "ramp_cycles": 1,
@@ -980,9 +1032,9 @@ def test_an_e2e_bench_that_failed_runs_again_on_the_next_call(lab, tmp_path, mon
         return drv
 
     monkeypatch.setattr(bench, "server_checks",
-                        lambda name, srv, top: ({"kv_used_after_flush": 7}, [f"{name}: 7 KV tokens in use"]))
+                        lambda name, srv, top, switching: ({"kv_used_after_flush": 7}, [f"{name}: 7 KV tokens in use"]))
     assert driver().run() == 1 and len(lab.windows) == 2
-    monkeypatch.setattr(bench, "server_checks", lambda name, srv, top: ({"kv_used_after_flush": 0}, []))
+    monkeypatch.setattr(bench, "server_checks", lambda name, srv, top, switching: ({"kv_used_after_flush": 0}, []))
     assert driver().run() == 0 and len(lab.windows) == 4
     assert "measured anew" in (tmp_path / "out" / "e2e.log").read_text()
 

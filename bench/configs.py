@@ -1,0 +1,89 @@
+"""What each benchmarked server is, as data: the bench starts it from its record, the report labels
+and groups it by its record, and bench.json keeps the records (nothing decodes a server's name).
+
+A config named on the command line becomes one record, or one per value of a sweep: `eagle3_thr`
+one per --threshold N, `eagle3_depth` one per --depth d (always-on EAGLE-3 drafting d steps and
+verifying d + 1 tokens a request; `eagle3` is the launch depth, 3).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from smoke.server import EAGLE_STEPS
+
+LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
+CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_depth", "eagle3_adaptive", "eagle3_thr", "eagle3_auto")
+TWIN = "plain_twin"  # the A/A config: a second plain server
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One server of the bench. `kind`: plain (no draft), fixed (EAGLE-3 always on, `steps` deep),
+    threshold (the plugin's fixed threshold), auto (its learned one), adaptive (upstream's own)."""
+
+    name: str
+    kind: str
+    steps: int = 0  # draft steps a speculative step runs (0: plain)
+    threshold: int | None = None
+    twin: bool = False  # the A/A twin of plain
+
+    @property
+    def draft(self) -> bool:
+        return self.steps > 0
+
+    @property
+    def switches(self) -> bool:
+        """It switches between speculative and plain steps itself (a threshold, auto)."""
+        return self.kind in ("threshold", "auto")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "plain":
+            return "plain (A/A twin)" if self.twin else "plain"
+        if self.kind == "fixed":
+            return "EAGLE-3" if self.steps == LAUNCH_STEPS else f"EAGLE-3 depth {self.steps}"
+        return {"threshold": f"EAGLE-3 + threshold {self.threshold}", "auto": "EAGLE-3 + auto",
+                "adaptive": "EAGLE-3 adaptive (upstream)"}[self.kind]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
+           depths: tuple[int, ...] = ()) -> list[BenchConfig]:
+    """The servers of the named configs, in order (a sweep's in its values' order)."""
+    out: list[BenchConfig] = []
+    for name in configs:
+        if name in ("plain", TWIN):
+            out.append(BenchConfig(name, "plain", twin=name == TWIN))
+        elif name == "eagle3":
+            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS))
+        elif name == "eagle3_depth":
+            out += [BenchConfig(f"eagle3_depth{d}", "fixed", d) for d in depths]
+        elif name == "eagle3_thr":
+            out += [BenchConfig(f"eagle3_thr{n}", "threshold", LAUNCH_STEPS, threshold=n) for n in thresholds]
+        elif name == "eagle3_auto":
+            out.append(BenchConfig(name, "auto", LAUNCH_STEPS))
+        elif name == "eagle3_adaptive":
+            out.append(BenchConfig(name, "adaptive", LAUNCH_STEPS))
+        else:
+            raise ValueError(f"unknown bench config {name!r}: one of {', '.join(CONFIGS)}")
+    return out
+
+
+def from_result(result: dict[str, Any]) -> dict[str, BenchConfig]:
+    """The records a result was measured with (bench.json's `config_records`); a result of an older
+    bench, which kept names only, gets them from its names (a name it does not know has none)."""
+    records = result.get("config_records")
+    if records:
+        return {name: BenchConfig(**rec) for name, rec in records.items()}
+    names: list[str] = [*result.get("configs", []), *result.get("not_run", {})]
+    legacy: dict[str, BenchConfig] = {}
+    for name in names:
+        n = name.removeprefix("eagle3_thr")
+        if name.startswith("eagle3_thr") and n.isdigit():
+            legacy[name] = BenchConfig(name, "threshold", LAUNCH_STEPS, threshold=int(n))
+        elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr"):
+            legacy[name] = expand((name,))[0]
+    return legacy
