@@ -381,8 +381,8 @@ def markdown(result: dict[str, Any]) -> str:
                for c, row in table.items()}
     drafting = [n for n in names if any(n in row for row in accepts.values())]
     if drafting:
-        lines += ["Accept length (tokens a request gains per speculative step, median over the blocks; "
-                  "1.00: the server decoded plain):", "",
+        lines += [("Accept length (tokens a request gains per speculative step, median over the blocks; "
+                   "1.00: the server decoded plain):"), "",
                   "| concurrency | " + " | ".join(label(result, n) for n in drafting) + " |",
                   "|---:|" + "---:|" * len(drafting)]
         for c in sorted(accepts, key=int):

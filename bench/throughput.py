@@ -63,8 +63,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import autotrace, diagnose, hostinfo, pairing, servers
-from bench.configs import CONFIGS, TWIN, BenchConfig, expand
 from bench import report as bench_report
+from bench.configs import CONFIGS, TWIN, BenchConfig, expand
 from smoke import client, names
 from smoke.client import Prompt
 from smoke.runner import Deadline, check_log_clean, spec_state
