@@ -1,0 +1,108 @@
+"""The draft depth per load (plugin/sglang_image_plugin/depth_schedule.py): the schedule's
+grammar and refusals, its hysteresis at every edge, the graph sizes of each depth, and a fixed
+threshold as its two-tier special case. No sglang needed."""
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+from sglang_image.plugin_source import PLUGIN_DIR
+
+sys.path.insert(0, str(PLUGIN_DIR))
+
+from sglang_image_plugin import depth_schedule as ds
+from sglang_image_plugin import spec_disable as sd
+from sglang_image_plugin.policy import ThresholdPolicy
+
+
+def test_a_schedule_parses_into_tiers_that_cover_every_batch_size() -> None:
+    s = ds.parse(" 1-16:3, 17-48:2,49-96:1,97-:0 ")
+    assert str(s) == "1-16:3,17-48:2,49-96:1,97-:0" and s.depths == [3, 2, 1, 0] and s.deepest == 3
+    assert [s.depth_at(b) for b in (1, 16, 17, 48, 49, 96, 97, 100_000)] == [3, 3, 2, 2, 1, 1, 0, 0]
+    # adjacent tiers of one depth are one tier; a schedule may stay speculative to the end
+    assert str(ds.parse("1-8:3,9-16:3,17-:1")) == "1-16:3,17-:1"
+    assert str(ds.parse("1-:2")) == "1-:2"
+    assert ds.from_threshold(16, 3) == ds.parse("1-16:3,17-:0")
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("", "empty"),
+    ("1-16:3;17-:0", "is not a tier"),
+    ("1-16:3,17-:-1", "is not a tier"),
+    ("1-16:x,17-:0", "is not a tier"),
+    ("2-16:3,17-:0", "the first tier must start at 1"),
+    ("1-16:3,18-:0", "tier 18-:0 must start at 17"),
+    ("1-16:3,10-:0", "tier 10-:0 must start at 17"),
+    ("1-:3,17-:0", "only the last tier may be open"),
+    ("1-16:3,17-32:0", "the last tier must be open, 17-:0"),
+    ("1-16:1,17-:2", "drafts deeper than tier 1-16:1"),
+    ("1-0:3,1-:0", "ends before it starts"),
+])
+def test_a_bad_schedule_is_refused_naming_the_flag_and_the_fix(text: str, why: str) -> None:
+    with pytest.raises(ds.ScheduleError, match=why) as info:
+        ds.parse(text)
+    assert str(info.value).startswith(ds.DEPTH_SCHEDULE_FLAG)
+    with pytest.raises(ds.ScheduleError, match=f"^{ds.DEPTH_SCHEDULE_ENV}"):
+        ds.parse(text, source=ds.DEPTH_SCHEDULE_ENV)
+
+
+def test_a_depth_beyond_the_launch_depth_or_none_at_all_is_refused() -> None:
+    ds.check_against_steps(ds.parse("1-16:3,17-:0"), 3)
+    with pytest.raises(ds.ScheduleError, match="depth 4 is deeper than --speculative-num-steps 3; launch with "
+                                               "--speculative-num-steps 4 --speculative-num-draft-tokens 5"):
+        ds.check_against_steps(ds.parse("1-16:4,17-:0"), 3)
+    with pytest.raises(ds.ScheduleError, match="no tier drafts"):
+        ds.check_against_steps(ds.parse("1-:0"), 3)
+
+
+def test_the_draft_gets_shallower_at_once_and_deeper_only_below_each_edge_s_hysteresis() -> None:
+    changes: list[tuple[int, int, int]] = []
+    ctl = ds.DepthController(ds.parse("1-16:3,17-48:2,49-96:1,97-:0"),
+                             on_change=lambda a, b, bs: changes.append((a, b, bs)))
+    assert ctl.hysteresis == [2, 6, 12]  # edge // 8
+    walk = [(16, 3), (17, 2), (16, 2), (15, 2), (14, 3),  # edge 16: back to 3 at 14
+            (200, 0), (96, 0), (85, 0), (84, 1),          # straight to 0; edge 96: back to 1 at 84
+            (43, 1), (42, 2), (1, 3)]                     # edge 48 at 42; far below: the deepest
+    assert [ctl.step(b) for b, _ in walk] == [d for _, d in walk]
+    assert changes == [(3, 2, 17), (2, 3, 14), (3, 0, 200), (0, 1, 84), (1, 2, 42), (2, 3, 1)]
+    assert ctl.changes == 6 and ctl.steps == {3: 3, 2: 4, 1: 2, 0: 3}
+    with pytest.raises(ValueError, match="need 0 <= H < 16"):
+        ds.DepthController(ds.parse("1-16:3,17-:0"), hysteresis=[16])
+    with pytest.raises(ValueError, match="1 edge"):
+        ds.DepthController(ds.parse("1-16:3,17-:0"), hysteresis=[1, 2])
+
+
+def test_each_depth_captures_graphs_only_where_it_can_run() -> None:
+    ctl = ds.DepthController(ds.parse("1-16:3,17-48:2,49-96:1,97-:0"))
+    captured = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 224, 256]
+    assert ctl.run_range(3) == (1, 16) and ctl.run_range(2) == (15, 48)
+    assert ctl.run_range(1) == (43, 96) and ctl.run_range(0) == (85, None)
+    assert ctl.graph_sizes(3, captured) == [1, 2, 4, 8, 12, 16]
+    assert ctl.graph_sizes(2, captured) == [16, 24, 32, 40, 48]
+    assert ctl.graph_sizes(1, captured) == [48, 64, 80, 96]
+    assert ctl.graph_sizes(0, captured) == [96, 128, 160, 192, 224, 256]
+    # every batch size the walk can meet has a graph of its depth at or above it
+    rnd = random.Random(7)
+    for _ in range(3000):
+        b = rnd.randint(1, 256)
+        d = ctl.step(b)
+        assert any(v >= b for v in ctl.graph_sizes(d, captured)), (b, d)
+
+
+def test_a_threshold_is_the_two_tier_schedule_step_for_step() -> None:
+    # The threshold's policy and the schedule 1-N:K,N+1-:0 with its hysteresis decide every
+    # step alike, and capture the same graphs for each depth.
+    rnd = random.Random(3)
+    captured = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128, 256]
+    for n, h in ((16, 2), (32, 4), (5, 0), (64, 8)):
+        policy = ThresholdPolicy(sd.SpecDisableController(n, h, log_fn=lambda _: None), speculative_steps=3)
+        policy.set_cuda_graph_bs(captured)
+        ctl = ds.DepthController(ds.from_threshold(n, 3), hysteresis=[h])
+        b = n
+        for _ in range(4000):
+            b = max(1, min(256, b + rnd.randint(-3, 3)))
+            assert policy.get_steps_for_batch(b) == ctl.step(b), (n, h, b)
+        for depth in (0, 3):
+            assert policy.cuda_graph_bs_for_step(depth) == ctl.graph_sizes(depth, captured), (n, depth)
