@@ -3,6 +3,7 @@ grammar and refusals, its hysteresis at every edge, the graph sizes of each dept
 threshold as its two-tier special case. No sglang needed."""
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 
@@ -14,7 +15,8 @@ sys.path.insert(0, str(PLUGIN_DIR))
 
 from sglang_image_plugin import depth_schedule as ds
 from sglang_image_plugin import spec_disable as sd
-from sglang_image_plugin.policy import ThresholdPolicy
+from sglang_image_plugin.acceptance import AcceptanceAroundPlain
+from sglang_image_plugin.policy import DepthSchedulePolicy, ThresholdPolicy
 
 
 def test_a_schedule_parses_into_tiers_that_cover_every_batch_size() -> None:
@@ -106,3 +108,97 @@ def test_a_threshold_is_the_two_tier_schedule_step_for_step() -> None:
             assert policy.get_steps_for_batch(b) == ctl.step(b), (n, h, b)
         for depth in (0, 3):
             assert policy.cuda_graph_bs_for_step(depth) == ctl.graph_sizes(depth, captured), (n, depth)
+
+
+def test_the_schedule_s_policy_runs_each_depth_reports_it_and_logs_each_change_once() -> None:
+    lines: list[str] = []
+    now = [0.0]
+    seen: list[tuple[str, int]] = []
+
+    class Seen(sd.Metrics):
+        def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
+            seen.append(("plain" if plain_mode else "speculative", speculative_steps + plain_steps))
+
+        def observe_depth(self, depth: int) -> None:
+            seen.append(("depth", depth))
+
+    policy = DepthSchedulePolicy(ds.DepthController(ds.parse("1-16:3,17-48:2,49-:0")),
+                                 log_fn=lines.append, clock=lambda: now[0])
+    policy.metrics = Seen()
+    assert policy.candidate_steps == [0, 2, 3]
+    policy.set_cuda_graph_bs([1, 2, 4, 8, 16, 24, 32, 48, 64, 128])
+    assert policy.cuda_graph_bs_for_step(3) == [1, 2, 4, 8, 16]
+    assert policy.cuda_graph_bs_for_step(2) == [16, 24, 32, 48]
+    assert policy.cuda_graph_bs_for_step(0) == [48, 64, 128]
+    assert [policy.get_steps_for_batch(b) for b in (8, 20, 0, 60)] == [3, 2, 2, 0]
+    assert seen == [("speculative", 1), ("depth", 3), ("speculative", 1), ("depth", 2),
+                    ("plain", 1), ("depth", 0)]  # an idle batch is no step
+    # the first change is logged; the next, within the interval, is counted into the one after
+    assert lines == ["Speculation depth -> 2 (was 3; batch size 20; schedule 1-16:3,17-48:2,49-:0); depth_changes=1"]
+    now[0] = 10.0
+    assert policy.get_steps_for_batch(45) == 0 and policy.get_steps_for_batch(2) == 3  # 45: above 48 - 6
+    assert lines[-1] == ("Speculation depth -> 3 (was 0; batch size 2; schedule 1-16:3,17-48:2,49-:0); "
+                         "depth_changes=3; 1 earlier change(s) not logged")
+    snap = policy.snapshot()
+    assert snap == {"schedule": "1-16:3,17-48:2,49-:0", "depth": 3, "mode": "speculative",
+                    "steps_by_depth": {"0": 2, "2": 1, "3": 2}, "speculative_steps": 3, "plain_steps": 2,
+                    "depth_changes": 3, "mode_changes": 2}
+
+
+def _steps(watch: AcceptanceAroundPlain, n: int, depth: int, accepted: int = 0) -> None:
+    for _ in range(n):
+        watch.decided(depth, 2)
+        watch.verified([accepted if depth else 0] * 2)
+
+
+def test_the_acceptance_watch_pairs_a_plain_phase_only_with_steps_of_one_depth() -> None:
+    # Accept lengths of two draft depths differ (a chain accepts at most d): a plain phase is
+    # judged by the depth it interrupted, and only where speculation resumes at that depth.
+    watch = AcceptanceAroundPlain(window=3)
+    _steps(watch, 3, 3, accepted=2)
+    _steps(watch, 1, 0)
+    _steps(watch, 3, 2, accepted=1)  # resumed at depth 2: not comparable with depth 3
+    assert watch.view()["phases_measured"] == 0
+    _steps(watch, 2, 3, accepted=2)  # depth 3 again, but the window before the next phase is
+    _steps(watch, 1, 0)              # 2 steps of depth 3 only (the depth-2 steps do not count)
+    _steps(watch, 3, 3, accepted=2)
+    assert watch.view()["phases_measured"] == 0
+    _steps(watch, 1, 0)
+    _steps(watch, 3, 3, accepted=1)  # before 3.0 at depth 3, after 2.0 at depth 3
+    view = watch.view()
+    assert (view["phases_measured"], view["last_before"], view["last_after"], view["last_depth"]) == (1, 3.0, 2.0, 3)
+
+
+def test_the_schedule_resolves_from_flag_or_environment_and_refuses_what_cannot_run() -> None:
+    eagle3 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
+                           speculative_adaptive=False, speculative_num_steps=3)
+
+    def resolve(environ: dict[str, str], **flags: object) -> sd.Setting:
+        return sd.resolve_and_validate(threshold_flag=flags.get("threshold"),  # type: ignore[arg-type]
+                                       hysteresis_flag=flags.get("hysteresis"),  # type: ignore[arg-type]
+                                       schedule_flag=flags.get("schedule"),  # type: ignore[arg-type]
+                                       server=flags.get("server", eagle3), environ=environ)  # type: ignore[arg-type]
+
+    got = resolve({}, schedule="1-16:3,17-:0")
+    assert got.enabled and got.schedule == ds.parse("1-16:3,17-:0") and got.threshold == 0
+    assert resolve({ds.DEPTH_SCHEDULE_ENV: "1-8:2,9-:1"}).schedule == ds.parse("1-8:2,9-:1")
+    assert resolve({ds.DEPTH_SCHEDULE_ENV: "1-8:2,9-:1"}, schedule="1-:3").schedule == ds.parse("1-:3")
+    with pytest.raises(ds.ScheduleError, match=f"^{ds.DEPTH_SCHEDULE_ENV} .the fallback"):
+        resolve({ds.DEPTH_SCHEDULE_ENV: "1-8:2"})
+    with pytest.raises(ValueError, match="are both set .flag or environment.: give one"):
+        resolve({sd.THRESHOLD_ENV: "16"}, schedule="1-16:3,17-:0")
+    with pytest.raises(ValueError, match="each edge .* keeps its own"):
+        resolve({}, schedule="1-16:3,17-:0", hysteresis=2)
+    with pytest.raises(ds.ScheduleError, match="depth 4 is deeper than --speculative-num-steps 3"):
+        resolve({}, schedule="1-16:4,17-:0")
+    with pytest.raises(ValueError, match=r"^--speculative-depth-schedule=1-16:3,17-:0 needs --speculative-eagle-topk 1"):
+        resolve({}, schedule="1-16:3,17-:0", server=sd.ServerView(
+            speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_adaptive=False))
+    assert sd.start_log_line(0, ds.parse("1-16:3,17-:0")) == \
+        "Dynamic speculation disable enabled: depth schedule=1-16:3,17-:0"
+    # the launcher's parser names the flag on bad input
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    sd.add_cli_args(parser)
+    assert getattr(parser.parse_args([ds.DEPTH_SCHEDULE_FLAG, "1-4:1,5-:0"]), ds.DEPTH_SCHEDULE_DEST) == ds.parse("1-4:1,5-:0")
+    with pytest.raises(argparse.ArgumentError, match="the last tier must be open"):
+        parser.parse_args([ds.DEPTH_SCHEDULE_FLAG, "1-4:1,5-8:0"])

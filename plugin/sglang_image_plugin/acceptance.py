@@ -31,16 +31,21 @@ class AcceptanceAroundPlain:
         self.unpaired_steps = 0
         self.phases_measured = 0
         self.pairs: deque[tuple[float, float]] = deque(maxlen=self.KEEP_PHASES)
-        self._pending: deque[tuple[bool, int]] = deque()
+        self._pending: deque[tuple[int, int]] = deque()
+        # the last speculative steps, all of one draft depth (accept lengths of two depths differ)
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)
+        self._recent_depth = 0
         self._in_plain = False
         self._before: float | None = None
+        self._before_depth = 0
         self._after: list[tuple[int, int]] | None = None  # (tokens, rows) per step after the phase
+        self.last_depth: int | None = None  # the draft depth of the latest pair
 
-    def decided(self, speculative: bool, batch_size: int) -> None:
+    def decided(self, depth: int, batch_size: int) -> None:
+        """A decode batch's draft depth (0: a plain step) is chosen."""
         if batch_size <= 0:  # an idle batch verifies nothing
             return
-        self._pending.append((speculative, batch_size))
+        self._pending.append((int(depth), batch_size))
         while len(self._pending) > self.MAX_PENDING:
             self._pending.popleft()
             self.unpaired_steps += 1
@@ -48,30 +53,37 @@ class AcceptanceAroundPlain:
     def verified(self, num_correct_drafts_per_req: Sequence[int]) -> None:
         if not self._pending:
             return
-        speculative, batch_size = self._pending.popleft()
+        depth, batch_size = self._pending.popleft()
         if len(num_correct_drafts_per_req) != batch_size:
             self.unpaired_steps += 1 + len(self._pending)
             self._pending.clear()
             return
-        self._record(speculative, sum(num_correct_drafts_per_req) + batch_size, batch_size)
+        self._record(depth, sum(num_correct_drafts_per_req) + batch_size, batch_size)
 
-    def _record(self, speculative: bool, tokens: int, rows: int) -> None:
-        if not speculative:
+    def _record(self, depth: int, tokens: int, rows: int) -> None:
+        if depth == 0:
             if not self._in_plain:
                 self._in_plain = True
                 self._after = None  # a window cut short by this phase is no figure
                 full = len(self._recent) == self.window
                 self._before = _accept_length(self._recent) if full else None
+                self._before_depth = self._recent_depth
             return
         if self._in_plain:
             self._in_plain = False
             self._recent.clear()  # "before" the next phase is what runs after this one
             self._after = [] if self._before is not None else None
+        if depth != self._recent_depth:  # another draft depth: its accept length is another figure
+            self._recent.clear()
+            self._recent_depth = depth
+        if depth != self._before_depth:
+            self._after = None  # the phase ended at another depth than it began: nothing to pair
         self._recent.append((tokens, rows))
         if self._after is not None and self._before is not None:
             self._after.append((tokens, rows))
             if len(self._after) == self.window:
                 self.pairs.append((self._before, _accept_length(self._after)))
+                self.last_depth = depth
                 self.phases_measured += 1
                 self._after = None
 
@@ -83,6 +95,7 @@ class AcceptanceAroundPlain:
             before, after = self.pairs[-1]
             view["last_before"] = round(before, 4)
             view["last_after"] = round(after, 4)
+            view["last_depth"] = self.last_depth
             # a step emits at least one token per row: every accept length is >= 1
             view["worst_after_over_before"] = round(min(a / b for b, a in self.pairs), 4)
         return view

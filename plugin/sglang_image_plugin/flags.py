@@ -14,7 +14,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import registry, spec_disable, state
+from sglang_image_plugin import depth_schedule, registry, spec_disable, state
 from sglang_image_plugin.spec_disable import Setting
 from sglang_image_plugin.state import ArgsState
 
@@ -37,15 +37,17 @@ def from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Namesp
     flags = (
         getattr(args, spec_disable.THRESHOLD_DEST, None),
         getattr(args, spec_disable.HYSTERESIS_DEST, None),
+        getattr(args, depth_schedule.DEPTH_SCHEDULE_DEST, None),
     )
     state.of(server_args, ArgsState).flags = flags
     return server_args
 
 
-def _flags(server_args: Any) -> tuple[Any, Any]:
-    """The two flags as parsed, (None, None) where from_cli_args did not see them."""
+def _flags(server_args: Any) -> tuple[Any, Any, Any]:
+    """The flags as parsed (threshold, hysteresis, depth schedule), Nones where from_cli_args did
+    not see them."""
     args = state.peek(server_args, ArgsState)
-    return args.flags if args is not None else (None, None)
+    return args.flags if args is not None else (None, None, None)
 
 
 def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> Setting:
@@ -53,8 +55,9 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
     the flag. Off without looking further when neither the flag nor the env is set,
     so servers that do not use the feature are not touched."""
     environ = dict(os.environ) if environ is None else environ
-    threshold_flag, hysteresis_flag = _flags(server_args)
-    if threshold_flag is None and not environ.get(spec_disable.THRESHOLD_ENV, "").strip():
+    threshold_flag, hysteresis_flag, schedule_flag = _flags(server_args)
+    if threshold_flag is None and schedule_flag is None and not any(
+            environ.get(var, "").strip() for var in (spec_disable.THRESHOLD_ENV, depth_schedule.DEPTH_SCHEDULE_ENV)):
         if hysteresis_flag is not None:
             raise ValueError(
                 f"{spec_disable.HYSTERESIS_FLAG} needs {spec_disable.THRESHOLD_FLAG} "
@@ -78,6 +81,7 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
         speculative_algorithm=cfg.speculative_algorithm,
         speculative_eagle_topk=cfg.speculative_eagle_topk,
         speculative_adaptive=bool(cfg.speculative_adaptive),
+        speculative_num_steps=cfg.speculative_num_steps,
         adaptive_unsupported_reason=reason,
     )
     return spec_disable.resolve_and_validate(
@@ -85,6 +89,7 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
         hysteresis_flag=hysteresis_flag,
         server=view,
         environ=environ,
+        schedule_flag=schedule_flag,
     )
 
 
@@ -153,9 +158,13 @@ def check_server_args(result: None, server_args: Any) -> None:
 
 
 def _threshold_requested(server_args: Any) -> bool:
-    """Whether the flag or the variable asks for a threshold (a bad value: validation names it)."""
-    threshold_flag, _ = _flags(server_args)
+    """Whether a flag or a variable asks for a threshold or a schedule with plain steps (a bad
+    value: validation names it)."""
+    threshold_flag, _, schedule_flag = _flags(server_args)
     try:
+        schedule = spec_disable.resolve_schedule(schedule_flag)
+        if schedule is not None:
+            return 0 in schedule.depths
         return spec_disable.resolve_threshold(threshold_flag) != 0
     except ValueError:
         return False

@@ -127,7 +127,7 @@ class PlainLayout:
         # a plain-layout step is not the worker's (its forward is ours): nothing to skip there
         self.predecided = not plain
         if self.watch is not None:  # every step, in decode order (its result: plain_result)
-            self.watch.decided(speculative, batch_size)
+            self.watch.decided(self.worker.speculative_num_steps, batch_size)
 
     def fits_speculative(self, batch: Any) -> bool:
         """Whether the pool holds the speculative layout's KV reserve for this batch (upstream's

@@ -23,6 +23,8 @@ class PrometheusMetrics(spec_disable.Metrics):
         from prometheus_client import Counter, Gauge
 
         self._crossover: Any = None
+        self._depth: Any = None
+        self._published_depth: int | None = None
 
         self._plain_mode = Gauge(
             name="sglang:spec_disable_plain_mode",
@@ -57,6 +59,22 @@ class PrometheusMetrics(spec_disable.Metrics):
                 multiprocess_mode="mostrecent",
             ).labels(**self._labels)
         self._crossover.set(crossover)
+
+    def observe_depth(self, depth: int) -> None:
+        """A depth schedule: the draft depth of the latest step, set only when it changed."""
+        if depth == self._published_depth:
+            return
+        if self._depth is None:  # made on first use: only a schedule has depths
+            from prometheus_client import Gauge
+
+            self._depth = Gauge(
+                name="sglang:spec_disable_depth",
+                documentation="Depth schedule: the draft depth of the latest decode step (0: plain).",
+                labelnames=list(self._labels),
+                multiprocess_mode="mostrecent",
+            ).labels(**self._labels)
+        self._depth.set(depth)
+        self._published_depth = depth
 
     def observe(self, plain_mode: bool, speculative_steps: int, plain_steps: int) -> None:
         """Every decode step: the gauge only when the mode changed, the step counter."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_image_plugin.auto_threshold import AutoController, AutoPolicy, resume_batch_size
+from sglang_image_plugin.depth_schedule import DepthController
 from sglang_image_plugin.spec_disable import (
     MODE_LOG_INTERVAL_S,
     Metrics,
@@ -70,6 +71,84 @@ class ThresholdPolicy:
         if step == PLAIN_STEPS:
             return [v for v in sizes if v > self.controller.resume_batch_size]
         return [v for i, v in enumerate(sizes) if i == 0 or sizes[i - 1] < self.controller.threshold]
+
+
+class DepthSchedulePolicy:
+    """A draft depth per load (depth_schedule.py): every depth of the schedule is a candidate step
+    count with its own runtime state; each decode batch runs the depth its controller walks to.
+    Depth 0, where the schedule has it, is the plain step. Reports like the threshold: a line per
+    depth change (at most one per log interval, the others counted into the next), the metrics,
+    the server-info view."""
+
+    def __init__(self, controller: DepthController, *, log_fn: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] | None = None,
+                 log_interval_s: float = MODE_LOG_INTERVAL_S) -> None:
+        self.controller = controller
+        self.metrics = Metrics()
+        self._cuda_graph_bs: list[int] | None = None
+        self._log_fn = log_fn if log_fn is not None else logger.info
+        self._clock = clock if clock is not None else time.monotonic
+        self._log_interval_s = log_interval_s
+        self._last_log_time: float | None = None
+        self._folded = 0
+        self.mode_changes = 0  # plain <-> speculative, as the threshold counts them
+
+    @property
+    def candidate_steps(self) -> list[int]:
+        return sorted(self.controller.schedule.depths)
+
+    @property
+    def drafting_steps(self) -> int:
+        """Decode steps that drafted, at any depth."""
+        return sum(n for d, n in self.controller.steps.items() if d > PLAIN_STEPS)
+
+    def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
+        self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
+
+    def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
+        """The captured sizes where a depth can run, its hysteresis included."""
+        if self._cuda_graph_bs is None:
+            return None
+        return self.controller.graph_sizes(step, self._cuda_graph_bs)
+
+    def get_steps_for_batch(self, batch_size: int) -> int:
+        """Called once per decode batch before it drafts (an idle batch: 0 requests, no step)."""
+        if batch_size <= 0:
+            return self.controller.depth
+        before = self.controller.depth
+        depth = self.controller.step(batch_size)
+        if depth != before:
+            if (before == PLAIN_STEPS) != (depth == PLAIN_STEPS):
+                self.mode_changes += 1
+            self._report(before, depth, batch_size)
+        plain = depth == PLAIN_STEPS
+        self.metrics.observe(plain, int(not plain), int(plain))
+        self.metrics.observe_depth(depth)
+        return depth
+
+    def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> None:
+        """The schedule does not follow acceptance."""
+
+    def _report(self, before: int, depth: int, batch_size: int) -> None:
+        now = self._clock()
+        if self._last_log_time is not None and now - self._last_log_time < self._log_interval_s:
+            self._folded += 1
+            return
+        extra = f"; {self._folded} earlier change(s) not logged" if self._folded else ""
+        self._log_fn(f"Speculation depth -> {depth} (was {before}; batch size {batch_size}; schedule "
+                     f"{self.controller.schedule}); depth_changes={self.controller.changes}{extra}")
+        self._folded = 0
+        self._last_log_time = now
+
+    def snapshot(self) -> dict[str, Any]:
+        """The server-info view: internal_states[i]["speculative_disable"]."""
+        depth = self.controller.depth
+        steps = self.controller.steps
+        return {"schedule": str(self.controller.schedule), "depth": depth,
+                "mode": str(Mode.PLAIN if depth == PLAIN_STEPS else Mode.SPECULATIVE),
+                "steps_by_depth": {str(d): n for d, n in sorted(steps.items())},
+                "speculative_steps": self.drafting_steps, "plain_steps": steps.get(PLAIN_STEPS, 0),
+                "depth_changes": self.controller.changes, "mode_changes": self.mode_changes}
 
 
 class CatchUpPolicy:

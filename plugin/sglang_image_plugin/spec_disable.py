@@ -17,6 +17,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
+from sglang_image_plugin import depth_schedule
+from sglang_image_plugin.depth_schedule import (
+    DEPTH_SCHEDULE_DEST,
+    DEPTH_SCHEDULE_ENV,
+    DEPTH_SCHEDULE_FLAG,
+    DepthSchedule,
+)
+
 logger = logging.getLogger(__name__)
 
 THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
@@ -49,6 +57,16 @@ HYSTERESIS_HELP = (
     "arrival or finish does not flip the mode back and forth."
 )
 
+DEPTH_SCHEDULE_HELP = (
+    "A draft depth per load: comma-separated tiers LOW-HIGH:DEPTH covering every running batch "
+    f"size from 1, the last open (LOW-:DEPTH), e.g. {depth_schedule.EXAMPLE}; DEPTH 0 decodes with "
+    "the target alone. A larger batch never drafts deeper; no depth beyond "
+    "--speculative-num-steps. Each edge has hysteresis (edge // 8): shallower at once, deeper "
+    f"once the batch is that far below the edge. Instead of {THRESHOLD_FLAG} (N is the schedule "
+    f"1-N:K,N+1-:0). Without the flag the environment variable {DEPTH_SCHEDULE_ENV} is read. "
+    "EAGLE/EAGLE3 with topk 1 only."
+)
+
 Threshold = int | Literal["auto"]
 
 
@@ -64,14 +82,16 @@ class Mode(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class Setting:
-    """The resolved switch: threshold 0 means off."""
+    """The resolved switch: threshold 0 and no schedule means off."""
 
     threshold: Threshold
     hysteresis: int
+    schedule: DepthSchedule | None = None  # a draft depth per load (then threshold 0)
 
     @property
     def enabled(self) -> bool:
-        return self.threshold == AUTO or (isinstance(self.threshold, int) and self.threshold > 0)
+        return (self.schedule is not None or self.threshold == AUTO
+                or (isinstance(self.threshold, int) and self.threshold > 0))
 
 
 OFF = Setting(threshold=0, hysteresis=0)
@@ -143,13 +163,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         metavar="H",
         help=HYSTERESIS_HELP,
     )
+    parser.add_argument(
+        DEPTH_SCHEDULE_FLAG,
+        dest=DEPTH_SCHEDULE_DEST,
+        type=_argparse_type(depth_schedule.parse),
+        default=None,
+        metavar="LOW-HIGH:DEPTH,...",
+        help=DEPTH_SCHEDULE_HELP,
+    )
 
 
 def default_hysteresis(threshold: int) -> int:
-    """N // 8, at least 1 when N > 1, always < N."""
-    if threshold <= 1:
-        return 0
-    return min(max(1, threshold // 8), threshold - 1)
+    """N // 8, at least 1 when N > 1, always < N: a schedule's at each edge."""
+    return depth_schedule.edge_hysteresis(threshold)
 
 
 def resolve_threshold(flag: str | int | None, environ: Mapping[str, str] | None = None) -> Threshold:
@@ -162,6 +188,19 @@ def resolve_threshold(flag: str | int | None, environ: Mapping[str, str] | None 
     return parse_threshold(raw, source=f"{THRESHOLD_ENV} (the fallback for {THRESHOLD_FLAG})")
 
 
+def resolve_schedule(flag: DepthSchedule | str | None,
+                     environ: Mapping[str, str] | None = None) -> DepthSchedule | None:
+    """The flag wins; else the environment variable; else none."""
+    if isinstance(flag, DepthSchedule):
+        return flag
+    if flag is not None:
+        return depth_schedule.parse(flag)
+    raw = (os.environ if environ is None else environ).get(DEPTH_SCHEDULE_ENV)
+    if raw is None or raw.strip() == "":
+        return None
+    return depth_schedule.parse(raw, source=f"{DEPTH_SCHEDULE_ENV} (the fallback for {DEPTH_SCHEDULE_FLAG})")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerView:
     """What validation reads from the resolved server arguments."""
@@ -169,6 +208,7 @@ class ServerView:
     speculative_algorithm: str | None
     speculative_eagle_topk: int | None
     speculative_adaptive: bool
+    speculative_num_steps: int | None = None  # the launch depth K (None: not known here)
     # Why upstream's adaptive state switch cannot run here (None: it can). The
     # plain tier is built and switched by that machinery.
     adaptive_unsupported_reason: str | None = None
@@ -180,32 +220,33 @@ def resolve_and_validate(
     hysteresis_flag: int | None,
     server: ServerView,
     environ: Mapping[str, str] | None = None,
+    schedule_flag: DepthSchedule | str | None = None,
 ) -> Setting:
     """Resolve the setting and refuse unsupported combinations.
 
     Raises ValueError whose message names the flag and says what to change.
     """
     environ = os.environ if environ is None else environ
+    schedule = resolve_schedule(schedule_flag, environ)
     threshold = resolve_threshold(threshold_flag, environ)
+    if schedule is not None:
+        if threshold != 0:
+            raise ValueError(
+                f"{DEPTH_SCHEDULE_FLAG}={schedule} and {THRESHOLD_FLAG}={threshold} are both set "
+                f"(flag or environment): give one; a threshold N is the schedule 1-N:K,N+1-:0"
+            )
+        if hysteresis_flag is not None:
+            raise ValueError(
+                f"{HYSTERESIS_FLAG} applies to {THRESHOLD_FLAG}; each edge of "
+                f"{DEPTH_SCHEDULE_FLAG} keeps its own (edge // 8): drop the hysteresis flag"
+            )
+        _check_server(f"{DEPTH_SCHEDULE_FLAG}={schedule}", server)
+        if server.speculative_num_steps is not None:
+            depth_schedule.check_against_steps(schedule, server.speculative_num_steps)
+        return Setting(threshold=0, hysteresis=0, schedule=schedule)
     if threshold == 0:
         return OFF
-    shown = f"{THRESHOLD_FLAG}={threshold}"
-    if server.speculative_algorithm not in SUPPORTED_ALGORITHMS:
-        raise ValueError(
-            f"{shown} needs --speculative-algorithm EAGLE or EAGLE3 "
-            f"(got {server.speculative_algorithm!r}); drop the threshold or pick EAGLE3"
-        )
-    if server.speculative_eagle_topk not in (None, 1):
-        raise ValueError(
-            f"{shown} needs --speculative-eagle-topk 1 (got {server.speculative_eagle_topk})"
-        )
-    if server.speculative_adaptive:
-        raise ValueError(
-            f"{shown} cannot be combined with --speculative-adaptive (both switch the "
-            "speculation state); use one of them"
-        )
-    if server.adaptive_unsupported_reason is not None:
-        raise ValueError(f"{shown} is not supported here: {server.adaptive_unsupported_reason}")
+    _check_server(f"{THRESHOLD_FLAG}={threshold}", server)
     if threshold == AUTO:
         if hysteresis_flag is not None:
             raise ValueError(
@@ -224,7 +265,29 @@ def resolve_and_validate(
     return Setting(threshold=threshold, hysteresis=hysteresis)
 
 
-def start_log_line(threshold: Threshold) -> str:
+def _check_server(shown: str, server: ServerView) -> None:
+    """What a switching server needs of the speculation it switches (ValueError names `shown`)."""
+    if server.speculative_algorithm not in SUPPORTED_ALGORITHMS:
+        raise ValueError(
+            f"{shown} needs --speculative-algorithm EAGLE or EAGLE3 "
+            f"(got {server.speculative_algorithm!r}); drop the threshold or pick EAGLE3"
+        )
+    if server.speculative_eagle_topk not in (None, 1):
+        raise ValueError(
+            f"{shown} needs --speculative-eagle-topk 1 (got {server.speculative_eagle_topk})"
+        )
+    if server.speculative_adaptive:
+        raise ValueError(
+            f"{shown} cannot be combined with --speculative-adaptive (both switch the "
+            "speculation state); use one of them"
+        )
+    if server.adaptive_unsupported_reason is not None:
+        raise ValueError(f"{shown} is not supported here: {server.adaptive_unsupported_reason}")
+
+
+def start_log_line(threshold: Threshold, schedule: DepthSchedule | None = None) -> str:
+    if schedule is not None:
+        return f"Dynamic speculation disable enabled: depth schedule={schedule}"
     return f"Dynamic speculation disable enabled: threshold={threshold}"
 
 
@@ -236,6 +299,9 @@ class Metrics:
 
     def observe_crossover(self, crossover: int) -> None:
         """`auto`: the batch size up to which the server speculates now."""
+
+    def observe_depth(self, depth: int) -> None:
+        """A depth schedule: the draft depth of the step just decided (0: plain)."""
 
 
 class SpecDisableController:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from sglang_image_plugin.deferred_kv import DeferredDraftKv
     from sglang_image_plugin.layout import PlainLayout
     from sglang_image_plugin.plain_step import PlainStep
-    from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy
+    from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, DepthSchedulePolicy
     from sglang_image_plugin.spec_disable import Setting, SpecDisableController
 
 # Not a ServerArgs field, nor a worker's: upstream never reads or resolves it.
@@ -25,9 +25,9 @@ ATTR = "_sglang_image"
 
 @dataclass
 class ArgsState:
-    """On ServerArgs: the two flags as parsed, the setting resolved from them, the limit."""
+    """On ServerArgs: the flags as parsed, the setting resolved from them, the limit."""
 
-    flags: tuple[Any, Any] = (None, None)  # (threshold, hysteresis) as argparse gave them
+    flags: tuple[Any, Any, Any] = (None, None, None)  # (threshold, hysteresis, schedule) as parsed
     setting: Setting | None = None  # resolved and validated by check_server_args
     running_limit: bool = False  # upstream's running-request cap for speculation was not applied
 
@@ -36,8 +36,8 @@ class ArgsState:
 class WorkerState:
     """On EAGLEWorkerV2: what its threshold decides with and what its plain step is."""
 
-    # the threshold's controller, or `auto`'s policy; read by the observability hooks
-    controller: SpecDisableController | AutoThresholdPolicy | None = None
+    # the threshold's controller, `auto`'s policy or the schedule's; read by the observability hooks
+    controller: SpecDisableController | AutoThresholdPolicy | DepthSchedulePolicy | None = None
     auto_pending: bool = False  # `auto` waits for init_cuda_graphs to make its policy
     acceptance: AcceptanceAroundPlain | None = None  # accept length around plain phases
     plain_step: PlainStep | None = None  # resolved once, at init_cuda_graphs

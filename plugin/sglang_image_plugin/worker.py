@@ -14,8 +14,14 @@ from typing import Any
 from sglang_image_plugin import flags, plain_step, registry, spec_disable, state
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, StepTrace
+from sglang_image_plugin.depth_schedule import DepthController
 from sglang_image_plugin.layout import decided_at_prepare
-from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
+from sglang_image_plugin.policy import (
+    AutoThresholdPolicy,
+    CatchUpPolicy,
+    DepthSchedulePolicy,
+    ThresholdPolicy,
+)
 from sglang_image_plugin.state import ArgsState, DraftState, WorkerState
 from sglang_image_plugin.targets import hooks_of
 from sglang_image_plugin.tp import broadcast_ints, log_on_rank0, tp_agree, tp_group, tp_rank
@@ -44,7 +50,11 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
         )
     own = state.of(worker, WorkerState)
     own.acceptance = AcceptanceAroundPlain()
-    if setting.threshold == spec_disable.AUTO:
+    if setting.schedule is not None:
+        policy = DepthSchedulePolicy(DepthController(setting.schedule), log_fn=log_on_rank0)
+        worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
+        own.controller = policy
+    elif setting.threshold == spec_disable.AUTO:
         own.auto_pending = True
     else:
         assert isinstance(setting.threshold, int)
@@ -57,7 +67,7 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
             worker, ThresholdPolicy(controller, worker.speculative_num_steps)
         )
         own.controller = controller
-    log_on_rank0(spec_disable.start_log_line(setting.threshold))
+    log_on_rank0(spec_disable.start_log_line(setting.threshold, setting.schedule))
 
 
 def trivial_verify_input(original: Callable[..., Any], worker: Any, batch: Any) -> Any:
@@ -160,7 +170,7 @@ def step_decided(original: Callable[..., Any], worker: Any, batch_size: int, *ar
     result = original(worker, batch_size, *args, **kwargs)
     watch = _acceptance(worker)
     if watch is not None:
-        watch.decided(worker.speculative_num_steps > 0, int(batch_size))
+        watch.decided(worker.speculative_num_steps, int(batch_size))
     return result
 
 
