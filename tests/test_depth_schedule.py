@@ -202,3 +202,20 @@ def test_the_schedule_resolves_from_flag_or_environment_and_refuses_what_cannot_
     assert getattr(parser.parse_args([ds.DEPTH_SCHEDULE_FLAG, "1-4:1,5-:0"]), ds.DEPTH_SCHEDULE_DEST) == ds.parse("1-4:1,5-:0")
     with pytest.raises(argparse.ArgumentError, match="the last tier must be open"):
         parser.parse_args([ds.DEPTH_SCHEDULE_FLAG, "1-4:1,5-8:0"])
+
+
+def test_the_threshold_s_names_still_load_where_the_plugin_package_is_absent() -> None:
+    # The smoke (in an image of a flavor without the plugin) and the build system load
+    # spec_disable.py by its path: the schedule's module must not be needed for that.
+    import subprocess
+
+    code = ("import importlib.util, sys\n"
+            "assert importlib.util.find_spec('sglang_image_plugin') is None\n"
+            "from smoke import names\n"
+            "from sglang_image import threshold\n"
+            "print(names.parse_threshold('16'), threshold.FLAG)\n")
+    root = PLUGIN_DIR.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         env={"PYTHONPATH": f"{root}:{root / 'src'}", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["16", "--speculative-disable-batch-threshold"]

@@ -15,15 +15,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from sglang_image_plugin import depth_schedule
-from sglang_image_plugin.depth_schedule import (
-    DEPTH_SCHEDULE_DEST,
-    DEPTH_SCHEDULE_ENV,
-    DEPTH_SCHEDULE_FLAG,
-    DepthSchedule,
-)
+if TYPE_CHECKING:
+    from sglang_image_plugin.depth_schedule import DepthSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +50,6 @@ HYSTERESIS_HELP = (
     f"Hysteresis for {THRESHOLD_FLAG} N: once plain, speculation resumes only when the "
     "batch size is <= N - H. 0 <= H < N; default N // 8 (at least 1 when N > 1), so one "
     "arrival or finish does not flip the mode back and forth."
-)
-
-DEPTH_SCHEDULE_HELP = (
-    "A draft depth per load: comma-separated tiers LOW-HIGH:DEPTH covering every running batch "
-    f"size from 1, the last open (LOW-:DEPTH), e.g. {depth_schedule.EXAMPLE}; DEPTH 0 decodes with "
-    "the target alone. A larger batch never drafts deeper; no depth beyond "
-    "--speculative-num-steps. Each edge has hysteresis (edge // 8): shallower at once, deeper "
-    f"once the batch is that far below the edge. Instead of {THRESHOLD_FLAG} (N is the schedule "
-    f"1-N:K,N+1-:0). Without the flag the environment variable {DEPTH_SCHEDULE_ENV} is read. "
-    "EAGLE/EAGLE3 with topk 1 only."
 )
 
 Threshold = int | Literal["auto"]
@@ -163,19 +148,33 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         metavar="H",
         help=HYSTERESIS_HELP,
     )
+    # the schedule's module is imported where a server runs, not by what loads this file alone
+    # (the build system and the smoke read the threshold's names here without the package)
+    from sglang_image_plugin import depth_schedule as ds
+
     parser.add_argument(
-        DEPTH_SCHEDULE_FLAG,
-        dest=DEPTH_SCHEDULE_DEST,
-        type=_argparse_type(depth_schedule.parse),
+        ds.DEPTH_SCHEDULE_FLAG,
+        dest=ds.DEPTH_SCHEDULE_DEST,
+        type=_argparse_type(ds.parse),
         default=None,
         metavar="LOW-HIGH:DEPTH,...",
-        help=DEPTH_SCHEDULE_HELP,
+        help=(
+            "A draft depth per load: comma-separated tiers LOW-HIGH:DEPTH covering every running "
+            f"batch size from 1, the last open (LOW-:DEPTH), e.g. {ds.EXAMPLE}; DEPTH 0 decodes with "
+            "the target alone. A larger batch never drafts deeper; no depth beyond "
+            "--speculative-num-steps. Each edge has hysteresis (edge // 8): shallower at once, "
+            f"deeper once the batch is that far below the edge. Instead of {THRESHOLD_FLAG} (N is "
+            f"the schedule 1-N:K,N+1-:0). Without the flag the environment variable "
+            f"{ds.DEPTH_SCHEDULE_ENV} is read. EAGLE/EAGLE3 with topk 1 only."
+        ),
     )
 
 
 def default_hysteresis(threshold: int) -> int:
     """N // 8, at least 1 when N > 1, always < N: a schedule's at each edge."""
-    return depth_schedule.edge_hysteresis(threshold)
+    from sglang_image_plugin.depth_schedule import edge_hysteresis
+
+    return edge_hysteresis(threshold)
 
 
 def resolve_threshold(flag: str | int | None, environ: Mapping[str, str] | None = None) -> Threshold:
@@ -191,14 +190,16 @@ def resolve_threshold(flag: str | int | None, environ: Mapping[str, str] | None 
 def resolve_schedule(flag: DepthSchedule | str | None,
                      environ: Mapping[str, str] | None = None) -> DepthSchedule | None:
     """The flag wins; else the environment variable; else none."""
-    if isinstance(flag, DepthSchedule):
+    from sglang_image_plugin import depth_schedule as ds
+
+    if isinstance(flag, ds.DepthSchedule):
         return flag
     if flag is not None:
-        return depth_schedule.parse(flag)
-    raw = (os.environ if environ is None else environ).get(DEPTH_SCHEDULE_ENV)
+        return ds.parse(flag)
+    raw = (os.environ if environ is None else environ).get(ds.DEPTH_SCHEDULE_ENV)
     if raw is None or raw.strip() == "":
         return None
-    return depth_schedule.parse(raw, source=f"{DEPTH_SCHEDULE_ENV} (the fallback for {DEPTH_SCHEDULE_FLAG})")
+    return ds.parse(raw, source=f"{ds.DEPTH_SCHEDULE_ENV} (the fallback for {ds.DEPTH_SCHEDULE_FLAG})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,19 +231,21 @@ def resolve_and_validate(
     schedule = resolve_schedule(schedule_flag, environ)
     threshold = resolve_threshold(threshold_flag, environ)
     if schedule is not None:
+        from sglang_image_plugin import depth_schedule as ds
+
         if threshold != 0:
             raise ValueError(
-                f"{DEPTH_SCHEDULE_FLAG}={schedule} and {THRESHOLD_FLAG}={threshold} are both set "
+                f"{ds.DEPTH_SCHEDULE_FLAG}={schedule} and {THRESHOLD_FLAG}={threshold} are both set "
                 f"(flag or environment): give one; a threshold N is the schedule 1-N:K,N+1-:0"
             )
         if hysteresis_flag is not None:
             raise ValueError(
                 f"{HYSTERESIS_FLAG} applies to {THRESHOLD_FLAG}; each edge of "
-                f"{DEPTH_SCHEDULE_FLAG} keeps its own (edge // 8): drop the hysteresis flag"
+                f"{ds.DEPTH_SCHEDULE_FLAG} keeps its own (edge // 8): drop the hysteresis flag"
             )
-        _check_server(f"{DEPTH_SCHEDULE_FLAG}={schedule}", server)
+        _check_server(f"{ds.DEPTH_SCHEDULE_FLAG}={schedule}", server)
         if server.speculative_num_steps is not None:
-            depth_schedule.check_against_steps(schedule, server.speculative_num_steps)
+            ds.check_against_steps(schedule, server.speculative_num_steps)
         return Setting(threshold=0, hysteresis=0, schedule=schedule)
     if threshold == 0:
         return OFF
