@@ -65,8 +65,9 @@ from typing import Any
 from bench import autotrace, diagnose, hostinfo, pairing, servers
 from bench import report as bench_report
 from smoke import client, names
+from smoke.checks import check_log_clean, spec_state
 from smoke.client import Prompt
-from smoke.runner import Deadline, check_log_clean, spec_state
+from smoke.deadline import Deadline
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto")

@@ -62,19 +62,16 @@ from pathlib import Path
 from typing import Any
 
 from smoke import client
+from smoke.checks import check_kv_back, check_log_clean, spec_state, wait_idle
+from smoke.deadline import Deadline
 from smoke.grammar_check import Grammar, first_break
 from smoke.runner import (
     DEFAULT_THRESHOLD,
     REFERENCE_CONCURRENCY,
-    Deadline,
-    check_kv_back,
-    check_log_clean,
     comma_list,
     exit_code,
     side_by_side,
     side_port,
-    spec_state,
-    wait_idle,
 )
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 

@@ -16,7 +16,7 @@ import pytest
 from bench.__main__ import build_parser as bench_parser
 from smoke import features as F
 from smoke.__main__ import build_parser
-from smoke.runner import REQUEST_MARGIN_S
+from smoke.deadline import REQUEST_MARGIN_S
 from tests.server_fakes import VariantRecorder, port_recording_server
 
 
