@@ -161,18 +161,6 @@ def test_output_mismatch_fails_with_cause_and_log_tail(tiny_models, tmp_path):
         checks.check_hf_reference(exp, wrong)
 
 
-def test_prometheus_parsing():
-    text = ("# HELP sglang:spec_disable_plain_mode 1 while speculation is off\n"
-            "# TYPE sglang:spec_disable_plain_mode gauge\n"
-            'sglang:spec_disable_plain_mode{model_name="target",engine_type="unified",tp_rank="0"} 0.0\n'
-            'sglang:spec_disable_plain_steps_total{model_name="target",tp_rank="0"} 57.0\n'
-            'sglang:kv_available_tokens{model_name="target"} 1966080.0\n')
-    m = client.parse_prometheus(text)
-    assert client.metric(m, "sglang:spec_disable_plain_steps_total") == 57.0
-    assert client.metric(m, "sglang:spec_disable_plain_mode") == 0.0
-    assert client.metric(m, "sglang:spec_disable_speculative_steps_total") is None
-
-
 def test_prompts_cover_below_at_above_and_ramp():
     exp = {"vocab_size": 3072, "prompt_ids": [1, 2, 3], "greedy_ids": [4] * 32}
     sets = runner.make_prompts(exp, 4)
