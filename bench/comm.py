@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from smoke import client
+from smoke.checks import check_log_clean, check_no_errors, check_outputs
 from smoke.client import Prompt
-from smoke.runner import Deadline, check_log_clean, check_no_errors, check_outputs
+from smoke.deadline import Deadline
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

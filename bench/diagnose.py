@@ -22,7 +22,7 @@ from typing import Any
 from bench import profile, pyspy
 from smoke import client
 from smoke.client import Prompt
-from smoke.runner import Deadline
+from smoke.deadline import Deadline
 from smoke.server import Server
 
 SERVER_ENV = {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}

@@ -58,7 +58,7 @@ from bench import servers as bench_servers
 from bench import throughput as bench_mod
 from smoke import features as features_mod
 from smoke import names, runner
-from smoke.runner import Deadline
+from smoke.deadline import Deadline
 
 PHASES = ("install", "patch", "check", "models", "smoke", "features", "bench", "comm", "router")
 RUN_PHASES = ("smoke", "features", "bench", "comm", "router")  # marked done in the state once complete

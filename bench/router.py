@@ -25,8 +25,9 @@ from typing import Any
 
 from bench.throughput import ramp_prompt
 from smoke import client
+from smoke.checks import spec_state
 from smoke.client import Prompt
-from smoke.runner import Deadline, spec_state
+from smoke.deadline import Deadline
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 REPO = Path(__file__).resolve().parents[1]

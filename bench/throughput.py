@@ -66,8 +66,9 @@ from bench import autotrace, diagnose, hostinfo, pairing, servers
 from bench import report as bench_report
 from bench.configs import CONFIGS, TWIN, BenchConfig, expand
 from smoke import client, names
+from smoke.checks import check_log_clean, spec_state
 from smoke.client import Prompt
-from smoke.runner import Deadline, check_log_clean, spec_state
+from smoke.deadline import Deadline
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
 DEFAULT_CONFIGS = ("plain", "eagle3", "eagle3_thr")  # the promise: a threshold against both fixed modes

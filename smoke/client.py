@@ -1,11 +1,13 @@
-"""Standard-library HTTP client for an sglang server (no requests/aiohttp: runs anywhere)."""
+"""Standard-library HTTP client for an sglang server (no requests/aiohttp: runs anywhere): JSON
+requests, server-sent-event streams, the server's load, info and metrics."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,15 +17,27 @@ class HTTPFailure(Exception):
     pass
 
 
-def _open(req: urllib.request.Request | str, timeout: float) -> tuple[int, bytes]:
+@contextlib.contextmanager
+def _failures_named(req: urllib.request.Request | str) -> Iterator[None]:
+    """An HTTP error status or a failed connection, read or timeout inside: an HTTPFailure naming
+    the URL (and the body of an error answer)."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
+        yield
     except urllib.error.HTTPError as exc:
         body = exc.read()[:2000].decode("utf-8", "replace")
         raise HTTPFailure(f"HTTP {exc.code} from {getattr(req, 'full_url', req)}: {body}") from exc
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
         raise HTTPFailure(f"{getattr(req, 'full_url', req)}: {exc}") from exc
+
+
+def _open(req: urllib.request.Request | str, timeout: float) -> tuple[int, bytes]:
+    with _failures_named(req), urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def _json_request(url: str, payload: Any) -> urllib.request.Request:
+    return urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                  headers={"Content-Type": "application/json"})
 
 
 def get_text(url: str, timeout: float = 30) -> str:
@@ -36,13 +50,35 @@ def get_json(url: str, timeout: float = 30) -> Any:
 
 def post(url: str, payload: Any, timeout: float = 600) -> str:
     """POST a JSON body; the answer as text (some endpoints answer plain text)."""
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    return _open(req, timeout)[1].decode("utf-8", "replace")
+    return _open(_json_request(url, payload), timeout)[1].decode("utf-8", "replace")
 
 
 def post_json(url: str, payload: Any, timeout: float = 600) -> Any:
     return json.loads(post(url, payload, timeout))
+
+
+def sse_events(url: str, payload: Any, timeout: float,
+               stop_after: int | None = None) -> list[dict[str, Any]]:
+    """POST a JSON body; the JSON events of its server-sent-events answer. With stop_after, the
+    connection is closed after that many (the server must abort the request). `timeout` bounds
+    the whole stream (the socket's own timeout bounds each read only)."""
+    req = _json_request(url, payload)
+    events: list[dict[str, Any]] = []
+    ends_at = time.time() + timeout
+    with _failures_named(req), urllib.request.urlopen(req, timeout=timeout) as answer:
+        for raw in answer:
+            if time.time() > ends_at:
+                raise TimeoutError(f"the stream ran past its timeout ({timeout:.0f}s)")
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            events.append(json.loads(data))
+            if stop_after is not None and len(events) >= stop_after:
+                break
+    return events
 
 
 def healthy(base: str) -> bool:

@@ -21,79 +21,50 @@ What is finished is kept in the resume state as it ends (the references case by 
 cases one by one): the next call with the same state runs only what is missing. A line is printed as
 each piece ends.
 
-What "equal" means per case (the reference is always the plain server):
-  greedy, stop, penalties, n>1, long prompts, KV pressure: token ids (and finish reason) equal;
-    streams: the streamed text equal.
-  constrained (JSON schema, regex): token ids equal up to a tie, if any: a position where the token
-    the threshold server took lies within TIE_LOGITS of the plain server's choice (by the plain
-    server's top logprobs where they list it, else by each server's logprob of its own token).
-    Under a grammar mask the models' designed margin is gone: most allowed tokens have an lm_head
-    row of zeros (logit exactly 0, a tie that argmax breaks by kernel), the others lie a few
-    hundredths apart, and the verify and decode kernels round them differently. From a tie on,
-    the output must still be one the grammar allows (smoke.grammar_check). The servers run
-    without JSON's free whitespace: with it the model writes whitespace after "{" to the end.
-  logprobs: token ids equal; each returned logprob within LOGPROB_TOL plus LOGPROB_BF16_STEPS
-    steps of bf16 at its magnitude of the plain server's (upstream's verify and decode kernels
-    round differently, and bf16 resolves an unlikely token's logprob more coarsely).
-  sampling (temperature > 0): speculative sampling draws other random numbers than plain decoding,
-    so outputs cannot be equal token for token (upstream guarantees that only under
-    --enable-deterministic-inference, which changes the kernels under test). The check is
-    statistical: the mean logprob of the sampled tokens, per request, must not differ from the plain
-    server's by more than SAMPLING_Z standard errors (a biased sampler, one that accepts draft
-    tokens too often, samples likelier tokens and moves the mean).
+The cases are smoke.cases, the loads they run under smoke.loads, their requests smoke.answers,
+and what "equal" means per case smoke.verdicts.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
-import math
 import random
-import re
 import statistics
 import threading
 import time
 import traceback
-import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from smoke import client
-from smoke.grammar_check import Grammar, first_break
+from smoke.answers import Request, cut_by_deadline, send, send_all
+from smoke.cases import CHUNKED_PREFILL, Case, generate, make_cases, stop_cases
+from smoke.checks import check_log_clean, wait_idle
+from smoke.deadline import Deadline
+from smoke.loads import (
+    FILLER_NEW_TOKENS,
+    FILLER_PROMPT_TOKENS,
+    CaseInterrupted,
+    run_case_modes,
+    run_pressure,
+)
 from smoke.runner import (
     DEFAULT_THRESHOLD,
     REFERENCE_CONCURRENCY,
-    Deadline,
-    check_kv_back,
-    check_log_clean,
     comma_list,
     exit_code,
     side_by_side,
     side_port,
-    spec_state,
-    wait_idle,
 )
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
+from smoke.verdicts import Outcome, equal_tokens
 
-MODES = ("below", "above", "cross_up", "cross_down")
 CASE_NAMES = ("greedy", "logprobs", "sampling", "penalties", "n2", "long_prompt", "json_schema", "regex",
               "completions_stream", "chat_stream", "abort_stream", "stop", "kv_pressure")
-LOGPROB_TOL = 0.05       # nats; decode and verify kernels round differently in bf16 ...
-LOGPROB_BF16_STEPS = 4   # ... by a few steps of bf16 (8 significant bits) at the value's magnitude:
-                         # seen on a GPU, 0.5.23, in pure speculation too (below the threshold):
-                         # -27.69 vs -27.38 (2.5 steps), -16.25 vs -16.50 (2 steps)
-# two choices closer than this (logits) are a tie that rounding may break either way: the same
-# token's logprob differed by up to 0.19 between the plain and the threshold server (GPU, the
-# logprobs case), so two tokens may move 0.38 against each other
-TIE_LOGITS = 0.5
-TIE_TOP = 5  # top logprobs the constrained cases ask for (tie_margin)
-SAMPLING_Z = 4.5         # a false alarm about once in 150,000 checks
-SAMPLES = 24             # sampled requests per run of the sampling case
 MIN_POOL_TOKENS = 16384  # --max-total-tokens of both servers at least (see pool_tokens)
-CHUNKED_PREFILL = 512    # --chunked-prefill-size: the long-prompt case is longer
 PRESSURE_REQUESTS = 256
 # new tokens per pressure request: long, so that requests admitted together outgrow what admission
 # reserves for them (a share of max_new_tokens) before any can finish; with 96-160 early finishes
@@ -102,36 +73,17 @@ PRESSURE_NEW_TOKENS = (384, 448, 512)
 PRESSURE_PROMPT_TOKENS = (24, 64)  # fewest and most prompt tokens of a pressure request
 # the pressure requests admitted together must need this many times the pool before one can finish
 PRESSURE_OVERFILL = 1.5
-# the filler: 4N requests of FILLER_PROMPT_TOKENS, each FILLER_NEW_TOKENS long while it keeps the
-# batch above N ("above", "cross_up"), CROSS_DOWN_NEW_TOKENS when it must leave mid-case
-FILLER_PROMPT_TOKENS = 32
-FILLER_NEW_TOKENS = 400
-CROSS_DOWN_NEW_TOKENS = 64
 # the pool holds this many times N whole filler requests: admission reserves up to a request's whole
 # length after a retraction (GPU, 0.5.23, N=64: a pool of 16,384 tokens ran 37 filler requests, and
 # the batch never passed the threshold)
 FILLER_POOL_FACTOR = 2
-CASE_TOKENS = 192        # new tokens per request: long enough for a mode change mid-request
-# a case's requests at once, at most (below N): at 2, the sampling case's 24 requests took 33-103 s
-# under the filler (GPU, N=64), each pair queued behind it
-CASE_CONCURRENCY = 8
-STOP_REPEATS = 5         # the stop case's requests, each sent this many times (see stop_cases)
-ATTEMPTS = 3             # runs of a case under a crossing mode before "the mode did not change" fails
-RETRACT_LOG = re.compile(r"Retract requests")  # the scheduler's warning (not `retraction_policy`)
 SCHEDULE_CONSERVATIVENESS = 0.2  # admit against ~14% of max_new_tokens, so 256 requests overfill the pool
-# The deadline: every request ends REQUEST_MARGIN_S before it, and none starts with less than
-# MIN_REQUEST_S left (Deadline.request_budget).
-REQUEST_CAP_S = 600.0    # a request that hangs fails after this long, deadline or not
-DEADLINE = "deadline: "  # an Outcome's error that starts so: the deadline, not the server, stopped it
 # A case starts only with this much left (beyond the margin): the slowest case of this call so far,
 # half again (the cases differ: stop repeats its requests, a crossing may need all ATTEMPTS), and at
 # least CASE_RESERVE_MIN_S (the first case has no measure yet; four modes' waits for the mode and for
 # the pool alone take about a minute). A case cut short is run again whole by the next call.
 CASE_RESERVE_FACTOR = 1.5
 CASE_RESERVE_MIN_S = 90.0
-# A run of one mode starts only with this much left (beyond the margin): before its requests go out
-# it may wait 20 s for the filler to move the mode and 10 s for its first request to run.
-MODE_RESERVE_S = 45.0
 # The resume state is written by the variants' threads at once (each its own entries); the caller's
 # save_state reads all of it.
 STATE_LOCK = threading.Lock()
@@ -175,523 +127,6 @@ def check_threshold(threshold: int, flag: str = "--threshold") -> None:
 class DeadlineReached(Exception):
     """Too little time is left to start the named server, or to finish its work: the next call
     resumes there."""
-
-
-class CaseInterrupted(Exception):
-    """The deadline stopped a case (not the server): skipped, and run again by the next call."""
-
-
-class CaseFailure(Exception):
-    """One case failed under one mode: the cause, and nothing else stops."""
-
-
-class NotExercised(CaseFailure):
-    """The load did not move the mode as the run needed (timing): tried again, then a failure."""
-
-
-# ----------------------------------------------------------------------------- requests
-@dataclass(frozen=True)
-class Request:
-    """One request of a case: `kind` picks the endpoint and how its answer is read."""
-    kind: str                       # generate | completions_stream | chat_stream | abort_stream
-    payload: dict[str, Any]
-
-
-@dataclass
-class Outcome:
-    ids: list[list[int]] = field(default_factory=list)      # one list per choice (n > 1: several)
-    text: list[str] = field(default_factory=list)
-    finish: list[Any] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    top: list[list[list[tuple[int, float]]]] = field(default_factory=list)
-    error: str | None = None
-
-
-def _finish(meta: dict[str, Any]) -> Any:
-    fr = meta.get("finish_reason")
-    if isinstance(fr, dict):  # {"type": "stop", "matched": id or str} / {"type": "length", ...}
-        return [fr.get("type"), fr.get("matched")]
-    return fr
-
-
-def read_generate(answer: Any) -> Outcome:
-    out = Outcome()
-    for item in answer if isinstance(answer, list) else [answer]:
-        meta = item.get("meta_info") or {}
-        if item.get("output_ids") is None:
-            raise CaseFailure(f"no output_ids in the answer: {str(item)[:300]}")
-        out.ids.append(list(item["output_ids"]))
-        out.text.append(item.get("text") or "")
-        out.finish.append(_finish(meta))
-        out.logprobs.append([float(t[0]) for t in meta.get("output_token_logprobs") or []])
-        out.top.append([[(int(t[1]), float(t[0])) for t in pos or []]
-                        for pos in meta.get("output_top_logprobs") or []])
-    return out
-
-
-def sse_events(url: str, payload: dict[str, Any], timeout: float,
-               stop_after: int | None = None) -> list[dict[str, Any]]:
-    """The JSON events of a server-sent-events answer; with stop_after, the connection is closed
-    after that many (the server must abort the request). `timeout` bounds the whole stream (the
-    socket's own timeout bounds each read only)."""
-    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    events: list[dict[str, Any]] = []
-    ends_at = time.time() + timeout
-    with urllib.request.urlopen(req, timeout=timeout) as answer:
-        for raw in answer:
-            if time.time() > ends_at:
-                raise TimeoutError(f"the stream ran past its timeout ({timeout:.0f}s)")
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            events.append(json.loads(data))
-            if stop_after is not None and len(events) >= stop_after:
-                break
-    return events
-
-
-def read_stream(events: list[dict[str, Any]], chat: bool) -> Outcome:
-    text, finish = [], None
-    for ev in events:
-        if "error" in ev:
-            raise CaseFailure(f"error event in the stream: {str(ev)[:300]}")
-        for ch in ev.get("choices") or []:
-            piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-            text.append(piece or "")
-            finish = ch.get("finish_reason") or finish
-    return Outcome(text=["".join(text)], finish=[finish])
-
-
-def cut_by_deadline(outs: Sequence[Outcome]) -> bool:
-    """Whether the deadline stopped one of these requests (or kept it from starting)."""
-    return any(o.error is not None and o.error.startswith(DEADLINE) for o in outs)
-
-
-def send(base: str, req: Request, deadline: Deadline, cap: float = REQUEST_CAP_S) -> Outcome:
-    """One request, its timeout taken from the deadline as it starts; one the deadline stopped or
-    kept from starting answers an error that starts with DEADLINE."""
-    timeout = deadline.request_budget(cap)
-    if timeout is None:
-        return Outcome(error=f"{DEADLINE}not started, {deadline.left():.0f}s left")
-    try:
-        return _send(base, req, timeout)
-    except (client.HTTPFailure, OSError, ValueError) as exc:
-        # a timeout the deadline shortened ran out with the deadline: not the server's failure
-        why = DEADLINE if timeout < cap and deadline.request_budget(REQUEST_CAP_S) is None else ""
-        return Outcome(error=f"{why}{type(exc).__name__}: {exc}"[:600])
-
-
-def _send(base: str, req: Request, timeout: float) -> Outcome:
-    try:
-        if req.kind == "generate":
-            return read_generate(client.post_json(base + "/generate", req.payload, timeout))
-        if req.kind in ("completions_stream", "chat_stream"):
-            path = "/v1/chat/completions" if req.kind == "chat_stream" else "/v1/completions"
-            return read_stream(sse_events(base + path, req.payload, timeout), req.kind == "chat_stream")
-        if req.kind == "abort_stream":
-            events = sse_events(base + "/generate", req.payload, timeout, stop_after=4)
-            return Outcome(text=[str(len(events))])
-        raise ValueError(f"unknown request kind {req.kind}")
-    except CaseFailure as exc:
-        return Outcome(error=str(exc))
-
-
-def send_all(base: str, reqs: Sequence[Request], concurrency: int, deadline: Deadline) -> list[Outcome]:
-    if concurrency <= 1:
-        return [send(base, r, deadline) for r in reqs]
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        return list(pool.map(lambda r: send(base, r, deadline), reqs))
-
-
-# ----------------------------------------------------------------------------- comparisons
-def no_errors(outs: Sequence[Outcome], who: str) -> None:
-    bad = [o.error for o in outs if o.error]
-    if bad:
-        raise CaseFailure(f"{who}: {len(bad)} request(s) failed, first: {bad[0]}")
-
-
-def equal_tokens(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]:
-    no_errors(got, "threshold server")
-    for i, (r, g) in enumerate(zip(ref, got)):
-        if (g.ids, g.finish) != (r.ids, r.finish):
-            for c, (a, b) in enumerate(zip(g.ids, r.ids)):
-                at = first_difference(a, b)
-                if at is not None:
-                    raise CaseFailure(f"request {i} choice {c}: first difference at token {at}: got "
-                                      f"{a[at:at + 5]} expected {b[at:at + 5]} (lengths {len(a)}/{len(b)})")
-            raise CaseFailure(f"request {i}: finish {g.finish} / {len(g.ids)} choice(s), plain server "
-                              f"{r.finish} / {len(r.ids)}")
-    return {"requests": len(got)}
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first position where a and b differ (the shorter one's length if one begins the other),
-    None if they are equal."""
-    if list(a) == list(b):
-        return None
-    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def tie_margin(ref: Outcome, got: Outcome, choice: int, at: int) -> float | None:
-    """By how much (nats, as logits) the plain server's token at `at` leads the one the threshold
-    server took there: from the plain server's top logprobs where they list the latter, else from
-    each server's logprob of its own token (ties among many tokens at an exact 0 logit outnumber
-    any top list); None without logprobs."""
-    top = dict(ref.top[choice][at]) if at < len(ref.top[choice]) else {}
-    chosen, taken = ref.ids[choice][at], got.ids[choice][at]
-    if chosen in top and taken in top:
-        return top[chosen] - top[taken]
-    mine, theirs = ref.logprobs[choice], got.logprobs[choice]
-    if at < len(mine) and at < len(theirs):
-        return mine[at] - theirs[at]
-    return None
-
-
-def equal_until_tie(grammar: Grammar) -> Callable[[Sequence[Outcome], Sequence[Outcome]], dict[str, Any]]:
-    """The constrained cases' check (see the module's docstring): the requests ask for logprobs,
-    so that the answers say where a choice was a tie."""
-
-    def check(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]:
-        no_errors(got, "threshold server")
-        ties: list[dict[str, Any]] = []
-        for i, (r, g) in enumerate(zip(ref, got)):
-            if len(g.ids) != len(r.ids):
-                raise CaseFailure(f"request {i}: {len(g.ids)} choice(s), plain server {len(r.ids)}")
-            for c, (a, b) in enumerate(zip(g.ids, r.ids)):
-                at = first_difference(a, b)
-                if at is None:
-                    if g.finish[c] != r.finish[c]:
-                        raise CaseFailure(f"request {i} choice {c}: finish {g.finish[c]}, plain server "
-                                          f"{r.finish[c]}")
-                    continue
-                head = (f"request {i} choice {c}: first difference at token {at}: got {a[at:at + 5]} "
-                        f"expected {b[at:at + 5]} (lengths {len(a)}/{len(b)})")
-                if at >= min(len(a), len(b)):
-                    raise CaseFailure(head)
-                margin = tie_margin(r, g, c, at)
-                if margin is None:
-                    raise CaseFailure(f"{head}; no logprobs to tell a tie by")
-                if margin > TIE_LOGITS:
-                    raise CaseFailure(f"{head}; the plain server's choice there leads the token taken by "
-                                      f"{margin:.3f}, not a tie (at most {TIE_LOGITS})")
-                broken = first_break(grammar, a)
-                if broken:
-                    raise CaseFailure(f"{head}; a tie ({margin:.3f} apart), but after it {broken}")
-                ties.append({"request": i, "at": at, "margin": round(margin, 4)})
-        return {"requests": len(got), "ties": ties}
-
-    return check
-
-
-def equal_text(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]:
-    no_errors(got, "threshold server")
-    for i, (r, g) in enumerate(zip(ref, got)):
-        if g.text != r.text or g.finish != r.finish:
-            a, b = g.text[0], r.text[0]
-            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            raise CaseFailure(f"stream {i}: text differs at character {at}: got {a[at:at + 20]!r} "
-                              f"expected {b[at:at + 20]!r}; finish {g.finish} vs {r.finish}")
-    return {"requests": len(got), "chars": sum(len(o.text[0]) for o in got)}
-
-
-def bf16_step(x: float) -> float:
-    """The spacing of bf16 numbers at |x| (8 significant bits): 0.125 between 16 and 32."""
-    return math.ldexp(1.0, math.frexp(abs(x))[1] - 8) if x else 0.0
-
-
-def logprob_tolerance(plain: float, tol: float = LOGPROB_TOL) -> float:
-    """How far a threshold server's logprob may lie from the plain server's `plain`."""
-    return tol + LOGPROB_BF16_STEPS * bf16_step(plain)
-
-
-def close_logprobs(ref: Sequence[Outcome], got: Sequence[Outcome], tol: float = LOGPROB_TOL) -> dict[str, Any]:
-    equal_tokens(ref, got)
-    worst = 0.0
-    for i, (r, g) in enumerate(zip(ref, got)):
-        if len(g.logprobs[0]) != len(r.logprobs[0]) or not r.logprobs[0]:
-            raise CaseFailure(f"request {i}: {len(g.logprobs[0])} output logprobs, plain server "
-                              f"{len(r.logprobs[0])}")
-        for k, (a, b) in enumerate(zip(g.logprobs[0], r.logprobs[0])):
-            worst = max(worst, abs(a - b))
-            if abs(a - b) > logprob_tolerance(b, tol):
-                raise CaseFailure(f"request {i} token {k}: logprob {a:.4f}, plain server {b:.4f} "
-                                  f"(tolerance {logprob_tolerance(b, tol):.4f})")
-        if len(g.top[0]) != len(r.top[0]):
-            raise CaseFailure(f"request {i}: top logprobs at {len(g.top[0])} positions, plain "
-                              f"server {len(r.top[0])}")
-        for k, (gt, rt) in enumerate(zip(g.top[0], r.top[0])):
-            want = dict(rt)
-            for tok, lp in gt:
-                if tok in want:
-                    worst = max(worst, abs(lp - want[tok]))
-                    if abs(lp - want[tok]) > logprob_tolerance(want[tok], tol):
-                        raise CaseFailure(f"request {i} position {k}: top logprob of token {tok} "
-                                          f"{lp:.4f}, plain server {want[tok]:.4f} (tolerance "
-                                          f"{logprob_tolerance(want[tok], tol):.4f})")
-            if gt[:1] and rt[:1] and gt[0][0] != rt[0][0]:
-                raise CaseFailure(f"request {i} position {k}: top-1 token {gt[0][0]}, plain server "
-                                  f"{rt[0][0]}")
-    return {"requests": len(got), "max_logprob_diff": round(worst, 5)}
-
-
-def mean_logprob(outs: Sequence[Outcome]) -> list[float]:
-    return [statistics.fmean(o.logprobs[0]) for o in outs if o.logprobs and o.logprobs[0]]
-
-
-def same_distribution(ref: Sequence[Outcome], got: Sequence[Outcome], z_max: float = SAMPLING_Z) -> dict[str, Any]:
-    """Welch's z of the per-request mean logprob of the sampled tokens, threshold vs plain server."""
-    no_errors(got, "threshold server")
-    a, b = mean_logprob(got), mean_logprob(ref)
-    if len(a) < 2 or len(b) < 2:
-        raise CaseFailure(f"sampling: too few requests with logprobs ({len(a)}, plain {len(b)})")
-    se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
-    diff = statistics.fmean(a) - statistics.fmean(b)
-    z = diff / se if se > 0 else (0.0 if diff == 0 else math.inf)
-    distinct = len({tuple(o.ids[0]) for o in got})
-    if abs(z) > z_max:
-        raise CaseFailure(f"sampling: mean logprob of sampled tokens {statistics.fmean(a):.4f} vs "
-                          f"plain {statistics.fmean(b):.4f}: z = {z:.2f} (limit {z_max})")
-    return {"requests": len(got), "mean_logprob": round(statistics.fmean(a), 4),
-            "plain_mean_logprob": round(statistics.fmean(b), 4), "z": round(z, 2),
-            "distinct_outputs": distinct}
-
-
-def streams_closed(ref: Sequence[Outcome], got: Sequence[Outcome]) -> dict[str, Any]:
-    """Streams closed by the client after a few events: each must have started (the KV pool check
-    after the run shows that the server let go of them)."""
-    no_errors(got, "threshold server")
-    events = [int(o.text[0]) for o in got]
-    if min(events) < 1:
-        raise CaseFailure(f"a stream closed early sent no event before the close ({events})")
-    return {"requests": len(got), "events_before_close": events}
-
-
-# ----------------------------------------------------------------------------- cases
-@dataclass(frozen=True)
-class Case:
-    name: str
-    requests: tuple[Request, ...]
-    check: Callable[[Sequence[Outcome], Sequence[Outcome]], dict[str, Any]]
-    concurrency: int = 1
-    note: str = ""
-    modes: tuple[str, ...] = MODES
-
-
-def _gen(ids: Sequence[int], *, logprobs: int | None = None, **sampling: Any) -> Request:
-    """A /generate request; logprobs: return them, with that many top logprobs per position."""
-    params = {"temperature": 0, "max_new_tokens": CASE_TOKENS, "ignore_eos": True, **sampling}
-    payload: dict[str, Any] = {"input_ids": list(ids), "sampling_params": params}
-    if logprobs is not None:
-        payload.update(return_logprob=True, top_logprobs_num=logprobs)
-    return Request("generate", payload)
-
-
-def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int = 0) -> list[Case]:
-    """The matrix's cases (references come from the plain server; no case needs a tokenizer here)."""
-    rnd = random.Random(seed)
-    vocab = int(expected["vocab_size"])
-
-    def ids(n: int) -> list[int]:
-        return [rnd.randrange(3, vocab) for _ in range(n)]
-
-    # at most threshold - 1 running at once: "below" must stay below (the n=2 case runs alone); as
-    # many as CASE_CONCURRENCY where N allows, as under the filler each round of a case's requests
-    # waits behind its queue
-    conc = max(1, min(CASE_CONCURRENCY, threshold - 1))
-    prompt_text = str(expected.get("prompt") or "def fibonacci(n):")
-    # a temperature at which the first and second choice of the model are about 2:1 (the models'
-    # top-1/top-2 margin is many logits, so temperature 1 would sample the greedy token every time)
-    temperature = max(1.0, float(expected.get("mean_top1_top2_margin", 1.0)) / math.log(2))
-    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                          "n": {"type": "integer"}},
-                         "required": ["name", "n"]})
-    regex = "(yes|no) [0-9]{2,40}[a-f]+"
-    cases = [
-        Case("greedy", tuple(_gen(ids(24)) for _ in range(2)), equal_tokens, conc),
-        Case("logprobs", tuple(_gen(ids(24), logprobs=5) for _ in range(2)),
-             close_logprobs, conc),
-        Case("sampling", tuple(_gen(ids(16), logprobs=0, temperature=round(temperature, 3), top_p=1.0,
-                                    max_new_tokens=48) for _ in range(SAMPLES)),
-             same_distribution, conc, note=f"temperature {temperature:.2f}; statistical check"),
-        Case("penalties", (_gen(ids(24), frequency_penalty=1.5), _gen(ids(24), presence_penalty=1.5),
-                           _gen(ids(24), repetition_penalty=1.5)), equal_tokens, conc),
-        Case("n2", (_gen(ids(24), n=2, max_new_tokens=96),), equal_tokens, 1),
-        Case("long_prompt", (_gen(ids(3 * CHUNKED_PREFILL + 37), max_new_tokens=96),), equal_tokens, 1,
-             note=f"{3 * CHUNKED_PREFILL + 37} prompt tokens, chunked prefill {CHUNKED_PREFILL}"),
-        Case("json_schema", (_gen(ids(16), json_schema=schema, ignore_eos=False, logprobs=TIE_TOP),),
-             equal_until_tie(Grammar("json_schema", schema, model, any_whitespace=False)), 1),
-        Case("regex", (_gen(ids(16), regex=regex, ignore_eos=False, logprobs=TIE_TOP),),
-             equal_until_tie(Grammar("regex", regex, model)), 1),
-        Case("completions_stream", (Request("completions_stream", {
-            "model": model, "prompt": ids(24), "max_tokens": CASE_TOKENS, "temperature": 0,
-            "stream": True}),), equal_text, 1),
-        Case("chat_stream", (Request("chat_stream", {
-            "model": model, "messages": [{"role": "user", "content": prompt_text}],
-            "max_tokens": CASE_TOKENS, "temperature": 0, "stream": True}),), equal_text, 1),
-        Case("abort_stream", tuple(Request("abort_stream", {
-            "input_ids": ids(24), "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 2048, "ignore_eos": True}})
-            for _ in range(2)), streams_closed, conc, modes=("below", "above"),
-            note="the client closes the stream after 4 events, in each mode"),
-    ]
-    return cases
-
-
-def stop_cases(base: Outcome, p: list[int]) -> list[Case]:
-    """Stop token ids, stop strings and min_new_tokens, chosen from the plain server's own greedy
-    output so that each stops early (a stop that never triggers would prove nothing)."""
-    out_ids, text = base.ids[0], base.text[0]
-    first: dict[int, int] = {}
-    for i, t in enumerate(out_ids):
-        first.setdefault(t, i)
-    stop_at = next(i for i, t in enumerate(out_ids) if i >= 12 and first[t] == i)
-    early = next(i for i, t in enumerate(out_ids) if i >= 2 and first[t] == i)
-    later = next(i for i, t in enumerate(out_ids) if i >= early + 10 and first[t] == i)
-    reqs = [_gen(p, stop_token_ids=[out_ids[stop_at]], ignore_eos=False),
-            # the earlier stop id comes before min_new_tokens: only the later one may stop it
-            _gen(p, stop_token_ids=[out_ids[early], out_ids[later]], min_new_tokens=early + 5,
-                 ignore_eos=False)]
-    piece = text[len(text) // 3: len(text) // 3 + 3]
-    if piece.strip():
-        reqs.append(_gen(p, stop=[piece], ignore_eos=False))
-    # each request stops within a few dozen tokens: sent STOP_REPEATS times one after the other,
-    # the case runs as long as the others, so a mode change can happen while it is in flight
-    return [Case("stop", tuple(reqs) * STOP_REPEATS, equal_tokens, 1,
-                 note=f"stop id at token {stop_at}; min_new_tokens past a stop id at {early}, stop at {later}; "
-                      f"stop string {piece!r}; each {STOP_REPEATS} times")]
-
-
-# ----------------------------------------------------------------------------- load modes
-class Filler:
-    """4N greedy requests that keep the threshold server's batch above the threshold. `rolling`: each
-    slot sends its next request when one ends, until stop(); else each slot sends one. No request
-    outlives the deadline's margin, and none starts past it."""
-
-    def __init__(self, base: str, prompts: list[list[int]], max_new: int, tag: str, deadline: Deadline,
-                 rolling: bool):
-        self.base, self.max_new, self.tag, self.deadline, self.rolling = base, max_new, tag, deadline, rolling
-        self.stopping = False
-        self.current: dict[int, str] = {}
-        self.pool = ThreadPoolExecutor(max_workers=len(prompts))
-        self.futures = [self.pool.submit(self._slot, i, p) for i, p in enumerate(prompts)]
-
-    def _slot(self, i: int, ids: list[int]) -> str | None:
-        k = 0
-        while not self.stopping:
-            timeout = self.deadline.request_budget(REQUEST_CAP_S)
-            if timeout is None:
-                return None  # the case's own requests say that the deadline stopped the run
-            rid = self.current[i] = f"{self.tag}-{i}-{k}"
-            payload = {"input_ids": ids, "rid": rid, "sampling_params": {
-                "temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True}}
-            try:
-                client.post_json(self.base + "/generate", payload, timeout)
-            except client.HTTPFailure as exc:
-                if not self.stopping and self.deadline.request_budget(REQUEST_CAP_S) is not None:
-                    return f"filler request {rid}: {exc}"[:400]
-            k += 1
-            if not self.rolling:
-                break
-        return None
-
-    def stop(self) -> None:
-        self.stopping = True
-        for rid in list(self.current.values()):
-            try:
-                client.abort(self.base, rid)
-            except client.HTTPFailure:
-                pass
-        self.wait()
-
-    def wait(self) -> None:
-        errors = [e for e in (f.result() for f in self.futures) if e]
-        self.pool.shutdown()
-        if errors:
-            raise CaseFailure(errors[0])
-
-
-def wait_mode(base: str, mode: str, timeout: float = 20) -> bool:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if spec_state(client.server_info(base))["mode"] == mode:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def wait_running(base: str, n: int, timeout: float = 10) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout and client.load(base).get("num_running_reqs", 0) < n:
-        time.sleep(0.01)
-
-
-def stop_if_cut(case: Case, mode: str, outs: Sequence[Outcome]) -> None:
-    """A run the deadline cut short proves nothing either way: the case is run again next call."""
-    if cut_by_deadline(outs):
-        raise CaseInterrupted(f"{case.name} {mode}: the deadline stopped its requests")
-
-
-def run_under(mode: str, base: str, case: Case, filler_prompts: list[list[int]],
-              deadline: Deadline) -> tuple[list[Outcome], dict[str, Any]]:
-    """The case's requests on the threshold server under one load mode; what the mode did."""
-    tag = f"filler-{case.name}-{mode}-{int(time.time() * 1000)}"
-
-    seen: dict[str, Any] = {}
-    # the cross modes: how long the case's requests ran and when the mode changed, both from their
-    # start (a crossing that came too late says by how much)
-    started = time.monotonic()
-
-    def case_run() -> list[Outcome]:
-        outs = send_all(base, case.requests, case.concurrency, deadline)
-        seen["case_ran_s"] = round(time.monotonic() - started, 2)
-        return outs
-
-    if mode == "below":
-        outs = case_run()
-        stop_if_cut(case, mode, outs)
-        return outs, seen
-    with ThreadPoolExecutor(max_workers=1) as one:
-        if mode == "above":
-            filler = Filler(base, filler_prompts, FILLER_NEW_TOKENS, tag, deadline, rolling=True)
-            seen["plain_before"] = wait_mode(base, "plain")
-            outs = case_run()
-            seen["plain_after"] = spec_state(client.server_info(base))["mode"] == "plain"
-            filler.stop()
-            stop_if_cut(case, mode, outs)
-            if not (seen["plain_before"] and seen["plain_after"]):
-                raise NotExercised(f"above: the server was not in plain mode for the whole case ({seen})")
-            return outs, seen
-        if mode == "cross_up":
-            fut = one.submit(case_run)
-            wait_running(base, 1)  # the case's first request is in the batch
-            filler = Filler(base, filler_prompts, FILLER_NEW_TOKENS, tag, deadline, rolling=True)
-            changed = wait_mode(base, "plain")
-            seen["crossed_in_flight"] = changed and not fut.done()
-        elif mode == "cross_down":
-            # short: it ends while the case's requests (CASE_TOKENS new tokens) still run
-            filler = Filler(base, filler_prompts, CROSS_DOWN_NEW_TOKENS, tag, deadline, rolling=False)
-            plain_before = wait_mode(base, "plain")
-            started = time.monotonic()
-            fut = one.submit(case_run)
-            changed = plain_before and wait_mode(base, "speculative")
-            seen["crossed_in_flight"] = changed and not fut.done()
-        else:
-            raise ValueError(mode)
-        seen["mode_changed_after_s"] = round(time.monotonic() - started, 2) if changed else None
-        outs = fut.result()
-        if mode == "cross_up":
-            filler.stop()
-        else:
-            filler.wait()
-    stop_if_cut(case, mode, outs)
-    if not seen.get("crossed_in_flight"):
-        raise NotExercised(f"{mode}: the mode did not change while the case's requests were in flight "
-                          f"({seen}): the run proved nothing")
-    return outs, seen
 
 
 # ----------------------------------------------------------------------------- the matrix
@@ -738,7 +173,7 @@ SIDE_BY_SIDE_MEM_SHARE = 0.6
 
 def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool = True) -> ServerConfig:
     # metrics on for the threshold server only; xgrammar for the constrained cases (JSON without
-    # free whitespace: see the module's docstring); a pool sized for the filler and the pressure
+    # free whitespace: see smoke.verdicts); a pool sized for the filler and the pressure
     # case (pool_tokens), chunked prefill for the long-prompt case
     extra = ("--grammar-backend", "xgrammar", "--constrained-json-disable-any-whitespace",
              "--max-total-tokens", str(pool_tokens(opts.threshold)),
@@ -761,63 +196,9 @@ def pressure_requests(seed: int, vocab: int) -> tuple[Request, ...]:
     def one() -> Request:
         prompt = [rnd.randrange(3, vocab) for _ in range(rnd.randint(*PRESSURE_PROMPT_TOKENS))]
         new = rnd.choice(PRESSURE_NEW_TOKENS)
-        return _gen(prompt, max_new_tokens=new, min_new_tokens=new, ignore_eos=False)
+        return generate(prompt, max_new_tokens=new, min_new_tokens=new, ignore_eos=False)
 
     return tuple(one() for _ in range(PRESSURE_REQUESTS))
-
-
-def retractions(log: Path) -> int:
-    return sum(1 for line in log.read_text(errors="replace").splitlines() if RETRACT_LOG.search(line))
-
-
-def pool_back(base: str, baseline: dict[str, Any], deadline: Deadline, timeout: float = 30) -> None:
-    """The KV pool back at its idle size after a run (wait_idle, ended by the deadline's margin). A
-    wait the deadline cut short is no failure: the pool may still have been emptying."""
-    allowed = min(timeout, deadline.left_for_requests())
-    idle = wait_idle(base, baseline, timeout=max(0.0, allowed))
-    try:
-        check_kv_back(baseline, idle)
-    except SmokeError as exc:
-        if allowed < timeout:
-            raise CaseInterrupted(f"the deadline came while the pool emptied: {exc.cause}") from exc
-        raise CaseFailure(exc.cause) from exc
-
-
-def run_case_mode(case: Case, mode: str, ref: list[Outcome], base: str, baseline: dict[str, Any],
-                  filler_prompts: list[list[int]], deadline: Deadline) -> dict[str, Any]:
-    before = spec_state(client.server_info(base))
-    try:
-        outs, seen = run_under(mode, base, case, filler_prompts, deadline)
-        detail = case.check(ref, outs)
-        after = spec_state(client.server_info(base))
-        if mode == "below" and after["plain_steps"] - before["plain_steps"] > 1:
-            raise CaseFailure(f"below: {after['plain_steps'] - before['plain_steps']} plain steps "
-                              "while the batch stayed under the threshold")
-        pool_back(base, baseline, deadline)
-        # the steps, not only the mode: on 0.5.17 a batch holding a grammar or penalties keeps
-        # speculating while the mode is plain (they are applied inside verification)
-        return {"ok": True, **detail, **seen, "mode_changes": after["mode_changes"] - before["mode_changes"],
-                "plain_steps": after["plain_steps"] - before["plain_steps"],
-                "speculative_steps": after["speculative_steps"] - before["speculative_steps"]}
-    except CaseFailure as exc:
-        wait_idle(base, baseline, timeout=max(0.0, min(30, deadline.left_for_requests())))
-        return {"ok": False, "cause": str(exc), "not_exercised": isinstance(exc, NotExercised)}
-
-
-def run_case_modes(case: Case, ref: list[Outcome], base: str, baseline: dict[str, Any],
-                   filler_prompts: list[list[int]], deadline: Deadline) -> dict[str, Any]:
-    """Every mode of the case, a mode that did not move as it needed tried again; CaseInterrupted
-    where the deadline leaves too little time for the next run."""
-    rows: dict[str, Any] = {}
-    for mode in case.modes:
-        for attempt in range(1, ATTEMPTS + 1):
-            if deadline.left_for_requests() < MODE_RESERVE_S:
-                raise CaseInterrupted(f"{case.name} {mode}: not started, {deadline.left():.0f}s left")
-            rows[mode] = run_case_mode(case, mode, ref, base, baseline, filler_prompts, deadline)
-            rows[mode]["attempts"] = attempt
-            if rows[mode]["ok"] or not rows[mode].get("not_exercised"):
-                break
-    return rows
 
 
 def keep(opts: FeatureOptions, store: dict[str, Any], name: str, value: Any) -> None:
@@ -875,7 +256,7 @@ def answer_missing(opts: FeatureOptions, base: str, cases: list[Case], stop_prom
     models' greedy outputs do not depend on the batch), each kept as it completes. False where the
     deadline stopped it."""
     if "stop_base" not in state:
-        out = send(base, _gen(stop_prompt, max_new_tokens=64), opts.deadline)
+        out = send(base, generate(stop_prompt, max_new_tokens=64), opts.deadline)
         if cut_by_deadline([out]):
             opts.progress("features references: stopped by the deadline before the first case")
             return False
@@ -1039,27 +420,6 @@ def run_side_by_side(opts: FeatureOptions, cases: list[Case], refs: dict[str, An
         elif key in reports:
             report["variants"][key] = reports[key]
             file_variant(done, cases_kept, key, reports[key], crashed=key in crashed)
-
-
-def run_pressure(pressure: Case, ref: list[Outcome], base: str, baseline: dict[str, Any], log: Path,
-                 deadline: Deadline) -> dict[str, Any]:
-    """KV pressure: all requests at once into a small pool; retractions must happen and change nothing."""
-    retract_before = retractions(log)
-    before = spec_state(client.server_info(base))
-    outs = send_all(base, pressure.requests, pressure.concurrency, deadline)
-    stop_if_cut(pressure, "above", outs)
-    try:
-        row: dict[str, Any] = {"ok": True, **equal_tokens(ref, outs)}
-        after = spec_state(client.server_info(base))
-        for k in ("mode_changes", "plain_steps", "speculative_steps"):
-            row[k] = after[k] - before[k]
-        row["retract_log_lines"] = retractions(log) - retract_before
-        if row["retract_log_lines"] == 0:
-            raise CaseFailure("no request was retracted: the pool was not under pressure")
-        pool_back(base, baseline, deadline, timeout=60)
-    except (CaseFailure, SmokeError) as exc:
-        row = {"ok": False, "cause": getattr(exc, "cause", str(exc))}
-    return row
 
 
 def case_verdict(rows: dict[str, Any]) -> str:

@@ -31,7 +31,8 @@ from bench import report as bench_report
 from bench import throughput as bench
 from bench.__main__ import build_parser
 from smoke import client, models
-from smoke.runner import Deadline, check_log_clean
+from smoke.checks import check_log_clean
+from smoke.deadline import Deadline
 from smoke.server import Server, ServerConfig, SmokeError, group_running
 
 RESULT = REPO / "tests" / "data" / "bench_result_format.json"

@@ -19,8 +19,9 @@ if str(REPO) not in sys.path:
 from bench import comm
 from bench.__main__ import build_parser
 from smoke import models
+from smoke.checks import check_outputs
 from smoke.client import Result
-from smoke.runner import Deadline, check_outputs
+from smoke.deadline import Deadline
 from smoke.server import SmokeError
 
 LOG_HEAD = """\

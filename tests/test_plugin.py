@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from sglang_image import pins, plugin_check, plugin_source, plugin_wheel
-from smoke import runner
+from smoke import checks
 from tests.eagle3_draft import EAGLE3_LEAVES
 from tests.forkserver import forked_probes, warm_imports
 from tests.probe import probe_result
@@ -655,13 +655,13 @@ def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(r
     assert out["steps"] == [3, 0, 0, 0, 3, 3]  # 20 <= 28 resumes after one catch-up step
     assert out["lines"][0] == ("Plain step: plain steps and prefills in plain mode write only the "
                                "draft's K/V, one catch-up step before speculation resumes")
-    assert runner.draft_plain_step({}, "\n".join(out["lines"])) == "kv_only"  # what the smoke reads
+    assert checks.draft_plain_step({}, "\n".join(out["lines"])) == "kv_only"  # what the smoke reads
     other = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
     assert other["policy"] == "ThresholdPolicy" and not other["kv_only"]
     assert other["steps"] == [3, 0, 0, 3, 3, 3]
     assert other["lines"][0] == ("Plain step: plain steps run the draft's full step: the draft is "
                                  "NoneType, not a Llama EAGLE-3 draft")
-    assert runner.draft_plain_step({}, "\n".join(other["lines"])) == "full"
+    assert checks.draft_plain_step({}, "\n".join(other["lines"])) == "full"
 
 
 def test_worker_untouched_without_a_threshold(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]

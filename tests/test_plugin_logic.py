@@ -190,11 +190,11 @@ def test_plain_step_installs_the_hooks_of_its_parts_only() -> None:
         "Plain step: plain steps run the draft's full step: the draft has 2 layers",
         "Plain step: plain steps keep the speculative layout: x"]
     # the smoke reads the server info's view, and these words where a server has none
-    from smoke import runner
-    assert runner.draft_plain_step({"plain_step": full.view()}, "") == "kv_only"
-    assert runner.draft_plain_step({"plain_step": deep.view()}, "") == "full"
-    assert runner.draft_plain_step({}, full.log_lines()[0]) == "kv_only"
-    assert runner.draft_plain_step({}, deep.log_lines()[0]) == "full"
+    from smoke import checks
+    assert checks.draft_plain_step({"plain_step": full.view()}, "") == "kv_only"
+    assert checks.draft_plain_step({"plain_step": deep.view()}, "") == "full"
+    assert checks.draft_plain_step({}, full.log_lines()[0]) == "kv_only"
+    assert checks.draft_plain_step({}, deep.log_lines()[0]) == "full"
     # the flag, its variable and `auto` as the smoke and the bench spell them: the plugin's own
     from smoke import names
     assert (names.THRESHOLD_FLAG, names.THRESHOLD_ENV, names.AUTO) == (

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench import router
-from smoke.runner import Deadline
+from smoke.deadline import Deadline
 from smoke.server import ServerConfig
 from tests.deploy_checks import need
 

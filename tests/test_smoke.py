@@ -1,7 +1,9 @@
-"""The smoke runner's checks, the model generator and the argument parsing (CPU, no server).
+"""The smoke run (smoke.runner): its failure reports, prompts, variants and argument parsing; the
+model generator, the partial smoke and the host side (CPU, no server; the checks themselves:
+tests/test_checks.py).
 
-The checks run on real text and real outputs: a server log in sglang 0.5.17's format, the greedy
-continuation of a model generated here. Nothing pretends to be an sglang server.
+The failure paths run on real text and real outputs: a server log in sglang 0.5.17's format, the
+greedy continuation of a model generated here. Nothing pretends to be an sglang server.
 """
 from __future__ import annotations
 
@@ -25,31 +27,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.__main__ import build_parser as bench_parser
-from smoke import client, models, partial, runner
+from smoke import checks, client, models, partial, runner
 from smoke.__main__ import build_parser
+from smoke.deadline import Deadline
 from tests.draft_emulation import emulate_draft
 from tests.server_fakes import VariantRecorder, port_recording_server
-
-# A server log as sglang 0.5.17 writes it (launch of an EAGLE-3 server), without the patch's line.
-SERVER_LOG = """\
-$ python3 -m sglang.launch_server --model-path /tmp/smoke-state/models/tiny/target --host 127.0.0.1 --port 30000 --speculative-algorithm EAGLE3 --speculative-disable-batch-threshold 4
-[2026-11-30 08:40:02] server_args=ServerArgs(model_path='/tmp/smoke-state/models/tiny/target', tokenizer_path='/tmp/smoke-state/models/tiny/target', attention_backend='triton', sampling_backend='pytorch', grammar_backend='none', speculative_algorithm='EAGLE3', speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4, ...)
-[2026-11-30 08:40:09] Load weight begin. avail mem=138.72 GB
-[2026-11-30 08:40:09] Load weight end. elapsed=0.05 s, type=LlamaForCausalLM, dtype=torch.bfloat16, avail mem=138.70 GB, mem usage=0.02 GB.
-[2026-11-30 08:40:10] KV Cache is allocated. #tokens: 1966080, K size: 3.75 GB, V size: 3.75 GB
-[2026-11-30 08:40:10] Memory pool end. avail mem=130.96 GB
-[2026-11-30 08:40:14] Capture cuda graph begin. This can take up to several minutes. avail mem=130.90 GB
-[2026-11-30 08:40:31] Capture cuda graph end. Time elapsed: 17.02 s. mem usage=0.11 GB. avail mem=130.79 GB.
-[2026-11-30 08:40:33] max_total_num_tokens=1966080, chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=64, context_len=4096, available_gpu_mem=130.79 GB
-[2026-11-30 08:40:34] INFO:     Started server process [41233]
-[2026-11-30 08:40:34] INFO:     Waiting for application startup.
-[2026-11-30 08:40:34] INFO:     Application startup complete.
-[2026-11-30 08:40:34] INFO:     Uvicorn running on http://127.0.0.1:30000 (Press CTRL+C to quit)
-[2026-11-30 08:40:35] INFO:     127.0.0.1:51220 - "GET /health HTTP/1.1" 200 OK
-[2026-11-30 08:40:36] Prefill batch, #new-seq: 1, #new-token: 9, #cached-token: 0, token usage: 0.00, #running-req: 0, #queue-req: 0,
-[2026-11-30 08:40:36] The server is fired up and ready to roll!
-"""
-PATCH_LINE = "[2026-11-30 08:40:10] Dynamic speculation disable enabled: threshold=4 (hysteresis=1)\n"
+from tests.server_log import PATCH_LINE, SERVER_LOG
 
 
 # ----------------------------------------------------------------------------- models (real, CPU)
@@ -130,7 +113,7 @@ def test_missing_log_line_fails_with_cause_and_log_tail(tmp_path):
     log.write_text(SERVER_LOG)
     rep: dict = {"name": "eagle_overlap", "phases": {}}
     with pytest.raises(runner.SmokeError) as ei:
-        runner.check_start_log(log.read_text(), 4)
+        checks.check_start_log(log.read_text(), 4)
     assert "Dynamic speculation disable enabled: threshold=4" in ei.value.cause
     runner.record_failure(rep, ei.value, log)
     report = runner.collect_failures({"threshold": 4, "variants": {"eagle_overlap": rep},
@@ -154,27 +137,19 @@ def test_an_auto_report_is_summarized():
     assert "'crossover': 64" in text and "d_spec" not in text
 
 
-def test_start_log_line_found_and_exact():
-    runner.check_start_log(SERVER_LOG + PATCH_LINE, 4)
-    with pytest.raises(runner.SmokeError):
-        runner.check_start_log(SERVER_LOG + PATCH_LINE.replace("threshold=4", "threshold=40"), 4)
-    with pytest.raises(runner.SmokeError):
-        runner.check_start_log(SERVER_LOG + PATCH_LINE, 8)
-
-
 def test_output_mismatch_fails_with_cause_and_log_tail(tiny_models, tmp_path):
     exp = json.loads((tiny_models["first"] / "expected.json").read_text())
     ref = {"hf": exp["greedy_ids"]}
     same = client.Result("hf", list(exp["greedy_ids"]))
-    runner.check_outputs(ref, [same], "below")
-    runner.check_hf_reference(exp, same.output_ids)
+    checks.check_outputs(ref, [same], "below")
+    checks.check_hf_reference(exp, same.output_ids)
     wrong = list(exp["greedy_ids"])
     wrong[7] = (wrong[7] + 1) % exp["vocab_size"]
     log = tmp_path / "server_eagle_sync.log"
     log.write_text(SERVER_LOG + PATCH_LINE)
     rep: dict = {"name": "eagle_sync", "phases": {}}
     with pytest.raises(runner.SmokeError) as ei:
-        runner.check_outputs(ref, [client.Result("hf", wrong)], "above")
+        checks.check_outputs(ref, [client.Result("hf", wrong)], "above")
     assert "above: output mismatch" in ei.value.cause and "first difference at token 7" in ei.value.cause
     runner.record_failure(rep, ei.value, log)
     report = runner.collect_failures({"threshold": 4, "variants": {"eagle_sync": rep}, "failures": []})
@@ -183,68 +158,7 @@ def test_output_mismatch_fails_with_cause_and_log_tail(tiny_models, tmp_path):
     assert "Dynamic speculation disable enabled" in text
     assert runner.exit_code(report) == 1
     with pytest.raises(runner.SmokeError, match="HF transformers reference"):
-        runner.check_hf_reference(exp, wrong)
-
-
-def test_request_errors_and_bad_log_lines_fail():
-    with pytest.raises(runner.SmokeError, match="1 request"):
-        runner.check_no_errors([client.Result("p1", error="HTTP 500 from /generate: boom")], "ramp")
-    bad = SERVER_LOG + ("[2026-11-30 08:41:00] Scheduler hit an exception: Traceback (most recent call last):\n"
-                        "Traceback (most recent call last):\n  File \"scheduler.py\", line 1\n")
-    with pytest.raises(runner.SmokeError, match="Traceback"):
-        runner.check_log_clean(bad)
-    with pytest.raises(runner.SmokeError, match="memory leak"):
-        runner.check_log_clean(SERVER_LOG + "[2026-11-30 08:41:00] pool memory leak detected! full: 12\n")
-    runner.check_log_clean(SERVER_LOG + PATCH_LINE)
-
-
-def test_server_info_counters():
-    st = {"threshold": 4, "hysteresis": 1, "mode": "speculative", "speculative_steps": 120,
-          "plain_steps": 40, "mode_changes": 4}
-    info = {"internal_states": [{"speculative_disable": st, "avg_spec_accept_length": 2.0}]}
-    assert runner.spec_state(info) == st
-    runner.check_threshold_state(st, 4)
-    runner.check_switched(st, "end")
-    with pytest.raises(runner.SmokeError, match="patch applied"):
-        runner.spec_state({"internal_states": [{"avg_spec_accept_length": 2.0}]})
-    with pytest.raises(runner.SmokeError, match="plain_steps == 0"):
-        runner.check_switched(dict(st, plain_steps=0, mode_changes=0), "end")
-    with pytest.raises(runner.SmokeError, match="did not grow"):
-        runner.check_delta(st, st, "plain_steps", "above", positive=True)
-    with pytest.raises(runner.SmokeError, match="should not"):
-        runner.check_delta(st, dict(st, plain_steps=41), "plain_steps", "below", positive=False)
-    # the catch-up step after a plain phase: one plain step allowed, two are not
-    assert runner.check_delta(st, dict(st, plain_steps=41), "plain_steps", "after", positive=False, at_most=1) == 1
-    with pytest.raises(runner.SmokeError, match="more than 1"):
-        runner.check_delta(st, dict(st, plain_steps=42), "plain_steps", "after", positive=False, at_most=1)
-
-
-def test_accept_length_and_kv_checks():
-    before = runner.accept_stats([client.Result("a", [1] * 48, {"spec_accept_length": 2.0,
-                                                                  "spec_accept_rate": 0.33,
-                                                                  "spec_verify_ct": 24})])
-    assert before["accept_length"] == 2.0
-    runner.check_accept_recovers(before, {"accept_length": 1.95})
-    with pytest.raises(runner.SmokeError, match="after the disabled phase"):
-        runner.check_accept_recovers(before, {"accept_length": 1.2})
-    with pytest.raises(runner.SmokeError, match="not accepted at low load"):
-        runner.check_accept_recovers({"accept_length": 1.0}, {"accept_length": 1.0})
-    base = {"num_used_tokens": 0, "max_total_num_tokens": 100000, "num_running_reqs": 0}
-    runner.check_kv_back(base, dict(base))
-    with pytest.raises(runner.SmokeError, match="KV pool not back"):
-        runner.check_kv_back(base, dict(base, num_used_tokens=37))
-
-
-def test_prometheus_parsing():
-    text = ("# HELP sglang:spec_disable_plain_mode 1 while speculation is off\n"
-            "# TYPE sglang:spec_disable_plain_mode gauge\n"
-            'sglang:spec_disable_plain_mode{model_name="target",engine_type="unified",tp_rank="0"} 0.0\n'
-            'sglang:spec_disable_plain_steps_total{model_name="target",tp_rank="0"} 57.0\n'
-            'sglang:kv_available_tokens{model_name="target"} 1966080.0\n')
-    m = client.parse_prometheus(text)
-    assert client.metric(m, "sglang:spec_disable_plain_steps_total") == 57.0
-    assert client.metric(m, "sglang:spec_disable_plain_mode") == 0.0
-    assert client.metric(m, "sglang:spec_disable_speculative_steps_total") is None
+        checks.check_hf_reference(exp, wrong)
 
 
 def test_prompts_cover_below_at_above_and_ramp():
@@ -256,6 +170,8 @@ def test_prompts_cover_below_at_above_and_ramp():
     keys = [p.key for p in runner.unique_prompts(sets)]
     assert len(keys) == len(set(keys))
     assert runner.make_prompts(exp, 4) == sets  # deterministic
+    sets = runner.make_prompts({"vocab_size": 3072, "prompt_ids": [1], "greedy_ids": [4]}, 4)
+    assert len(sets["abort_plain"]) == 32 and len(sets["abort_spec"]) == 1
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -376,22 +292,6 @@ def test_profile_summary_of_a_real_torch_trace(tmp_path):
     assert set(s["per_step"]) == {"kernel_launches", "graph_launches", "memcpy", "syncs"}
     assert any("step" in name for name, _ in s["top_python_ms_per_step"]), s["top_python_ms_per_step"]
     assert "ms/step wall" in profile.render("plain", s)
-
-
-def test_abort_check_wants_exact_survivors_and_prefix_aborted():
-    from smoke.client import Result
-
-    refs = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": [9, 9, 9, 9]}
-    ok = [Result("a", [1, 2]), Result("b", [5, 6, 7, 8]), Result("c", None, error="HTTP 400 aborted")]
-    assert runner.check_aborted(refs, ok, {"a", "c"}, "abort") == {"aborted_cut_short": 2, "aborted_sent": 2}
-    with pytest.raises(runner.SmokeError, match="not a prefix"):
-        runner.check_aborted(refs, [Result("a", [1, 3])], {"a"}, "abort")
-    with pytest.raises(runner.SmokeError, match="output mismatch"):
-        runner.check_aborted(refs, [Result("b", [5, 6])], {"a"}, "abort")  # b was not aborted
-    with pytest.raises(runner.SmokeError, match="not aborted"):
-        runner.check_aborted(refs, [Result("b", None, error="boom")], set(), "abort")
-    sets = runner.make_prompts({"vocab_size": 3072, "prompt_ids": [1], "greedy_ids": [4]}, 4)
-    assert len(sets["abort_plain"]) == 32 and len(sets["abort_spec"]) == 1
 
 
 def test_profile_counts_steps_and_names_the_host_work_during_gpu_idle(tmp_path):
@@ -707,7 +607,7 @@ def test_parallel_smoke_variants_rerun_only_what_is_not_done(tmp_path, monkeypat
     assert list(report["variants"]) == ["eagle_overlap", "eagle_sync"]
     assert report["variants"]["eagle_overlap"] is earlier
     rec = SmokeVariantRecorder()  # too little time left: nothing starts, both skipped by name
-    opts = smoke_options(tmp_path, monkeypatch, rec, parallel_variants=True, deadline=runner.Deadline(0.0))
+    opts = smoke_options(tmp_path, monkeypatch, rec, parallel_variants=True, deadline=Deadline(0.0))
     report = runner.run_smoke(opts, {"refs": {}})
     assert rec.calls == [] and report["variants"] == {}
     assert report["skipped"] == ["eagle_overlap (deadline)", "eagle_sync (deadline)"]
