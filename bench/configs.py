@@ -3,7 +3,8 @@ and groups it by its record, and bench.json keeps the records (nothing decodes a
 
 A config named on the command line becomes one record, or one per value of a sweep: `eagle3_thr`
 one per --threshold N, `eagle3_depth` one per --depth d (always-on EAGLE-3 drafting d steps and
-verifying d + 1 tokens a request; `eagle3` is the launch depth, 3).
+verifying d + 1 tokens a request; `eagle3` is the launch depth, 3), `eagle3_sched` one per
+--schedule (the plugin's draft depth per load).
 """
 from __future__ import annotations
 
@@ -13,19 +14,22 @@ from typing import Any
 from smoke.server import EAGLE_STEPS
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
-CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_depth", "eagle3_adaptive", "eagle3_thr", "eagle3_auto")
+CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_depth", "eagle3_adaptive", "eagle3_thr", "eagle3_sched",
+           "eagle3_auto")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     """One server of the bench. `kind`: plain (no draft), fixed (EAGLE-3 always on, `steps` deep),
-    threshold (the plugin's fixed threshold), auto (its learned one), adaptive (upstream's own)."""
+    threshold (the plugin's fixed threshold), schedule (its depth per load), auto (its learned
+    threshold), adaptive (upstream's own)."""
 
     name: str
     kind: str
     steps: int = 0  # draft steps a speculative step runs (0: plain)
     threshold: int | None = None
+    schedule: str | None = None  # the depth schedule (LOW-HIGH:DEPTH,...)
     twin: bool = False  # the A/A twin of plain
 
     @property
@@ -35,7 +39,7 @@ class BenchConfig:
     @property
     def switches(self) -> bool:
         """It switches between speculative and plain steps itself (a threshold, auto)."""
-        return self.kind in ("threshold", "auto")
+        return self.kind in ("threshold", "schedule", "auto")
 
     @property
     def label(self) -> str:
@@ -43,7 +47,8 @@ class BenchConfig:
             return "plain (A/A twin)" if self.twin else "plain"
         if self.kind == "fixed":
             return "EAGLE-3" if self.steps == LAUNCH_STEPS else f"EAGLE-3 depth {self.steps}"
-        return {"threshold": f"EAGLE-3 + threshold {self.threshold}", "auto": "EAGLE-3 + auto",
+        return {"threshold": f"EAGLE-3 + threshold {self.threshold}", "schedule": f"EAGLE-3 + schedule {self.schedule}",
+                "auto": "EAGLE-3 + auto",
                 "adaptive": "EAGLE-3 adaptive (upstream)"}[self.kind]
 
     def as_dict(self) -> dict[str, Any]:
@@ -51,7 +56,7 @@ class BenchConfig:
 
 
 def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
-           depths: tuple[int, ...] = ()) -> list[BenchConfig]:
+           depths: tuple[int, ...] = (), schedules: tuple[str, ...] = ()) -> list[BenchConfig]:
     """The servers of the named configs, in order (a sweep's in its values' order)."""
     out: list[BenchConfig] = []
     for name in configs:
@@ -63,6 +68,9 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out += [BenchConfig(f"eagle3_depth{d}", "fixed", d) for d in depths]
         elif name == "eagle3_thr":
             out += [BenchConfig(f"eagle3_thr{n}", "threshold", LAUNCH_STEPS, threshold=n) for n in thresholds]
+        elif name == "eagle3_sched":
+            out += [BenchConfig(f"eagle3_sched{i}", "schedule", LAUNCH_STEPS, schedule=sched)
+                    for i, sched in enumerate(schedules, 1)]
         elif name == "eagle3_auto":
             out.append(BenchConfig(name, "auto", LAUNCH_STEPS))
         elif name == "eagle3_adaptive":
@@ -84,6 +92,6 @@ def from_result(result: dict[str, Any]) -> dict[str, BenchConfig]:
         n = name.removeprefix("eagle3_thr")
         if name.startswith("eagle3_thr") and n.isdigit():
             legacy[name] = BenchConfig(name, "threshold", LAUNCH_STEPS, threshold=int(n))
-        elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr"):
+        elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr", "eagle3_sched"):
             legacy[name] = expand((name,))[0]
     return legacy

@@ -98,6 +98,7 @@ class BenchOptions:
     out: Path
     thresholds: tuple[int, ...] = (16,)  # eagle3_thr: one server per fixed threshold (a sweep)
     depths: tuple[int, ...] = (1, 2)  # eagle3_depth: one always-on EAGLE-3 server per draft depth
+    schedules: tuple[str, ...] = ("1-16:3,17-48:2,49-96:1,97-:0",)  # eagle3_sched: one server per schedule
     # the switching servers (a threshold, auto) start without --max-running-requests and a decode
     # graph size, as the README's Serve command does: the plugin keeps a plain server's limits
     switching_defaults: bool = False
@@ -158,6 +159,8 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
         cfg.draft, cfg.spec_steps = opts.models / "draft", rec.steps
     if rec.kind == "threshold":
         cfg.threshold = rec.threshold
+    if rec.kind == "schedule" and rec.schedule is not None:
+        extra += [names.DEPTH_SCHEDULE_FLAG, rec.schedule]
     if rec.kind == "auto":
         extra += [THRESHOLD_FLAG, "auto"]
         # its step trace, to read offline why it chose what it chose (in the logs it brings back)
@@ -172,7 +175,7 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
 
 def config_records(opts: BenchOptions) -> dict[str, BenchConfig]:
     """Every server's record (bench.configs), by its name."""
-    return {rec.name: rec for rec in expand(opts.configs, opts.thresholds, opts.depths)}
+    return {rec.name: rec for rec in expand(opts.configs, opts.thresholds, opts.depths, opts.schedules)}
 
 
 def server_names(opts: BenchOptions) -> list[str]:
@@ -932,6 +935,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "depth", default="1,2",
                     help="eagle3_depth's draft depths d, a comma list: one always-on EAGLE-3 server per d, "
                          "drafting d steps and verifying d + 1 tokens a request (eagle3 itself drafts 3)")
+    ap.add_argument(p + "schedule", default="1-16:3,17-48:2,49-96:1,97-:0",
+                    help="eagle3_sched's draft depth per load (the server's --speculative-depth-schedule); "
+                         "several separated by ';' run one server each")
     ap.add_argument(p + "switching-defaults", action="store_true",
                     help="start the threshold and auto servers without --max-running-requests and a "
                          "decode graph size, as the README's Serve command does (the others get the "
@@ -994,6 +1000,13 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     depths = [x.strip() for x in str(get("depth")).split(",") if x.strip()]
     if not depths or not all(x.isdigit() and int(x) >= 1 for x in depths) or len(set(depths)) < len(depths):
         raise refuse("depth", "give distinct draft depths >= 1, e.g. 1,2")
+    schedules = [x.strip() for x in str(get("schedule")).split(";") if x.strip()]
+    try:
+        schedules = [names.parse_schedule(x, source=f"--{prefix}schedule") for x in schedules]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    if not schedules or len(set(schedules)) < len(schedules):
+        raise refuse("schedule", "give one or more distinct schedules separated by ';', e.g. 1-16:3,17-:0")
     if get("pairs") < 0:
         raise refuse("pairs", "must be >= 0 (0: the ramp alone)")
     if not get("window-s") > 0:
@@ -1015,7 +1028,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("cpus-per-server", "must be >= 0 (0: no pinning)")
     return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
-            "depths": tuple(sorted(int(x) for x in depths)),
+            "depths": tuple(sorted(int(x) for x in depths)), "schedules": tuple(schedules),
             "switching_defaults": get("switching-defaults"), "pairs": get("pairs"),
             "window_s": get("window-s"), "settle_s": get("settle-s"),
             "output_spread": get("output-spread"), "auto_learn_s": get("auto-learn-s"),

@@ -1,6 +1,6 @@
 """The names the smoke and the benchmark share with the plugin, spelled once, in the plugin's
-spec_disable.py (standard library only): the threshold flag, its environment variable, `auto`
-and the threshold parser.
+spec_disable.py and depth_schedule.py (standard library only): the threshold flag, its environment
+variable, `auto` and the threshold parser; the depth schedule's flag and parser.
 
 Loaded by path, not imported as the plugin package: the smoke runs where the plugin is absent
 (an image of a flavor without it, this repository's tests), and a copy of the package on the
@@ -16,30 +16,32 @@ from types import ModuleType
 
 MODULE_FILE = "spec_disable.py"
 MODULE_NAME = "_sglang_image_plugin_names"
+SCHEDULE_FILE = "depth_schedule.py"
+SCHEDULE_MODULE_NAME = "_sglang_image_plugin_schedule"
 
 
-def candidates() -> list[Path]:
-    found = [Path(__file__).resolve().parents[1] / "plugin" / "sglang_image_plugin" / MODULE_FILE]
+def candidates(module_file: str = MODULE_FILE) -> list[Path]:
+    found = [Path(__file__).resolve().parents[1] / "plugin" / "sglang_image_plugin" / module_file]
     spec = importlib.util.find_spec("sglang_image_plugin")  # a top-level name: nothing is imported
     if spec is not None and spec.submodule_search_locations:
-        found += [Path(p) / MODULE_FILE for p in spec.submodule_search_locations]
+        found += [Path(p) / module_file for p in spec.submodule_search_locations]
     return found
 
 
-def load() -> ModuleType:
-    if MODULE_NAME in sys.modules:
-        return sys.modules[MODULE_NAME]
-    for path in candidates():
+def load(module_file: str = MODULE_FILE, module_name: str = MODULE_NAME) -> ModuleType:
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    for path in candidates(module_file):
         if path.is_file():
-            spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+            spec = importlib.util.spec_from_file_location(module_name, path)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
-            sys.modules[MODULE_NAME] = module  # dataclasses look their module up while defining
+            sys.modules[module_name] = module  # dataclasses look their module up while defining
             spec.loader.exec_module(module)
             return module
-    raise ImportError(f"the plugin's {MODULE_FILE} is in none of "
-                      f"{', '.join(map(str, candidates()))}: run from the repository, or mount its "
-                      "plugin/ folder beside smoke/")
+    raise ImportError(f"the plugin's {module_file} is in none of "
+                      f"{', '.join(map(str, candidates(module_file)))}: run from the repository, or mount "
+                      "its plugin/ folder beside smoke/")
 
 
 _names = load()
@@ -47,6 +49,15 @@ THRESHOLD_FLAG: str = _names.THRESHOLD_FLAG
 THRESHOLD_ENV: str = _names.THRESHOLD_ENV
 AUTO_TRACE_ENV: str = _names.AUTO_TRACE_ENV
 AUTO: str = _names.AUTO
+# a draft depth per load (depth_schedule.py, standard library only too)
+_schedule = load(SCHEDULE_FILE, SCHEDULE_MODULE_NAME)
+DEPTH_SCHEDULE_FLAG: str = _schedule.DEPTH_SCHEDULE_FLAG
+
+
+def parse_schedule(raw: str, source: str = "--schedule") -> str:
+    """A depth schedule in its normal form (tiers merged); ValueError naming `source` otherwise
+    (the plugin's own parser)."""
+    return str(_schedule.parse(raw, source=source))
 
 
 def parse_threshold(raw: str | int, source: str = "--threshold") -> int | str:

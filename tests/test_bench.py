@@ -320,6 +320,25 @@ def test_a_depth_sweep_is_one_always_on_eagle3_server_per_draft_depth(tmp_path):
             bench_options("--configs", "plain,eagle3_depth", "--depth", bad)
 
 
+def test_a_schedule_sweep_is_one_server_per_draft_depth_schedule(tmp_path):
+    # eagle3_sched: the plugin's --speculative-depth-schedule, one server per schedule given
+    # (';' between them), each checked by the plugin's own parser before any server starts.
+    opts = bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-:0; 1-8:3,9-16:3,17-64:1,65-:0")
+    assert opts.schedules == ("1-16:3,17-:0", "1-16:3,17-64:1,65-:0")  # tiers of one depth merged
+    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), schedules=opts.schedules,
+                              configs=opts.configs)
+    assert bench.server_names(opts) == ["plain", "eagle3_sched1", "eagle3_sched2"]
+    a = bench.server_config("eagle3_sched2", opts).argv(30000)
+    assert a[a.index("--speculative-depth-schedule") + 1] == "1-16:3,17-64:1,65-:0"
+    assert a[a.index("--speculative-num-steps") + 1] == "3" and bench.THRESHOLD_FLAG not in a
+    assert bench.config_records(opts)["eagle3_sched1"].switches
+    assert bench.config_records(opts)["eagle3_sched1"].label == "EAGLE-3 + schedule 1-16:3,17-:0"
+    with pytest.raises(SystemExit, match="--schedule: the last tier must be open"):
+        bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-32:0")
+    with pytest.raises(SystemExit, match="--schedule .*distinct schedules"):
+        bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-:0;1-16:3,17-:0")
+
+
 def test_the_report_labels_and_compares_each_depth_by_its_record():
     # A fixed depth is one more server against the better of plain and EAGLE-3 in the same block,
     # labelled by its record; its accept length is in the report's own table.

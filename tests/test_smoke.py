@@ -239,6 +239,11 @@ def test_nox_side_container_and_device_command(tmp_path):
     assert req["Count"] == -1 and req["Capabilities"] == [["gpu"]]
     assert kw["network_mode"] == "none"
     assert "device_requests" not in image_smoke.container_kwargs(gpu=False, out_dir=tmp_path)
+    # every plugin module the smoke loads its names from is mounted beside it (a flavor's image
+    # without the plugin has none of its own)
+    from smoke import names as smoke_names
+    mounted = {Path(v["bind"]).name for v in kw["volumes"].values() if "/plugin/" in v["bind"]}
+    assert mounted == {smoke_names.MODULE_FILE, smoke_names.SCHEDULE_FILE}
     series = image_smoke.expected_series(pins.load_flavor("sglang-0.5.17"))
     names = [line.split("#")[0].strip() for line in
              (REPO / "patches" / "sglang-0.5.17" / "series").read_text().splitlines()]

@@ -135,16 +135,20 @@ def partial_command(light: bool = False) -> list[str]:
             f"{OUT_MOUNT}/expected-series.json", *(["--light"] if light else [])]
 
 
+# the plugin's standard-library modules the smoke reads its names from (smoke/names.py)
+SHARED_MODULES = ("spec_disable.py", "depth_schedule.py")
+
+
 def container_kwargs(*, gpu: bool, out_dir: Path) -> dict[str, Any]:
     """Arguments of client.containers.run besides image and command (pure: unit-tested)."""
     import docker.types
 
     kw: dict[str, Any] = {
-        # the smoke, and the one module whose names it shares with the plugin (smoke/names.py
-        # looks for it beside smoke/, where the repository has it)
+        # the smoke, and the modules whose names it shares with the plugin (smoke/names.py
+        # looks for them beside smoke/, where the repository has them)
         "volumes": {str(REPO_ROOT / "smoke"): {"bind": f"{MOUNT}/smoke", "mode": "ro"},
-                    str(PACKAGE_DIR / "spec_disable.py"): {
-                        "bind": f"{MOUNT}/plugin/sglang_image_plugin/spec_disable.py", "mode": "ro"},
+                    **{str(PACKAGE_DIR / module): {"bind": f"{MOUNT}/plugin/sglang_image_plugin/{module}", "mode": "ro"}
+                       for module in SHARED_MODULES},
                     str(out_dir): {"bind": OUT_MOUNT, "mode": "rw"}},
         "working_dir": MOUNT,
         "environment": {"PYTHONPATH": MOUNT, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
