@@ -166,6 +166,34 @@ def test_router_and_its_workers(tmp_path: Path, replicas: int) -> None:
     assert objects[("PodDisruptionBudget", "sglang-router-worker")]["spec"]["maxUnavailable"] == 1
 
 
+@pytest.mark.parametrize(("options", "pace"), [
+    ([], (30, 30, 4)),  # deploy/serve.toml's
+    (["--health-period-seconds", "45", "--health-timeout-seconds", "40",
+      "--health-failures", "6"], (45, 40, 6)),
+])
+def test_the_router_checks_health_at_the_servers_pace(tmp_path: Path, options: list[str],
+                                                      pace: tuple[int, int, int]) -> None:
+    """The router's health check asks /health as the servers' readiness probe does: as often,
+    waiting as long, as many failures before a server is out (its defaults, a 5 s timeout and 3
+    failures, ejected busy servers the kubelet still counted as ready), on Kubernetes and on
+    one box alike."""
+    out = render(tmp_path, "--topology", "router", *options)
+    objects = built(out, "router")
+    pod = objects[("StatefulSet", "sglang-router-worker")]["spec"]["template"]["spec"]
+    readiness = container(pod)["readinessProbe"]
+    assert (readiness["periodSeconds"], readiness["timeoutSeconds"],
+            readiness["failureThreshold"]) == pace
+    rc = container(objects[("Deployment", "sglang-router")]["spec"]["template"]["spec"])
+    compose = checks.compose_config(out / "compose.router.yaml", tmp_path)["services"]
+    for args in (rc["args"], compose["sglang-router"]["command"]):
+        router_flags = checks.flags(args)
+        assert router_flags["--health-check-endpoint"] == [readiness["httpGet"]["path"]]
+        assert int(router_flags["--health-check-interval-secs"][0]) == readiness["periodSeconds"]
+        assert int(router_flags["--health-check-timeout-secs"][0]) >= readiness["timeoutSeconds"]
+        assert int(router_flags["--health-failure-threshold"][0]) >= readiness[
+            "failureThreshold"]
+
+
 # What the LeaderWorkerSet controller puts into each pod of a group (v0.10.0,
 # pkg/utils/pod/pod_utils.go, AddLWSVariables): the leader's address under the group's subdomain
 # (the LeaderWorkerSet's name), the group size and the pod's index, ahead of the container's env.
@@ -423,6 +451,11 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--server-arg=--data-parallel-size", "--server-arg=2"], r"--data-parallel-size changes"),
     (["--server-arg=--pp-size=2"], r"--pp-size changes the GPUs.*pipeline parallelism"),
     (["--server-arg=--base-gpu-id=1"], r"--base-gpu-id changes.*its own GPUs"),
+    (["--health-timeout-seconds", "10"], r"--health-timeout-seconds 10: must be a whole "
+                                         r"number >= 25 \(SGLang's /health may wait 20 s"),
+    (["--health-timeout-seconds", "40"], r"--health-timeout-seconds 40 is longer than "
+                                         r"--health-period-seconds 30"),
+    (["--health-failures", "0"], r"--health-failures 0: must be a whole number >= 1"),
     (["--shm-size", "16GB"], r"--shm-size '16GB'"),
     (["--models-claim", "My_Models"], r"--models-claim 'My_Models'"),
     (["--digest", "sha256:abc"], r"--digest 'sha256:abc' is not an image digest"),

@@ -217,3 +217,21 @@ def test_the_router_takes_the_kubernetes_discovery_flags() -> None:
     assert args.selector == topology.ROUTER_WORKER_LABELS
     assert args.service_discovery_namespace == "llm"
     assert args.service_discovery_port == topology.SERVER_PORT
+
+
+def test_the_router_takes_the_rendered_health_check() -> None:
+    """Its own parser reads the health check as rendered: the servers' readiness pace (period,
+    timeout, failures), not its defaults (5 s, 3 failures), on Kubernetes and on one box."""
+    if importlib.util.find_spec("sglang_router") is None:
+        need("sglang-router", "the test dependency group installs it")
+    from sglang_router.launch_router import parse_router_args
+
+    s = topology.check(topology.Settings(model_path="m", draft_model_path="d",
+                                         health_period_seconds=40, health_timeout_seconds=35,
+                                         health_failures=5))
+    for platform in ("kubernetes", "compose"):
+        rendered = topology.router_args(s, platform)
+        args = parse_router_args([expand(a, {topology.NAMESPACE_ENV: "llm"}) for a in rendered])
+        assert (args.health_check_interval_secs, args.health_check_timeout_secs,
+                args.health_failure_threshold) == (40, 35, 5), platform
+        assert args.health_check_endpoint == "/health"

@@ -136,8 +136,8 @@ def _meta(name: str, topology_name: Topology, component: str) -> dict[str, Any]:
     return {"name": name, "labels": _labels(topology_name, component)}
 
 
-# /health generates a token and may wait 20 s for it (sglang 0.5.23): every probe on it waits 30.
-HEALTH_TIMEOUT_S = 30
+STARTUP_PERIOD_S = 30  # the startup probe's: startup_minutes of them before a start has failed
+LIVENESS_PERIOD_S, LIVENESS_FAILURES = 60, 5  # a restart only after 5 minutes unanswered
 
 
 def _probe(path: str, period: int, failures: int, timeout: int = 5,
@@ -158,6 +158,11 @@ PRE_STOP_S = 15
 GRACE_S = 60
 
 
+def startup_failures(s: Settings) -> int:
+    """The startup probe's failureThreshold: startup_minutes of its periods."""
+    return s.startup_minutes * 60 // STARTUP_PERIOD_S
+
+
 def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int,
                 account: str) -> dict[str, Any]:
     """A server's pod spec: uid 1000, /dev/shm sized, the GPUs, CPU and memory requested, the
@@ -175,9 +180,14 @@ def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int,
                       "limits": {"nvidia.com/gpu": gpus}},
         "volumeMounts": [_MODELS_MOUNT, {"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "cache", "mountPath": CACHE_MOUNT}],
-        "startupProbe": _probe("/health", 30, s.startup_minutes * 2, HEALTH_TIMEOUT_S),
-        "readinessProbe": _probe("/health", 30, 2, HEALTH_TIMEOUT_S),
-        "livenessProbe": _probe("/health", 60, 5, HEALTH_TIMEOUT_S),
+        # /health generates a token (SGLang 0.5.23): every probe waits health_timeout_seconds;
+        # the readiness probe's pace is the router's health check's too (topology.router_args).
+        "startupProbe": _probe("/health", STARTUP_PERIOD_S, startup_failures(s),
+                               s.health_timeout_seconds),
+        "readinessProbe": _probe("/health", s.health_period_seconds, s.health_failures,
+                                 s.health_timeout_seconds),
+        "livenessProbe": _probe("/health", LIVENESS_PERIOD_S, LIVENESS_FAILURES,
+                                s.health_timeout_seconds),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}},
         "securityContext": _CONTAINER_SECURITY,
     }
@@ -464,6 +474,11 @@ OPTIONS: dict[str, tuple[type, str]] = {
     "memory": (str, "memory each server requests, its /dev/shm included, e.g. 64Gi (Kubernetes)"),
     "startup_minutes": (int, ("how long a server may take to start (model load, first kernel "
                               "compilation) before it counts as failed")),
+    "health_period_seconds": (int, ("seconds between two /health checks of a server: its "
+                                    "readiness probe and the router's health check")),
+    "health_timeout_seconds": (int, "how long each /health check waits for an answer"),
+    "health_failures": (int, ("failed /health checks in a row before a server takes no more "
+                              "requests (Kubernetes' readiness and the router alike)")),
     "models_claim": (str, "the PersistentVolumeClaim that holds the models (Kubernetes)"),
     "models_dir": (str, "the host folder that holds the models (Compose)"),
     "pull_secret": (str, "the image pull secret of a private registry (Kubernetes)"),

@@ -37,6 +37,11 @@ MODELS_MOUNT = "/models"  # where the models volume is mounted, read-only
 QUANTITY_UNITS = {"Mi": "m", "Gi": "g", "Ti": "t"}  # --shm-size: Kubernetes unit -> Docker's
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label: a Kubernetes name
 THRESHOLD_FLAG: str = thresholds.FLAG
+# SGLang 0.5.23's /health generates a token and waits up to 20 s for it (its
+# HEALTH_CHECK_TIMEOUT): a check that gives up sooner fails a healthy server.
+HEALTH_WAIT_S = 20
+_HEALTH_WAIT = (f" (SGLang's /health may wait {HEALTH_WAIT_S} s for the token it generates: a "
+                "check that gives up sooner fails a healthy, busy server)")
 ROUTER_MODULE = "sglang_router.launch_router"
 # LeaderWorkerSet puts these into every pod of a group; Kubernetes expands $(NAME) in args.
 LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
@@ -88,6 +93,9 @@ class Settings:
     cpu: int = 8
     memory: str = "64Gi"
     startup_minutes: int = 30
+    health_period_seconds: int = 30
+    health_timeout_seconds: int = 30
+    health_failures: int = 4
     models_claim: str = "sglang-models"
     models_dir: str = "/srv/models"
     pull_secret: str = ""
@@ -164,10 +172,16 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
         _check_model(name, getattr(s, name))
     for name, low in (("tp", 1), ("replicas", 1), ("nodes", 1), ("gpus_per_node", 1), ("cpu", 1),
                       ("speculative_num_steps", 1), ("speculative_num_draft_tokens", 2),
-                      ("startup_minutes", 1)):
+                      ("startup_minutes", 1), ("health_period_seconds", 1),
+                      ("health_timeout_seconds", HEALTH_WAIT_S + 5), ("health_failures", 1)):
         value = getattr(s, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UsageError(f"{_option(name)} {value!r}: must be a whole number >= {low}")
+            raise UsageError(f"{_option(name)} {value!r}: must be a whole number >= {low}"
+                             + (_HEALTH_WAIT if name == "health_timeout_seconds" else ""))
+    if s.health_timeout_seconds > s.health_period_seconds:
+        raise UsageError(f"--health-timeout-seconds {s.health_timeout_seconds} is longer than "
+                         f"--health-period-seconds {s.health_period_seconds}: a check would start "
+                         "before the last one gave up; give a period at least as long")
     bad = [t for t in s.topologies if t not in TOPOLOGIES]
     if bad or not s.topologies:
         raise UsageError(f"--topology {','.join(s.topologies)!r}: choose among "
@@ -333,16 +347,21 @@ def worker_discovery() -> tuple[str, ...]:
 
 def router_args(s: Settings, platform: Platform) -> tuple[str, ...]:
     """sglang-router's flags: the workers (a list on one box, a label selector on Kubernetes), a
-    start-up wait as long as theirs, a health check every 10 s (a server that stops answering
-    is out after three), and a circuit that opens after 3 failed attempts, fewer than the 5
-    attempts of one request: a request that meets a dead server is retried on a live one (with
-    the default 10, the next requests fail until the health check catches up)."""
+    start-up wait as long as theirs, a health check on the pace of the servers' readiness probe
+    (its period, its timeout, its failures before a server is out: the router ejects no server
+    that Kubernetes still counts as ready; its defaults, 5 s and 3 failures, ejected busy
+    servers), and a circuit that opens after 3 failed attempts, fewer than the 5 attempts of one
+    request: a request that meets a dead server is retried on a live one (with the default 10,
+    the next requests fail until the health check catches up)."""
     workers = (("--worker-urls", *worker_urls(s)) if platform == "compose"
                else worker_discovery())
     return (*workers, "--host", "0.0.0.0",
             "--port", str(SERVER_PORT), "--policy", "cache_aware",
             "--worker-startup-timeout-secs", str(s.startup_minutes * 60),
-            "--health-check-endpoint", "/health", "--health-check-interval-secs", "10",
+            "--health-check-endpoint", "/health",
+            "--health-check-interval-secs", str(s.health_period_seconds),
+            "--health-check-timeout-secs", str(s.health_timeout_seconds),
+            "--health-failure-threshold", str(s.health_failures),
             "--cb-failure-threshold", "3",
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT))
 
