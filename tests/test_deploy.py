@@ -237,6 +237,27 @@ def test_each_node_of_a_multinode_server(tmp_path: Path, tp: int, nodes: int) ->
                                    "leaderworkerset.sigs.k8s.io/name": "sglang-multinode"}.items()
 
 
+@pytest.mark.parametrize("minutes", [30, 45])
+def test_no_rollout_fails_within_the_startup_budget(tmp_path: Path, minutes: int) -> None:
+    """Every Deployment waits out its servers' startup budget (the startup probe's period x
+    failures) and a margin for the pull before Kubernetes marks the rollout failed (its default,
+    600 s, failed `kubectl rollout status` on a healthy first start); the router's too, which is
+    not ready before a server is. StatefulSets and LeaderWorkerSets have no such deadline."""
+    out = render(tmp_path, "--tp", "2", "--startup-minutes", str(minutes),
+                 *(f"--topology={t}" for t in topology.TOPOLOGIES))
+    docs = [d for t in topology.TOPOLOGIES for d in built(out, t).values()]
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    assert sorted(deployments) == ["sglang-router", "sglang-single"]
+    startup = container(deployments["sglang-single"]["spec"]["template"]["spec"])["startupProbe"]
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert budget == minutes * 60
+    for name, deployment in deployments.items():
+        assert deployment["spec"]["progressDeadlineSeconds"] == budget + 600, name
+    for d in docs:
+        if d["kind"] in ("StatefulSet", "LeaderWorkerSet"):
+            assert "progressDeadlineSeconds" not in json.dumps(d), d["kind"]
+
+
 def pod_templates(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, str],
                                                              dict[str, Any]]]:
     """(owner, labels as the pods carry them, pod spec) of every pod template."""

@@ -163,6 +163,18 @@ def startup_failures(s: Settings) -> int:
     return s.startup_minutes * 60 // STARTUP_PERIOD_S
 
 
+# Before the startup probe's clock runs, the pod is scheduled and the image (gigabytes) pulled.
+PROGRESS_MARGIN_S = 600
+
+
+def progress_deadline(s: Settings) -> int:
+    """progressDeadlineSeconds of every Deployment: the servers' startup budget (the startup
+    probe's period x failures) and a margin, not Kubernetes' default 600 s, which marks a
+    healthy first start (weights, graphs, kernel compilation) failed. The router's Deployment
+    gets it too: it is not ready before a server is."""
+    return STARTUP_PERIOD_S * startup_failures(s) + PROGRESS_MARGIN_S
+
+
 def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int,
                 account: str) -> dict[str, Any]:
     """A server's pod spec: uid 1000, /dev/shm sized, the GPUs, CPU and memory requested, the
@@ -256,6 +268,7 @@ def kube_single(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, "single", "server"),
         "spec": {"replicas": 1, "strategy": {"type": "Recreate"},  # the GPUs are freed first
+                 "progressDeadlineSeconds": progress_deadline(s),
                  "selector": {"matchLabels": selector},
                  "template": {"metadata": {"labels": selector},
                               "spec": _server_pod(s, image, server.args, server.gpus, name)}},
@@ -308,7 +321,8 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     }
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, "router", "router"),
-        "spec": {"replicas": 1, "selector": {"matchLabels": router_sel},
+        "spec": {"replicas": 1, "progressDeadlineSeconds": progress_deadline(s),
+                 "selector": {"matchLabels": router_sel},
                  "template": {"metadata": {"labels": router_sel},
                               "spec": _pod(container, name, [_models_volume(s)],
                                            api_token=True)}},
