@@ -456,6 +456,13 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--threshold", "0"], r"--threshold: '0' is not a batch-size threshold"),
     (["--threshold", "many"], r"--threshold: 'many' is not a batch-size threshold; give `auto`"),
     (["--threshold", "auto", "--flavor", "sglang-0.5.17"], r"no automatic threshold"),
+    # the router pod runs the image: sglang-0.5.9's has no sglang-router (the default
+    # topologies, single and router, and the router alone are refused; naming what can run it)
+    (["--flavor", "sglang-0.5.9"], r"--topology router: the sglang-0.5.9 image has no "
+                                   r"sglang-router.*crash-loop; the flavors whose image has it: "
+                                   r"sglang-0.5.17, sglang-0.5.23\. .*--topology single$"),
+    (["--flavor", "sglang-0.5.9", "--topology", "router", "--topology", "multinode"],
+     r"sglang-0.5.9 image has no sglang-router.*without the router: --topology multinode$"),
     (["--tp", "16"], r"--tp 16.*8 \(--gpus-per-node\).*--topology multinode"),
     (["--tp", "3", "--topology", "multinode"], r"--tp 3 over --nodes 2.*multiple"),
     (["--tp", "32", "--nodes", "2", "--topology", "multinode"], r"16 GPUs per pod.*--nodes"),
@@ -490,6 +497,15 @@ def test_bad_input_is_refused_before_any_file(tmp_path: Path, capsys: pytest.Cap
     err = " ".join(capsys.readouterr().err.split())
     assert re.search(message, err), err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_flavor_without_the_router_renders_the_other_topologies(tmp_path: Path) -> None:
+    out = render(tmp_path, "--flavor", "sglang-0.5.9", "--topology", "single",
+                 "--topology", "multinode", "--tp", "2")
+    assert {p.name for p in (out / "kubernetes").iterdir()} == {"single", "multinode",
+                                                                "monitoring"}
+    assert pins.load_flavor("sglang-0.5.23").requires("sglang_router")  # the wheel's own name
+    assert not pins.load_flavor("sglang-0.5.9").requires("sglang-router")
 
 
 def test_data_parallel_attention_keeps_the_gpus(tmp_path: Path) -> None:

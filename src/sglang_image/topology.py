@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from sglang_image import threshold as thresholds
 from sglang_image.errors import UsageError
-from sglang_image.pins import Flavor
+from sglang_image.pins import Flavor, flavor_names, load_flavor
 
 Topology = Literal["single", "router", "multinode"]
 Platform = Literal["compose", "kubernetes"]
@@ -43,6 +43,7 @@ HEALTH_WAIT_S = 20
 _HEALTH_WAIT = (f" (SGLang's /health may wait {HEALTH_WAIT_S} s for the token it generates: a "
                 "check that gives up sooner fails a healthy, busy server)")
 ROUTER_MODULE = "sglang_router.launch_router"
+ROUTER_DISTRIBUTION = "sglang-router"  # the router's wheel, in the image of the flavors that lock it
 # LeaderWorkerSet puts these into every pod of a group; Kubernetes expands $(NAME) in args.
 LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
     "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
@@ -186,6 +187,8 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
     if bad or not s.topologies:
         raise UsageError(f"--topology {','.join(s.topologies)!r}: choose among "
                          f"{', '.join(TOPOLOGIES)}")
+    if flavor is not None:
+        _check_router(s, flavor)
     _check_gpus(s)
     _check_server_args(s.server_args)
     for name in ("models_claim", "pull_secret"):
@@ -223,6 +226,19 @@ def _check_model(name: str, path: str) -> None:
     if ".." in path.split("/") or not full.startswith(MODELS_MOUNT + "/"):
         raise UsageError(f"{flag} {path!r} is not a folder inside the models volume "
                          f"({MODELS_MOUNT}): give a path relative to it, or under {MODELS_MOUNT}/")
+
+
+def _check_router(s: Settings, flavor: Flavor) -> None:
+    """The router topology only where the flavor's image carries sglang-router (the router pod
+    runs that image): elsewhere it would crash-loop on `No module named sglang_router`."""
+    if "router" not in s.topologies or flavor.requires(ROUTER_DISTRIBUTION):
+        return
+    having = [n for n in flavor_names() if load_flavor(n).requires(ROUTER_DISTRIBUTION)]
+    others = [t for t in s.topologies if t != "router"] or ["single"]
+    raise UsageError(f"--topology router: the {flavor.name} image has no {ROUTER_DISTRIBUTION}, "
+                     "so its router pod would crash-loop; the flavors whose image has it: "
+                     f"{', '.join(having) or 'none'}. Publish one of them, or render without "
+                     f"the router: {' '.join(f'--topology {t}' for t in others)}")
 
 
 def _check_gpus(s: Settings) -> None:
