@@ -484,6 +484,17 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--health-timeout-seconds", "40"], r"--health-timeout-seconds 40 is longer than "
                                          r"--health-period-seconds 30"),
     (["--health-failures", "0"], r"--health-failures 0: must be a whole number >= 1"),
+    # one argument with spaces, as people type it: split as a shell would, then checked
+    (["--server-arg=--tp-size 4"], r"sets --tp-size itself; give --tp"),
+    (["--server-arg=--mem-fraction-static 0.8 --dp-size 2"], r"--dp-size changes the GPUs"),
+    # ... or refused with the exact fix where the split cannot be told
+    (["--server-arg=--chat-template 'my template"],
+     r"cannot be split as a shell would \(No closing quotation\): close the quote, or give the "
+     r"flag and its value as two arguments: --server-arg=--chat-template --server-arg=VALUE$"),
+    (['--server-arg=--json-model-override-args={"rope_theta": 5e5}'],
+     r"the words after --json-model-override-args= may be one value with spaces or more flags; "
+     r"give the flag and its value as two arguments: --server-arg=--json-model-override-args "
+     r"--server-arg='\{\"rope_theta\": 5e5\}'$"),
     (["--shm-size", "16GB"], r"--shm-size '16GB'"),
     (["--models-claim", "My_Models"], r"--models-claim 'My_Models'"),
     (["--digest", "sha256:abc"], r"--digest 'sha256:abc' is not an image digest"),
@@ -506,6 +517,22 @@ def test_a_flavor_without_the_router_renders_the_other_topologies(tmp_path: Path
                                                                 "monitoring"}
     assert pins.load_flavor("sglang-0.5.23").requires("sglang_router")  # the wheel's own name
     assert not pins.load_flavor("sglang-0.5.9").requires("sglang-router")
+
+
+def test_a_server_arg_with_spaces_is_split_as_a_shell_would(tmp_path: Path) -> None:
+    """`--server-arg='--flag value'` reaches the server as two argv elements (as one, SGLang's
+    parser refuses it and the pod crash-loops); quotes keep a value with spaces whole; a value
+    given as an argument of its own, or `--flag='one value'`, stays whole."""
+    out = render(tmp_path, "--topology", "single", "--server-arg=--mem-fraction-static 0.81",
+                 "--server-arg=--served-model-name 'Llama 8B' --enable-cache-report",
+                 "--server-arg=--json-model-override-args",
+                 '--server-arg={"rope_theta": 500000}', "--server-arg=--chat-template='a b'")
+    c = container(built(out, "single")[("Deployment", "sglang-single")]["spec"]["template"]["spec"])
+    assert c["args"][-8:] == ["--mem-fraction-static", "0.81", "--served-model-name", "Llama 8B",
+                              "--enable-cache-report", "--json-model-override-args",
+                              '{"rope_theta": 500000}', "--chat-template=a b"]
+    marker = json.loads((out / deploy.MARKER).read_text())
+    assert marker["settings"]["server_args"][:2] == ["--mem-fraction-static", "0.81"]
 
 
 def test_data_parallel_attention_keeps_the_gpus(tmp_path: Path) -> None:

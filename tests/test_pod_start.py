@@ -50,14 +50,21 @@ def image_environment() -> dict[str, str]:
 
 # --- what a pod of each topology receives --------------------------------------------------------
 
+SERVER_ARGS = ("--server-arg=--mem-fraction-static 0.81",
+               "--server-arg=--served-model-name 'Llama 8B' --max-running-requests 48")
+SERVER_ARGS_PARSED = {"mem_fraction_static": 0.81, "served_model_name": "Llama 8B",
+                      "max_running_requests": 48}
+
+
 def namespace(tmp_path: Path) -> list[dict[str, Any]]:
     """Every topology, rendered and built by Kustomize, as applied into one namespace (models
-    `target` and `draft`: /models/target and /models/draft in the pods)."""
+    `target` and `draft`: /models/target and /models/draft in the pods), with server flags
+    given as people type them: a flag and its value in one argument, a quoted value."""
     out = tmp_path / "rendered"
     assert cli.main(["deploy", "--digest", "sha256:" + "ab" * 32, "--registry",
                      "registry.example.com/team", "--out", str(out), "--tp", "2",
                      "--model-path", "target", "--draft-model-path", "draft",
-                     *(f"--topology={t}" for t in topology.TOPOLOGIES)]) == 0
+                     *SERVER_ARGS, *(f"--topology={t}" for t in topology.TOPOLOGIES)]) == 0
     docs = [doc for t in topology.TOPOLOGIES for doc in checks.kustomize(out / "kubernetes" / t)]
     for doc in docs:
         checks.validate(doc)
@@ -176,7 +183,9 @@ for name, case in CASES.items():
     try:
         a = parsed(case)
         out[name] = {"host": a.host, "port": a.port, "tp": a.tp_size, "nnodes": a.nnodes,
-                     "rank": a.node_rank}
+                     "rank": a.node_rank, "mem_fraction_static": a.mem_fraction_static,
+                     "served_model_name": a.served_model_name,
+                     "max_running_requests": a.max_running_requests}
     except Exception as e:
         out[name] = {"error": f"{type(e).__name__}: {e}"[-600:]}
 print("RESULT " + json.dumps(out))
@@ -213,6 +222,8 @@ def test_every_server_pod_starts_under_the_kubelet_environment(
         # It listens where its Service and probes look.
         assert (parsed["host"], parsed["port"]) == ("0.0.0.0", topology.SERVER_PORT), name
         assert parsed["tp"] == 2, name
+        # The server flags given with spaces reach the parser split as a shell would.
+        assert {k: parsed[k] for k in SERVER_ARGS_PARSED} == SERVER_ARGS_PARSED, name
     assert {result[n]["rank"] for n in result if "rank " in n} == {0, 1}
 
 

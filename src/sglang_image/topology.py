@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import posixpath
 import re
+import shlex
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -190,7 +191,8 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
     if flavor is not None:
         _check_router(s, flavor)
     _check_gpus(s)
-    _check_server_args(s.server_args)
+    server_args = split_server_args(s.server_args)
+    _check_server_args(server_args)
     for name in ("models_claim", "pull_secret"):
         value = getattr(s, name)
         if not isinstance(value, str) or not (_NAME.match(value) or name == "pull_secret"
@@ -206,7 +208,7 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
         raise UsageError(f"--memory {s.memory}: a server's memory request holds its /dev/shm "
                          f"(--shm-size {s.shm_size}, memory-backed) and the process besides: "
                          "give more")
-    return replace(s, threshold=threshold)
+    return replace(s, threshold=threshold, server_args=server_args)
 
 
 def _option(name: str) -> str:
@@ -272,10 +274,38 @@ def _spelled(flag: str, table: Mapping[str, str]) -> str | None:
     return None
 
 
-def _check_server_args(args: Sequence[str]) -> None:
+def split_server_args(args: Sequence[object]) -> tuple[str, ...]:
+    """The server flags as SGLang's parser must get them, one argv element each. A flag with
+    words after it in one argument (`--server-arg='--tp-size 4'`, as people type it; as one argv
+    element the server would refuse it and the pod crash-loop) is split as a shell splits a line
+    (shlex: quotes keep a value with spaces whole). A value given as an argument of its own, and
+    an argument without whitespace, stay as they are. Refused with the fix, where the split
+    cannot be told: an unclosed quote, or words after `--flag=` (a value with spaces, or more
+    flags?)."""
+    split: list[str] = []
     for arg in args:
         if not isinstance(arg, str):
             raise UsageError(f"server_args: {arg!r} is not a string")
+        if not arg.startswith("-") or not any(c.isspace() for c in arg):
+            split.append(arg)
+            continue
+        try:
+            words = shlex.split(arg)
+        except ValueError as exc:
+            raise UsageError(f"--server-arg {arg!r} cannot be split as a shell would ({exc}): "
+                             "close the quote, or give the flag and its value as two arguments: "
+                             f"--server-arg={arg.split()[0]} --server-arg=VALUE") from None
+        flag, equals, value = arg.partition("=")
+        if len(words) > 1 and equals and not any(c.isspace() for c in flag):
+            raise UsageError(
+                f"--server-arg {arg!r}: the words after {flag}= may be one value with spaces or "
+                "more flags; give the flag and its value as two arguments: "
+                f"--server-arg={flag} --server-arg={shlex.quote(value)}")
+        split += words
+    return tuple(split)
+
+
+def _check_server_args(args: Sequence[str]) -> None:
     flags = [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
     for arg in args:
         flag = arg.split("=", 1)[0]
