@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,12 +18,14 @@ from typing import Any
 class Worker:
     """One stand-in server on 127.0.0.1:`port` (0: any free port); `healthy` is what /health
     answers; `stop()` closes the port, as a crashed server's would be. `model`: the model path it
-    reports, where the router looks for the tokenizer (a folder that exists: never a hub name)."""
+    reports, where the router looks for the tokenizer (a folder that exists: never a hub name).
+    `delay`: seconds each /generate takes (a long request in flight)."""
 
     def __init__(self, name: str, model: Path, port: int = 0) -> None:
         self.name = name
         self.model = str(model)
         self.healthy = True
+        self.delay = 0.0
         self.requests: list[tuple[str, str]] = []  # (method, path), in order
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -109,6 +112,7 @@ class Worker:
                 worker._record("POST", path)
                 if path == "/generate":
                     text = json.loads(body or b"{}").get("text", "")
+                    time.sleep(worker.delay)
                     self._send(200, {"text": f"{worker.name}: {text}",
                                      "meta_info": {"id": "0", "finish_reason": {"type": "length"},
                                                    "completion_tokens": 1}})

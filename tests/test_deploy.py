@@ -258,6 +258,49 @@ def test_no_rollout_fails_within_the_startup_budget(tmp_path: Path, minutes: int
             assert "progressDeadlineSeconds" not in json.dumps(d), d["kind"]
 
 
+def seconds(duration: str) -> int:
+    """A Go duration as Compose writes it (2m20s) in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert parts and duration, duration
+    hours, minutes, secs = (int(g or 0) for g in parts.groups())
+    return hours * 3600 + minutes * 60 + secs
+
+
+@pytest.mark.parametrize(("options", "drain", "router_drain"), [
+    ([], 120, 150),  # deploy/serve.toml's
+    (["--drain-seconds", "300", "--router-drain-seconds", "400"], 300, 400),
+])
+def test_stopping_servers_drain_and_the_router_outlives_them(
+        tmp_path: Path, options: list[str], drain: int, router_drain: int) -> None:
+    """SIGTERM reaches a server after its preStop (the Service and the router drop it first);
+    SGLang then finishes its running requests: the grace holds the preStop, drain_seconds and
+    SGLang's exit (its 5 s look, its schedulers' 15 s). The router's grace is longer, and its own
+    drain covers the servers': a request it passed on is answered before it stops. Compose's
+    stop_grace_period comes from the same settings."""
+    out = render(tmp_path, "--tp", "2", *options, *(f"--topology={t}" for t in topology.TOPOLOGIES))
+    docs = [d for t in topology.TOPOLOGIES for d in built(out, t).values()]
+    graces = {}
+    for owner, _, spec in pod_templates(docs):
+        c = container(spec)
+        assert c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "15"]}}, owner
+        graces[owner] = spec["terminationGracePeriodSeconds"]
+    router = graces.pop("sglang-router")
+    assert set(graces.values()) == {15 + drain + 20}, graces
+    assert router == 15 + router_drain + 20 and router > max(graces.values())
+    rc = container(next(d for d in docs if d["kind"] == "Deployment"
+                        and d["metadata"]["name"] == "sglang-router")["spec"]["template"]["spec"])
+    assert checks.flags(rc["args"])["--shutdown-grace-period-secs"] == [str(router_drain)]
+    assert router - 15 > router_drain > drain
+    single = checks.compose_config(out / "compose.yaml", tmp_path)["services"]["sglang"]
+    assert seconds(single["stop_grace_period"]) == drain + 20
+    services = checks.compose_config(out / "compose.router.yaml", tmp_path)["services"]
+    assert {seconds(services[f"sglang-worker-{i}"]["stop_grace_period"]) for i in (0, 1)} == {
+        drain + 20}
+    assert seconds(services["sglang-router"]["stop_grace_period"]) == router_drain + 20
+    assert checks.flags(services["sglang-router"]["command"])["--shutdown-grace-period-secs"] == [
+        str(router_drain)]
+
+
 def pod_templates(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, str],
                                                              dict[str, Any]]]:
     """(owner, labels as the pods carry them, pod spec) of every pod template."""
@@ -495,6 +538,12 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
      r"the words after --json-model-override-args= may be one value with spaces or more flags; "
      r"give the flag and its value as two arguments: --server-arg=--json-model-override-args "
      r"--server-arg='\{\"rope_theta\": 5e5\}'$"),
+    # the router must outlive its servers' drain, else it drops what they still finish
+    (["--router-drain-seconds", "100"], r"--router-drain-seconds 100 is not longer than "
+                                        r"--drain-seconds 120: .*give more than 120$"),
+    (["--drain-seconds", "200"], r"--router-drain-seconds 150 is not longer than --drain-seconds "
+                                 r"200"),
+    (["--drain-seconds", "0"], r"--drain-seconds 0: must be a whole number >= 1"),
     (["--shm-size", "16GB"], r"--shm-size '16GB'"),
     (["--models-claim", "My_Models"], r"--models-claim 'My_Models'"),
     (["--digest", "sha256:abc"], r"--digest 'sha256:abc' is not an image digest"),

@@ -74,7 +74,10 @@ class Router:
 
 
 @contextmanager
-def router_process(argv: list[str], log: Path) -> Iterator[Router]:
+def router_process(argv: list[str], log: Path,
+                   stopped: list[subprocess.Popen[bytes]] | None = None) -> Iterator[Router]:
+    """The router on loopback until the block ends (`stopped`: its process, for a test that
+    stops it itself)."""
     if importlib.util.find_spec("sglang_router") is None:
         need("sglang-router", "the test dependency group installs it")
     port = argv[argv.index("--port") + 1]
@@ -84,6 +87,8 @@ def router_process(argv: list[str], log: Path) -> Iterator[Router]:
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", topology.ROUTER_MODULE, *argv],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
+    if stopped is not None:
+        stopped.append(proc)
     try:
         router = Router(f"http://127.0.0.1:{port}")
         wait_until("the router answers /liveness",
@@ -101,10 +106,10 @@ def router_process(argv: list[str], log: Path) -> Iterator[Router]:
     assert "HuggingFace" not in log.read_text() and "Loading tokenizer" in log.read_text()
 
 
-def start(tmp_path: Path, servers: list[Worker], *, fast_health: bool
+def start(tmp_path: Path, servers: list[Worker], *, fast_health: bool, **settings: Any
           ) -> tuple[list[str], Path]:
     s = topology.check(topology.Settings(model_path="m", draft_model_path="d",
-                                         replicas=len(servers)))
+                                         replicas=len(servers), **settings))
     urls = dict(zip(topology.worker_urls(s), (w.url for w in servers), strict=True))
     argv = loopback_argv(topology.router_args(s, "compose"), urls, free_port(), free_port(),
                          fast_health=fast_health)
@@ -190,6 +195,42 @@ def test_health_flows_from_the_servers_to_the_router(tmp_path: Path) -> None:
     assert {"/health", "/generate"} <= asked
     assert asked & {"/server_info", "/get_server_info"} and asked & {"/model_info",
                                                                      "/get_model_info"}
+
+
+def test_a_stopping_router_answers_what_it_passed_on(tmp_path: Path) -> None:
+    """SIGTERM (a rolling update, `docker compose down`) mid-request: with the rendered
+    --shutdown-grace-period-secs the router takes no new connection and waits for the requests
+    it passed on, then exits; the servers, draining shorter, answer them."""
+    import threading
+
+    with workers(tmp_path, "worker-0") as (server,):
+        server.delay = 4.0  # a request still decoding when the router is told to stop
+        argv, log = start(tmp_path, [server], fast_health=True, drain_seconds=10,
+                          router_drain_seconds=20)
+        assert flags(argv)["--shutdown-grace-period-secs"] == ["20"]
+        stopped: list[subprocess.Popen[bytes]] = []
+        with router_process(argv, log, stopped) as router:
+            wait_until("ready", lambda: router.readiness()[0] == 200, log)
+            replies: list[requests.Response] = []
+            in_flight = threading.Thread(target=lambda: replies.append(router.generate("long")))
+            in_flight.start()
+            wait_until("the request reached the server", lambda: server.generated() == 1, log)
+            (proc,) = stopped
+            sent = time.monotonic()
+            proc.terminate()
+            wait_until("no new connection taken", lambda: not reachable(router), log)
+            in_flight.join()
+            assert proc.wait(timeout=30) == 0
+            assert replies[0].status_code == 200 and replies[0].json()["text"] == "worker-0: long"
+            assert time.monotonic() - sent < 20  # it left once the request was answered
+
+
+def reachable(router: Router) -> bool:
+    try:
+        router.generate("new")
+    except requests.ConnectionError:
+        return False
+    return True
 
 
 def test_the_stand_in_dies_as_a_crashed_server(tmp_path: Path) -> None:

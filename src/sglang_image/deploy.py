@@ -78,6 +78,8 @@ def _compose_server(s: Settings, image: str, args: Sequence[str], gpus: Sequence
             {"driver": "nvidia", "device_ids": list(gpus), "capabilities": ["gpu"]}]}}},
         "healthcheck": {"test": ["CMD", *HEALTHCHECK], "interval": "30s", "timeout": "30s",
                         "retries": 3, "start_period": f"{s.startup_minutes}m"},
+        # SIGTERM, then this long to drain (no preStop here: nothing routes by endpoints)
+        "stop_grace_period": f"{s.drain_seconds + EXIT_S}s",
         "restart": "unless-stopped",
     }
 
@@ -117,6 +119,9 @@ def compose_router(s: Settings, image: str) -> dict[str, Any]:
         "depends_on": {name: {"condition": "service_healthy"} for name in services},
         "healthcheck": {"test": ["CMD", PYTHON, "-c", _READINESS],
                         "interval": "10s", "timeout": "5s", "retries": 3},
+        # Compose stops it first (it depends on the servers): the servers still answer what
+        # it passed them while it drains
+        "stop_grace_period": f"{s.router_drain_seconds + EXIT_S}s",
         "restart": "unless-stopped",
     }
     return {"name": f"{NAME}-router", "services": services}
@@ -152,10 +157,26 @@ _CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop
 CACHE_MOUNT = "/home/sglang/.cache"
 CACHE_ENV = {"TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
              "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor"}
-# On SIGTERM the server stops at once: the Service and the router drop a deleted pod within
-# seconds, so it keeps serving that long first; then the process gets the rest of the grace.
+# A deleted pod first keeps serving while the Service and the router drop it (seconds); then
+# SIGTERM. SGLang 0.5.23 drains on it: /health answers 503, running requests finish (it looks
+# every 5 s, with no limit of its own), then its schedulers get 15 s to exit (sglang/srt/managers/
+# tokenizer_manager.py: SignalHandler.sigterm_handler, sigterm_watchdog,
+# _SCHEDULER_EXIT_TIMEOUT_SECS). sglang-router stops taking connections and waits for the
+# requests it passed on (--shutdown-grace-period-secs). The grace is the sum; then SIGKILL.
 PRE_STOP_S = 15
-GRACE_S = 60
+EXIT_S = 20  # SGLang's 5 s look and its schedulers' 15 s; the router needs less
+_PRE_STOP = {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}}
+
+
+def server_grace(s: Settings) -> int:
+    """A server pod's terminationGracePeriodSeconds: its drain and exit after the preStop."""
+    return PRE_STOP_S + s.drain_seconds + EXIT_S
+
+
+def router_grace(s: Settings) -> int:
+    """The router pod's: longer than a server's (router_drain_seconds > drain_seconds), so that
+    the requests it passed on finish on servers that drain as long."""
+    return PRE_STOP_S + s.router_drain_seconds + EXIT_S
 
 
 def startup_failures(s: Settings) -> int:
@@ -200,14 +221,14 @@ def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int,
                                  s.health_timeout_seconds),
         "livenessProbe": _probe("/health", LIVENESS_PERIOD_S, LIVENESS_FAILURES,
                                 s.health_timeout_seconds),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRE_STOP_S)]}}},
+        "lifecycle": _PRE_STOP,
         "securityContext": _CONTAINER_SECURITY,
     }
     spec = _pod(container, account, volumes=[
         _models_volume(s), {"name": "dshm", "emptyDir": {"medium": "Memory",
                                                           "sizeLimit": s.shm_size}},
         {"name": "cache", "emptyDir": {}}])
-    return {**spec, "terminationGracePeriodSeconds": PRE_STOP_S + GRACE_S}
+    return {**spec, "terminationGracePeriodSeconds": server_grace(s)}
 
 
 _MODELS_MOUNT = {"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}
@@ -317,6 +338,7 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
         "volumeMounts": [_MODELS_MOUNT],
         "readinessProbe": _probe("/readiness", 5, 3),  # 503 until a server is healthy
         "livenessProbe": _probe("/liveness", 10, 3),
+        "lifecycle": _PRE_STOP,
         "securityContext": _CONTAINER_SECURITY,
     }
     deployment = {
@@ -324,8 +346,9 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
         "spec": {"replicas": 1, "progressDeadlineSeconds": progress_deadline(s),
                  "selector": {"matchLabels": router_sel},
                  "template": {"metadata": {"labels": router_sel},
-                              "spec": _pod(container, name, [_models_volume(s)],
-                                           api_token=True)}},
+                              "spec": {**_pod(container, name, [_models_volume(s)],
+                                              api_token=True),
+                                       "terminationGracePeriodSeconds": router_grace(s)}}},
     }
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
             "metadata": _meta(name, "router", "router"), "rules": ROUTER_RULES}
@@ -493,6 +516,10 @@ OPTIONS: dict[str, tuple[type, str]] = {
     "health_timeout_seconds": (int, "how long each /health check waits for an answer"),
     "health_failures": (int, ("failed /health checks in a row before a server takes no more "
                               "requests (Kubernetes' readiness and the router alike)")),
+    "drain_seconds": (int, ("how long a stopping server may finish its running requests "
+                            "(Kubernetes' grace, Compose's stop_grace_period)")),
+    "router_drain_seconds": (int, ("how long a stopping router waits for the requests it passed "
+                                   "on: more than drain_seconds")),
     "models_claim": (str, "the PersistentVolumeClaim that holds the models (Kubernetes)"),
     "models_dir": (str, "the host folder that holds the models (Compose)"),
     "pull_secret": (str, "the image pull secret of a private registry (Kubernetes)"),

@@ -98,6 +98,8 @@ class Settings:
     health_period_seconds: int = 30
     health_timeout_seconds: int = 30
     health_failures: int = 4
+    drain_seconds: int = 120
+    router_drain_seconds: int = 150
     models_claim: str = "sglang-models"
     models_dir: str = "/srv/models"
     pull_secret: str = ""
@@ -175,11 +177,17 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
     for name, low in (("tp", 1), ("replicas", 1), ("nodes", 1), ("gpus_per_node", 1), ("cpu", 1),
                       ("speculative_num_steps", 1), ("speculative_num_draft_tokens", 2),
                       ("startup_minutes", 1), ("health_period_seconds", 1),
-                      ("health_timeout_seconds", HEALTH_WAIT_S + 5), ("health_failures", 1)):
+                      ("health_timeout_seconds", HEALTH_WAIT_S + 5), ("health_failures", 1),
+                      ("drain_seconds", 1), ("router_drain_seconds", 1)):
         value = getattr(s, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UsageError(f"{_option(name)} {value!r}: must be a whole number >= {low}"
                              + (_HEALTH_WAIT if name == "health_timeout_seconds" else ""))
+    if s.router_drain_seconds <= s.drain_seconds:
+        raise UsageError(f"--router-drain-seconds {s.router_drain_seconds} is not longer than "
+                         f"--drain-seconds {s.drain_seconds}: a stopping router would drop the "
+                         "requests that its stopping servers still finish; give more than "
+                         f"{s.drain_seconds}")
     if s.health_timeout_seconds > s.health_period_seconds:
         raise UsageError(f"--health-timeout-seconds {s.health_timeout_seconds} is longer than "
                          f"--health-period-seconds {s.health_period_seconds}: a check would start "
@@ -409,6 +417,7 @@ def router_args(s: Settings, platform: Platform) -> tuple[str, ...]:
             "--health-check-timeout-secs", str(s.health_timeout_seconds),
             "--health-failure-threshold", str(s.health_failures),
             "--cb-failure-threshold", "3",
+            "--shutdown-grace-period-secs", str(s.router_drain_seconds),
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT))
 
 
