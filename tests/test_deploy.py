@@ -466,7 +466,7 @@ def test_compose_files_through_compose_v2(tmp_path: Path) -> None:
     server = single["services"]["sglang"]
     assert server["image"] == IMAGE and server["user"] == "1000:1000"
     assert server["shm_size"] == str(8 * 1024**3)
-    (volume,) = server["volumes"]
+    volume, _ = server["volumes"]  # and the kernel cache
     assert volume["target"] == "/models" and volume["read_only"] is True
     (gpus,) = server["deploy"]["resources"]["reservations"]["devices"]
     assert gpus["device_ids"] == ["0", "1"] and gpus["capabilities"] == ["gpu"]
@@ -477,12 +477,63 @@ def test_compose_files_through_compose_v2(tmp_path: Path) -> None:
     assert sorted(depends) == ["sglang-worker-0", "sglang-worker-1"]
     assert {dep["condition"] for dep in depends.values()} == {"service_healthy"}
     assert router["sglang-router"]["entrypoint"][1:] == ["-m", "sglang_router.launch_router"]
-    assert router["sglang-router"]["volumes"] == router["sglang-worker-0"]["volumes"]
+    assert router["sglang-router"]["volumes"] == router["sglang-worker-0"]["volumes"][:1]
     # Compose itself refuses a broken file (the check can fail).
     text = (out / "compose.yaml").read_text().replace("shm_size: 8g", "shm_size: eight")
     (tmp_path / "broken.yaml").write_text(text)
     with pytest.raises(checks.ComposeError, match="shm_size|eight"):
         checks.compose_config(tmp_path / "broken.yaml", tmp_path)
+
+
+@pytest.mark.parametrize(("options", "address"), [([], "127.0.0.1"),
+                                                  (["--publish-address", "0.0.0.0"], "0.0.0.0")])
+def test_compose_keeps_kernels_and_publishes_on_loopback(tmp_path: Path, options: list[str],
+                                                         address: str) -> None:
+    """Every Compose server keeps its compiled kernels in a named volume of its own (a new
+    container compiles nothing again); port 30000 is published on loopback unless opened; no
+    API key unless an env file is given."""
+    out = render(tmp_path, "--tp", "2", *options)
+    for name, services, volumes in (("compose.yaml", ["sglang"], ["sglang-cache"]),
+                                    ("compose.router.yaml", ["sglang-worker-0", "sglang-worker-1"],
+                                     ["sglang-worker-0-cache", "sglang-worker-1-cache"])):
+        config = checks.compose_config(out / name, tmp_path)
+        assert sorted(config["volumes"]) == volumes, name
+        for service, volume in zip(services, volumes, strict=True):
+            server = config["services"][service]
+            cache = [v for v in server["volumes"] if v["target"] == "/home/sglang/.cache"]
+            assert cache == [{"type": "volume", "source": volume,
+                              "target": "/home/sglang/.cache"}], (name, service)
+            env = server["environment"]
+            assert env["TRITON_CACHE_DIR"].startswith("/home/sglang/.cache/")
+            assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/home/sglang/.cache/")
+            assert "SGLANG_IMAGE_API_KEY" not in env and "env_file" not in server
+        published = [s for s in config["services"].values() if "ports" in s]
+        assert [s["ports"] for s in published] == [[{
+            "mode": "ingress", "host_ip": address, "target": 30000, "published": "30000",
+            "protocol": "tcp"}]], name
+
+
+def test_compose_takes_the_api_key_from_an_env_file(tmp_path: Path) -> None:
+    """With api_key_env_file every server and the router get SGLANG_IMAGE_API_KEY from it (the
+    image's entrypoint turns it into --api-key; the router's shell into its own), and the key
+    is in no rendered file."""
+    env_file = tmp_path / "sglang.env"
+    env_file.write_text("SGLANG_IMAGE_API_KEY=s3cret-key\n")
+    out = render(tmp_path, "--api-key-env-file", str(env_file))
+    assert "s3cret" not in "".join(p.read_text() for p in out.rglob("*") if p.is_file())
+    for name in ("compose.yaml", "compose.router.yaml"):
+        services = checks.compose_config(out / name, tmp_path)["services"]
+        assert {s: v["environment"]["SGLANG_IMAGE_API_KEY"] for s, v in services.items()} == {
+            s: "s3cret-key" for s in services}, name
+    router = checks.compose_config(out / "compose.router.yaml", tmp_path)["services"][
+        "sglang-router"]
+    assert router["entrypoint"][:2] == ["/bin/sh", "-c"]
+    assert "--api-key" in router["entrypoint"][2]
+    # Compose refuses to start without the file (a key that silently went missing would open
+    # the server to anyone who reaches it).
+    env_file.unlink()
+    with pytest.raises(checks.ComposeError, match="sglang.env"):
+        checks.compose_config(out / "compose.yaml", tmp_path)
 
 
 def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
@@ -544,6 +595,10 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--drain-seconds", "200"], r"--router-drain-seconds 150 is not longer than --drain-seconds "
                                  r"200"),
     (["--drain-seconds", "0"], r"--drain-seconds 0: must be a whole number >= 1"),
+    (["--publish-address", "localhost"], r"--publish-address 'localhost': give the host's IP "
+                                         r"address .*127.0.0.1 \(this host only\)"),
+    (["--api-key-env-file", "sglang.env"], r"--api-key-env-file 'sglang.env': give the host "
+                                           r"file \(absolute"),
     (["--shm-size", "16GB"], r"--shm-size '16GB'"),
     (["--models-claim", "My_Models"], r"--models-claim 'My_Models'"),
     (["--digest", "sha256:abc"], r"--digest 'sha256:abc' is not an image digest"),

@@ -185,7 +185,7 @@ for name, case in CASES.items():
         out[name] = {"host": a.host, "port": a.port, "tp": a.tp_size, "nnodes": a.nnodes,
                      "rank": a.node_rank, "mem_fraction_static": a.mem_fraction_static,
                      "served_model_name": a.served_model_name,
-                     "max_running_requests": a.max_running_requests}
+                     "max_running_requests": a.max_running_requests, "api_key": a.api_key}
     except Exception as e:
         out[name] = {"error": f"{type(e).__name__}: {e}"[-600:]}
 print("RESULT " + json.dumps(out))
@@ -233,6 +233,26 @@ def test_the_entrypoint_refuses_a_port_that_is_no_number(tmp_path: Path) -> None
     assert proc.returncode == 2 and started is None
     assert "SGLANG_IMAGE_HTTP_PORT=tcp://10.96.12.34:30000 is not a port number" in proc.stderr
     assert "enableServiceLinks: false" in proc.stderr
+
+
+def test_the_entrypoint_passes_the_api_key_of_its_environment(
+        tmp_path: Path, sglang_tree: Callable[[str, bool], Path],
+        run_in_tree: Callable[..., Any], plugin_site: Path, models: Path) -> None:
+    """SGLANG_IMAGE_API_KEY (Compose's env file) becomes the server's --api-key, kept off the
+    command line that `docker inspect` shows; an --api-key among the arguments wins; unset or
+    empty, the server has none."""
+    args = ["--model-path", "/models/target"]
+    cases = {}
+    for name, env, extra in (("from the env", {"SGLANG_IMAGE_API_KEY": "k1"}, []),
+                             ("given too", {"SGLANG_IMAGE_API_KEY": "k1"}, ["--api-key", "k2"]),
+                             ("empty", {"SGLANG_IMAGE_API_KEY": ""}, []), ("unset", {}, [])):
+        proc, started = start_entrypoint(args + extra, {**image_environment(), **env}, tmp_path)
+        assert proc.returncode == 0 and started is not None, (name, proc.stderr)
+        cases[name] = started
+    assert cases["from the env"]["argv"][-4:] == ["--api-key", "k1", *args]
+    result = run_sglang(sglang_tree, run_in_tree, plugin_site, models, PARSE, cases)
+    assert {name: parsed.get("api_key", parsed) for name, parsed in result.items()} == {
+        "from the env": "k1", "given too": "k2", "empty": None, "unset": None}
 
 
 # --- TP >= 2: the group's sockets and the HTTP port ----------------------------------------------

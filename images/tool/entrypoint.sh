@@ -34,5 +34,10 @@ case "$port" in
     exit 2
     ;;
 esac
+# An API key from the environment (Compose's env file) rather than the command line, which
+# `docker inspect` shows: given before the arguments, so that an --api-key among them wins.
+if [ -n "${SGLANG_IMAGE_API_KEY:-}" ]; then
+  set -- --api-key "$SGLANG_IMAGE_API_KEY" "$@"
+fi
 exec "${SGLANG_PYTHON:-/opt/venv/bin/python}" -m sglang.launch_server \
   --host "${SGLANG_IMAGE_HTTP_HOST:-0.0.0.0}" --port "$port" "$@"

@@ -60,19 +60,29 @@ ENV = {"HF_HUB_OFFLINE": "1"}  # models come from the volume: never from a hub a
 # The router runs the image but needs no GPU: without this the NVIDIA container runtime would
 # give it every GPU of its node (the image asks for all of them).
 ROUTER_ENV = {"NVIDIA_VISIBLE_DEVICES": "void"}
+# Kernels compiled at run time (FlashInfer's JIT, Triton, TorchInductor) land under the home
+# folder: a volume there outlives a container restart (a liveness restart compiles nothing again).
+CACHE_MOUNT = "/home/sglang/.cache"
+CACHE_ENV = {"TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
+             "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor"}
+# The API key every server (and the router) then requires: from Compose's env file (api_key_env_file),
+# read by the image's entrypoint (images/tool/entrypoint.sh), never written into a manifest.
+API_KEY_ENV = "SGLANG_IMAGE_API_KEY"
 
 
 # --- Compose -------------------------------------------------------------------------------------
 
-def _compose_server(s: Settings, image: str, args: Sequence[str], gpus: Sequence[str]
-                    ) -> dict[str, Any]:
+def _compose_server(s: Settings, image: str, args: Sequence[str], gpus: Sequence[str],
+                    cache: str) -> dict[str, Any]:
     return {
         "image": image,
         "command": list(args),
         "user": "1000:1000",
         "shm_size": _docker_size(s.shm_size),
-        "environment": dict(ENV),
-        "volumes": [_models_bind(s)],
+        "environment": {**ENV, **CACHE_ENV},
+        **_api_key(s),
+        # the kernels it compiled, in a named volume: a new container compiles nothing again
+        "volumes": [_models_bind(s), {"type": "volume", "source": cache, "target": CACHE_MOUNT}],
         "ulimits": {"memlock": -1, "stack": 67108864},
         "deploy": {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "device_ids": list(gpus), "capabilities": ["gpu"]}]}}},
@@ -92,10 +102,28 @@ def _docker_size(quantity: str) -> str:
     return quantity[:-2] + QUANTITY_UNITS[quantity[-2:]]
 
 
+def _api_key(s: Settings) -> dict[str, Any]:
+    """The env file that holds API_KEY_ENV, where one is set (Compose refuses to start without
+    the file)."""
+    return {"env_file": [s.api_key_env_file]} if s.api_key_env_file else {}
+
+
+def _published(s: Settings) -> list[dict[str, Any]]:
+    """The server port on the host, on publish_address only (loopback by default: a server
+    without an API key is no service for every interface)."""
+    return [{"target": SERVER_PORT, "published": str(SERVER_PORT), "host_ip": s.publish_address,
+             "protocol": "tcp"}]
+
+
+def _cache_volume(service: str) -> str:
+    return f"{service}-cache"
+
+
 def compose_single(s: Settings, image: str) -> dict[str, Any]:
     (server,) = pods(s, "single", "compose")
-    service = _compose_server(s, image, server.args, box_gpus(s, 0))
-    return {"name": NAME, "services": {NAME: {**service, "ports": [f"{SERVER_PORT}:{SERVER_PORT}"]}}}
+    service = _compose_server(s, image, server.args, box_gpus(s, 0), _cache_volume(NAME))
+    return {"name": NAME, "services": {NAME: {**service, "ports": _published(s)}},
+            "volumes": {_cache_volume(NAME): {}}}
 
 
 # The router's healthcheck (no curl in the image): 200 once a server behind it is healthy.
@@ -105,17 +133,20 @@ _READINESS = ("import urllib.request; urllib.request."
 
 def compose_router(s: Settings, image: str) -> dict[str, Any]:
     *workers, router = pods(s, "router", "compose")
-    services = {worker_host(i): _compose_server(s, image, w.args, box_gpus(s, i))
+    services = {worker_host(i): _compose_server(s, image, w.args, box_gpus(s, i),
+                                                _cache_volume(worker_host(i)))
                 for i, w in enumerate(workers)}
+    volumes: dict[str, Any] = {_cache_volume(name): {} for name in services}
     services[f"{NAME}-router"] = {
         "image": image,
-        "entrypoint": [PYTHON, "-m", ROUTER_MODULE],
+        "entrypoint": _router_entrypoint(s),
         "command": list(router.args),
         "user": "1000:1000",
         "environment": {**ENV, **ROUTER_ENV},
+        **_api_key(s),
         # the servers' tokenizer, read where they report it (else the router asks a hub)
         "volumes": [_models_bind(s)],
-        "ports": [f"{SERVER_PORT}:{SERVER_PORT}"],
+        "ports": _published(s),
         "depends_on": {name: {"condition": "service_healthy"} for name in services},
         "healthcheck": {"test": ["CMD", PYTHON, "-c", _READINESS],
                         "interval": "10s", "timeout": "5s", "retries": 3},
@@ -124,7 +155,19 @@ def compose_router(s: Settings, image: str) -> dict[str, Any]:
         "stop_grace_period": f"{s.router_drain_seconds + EXIT_S}s",
         "restart": "unless-stopped",
     }
-    return {"name": f"{NAME}-router", "services": services}
+    return {"name": f"{NAME}-router", "services": services, "volumes": volumes}
+
+
+# With an API key the router passes it to the servers and requires it of its clients: its
+# --api-key, added from the env file by a shell ($$: Compose's escape of a $ it must leave alone).
+_ROUTER_WITH_KEY = (f'if [ -n "$${{{API_KEY_ENV}:-}}" ]; then set -- "$$@" --api-key '
+                    f'"$${API_KEY_ENV}"; fi; exec {PYTHON} -m {ROUTER_MODULE} "$$@"')
+
+
+def _router_entrypoint(s: Settings) -> list[str]:
+    if not s.api_key_env_file:
+        return [PYTHON, "-m", ROUTER_MODULE]
+    return ["/bin/sh", "-c", _ROUTER_WITH_KEY, f"{NAME}-router"]
 
 
 # --- Kubernetes ----------------------------------------------------------------------------------
@@ -152,11 +195,6 @@ def _probe(path: str, period: int, failures: int, timeout: int = 5,
 
 
 _CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
-# Kernels compiled at run time (FlashInfer's JIT, Triton, TorchInductor) land under the home
-# folder: a volume there outlives a container restart (a liveness restart compiles nothing again).
-CACHE_MOUNT = "/home/sglang/.cache"
-CACHE_ENV = {"TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
-             "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor"}
 # A deleted pod first keeps serving while the Service and the router drop it (seconds); then
 # SIGTERM. SGLang 0.5.23 drains on it: /health answers 503, running requests finish (it looks
 # every 5 s, with no limit of its own), then its schedulers get 15 s to exit (sglang/srt/managers/
@@ -522,6 +560,10 @@ OPTIONS: dict[str, tuple[type, str]] = {
                                    "on: more than drain_seconds")),
     "models_claim": (str, "the PersistentVolumeClaim that holds the models (Kubernetes)"),
     "models_dir": (str, "the host folder that holds the models (Compose)"),
+    "publish_address": (str, ("the host address Compose publishes port 30000 on (default "
+                              "127.0.0.1; 0.0.0.0: every interface)")),
+    "api_key_env_file": (str, (f"Compose: a host file with {API_KEY_ENV}=KEY; every server and "
+                               "the router then require that key")),
     "pull_secret": (str, "the image pull secret of a private registry (Kubernetes)"),
 }
 

@@ -14,6 +14,7 @@ Kubernetes manifests.
 """
 from __future__ import annotations
 
+import ipaddress
 import posixpath
 import re
 import shlex
@@ -102,6 +103,8 @@ class Settings:
     router_drain_seconds: int = 150
     models_claim: str = "sglang-models"
     models_dir: str = "/srv/models"
+    publish_address: str = "127.0.0.1"
+    api_key_env_file: str = ""
     pull_secret: str = ""
     server_args: tuple[str, ...] = ()
     topologies: tuple[Topology, ...] = ("single", "router")
@@ -210,6 +213,7 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
     if not isinstance(s.models_dir, str) or not s.models_dir.startswith("/"):
         raise UsageError(f"--models-dir {s.models_dir!r}: give the host folder (absolute) that "
                          f"Compose mounts read-only at {MODELS_MOUNT}, e.g. /srv/models")
+    _check_compose(s)
     _check_quantity("shm_size", s.shm_size)
     _check_quantity("memory", s.memory)
     if mebibytes(s.memory) <= mebibytes(s.shm_size):
@@ -327,6 +331,20 @@ def _check_server_args(args: Sequence[str]) -> None:
             continue
         raise UsageError(f"--server-arg {arg!r}: {gpus} changes the GPUs a server takes: "
                          f"{_GPU_COUNT[gpus]}")
+
+
+def _check_compose(s: Settings) -> None:
+    try:
+        ipaddress.ip_address(s.publish_address)
+    except ValueError:
+        raise UsageError(f"--publish-address {s.publish_address!r}: give the host's IP address "
+                         "that Compose publishes port 30000 on: 127.0.0.1 (this host only), "
+                         "0.0.0.0 (every interface) or one of its own") from None
+    if not isinstance(s.api_key_env_file, str) or (s.api_key_env_file
+                                                   and not s.api_key_env_file.startswith("/")):
+        raise UsageError(f"--api-key-env-file {s.api_key_env_file!r}: give the host file "
+                         "(absolute, outside the rendered folder, which a new rendering replaces) "
+                         "that holds SGLANG_IMAGE_API_KEY=KEY, or nothing for no key")
 
 
 def _check_quantity(name: str, text: object) -> None:
