@@ -228,6 +228,20 @@ def test_each_node_of_a_multinode_server(tmp_path: Path, tp: int, nodes: int) ->
         # The GPUs of every node together are the server's TP size.
         assert c["resources"]["limits"]["nvidia.com/gpu"] * int(argv["--nnodes"][0]) == tp
     assert seen_ranks == [str(i) for i in range(nodes)]
+    # The rendezvous port of --dist-init-addr is declared on every rank.
+    for key in ("leaderTemplate", "workerTemplate"):
+        ports = container(template[key]["spec"])["ports"]
+        assert {"name": "dist-init", "containerPort": topology.DIST_INIT_PORT} in ports, key
+    # No two of its pods on one node, whatever group: required, on the node's hostname, over
+    # the pods of both templates (of every group: the selector names no group).
+    for key in ("leaderTemplate", "workerTemplate"):
+        (term,) = template[key]["spec"]["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        selector = term["labelSelector"]["matchLabels"]
+        assert not [k for k in selector if k.startswith("leaderworkerset.sigs.k8s.io/")]
+        for other in ("leaderTemplate", "workerTemplate"):
+            assert selector.items() <= template[other]["metadata"]["labels"].items()
     # Clients reach the leader (rank 0, the HTTP server) only.
     service = objects[("Service", "sglang-multinode-leader")]["spec"]["selector"]
     assert service["leaderworkerset.sigs.k8s.io/name"] == "sglang-multinode"
@@ -327,6 +341,10 @@ def selectors(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, str]]]:
             found.append((what, d["spec"]["selector"]))
         elif d["kind"] in ("Deployment", "StatefulSet", "PodDisruptionBudget"):
             found.append((what, d["spec"]["selector"]["matchLabels"]))
+        for owner, _, spec in pod_templates([d]):
+            for term in spec.get("affinity", {}).get("podAntiAffinity", {}).get(
+                    "requiredDuringSchedulingIgnoredDuringExecution", []):
+                found.append((f"{owner} anti-affinity", term["labelSelector"]["matchLabels"]))
         if d["kind"] == "Deployment" and "--selector" in json.dumps(d):
             args = container(d["spec"]["template"]["spec"])["args"]
             found.append((f"{what} --selector",

@@ -31,6 +31,7 @@ from sglang_image import pins, plan, topology
 from sglang_image.errors import UsageError
 from sglang_image.pins import Flavor
 from sglang_image.topology import (
+    DIST_INIT_PORT,
     MODELS_MOUNT,
     QUANTITY_UNITS,
     ROUTER_METRICS_PORT,
@@ -54,6 +55,7 @@ MARKER = "sglang-image-deploy.json"  # what was rendered, and the sign that OUT 
 PYTHON = "/opt/venv/bin/python"
 HEALTHCHECK = [PYTHON, "/opt/sglang-image/tool/healthcheck.py"]  # the image's own
 LWS_API = "leaderworkerset.x-k8s.io/v1"
+HOSTNAME_LABEL = "kubernetes.io/hostname"  # the node, as the scheduler's topology key
 NAME = "sglang"  # the Service clients use in every topology, and the service account
 LABELS = {"app.kubernetes.io/name": NAME, "app.kubernetes.io/part-of": plan.IMAGE_REPO}
 ENV = {"HF_HUB_OFFLINE": "1"}  # models come from the volume: never from a hub at run time
@@ -234,18 +236,18 @@ def progress_deadline(s: Settings) -> int:
     return STARTUP_PERIOD_S * startup_failures(s) + PROGRESS_MARGIN_S
 
 
-def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int,
-                account: str) -> dict[str, Any]:
+def _server_pod(s: Settings, image: str, args: Sequence[str], gpus: int, account: str,
+                ports: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """A server's pod spec: uid 1000, /dev/shm sized, the GPUs, CPU and memory requested, the
     models read-only, a kernel cache, probes on /health that allow the first start (kernel
-    compilation) its minutes, and a drain before it stops."""
+    compilation) its minutes, and a drain before it stops. `ports`: more than its http."""
     container = {
         "name": NAME,
         "image": image,
         "args": list(args),
         "env": [{"name": k, "value": v} for k, v in {**ENV, **CACHE_ENV}.items()],
         # /metrics (--enable-metrics) is served on this port too
-        "ports": [{"name": "http", "containerPort": SERVER_PORT}],
+        "ports": [{"name": "http", "containerPort": SERVER_PORT}, *ports],
         "resources": {"requests": {"nvidia.com/gpu": gpus, "cpu": str(s.cpu),
                                    "memory": s.memory},
                       "limits": {"nvidia.com/gpu": gpus}},
@@ -408,7 +410,14 @@ def kube_multinode(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
         raise AssertionError("the multinode pods differ")
     name = topology.instance("multinode")
     leader, follower = ({"labels": _labels("multinode", role)} for role in ("leader", "follower"))
-    spec = _server_pod(s, image, nodes[0].args, nodes[0].gpus, name)
+    # The leader's torch.distributed rendezvous (--dist-init-addr), declared on every rank.
+    spec = _server_pod(s, image, nodes[0].args, nodes[0].gpus, name,
+                       ports=[{"name": "dist-init", "containerPort": DIST_INIT_PORT}])
+    # No two pods of this LeaderWorkerSet on one node: a group spans `nodes` nodes, and two
+    # groups (replicas) never share one, so that one lost node takes one group down, not two.
+    group = {k: v for k, v in leader["labels"].items() if k != "app.kubernetes.io/component"}
+    spec["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"labelSelector": {"matchLabels": group}, "topologyKey": HOSTNAME_LABEL}]}}
     lws = {
         "apiVersion": LWS_API, "kind": "LeaderWorkerSet",
         "metadata": _meta(name, "multinode", "server"),
