@@ -242,13 +242,12 @@ def test_each_node_of_a_multinode_server(tmp_path: Path, tp: int, nodes: int) ->
         assert not [k for k in selector if k.startswith("leaderworkerset.sigs.k8s.io/")]
         for other in ("leaderTemplate", "workerTemplate"):
             assert selector.items() <= template[other]["metadata"]["labels"].items()
-    # Clients reach the leader (rank 0, the HTTP server) only.
+    # Clients reach the leader (rank 0, the HTTP server) only, by our labels alone (a name
+    # prefix renames the LeaderWorkerSet, not the label the controller would put on its pods).
     service = objects[("Service", "sglang-multinode-leader")]["spec"]["selector"]
-    assert service["leaderworkerset.sigs.k8s.io/name"] == "sglang-multinode"
-    assert service.items() <= {**template["leaderTemplate"]["metadata"]["labels"],
-                               "leaderworkerset.sigs.k8s.io/name": "sglang-multinode"}.items()
-    assert not service.items() <= {**template["workerTemplate"]["metadata"]["labels"],
-                                   "leaderworkerset.sigs.k8s.io/name": "sglang-multinode"}.items()
+    assert not [k for k in service if k.startswith("leaderworkerset.sigs.k8s.io/")]
+    assert service.items() <= template["leaderTemplate"]["metadata"]["labels"].items()
+    assert not service.items() <= template["workerTemplate"]["metadata"]["labels"].items()
 
 
 @pytest.mark.parametrize("minutes", [30, 45])
@@ -377,6 +376,66 @@ def test_every_topology_fits_one_namespace(tmp_path: Path) -> None:
     for what in ("Deployment sglang-router --selector", "PodDisruptionBudget sglang-router-worker"):
         assert [o for o, labels, _ in templates
                 if by_what[what].items() <= labels.items()] == ["sglang-router-worker"], what
+
+
+def test_two_models_in_one_namespace_stay_apart(tmp_path: Path) -> None:
+    """Two models rendered for one namespace, each under a name prefix of its own (an overlay's
+    namePrefix): every object and pod carries its model, and no selector of one (Services,
+    workloads, the budget, the router's discovery, the anti-affinity, the PodMonitors) matches a
+    pod of the other. Without the model in the labels, each router would route to the other
+    model's servers."""
+    rendered = {}
+    for prefix, model in (("llama-", "Llama-3.1-8B-Instruct"), ("qwen-", "team/Qwen3 8B")):
+        out = tmp_path / prefix.strip("-")
+        assert cli.main(["deploy", "--digest", DIGEST, "--registry", REGISTRY, "--out", str(out),
+                         "--tp", "2", "--model-path", model,
+                         *(f"--topology={t}" for t in topology.TOPOLOGIES)]) == 0
+        docs = []
+        for overlay in (*topology.TOPOLOGIES, "monitoring"):
+            mine = tmp_path / f"{prefix}{overlay}"
+            mine.mkdir()
+            (mine / "kustomization.yaml").write_text(yaml.safe_dump({
+                "resources": [f"../{out.name}/kubernetes/{overlay}"], "namePrefix": prefix}))
+            docs += checks.kustomize(mine)
+        rendered[model] = docs
+    names = [(d["kind"], d["metadata"]["name"]) for docs in rendered.values() for d in docs]
+    assert sorted(n for n in names if names.count(n) > 1) == []
+    for model, docs in rendered.items():
+        (other,) = (d for m, d in rendered.items() if m != model)
+        own = pod_templates(docs)
+        monitors = [(f"PodMonitor {d['metadata']['name']}", d["spec"]["selector"]["matchLabels"])
+                    for d in docs if d["kind"] == "PodMonitor"]
+        for what, selector in [*selectors(docs), *monitors]:
+            assert [o for o, pod_labels, _ in own if selector.items() <= pod_labels.items()], what
+            assert not [o for o, pod_labels, _ in pod_templates(other)
+                        if selector.items() <= pod_labels.items()], (what, "selects", model)
+        accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+        services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+        for owner, _, spec in own:  # the prefix reached every reference (a LeaderWorkerSet's too)
+            assert spec["serviceAccountName"] in accounts, owner
+        for d in docs:
+            if d["kind"] == "StatefulSet":
+                assert d["spec"]["serviceName"] in services
+        # ... because every object, pod and selector names its model
+        label = topology.model_label(topology.Settings(model_path=model))
+        assert label == {"Llama-3.1-8B-Instruct": "Llama-3.1-8B-Instruct",
+                         "team/Qwen3 8B": "team-Qwen3-8B"}[model]
+        for d in docs:
+            assert d["metadata"]["labels"][topology.MODEL_LABEL] == label, d["metadata"]["name"]
+        for what, selector in [*selectors(docs), *monitors]:
+            assert selector[topology.MODEL_LABEL] == label, what
+        for owner, pod_labels, _ in own:
+            assert pod_labels[topology.MODEL_LABEL] == label, owner
+
+
+def test_a_long_model_folder_is_a_label_value() -> None:
+    long = "org/" + "Very-Long-Model-Name-" * 4 + "Instruct"
+    value = topology.model_label(topology.Settings(model_path=long))
+    assert len(value) == 63 and value.startswith("org-Very-Long") and re.fullmatch(
+        r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", value)
+    other = topology.model_label(topology.Settings(model_path=long + "-2"))
+    assert other != value and len(other) == 63
+    assert topology.model_label(topology.Settings(model_path="/models/-x-/")) == "x"
 
 
 def test_the_pod_monitors_scrape_every_server_and_the_router(tmp_path: Path) -> None:

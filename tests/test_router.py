@@ -295,7 +295,8 @@ def test_the_router_takes_the_kubernetes_discovery_flags() -> None:
     assert "--worker-urls" not in rendered
     args = parse_router_args([expand(a, {topology.NAMESPACE_ENV: "llm"}) for a in rendered])
     assert args.service_discovery and not args.worker_urls
-    assert args.selector == topology.ROUTER_WORKER_LABELS
+    assert args.selector == topology.router_worker_labels(s)
+    assert args.selector[topology.MODEL_LABEL] == "m"  # the model: not another model's servers
     assert args.service_discovery_namespace == "llm"
     assert args.service_discovery_port == topology.SERVER_PORT
 

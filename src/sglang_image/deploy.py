@@ -177,13 +177,12 @@ def _router_entrypoint(s: Settings) -> list[str]:
 # (topology.instance): two topologies in one namespace share no name and no selector. No object
 # is shared between them (each has its own service account): deleting one leaves the other whole.
 
-def _labels(topology_name: Topology, component: str) -> dict[str, str]:
-    return {**LABELS, "app.kubernetes.io/instance": topology.instance(topology_name),
-            "app.kubernetes.io/component": component}
+def _labels(s: Settings, topology_name: Topology, component: str) -> dict[str, str]:
+    return {**topology.labels(s, topology_name, component), **LABELS}
 
 
-def _meta(name: str, topology_name: Topology, component: str) -> dict[str, Any]:
-    return {"name": name, "labels": _labels(topology_name, component)}
+def _meta(s: Settings, name: str, topology_name: Topology, component: str) -> dict[str, Any]:
+    return {"name": name, "labels": _labels(s, topology_name, component)}
 
 
 STARTUP_PERIOD_S = 30  # the startup probe's: startup_minutes of them before a start has failed
@@ -296,14 +295,15 @@ def _pod(container: dict[str, Any], account: str, volumes: list[dict[str, Any]],
 def _account(s: Settings, name: str, topology_name: Topology, component: str,
              api_token: bool = False) -> dict[str, Any]:
     account: dict[str, Any] = {"apiVersion": "v1", "kind": "ServiceAccount",
-                               "metadata": _meta(name, topology_name, component),
+                               "metadata": _meta(s, name, topology_name, component),
                                "automountServiceAccountToken": api_token}
     if s.pull_secret:
         account["imagePullSecrets"] = [{"name": s.pull_secret}]
     return account
 
 
-def _service(name: str, selector: dict[str, str], topology_name: Topology, component: str, *,
+def _service(s: Settings, name: str, selector: dict[str, str], topology_name: Topology,
+             component: str, *,
              headless: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "selector": selector,
@@ -312,7 +312,7 @@ def _service(name: str, selector: dict[str, str], topology_name: Topology, compo
     if headless:  # each server by its own name, from its first start on
         spec |= {"clusterIP": "None", "publishNotReadyAddresses": True}
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(name, topology_name, component), "spec": spec}
+            "metadata": _meta(s, name, topology_name, component), "spec": spec}
 
 
 def client_service(topology_name: Topology) -> str:
@@ -325,9 +325,9 @@ def client_service(topology_name: Topology) -> str:
 def kube_single(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     (server,) = pods(s, "single")
     name = topology.instance("single")
-    selector = _labels("single", "server")
+    selector = _labels(s, "single", "server")
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, "single", "server"),
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(s, name, "single", "server"),
         "spec": {"replicas": 1, "strategy": {"type": "Recreate"},  # the GPUs are freed first
                  "progressDeadlineSeconds": progress_deadline(s),
                  "selector": {"matchLabels": selector},
@@ -335,7 +335,7 @@ def kube_single(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
                               "spec": _server_pod(s, image, server.args, server.gpus, name)}},
     }
     return {"server.yaml": [_account(s, name, "single", "server"), deployment,
-                            _service(client_service("single"), selector, "single", "server")]}
+                            _service(s, client_service("single"), selector, "single", "server")]}
 
 
 # What the router's service discovery asks of the API server: a watch on its namespace's pods.
@@ -348,12 +348,12 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
         raise AssertionError("the router topology's servers differ")
     name = topology.instance("router")
     worker_name = f"{name}-worker"
-    worker_sel = _labels("router", "worker")
-    if not topology.ROUTER_WORKER_LABELS.items() <= worker_sel.items():
+    worker_sel = _labels(s, "router", "worker")
+    if not topology.router_worker_labels(s).items() <= worker_sel.items():
         raise AssertionError("the router's service discovery would miss its workers")
     statefulset = {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": _meta(worker_name, "router", "worker"),
+        "metadata": _meta(s, worker_name, "router", "worker"),
         "spec": {"serviceName": worker_name, "replicas": len(workers),
                  "podManagementPolicy": "Parallel",  # every server compiles at once
                  "selector": {"matchLabels": worker_sel},
@@ -362,9 +362,9 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
                                                   worker_name)}},
     }
     budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-              "metadata": _meta(worker_name, "router", "worker"),
+              "metadata": _meta(s, worker_name, "router", "worker"),
               "spec": {"maxUnavailable": 1, "selector": {"matchLabels": worker_sel}}}
-    router_sel = _labels("router", "router")
+    router_sel = _labels(s, "router", "router")
     container = {
         "name": "router", "image": image, "command": [PYTHON, "-m", ROUTER_MODULE],
         "args": list(router.args),
@@ -382,7 +382,7 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
         "securityContext": _CONTAINER_SECURITY,
     }
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, "router", "router"),
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(s, name, "router", "router"),
         "spec": {"replicas": 1, "progressDeadlineSeconds": progress_deadline(s),
                  "selector": {"matchLabels": router_sel},
                  "template": {"metadata": {"labels": router_sel},
@@ -391,17 +391,17 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
                                        "terminationGracePeriodSeconds": router_grace(s)}}},
     }
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": _meta(name, "router", "router"), "rules": ROUTER_RULES}
+            "metadata": _meta(s, name, "router", "router"), "rules": ROUTER_RULES}
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": _meta(name, "router", "router"),
+               "metadata": _meta(s, name, "router", "router"),
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
                "subjects": [{"kind": "ServiceAccount", "name": name}]}
     return {"workers.yaml": [_account(s, worker_name, "router", "worker"),
-                             _service(worker_name, worker_sel, "router", "worker", headless=True),
+                             _service(s, worker_name, worker_sel, "router", "worker", headless=True),
                              statefulset, budget],
             "router.yaml": [_account(s, name, "router", "router", api_token=True), role, binding,
                             deployment,
-                            _service(client_service("router"), router_sel, "router", "router")]}
+                            _service(s, client_service("router"), router_sel, "router", "router")]}
 
 
 def kube_multinode(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
@@ -409,7 +409,7 @@ def kube_multinode(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     if len({p.args for p in nodes}) != 1:  # one template, resolved by each pod's LWS variables
         raise AssertionError("the multinode pods differ")
     name = topology.instance("multinode")
-    leader, follower = ({"labels": _labels("multinode", role)} for role in ("leader", "follower"))
+    leader, follower = ({"labels": _labels(s, "multinode", role)} for role in ("leader", "follower"))
     # The leader's torch.distributed rendezvous (--dist-init-addr), declared on every rank.
     spec = _server_pod(s, image, nodes[0].args, nodes[0].gpus, name,
                        ports=[{"name": "dist-init", "containerPort": DIST_INIT_PORT}])
@@ -420,30 +420,33 @@ def kube_multinode(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
         {"labelSelector": {"matchLabels": group}, "topologyKey": HOSTNAME_LABEL}]}}
     lws = {
         "apiVersion": LWS_API, "kind": "LeaderWorkerSet",
-        "metadata": _meta(name, "multinode", "server"),
+        "metadata": _meta(s, name, "multinode", "server"),
         "spec": {"replicas": 1, "startupPolicy": "LeaderCreated",
                  "leaderWorkerTemplate": {
                      "size": len(nodes), "restartPolicy": "RecreateGroupOnPodRestart",
                      "leaderTemplate": {"metadata": leader, "spec": spec},
                      "workerTemplate": {"metadata": follower, "spec": spec}}},
     }
-    leader_sel = {**_labels("multinode", "leader"), "leaderworkerset.sigs.k8s.io/name": name}
+    # The leader by our labels alone (they name the model): a name prefix of a user's overlay,
+    # which renames the LeaderWorkerSet, leaves the selector right.
+    leader_sel = _labels(s, "multinode", "leader")
     return {"leaderworkerset.yaml": [
         _account(s, name, "multinode", "server"), lws,
-        _service(client_service("multinode"), leader_sel, "multinode", "leader")]}
+        _service(s, client_service("multinode"), leader_sel, "multinode", "leader")]}
 
 
-def pod_monitors() -> list[dict[str, Any]]:
+def pod_monitors(s: Settings) -> list[dict[str, Any]]:
     """Prometheus Operator PodMonitors (optional: kubernetes/monitoring): every server's /metrics
-    on its http port (a multinode group's leader: the other ranks serve none), the router's on
-    its metrics port."""
-    servers = {"matchLabels": LABELS, "matchExpressions": [
+    on its http port (a multinode group's leader: rank 0's scheduler alone reports the server's
+    series), the router's on its metrics port; of this model's pods, in every topology."""
+    model = {**LABELS, topology.MODEL_LABEL: topology.model_label(s)}
+    servers = {"matchLabels": model, "matchExpressions": [
         {"key": "app.kubernetes.io/component", "operator": "In",
          "values": ["server", "worker", "leader"]}]}
-    router = {"matchLabels": {**LABELS, "app.kubernetes.io/component": "router"}}
+    router = {"matchLabels": {**model, "app.kubernetes.io/component": "router"}}
     return [{"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
              "metadata": {"name": f"{NAME}-{what}",
-                          "labels": {**LABELS, "app.kubernetes.io/component": "monitoring"}},
+                          "labels": {**model, "app.kubernetes.io/component": "monitoring"}},
              "spec": {"selector": selector,
                       "podMetricsEndpoints": [{"port": port, "path": "/metrics"}]}}
             for what, selector, port in (("servers", servers, "http"),
@@ -451,6 +454,15 @@ def pod_monitors() -> list[dict[str, Any]]:
 
 
 KUBE_TOPOLOGIES = {"single": kube_single, "router": kube_router, "multinode": kube_multinode}
+# Where a name prefix of a user's overlay (two models in one namespace) must reach: Kustomize
+# renames the ServiceAccount, and knows the references of built-in kinds only, not those of a
+# LeaderWorkerSet's pod templates (a configuration of a base reaches every overlay of it).
+KUSTOMIZE_CONFIG = "kustomizeconfig.yaml"
+KUSTOMIZE_CONFIGS: dict[Topology, dict[str, Any]] = {"multinode": {"nameReference": [
+    {"kind": "ServiceAccount", "fieldSpecs": [
+        {"kind": "LeaderWorkerSet",
+         "path": f"spec/leaderWorkerTemplate/{template}/spec/serviceAccountName"}
+        for template in ("leaderTemplate", "workerTemplate")]}]}}
 
 
 # --- rendering -----------------------------------------------------------------------------------
@@ -484,8 +496,13 @@ def render(s: Settings, image: str) -> dict[str, str]:
         made = KUBE_TOPOLOGIES[name](s, image)
         for path, docs in made.items():
             files[f"kubernetes/{name}/{path}"] = _yaml(docs, header)
-        files[f"kubernetes/{name}/kustomization.yaml"] = _yaml([_kustomization([*made])], header)
-    files["kubernetes/monitoring/podmonitors.yaml"] = _yaml(pod_monitors(), header)
+        kustomization = _kustomization([*made])
+        if name in KUSTOMIZE_CONFIGS:
+            files[f"kubernetes/{name}/{KUSTOMIZE_CONFIG}"] = _yaml([KUSTOMIZE_CONFIGS[name]],
+                                                                   header)
+            kustomization["configurations"] = [KUSTOMIZE_CONFIG]
+        files[f"kubernetes/{name}/kustomization.yaml"] = _yaml([kustomization], header)
+    files["kubernetes/monitoring/podmonitors.yaml"] = _yaml(pod_monitors(s), header)
     files["kubernetes/monitoring/kustomization.yaml"] = _yaml(
         [_kustomization(["podmonitors.yaml"])], header)
     files[MARKER] = json.dumps({"image": image, "settings": asdict(s)}, indent=1) + "\n"

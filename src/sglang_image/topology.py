@@ -14,6 +14,7 @@ Kubernetes manifests.
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import posixpath
 import re
@@ -387,11 +388,37 @@ def instance(topology: Topology) -> str:
     return f"{APP}-{topology}"
 
 
-# The router topology's servers on Kubernetes: the labels of the StatefulSet's pods, which the
-# router's service discovery selects (only these pods: not a multinode rank, not the router).
-ROUTER_WORKER_LABELS = {"app.kubernetes.io/name": APP,
-                        "app.kubernetes.io/instance": instance("router"),
-                        "app.kubernetes.io/component": "worker"}
+# The model a deployment serves, on every object and in every selector: two models rendered
+# into one namespace (each under a name prefix of its own) select only their own pods.
+MODEL_LABEL = "sglang-image.io/model"
+_LABEL_VALUE_MAX = 63
+
+
+def model_label(s: Settings) -> str:
+    """The model as a label value: its folder in the models volume, each character a label
+    value cannot hold as '-', alphanumeric at both ends; one longer than 63 characters is cut,
+    with a hash of the whole folder, so that two long names stay apart."""
+    folder = posixpath.relpath(s.model, MODELS_MOUNT)
+    value = re.sub(r"[^A-Za-z0-9._-]", "-", folder).strip("-._") or "model"
+    if len(value) > _LABEL_VALUE_MAX:
+        digest = hashlib.sha256(folder.encode()).hexdigest()[:8]
+        value = f"{value[:_LABEL_VALUE_MAX - 9].rstrip('-._')}-{digest}"
+    return value
+
+
+def labels(s: Settings, topology: Topology, component: str) -> dict[str, str]:
+    """The labels of a topology's objects and pods, and the selectors' (with `component`)."""
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": instance(topology),
+            "app.kubernetes.io/component": component, MODEL_LABEL: model_label(s)}
+
+
+def router_worker_labels(s: Settings) -> dict[str, str]:
+    """The router topology's servers on Kubernetes: the labels of the StatefulSet's pods, which
+    the router's service discovery selects (only these pods: not a multinode rank, not the
+    router, not another model's)."""
+    return labels(s, "router", "worker")
+
+
 # The router reads its own namespace from this variable (the downward API): it watches the pods
 # of that namespace alone, which a Role allows (a cluster-wide watch would need a ClusterRole).
 NAMESPACE_ENV = "POD_NAMESPACE"
@@ -407,12 +434,12 @@ def worker_urls(s: Settings) -> tuple[str, ...]:
     return tuple(f"http://{worker_host(i)}:{SERVER_PORT}" for i in range(s.replicas))
 
 
-def worker_discovery() -> tuple[str, ...]:
+def worker_discovery(s: Settings) -> tuple[str, ...]:
     """sglang-router's flags that find the workers on Kubernetes: the pods of its namespace with
-    ROUTER_WORKER_LABELS, each taken in once Ready and dropped once deleted (`kubectl scale`
+    router_worker_labels, each taken in once Ready and dropped once deleted (`kubectl scale`
     reaches it), on the servers' port."""
     return ("--service-discovery", "--selector",
-            *(f"{k}={v}" for k, v in ROUTER_WORKER_LABELS.items()),
+            *(f"{k}={v}" for k, v in router_worker_labels(s).items()),
             "--service-discovery-port", str(SERVER_PORT),
             "--service-discovery-namespace", f"$({NAMESPACE_ENV})")
 
@@ -426,7 +453,7 @@ def router_args(s: Settings, platform: Platform) -> tuple[str, ...]:
     request: a request that meets a dead server is retried on a live one (with the default 10,
     the next requests fail until the health check catches up)."""
     workers = (("--worker-urls", *worker_urls(s)) if platform == "compose"
-               else worker_discovery())
+               else worker_discovery(s))
     return (*workers, "--host", "0.0.0.0",
             "--port", str(SERVER_PORT), "--policy", "cache_aware",
             "--worker-startup-timeout-secs", str(s.startup_minutes * 60),
