@@ -810,6 +810,42 @@ def test_publish_writes_the_manifests_of_the_digest_it_pushed(
     assert "--threshold: '-4' is not a batch-size threshold" in capsys.readouterr().err
 
 
+def test_the_readme_applies_only_what_publish_writes() -> None:
+    """The README's commands name only the folders `nox -s publish` writes (deploy/serve.toml's
+    topologies): a topology outside them is rendered with --topology first."""
+    s = deploy.settings(deploy.SETTINGS, {})
+    section = (pins.REPO_ROOT / "README.md").read_text().split("## Serve beyond one box")[1]
+    section = section.split("\n## ")[0]
+    applied = re.findall(r"kubectl apply -k out/deploy/kubernetes/(\w+)[`\s]*(?:(?:#|\()\s*or "
+                         r"([\w, `]+))?", section)
+    assert applied, section
+    named = {name for first, others in applied for name in (first, *re.findall(r"\w+", others))}
+    assert named <= set(s.topologies), named
+    for topology_name in set(topology.TOPOLOGIES) - set(s.topologies):
+        assert f"--topology {topology_name}" in section, topology_name
+
+
+def test_the_docs_say_what_the_manifests_do() -> None:
+    """docs/deploy.md's "What happens on..." table, in step with what is rendered from
+    deploy/serve.toml: the health window, the rollout deadline, the graces."""
+    s = deploy.settings(deploy.SETTINGS, {})
+    text = (pins.REPO_ROOT / "docs" / "deploy.md").read_text()
+    table = " ".join(text.split("## What happens on...")[1].split("\n## ")[0].split())
+    for event in ("a server busy past its probe", "a rolling update", "SIGTERM mid-request",
+                  "a node lost (`multinode`)"):
+        assert f"| {event}" in table, event
+    window = s.health_period_seconds * s.health_failures
+    assert f"wait {s.health_timeout_seconds} s for each answer" in table
+    assert f"after {s.health_failures} failures in a row ({window // 60} minutes)" in table
+    assert f"`progressDeadlineSeconds` ({deploy.progress_deadline(s) // 60} minutes)" in table
+    assert f"up to {s.drain_seconds} s" in table
+    assert f"SIGKILL at {deploy.server_grace(s)} s" in table
+    assert f"waits up to {s.router_drain_seconds} s" in table
+    assert f"SIGKILL at {deploy.router_grace(s)} s" in table
+    assert f"`stop_grace_period` {s.drain_seconds + deploy.EXIT_S} s" in table
+    assert f"the router's {s.router_drain_seconds + deploy.EXIT_S} s" in table
+
+
 def test_the_repository_settings_render(tmp_path: Path) -> None:
     """deploy/serve.toml as committed renders (what nox -s publish writes by default)."""
     s = deploy.settings(deploy.SETTINGS, {}, pins.load_flavor(pins.DEFAULT_FLAVOR))
