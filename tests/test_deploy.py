@@ -629,9 +629,9 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--threshold", "auto", "--flavor", "sglang-0.5.17"], r"no automatic threshold"),
     # the router pod runs the image: sglang-0.5.9's has no sglang-router (the default
     # topologies, single and router, and the router alone are refused; naming what can run it)
-    (["--flavor", "sglang-0.5.9"], r"--topology router: the sglang-0.5.9 image has no "
-                                   r"sglang-router.*crash-loop; the flavors whose image has it: "
-                                   r"sglang-0.5.17, sglang-0.5.23\. .*--topology single$"),
+    (["--flavor", "sglang-0.5.9"], (r"--topology router: the sglang-0.5.9 image has no "
+                                    r"sglang-router.*crash-loop; the flavors whose image has it: "
+                                    r"sglang-0.5.17, sglang-0.5.23\. .*--topology single$")),
     (["--flavor", "sglang-0.5.9", "--topology", "router", "--topology", "multinode"],
      r"sglang-0.5.9 image has no sglang-router.*without the router: --topology multinode$"),
     (["--tp", "16"], r"--tp 16.*8 \(--gpus-per-node\).*--topology multinode"),
@@ -650,32 +650,32 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--server-arg=--data-parallel-size", "--server-arg=2"], r"--data-parallel-size changes"),
     (["--server-arg=--pp-size=2"], r"--pp-size changes the GPUs.*pipeline parallelism"),
     (["--server-arg=--base-gpu-id=1"], r"--base-gpu-id changes.*its own GPUs"),
-    (["--health-timeout-seconds", "10"], r"--health-timeout-seconds 10: must be a whole "
-                                         r"number >= 25 \(SGLang's /health may wait 20 s"),
-    (["--health-timeout-seconds", "40"], r"--health-timeout-seconds 40 is longer than "
-                                         r"--health-period-seconds 30"),
+    (["--health-timeout-seconds", "10"], (r"--health-timeout-seconds 10: must be a whole "
+                                          r"number >= 25 \(SGLang's /health may wait 20 s")),
+    (["--health-timeout-seconds", "40"], (r"--health-timeout-seconds 40 is longer than "
+                                          r"--health-period-seconds 30")),
     (["--health-failures", "0"], r"--health-failures 0: must be a whole number >= 1"),
     # one argument with spaces, as people type it: split as a shell would, then checked
     (["--server-arg=--tp-size 4"], r"sets --tp-size itself; give --tp"),
     (["--server-arg=--mem-fraction-static 0.8 --dp-size 2"], r"--dp-size changes the GPUs"),
     # ... or refused with the exact fix where the split cannot be told
     (["--server-arg=--chat-template 'my template"],
-     r"cannot be split as a shell would \(No closing quotation\): close the quote, or give the "
-     r"flag and its value as two arguments: --server-arg=--chat-template --server-arg=VALUE$"),
+     (r"cannot be split as a shell would \(No closing quotation\): close the quote, or give the "
+      r"flag and its value as two arguments: --server-arg=--chat-template --server-arg=VALUE$")),
     (['--server-arg=--json-model-override-args={"rope_theta": 5e5}'],
-     r"the words after --json-model-override-args= may be one value with spaces or more flags; "
-     r"give the flag and its value as two arguments: --server-arg=--json-model-override-args "
-     r"--server-arg='\{\"rope_theta\": 5e5\}'$"),
+     (r"the words after --json-model-override-args= may be one value with spaces or more flags; "
+      r"give the flag and its value as two arguments: --server-arg=--json-model-override-args "
+      r"--server-arg='\{\"rope_theta\": 5e5\}'$")),
     # the router must outlive its servers' drain, else it drops what they still finish
-    (["--router-drain-seconds", "100"], r"--router-drain-seconds 100 is not longer than "
-                                        r"--drain-seconds 120: .*give more than 120$"),
-    (["--drain-seconds", "200"], r"--router-drain-seconds 150 is not longer than --drain-seconds "
-                                 r"200"),
+    (["--router-drain-seconds", "100"], (r"--router-drain-seconds 100 is not longer than "
+                                         r"--drain-seconds 120: .*give more than 120$")),
+    (["--drain-seconds", "200"], (r"--router-drain-seconds 150 is not longer than --drain-seconds "
+                                  r"200")),
     (["--drain-seconds", "0"], r"--drain-seconds 0: must be a whole number >= 1"),
-    (["--publish-address", "localhost"], r"--publish-address 'localhost': give the host's IP "
-                                         r"address .*127.0.0.1 \(this host only\)"),
-    (["--api-key-env-file", "sglang.env"], r"--api-key-env-file 'sglang.env': give the host "
-                                           r"file \(absolute"),
+    (["--publish-address", "localhost"], (r"--publish-address 'localhost': give the host's IP "
+                                          r"address .*127.0.0.1 \(this host only\)")),
+    (["--api-key-env-file", "sglang.env"], (r"--api-key-env-file 'sglang.env': give the host "
+                                            r"file \(absolute")),
     (["--shm-size", "16GB"], r"--shm-size '16GB'"),
     (["--models-claim", "My_Models"], r"--models-claim 'My_Models'"),
     (["--digest", "sha256:abc"], r"--digest 'sha256:abc' is not an image digest"),

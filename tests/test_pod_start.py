@@ -249,18 +249,19 @@ def other_user() -> dict[str, int]:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--model-path", "{missing}"], "error: --model-path {missing}: no such folder in the "
-     "container: mount the models volume (read-only, readable by uid 1000) so that it holds "
-     "{missing}, or give the path of the model inside it"),
+    (["--model-path", "{missing}"],
+     ("error: --model-path {missing}: no such folder in the container: mount the models volume "
+      "(read-only, readable by uid 1000) so that it holds {missing}, or give the path of the "
+      "model inside it")),
     (["--model-path", "{target}", "--speculative-draft-model-path={missing}"],
      "error: --speculative-draft-model-path {missing}: no such folder"),
     (["--model={missing}"], "error: --model {missing}: no such folder"),
     (["--model-path", "{target}", "--speculative-draft-model", "{locked}"],
-     "error: --speculative-draft-model {locked} is not readable by uid {uid}: make the models "
-     "volume readable by uid 1000, the image's user (on the host: chmod -R a+rX; on Kubernetes: "
-     "fsGroup 1000)"),
-    (["--model-path", "{unreadable_config}"], "error: --model-path {unreadable_config} is not "
-     "readable by uid {uid}"),
+     ("error: --speculative-draft-model {locked} is not readable by uid {uid}: make the models "
+      "volume readable by uid 1000, the image's user (on the host: chmod -R a+rX; on Kubernetes: "
+      "fsGroup 1000)")),
+    (["--model-path", "{unreadable_config}"], ("error: --model-path {unreadable_config} is not "
+                                               "readable by uid {uid}")),
 ])
 def test_the_entrypoint_names_a_model_path_it_cannot_read(argv: list[str], message: str) -> None:
     """An absolute model or draft path that is missing (a typo, a volume not mounted) or that
