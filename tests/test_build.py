@@ -493,7 +493,8 @@ def test_light_image_is_patched_and_runs_as_non_root(light_image: build.BuildRes
     volume = docker_client.volumes.create()
     try:
         out = docker_client.containers.run(
-            image, ["sh", "-c", "touch /home/sglang/.cache/kernel && stat -c %u /home/sglang/.cache"],
+            image, ["sh", "-c",
+                    "touch /home/sglang/.cache/kernel && stat -c %u /home/sglang/.cache"],
             entrypoint=[], network_mode="none", remove=True,
             volumes={volume.name: {"bind": "/home/sglang/.cache", "mode": "rw"}})
         assert out.decode().strip() == "1000"

@@ -67,8 +67,9 @@ ROUTER_ENV = {"NVIDIA_VISIBLE_DEVICES": "void"}
 CACHE_MOUNT = "/home/sglang/.cache"
 CACHE_ENV = {"TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
              "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor"}
-# The API key every server (and the router) then requires: from Compose's env file (api_key_env_file),
-# read by the image's entrypoint (images/tool/entrypoint.sh), never written into a manifest.
+# The API key every server (and the router) then requires: from Compose's env file
+# (api_key_env_file), read by the image's entrypoint (images/tool/entrypoint.sh), never written
+# into a manifest.
 API_KEY_ENV = "SGLANG_IMAGE_API_KEY"
 
 
@@ -174,8 +175,9 @@ def _router_entrypoint(s: Settings) -> list[str]:
 
 # --- Kubernetes ----------------------------------------------------------------------------------
 # Every object of a topology is named sglang-<topology>[-part] and labelled with its instance
-# (topology.instance): two topologies in one namespace share no name and no selector. No object
-# is shared between them (each has its own service account): deleting one leaves the other whole.
+# (topology.instance) and its model (topology.model_label): two topologies in one namespace share
+# no name and no selector, and two models (each under a name prefix) no selector. No object is
+# shared between them (each has its own service account): deleting one leaves the other whole.
 
 def _labels(s: Settings, topology_name: Topology, component: str) -> dict[str, str]:
     return {**topology.labels(s, topology_name, component), **LABELS}
@@ -303,8 +305,7 @@ def _account(s: Settings, name: str, topology_name: Topology, component: str,
 
 
 def _service(s: Settings, name: str, selector: dict[str, str], topology_name: Topology,
-             component: str, *,
-             headless: bool = False) -> dict[str, Any]:
+             component: str, *, headless: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "selector": selector,
         "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http"}],
@@ -327,7 +328,8 @@ def kube_single(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     name = topology.instance("single")
     selector = _labels(s, "single", "server")
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(s, name, "single", "server"),
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(s, name, "single", "server"),
         "spec": {"replicas": 1, "strategy": {"type": "Recreate"},  # the GPUs are freed first
                  "progressDeadlineSeconds": progress_deadline(s),
                  "selector": {"matchLabels": selector},
@@ -382,7 +384,8 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
         "securityContext": _CONTAINER_SECURITY,
     }
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(s, name, "router", "router"),
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(s, name, "router", "router"),
         "spec": {"replicas": 1, "progressDeadlineSeconds": progress_deadline(s),
                  "selector": {"matchLabels": router_sel},
                  "template": {"metadata": {"labels": router_sel},
@@ -397,7 +400,8 @@ def kube_router(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
                "subjects": [{"kind": "ServiceAccount", "name": name}]}
     return {"workers.yaml": [_account(s, worker_name, "router", "worker"),
-                             _service(s, worker_name, worker_sel, "router", "worker", headless=True),
+                             _service(s, worker_name, worker_sel, "router", "worker",
+                                      headless=True),
                              statefulset, budget],
             "router.yaml": [_account(s, name, "router", "router", api_token=True), role, binding,
                             deployment,
@@ -409,7 +413,8 @@ def kube_multinode(s: Settings, image: str) -> dict[str, list[dict[str, Any]]]:
     if len({p.args for p in nodes}) != 1:  # one template, resolved by each pod's LWS variables
         raise AssertionError("the multinode pods differ")
     name = topology.instance("multinode")
-    leader, follower = ({"labels": _labels(s, "multinode", role)} for role in ("leader", "follower"))
+    leader, follower = ({"labels": _labels(s, "multinode", role)}
+                        for role in ("leader", "follower"))
     # The leader's torch.distributed rendezvous (--dist-init-addr), declared on every rank.
     spec = _server_pod(s, image, nodes[0].args, nodes[0].gpus, name,
                        ports=[{"name": "dist-init", "containerPort": DIST_INIT_PORT}])

@@ -46,7 +46,8 @@ HEALTH_WAIT_S = 20
 _HEALTH_WAIT = (f" (SGLang's /health may wait {HEALTH_WAIT_S} s for the token it generates: a "
                 "check that gives up sooner fails a healthy, busy server)")
 ROUTER_MODULE = "sglang_router.launch_router"
-ROUTER_DISTRIBUTION = "sglang-router"  # the router's wheel, in the image of the flavors that lock it
+# The router's wheel: in the images of the flavors that lock it.
+ROUTER_DISTRIBUTION = "sglang-router"
 # LeaderWorkerSet puts these into every pod of a group; Kubernetes expands $(NAME) in args.
 LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
     "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
