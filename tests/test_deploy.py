@@ -438,6 +438,24 @@ def test_a_long_model_folder_is_a_label_value() -> None:
     assert topology.model_label(topology.Settings(model_path="/models/-x-/")) == "x"
 
 
+def test_every_pod_meets_pod_security_restricted(tmp_path: Path) -> None:
+    """Every pod template, the LeaderWorkerSet's included, is admitted in a namespace that
+    enforces the "restricted" Pod Security Standard (and the check refuses a pod it must)."""
+    out = render(tmp_path, "--tp", "2", *(f"--topology={t}" for t in topology.TOPOLOGIES))
+    docs = [d for t in topology.TOPOLOGIES for d in built(out, t).values()]
+    templates = pod_templates(docs)
+    assert len(templates) == 5
+    for owner, _, spec in templates:
+        assert checks.pod_security_violations(spec) == [], owner
+    _, _, spec = templates[0]
+    bad = copy.deepcopy(spec)
+    bad["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    bad["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    del bad["securityContext"]["seccompProfile"]
+    assert checks.pod_security_violations(bad) == [
+        "volume host", "sglang: allowPrivilegeEscalation is not false", "sglang: seccomp profile"]
+
+
 def test_the_pod_monitors_scrape_every_server_and_the_router(tmp_path: Path) -> None:
     out = render(tmp_path, "--tp", "2", *(f"--topology={t}" for t in topology.TOPOLOGIES))
     docs = [d for t in topology.TOPOLOGIES for d in built(out, t).values()]
