@@ -115,6 +115,56 @@ def compose_config(path: Path, tmp: Path) -> dict[str, Any]:
     return result
 
 
+# Pod Security Standards, "restricted" (Kubernetes 1.30's definitions, baseline included): the
+# volume types it allows and the one capability a container may add.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+_SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range",
+                 "net.ipv4.ip_unprivileged_port_start", "net.ipv4.tcp_syncookies",
+                 "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                 "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout",
+                 "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes"}
+
+
+def pod_security_violations(spec: dict[str, Any]) -> list[str]:
+    """What in a pod spec the "restricted" Pod Security Standard refuses (empty: admitted)."""
+    found = []
+    pod = spec.get("securityContext", {})
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            found.append(key)
+    found += [f"volume {v['name']}" for v in spec.get("volumes", [])
+              if not set(v) - {"name"} <= RESTRICTED_VOLUMES]
+    found += [f"sysctl {s['name']}" for s in pod.get("sysctls", [])
+              if s["name"] not in _SAFE_SYSCTLS]
+    for c in [*spec.get("initContainers", []), *spec["containers"]]:
+        sc = {**pod, **c.get("securityContext", {})}
+        name = c["name"]
+        if sc.get("privileged") or sc.get("windowsOptions", {}).get("hostProcess"):
+            found.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation is not false")
+        if sc.get("runAsNonRoot") is not True or sc.get("runAsUser") == 0:
+            found.append(f"{name}: may run as root")
+        if sc.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccomp profile")
+        capabilities = c.get("securityContext", {}).get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{name}: capabilities not all dropped")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: capabilities added")
+        if sc.get("procMount", "Default") != "Default":
+            found.append(f"{name}: procMount")
+        if sc.get("seLinuxOptions", {}).keys() - {"type", "level"}:
+            found.append(f"{name}: seLinuxOptions")
+        if sc.get("appArmorProfile", {}).get("type", "RuntimeDefault") not in (
+                "RuntimeDefault", "Localhost"):
+            found.append(f"{name}: AppArmor profile")
+        found += [f"{name}: hostPort {p['hostPort']}" for p in c.get("ports", [])
+                  if p.get("hostPort")]
+    return found
+
+
 class ComposeError(Exception):
     """docker compose refused the file."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,12 +18,16 @@ from typing import Any
 class Worker:
     """One stand-in server on 127.0.0.1:`port` (0: any free port); `healthy` is what /health
     answers; `stop()` closes the port, as a crashed server's would be. `model`: the model path it
-    reports, where the router looks for the tokenizer (a folder that exists: never a hub name)."""
+    reports, where the router looks for the tokenizer (a folder that exists: never a hub name).
+    `delay`: seconds each /generate takes (a long request in flight). `api_key`: what it then
+    requires, as SGLang's --api-key does (`Authorization: Bearer KEY` on all but /health)."""
 
     def __init__(self, name: str, model: Path, port: int = 0) -> None:
         self.name = name
         self.model = str(model)
         self.healthy = True
+        self.delay = 0.0
+        self.api_key: str | None = None
         self.requests: list[tuple[str, str]] = []  # (method, path), in order
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -87,9 +92,20 @@ class Worker:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _refused(self, path: str) -> bool:
+                """SGLang's check of the key (sglang/srt/utils/auth.py): 401 without it."""
+                key = worker.api_key
+                if key is None or path.startswith(("/health", "/ready", "/metrics")) or \
+                        self.headers.get("Authorization") == f"Bearer {key}":
+                    return False
+                self._send(401, {"error": "Unauthorized"})
+                return True
+
             def do_GET(self) -> None:
                 path = self.path.split("?")[0]
                 worker._record("GET", path)
+                if self._refused(path):
+                    return
                 if path in ("/health", "/health_generate"):
                     self._send(200 if worker.healthy else 503, {})
                 elif path in ("/model_info", "/get_model_info"):
@@ -107,8 +123,11 @@ class Worker:
                 path = self.path.split("?")[0]
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 worker._record("POST", path)
+                if self._refused(path):
+                    return
                 if path == "/generate":
                     text = json.loads(body or b"{}").get("text", "")
+                    time.sleep(worker.delay)
                     self._send(200, {"text": f"{worker.name}: {text}",
                                      "meta_info": {"id": "0", "finish_reason": {"type": "length"},
                                                    "completion_tokens": 1}})

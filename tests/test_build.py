@@ -487,6 +487,19 @@ def test_light_image_is_patched_and_runs_as_non_root(light_image: build.BuildRes
     assert out.startswith(f"{flavor.sglang_version} {site}/sglang/__init__.py"), out
     assert _run(docker_client, image, "sh", "-c", "command -v python").strip() == \
         "/opt/venv/bin/python"
+    # A new named volume on ~/.cache (Compose's kernel cache) starts as the image's folder,
+    # owned by the user: the server can write its compiled kernels there (were the folder
+    # missing from the image, Docker would make the volume root's, and the JIT fail).
+    volume = docker_client.volumes.create()
+    try:
+        out = docker_client.containers.run(
+            image, ["sh", "-c",
+                    "touch /home/sglang/.cache/kernel && stat -c %u /home/sglang/.cache"],
+            entrypoint=[], network_mode="none", remove=True,
+            volumes={volume.name: {"bind": "/home/sglang/.cache", "mode": "rw"}})
+        assert out.decode().strip() == "1000"
+    finally:
+        volume.remove(force=True)
 
 
 @pytest.mark.docker

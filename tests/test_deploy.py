@@ -166,6 +166,34 @@ def test_router_and_its_workers(tmp_path: Path, replicas: int) -> None:
     assert objects[("PodDisruptionBudget", "sglang-router-worker")]["spec"]["maxUnavailable"] == 1
 
 
+@pytest.mark.parametrize(("options", "pace"), [
+    ([], (30, 30, 4)),  # deploy/serve.toml's
+    (["--health-period-seconds", "45", "--health-timeout-seconds", "40",
+      "--health-failures", "6"], (45, 40, 6)),
+])
+def test_the_router_checks_health_at_the_servers_pace(tmp_path: Path, options: list[str],
+                                                      pace: tuple[int, int, int]) -> None:
+    """The router's health check asks /health as the servers' readiness probe does: as often,
+    waiting as long, as many failures before a server is out (its defaults, a 5 s timeout and 3
+    failures, ejected busy servers the kubelet still counted as ready), on Kubernetes and on
+    one box alike."""
+    out = render(tmp_path, "--topology", "router", *options)
+    objects = built(out, "router")
+    pod = objects[("StatefulSet", "sglang-router-worker")]["spec"]["template"]["spec"]
+    readiness = container(pod)["readinessProbe"]
+    assert (readiness["periodSeconds"], readiness["timeoutSeconds"],
+            readiness["failureThreshold"]) == pace
+    rc = container(objects[("Deployment", "sglang-router")]["spec"]["template"]["spec"])
+    compose = checks.compose_config(out / "compose.router.yaml", tmp_path)["services"]
+    for args in (rc["args"], compose["sglang-router"]["command"]):
+        router_flags = checks.flags(args)
+        assert router_flags["--health-check-endpoint"] == [readiness["httpGet"]["path"]]
+        assert int(router_flags["--health-check-interval-secs"][0]) == readiness["periodSeconds"]
+        assert int(router_flags["--health-check-timeout-secs"][0]) >= readiness["timeoutSeconds"]
+        assert int(router_flags["--health-failure-threshold"][0]) >= readiness[
+            "failureThreshold"]
+
+
 # What the LeaderWorkerSet controller puts into each pod of a group (v0.10.0,
 # pkg/utils/pod/pod_utils.go, AddLWSVariables): the leader's address under the group's subdomain
 # (the LeaderWorkerSet's name), the group size and the pod's index, ahead of the container's env.
@@ -200,13 +228,90 @@ def test_each_node_of_a_multinode_server(tmp_path: Path, tp: int, nodes: int) ->
         # The GPUs of every node together are the server's TP size.
         assert c["resources"]["limits"]["nvidia.com/gpu"] * int(argv["--nnodes"][0]) == tp
     assert seen_ranks == [str(i) for i in range(nodes)]
-    # Clients reach the leader (rank 0, the HTTP server) only.
+    # The rendezvous port of --dist-init-addr is declared on every rank.
+    for key in ("leaderTemplate", "workerTemplate"):
+        ports = container(template[key]["spec"])["ports"]
+        assert {"name": "dist-init", "containerPort": topology.DIST_INIT_PORT} in ports, key
+    # No two of its pods on one node, whatever group: required, on the node's hostname, over
+    # the pods of both templates (of every group: the selector names no group).
+    for key in ("leaderTemplate", "workerTemplate"):
+        (term,) = template[key]["spec"]["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        selector = term["labelSelector"]["matchLabels"]
+        assert not [k for k in selector if k.startswith("leaderworkerset.sigs.k8s.io/")]
+        for other in ("leaderTemplate", "workerTemplate"):
+            assert selector.items() <= template[other]["metadata"]["labels"].items()
+    # Clients reach the leader (rank 0, the HTTP server) only, by our labels alone (a name
+    # prefix renames the LeaderWorkerSet, not the label the controller would put on its pods).
     service = objects[("Service", "sglang-multinode-leader")]["spec"]["selector"]
-    assert service["leaderworkerset.sigs.k8s.io/name"] == "sglang-multinode"
-    assert service.items() <= {**template["leaderTemplate"]["metadata"]["labels"],
-                               "leaderworkerset.sigs.k8s.io/name": "sglang-multinode"}.items()
-    assert not service.items() <= {**template["workerTemplate"]["metadata"]["labels"],
-                                   "leaderworkerset.sigs.k8s.io/name": "sglang-multinode"}.items()
+    assert not [k for k in service if k.startswith("leaderworkerset.sigs.k8s.io/")]
+    assert service.items() <= template["leaderTemplate"]["metadata"]["labels"].items()
+    assert not service.items() <= template["workerTemplate"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("minutes", [30, 45])
+def test_no_rollout_fails_within_the_startup_budget(tmp_path: Path, minutes: int) -> None:
+    """Every Deployment waits out its servers' startup budget (the startup probe's period x
+    failures) and a margin for the pull before Kubernetes marks the rollout failed (its default,
+    600 s, failed `kubectl rollout status` on a healthy first start); the router's too, which is
+    not ready before a server is. StatefulSets and LeaderWorkerSets have no such deadline."""
+    out = render(tmp_path, "--tp", "2", "--startup-minutes", str(minutes),
+                 *(f"--topology={t}" for t in topology.TOPOLOGIES))
+    docs = [d for t in topology.TOPOLOGIES for d in built(out, t).values()]
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    assert sorted(deployments) == ["sglang-router", "sglang-single"]
+    startup = container(deployments["sglang-single"]["spec"]["template"]["spec"])["startupProbe"]
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert budget == minutes * 60
+    for name, deployment in deployments.items():
+        assert deployment["spec"]["progressDeadlineSeconds"] == budget + 600, name
+    for d in docs:
+        if d["kind"] in ("StatefulSet", "LeaderWorkerSet"):
+            assert "progressDeadlineSeconds" not in json.dumps(d), d["kind"]
+
+
+def seconds(duration: str) -> int:
+    """A Go duration as Compose writes it (2m20s) in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert parts and duration, duration
+    hours, minutes, secs = (int(g or 0) for g in parts.groups())
+    return hours * 3600 + minutes * 60 + secs
+
+
+@pytest.mark.parametrize(("options", "drain", "router_drain"), [
+    ([], 120, 150),  # deploy/serve.toml's
+    (["--drain-seconds", "300", "--router-drain-seconds", "400"], 300, 400),
+])
+def test_stopping_servers_drain_and_the_router_outlives_them(
+        tmp_path: Path, options: list[str], drain: int, router_drain: int) -> None:
+    """SIGTERM reaches a server after its preStop (the Service and the router drop it first);
+    SGLang then finishes its running requests: the grace holds the preStop, drain_seconds and
+    SGLang's exit (its 5 s look, its schedulers' 15 s). The router's grace is longer, and its own
+    drain covers the servers': a request it passed on is answered before it stops. Compose's
+    stop_grace_period comes from the same settings."""
+    out = render(tmp_path, "--tp", "2", *options, *(f"--topology={t}" for t in topology.TOPOLOGIES))
+    docs = [d for t in topology.TOPOLOGIES for d in built(out, t).values()]
+    graces = {}
+    for owner, _, spec in pod_templates(docs):
+        c = container(spec)
+        assert c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "15"]}}, owner
+        graces[owner] = spec["terminationGracePeriodSeconds"]
+    router = graces.pop("sglang-router")
+    assert set(graces.values()) == {15 + drain + 20}, graces
+    assert router == 15 + router_drain + 20 and router > max(graces.values())
+    rc = container(next(d for d in docs if d["kind"] == "Deployment"
+                        and d["metadata"]["name"] == "sglang-router")["spec"]["template"]["spec"])
+    assert checks.flags(rc["args"])["--shutdown-grace-period-secs"] == [str(router_drain)]
+    assert router - 15 > router_drain > drain
+    single = checks.compose_config(out / "compose.yaml", tmp_path)["services"]["sglang"]
+    assert seconds(single["stop_grace_period"]) == drain + 20
+    services = checks.compose_config(out / "compose.router.yaml", tmp_path)["services"]
+    assert {seconds(services[f"sglang-worker-{i}"]["stop_grace_period"]) for i in (0, 1)} == {
+        drain + 20}
+    assert seconds(services["sglang-router"]["stop_grace_period"]) == router_drain + 20
+    assert checks.flags(services["sglang-router"]["command"])["--shutdown-grace-period-secs"] == [
+        str(router_drain)]
 
 
 def pod_templates(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, str],
@@ -235,6 +340,10 @@ def selectors(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, str]]]:
             found.append((what, d["spec"]["selector"]))
         elif d["kind"] in ("Deployment", "StatefulSet", "PodDisruptionBudget"):
             found.append((what, d["spec"]["selector"]["matchLabels"]))
+        for owner, _, spec in pod_templates([d]):
+            for term in spec.get("affinity", {}).get("podAntiAffinity", {}).get(
+                    "requiredDuringSchedulingIgnoredDuringExecution", []):
+                found.append((f"{owner} anti-affinity", term["labelSelector"]["matchLabels"]))
         if d["kind"] == "Deployment" and "--selector" in json.dumps(d):
             args = container(d["spec"]["template"]["spec"])["args"]
             found.append((f"{what} --selector",
@@ -267,6 +376,84 @@ def test_every_topology_fits_one_namespace(tmp_path: Path) -> None:
     for what in ("Deployment sglang-router --selector", "PodDisruptionBudget sglang-router-worker"):
         assert [o for o, labels, _ in templates
                 if by_what[what].items() <= labels.items()] == ["sglang-router-worker"], what
+
+
+def test_two_models_in_one_namespace_stay_apart(tmp_path: Path) -> None:
+    """Two models rendered for one namespace, each under a name prefix of its own (an overlay's
+    namePrefix): every object and pod carries its model, and no selector of one (Services,
+    workloads, the budget, the router's discovery, the anti-affinity, the PodMonitors) matches a
+    pod of the other. Without the model in the labels, each router would route to the other
+    model's servers."""
+    rendered = {}
+    for prefix, model in (("llama-", "Llama-3.1-8B-Instruct"), ("qwen-", "team/Qwen3 8B")):
+        out = tmp_path / prefix.strip("-")
+        assert cli.main(["deploy", "--digest", DIGEST, "--registry", REGISTRY, "--out", str(out),
+                         "--tp", "2", "--model-path", model,
+                         *(f"--topology={t}" for t in topology.TOPOLOGIES)]) == 0
+        docs = []
+        for overlay in (*topology.TOPOLOGIES, "monitoring"):
+            mine = tmp_path / f"{prefix}{overlay}"
+            mine.mkdir()
+            (mine / "kustomization.yaml").write_text(yaml.safe_dump({
+                "resources": [f"../{out.name}/kubernetes/{overlay}"], "namePrefix": prefix}))
+            docs += checks.kustomize(mine)
+        rendered[model] = docs
+    names = [(d["kind"], d["metadata"]["name"]) for docs in rendered.values() for d in docs]
+    assert sorted(n for n in names if names.count(n) > 1) == []
+    for model, docs in rendered.items():
+        (other,) = (d for m, d in rendered.items() if m != model)
+        own = pod_templates(docs)
+        monitors = [(f"PodMonitor {d['metadata']['name']}", d["spec"]["selector"]["matchLabels"])
+                    for d in docs if d["kind"] == "PodMonitor"]
+        for what, selector in [*selectors(docs), *monitors]:
+            assert [o for o, pod_labels, _ in own if selector.items() <= pod_labels.items()], what
+            assert not [o for o, pod_labels, _ in pod_templates(other)
+                        if selector.items() <= pod_labels.items()], (what, "selects", model)
+        accounts = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+        services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+        for owner, _, spec in own:  # the prefix reached every reference (a LeaderWorkerSet's too)
+            assert spec["serviceAccountName"] in accounts, owner
+        for d in docs:
+            if d["kind"] == "StatefulSet":
+                assert d["spec"]["serviceName"] in services
+        # ... because every object, pod and selector names its model
+        label = topology.model_label(topology.Settings(model_path=model))
+        assert label == {"Llama-3.1-8B-Instruct": "Llama-3.1-8B-Instruct",
+                         "team/Qwen3 8B": "team-Qwen3-8B"}[model]
+        for d in docs:
+            assert d["metadata"]["labels"][topology.MODEL_LABEL] == label, d["metadata"]["name"]
+        for what, selector in [*selectors(docs), *monitors]:
+            assert selector[topology.MODEL_LABEL] == label, what
+        for owner, pod_labels, _ in own:
+            assert pod_labels[topology.MODEL_LABEL] == label, owner
+
+
+def test_a_long_model_folder_is_a_label_value() -> None:
+    long = "org/" + "Very-Long-Model-Name-" * 4 + "Instruct"
+    value = topology.model_label(topology.Settings(model_path=long))
+    assert len(value) == 63 and value.startswith("org-Very-Long") and re.fullmatch(
+        r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", value)
+    other = topology.model_label(topology.Settings(model_path=long + "-2"))
+    assert other != value and len(other) == 63
+    assert topology.model_label(topology.Settings(model_path="/models/-x-/")) == "x"
+
+
+def test_every_pod_meets_pod_security_restricted(tmp_path: Path) -> None:
+    """Every pod template, the LeaderWorkerSet's included, is admitted in a namespace that
+    enforces the "restricted" Pod Security Standard (and the check refuses a pod it must)."""
+    out = render(tmp_path, "--tp", "2", *(f"--topology={t}" for t in topology.TOPOLOGIES))
+    docs = [d for t in topology.TOPOLOGIES for d in built(out, t).values()]
+    templates = pod_templates(docs)
+    assert len(templates) == 5
+    for owner, _, spec in templates:
+        assert checks.pod_security_violations(spec) == [], owner
+    _, _, spec = templates[0]
+    bad = copy.deepcopy(spec)
+    bad["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    bad["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    del bad["securityContext"]["seccompProfile"]
+    assert checks.pod_security_violations(bad) == [
+        "volume host", "sglang: allowPrivilegeEscalation is not false", "sglang: seccomp profile"]
 
 
 def test_the_pod_monitors_scrape_every_server_and_the_router(tmp_path: Path) -> None:
@@ -374,7 +561,7 @@ def test_compose_files_through_compose_v2(tmp_path: Path) -> None:
     server = single["services"]["sglang"]
     assert server["image"] == IMAGE and server["user"] == "1000:1000"
     assert server["shm_size"] == str(8 * 1024**3)
-    (volume,) = server["volumes"]
+    volume, _ = server["volumes"]  # and the kernel cache
     assert volume["target"] == "/models" and volume["read_only"] is True
     (gpus,) = server["deploy"]["resources"]["reservations"]["devices"]
     assert gpus["device_ids"] == ["0", "1"] and gpus["capabilities"] == ["gpu"]
@@ -385,12 +572,63 @@ def test_compose_files_through_compose_v2(tmp_path: Path) -> None:
     assert sorted(depends) == ["sglang-worker-0", "sglang-worker-1"]
     assert {dep["condition"] for dep in depends.values()} == {"service_healthy"}
     assert router["sglang-router"]["entrypoint"][1:] == ["-m", "sglang_router.launch_router"]
-    assert router["sglang-router"]["volumes"] == router["sglang-worker-0"]["volumes"]
+    assert router["sglang-router"]["volumes"] == router["sglang-worker-0"]["volumes"][:1]
     # Compose itself refuses a broken file (the check can fail).
     text = (out / "compose.yaml").read_text().replace("shm_size: 8g", "shm_size: eight")
     (tmp_path / "broken.yaml").write_text(text)
     with pytest.raises(checks.ComposeError, match="shm_size|eight"):
         checks.compose_config(tmp_path / "broken.yaml", tmp_path)
+
+
+@pytest.mark.parametrize(("options", "address"), [([], "127.0.0.1"),
+                                                  (["--publish-address", "0.0.0.0"], "0.0.0.0")])
+def test_compose_keeps_kernels_and_publishes_on_loopback(tmp_path: Path, options: list[str],
+                                                         address: str) -> None:
+    """Every Compose server keeps its compiled kernels in a named volume of its own (a new
+    container compiles nothing again); port 30000 is published on loopback unless opened; no
+    API key unless an env file is given."""
+    out = render(tmp_path, "--tp", "2", *options)
+    for name, services, volumes in (("compose.yaml", ["sglang"], ["sglang-cache"]),
+                                    ("compose.router.yaml", ["sglang-worker-0", "sglang-worker-1"],
+                                     ["sglang-worker-0-cache", "sglang-worker-1-cache"])):
+        config = checks.compose_config(out / name, tmp_path)
+        assert sorted(config["volumes"]) == volumes, name
+        for service, volume in zip(services, volumes, strict=True):
+            server = config["services"][service]
+            cache = [v for v in server["volumes"] if v["target"] == "/home/sglang/.cache"]
+            assert cache == [{"type": "volume", "source": volume,
+                              "target": "/home/sglang/.cache"}], (name, service)
+            env = server["environment"]
+            assert env["TRITON_CACHE_DIR"].startswith("/home/sglang/.cache/")
+            assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/home/sglang/.cache/")
+            assert "SGLANG_IMAGE_API_KEY" not in env and "env_file" not in server
+        published = [s for s in config["services"].values() if "ports" in s]
+        assert [s["ports"] for s in published] == [[{
+            "mode": "ingress", "host_ip": address, "target": 30000, "published": "30000",
+            "protocol": "tcp"}]], name
+
+
+def test_compose_takes_the_api_key_from_an_env_file(tmp_path: Path) -> None:
+    """With api_key_env_file every server and the router get SGLANG_IMAGE_API_KEY from it (the
+    image's entrypoint turns it into --api-key; the router's shell into its own), and the key
+    is in no rendered file."""
+    env_file = tmp_path / "sglang.env"
+    env_file.write_text("SGLANG_IMAGE_API_KEY=s3cret-key\n")
+    out = render(tmp_path, "--api-key-env-file", str(env_file))
+    assert "s3cret" not in "".join(p.read_text() for p in out.rglob("*") if p.is_file())
+    for name in ("compose.yaml", "compose.router.yaml"):
+        services = checks.compose_config(out / name, tmp_path)["services"]
+        assert {s: v["environment"]["SGLANG_IMAGE_API_KEY"] for s, v in services.items()} == {
+            s: "s3cret-key" for s in services}, name
+    router = checks.compose_config(out / "compose.router.yaml", tmp_path)["services"][
+        "sglang-router"]
+    assert router["entrypoint"][:2] == ["/bin/sh", "-c"]
+    assert "--api-key" in router["entrypoint"][2]
+    # Compose refuses to start without the file (a key that silently went missing would open
+    # the server to anyone who reaches it).
+    env_file.unlink()
+    with pytest.raises(checks.ComposeError, match="sglang.env"):
+        checks.compose_config(out / "compose.yaml", tmp_path)
 
 
 def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
@@ -407,6 +645,13 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--threshold", "0"], r"--threshold: '0' is not a batch-size threshold"),
     (["--threshold", "many"], r"--threshold: 'many' is not a batch-size threshold; give `auto`"),
     (["--threshold", "auto", "--flavor", "sglang-0.5.17"], r"no automatic threshold"),
+    # the router pod runs the image: sglang-0.5.9's has no sglang-router (the default
+    # topologies, single and router, and the router alone are refused; naming what can run it)
+    (["--flavor", "sglang-0.5.9"], (r"--topology router: the sglang-0.5.9 image has no "
+                                    r"sglang-router.*crash-loop; the flavors whose image has it: "
+                                    r"sglang-0.5.17, sglang-0.5.23\. .*--topology single$")),
+    (["--flavor", "sglang-0.5.9", "--topology", "router", "--topology", "multinode"],
+     r"sglang-0.5.9 image has no sglang-router.*without the router: --topology multinode$"),
     (["--tp", "16"], r"--tp 16.*8 \(--gpus-per-node\).*--topology multinode"),
     (["--tp", "3", "--topology", "multinode"], r"--tp 3 over --nodes 2.*multiple"),
     (["--tp", "32", "--nodes", "2", "--topology", "multinode"], r"16 GPUs per pod.*--nodes"),
@@ -423,6 +668,32 @@ def test_no_compose_router_where_one_box_cannot_hold_it(tmp_path: Path,
     (["--server-arg=--data-parallel-size", "--server-arg=2"], r"--data-parallel-size changes"),
     (["--server-arg=--pp-size=2"], r"--pp-size changes the GPUs.*pipeline parallelism"),
     (["--server-arg=--base-gpu-id=1"], r"--base-gpu-id changes.*its own GPUs"),
+    (["--health-timeout-seconds", "10"], (r"--health-timeout-seconds 10: must be a whole "
+                                          r"number >= 25 \(SGLang's /health may wait 20 s")),
+    (["--health-timeout-seconds", "40"], (r"--health-timeout-seconds 40 is longer than "
+                                          r"--health-period-seconds 30")),
+    (["--health-failures", "0"], r"--health-failures 0: must be a whole number >= 1"),
+    # one argument with spaces, as people type it: split as a shell would, then checked
+    (["--server-arg=--tp-size 4"], r"sets --tp-size itself; give --tp"),
+    (["--server-arg=--mem-fraction-static 0.8 --dp-size 2"], r"--dp-size changes the GPUs"),
+    # ... or refused with the exact fix where the split cannot be told
+    (["--server-arg=--chat-template 'my template"],
+     (r"cannot be split as a shell would \(No closing quotation\): close the quote, or give the "
+      r"flag and its value as two arguments: --server-arg=--chat-template --server-arg=VALUE$")),
+    (['--server-arg=--json-model-override-args={"rope_theta": 5e5}'],
+     (r"the words after --json-model-override-args= may be one value with spaces or more flags; "
+      r"give the flag and its value as two arguments: --server-arg=--json-model-override-args "
+      r"--server-arg='\{\"rope_theta\": 5e5\}'$")),
+    # the router must outlive its servers' drain, else it drops what they still finish
+    (["--router-drain-seconds", "100"], (r"--router-drain-seconds 100 is not longer than "
+                                         r"--drain-seconds 120: .*give more than 120$")),
+    (["--drain-seconds", "200"], (r"--router-drain-seconds 150 is not longer than --drain-seconds "
+                                  r"200")),
+    (["--drain-seconds", "0"], r"--drain-seconds 0: must be a whole number >= 1"),
+    (["--publish-address", "localhost"], (r"--publish-address 'localhost': give the host's IP "
+                                          r"address .*127.0.0.1 \(this host only\)")),
+    (["--api-key-env-file", "sglang.env"], (r"--api-key-env-file 'sglang.env': give the host "
+                                            r"file \(absolute")),
     (["--shm-size", "16GB"], r"--shm-size '16GB'"),
     (["--models-claim", "My_Models"], r"--models-claim 'My_Models'"),
     (["--digest", "sha256:abc"], r"--digest 'sha256:abc' is not an image digest"),
@@ -436,6 +707,31 @@ def test_bad_input_is_refused_before_any_file(tmp_path: Path, capsys: pytest.Cap
     err = " ".join(capsys.readouterr().err.split())
     assert re.search(message, err), err
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_flavor_without_the_router_renders_the_other_topologies(tmp_path: Path) -> None:
+    out = render(tmp_path, "--flavor", "sglang-0.5.9", "--topology", "single",
+                 "--topology", "multinode", "--tp", "2")
+    assert {p.name for p in (out / "kubernetes").iterdir()} == {"single", "multinode",
+                                                                "monitoring"}
+    assert pins.load_flavor("sglang-0.5.23").requires("sglang_router")  # the wheel's own name
+    assert not pins.load_flavor("sglang-0.5.9").requires("sglang-router")
+
+
+def test_a_server_arg_with_spaces_is_split_as_a_shell_would(tmp_path: Path) -> None:
+    """`--server-arg='--flag value'` reaches the server as two argv elements (as one, SGLang's
+    parser refuses it and the pod crash-loops); quotes keep a value with spaces whole; a value
+    given as an argument of its own, or `--flag='one value'`, stays whole."""
+    out = render(tmp_path, "--topology", "single", "--server-arg=--mem-fraction-static 0.81",
+                 "--server-arg=--served-model-name 'Llama 8B' --enable-cache-report",
+                 "--server-arg=--json-model-override-args",
+                 '--server-arg={"rope_theta": 500000}', "--server-arg=--chat-template='a b'")
+    c = container(built(out, "single")[("Deployment", "sglang-single")]["spec"]["template"]["spec"])
+    assert c["args"][-8:] == ["--mem-fraction-static", "0.81", "--served-model-name", "Llama 8B",
+                              "--enable-cache-report", "--json-model-override-args",
+                              '{"rope_theta": 500000}', "--chat-template=a b"]
+    marker = json.loads((out / deploy.MARKER).read_text())
+    assert marker["settings"]["server_args"][:2] == ["--mem-fraction-static", "0.81"]
 
 
 def test_data_parallel_attention_keeps_the_gpus(tmp_path: Path) -> None:
@@ -530,6 +826,42 @@ def test_publish_writes_the_manifests_of_the_digest_it_pushed(
                      str(tmp_path / "other")]) == UsageError.exit_code
     assert pushed == ["img:tag"] and not (tmp_path / "other").exists()
     assert "--threshold: '-4' is not a batch-size threshold" in capsys.readouterr().err
+
+
+def test_the_readme_applies_only_what_publish_writes() -> None:
+    """The README's commands name only the folders `nox -s publish` writes (deploy/serve.toml's
+    topologies): a topology outside them is rendered with --topology first."""
+    s = deploy.settings(deploy.SETTINGS, {})
+    section = (pins.REPO_ROOT / "README.md").read_text().split("## Serve beyond one box")[1]
+    section = section.split("\n## ")[0]
+    applied = re.findall(r"kubectl apply -k out/deploy/kubernetes/(\w+)[`\s]*(?:(?:#|\()\s*or "
+                         r"([\w, `]+))?", section)
+    assert applied, section
+    named = {name for first, others in applied for name in (first, *re.findall(r"\w+", others))}
+    assert named <= set(s.topologies), named
+    for topology_name in set(topology.TOPOLOGIES) - set(s.topologies):
+        assert f"--topology {topology_name}" in section, topology_name
+
+
+def test_the_docs_say_what_the_manifests_do() -> None:
+    """docs/deploy.md's "What happens on..." table, in step with what is rendered from
+    deploy/serve.toml: the health window, the rollout deadline, the graces."""
+    s = deploy.settings(deploy.SETTINGS, {})
+    text = (pins.REPO_ROOT / "docs" / "deploy.md").read_text()
+    table = " ".join(text.split("## What happens on...")[1].split("\n## ")[0].split())
+    for event in ("a server busy past its probe", "a rolling update", "SIGTERM mid-request",
+                  "a node lost (`multinode`)"):
+        assert f"| {event}" in table, event
+    window = s.health_period_seconds * s.health_failures
+    assert f"wait {s.health_timeout_seconds} s for each answer" in table
+    assert f"after {s.health_failures} failures in a row ({window // 60} minutes)" in table
+    assert f"`progressDeadlineSeconds` ({deploy.progress_deadline(s) // 60} minutes)" in table
+    assert f"up to {s.drain_seconds} s" in table
+    assert f"SIGKILL at {deploy.server_grace(s)} s" in table
+    assert f"waits up to {s.router_drain_seconds} s" in table
+    assert f"SIGKILL at {deploy.router_grace(s)} s" in table
+    assert f"`stop_grace_period` {s.drain_seconds + deploy.EXIT_S} s" in table
+    assert f"the router's {s.router_drain_seconds + deploy.EXIT_S} s" in table
 
 
 def test_the_repository_settings_render(tmp_path: Path) -> None:

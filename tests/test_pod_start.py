@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,14 +52,21 @@ def image_environment() -> dict[str, str]:
 
 # --- what a pod of each topology receives --------------------------------------------------------
 
+SERVER_ARGS = ("--server-arg=--mem-fraction-static 0.81",
+               "--server-arg=--served-model-name 'Llama 8B' --max-running-requests 48")
+SERVER_ARGS_PARSED = {"mem_fraction_static": 0.81, "served_model_name": "Llama 8B",
+                      "max_running_requests": 48}
+
+
 def namespace(tmp_path: Path) -> list[dict[str, Any]]:
     """Every topology, rendered and built by Kustomize, as applied into one namespace (models
-    `target` and `draft`: /models/target and /models/draft in the pods)."""
+    `target` and `draft`: /models/target and /models/draft in the pods), with server flags
+    given as people type them: a flag and its value in one argument, a quoted value."""
     out = tmp_path / "rendered"
     assert cli.main(["deploy", "--digest", "sha256:" + "ab" * 32, "--registry",
                      "registry.example.com/team", "--out", str(out), "--tp", "2",
                      "--model-path", "target", "--draft-model-path", "draft",
-                     *(f"--topology={t}" for t in topology.TOPOLOGIES)]) == 0
+                     *SERVER_ARGS, *(f"--topology={t}" for t in topology.TOPOLOGIES)]) == 0
     docs = [doc for t in topology.TOPOLOGIES for doc in checks.kustomize(out / "kubernetes" / t)]
     for doc in docs:
         checks.validate(doc)
@@ -176,11 +185,18 @@ for name, case in CASES.items():
     try:
         a = parsed(case)
         out[name] = {"host": a.host, "port": a.port, "tp": a.tp_size, "nnodes": a.nnodes,
-                     "rank": a.node_rank}
+                     "rank": a.node_rank, "mem_fraction_static": a.mem_fraction_static,
+                     "served_model_name": a.served_model_name,
+                     "max_running_requests": a.max_running_requests, "api_key": a.api_key}
     except Exception as e:
         out[name] = {"error": f"{type(e).__name__}: {e}"[-600:]}
 print("RESULT " + json.dumps(out))
 """
+
+
+def in_volume(arg: str, models: Path) -> str:
+    """An argument with the pods' models volume (/models) where it is mounted here."""
+    return arg.replace(f"{topology.MODELS_MOUNT}/", f"{models}/")
 
 
 def run_sglang(sglang_tree: Callable[[str, bool], Path], run_in_tree: Callable[..., Any],
@@ -202,7 +218,8 @@ def test_every_server_pod_starts_under_the_kubelet_environment(
         # Links as the kubelet adds them by default (the manifests turn them off: checked too).
         assert spec.get("enableServiceLinks") is False, name
         env = pod_environment(spec, links, controller)
-        args = [checks.expand(a, env) for a in spec["containers"][0]["args"]]
+        args = [in_volume(checks.expand(a, env), models)
+                for a in spec["containers"][0]["args"]]
         proc, started = start_entrypoint(args, env, tmp_path)
         assert proc.returncode == 0 and started is not None, (name, proc.stderr)
         cases[name] = started
@@ -213,6 +230,8 @@ def test_every_server_pod_starts_under_the_kubelet_environment(
         # It listens where its Service and probes look.
         assert (parsed["host"], parsed["port"]) == ("0.0.0.0", topology.SERVER_PORT), name
         assert parsed["tp"] == 2, name
+        # The server flags given with spaces reach the parser split as a shell would.
+        assert {k: parsed[k] for k in SERVER_ARGS_PARSED} == SERVER_ARGS_PARSED, name
     assert {result[n]["rank"] for n in result if "rank " in n} == {0, 1}
 
 
@@ -222,6 +241,89 @@ def test_the_entrypoint_refuses_a_port_that_is_no_number(tmp_path: Path) -> None
     assert proc.returncode == 2 and started is None
     assert "SGLANG_IMAGE_HTTP_PORT=tcp://10.96.12.34:30000 is not a port number" in proc.stderr
     assert "enableServiceLinks: false" in proc.stderr
+
+
+def other_user() -> dict[str, int]:
+    """Runs a process as uid 65534 where the tests run as root (root reads any folder)."""
+    return {"user": 65534, "group": 65534} if os.geteuid() == 0 else {}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model-path", "{missing}"],
+     ("error: --model-path {missing}: no such folder in the container: mount the models volume "
+      "(read-only, readable by uid 1000) so that it holds {missing}, or give the path of the "
+      "model inside it")),
+    (["--model-path", "{target}", "--speculative-draft-model-path={missing}"],
+     "error: --speculative-draft-model-path {missing}: no such folder"),
+    (["--model={missing}"], "error: --model {missing}: no such folder"),
+    (["--model-path", "{target}", "--speculative-draft-model", "{locked}"],
+     ("error: --speculative-draft-model {locked} is not readable by uid {uid}: make the models "
+      "volume readable by uid 1000, the image's user (on the host: chmod -R a+rX; on Kubernetes: "
+      "fsGroup 1000)")),
+    (["--model-path", "{unreadable_config}"], ("error: --model-path {unreadable_config} is not "
+                                               "readable by uid {uid}")),
+])
+def test_the_entrypoint_names_a_model_path_it_cannot_read(argv: list[str], message: str) -> None:
+    """An absolute model or draft path that is missing (a typo, a volume not mounted) or that
+    the image's user cannot read: one line naming the flag, the path and the fix, exit 2, and
+    the server is not started (it would end in a transformers traceback about repo ids)."""
+    # Outside pytest's own folders, which only their owner may enter; removed at the end.
+    volume = Path(tempfile.mkdtemp(prefix="sglang-image-models-"))
+    try:
+        volume.chmod(0o755)
+        for name in ("target", "locked", "unreadable_config"):
+            (volume / name).mkdir()
+            (volume / name / "config.json").write_text(json.dumps(TINY_LLAMA))
+            (volume / name).chmod(0o755)
+            (volume / name / "config.json").chmod(0o644)
+        (volume / "locked").chmod(0o700 if os.geteuid() == 0 else 0o000)
+        (volume / "unreadable_config" / "config.json").chmod(0o600 if os.geteuid() == 0 else 0)
+        paths = {name: str(volume / name) for name in ("target", "locked", "unreadable_config",
+                                                       "missing")}
+        uid = 65534 if os.geteuid() == 0 else os.geteuid()
+        env = {**image_environment(), "PATH": os.environ["PATH"],
+               "SGLANG_PYTHON": "/nonexistent/python"}  # never reached
+        proc = subprocess.run(["sh", str(ENTRYPOINT), *(a.format(**paths) for a in argv)],
+                              env=env, capture_output=True, text=True, check=False, timeout=60,
+                              cwd=volume, **other_user())
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+        assert proc.stderr.startswith(message.format(**paths, uid=uid)), proc.stderr
+    finally:
+        for path in volume.rglob("*"):
+            path.chmod(0o755)
+        shutil.rmtree(volume)
+
+
+def test_the_entrypoint_starts_a_readable_model_and_a_hub_name(tmp_path: Path,
+                                                               models: Path) -> None:
+    for argv in (["--model-path", f"{models}/target", "--speculative-draft-model-path",
+                  f"{models}/draft"],
+                 [f"--model={models}/target"],
+                 ["--model-path", "meta-llama/Llama-3.1-8B-Instruct"]):  # SGLang's to resolve
+        proc, started = start_entrypoint(argv, image_environment(), tmp_path)
+        assert proc.returncode == 0 and started is not None, proc.stderr
+        assert started["argv"][-len(argv):] == argv
+
+
+def test_the_entrypoint_passes_the_api_key_of_its_environment(
+        tmp_path: Path, sglang_tree: Callable[[str, bool], Path],
+        run_in_tree: Callable[..., Any], plugin_site: Path, models: Path) -> None:
+    """SGLANG_IMAGE_API_KEY (Compose's env file) becomes the server's --api-key, kept off the
+    command line that `docker inspect` shows; an --api-key among the arguments wins; unset or
+    empty, the server has none."""
+    args = ["--model-path", f"{models}/target"]
+    cases = {}
+    for name, env, extra in (("from the env", {"SGLANG_IMAGE_API_KEY": "k1"}, []),
+                             ("given too", {"SGLANG_IMAGE_API_KEY": "k1"}, ["--api-key", "k2"]),
+                             ("empty", {"SGLANG_IMAGE_API_KEY": ""}, []), ("unset", {}, [])):
+        proc, started = start_entrypoint(args + extra, {**image_environment(), **env}, tmp_path)
+        assert proc.returncode == 0 and started is not None, (name, proc.stderr)
+        cases[name] = started
+    assert cases["from the env"]["argv"][-4:] == ["--api-key", "k1", *args]
+    result = run_sglang(sglang_tree, run_in_tree, plugin_site, models, PARSE, cases)
+    assert {name: parsed.get("api_key", parsed) for name, parsed in result.items()} == {
+        "from the env": "k1", "given too": "k2", "empty": None, "unset": None}
 
 
 # --- TP >= 2: the group's sockets and the HTTP port ----------------------------------------------
@@ -275,7 +377,7 @@ def test_a_tp_group_binds_its_sockets_beside_the_http_port(
     port = free_window(topology.SERVER_PORT)
     env = {k: (str(port) if v == str(topology.SERVER_PORT) else v)
            for k, v in image_environment().items()}
-    proc, started = start_entrypoint(["--model-path", "/models/target", "--tp-size", "2"],
+    proc, started = start_entrypoint(["--model-path", f"{models}/target", "--tp-size", "2"],
                                      env, tmp_path)
     assert proc.returncode == 0 and started is not None, proc.stderr
     result = run_sglang(sglang_tree, run_in_tree, plugin_site, models, TP_GROUP,

@@ -59,6 +59,7 @@ def loopback_argv(rendered: tuple[str, ...], urls: dict[str, str], port: int,
 class Router:
     def __init__(self, base: str) -> None:
         self.base = base
+        self.headers: dict[str, str] = {}
 
     def readiness(self) -> tuple[int, dict[str, Any]]:
         r = requests.get(f"{self.base}/readiness", timeout=5)
@@ -69,21 +70,28 @@ class Router:
         return {w["url"]: w["is_healthy"] for w in listed}
 
     def generate(self, text: str) -> requests.Response:
-        return requests.post(f"{self.base}/generate", timeout=30,
+        return requests.post(f"{self.base}/generate", timeout=30, headers=self.headers,
                              json={"text": text, "sampling_params": {"max_new_tokens": 1}})
 
 
 @contextmanager
-def router_process(argv: list[str], log: Path) -> Iterator[Router]:
+def router_process(argv: list[str], log: Path,
+                   stopped: list[subprocess.Popen[bytes]] | None = None, *,
+                   entrypoint: list[str] | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[Router]:
+    """The router on loopback until the block ends (`stopped`: its process, for a test that
+    stops it itself; `entrypoint`: what starts it, else `python -m sglang_router...`)."""
     if importlib.util.find_spec("sglang_router") is None:
         need("sglang-router", "the test dependency group installs it")
     port = argv[argv.index("--port") + 1]
     # Nothing leaves the host: were the router to look for a tokenizer on a hub, it would
     # ask a closed port on loopback (the test then fails on its log).
-    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    env = {**os.environ, **(env or {}), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    start = entrypoint or [sys.executable, "-m", topology.ROUTER_MODULE]
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", topology.ROUTER_MODULE, *argv],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen([*start, *argv], stdout=out, stderr=subprocess.STDOUT, env=env)
+    if stopped is not None:
+        stopped.append(proc)
     try:
         router = Router(f"http://127.0.0.1:{port}")
         wait_until("the router answers /liveness",
@@ -101,10 +109,10 @@ def router_process(argv: list[str], log: Path) -> Iterator[Router]:
     assert "HuggingFace" not in log.read_text() and "Loading tokenizer" in log.read_text()
 
 
-def start(tmp_path: Path, servers: list[Worker], *, fast_health: bool
+def start(tmp_path: Path, servers: list[Worker], *, fast_health: bool, **settings: Any
           ) -> tuple[list[str], Path]:
     s = topology.check(topology.Settings(model_path="m", draft_model_path="d",
-                                         replicas=len(servers)))
+                                         replicas=len(servers), **settings))
     urls = dict(zip(topology.worker_urls(s), (w.url for w in servers), strict=True))
     argv = loopback_argv(topology.router_args(s, "compose"), urls, free_port(), free_port(),
                          fast_health=fast_health)
@@ -192,6 +200,79 @@ def test_health_flows_from_the_servers_to_the_router(tmp_path: Path) -> None:
                                                                      "/get_model_info"}
 
 
+def test_a_stopping_router_answers_what_it_passed_on(tmp_path: Path) -> None:
+    """SIGTERM (a rolling update, `docker compose down`) mid-request: with the rendered
+    --shutdown-grace-period-secs the router takes no new connection and waits for the requests
+    it passed on, then exits; the servers, draining shorter, answer them."""
+    import threading
+
+    with workers(tmp_path, "worker-0") as (server,):
+        server.delay = 4.0  # a request still decoding when the router is told to stop
+        argv, log = start(tmp_path, [server], fast_health=True, drain_seconds=10,
+                          router_drain_seconds=20)
+        assert flags(argv)["--shutdown-grace-period-secs"] == ["20"]
+        stopped: list[subprocess.Popen[bytes]] = []
+        with router_process(argv, log, stopped) as router:
+            wait_until("ready", lambda: router.readiness()[0] == 200, log)
+            replies: list[requests.Response] = []
+            in_flight = threading.Thread(target=lambda: replies.append(router.generate("long")))
+            in_flight.start()
+            wait_until("the request reached the server", lambda: server.generated() == 1, log)
+            (proc,) = stopped
+            sent = time.monotonic()
+            proc.terminate()
+            wait_until("no new connection taken", lambda: not reachable(router), log)
+            in_flight.join()
+            assert proc.wait(timeout=30) == 0
+            assert replies[0].status_code == 200 and replies[0].json()["text"] == "worker-0: long"
+            assert time.monotonic() - sent < 20  # it left once the request was answered
+
+
+def test_the_compose_router_takes_the_key_of_the_env_file(tmp_path: Path) -> None:
+    """The Compose router as rendered with api_key_env_file, started by its own entrypoint (the
+    shell, SGLANG_IMAGE_API_KEY as Compose gives it from the file) in front of servers that
+    require the key: it passes the key to them, and requires it of its clients."""
+    from sglang_image import deploy
+
+    key = "k3y-from-the-env-file"
+    env_file = tmp_path / "sglang.env"
+    env_file.write_text(f"{deploy.API_KEY_ENV}={key}\n")
+    with workers(tmp_path, "worker-0", "worker-1") as servers:
+        for server in servers:
+            server.api_key = key
+        s = topology.check(topology.Settings(model_path="m", draft_model_path="d",
+                                             api_key_env_file=str(env_file)))
+        service = deploy.compose_router(s, "image")["services"]["sglang-router"]
+        assert service["env_file"] == [str(env_file)]
+        # What the container runs: Compose turns $$ into $; this host's python for the image's.
+        entrypoint = [a.replace("$$", "$").replace(deploy.PYTHON, sys.executable)
+                      for a in service["entrypoint"]]
+        urls = dict(zip(topology.worker_urls(s), (w.url for w in servers), strict=True))
+        argv = loopback_argv(tuple(service["command"]), urls, free_port(), free_port(),
+                             fast_health=True)
+        log = tmp_path / "router.log"
+        with router_process(argv, log, entrypoint=entrypoint,
+                            env={deploy.API_KEY_ENV: key}) as router:
+            wait_until("both servers healthy", lambda: router.readiness()[1].get(
+                "healthy_workers") == 2, log)
+            assert router.generate("no key").status_code == 401
+            router.headers = {"Authorization": "Bearer wrong"}
+            assert router.generate("a wrong key").status_code == 401
+            router.headers = {"Authorization": f"Bearer {key}"}
+            reply = router.generate("with the key")
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["text"].endswith(": with the key")
+        assert sum(w.generated() for w in servers) == 1
+
+
+def reachable(router: Router) -> bool:
+    try:
+        router.generate("new")
+    except requests.ConnectionError:
+        return False
+    return True
+
+
 def test_the_stand_in_dies_as_a_crashed_server(tmp_path: Path) -> None:
     """Stopping a stand-in closes its kept-alive connections too (else a router would keep
     reaching a 'dead' server through them and the test above could not fail)."""
@@ -214,6 +295,25 @@ def test_the_router_takes_the_kubernetes_discovery_flags() -> None:
     assert "--worker-urls" not in rendered
     args = parse_router_args([expand(a, {topology.NAMESPACE_ENV: "llm"}) for a in rendered])
     assert args.service_discovery and not args.worker_urls
-    assert args.selector == topology.ROUTER_WORKER_LABELS
+    assert args.selector == topology.router_worker_labels(s)
+    assert args.selector[topology.MODEL_LABEL] == "m"  # the model: not another model's servers
     assert args.service_discovery_namespace == "llm"
     assert args.service_discovery_port == topology.SERVER_PORT
+
+
+def test_the_router_takes_the_rendered_health_check() -> None:
+    """Its own parser reads the health check as rendered: the servers' readiness pace (period,
+    timeout, failures), not its defaults (5 s, 3 failures), on Kubernetes and on one box."""
+    if importlib.util.find_spec("sglang_router") is None:
+        need("sglang-router", "the test dependency group installs it")
+    from sglang_router.launch_router import parse_router_args
+
+    s = topology.check(topology.Settings(model_path="m", draft_model_path="d",
+                                         health_period_seconds=40, health_timeout_seconds=35,
+                                         health_failures=5))
+    for platform in ("kubernetes", "compose"):
+        rendered = topology.router_args(s, platform)
+        args = parse_router_args([expand(a, {topology.NAMESPACE_ENV: "llm"}) for a in rendered])
+        assert (args.health_check_interval_secs, args.health_check_timeout_secs,
+                args.health_failure_threshold) == (40, 35, 5), platform
+        assert args.health_check_endpoint == "/health"

@@ -95,10 +95,27 @@ def test_a_kill_that_meets_no_request_in_flight_fails_the_run(fakes, tmp_path):
     assert any("no request could be lost" in f and "worker-1" in f for f in rep["failures"]), rep["failures"]
 
 
-def test_outputs_that_differ_from_plain_fail_the_run(fakes, tmp_path):
+def round_robin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's router with its rendered flags, its policy pinned to round robin: the servers
+    take the requests in turn (the rendered cache_aware may send every request to one)."""
+    rendered = router.rendered_router_flags
+
+    def pinned(replicas: int, threshold: int) -> list[str]:
+        flags = rendered(replicas, threshold)
+        flags[flags.index("--policy") + 1] = "round_robin"
+        return flags
+
+    monkeypatch.setattr(router, "rendered_router_flags", pinned)
+
+
+def test_outputs_that_differ_from_plain_fail_the_run(fakes, tmp_path, monkeypatch):
+    # Deterministic: in turn, worker-0 answers half of the 20 requests, each of them wrong (with
+    # cache_aware it could get none of them, and the run pass by luck).
+    round_robin(monkeypatch)
     fakes["worker-0"] = True
     rep = router.run_router(options(tmp_path, levels=(2, 8), kill_level=-1))
-    assert rep["mismatches"] > 0 and rep["errors"] == 0
+    assert rep["router_flags"][rep["router_flags"].index("--policy") + 1] == "round_robin"
+    assert rep["requests"] == 20 and rep["mismatches"] == 10 and rep["errors"] == 0
     assert any("differ from the plain server's" in f for f in rep["failures"])
     # and 8 clients over two servers never reach threshold 4's plain mode: said, not passed
     assert any("did not cross its threshold 4 both ways" in f for f in rep["failures"])

@@ -34,5 +34,39 @@ case "$port" in
     exit 2
     ;;
 esac
+# A model folder that is not there (a typo, a volume not mounted) or that this user cannot read
+# would end in a transformers traceback about repo ids: name the path and the fix instead. Only
+# absolute paths: anything else may be a hub repo id, which SGLang resolves itself.
+check_model() {  # FLAG PATH
+  case "$2" in /*) ;; *) return 0 ;; esac
+  if [ ! -e "$2" ]; then
+    echo "error: $1 $2: no such folder in the container: mount the models volume (read-only," \
+      "readable by uid 1000) so that it holds $2, or give the path of the model inside it" >&2
+    exit 2
+  fi
+  if [ ! -r "$2" ] || { [ -d "$2" ] && [ ! -x "$2" ]; } \
+      || { [ -e "$2/config.json" ] && [ ! -r "$2/config.json" ]; }; then
+    echo "error: $1 $2 is not readable by uid $(id -u): make the models volume readable by" \
+      "uid 1000, the image's user (on the host: chmod -R a+rX; on Kubernetes: fsGroup 1000)" >&2
+    exit 2
+  fi
+}
+flag=
+for arg in "$@"; do
+  case "$flag" in
+    --model-path|--model|--speculative-draft-model-path|--speculative-draft-model)
+      check_model "$flag" "$arg" ;;
+  esac
+  case "$arg" in
+    --model-path=*|--model=*|--speculative-draft-model-path=*|--speculative-draft-model=*)
+      check_model "${arg%%=*}" "${arg#*=}" ;;
+  esac
+  flag=$arg
+done
+# An API key from the environment (Compose's env file) rather than the command line, which
+# `docker inspect` shows: given before the arguments, so that an --api-key among them wins.
+if [ -n "${SGLANG_IMAGE_API_KEY:-}" ]; then
+  set -- --api-key "$SGLANG_IMAGE_API_KEY" "$@"
+fi
 exec "${SGLANG_PYTHON:-/opt/venv/bin/python}" -m sglang.launch_server \
   --host "${SGLANG_IMAGE_HTTP_HOST:-0.0.0.0}" --port "$port" "$@"

@@ -71,6 +71,12 @@ class Flavor:
         raise PinError(f"{self.toml_path.name} [lock]: requirements pin no {distribution}: add "
                        f"'{distribution}==VERSION' there")
 
+    def requires(self, distribution: str) -> bool:
+        """Whether `requirements` name `distribution`: the flavor's image carries it."""
+        wanted = canonicalize_name(distribution)
+        return any(canonicalize_name(Requirement(text).name) == wanted
+                   for text in self.requirements)
+
     @property
     def sglang_version(self) -> str:
         return self.pinned("sglang")

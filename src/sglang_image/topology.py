@@ -14,8 +14,11 @@ Kubernetes manifests.
 """
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import posixpath
 import re
+import shlex
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
@@ -24,7 +27,7 @@ from typing import Any, Literal
 
 from sglang_image import threshold as thresholds
 from sglang_image.errors import UsageError
-from sglang_image.pins import Flavor
+from sglang_image.pins import Flavor, flavor_names, load_flavor
 
 Topology = Literal["single", "router", "multinode"]
 Platform = Literal["compose", "kubernetes"]
@@ -37,7 +40,14 @@ MODELS_MOUNT = "/models"  # where the models volume is mounted, read-only
 QUANTITY_UNITS = {"Mi": "m", "Gi": "g", "Ti": "t"}  # --shm-size: Kubernetes unit -> Docker's
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label: a Kubernetes name
 THRESHOLD_FLAG: str = thresholds.FLAG
+# SGLang 0.5.23's /health generates a token and waits up to 20 s for it (its
+# HEALTH_CHECK_TIMEOUT): a check that gives up sooner fails a healthy server.
+HEALTH_WAIT_S = 20
+_HEALTH_WAIT = (f" (SGLang's /health may wait {HEALTH_WAIT_S} s for the token it generates: a "
+                "check that gives up sooner fails a healthy, busy server)")
 ROUTER_MODULE = "sglang_router.launch_router"
+# The router's wheel: in the images of the flavors that lock it.
+ROUTER_DISTRIBUTION = "sglang-router"
 # LeaderWorkerSet puts these into every pod of a group; Kubernetes expands $(NAME) in args.
 LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = (
     "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
@@ -88,8 +98,15 @@ class Settings:
     cpu: int = 8
     memory: str = "64Gi"
     startup_minutes: int = 30
+    health_period_seconds: int = 30
+    health_timeout_seconds: int = 30
+    health_failures: int = 4
+    drain_seconds: int = 120
+    router_drain_seconds: int = 150
     models_claim: str = "sglang-models"
     models_dir: str = "/srv/models"
+    publish_address: str = "127.0.0.1"
+    api_key_env_file: str = ""
     pull_secret: str = ""
     server_args: tuple[str, ...] = ()
     topologies: tuple[Topology, ...] = ("single", "router")
@@ -164,16 +181,31 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
         _check_model(name, getattr(s, name))
     for name, low in (("tp", 1), ("replicas", 1), ("nodes", 1), ("gpus_per_node", 1), ("cpu", 1),
                       ("speculative_num_steps", 1), ("speculative_num_draft_tokens", 2),
-                      ("startup_minutes", 1)):
+                      ("startup_minutes", 1), ("health_period_seconds", 1),
+                      ("health_timeout_seconds", HEALTH_WAIT_S + 5), ("health_failures", 1),
+                      ("drain_seconds", 1), ("router_drain_seconds", 1)):
         value = getattr(s, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UsageError(f"{_option(name)} {value!r}: must be a whole number >= {low}")
+            raise UsageError(f"{_option(name)} {value!r}: must be a whole number >= {low}"
+                             + (_HEALTH_WAIT if name == "health_timeout_seconds" else ""))
+    if s.router_drain_seconds <= s.drain_seconds:
+        raise UsageError(f"--router-drain-seconds {s.router_drain_seconds} is not longer than "
+                         f"--drain-seconds {s.drain_seconds}: a stopping router would drop the "
+                         "requests that its stopping servers still finish; give more than "
+                         f"{s.drain_seconds}")
+    if s.health_timeout_seconds > s.health_period_seconds:
+        raise UsageError(f"--health-timeout-seconds {s.health_timeout_seconds} is longer than "
+                         f"--health-period-seconds {s.health_period_seconds}: a check would start "
+                         "before the last one gave up; give a period at least as long")
     bad = [t for t in s.topologies if t not in TOPOLOGIES]
     if bad or not s.topologies:
         raise UsageError(f"--topology {','.join(s.topologies)!r}: choose among "
                          f"{', '.join(TOPOLOGIES)}")
+    if flavor is not None:
+        _check_router(s, flavor)
     _check_gpus(s)
-    _check_server_args(s.server_args)
+    server_args = split_server_args(s.server_args)
+    _check_server_args(server_args)
     for name in ("models_claim", "pull_secret"):
         value = getattr(s, name)
         if not isinstance(value, str) or not (_NAME.match(value) or name == "pull_secret"
@@ -183,13 +215,14 @@ def check(s: Settings, flavor: Flavor | None = None) -> Settings:
     if not isinstance(s.models_dir, str) or not s.models_dir.startswith("/"):
         raise UsageError(f"--models-dir {s.models_dir!r}: give the host folder (absolute) that "
                          f"Compose mounts read-only at {MODELS_MOUNT}, e.g. /srv/models")
+    _check_compose(s)
     _check_quantity("shm_size", s.shm_size)
     _check_quantity("memory", s.memory)
     if mebibytes(s.memory) <= mebibytes(s.shm_size):
         raise UsageError(f"--memory {s.memory}: a server's memory request holds its /dev/shm "
                          f"(--shm-size {s.shm_size}, memory-backed) and the process besides: "
                          "give more")
-    return replace(s, threshold=threshold)
+    return replace(s, threshold=threshold, server_args=server_args)
 
 
 def _option(name: str) -> str:
@@ -209,6 +242,19 @@ def _check_model(name: str, path: str) -> None:
     if ".." in path.split("/") or not full.startswith(MODELS_MOUNT + "/"):
         raise UsageError(f"{flag} {path!r} is not a folder inside the models volume "
                          f"({MODELS_MOUNT}): give a path relative to it, or under {MODELS_MOUNT}/")
+
+
+def _check_router(s: Settings, flavor: Flavor) -> None:
+    """The router topology only where the flavor's image carries sglang-router (the router pod
+    runs that image): elsewhere it would crash-loop on `No module named sglang_router`."""
+    if "router" not in s.topologies or flavor.requires(ROUTER_DISTRIBUTION):
+        return
+    having = [n for n in flavor_names() if load_flavor(n).requires(ROUTER_DISTRIBUTION)]
+    others = [t for t in s.topologies if t != "router"] or ["single"]
+    raise UsageError(f"--topology router: the {flavor.name} image has no {ROUTER_DISTRIBUTION}, "
+                     "so its router pod would crash-loop; the flavors whose image has it: "
+                     f"{', '.join(having) or 'none'}. Publish one of them, or render without "
+                     f"the router: {' '.join(f'--topology {t}' for t in others)}")
 
 
 def _check_gpus(s: Settings) -> None:
@@ -242,10 +288,38 @@ def _spelled(flag: str, table: Mapping[str, str]) -> str | None:
     return None
 
 
-def _check_server_args(args: Sequence[str]) -> None:
+def split_server_args(args: Sequence[object]) -> tuple[str, ...]:
+    """The server flags as SGLang's parser must get them, one argv element each. A flag with
+    words after it in one argument (`--server-arg='--tp-size 4'`, as people type it; as one argv
+    element the server would refuse it and the pod crash-loop) is split as a shell splits a line
+    (shlex: quotes keep a value with spaces whole). A value given as an argument of its own, and
+    an argument without whitespace, stay as they are. Refused with the fix, where the split
+    cannot be told: an unclosed quote, or words after `--flag=` (a value with spaces, or more
+    flags?)."""
+    split: list[str] = []
     for arg in args:
         if not isinstance(arg, str):
             raise UsageError(f"server_args: {arg!r} is not a string")
+        if not arg.startswith("-") or not any(c.isspace() for c in arg):
+            split.append(arg)
+            continue
+        try:
+            words = shlex.split(arg)
+        except ValueError as exc:
+            raise UsageError(f"--server-arg {arg!r} cannot be split as a shell would ({exc}): "
+                             "close the quote, or give the flag and its value as two arguments: "
+                             f"--server-arg={arg.split()[0]} --server-arg=VALUE") from None
+        flag, equals, value = arg.partition("=")
+        if len(words) > 1 and equals and not any(c.isspace() for c in flag):
+            raise UsageError(
+                f"--server-arg {arg!r}: the words after {flag}= may be one value with spaces or "
+                "more flags; give the flag and its value as two arguments: "
+                f"--server-arg={flag} --server-arg={shlex.quote(value)}")
+        split += words
+    return tuple(split)
+
+
+def _check_server_args(args: Sequence[str]) -> None:
     flags = [arg.split("=", 1)[0] for arg in args if arg.startswith("--")]
     for arg in args:
         flag = arg.split("=", 1)[0]
@@ -259,6 +333,20 @@ def _check_server_args(args: Sequence[str]) -> None:
             continue
         raise UsageError(f"--server-arg {arg!r}: {gpus} changes the GPUs a server takes: "
                          f"{_GPU_COUNT[gpus]}")
+
+
+def _check_compose(s: Settings) -> None:
+    try:
+        ipaddress.ip_address(s.publish_address)
+    except ValueError:
+        raise UsageError(f"--publish-address {s.publish_address!r}: give the host's IP address "
+                         "that Compose publishes port 30000 on: 127.0.0.1 (this host only), "
+                         "0.0.0.0 (every interface) or one of its own") from None
+    if not isinstance(s.api_key_env_file, str) or (s.api_key_env_file
+                                                   and not s.api_key_env_file.startswith("/")):
+        raise UsageError(f"--api-key-env-file {s.api_key_env_file!r}: give the host file "
+                         "(absolute, outside the rendered folder, which a new rendering replaces) "
+                         "that holds SGLANG_IMAGE_API_KEY=KEY, or nothing for no key")
 
 
 def _check_quantity(name: str, text: object) -> None:
@@ -301,11 +389,37 @@ def instance(topology: Topology) -> str:
     return f"{APP}-{topology}"
 
 
-# The router topology's servers on Kubernetes: the labels of the StatefulSet's pods, which the
-# router's service discovery selects (only these pods: not a multinode rank, not the router).
-ROUTER_WORKER_LABELS = {"app.kubernetes.io/name": APP,
-                        "app.kubernetes.io/instance": instance("router"),
-                        "app.kubernetes.io/component": "worker"}
+# The model a deployment serves, on every object and in every selector: two models rendered
+# into one namespace (each under a name prefix of its own) select only their own pods.
+MODEL_LABEL = "sglang-image.io/model"
+_LABEL_VALUE_MAX = 63
+
+
+def model_label(s: Settings) -> str:
+    """The model as a label value: its folder in the models volume, each character a label
+    value cannot hold as '-', alphanumeric at both ends; one longer than 63 characters is cut,
+    with a hash of the whole folder, so that two long names stay apart."""
+    folder = posixpath.relpath(s.model, MODELS_MOUNT)
+    value = re.sub(r"[^A-Za-z0-9._-]", "-", folder).strip("-._") or "model"
+    if len(value) > _LABEL_VALUE_MAX:
+        digest = hashlib.sha256(folder.encode()).hexdigest()[:8]
+        value = f"{value[:_LABEL_VALUE_MAX - 9].rstrip('-._')}-{digest}"
+    return value
+
+
+def labels(s: Settings, topology: Topology, component: str) -> dict[str, str]:
+    """The labels of a topology's objects and pods, and the selectors' (with `component`)."""
+    return {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": instance(topology),
+            "app.kubernetes.io/component": component, MODEL_LABEL: model_label(s)}
+
+
+def router_worker_labels(s: Settings) -> dict[str, str]:
+    """The router topology's servers on Kubernetes: the labels of the StatefulSet's pods, which
+    the router's service discovery selects (only these pods: not a multinode rank, not the
+    router, not another model's)."""
+    return labels(s, "router", "worker")
+
+
 # The router reads its own namespace from this variable (the downward API): it watches the pods
 # of that namespace alone, which a Role allows (a cluster-wide watch would need a ClusterRole).
 NAMESPACE_ENV = "POD_NAMESPACE"
@@ -321,29 +435,35 @@ def worker_urls(s: Settings) -> tuple[str, ...]:
     return tuple(f"http://{worker_host(i)}:{SERVER_PORT}" for i in range(s.replicas))
 
 
-def worker_discovery() -> tuple[str, ...]:
+def worker_discovery(s: Settings) -> tuple[str, ...]:
     """sglang-router's flags that find the workers on Kubernetes: the pods of its namespace with
-    ROUTER_WORKER_LABELS, each taken in once Ready and dropped once deleted (`kubectl scale`
+    router_worker_labels, each taken in once Ready and dropped once deleted (`kubectl scale`
     reaches it), on the servers' port."""
     return ("--service-discovery", "--selector",
-            *(f"{k}={v}" for k, v in ROUTER_WORKER_LABELS.items()),
+            *(f"{k}={v}" for k, v in router_worker_labels(s).items()),
             "--service-discovery-port", str(SERVER_PORT),
             "--service-discovery-namespace", f"$({NAMESPACE_ENV})")
 
 
 def router_args(s: Settings, platform: Platform) -> tuple[str, ...]:
     """sglang-router's flags: the workers (a list on one box, a label selector on Kubernetes), a
-    start-up wait as long as theirs, a health check every 10 s (a server that stops answering
-    is out after three), and a circuit that opens after 3 failed attempts, fewer than the 5
-    attempts of one request: a request that meets a dead server is retried on a live one (with
-    the default 10, the next requests fail until the health check catches up)."""
+    start-up wait as long as theirs, a health check on the pace of the servers' readiness probe
+    (its period, its timeout, its failures before a server is out: the router ejects no server
+    that Kubernetes still counts as ready; its defaults, 5 s and 3 failures, ejected busy
+    servers), and a circuit that opens after 3 failed attempts, fewer than the 5 attempts of one
+    request: a request that meets a dead server is retried on a live one (with the default 10,
+    the next requests fail until the health check catches up)."""
     workers = (("--worker-urls", *worker_urls(s)) if platform == "compose"
-               else worker_discovery())
+               else worker_discovery(s))
     return (*workers, "--host", "0.0.0.0",
             "--port", str(SERVER_PORT), "--policy", "cache_aware",
             "--worker-startup-timeout-secs", str(s.startup_minutes * 60),
-            "--health-check-endpoint", "/health", "--health-check-interval-secs", "10",
+            "--health-check-endpoint", "/health",
+            "--health-check-interval-secs", str(s.health_period_seconds),
+            "--health-check-timeout-secs", str(s.health_timeout_seconds),
+            "--health-failure-threshold", str(s.health_failures),
             "--cb-failure-threshold", "3",
+            "--shutdown-grace-period-secs", str(s.router_drain_seconds),
             "--prometheus-host", "0.0.0.0", "--prometheus-port", str(ROUTER_METRICS_PORT))
 
 
