@@ -55,7 +55,8 @@ from bench import comm as comm_mod
 from bench import jitcache
 from bench import router as router_mod
 from bench import servers as bench_servers
-from bench import throughput as bench_mod
+from bench.options import BenchOptions, add_tuning_arguments, tuning_options
+from bench.throughput import run_bench
 from smoke import features as features_mod
 from smoke import names, runner
 from smoke.deadline import Deadline
@@ -411,7 +412,7 @@ class E2E:
                      "features": [self.a.threshold, self.a.feature_variants, self.a.smoke_size,
                                   self.a.feature_graph_bs, sorted(self.feature_cases())],
                      "bench": [self.a.bench_size, self.a.bench_draft_accept,
-                               {k: v for k, v in bench_mod.tuning_options(self.a, "bench-").items()
+                               {k: v for k, v in tuning_options(self.a, "bench-").items()
                                 if k != "launch_only"}],
                      "comm": [self.a.comm_runs],
                      "router": [self.a.router_threshold, self.a.router_levels, self.a.router_kill,
@@ -448,12 +449,12 @@ class E2E:
         return self.state_dir / "bench-servers.json"
 
     def phase_bench(self) -> None:
-        opts = bench_mod.BenchOptions(
+        opts = BenchOptions(
             models=self.models / self.a.bench_size, out=self.logs / f"bench_{self.a.bench_size}", deadline=self.deadline,
             pyspy_dirs=(self.site / "bin",), registry=self.bench_registry,
-            key_extra=str(self.state.get("install", "")), **bench_mod.tuning_options(self.a, "bench-"))
+            key_extra=str(self.state.get("install", "")), **tuning_options(self.a, "bench-"))
         if opts.launch_only:  # the servers start meanwhile; the call that measures keeps the report
-            rep = bench_mod.run_bench(opts, {})
+            rep = run_bench(opts, {})
             self.log(f"bench: servers of {self.a.bench_size} launched: {', '.join(rep['configs'])}")
             return
         runs = self.state.setdefault("bench_runs", {})
@@ -468,7 +469,7 @@ class E2E:
             self.save()
             self.finish([])
 
-        rep = bench_mod.run_bench(opts, st, progress)
+        rep = run_bench(opts, st, progress)
         self.state.setdefault("bench_reports", {})[self.bench_key] = rep
         self.log("\n" + rep["table"])
         if rep.get("start_failures"):
@@ -713,7 +714,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="chain draft of the 1B-shaped models: designed accept length ~3.2 (3 steps)")
     ap.add_argument("--bench-size", default="1b", choices=[n for n, (_, used_by) in MODELS.items() if "bench" in used_by],
                     help="bench model shape: 1b (host-bound at high load on a fast GPU) or 8b (GPU-bound)")
-    bench_mod.add_tuning_arguments(ap, "bench-")
+    add_tuning_arguments(ap, "bench-")
     ap.add_argument("--comm-runs", default=",".join(comm_mod.RUN_NAMES),
                     help="comm phase: comma list of runs, in this order")
     ap.add_argument("--router-threshold", type=int, default=16,
@@ -752,7 +753,7 @@ def main(a: argparse.Namespace) -> int:
     if not 1 <= a.feature_graph_bs <= features_mod.PRESSURE_REQUESTS:
         raise SystemExit(f"--feature-graph-bs {a.feature_graph_bs}: give 1 to "
                          f"{features_mod.PRESSURE_REQUESTS} (the feature servers' running-request limit)")
-    bench_mod.tuning_options(a, "bench-")  # exits naming a bad --bench-* value before any work
+    tuning_options(a, "bench-")  # exits naming a bad --bench-* value before any work
     try:
         levels = [int(c) for c in a.router_levels.split(",")]
     except ValueError:

@@ -26,9 +26,20 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import diagnose, pairing, pyspy, servers
+from bench import (
+    checks,
+    diagnose,
+    hostinfo,
+    options,
+    pairing,
+    pyspy,
+    ramp,
+    servers,
+    throughput,
+    window,
+    workload,
+)
 from bench import report as bench_report
-from bench import throughput as bench
 from bench.__main__ import build_parser
 from smoke import client, models
 from smoke.checks import check_log_clean
@@ -38,11 +49,11 @@ from smoke.server import Server, ServerConfig, SmokeError, group_running
 RESULT = REPO / "tests" / "data" / "bench_result_format.json"
 
 
-def bench_options(*flags: str) -> bench.BenchOptions:
+def bench_options(*flags: str) -> options.BenchOptions:
     """`bench run`'s options parsed from these flags (after --models)."""
     ap = argparse.ArgumentParser()
-    bench.add_arguments(ap)
-    return bench.options(ap.parse_args(["--models", "m", *flags]))
+    options.add_arguments(ap)
+    return options.options(ap.parse_args(["--models", "m", *flags]))
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -171,20 +182,20 @@ def test_failures_and_configs_not_run_are_in_the_table(tmp_path):
 
 # ----------------------------------------------------------------------------- the load
 def test_window_workload_and_ramp_schedule():
-    assert bench.workload(3000, 8, 256, 0, 5) == bench.workload(3000, 8, 256, 0, 5)  # the same for every server
-    assert bench.workload(3000, 8, 256, 0, 5) != bench.workload(3000, 8, 256, 1, 5)  # another block, other prompts
-    assert bench.workload(3000, 8, 256, 0, 9)[:5] == bench.workload(3000, 8, 256, 0, 5)  # one stream, cut anywhere
-    assert all(32 <= len(p.input_ids) <= bench.MAX_PROMPT_LEN for p in bench.workload(3000, 8, 256, 0, 50))
-    assert bench.ramp_prompt(3000, 64, "ramp-3-1") == bench.ramp_prompt(3000, 64, "ramp-3-1")
-    assert bench.ramp_levels((1, 4, 16), 2) == [1, 4, 16, 4, 1, 4, 16, 4, 1]
-    assert bench.ramp_levels((1, 4, 16), 0) == []
+    assert workload.workload(3000, 8, 256, 0, 5) == workload.workload(3000, 8, 256, 0, 5)  # the same for every server
+    assert workload.workload(3000, 8, 256, 0, 5) != workload.workload(3000, 8, 256, 1, 5)  # another block, other prompts
+    assert workload.workload(3000, 8, 256, 0, 9)[:5] == workload.workload(3000, 8, 256, 0, 5)  # one stream, cut anywhere
+    assert all(32 <= len(p.input_ids) <= workload.MAX_PROMPT_LEN for p in workload.workload(3000, 8, 256, 0, 50))
+    assert workload.ramp_prompt(3000, 64, "ramp-3-1") == workload.ramp_prompt(3000, 64, "ramp-3-1")
+    assert ramp.ramp_levels((1, 4, 16), 2) == [1, 4, 16, 4, 1, 4, 16, 4, 1]
+    assert ramp.ramp_levels((1, 4, 16), 0) == []
 
 
 def test_tokens_are_counted_in_the_window_only():
     # 100 tokens over 0-2 s, 50 over 1-3 s, 30 over 2.5-5 s; the window 1-3 s
     spans = [(0.0, 2.0, 100), (1.0, 3.0, 50), (2.5, 5.0, 30)]
-    assert bench.tokens_between(spans, 1.0, 3.0) == pytest.approx(50 + 50 + 6)
-    assert bench.tokens_between([(1.0, 1.0, 9)], 0.0, 2.0) == 0  # no lifetime: nothing to spread
+    assert window.tokens_between(spans, 1.0, 3.0) == pytest.approx(50 + 50 + 6)
+    assert window.tokens_between([(1.0, 1.0, 9)], 0.0, 2.0) == 0  # no lifetime: nothing to spread
 
 
 def test_decode_steps_come_from_the_servers_own_counter():
@@ -193,8 +204,8 @@ def test_decode_steps_come_from_the_servers_own_counter():
             f'sglang:cuda_graph_passes_total{{model_name="t",mode="decode_cuda_graph"}} {graph}\n'
             f'sglang:cuda_graph_passes_total{{model_name="t",mode="decode_none"}} {eager}\n'
             f'sglang:cuda_graph_passes_total{{model_name="t",mode="prefill_none"}} {prefill}\n')
-    assert bench.decode_steps(scrape(10, 2, 5), scrape(110, 3, 50)) == 101  # prefill passes are no decode step
-    assert bench.decode_steps({}, {"sglang:num_running_reqs": 3.0}) is None  # metrics without the counter
+    assert window.decode_steps(scrape(10, 2, 5), scrape(110, 3, 50)) == 101  # prefill passes are no decode step
+    assert window.decode_steps({}, {"sglang:num_running_reqs": 3.0}) is None  # metrics without the counter
 
 
 class FakeGenerate:
@@ -231,9 +242,9 @@ def test_a_window_counts_its_seconds_then_aborts_what_is_in_flight(monkeypatch):
     """The real measure() against a fake generate: clients in a closed loop; the tokens of the
     counted seconds only; at the end every request in flight is aborted and kept as a prefix."""
     fake = FakeGenerate(monkeypatch, per_token=0.005)
-    prompt_at = functools.partial(bench.window_prompt, 3000, 2, 40, 100)  # 40 tokens: 0.2 s a request
+    prompt_at = functools.partial(workload.window_prompt, 3000, 2, 40, 100)  # 40 tokens: 0.2 s a request
     t0 = time.time()
-    m = bench.measure("b", prompt_at, 2, 0.3, 1.0, 10, time.time() + 60)
+    m = window.measure("b", prompt_at, 2, 0.3, 1.0, 10, time.time() + 60)
     assert not m["cut"] and m["seconds"] == pytest.approx(1.0, abs=0.1)
     assert time.time() - t0 < 1.3 + 0.2 + 0.5  # the aborted requests did not run to their end
     assert fake.aborted_at is not None and m["abort_all"]
@@ -242,66 +253,66 @@ def test_a_window_counts_its_seconds_then_aborts_what_is_in_flight(monkeypatch):
     # two clients, a token each 5 ms: about 400 tokens/s (sleeps only run longer on a busy host)
     assert 150 < m["tok_per_s"] <= 410 and m["accept_length"] == 2.0 and m["errors"] == 0
     assert len({r.rsplit("-", 1)[0] for r in fake.rids}) == 1  # named, so that they could be aborted one by one
-    assert bench.measure("b", prompt_at, 2, 5.0, 4, 10, time.time() + 3)["cut"]  # past the deadline: not started
+    assert window.measure("b", prompt_at, 2, 5.0, 4, 10, time.time() + 3)["cut"]  # past the deadline: not started
 
 
 def test_a_failed_request_is_an_error_not_an_abort(monkeypatch):
     FakeGenerate(monkeypatch, per_token=0.001, fail="c1-2")
-    m = bench.measure("b", lambda i: bench.window_prompt(3000, 1, 8, 100, i), 1, 0.0, 0.5, 10, time.time() + 60)
+    m = window.measure("b", lambda i: workload.window_prompt(3000, 1, 8, 100, i), 1, 0.0, 0.5, 10, time.time() + 60)
     assert m["errors"] == 1 and m["first_error"] == "HTTP 500" and "c1-2" not in m["outputs"]
 
 
 def test_outputs_and_aborted_prefixes_are_compared_with_plain_decoding():
     outs = {"plain": {"a": [1, 2], "b": [2, 3]}, "eagle3": {"a": [1, 2], "b": [9, 3]}}
     prefixes = {"plain": {"c": [5]}, "eagle3": {"c": [5], "b": [2]}, "plain_twin": {"a": [7]}}
-    assert bench.compared_outputs(outs, prefixes, "block 1 c=4") == [
+    assert checks.compared_outputs(outs, prefixes, "block 1 c=4") == [
         "block 1 c=4 eagle3: 1 output(s) differ from plain (e.g. b)",
         "block 1 c=4 plain_twin: 1 aborted output(s) not a prefix of plain's (e.g. a)"]
 
 
 # ----------------------------------------------------------------------------- servers
 def test_configs_map_to_server_flags(tmp_path):
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16, 64), concurrency=(1, 256),
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16, 64), concurrency=(1, 256),
                               configs=("plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto"),
                               server_args=("--gc-threshold", "50000"), mem_share=0.8, max_total_tokens=1000)
-    names = bench.server_names(opts)
+    names = options.server_names(opts)
     assert names == ["plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr16", "eagle3_thr64", "eagle3_auto"]
-    argv = {name: bench.server_config(name, opts).argv(30000) for name in names}
+    argv = {name: throughput.server_config(name, opts).argv(30000) for name in names}
     assert "--speculative-algorithm" not in argv["plain"] and argv["plain_twin"] == argv["plain"]  # A/A: identical
     assert all("--speculative-adaptive" not in a for n, a in argv.items() if n != "eagle3_adaptive")
     ad = argv["eagle3_adaptive"]
     assert ad[ad.index("--speculative-adaptive-config") + 1] == str(tmp_path / "adaptive_config.json")
     # upstream's default tiers, without the 7-step one that crashed at start on an H200
-    assert max(max(e["candidate_steps"]) for e in bench.ADAPTIVE_CONFIG.values()) == 3
-    assert bench.ADAPTIVE_CONFIG["64"]["candidate_steps"] == [0]
+    assert max(max(e["candidate_steps"]) for e in throughput.ADAPTIVE_CONFIG.values()) == 3
+    assert throughput.ADAPTIVE_CONFIG["64"]["candidate_steps"] == [0]
     for name, a in argv.items():
         # every server the same fixed pool: they start side by side
         assert a[a.index("--mem-fraction-static") + 1] == "0.8" and a[a.index("--max-total-tokens") + 1] == "1000"
         assert a[a.index("--cuda-graph-max-bs") + 1] == "256" and "--sleep-on-idle" in a
         assert a[-2:] == ["--gc-threshold", "50000"], name  # the user's flags last
-        assert (bench.THRESHOLD_FLAG in a) == bench.config_records(opts)[name].switches
-    flag = {name: a[a.index(bench.THRESHOLD_FLAG) + 1] for name, a in argv.items() if bench.THRESHOLD_FLAG in a}
+        assert (throughput.THRESHOLD_FLAG in a) == options.config_records(opts)[name].switches
+    flag = {name: a[a.index(throughput.THRESHOLD_FLAG) + 1] for name, a in argv.items() if throughput.THRESHOLD_FLAG in a}
     assert flag == {"eagle3_thr16": "16", "eagle3_thr64": "64", "eagle3_auto": "auto"}
-    sized = bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 256)))
+    sized = throughput.server_config("plain", options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 256)))
     assert sized.argv(1)[sized.argv(1).index("--max-total-tokens") + 1] == str(int(1.1 * 256 * (64 + 320)))
-    assert bench.server_config("plain", opts).env == {}
-    assert bench.server_config("plain", bench.BenchOptions(models=tmp_path, out=tmp_path, diagnose=True)).env \
+    assert throughput.server_config("plain", opts).env == {}
+    assert throughput.server_config("plain", options.BenchOptions(models=tmp_path, out=tmp_path, diagnose=True)).env \
         == diagnose.SERVER_ENV
     # auto traces its steps into the bench's folder (the logs a GPU run brings back)
-    assert bench.server_config("eagle3_auto", opts).env == {
+    assert throughput.server_config("eagle3_auto", opts).env == {
         "SGLANG_IMAGE_AUTO_TRACE": str(tmp_path.resolve() / "eagle3_auto_steps.jsonl")}
-    assert all(bench.server_config(n, opts).env == {} for n in names if n != "eagle3_auto")
+    assert all(throughput.server_config(n, opts).env == {} for n in names if n != "eagle3_auto")
 
 
 def test_a_depth_sweep_is_one_always_on_eagle3_server_per_draft_depth(tmp_path):
     # eagle3_depth d: drafts d steps and verifies d + 1 tokens a request (top-k 1, a chain);
     # eagle3 is the launch depth, 3. The record, not the name, says what a server is.
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), depths=(1, 2),
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), depths=(1, 2),
                               configs=("plain", "eagle3", "eagle3_depth"))
-    assert bench.server_names(opts) == ["plain", "eagle3", "eagle3_depth1", "eagle3_depth2"]
+    assert options.server_names(opts) == ["plain", "eagle3", "eagle3_depth1", "eagle3_depth2"]
 
     def spec(name: str) -> tuple[str | None, ...]:
-        a = bench.server_config(name, opts).argv(30000)
+        a = throughput.server_config(name, opts).argv(30000)
         return tuple(a[a.index(f) + 1] if f in a else None for f in (
             "--speculative-num-steps", "--speculative-num-draft-tokens", "--speculative-eagle-topk",
             "--speculative-draft-model-path"))
@@ -311,7 +322,7 @@ def test_a_depth_sweep_is_one_always_on_eagle3_server_per_draft_depth(tmp_path):
     assert spec("eagle3") == ("3", "4", "1", draft)
     assert spec("eagle3_depth1") == ("1", "2", "1", draft)
     assert spec("eagle3_depth2") == ("2", "3", "1", draft)
-    records = bench.config_records(opts)
+    records = options.config_records(opts)
     assert [(r.kind, r.steps, r.switches) for r in records.values()] == [
         ("plain", 0, False), ("fixed", 3, False), ("fixed", 1, False), ("fixed", 2, False)]
     assert bench_options("--configs", "plain,eagle3_depth", "--depth", "2,1").depths == (1, 2)
@@ -325,14 +336,14 @@ def test_a_schedule_sweep_is_one_server_per_draft_depth_schedule(tmp_path):
     # (';' between them), each checked by the plugin's own parser before any server starts.
     opts = bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-:0; 1-8:3,9-16:3,17-64:1,65-:0")
     assert opts.schedules == ("1-16:3,17-:0", "1-16:3,17-64:1,65-:0")  # tiers of one depth merged
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), schedules=opts.schedules,
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), schedules=opts.schedules,
                               configs=opts.configs)
-    assert bench.server_names(opts) == ["plain", "eagle3_sched1", "eagle3_sched2"]
-    a = bench.server_config("eagle3_sched2", opts).argv(30000)
+    assert options.server_names(opts) == ["plain", "eagle3_sched1", "eagle3_sched2"]
+    a = throughput.server_config("eagle3_sched2", opts).argv(30000)
     assert a[a.index("--speculative-depth-schedule") + 1] == "1-16:3,17-64:1,65-:0"
-    assert a[a.index("--speculative-num-steps") + 1] == "3" and bench.THRESHOLD_FLAG not in a
-    assert bench.config_records(opts)["eagle3_sched1"].switches
-    assert bench.config_records(opts)["eagle3_sched1"].label == "EAGLE-3 + schedule 1-16:3,17-:0"
+    assert a[a.index("--speculative-num-steps") + 1] == "3" and throughput.THRESHOLD_FLAG not in a
+    assert options.config_records(opts)["eagle3_sched1"].switches
+    assert options.config_records(opts)["eagle3_sched1"].label == "EAGLE-3 + schedule 1-16:3,17-:0"
     with pytest.raises(SystemExit, match="--schedule: the last tier must be open"):
         bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-32:0")
     with pytest.raises(SystemExit, match="--schedule .*distinct schedules"):
@@ -367,12 +378,12 @@ def test_the_report_labels_and_compares_each_depth_by_its_record():
 def test_switching_servers_can_start_with_the_servers_own_limits(tmp_path):
     # --switching-defaults: the threshold and auto servers start as the README's Serve command
     # does (no --max-running-requests, no decode graph size); the others keep the top concurrency.
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16,), concurrency=(1, 64),
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16,), concurrency=(1, 64),
                               configs=("plain", "eagle3", "eagle3_thr", "eagle3_auto"),
                               switching_defaults=True)
-    argv = {n: bench.server_config(n, opts).argv(30000) for n in bench.server_names(opts)}
+    argv = {n: throughput.server_config(n, opts).argv(30000) for n in options.server_names(opts)}
     for name, a in argv.items():
-        given = not bench.config_records(opts)[name].switches
+        given = not options.config_records(opts)[name].switches
         assert ("--max-running-requests" in a) == given and ("--cuda-graph-max-bs-decode" in a
                                                              or "--cuda-graph-max-bs" in a) == given
         if given:
@@ -395,27 +406,27 @@ def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_
     # error (it used to be dropped with the log check's exception) or its limit is too low.
     log = tmp_path / "server_bench_eagle3_thr16.2.log"
     log.write_text("Traceback (most recent call last)\nRuntimeError: boom\n")
-    monkeypatch.setattr(bench, "kv_used_after_flush", lambda base: 12)
-    monkeypatch.setattr(bench, "running_limit", lambda base: 48)
-    monkeypatch.setattr(bench, "speculation_state", lambda base: {"threshold": 16})
-    info, problems = bench.server_checks("eagle3_thr16", ChecksServer(log), 256, True)
+    monkeypatch.setattr(checks, "kv_used_after_flush", lambda base: 12)
+    monkeypatch.setattr(checks, "running_limit", lambda base: 48)
+    monkeypatch.setattr(checks, "speculation_state", lambda base: {"threshold": 16})
+    info, problems = checks.server_checks("eagle3_thr16", ChecksServer(log), 256, True)
     assert info == {"kv_used_after_flush": 12, "running_limit": 48,
                     "speculative_disable": {"threshold": 16}}
     assert problems[0] == "eagle3_thr16: 12 KV tokens still in use after the load and a cache flush"
     assert problems[1] == "eagle3_thr16: runs at most 48 requests at once, below the top concurrency 256"
     assert problems[2].startswith("eagle3_thr16: server log shows an error") and log.name in problems[2]
     log.write_text("all fine\n")
-    monkeypatch.setattr(bench, "kv_used_after_flush", lambda base: 0)
-    monkeypatch.setattr(bench, "running_limit", lambda base: 256)
-    assert bench.server_checks("eagle3_thr16", ChecksServer(log), 256, True)[1] == []
+    monkeypatch.setattr(checks, "kv_used_after_flush", lambda base: 0)
+    monkeypatch.setattr(checks, "running_limit", lambda base: 256)
+    assert checks.server_checks("eagle3_thr16", ChecksServer(log), 256, True)[1] == []
     # auto's step trace, where its server wrote one, is read back into the report
     trace = tmp_path / "eagle3_auto_steps.jsonl"
     env = {"SGLANG_IMAGE_AUTO_TRACE": str(trace)}
-    assert "step_trace" not in bench.server_checks("eagle3_auto", ChecksServer(log, env), 256, True)[0]
+    assert "step_trace" not in checks.server_checks("eagle3_auto", ChecksServer(log, env), 256, True)[0]
     trace.write_text("".join(json.dumps({"t": 0.0, "kind": k, "batch": 8, "seconds": 0.01, "tokens": n,
                                          "recorded": True, "prefills": 0}) + "\n"
                              for k, n in (("plain", 8), ("speculative", 24)) for _ in range(4)))
-    info, problems = bench.server_checks("eagle3_auto", ChecksServer(log, env), 256, True)
+    info, problems = checks.server_checks("eagle3_auto", ChecksServer(log, env), 256, True)
     assert problems == [] and [r["kind"] for r in info["step_trace"]] == ["plain", "speculative"]
     md = bench_report.markdown({"configs": ["eagle3_auto"], "servers": {"eagle3_auto": info}})
     assert "- EAGLE-3 + auto steps: 5-8 speculative / plain: 3.000x by the medians, 3.000x by the sums" in md
@@ -423,15 +434,15 @@ def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_
 
 def test_auto_runs_only_where_the_plugin_is_installed(tmp_path, monkeypatch):
     """Read from real package metadata: a dist-info listing auto_threshold.py says `auto` is there."""
-    assert bench.auto_supported() is False  # the test environment has no plugin installed
+    assert throughput.auto_supported() is False  # the test environment has no plugin installed
     info = tmp_path / "sglang_image_plugin-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-image-plugin\nVersion: 0.1\n")
     (info / "RECORD").write_text("sglang_image_plugin/__init__.py,,\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert bench.auto_supported() is False  # a plugin without the auto threshold
+    assert throughput.auto_supported() is False  # a plugin without the auto threshold
     (info / "RECORD").write_text("sglang_image_plugin/__init__.py,,\nsglang_image_plugin/auto_threshold.py,,\n")
-    assert bench.auto_supported() is True
+    assert throughput.auto_supported() is True
 
 
 HEALTHY_AFTER = textwrap.dedent("""
@@ -595,7 +606,7 @@ class FakeLab:
         self.stopped: list[str] = []
         self.windows: list[tuple[str, int, str]] = []  # (server, concurrency, first prompt key)
         self.ramps: list[str] = []
-        self.opts: bench.BenchOptions | None = None
+        self.opts: options.BenchOptions | None = None
         self.deadline = Deadline(0.0)  # the one the bench's options hold
         self.tmp_path = tmp_path
         (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
@@ -653,24 +664,24 @@ class FakeLab:
                     self.stop(name)
 
         monkeypatch.setattr(servers, "ServerPool", Pool)
-        config = bench.server_config
+        config = throughput.server_config
 
-        def server_config(name: str, opts: bench.BenchOptions) -> ServerConfig:
+        def server_config(name: str, opts: options.BenchOptions) -> ServerConfig:
             self.deadline = opts.deadline  # the deadline of options the bench made itself (the command line)
             return config(name, opts)
 
-        monkeypatch.setattr(bench, "server_config", server_config)
-        monkeypatch.setattr(bench, "kv_pool", lambda srv: 5000)
-        monkeypatch.setattr(bench, "warm_up", lambda base, opts: self.spend(10))
-        monkeypatch.setattr(bench, "flush_cache", lambda base: None)
-        monkeypatch.setattr(bench, "measure", self.measure)
-        monkeypatch.setattr(bench, "run_ramp", self.run_ramp)
-        monkeypatch.setattr(bench, "server_checks", lambda name, srv, top, switching: ({"kv_used_after_flush": 0}, []))
+        monkeypatch.setattr(throughput, "server_config", server_config)
+        monkeypatch.setattr(throughput, "kv_pool", lambda srv: 5000)
+        monkeypatch.setattr(throughput, "warm_up", lambda base, opts: self.spend(10))
+        monkeypatch.setattr(throughput, "flush_cache", lambda base: None)
+        monkeypatch.setattr(throughput, "measure", self.measure)
+        monkeypatch.setattr(throughput, "run_ramp", self.run_ramp)
+        monkeypatch.setattr(throughput, "server_checks", lambda name, srv, top, switching: ({"kv_used_after_flush": 0}, []))
 
-    def options(self, seconds: float, **kw: Any) -> bench.BenchOptions:
+    def options(self, seconds: float, **kw: Any) -> options.BenchOptions:
         kw = {"configs": ("plain", "eagle3"), "concurrency": (1, 4), "pairs": 2, "ramp_cycles": 1,
               "ramp_hold_s": 5.0, "window_s": 20.0, "settle_s": 1.0, "registry": self.tmp_path / "reg.json", **kw}
-        self.opts = bench.BenchOptions(models=self.tmp_path, out=self.tmp_path / "out",
+        self.opts = options.BenchOptions(models=self.tmp_path, out=self.tmp_path / "out",
                                        deadline=Deadline(time.time() + seconds), **kw)
         self.deadline = self.opts.deadline
         return self.opts
@@ -711,9 +722,9 @@ def lab(monkeypatch, tmp_path) -> FakeLab:
 
 def test_a_deadline_too_short_starts_no_server_and_says_so(tmp_path):
     (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
-    opts = bench.BenchOptions(models=tmp_path, out=tmp_path / "out", deadline=Deadline(0.0),
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path / "out", deadline=Deadline(0.0),
                               configs=("plain", "eagle3", "eagle3_auto"))
-    result = bench.run_bench(opts, {})
+    result = throughput.run_bench(opts, {})
     assert result["skipped"][0] == "concurrency 1: 6 of 6 blocks"
     assert "no server started" in result["skipped"][-1]
     assert result["configs"] == ["plain", "eagle3"] and "eagle3_auto" in result["not_run"]
@@ -726,15 +737,15 @@ def test_servers_warm_up_one_after_the_other(lab, monkeypatch):
     active: list[str] = []
     seen: list[tuple[str, int]] = []
 
-    def warm_up(base: str, opts: bench.BenchOptions) -> None:
+    def warm_up(base: str, opts: options.BenchOptions) -> None:
         active.append(base)
         seen.append((base.removeprefix("http://"), len(active)))
         time.sleep(0.02)  # long enough for a second thread to enter, were there one
         lab.spend(10)
         active.remove(base)
 
-    monkeypatch.setattr(bench, "warm_up", warm_up)
-    bench.run_bench(lab.options(400, configs=("plain", "eagle3", "plain_twin")), {})
+    monkeypatch.setattr(throughput, "warm_up", warm_up)
+    throughput.run_bench(lab.options(400, configs=("plain", "eagle3", "plain_twin")), {})
     assert seen == [("plain", 1), ("eagle3", 1), ("plain_twin", 1)]
 
 
@@ -748,7 +759,7 @@ def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
     state: dict[str, Any] = {}
     saved: list[list[str]] = []
     # plan: 180 s to start, 2 x 23 s a block, 44 s kept = 270 s; spent: 60 + 20 s to start, 42 s a block
-    first = bench.run_bench(lab.options(290, ramp_hold_s=10.0), state, lambda r: saved.append(list(r["skipped"])))
+    first = throughput.run_bench(lab.options(290, ramp_hold_s=10.0), state, lambda r: saved.append(list(r["skipped"])))
     assert lab.launched == ["plain", "eagle3"] and lab.warm == {"plain", "eagle3"} and not lab.stopped
     assert lab.windows == [("plain", 1, "c1-0"), ("eagle3", 1, "c1-0"), ("eagle3", 1, "c1-0"), ("plain", 1, "c1-0"),
                            ("plain", 4, "c4-0"), ("eagle3", 4, "c4-0")]
@@ -759,7 +770,7 @@ def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
 
     lab.launched.clear(), lab.windows.clear()
     # plan: the start as measured (60 s), a block 46 s, a ramp 3 x 10 + 30 s, 44 s kept
-    second = bench.run_bench(lab.options(160, ramp_hold_s=10.0), state)
+    second = throughput.run_bench(lab.options(160, ramp_hold_s=10.0), state)
     assert lab.launched == [] and lab.ramps == ["plain"]  # the servers of the first call, warm: no start
     assert lab.windows == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")]
     assert lab.measured(second) == [(n, c, k) for n in ("eagle3", "plain") for c in (1, 4) for k in (1, 2)]
@@ -767,7 +778,7 @@ def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
     assert any("plain: the server started earlier" in e for e in second["server_events"])
     assert bench_report.level_table(second)["1"]["eagle3"]["vs_plain"]["median"] == 1.2
 
-    third = bench.run_bench(lab.options(600, ramp_hold_s=10.0), state)
+    third = throughput.run_bench(lab.options(600, ramp_hold_s=10.0), state)
     assert lab.launched == [] and lab.ramps == ["plain", "eagle3"]
     assert not third["skipped"] and not third["failures"] and state["result"] is third
     assert sorted(lab.stopped) == ["eagle3", "plain"] and not lab.running  # complete: checked and stopped
@@ -775,7 +786,7 @@ def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
     assert "every output equal to plain decoding's" in third["table"] and "remaining" not in third["table"]
     assert set(third["servers"]) == {"plain", "eagle3"}
 
-    assert bench.run_bench(lab.options(600), state)["blocks"] == third["blocks"] and not lab.running
+    assert throughput.run_bench(lab.options(600), state)["blocks"] == third["blocks"] and not lab.running
 
 
 @pytest.mark.parametrize("seconds", range(10, 700, 30))
@@ -783,7 +794,7 @@ def test_a_call_finishes_whole_units_within_its_deadline(lab, seconds):
     """Whatever the time a call has: it ends within it; every block it keeps was measured on every
     server and none is measured and thrown away; no server is started without a block measured on
     it; the report lists exactly what is left."""
-    result = bench.run_bench(lab.options(seconds, pairs=1, concurrency=(1, 4, 16)), {})
+    result = throughput.run_bench(lab.options(seconds, pairs=1, concurrency=(1, 4, 16)), {})
     assert lab.opts is not None and lab.opts.deadline.left() > 0
     kept = lab.measured(result)
     assert len(lab.windows) == len(kept) and {(n, c) for n, c, _ in kept} == {(n, c) for n, c, _ in lab.windows}
@@ -798,13 +809,13 @@ def test_a_call_finishes_whole_units_within_its_deadline(lab, seconds):
 
 
 def test_without_a_registry_the_servers_stop_with_the_call(lab):
-    result = bench.run_bench(lab.options(300, registry=None), {})
+    result = throughput.run_bench(lab.options(300, registry=None), {})
     assert result["skipped"] and sorted(lab.stopped) == ["eagle3", "plain"] and not lab.running
 
 
 def test_launch_only_starts_the_servers_and_measures_nothing(lab):
     state: dict[str, Any] = {}
-    result = bench.run_bench(lab.options(300, launch_only=True), state)
+    result = throughput.run_bench(lab.options(300, launch_only=True), state)
     assert lab.launched == ["plain", "eagle3"] and not lab.windows and not lab.warm and not lab.stopped
     assert "result" not in state and any("--launch-only" in s for s in result["skipped"])
 
@@ -933,11 +944,11 @@ def test_a_whole_run_on_real_processes_over_two_calls(tmp_path, monkeypatch):
     """run_bench end to end with server processes that answer as sglang does (no GPU), in two calls
     as e2e makes them: the first call's servers are found alive by the second, which finishes the
     blocks, the ramps and the checks and then stops them; outputs compared, KV pool checked."""
-    monkeypatch.setattr(bench, "server_config", lambda name, opts: FakeSglang(name, tmp_path))
+    monkeypatch.setattr(throughput, "server_config", lambda name, opts: FakeSglang(name, tmp_path))
     (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
 
-    def opts(seconds: float) -> bench.BenchOptions:
-        return bench.BenchOptions(models=tmp_path, out=tmp_path / "out", configs=("plain", "plain_twin", "eagle3_thr"),
+    def opts(seconds: float) -> options.BenchOptions:
+        return options.BenchOptions(models=tmp_path, out=tmp_path / "out", configs=("plain", "plain_twin", "eagle3_thr"),
                                   concurrency=(1, 4), pairs=2, window_s=0.4, settle_s=0.1, ramp_cycles=1,
                                   ramp_hold_s=0.3, output_len=32, port=free_port_base(), cpus_per_server=0,
                                   registry=tmp_path / "reg.json", deadline=Deadline(time.time() + seconds))
@@ -948,13 +959,13 @@ def test_a_whole_run_on_real_processes_over_two_calls(tmp_path, monkeypatch):
     def deadline_comes(_: dict[str, Any]) -> None:  # after the first block: only the time to end the call
         first_opts.deadline.at = time.time() + 60
 
-    first = bench.run_bench(first_opts, state, deadline_comes)
+    first = throughput.run_bench(first_opts, state, deadline_comes)
     assert state["blocks_done"] == ["1:0"] and first["skipped"][0] == "concurrency 1: 1 of 2 blocks"
     recorded = json.loads((tmp_path / "reg.json").read_text())
     assert set(recorded) == {f"{tmp_path.name}/{n}" for n in ("plain", "plain_twin", "eagle3_thr16")}
     pgids = {e["pgid"] for e in recorded.values()}
     assert all(group_running(p) for p in pgids)  # they outlive the call
-    result = bench.run_bench(opts(900), json.loads(json.dumps(state)))
+    result = throughput.run_bench(opts(900), json.loads(json.dumps(state)))
     assert not result["failures"] and not result["skipped"]
     assert sum("is alive: reused" in e for e in result["server_events"]) == 3
     assert not any(group_running(p) for p in pgids) and json.loads((tmp_path / "reg.json").read_text()) == {}
@@ -1005,7 +1016,7 @@ def test_a_server_that_fails_to_start_ends_the_run_with_its_log(lab, monkeypatch
 
     monkeypatch.setattr(servers.ServerPool, "ensure", ensure)
     state: dict[str, Any] = {}
-    result = bench.run_bench(lab.options(600, registry=None), state)
+    result = throughput.run_bench(lab.options(600, registry=None), state)
     assert result["failures"][0].startswith("eagle3: server exited with code 1")
     assert "CUDA out of memory" in result["failures"][0]
     assert not result["skipped"] and result["not_measured"][0] == "concurrency 1: 2 of 2 blocks"
@@ -1024,11 +1035,11 @@ def test_a_failed_start_fails_its_call_and_the_next_call_starts_the_server_again
 
     monkeypatch.setattr(servers.ServerPool, "ensure", failing)
     state: dict[str, Any] = {}
-    first = bench.run_bench(lab.options(600), state)
+    first = throughput.run_bench(lab.options(600), state)
     assert first["failures"][0].startswith("eagle3: server exited") and "undefined symbol" in first["failures"][0]
     assert "result" not in state and first["skipped"][0] == "concurrency 1: 2 of 2 blocks"
     monkeypatch.setattr(servers.ServerPool, "ensure", ensure)
-    second = bench.run_bench(lab.options(600), state)
+    second = throughput.run_bench(lab.options(600), state)
     assert not second["failures"] and not second["skipped"] and state["result"] is second
     assert len(lab.measured(second)) == 8  # 2 servers, 2 concurrencies, 2 blocks
     assert "eagle3: server exited" not in second["table"]
@@ -1051,30 +1062,30 @@ def test_an_e2e_bench_that_failed_runs_again_on_the_next_call(lab, tmp_path, mon
         drv.deadline.at = time.time() + 600
         return drv
 
-    monkeypatch.setattr(bench, "server_checks",
+    monkeypatch.setattr(throughput, "server_checks",
                         lambda name, srv, top, switching: ({"kv_used_after_flush": 7}, [f"{name}: 7 KV tokens in use"]))
     assert driver().run() == 1 and len(lab.windows) == 2
-    monkeypatch.setattr(bench, "server_checks", lambda name, srv, top, switching: ({"kv_used_after_flush": 0}, []))
+    monkeypatch.setattr(throughput, "server_checks", lambda name, srv, top, switching: ({"kv_used_after_flush": 0}, []))
     assert driver().run() == 0 and len(lab.windows) == 4
     assert "measured anew" in (tmp_path / "out" / "e2e.log").read_text()
 
 
 def test_state_file_of_other_options_is_refused(tmp_path):
     opts = bench_options("--pairs", "2")
-    state, save = bench.load_state(tmp_path / "s.json", opts)
+    state, save = options.load_state(tmp_path / "s.json", opts)
     state["blocks_done"] = ["1:0"]
     save({})
-    assert bench.load_state(tmp_path / "s.json", bench_options("--pairs", "2"))[0]["blocks_done"] == ["1:0"]
+    assert options.load_state(tmp_path / "s.json", bench_options("--pairs", "2"))[0]["blocks_done"] == ["1:0"]
     # where the servers run and whether this call only launches them: the same measurement
-    assert bench.load_state(tmp_path / "s.json", bench_options("--pairs", "2", "--port", "31000"))[0]
+    assert options.load_state(tmp_path / "s.json", bench_options("--pairs", "2", "--port", "31000"))[0]
     with pytest.raises(SystemExit, match="--state .*other options"):
-        bench.load_state(tmp_path / "s.json", bench_options("--pairs", "3"))
+        options.load_state(tmp_path / "s.json", bench_options("--pairs", "3"))
 
 
 # ----------------------------------------------------------------------------- arguments
 def test_options_and_refused_values():
     o = bench_options()
-    assert o.concurrency == (1, 4, 16, 64, 256) and o.configs == bench.DEFAULT_CONFIGS == ("plain", "eagle3", "eagle3_thr")
+    assert o.concurrency == (1, 4, 16, 64, 256) and o.configs == options.DEFAULT_CONFIGS == ("plain", "eagle3", "eagle3_thr")
     assert o.pairs == 6 and o.window_s == 3.0 and o.settle_s == 1.0 and o.out == Path("docs/bench")
     assert o.registry is None and o.cpus_per_server == 0  # pinning is asked for, not the default
     o = bench_options("--concurrency", "256,1,8", "--configs", "plain,plain_twin,eagle3_auto",
@@ -1098,13 +1109,13 @@ def test_options_and_refused_values():
         with pytest.raises(SystemExit, match=word):
             bench_options(*flags)
     ap = argparse.ArgumentParser()
-    bench.add_arguments(ap)
+    options.add_arguments(ap)
     with pytest.raises(SystemExit, match="--models"):
-        bench.options(ap.parse_args([]))
+        options.options(ap.parse_args([]))
     e2e = build_parser().parse_args(["e2e", "--bench-pairs", "5", "--bench-configs", "plain,eagle3_thr"])
-    assert bench.tuning_options(e2e, "bench-")["pairs"] == 5
+    assert options.tuning_options(e2e, "bench-")["pairs"] == 5
     with pytest.raises(SystemExit, match="--bench-pairs"):
-        bench.tuning_options(build_parser().parse_args(["e2e", "--bench-pairs", "-2"]), "bench-")
+        options.tuning_options(build_parser().parse_args(["e2e", "--bench-pairs", "-2"]), "bench-")
     assert bench_options("--pairs", "0", "--ramp-cycles", "1").pairs == 0  # the ramp alone
 
 
@@ -1186,7 +1197,7 @@ def test_render_flag_draws_a_saved_result_without_servers(tmp_path):
 
 def test_ramp_windows_spread_each_request_over_its_lifetime():
     # request 1: 100 tokens over 1-3 s; request 2: 50 tokens over 2.5-3.5 s; 2 s windows
-    windows = bench.ramp_windows([1, 2], 2.0, [(1.0, 3.0, 100), (2.5, 3.5, 50)],
+    windows = ramp.ramp_windows([1, 2], 2.0, [(1.0, 3.0, 100), (2.5, 3.5, 50)],
                                  [(0.5, "speculative", None), (1.0, "plain", 32), (2.5, "plain", 16)])
     assert [w["tok_per_s"] for w in windows] == [25.0, 50.0]  # 50 / 2 s; (50 + 50) / 2 s
     assert [w["plain_share"] for w in windows] == [0.5, 1.0] and [w["crossover"] for w in windows] == [32, 16]
@@ -1202,12 +1213,12 @@ def test_a_server_still_starting_at_the_deadline_is_left_for_the_next_call(pool_
 
 
 def test_what_the_host_did_during_a_window_is_kept(monkeypatch):
-    before = bench.hostinfo.sample()
+    before = hostinfo.sample()
     end = time.time() + 0.3
     while time.time() < end:  # some CPU time to account
         pass
-    monkeypatch.setattr(bench.hostinfo.shutil, "which", lambda exe: None)  # no GPU here
-    got = bench.hostinfo.during(before, bench.hostinfo.sample())
+    monkeypatch.setattr(hostinfo.shutil, "which", lambda exe: None)  # no GPU here
+    got = hostinfo.during(before, hostinfo.sample())
     assert 0 <= got["steal_share"] <= 1 and 0 < got["busy_share"] <= 1 and "gpu_sm_mhz" not in got
     result = json.loads(RESULT.read_text())
     result["blocks"]["1"][0]["windows"]["plain"]["host"] = {"steal_share": 0.02, "gpu_sm_mhz": 1980.0}
@@ -1366,23 +1377,23 @@ def test_output_lengths_vary_alike_on_every_server_around_the_mean():
     # One length for all made a window's requests end in step on a server that keeps them in step
     # (plain steps) and apart on one that does not (speculation): the second then prefilled their
     # successors in 39 small batches a window against 10 (GPU, 8B shape, 64 requests, 2026-12-04).
-    prompts = bench.workload(3072, 64, 256, 101, 400, spread=0.25)
+    prompts = workload.workload(3072, 64, 256, 101, 400, spread=0.25)
     lengths = [p.max_new_tokens for p in prompts]
     assert min(lengths) >= 192 and max(lengths) <= 320 and len(set(lengths)) > 50
     assert abs(statistics.fmean(lengths) - 256) < 8
-    assert prompts == bench.workload(3072, 64, 256, 101, 400, spread=0.25)  # every server gets the same
-    alike = bench.workload(3072, 64, 256, 101, 400)
+    assert prompts == workload.workload(3072, 64, 256, 101, 400, spread=0.25)  # every server gets the same
+    alike = workload.workload(3072, 64, 256, 101, 400)
     assert all(p.max_new_tokens == 256 for p in alike)
     assert [p.input_ids for p in alike] == [p.input_ids for p in prompts]  # the spread changes the lengths alone
-    opts = bench.BenchOptions(models=Path("m"), out=Path("o"), concurrency=(1, 256))
-    assert bench.pool_tokens(opts) == int(1.1 * 256 * (64 + 320))  # room for every request at its longest
+    opts = options.BenchOptions(models=Path("m"), out=Path("o"), concurrency=(1, 256))
+    assert workload.pool_tokens(opts) == int(1.1 * 256 * (64 + 320))  # room for every request at its longest
 
 
 def test_auto_learns_each_level_before_the_blocks(lab, monkeypatch):
     """What `auto` learns at a batch size it meets for the first time must not land in the first
     block: it runs every level's load once, with prompts no window sends, before any block."""
-    monkeypatch.setattr(bench, "auto_supported", lambda: True)
-    monkeypatch.setattr(bench, "mode_of", lambda base: ("plain", 32, 3))
+    monkeypatch.setattr(throughput, "auto_supported", lambda: True)
+    monkeypatch.setattr(throughput, "mode_of", lambda base: ("plain", 32, 3))
     windows: list[tuple[str, int, float, tuple[int, ...]]] = []
     measure = lab.measure
 
@@ -1390,8 +1401,8 @@ def test_auto_learns_each_level_before_the_blocks(lab, monkeypatch):
         windows.append((base.removeprefix("http://"), c, window_s, prompt_at(0).input_ids))
         return measure(base, prompt_at, c, settle_s, window_s, *args, **kw)
 
-    monkeypatch.setattr(bench, "measure", recording)
-    result = bench.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0,
+    monkeypatch.setattr(throughput, "measure", recording)
+    result = throughput.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0,
                                          auto_learn_s=3.0), {})
     assert [w[:3] for w in windows[:2]] == [("eagle3_auto", 1, 3.0), ("eagle3_auto", 4, 3.0)]
     assert all(w[2] == 20.0 for w in windows[2:]) and len(windows) == 2 + 2 * 2 * 2
@@ -1403,7 +1414,7 @@ def test_auto_learns_each_level_before_the_blocks(lab, monkeypatch):
     assert "3.00 s under each level's load before the blocks" in md and "crossover after each level: 1: 32, 4: 32" in md
     # 0: no learning (the first block learns, as a new server does)
     windows.clear()
-    bench.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0, auto_learn_s=0.0,
+    throughput.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0, auto_learn_s=0.0,
                                 registry=lab.tmp_path / "other.json"), {})
     assert all(w[2] == 20.0 for w in windows)
 
@@ -1445,14 +1456,14 @@ def test_the_scheduler_thread_is_found_by_its_title_and_its_time_read():
         assert 0.25 < delta["cpu_s"] <= 1.05 and delta["wait_s"] >= 0 and delta["yields"] >= 5
         idle = hostinfo.counters_delta(quiet, hostinfo.thread_counters(detokenizer.pid))
         assert idle["cpu_s"] < 0.1 and idle["yields"] >= 5  # it sleeps, waking 20 times a second
-        read = bench.host_counters(os.getpgid(scheduler.pid))  # the test's own group: it holds both
+        read = window.host_counters(os.getpgid(scheduler.pid))  # the test's own group: it holds both
         assert read is not None and {"server_cpu_s", "scheduler_cpu_s", "scheduler_wait_s"} <= set(read())
     finally:
         for proc in (scheduler, detokenizer):
             proc.kill()
             proc.wait()
     assert hostinfo.thread_counters(scheduler.pid) == {}  # gone: nothing, no error
-    assert bench.host_counters(None) is None
+    assert window.host_counters(None) is None
 
 
 def test_a_window_reads_the_server_s_counters_at_its_counted_span(monkeypatch):
@@ -1463,7 +1474,7 @@ def test_a_window_reads_the_server_s_counters_at_its_counted_span(monkeypatch):
         reads.append(time.time())
         return {"scheduler_cpu_s": 2.0 * len(reads), "server_cpu_s": 5.0}
 
-    m = bench.measure("b", lambda i: bench.window_prompt(3000, 1, 8, 100, i), 1, 0.2, 0.5, 10, time.time() + 60,
+    m = window.measure("b", lambda i: workload.window_prompt(3000, 1, 8, 100, i), 1, 0.2, 0.5, 10, time.time() + 60,
                       counters=counters)
     assert m["counters"] == {"scheduler_cpu_s": 2.0, "server_cpu_s": 0.0}
     lo, hi = m["span"]
@@ -1587,12 +1598,12 @@ def test_each_window_keeps_its_server_s_host_counters_and_the_cpus_speed(lab, mo
         after, hi = counters(), time.time()
         m = measure(base, prompt_at, c, settle_s, window_s, timeout, stop_at)
         return {**m, "steps": 100, "seconds": hi - lo, "span": [lo, hi],
-                "counters": bench.hostinfo.counters_delta(before, after)}
+                "counters": hostinfo.counters_delta(before, after)}
 
-    monkeypatch.setattr(bench, "measure", with_counters)
+    monkeypatch.setattr(throughput, "measure", with_counters)
     monkeypatch.setattr(FakeServer, "group", os.getpgid(0))
     try:
-        result = bench.run_bench(lab.options(600, concurrency=(4,), pairs=1, ramp_cycles=0), {})
+        result = throughput.run_bench(lab.options(600, concurrency=(4,), pairs=1, ramp_cycles=0), {})
     finally:
         scheduler.kill()
         scheduler.wait()

@@ -203,15 +203,15 @@ def test_argument_parsing(tmp_path):
     assert (a.size, a.draft, a.draft_accept, a.device) == ("1b", "chain", 0.7, "cuda")
     with pytest.raises(SystemExit):
         ap.parse_args(["models", str(tmp_path), "--size", "70b"])
-    from bench import throughput as bench
+    from bench import options as bench_options
 
     with pytest.raises(SystemExit):
         ap.parse_args(["bench", "--models", "m", "--out", "o"])  # the benchmark is not in the image's package
     ap = bench_parser()
-    b = bench.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--concurrency", "1,8,256"]))
-    assert b.concurrency == (1, 8, 256) and b.configs == bench.DEFAULT_CONFIGS
+    b = bench_options.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--concurrency", "1,8,256"]))
+    assert b.concurrency == (1, 8, 256) and b.configs == bench_options.DEFAULT_CONFIGS
     with pytest.raises(SystemExit):
-        bench.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--configs", "x"]))
+        bench_options.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--configs", "x"]))
     e = ap.parse_args(["e2e", "--bundle", ".gpu", "--phases", "smoke,bench", "--out", "o"])
     assert e.deadline == 560 and e.phases == "smoke,bench"
     from bench import e2e
