@@ -824,7 +824,7 @@ def test_e2e_keeps_each_unit_and_its_next_call_goes_on(lab, tmp_path):
     """The bench phase of `bench e2e` writes its state after every unit (a call killed at its limit
     keeps them), records its servers in the state dir, and its next call measures only what is
     left, on the same servers."""
-    from bench import e2e
+    from bench import call, e2e
 
     def driver(seconds: float, *extra: str) -> e2e.E2E:
         drv = e2e.E2E(build_parser().parse_args([
@@ -832,24 +832,24 @@ def test_e2e_keeps_each_unit_and_its_next_call_goes_on(lab, tmp_path):
             str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1,4",
             "--bench-pairs", "2", "--bench-ramp-cycles", "1", "--bench-ramp-hold", "5", "--bench-window-s", "40",
             *extra]))
-        drv.deadline.at = time.time() + seconds
-        lab.deadline = drv.deadline
+        drv.call.deadline.at = time.time() + seconds
+        lab.deadline = drv.call.deadline
         return drv
 
     models = tmp_path / "state" / "models" / "1b"
     models.mkdir(parents=True)
     (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
-    driver(300, "--bench-launch-only").phase_bench()  # the servers start; nothing measured or reported
-    assert lab.launched == ["plain", "eagle3"] and "bench_reports" not in driver(1).state
-    with pytest.raises(e2e.Deadline_):
-        driver(320).phase_bench()  # returns without saving: what is on disk came from the progress calls
+    driver(300, "--bench-launch-only").runs.bench()  # the servers start; nothing measured or reported
+    assert lab.launched == ["plain", "eagle3"] and "bench_reports" not in driver(1).call.state
+    with pytest.raises(call.Deadline_):
+        driver(320).runs.bench()  # returns without saving: what is on disk came from the progress calls
     assert lab.launched == ["plain", "eagle3"]  # the launched servers were used
     on_disk = json.loads((tmp_path / "state" / "state.json").read_text())
     run = next(iter(on_disk["bench_runs"].values()))
     assert run["blocks_done"] == ["1:0", "1:1", "4:0"]
     assert "concurrency 4: 1 of 2 blocks" in (tmp_path / "out" / "summary.txt").read_text()
     lab.windows.clear()
-    driver(600).phase_bench()
+    driver(600).runs.bench()
     assert sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")] and lab.ramps == ["plain", "eagle3"]
     assert not lab.running
 
@@ -869,7 +869,7 @@ def test_an_e2e_call_that_only_launches_does_not_count_the_bench_done(lab, tmp_p
             "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
             str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1",
             "--bench-pairs", "1", "--bench-window-s", "20", *extra]))
-        drv.deadline.at = time.time() + 600
+        drv.call.deadline.at = time.time() + 600
         return drv
 
     assert driver("--bench-launch-only").run() == 0 and lab.launched == ["plain", "eagle3"] and not lab.windows
@@ -1059,7 +1059,7 @@ def test_an_e2e_bench_that_failed_runs_again_on_the_next_call(lab, tmp_path, mon
             "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
             str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1",
             "--bench-pairs", "1", "--bench-window-s", "20"]))
-        drv.deadline.at = time.time() + 600
+        drv.call.deadline.at = time.time() + 600
         return drv
 
     monkeypatch.setattr(throughput, "server_checks",
