@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench import autotrace, comm, e2e, throughput
+from bench import autotrace, comm, e2e, options, throughput
 
 
 def _add_comm_arguments(ap: argparse.ArgumentParser) -> None:
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     for name, doc, add_arguments, run, help_ in (
-            ("run", throughput.__doc__, throughput.add_arguments, throughput.main,
+            ("run", throughput.__doc__, options.add_arguments, throughput.main,
              "throughput: plain / EAGLE-3 / EAGLE-3 + threshold, side by side"),
             ("e2e", e2e.__doc__, e2e.add_arguments, e2e.main,
              "the whole GPU-host run: install, patch, models, smoke, bench"),

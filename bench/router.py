@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.throughput import ramp_prompt
+from bench.workload import ramp_prompt
 from smoke import client
 from smoke.checks import spec_state
 from smoke.client import Prompt

@@ -132,7 +132,7 @@ def test_a_threshold_the_matrix_cannot_run_is_refused_before_any_work(tmp_path):
 
 
 def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monkeypatch):
-    from bench import e2e
+    from bench import e2e, run_phases
     from smoke import runner
 
     features = ["features", "--models", "m", "--out", "o"]
@@ -148,29 +148,29 @@ def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monk
         seen["smoke"] = opts
         return {"threshold": opts.threshold, "variants": {}, "failures": []}
 
-    monkeypatch.setattr(e2e.features_mod, "run_features", fake_features)
-    monkeypatch.setattr(e2e.runner, "run_smoke", fake_smoke)
+    monkeypatch.setattr(run_phases.features_mod, "run_features", fake_features)
+    monkeypatch.setattr(run_phases.runner, "run_smoke", fake_smoke)
     for flag, want in (([], False), (["--parallel-variants"], True)):
         drv = e2e.E2E(bench_parser().parse_args(["e2e", "--state", str(tmp_path / "state"), "--out",
                                                  str(tmp_path / "out"), "--phases", "smoke,features",
                                                  *flag]))
-        drv.phase_smoke()
-        drv.phase_features()
+        drv.runs.smoke()
+        drv.runs.features()
         assert seen["smoke"].parallel_variants is want and seen["features"].parallel_variants is want
         assert isinstance(seen["smoke"], runner.SmokeOptions)
         # the matrix's progress reaches e2e.log, and its state the disk as each case is done
         seen["features"].progress("features overlap: greedy ok")
         assert "features overlap: greedy ok" in (tmp_path / "out" / "e2e.log").read_text()
-        drv.state["features"]["marker"] = 1
+        drv.call.state["features"]["marker"] = 1
         seen["features"].save_state()
-        assert json.loads(drv.state_file.read_text())["features"]["marker"] == 1
+        assert json.loads(drv.call.state_file.read_text())["features"]["marker"] == 1
 
 
 def test_smoke_and_matrix_run_on_the_1b_models_with_graphs_to_256_when_asked(tmp_path, monkeypatch):
     """--smoke-size 1b and --feature-graph-bs 256: the smoke and the matrix on the bench's 1B
     models, the matrix's servers capturing decode graphs up to 256; the models phase builds the
     1B models for them (and the tiny ones only where a phase runs on them)."""
-    from bench import e2e
+    from bench import call, e2e, run_phases
 
     seen: dict = {}
 
@@ -180,8 +180,8 @@ def test_smoke_and_matrix_run_on_the_1b_models_with_graphs_to_256_when_asked(tmp
             return {"threshold": opts.threshold, "variants": {}, "failures": []}
         return run
 
-    monkeypatch.setattr(e2e.features_mod, "run_features", fake("features"))
-    monkeypatch.setattr(e2e.runner, "run_smoke", fake("smoke"))
+    monkeypatch.setattr(run_phases.features_mod, "run_features", fake("features"))
+    monkeypatch.setattr(run_phases.runner, "run_smoke", fake("smoke"))
     built: list[str] = []
 
     class Done:
@@ -193,25 +193,25 @@ def test_smoke_and_matrix_run_on_the_1b_models_with_graphs_to_256_when_asked(tmp
         (Path(cmd[cmd.index("models") + 1]) / "expected.json").write_text("{}")
         return Done()
 
-    monkeypatch.setattr(e2e.E2E, "sh", sh)
+    monkeypatch.setattr(call.Call, "sh", sh)
 
     def driver(*flags: str) -> e2e.E2E:
         return e2e.E2E(bench_parser().parse_args(["e2e", "--state", str(tmp_path / "state"), "--out",
                                                   str(tmp_path / "out"), *flags]))
 
     drv = driver("--phases", "models,smoke,features", "--smoke-size", "1b", "--feature-graph-bs", "256")
-    drv.phase_models()
-    drv.phase_smoke()
-    drv.phase_features()
+    drv.runs.models()
+    drv.runs.smoke()
+    drv.runs.features()
     assert built == ["1b"]
     assert seen["smoke"].models.name == "1b" and seen["features"].models.name == "1b"
     assert F.server_config("x", seen["features"], draft=True).cuda_graph_max_bs == 256
     assert F.server_config("x", F.FeatureOptions(models=tmp_path, out=tmp_path), draft=True).cuda_graph_max_bs == 64
-    driver("--phases", "models,smoke,bench", "--bench-size", "8b").phase_models()
+    driver("--phases", "models,smoke,bench", "--bench-size", "8b").runs.models()
     assert built == ["1b", "tiny", "8b"]
     with pytest.raises(SystemExit, match="--feature-graph-bs 512"):
         e2e.main(bench_parser().parse_args(["e2e", "--feature-graph-bs", "512"]))
-    assert driver("--feature-cases", "regex,kv_pressure").feature_cases() == ("regex", "kv_pressure")
+    assert driver("--feature-cases", "regex,kv_pressure").runs.feature_cases() == ("regex", "kv_pressure")
     with pytest.raises(SystemExit, match=r"--feature-cases: unknown \['regexp'\]"):
         e2e.main(bench_parser().parse_args(["e2e", "--feature-cases", "regex,regexp"]))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import host_stack_problems, torch_refusal
+from bench.site import host_stack_problems, torch_refusal
 from sglang_image import gpu, lock, pins, plugin_wheel
 
 FLAVOR = "sglang-0.5.23"
@@ -296,7 +296,7 @@ def lay_out(wheel: Path, site: Path) -> None:
 
 
 def dsl_packages(site: Path) -> list[Path]:
-    """nvidia-cutlass-dsl's .pth puts nvidia_cutlass_dsl/dsl_packages on the path (bench.e2e's
+    """nvidia-cutlass-dsl's .pth puts nvidia_cutlass_dsl/dsl_packages on the path (bench.site's
     pth_paths asks `site` for it on the GPU host; here it is read off the file, nothing is run)."""
     pth = site / "nvidia_cutlass_dsl_packages.pth"
     assert "dsl_packages" in pth.read_text(), pth.read_text()
@@ -315,7 +315,7 @@ def test_host_provides_leaves_out_what_the_host_has_and_refuses_unknown_names() 
 
 
 def test_parts_join_back_into_the_archive(tmp_path: Path) -> None:
-    from bench.e2e import bundle_archive
+    from bench.site import bundle_archive
 
     archive = tmp_path / "src" / "wheels.tar.xz"
     archive.parent.mkdir()

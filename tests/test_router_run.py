@@ -148,7 +148,7 @@ def test_the_e2e_router_phase_runs_on_the_1b_models_and_fails_with_the_run(tmp_p
     drv = e2e.E2E(build_parser().parse_args([
         "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
         str(tmp_path / "out"), "--phases", "router", "--router-threshold", "8", "--router-levels", "2,40"]))
-    drv.deadline.at = time.time() + 600
+    drv.call.deadline.at = time.time() + 600
     assert drv.run() == 1
     opts = seen["opts"]
     assert opts.models == tmp_path / "state" / "models" / "1b"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench import throughput
+from bench import options, throughput
 from smoke import features, runner
 from smoke.server import ServerConfig, cuda_graph_max_bs_flag
 from tests.probe import probe_result
@@ -42,7 +42,8 @@ print("RESULT " + json.dumps(out))
 def configurations(models: Path, release: tuple[int, ...], auto: bool) -> dict[str, list[str]]:
     """The argv (after `-m sglang.launch_server`) of every kind of server the project starts."""
     smoke_opts = runner.SmokeOptions(models=models, out=models)
-    bench_opts = throughput.BenchOptions(models=models, out=models)
+    bench_opts = options.BenchOptions(models=models, out=models, configs=(
+        "plain", "eagle3", "eagle3_thr", "eagle3_adaptive", "eagle3_auto"))
     feature_opts = features.FeatureOptions(models=models, out=models)
     configs: dict[str, ServerConfig] = {
         "smoke_plain": ServerConfig("plain", models / "target", cuda_graph=False),

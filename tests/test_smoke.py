@@ -203,15 +203,15 @@ def test_argument_parsing(tmp_path):
     assert (a.size, a.draft, a.draft_accept, a.device) == ("1b", "chain", 0.7, "cuda")
     with pytest.raises(SystemExit):
         ap.parse_args(["models", str(tmp_path), "--size", "70b"])
-    from bench import throughput as bench
+    from bench import options as bench_options
 
     with pytest.raises(SystemExit):
         ap.parse_args(["bench", "--models", "m", "--out", "o"])  # the benchmark is not in the image's package
     ap = bench_parser()
-    b = bench.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--concurrency", "1,8,256"]))
-    assert b.concurrency == (1, 8, 256) and b.configs == bench.DEFAULT_CONFIGS
+    b = bench_options.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--concurrency", "1,8,256"]))
+    assert b.concurrency == (1, 8, 256) and b.configs == bench_options.DEFAULT_CONFIGS
     with pytest.raises(SystemExit):
-        bench.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--configs", "x"]))
+        bench_options.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--configs", "x"]))
     e = ap.parse_args(["e2e", "--bundle", ".gpu", "--phases", "smoke,bench", "--out", "o"])
     assert e.deadline == 560 and e.phases == "smoke,bench"
     from bench import e2e
@@ -670,17 +670,17 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
                                       "--out", str(tmp_path / "out"), *extra]))
 
     first = driver("--phases", "bench,smoke", "--bench-size", "8b", "--bench-pairs", "3")
-    assert first.bench_key.startswith("8b-")
+    assert first.runs.bench_key.startswith("8b-")
     again = driver("--phases", "bench", "--bench-size", "8b", "--bench-pairs", "3")
     other = driver("--phases", "bench", "--bench-size", "8b", "--bench-pairs", "3",
                    "--bench-max-total-tokens", "147000")
-    assert again.bench_key == first.bench_key and other.bench_key != first.bench_key
-    first.state["install"] = first.install_key()
-    first.resumable("smoke")["eagle_overlap"] = {"done": True}
-    assert first.resumable("smoke") == {"eagle_overlap": {"done": True}}
-    first.save()
-    assert driver("--phases", "smoke").resumable("smoke") == {"eagle_overlap": {"done": True}}
-    assert driver("--phases", "smoke", "--smoke-variants", "sync").resumable("smoke") == {}
+    assert again.runs.bench_key == first.runs.bench_key and other.runs.bench_key != first.runs.bench_key
+    first.call.state["install"] = first.site.install_key()
+    first.runs.resumable("smoke")["eagle_overlap"] = {"done": True}
+    assert first.runs.resumable("smoke") == {"eagle_overlap": {"done": True}}
+    first.call.save()
+    assert driver("--phases", "smoke").runs.resumable("smoke") == {"eagle_overlap": {"done": True}}
+    assert driver("--phases", "smoke", "--smoke-variants", "sync").runs.resumable("smoke") == {}
     # the site: this tree's bundle and series pass; another series (flavor) needs install again
     assert driver("--phases", "bench").stale_site() is None
     meta = bundle / "bundle.json"
@@ -696,9 +696,9 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     import os
     monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
     done = driver("--phases", "bench", "--bench-size", "8b", "--bench-pairs", "3")
-    done.state.pop("install")
-    done.state[f"bench_done_{done.bench_key}"] = True
-    done.save()
+    done.call.state.pop("install")
+    done.call.state[f"bench_done_{done.runs.bench_key}"] = True
+    done.call.save()
     assert driver("--phases", "bench", "--bench-size", "8b", "--bench-pairs", "3").run() == 0
     assert "bench: done in an earlier call" in (tmp_path / "out" / "e2e.log").read_text()
     broken = driver("--phases", "install,bench", "--bench-size", "8b", "--bench-pairs", "3")
@@ -707,9 +707,9 @@ def test_e2e_reruns_a_phase_whose_options_or_site_changed(tmp_path, monkeypatch)
     # a phase whose checks failed is not done: the next call runs it again (a GPU run of
     # 2026-12-02 had to clear the state by hand to rerun a smoke whose plain server failed)
     failed = driver("--phases", "smoke")
-    failed.state["smoke_report"] = {"failures": [{"variant": "plain", "cause": "exited"}]}
+    failed.call.state["smoke_report"] = {"failures": [{"variant": "plain", "cause": "exited"}]}
     assert failed.phase_failures("smoke") == [{"variant": "plain", "cause": "exited"}]
-    failed.state["smoke_report"] = {"failures": []}
+    failed.call.state["smoke_report"] = {"failures": []}
     assert failed.phase_failures("smoke") == [] and failed.phase_failures("comm") == []
 
 
@@ -778,7 +778,7 @@ def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
     """The kernels a call compiled come back as OUT/jit-cache.tar.xz and, put into the bundle folder,
     are unpacked by the next call's install: only for the same wheels and kernel patches, never over
     files already there, and not at all when over the size that may come back."""
-    from bench import e2e, jitcache
+    from bench import e2e, jitcache, site
 
     jit = tmp_path / "jit"
     (jit / "triton" / "ab12").mkdir(parents=True)
@@ -829,17 +829,17 @@ def test_jit_cache_travels_between_fresh_gpu_machines(tmp_path, monkeypatch):
     manifest[0] = applied("sm120-flashinfer-trtllm-comm.patch", "--- a/flashinfer/jit/comm.py\n+++ b/flashinfer/jit/comm.py\n@@ -1 +1 @@\n-a\n+changed\n")
     assert jitcache.kernel_key(wheels, manifest) != key
     # the driver packs what a call compiled, once, into OUT
-    monkeypatch.setattr(e2e.E2E, "kernel_key", lambda self: "key-1")
+    monkeypatch.setattr(site.Site, "kernel_key", lambda self: "key-1")
     drv = e2e.E2E(bench_parser().parse_args(["e2e", "--bundle", str(tmp_path / "bundle"), "--state",
                                              str(tmp_path / "state"), "--out", str(tmp_path / "out")]))
-    drv.state["install"] = "site"
-    drv.state["jit_fingerprint"] = jitcache.fingerprint(drv.state_dir / "jit")  # what install unpacked
-    shutil.copytree(jit, drv.state_dir / "jit")                                 # compiled in this call
-    drv.bring_back_jit_cache()
+    drv.call.state["install"] = "site"
+    drv.call.state["jit_fingerprint"] = jitcache.fingerprint(drv.call.state_dir / "jit")  # what install unpacked
+    shutil.copytree(jit, drv.call.state_dir / "jit")                                      # compiled in this call
+    drv.site.bring_back_jit_cache()
     brought = tmp_path / "out" / jitcache.ARCHIVE
     assert jitcache.seed(brought, tmp_path / "next-machine", "key-1") == (2, "")
     brought.unlink()
-    drv.bring_back_jit_cache()
+    drv.site.bring_back_jit_cache()
     assert not brought.exists()  # nothing new compiled since
 
 

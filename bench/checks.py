@@ -1,0 +1,116 @@
+"""What a server says of itself during and after its load (its speculation mode, KV pool, running
+limit, log), and every config's outputs compared with plain decoding's."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import autotrace
+from bench.window import flush_cache
+from smoke import client, names
+from smoke.checks import check_log_clean, spec_state
+from smoke.server import Server, SmokeError
+
+
+def speculation_state(base: str) -> dict[str, Any]:
+    """The server's dynamic speculation disable state, from /server_info (sglang >= 0.5.23 logs a
+    deprecation warning for each /get_server_info, which older ones alone serve)."""
+    try:
+        info = client.get_json(base + "/server_info")
+    except client.HTTPFailure:
+        info = client.server_info(base)
+    return spec_state(info)
+
+
+def mode_of(base: str) -> tuple[str | None, int | None, int | None]:
+    """A threshold server's mode, crossover (auto) and mode-change count; Nones where it says nothing."""
+    try:
+        st = speculation_state(base)
+    except (SmokeError, client.HTTPFailure, ValueError):
+        return None, None, None
+    crossover = st.get("crossover")
+    return st.get("mode"), crossover if isinstance(crossover, int) else None, st.get("mode_changes")
+
+
+def kv_used_after_flush(base: str) -> int | None:
+    """Tokens still held in the KV pool once the load is over and the radix cache flushed (0 when
+    every request gave back what it took)."""
+    for _ in range(10):
+        flush_cache(base)
+        try:
+            used = int(client.load(base).get("num_used_tokens") or 0)
+        except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
+            return None
+        if used == 0:
+            return 0
+        time.sleep(1)
+    return used
+
+
+def running_limit(base: str) -> int | None:
+    """The server's running-request limit (/server_info), None where it says none."""
+    try:
+        states = client.get_json(base + "/server_info").get("internal_states") or [{}]
+        return int(states[0]["effective_max_running_requests_per_dp"])
+    except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def server_checks(name: str, srv: Server, top: int, switching: bool) -> tuple[dict[str, Any], list[str]]:
+    """After a server's load: its KV pool back to empty, its running-request limit, its mode
+    counters (a server `switching` between modes itself), its log clean. Every figure is kept, whichever check fails (the failures listed)."""
+    info: dict[str, Any] = {"kv_used_after_flush": kv_used_after_flush(srv.base),
+                            "running_limit": running_limit(srv.base)}
+    problems = []
+    if info["kv_used_after_flush"]:
+        problems.append(f"{name}: {info['kv_used_after_flush']} KV tokens still in use after the "
+                        "load and a cache flush")
+    if info["running_limit"] is not None and info["running_limit"] < top:
+        problems.append(f"{name}: runs at most {info['running_limit']} requests at once, below the "
+                        f"top concurrency {top}")
+    if switching:
+        try:
+            info["speculative_disable"] = speculation_state(srv.base)
+        except (SmokeError, client.HTTPFailure, ValueError) as exc:
+            problems.append(f"{name}: no speculation state: {getattr(exc, 'cause', exc)}")
+    trace = srv.cfg.env.get(names.AUTO_TRACE_ENV)
+    if trace and Path(trace).is_file():  # auto's steps, written out as the server went idle after the load
+        info["step_trace"] = [r.as_dict() for r in autotrace.summarize(autotrace.read(Path(trace)))]
+    try:
+        check_log_clean(srv.log_text())
+    except SmokeError as exc:
+        problems.append(f"{name}: {exc.cause} ({srv.log_path.name})")
+    return info, problems
+
+
+def mismatches(outputs: dict[str, dict[str, Any]], where: str) -> list[str]:
+    """Every config's outputs against plain's for the same prompts (greedy: they must be equal)."""
+    ref = outputs.get("plain", {})
+    problems = []
+    for name, got in outputs.items():
+        bad = [k for k, v in got.items() if name != "plain" and v is not None and ref.get(k) not in (None, v)]
+        if bad:
+            problems.append(f"{where} {name}: {len(bad)} output(s) differ from plain (e.g. {bad[0]})")
+    return problems
+
+
+def digest(ids: list[int] | None) -> str | None:
+    """A ramp output as kept in the state until every config's ramp is done (compared with plain's)."""
+    return None if ids is None else hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def compared_outputs(outputs: dict[str, dict[str, Any]], prefixes: dict[str, dict[str, Any]],
+                     where: str) -> list[str]:
+    """mismatches() of the complete outputs, and every aborted output a prefix of plain's."""
+    problems = mismatches(outputs, where)
+    ref = outputs.get("plain", {})
+    for name, got in prefixes.items():
+        if name == "plain":
+            continue
+        bad = [k for k, v in got.items() if k in ref and ref[k] is not None and v != ref[k][:len(v)]]
+        if bad:
+            problems.append(f"{where} {name}: {len(bad)} aborted output(s) not a prefix of plain's (e.g. {bad[0]})")
+    return problems

@@ -1,0 +1,145 @@
+"""One window of the paired benchmark: a closed loop of clients on one server, the output tokens of
+a counted span, then every request in flight aborted; with the server's decode steps, GPU seconds
+and host counters read at the span's ends."""
+from __future__ import annotations
+
+import re
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench import diagnose, hostinfo, servers
+from smoke import client
+from smoke.client import Prompt
+
+WINDOW_END_S = 1.5  # a window's end: the abort, the requests coming back, the next cache flush
+DECODE_PASSES = "sglang:cuda_graph_passes_total"  # one per decode batch (mode="decode_...")
+
+
+def flush_cache(base: str) -> None:
+    """Empty the radix cache before a window: every window starts from the same empty cache."""
+    try:
+        client.post(base + "/flush_cache?timeout=10", {}, 30)
+    except client.HTTPFailure:
+        pass
+
+
+def abort_all(base: str) -> bool:
+    """Every request of the server aborted (sglang's /abort_request with abort_all); False where the
+    server refused, and the requests in flight then finish on their own."""
+    try:
+        client.post(base + "/abort_request", {"abort_all": True}, 30)
+        return True
+    except client.HTTPFailure:
+        return False
+
+
+def tokens_between(requests: list[tuple[float, float, int]], lo: float, hi: float) -> float:
+    """Output tokens produced in [lo, hi]: each request's (start, end, tokens) spread evenly over its
+    lifetime."""
+    return sum(n * max(0.0, min(end, hi) - max(start, lo)) / (end - start)
+               for start, end, n in requests if end > start)
+
+
+def decode_steps(before: dict[str, float], after: dict[str, float]) -> int | None:
+    """Decode batches run between two /metrics scrapes (sglang counts one per decode step, graph or
+    not); None where the server exports no such counter."""
+    keys = [k for k in after if k.startswith(DECODE_PASSES + "{") and re.search(r'mode="decode', k)]
+    if not keys:
+        return None
+    return round(sum(after[k] - before.get(k, 0.0) for k in keys))
+
+
+def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, settle_s: float, window_s: float,
+            timeout: float, stop_at: float, scrape: Callable[[str], dict[str, float]] | None = None,
+            counters: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
+    """One window: `concurrency` clients each send the stream's next prompt when their last request
+    ends; the tokens of [settle_s, settle_s + window_s] are counted; then sending stops and every
+    request in flight is aborted (kept as a prefix). A window that would end past `stop_at` (the
+    call's deadline) is not started ("cut"). `counters` (the server's host counters) are read at
+    the counted span's ends, as `scrape` is; `span` is that span (time.time())."""
+    t0 = time.time()
+    lo_at, hi_at = t0 + settle_s, t0 + settle_s + window_s
+    if hi_at + WINDOW_END_S > stop_at:
+        return {"cut": True}
+    lock = threading.Lock()
+    nxt, stop = [0], [False]
+    tag = f"bench-{int(t0 * 1000)}"
+    done: list[tuple[float, float, client.Result, Prompt]] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if stop[0] or time.time() >= hi_at:
+                    return
+                i = nxt[0]
+                nxt[0] += 1
+            p = prompt_at(i)
+            start = time.time()
+            r = client.generate(base, p, timeout, rid=f"{tag}-{i}")
+            with lock:
+                done.append((start, time.time(), r, p))
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    time.sleep(max(0.0, lo_at - time.time()))
+    lo, before = time.time(), scrape(base) if scrape else {}
+    host_before = counters() if counters else {}
+    time.sleep(max(0.0, hi_at - time.time()))
+    hi, after = time.time(), scrape(base) if scrape else {}
+    host_after = counters() if counters else {}
+    with lock:
+        stop[0] = True
+    aborted_at = time.time()
+    aborted = abort_all(base)
+    for t in threads:
+        t.join(timeout)
+    tail = time.time() - aborted_at
+    complete, cut_short, errors = [], [], []
+    for start, end, r, p in done:
+        if r.error is None and len(r.output_ids or []) == p.max_new_tokens:
+            complete.append((start, end, r))
+        elif end >= aborted_at:  # in flight at the end: aborted, what it returned must be a prefix
+            cut_short.append((start, min(end, aborted_at), r))
+        else:
+            errors.append(r)
+    spans = [(s, e, len(r.output_ids or [])) for s, e, r in complete + cut_short]
+    toks = tokens_between(spans, lo, hi)
+    lens = [r.meta["spec_accept_length"] for _, _, r in complete if "spec_accept_length" in r.meta]
+    steps = decode_steps(before, after)
+    m: dict[str, Any] = {
+        "requests": len(complete), "aborted": len(cut_short), "errors": len(errors),
+        "first_error": errors[0].error if errors else None, "output_tokens": round(toks),
+        "seconds": round(hi - lo, 3), "tok_per_s": round(toks / (hi - lo), 1) if hi > lo else 0.0,
+        "accept_length": round(statistics.mean(lens), 3) if lens else None, "steps": steps,
+        "tail_s": round(tail, 2), "abort_all": aborted, "cut": False,
+        "outputs": {r.key: r.output_ids for _, _, r in complete},
+        "prefixes": {r.key: r.output_ids for _, _, r in cut_short if r.output_ids}}
+    gpu = diagnose.gpu_seconds(before, after) if scrape else {}
+    if gpu:
+        m["gpu_s"] = gpu
+    if counters:
+        m["span"] = [lo, hi]
+        m["counters"] = hostinfo.counters_delta(host_before, host_after)
+    return m
+
+
+def host_counters(pgid: int | None) -> Callable[[], dict[str, float]] | None:
+    """What a window reads of a server's host time at its counted span's ends: the CPU seconds of
+    all its processes and its scheduler thread's counters (hostinfo.thread_counters, `scheduler_`
+    first); None for a server of no known process group."""
+    if pgid is None:
+        return None
+    pids = servers.group_pids(pgid)
+    scheduler = hostinfo.scheduler_pid(pids)
+
+    def read() -> dict[str, float]:
+        out = {"server_cpu_s": hostinfo.process_cpu_seconds(pids)}
+        if scheduler is not None:
+            out |= {f"scheduler_{k}": v for k, v in hostinfo.thread_counters(scheduler).items()}
+        return out
+
+    return read

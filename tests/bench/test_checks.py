@@ -1,0 +1,58 @@
+"""A server's checks after its load and the outputs compared with plain decoding's
+(bench.checks)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import checks
+from bench import report as bench_report
+from smoke.server import ServerConfig
+
+
+def test_outputs_and_aborted_prefixes_are_compared_with_plain_decoding():
+    outs = {"plain": {"a": [1, 2], "b": [2, 3]}, "eagle3": {"a": [1, 2], "b": [9, 3]}}
+    prefixes = {"plain": {"c": [5]}, "eagle3": {"c": [5], "b": [2]}, "plain_twin": {"a": [7]}}
+    assert checks.compared_outputs(outs, prefixes, "block 1 c=4") == [
+        "block 1 c=4 eagle3: 1 output(s) differ from plain (e.g. b)",
+        "block 1 c=4 plain_twin: 1 aborted output(s) not a prefix of plain's (e.g. a)"]
+
+
+class ChecksServer:
+    def __init__(self, log: Path, env: dict[str, str] | None = None):
+        self.base, self.log_path = "http://x", log
+        self.cfg = ServerConfig("x", log.parent, env=env or {})
+
+    def log_text(self) -> str:
+        return self.log_path.read_text()
+
+
+def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_path):
+    # The KV pool check of every server, a threshold server's too, even where its log shows an
+    # error (it used to be dropped with the log check's exception) or its limit is too low.
+    log = tmp_path / "server_bench_eagle3_thr16.2.log"
+    log.write_text("Traceback (most recent call last)\nRuntimeError: boom\n")
+    monkeypatch.setattr(checks, "kv_used_after_flush", lambda base: 12)
+    monkeypatch.setattr(checks, "running_limit", lambda base: 48)
+    monkeypatch.setattr(checks, "speculation_state", lambda base: {"threshold": 16})
+    info, problems = checks.server_checks("eagle3_thr16", ChecksServer(log), 256, True)
+    assert info == {"kv_used_after_flush": 12, "running_limit": 48,
+                    "speculative_disable": {"threshold": 16}}
+    assert problems[0] == "eagle3_thr16: 12 KV tokens still in use after the load and a cache flush"
+    assert problems[1] == "eagle3_thr16: runs at most 48 requests at once, below the top concurrency 256"
+    assert problems[2].startswith("eagle3_thr16: server log shows an error") and log.name in problems[2]
+    log.write_text("all fine\n")
+    monkeypatch.setattr(checks, "kv_used_after_flush", lambda base: 0)
+    monkeypatch.setattr(checks, "running_limit", lambda base: 256)
+    assert checks.server_checks("eagle3_thr16", ChecksServer(log), 256, True)[1] == []
+    # auto's step trace, where its server wrote one, is read back into the report
+    trace = tmp_path / "eagle3_auto_steps.jsonl"
+    env = {"SGLANG_IMAGE_AUTO_TRACE": str(trace)}
+    assert "step_trace" not in checks.server_checks("eagle3_auto", ChecksServer(log, env), 256, True)[0]
+    trace.write_text("".join(json.dumps({"t": 0.0, "kind": k, "batch": 8, "seconds": 0.01, "tokens": n,
+                                         "recorded": True, "prefills": 0}) + "\n"
+                             for k, n in (("plain", 8), ("speculative", 24)) for _ in range(4)))
+    info, problems = checks.server_checks("eagle3_auto", ChecksServer(log, env), 256, True)
+    assert problems == [] and [r["kind"] for r in info["step_trace"]] == ["plain", "speculative"]
+    md = bench_report.markdown({"configs": ["eagle3_auto"], "servers": {"eagle3_auto": info}})
+    assert "- EAGLE-3 + auto steps: 5-8 speculative / plain: 3.000x by the medians, 3.000x by the sums" in md

@@ -1,0 +1,118 @@
+"""The bench phase of `bench e2e` (bench.run_phases, bench.e2e) on FakeLab: each unit kept as it
+is done, the next call going on; a launch-only call; a failed bench run again; the model shapes."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from bench import throughput
+from bench.__main__ import build_parser
+from smoke import models
+
+
+def test_e2e_keeps_each_unit_and_its_next_call_goes_on(lab, tmp_path):
+    """The bench phase of `bench e2e` writes its state after every unit (a call killed at its limit
+    keeps them), records its servers in the state dir, and its next call measures only what is
+    left, on the same servers."""
+    from bench import call, e2e
+
+    def driver(seconds: float, *extra: str) -> e2e.E2E:
+        drv = e2e.E2E(build_parser().parse_args([
+            "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
+            str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1,4",
+            "--bench-pairs", "2", "--bench-ramp-cycles", "1", "--bench-ramp-hold", "5", "--bench-window-s", "40",
+            *extra]))
+        drv.call.deadline.at = time.time() + seconds
+        lab.deadline = drv.call.deadline
+        return drv
+
+    models = tmp_path / "state" / "models" / "1b"
+    models.mkdir(parents=True)
+    (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+    driver(300, "--bench-launch-only").runs.bench()  # the servers start; nothing measured or reported
+    assert lab.launched == ["plain", "eagle3"] and "bench_reports" not in driver(1).call.state
+    with pytest.raises(call.Deadline_):
+        driver(320).runs.bench()  # returns without saving: what is on disk came from the progress calls
+    assert lab.launched == ["plain", "eagle3"]  # the launched servers were used
+    on_disk = json.loads((tmp_path / "state" / "state.json").read_text())
+    run = next(iter(on_disk["bench_runs"].values()))
+    assert run["blocks_done"] == ["1:0", "1:1", "4:0"]
+    assert "concurrency 4: 1 of 2 blocks" in (tmp_path / "out" / "summary.txt").read_text()
+    lab.windows.clear()
+    driver(600).runs.bench()
+    assert sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")] and lab.ramps == ["plain", "eagle3"]
+    assert not lab.running
+
+
+def test_an_e2e_call_that_only_launches_does_not_count_the_bench_done(lab, tmp_path, monkeypatch):
+    """A GPU run of 2026-12-04: the measuring call after a --bench-launch-only one said "bench: done
+    in an earlier call" and measured nothing."""
+    from bench import e2e
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
+    models = tmp_path / "state" / "models" / "1b"
+    models.mkdir(parents=True)
+    (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+
+    def driver(*extra: str) -> e2e.E2E:
+        drv = e2e.E2E(build_parser().parse_args([
+            "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
+            str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1",
+            "--bench-pairs", "1", "--bench-window-s", "20", *extra]))
+        drv.call.deadline.at = time.time() + 600
+        return drv
+
+    assert driver("--bench-launch-only").run() == 0 and lab.launched == ["plain", "eagle3"] and not lab.windows
+    assert driver().run() == 0 and len(lab.windows) == 2 and lab.launched == ["plain", "eagle3"]
+    assert "done in an earlier call" not in (tmp_path / "out" / "e2e.log").read_text()
+
+
+def test_an_e2e_bench_that_failed_runs_again_on_the_next_call(lab, tmp_path, monkeypatch):
+    """A failed phase runs again on the next call, the bench too: not its earlier failure replayed."""
+    from bench import e2e
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
+    models = tmp_path / "state" / "models" / "1b"
+    models.mkdir(parents=True)
+    (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+
+    def driver() -> e2e.E2E:
+        drv = e2e.E2E(build_parser().parse_args([
+            "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
+            str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", "1",
+            "--bench-pairs", "1", "--bench-window-s", "20"]))
+        drv.call.deadline.at = time.time() + 600
+        return drv
+
+    monkeypatch.setattr(throughput, "server_checks",
+                        lambda name, srv, top, switching: ({"kv_used_after_flush": 7}, [f"{name}: 7 KV tokens in use"]))
+    assert driver().run() == 1 and len(lab.windows) == 2
+    monkeypatch.setattr(throughput, "server_checks", lambda name, srv, top, switching: ({"kv_used_after_flush": 0}, []))
+    assert driver().run() == 0 and len(lab.windows) == 4
+    assert "measured anew" in (tmp_path / "out" / "e2e.log").read_text()
+
+
+def test_bench_model_shapes():
+    """The parameter counts of the real transformers models the bench shapes build (on the meta
+    device: no memory): 1b ~1.0e9, 8b ~7e9 (Llama-3-8B's layers, small vocab)."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def params(name: str) -> int:
+        sz = models.SIZES[name]
+        cfg = LlamaConfig(vocab_size=sz.vocab, hidden_size=sz.hidden, intermediate_size=sz.intermediate,
+                          num_hidden_layers=sz.layers, num_attention_heads=sz.heads,
+                          num_key_value_heads=sz.kv_heads, head_dim=sz.hidden // sz.heads,
+                          tie_word_embeddings=False)
+        with torch.device("meta"):
+            return sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+
+    assert 0.95e9 < params("1b") < 1.05e9
+    assert 6.9e9 < params("8b") < 7.1e9
+    ap = build_parser()
+    assert ap.parse_args(["e2e", "--bench-size", "8b"]).bench_size == "8b"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["e2e", "--bench-size", "tiny"])

@@ -1,0 +1,169 @@
+"""The report (bench.report): the files a result becomes (a real matplotlib render), its tables
+and the lines it writes for what the run recorded."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from bench import report as bench_report
+from bench.__main__ import build_parser
+from tests.bench.conftest import RESULT, png_size
+
+
+def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = json.loads(RESULT.read_text())
+    paths = bench_report.write(result, tmp_path)
+    assert [p.name for p in paths] == ["bench.json", "bench.md", "concurrency.png", "ramp.png"]
+    assert json.loads((tmp_path / "bench.json").read_text()) == result
+    for png in ("concurrency.png", "ramp.png"):
+        width, height = png_size(tmp_path / png)
+        assert width > 500 and height > 300
+    md = (tmp_path / "bench.md").read_text()
+    first_table = md.split("| concurrency |", 1)[1].split("\n\n", 1)[0]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in first_table.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+    assert list(rows) == ["1", "64", "256"]
+    # c=256: plain 54000 x drift (1.0, 0.8, 1.1, 0.9) -> median 51300; EAGLE-3 30000/54000 in every block
+    assert rows["256"][0] == "51300" and rows["256"][2] == "28500 (0.56x [0.56-0.56])"
+    # the twin: 0.99, 1.0, 1.01, 1.0 of plain in its blocks
+    assert rows["256"][1] == "51030 (1.00x [0.99-1.01])"
+    header = next(line for line in md.splitlines() if line.startswith("| concurrency"))
+    assert "plain | plain (A/A twin) | EAGLE-3 | EAGLE-3 + threshold 16 | EAGLE-3 + auto" in header
+    # the promise table carries the A/A floor beside every comparison
+    assert "| 256 | 0.98x [0.98-0.98] | 0.99x [0.98-1.00] | 1.00x [0.99-1.01] |" in md
+    assert "| 64 | 0.99x [0.98-1.00] | 16 | 1.01x [1.00-1.02] |" in md  # auto against the alternatives
+    # per decode step at 256: 3 s over the steps; GPU 3.8 ms (decode + extend), host the rest
+    assert "| 256 | 5.00 / 3.80 / 1.20 (256) |" in md
+    assert "- server: call 2: plain: the server started earlier" in md
+    assert "at most EAGLE-3 0.02" in md and "CPUs: plain 1,2,3" in md
+    assert "every output equal to plain decoding's" in md
+    assert "![tokens/s by concurrency](concurrency.png)" in md
+
+
+def test_tables_of_the_recorded_result():
+    result = json.loads(RESULT.read_text())
+    table = bench_report.level_table(result)
+    assert table["256"]["eagle3"]["vs_plain"]["median"] == pytest.approx(0.5556, abs=1e-4)
+    assert table["256"]["eagle3"]["blocks"] == 4 and table["256"]["eagle3"]["accept_length"] == 3.1
+    assert table["1"]["plain"]["vs_plain"] is None
+    floor = bench_report.floor_table(result)
+    assert floor["256"]["ratios"] == [0.99, 1.0, 1.01, 1.0] and floor["256"]["median"] == 1.0
+    better = bench_report.better_table(result)
+    assert better["256"]["eagle3_thr16"]["median"] == pytest.approx(0.98)
+    assert set(better["256"]) == {"eagle3_thr16", "eagle3_auto"}  # not the twin, not the fixed modes
+    steps = bench_report.step_table(result)
+    assert steps["256"]["plain"] == pytest.approx({"wall_ms": 5.0, "tokens_per_step": 256.0, "gpu_ms": 3.8,
+                                                   "host_ms": 1.2}, abs=0.03)
+    assert "gpu_ms" not in steps["64"]["plain"]  # no device timer figures there
+    ramp = bench_report.ramp_summary(result)
+    assert ramp["eagle3_auto"]["min_share_of_better"] == 0.98
+    assert ramp["eagle3"]["mode_changes"] is None and ramp["eagle3_thr16"]["mode_changes"] == 4
+    # without always-on EAGLE-3 there is no "better of the two": the A/A table stands alone
+    result["configs"].remove("eagle3")
+    assert bench_report.better_table(result) == {}
+    md = bench_report.markdown(result)
+    assert "better of plain and always-on EAGLE-3 in the same block" not in md
+    assert "| 256 | 1.00x [0.99-1.01] | 0.990, 1.000, 1.010, 1.000 |" in md
+
+
+def test_failures_and_configs_not_run_are_in_the_table(tmp_path):
+    result = json.loads(RESULT.read_text())
+    result["configs"].remove("eagle3_auto")
+    result["not_run"] = {"eagle3_auto": "this sglang has no `auto` threshold"}
+    result["failures"] = ["ramp eagle3_thr16: 1 output(s) differ from plain (e.g. ramp-3-1)"]
+    md = bench_report.markdown(result)
+    assert "- EAGLE-3 + auto not run: this sglang has no `auto` threshold" in md
+    assert "- FAILED: ramp eagle3_thr16: 1 output(s) differ from plain" in md
+    assert "every output equal" not in md and "EAGLE-3 + auto |" not in md
+    assert "auto / best fixed" not in md
+    result["configs"].remove("plain_twin")
+    assert "| not measured |" in bench_report.markdown(result)  # no twin: the floor column says so
+
+
+def test_the_report_labels_and_compares_each_depth_by_its_record():
+    # A fixed depth is one more server against the better of plain and EAGLE-3 in the same block,
+    # labelled by its record; its accept length is in the report's own table.
+    def window(tok: float, accept: float | None) -> dict[str, Any]:
+        return {"tok_per_s": tok, "accept_length": accept, "errors": 0, "output_tokens": int(tok * 3),
+                "seconds": 3.0, "steps": 300}
+    blocks = [{"block": k + 1, "order": [], "windows": {
+        "plain": window(1000 + k, None), "eagle3": window(990, 2.8), "eagle3_depth1": window(1100, 1.7)}}
+        for k in range(3)]
+    result: dict[str, Any] = {
+        "configs": ["plain", "eagle3", "eagle3_depth1"], "blocks": {"64": blocks}, "pairs": 3,
+        "config_records": {"plain": {"name": "plain", "kind": "plain"},
+                           "eagle3": {"name": "eagle3", "kind": "fixed", "steps": 3},
+                           "eagle3_depth1": {"name": "eagle3_depth1", "kind": "fixed", "steps": 1}}}
+    better = bench_report.better_table(result)
+    assert set(better["64"]) == {"eagle3_depth1"} and better["64"]["eagle3_depth1"]["median"] == pytest.approx(1100 / 1001, abs=1e-3)
+    text = bench_report.markdown(result)
+    assert "EAGLE-3 depth 1" in text and "| 64 | 2.80 | 1.70 |" in text
+    # a result of the bench before records: the names still say what ran
+    old = {"configs": ["plain", "eagle3", "eagle3_thr16"], "not_run": {"eagle3_auto": "no plugin"}}
+    assert bench_report.label(old, "eagle3_thr16") == "EAGLE-3 + threshold 16"
+    assert bench_report.label(old, "eagle3") == "EAGLE-3"
+    assert bench_report.label(old, "eagle3_auto") == "EAGLE-3 + auto"
+
+
+def test_a_run_without_plain_does_not_claim_equal_outputs():
+    # the outputs are compared with the plain server's of the same run: without one, nothing is
+    result = json.loads(RESULT.read_text())
+    assert "every output equal to plain decoding's" in bench_report.markdown(result)
+    result["configs"] = [c for c in result["configs"] if c != "plain"]
+    result["servers"].pop("plain", None)
+    md = bench_report.markdown(result)
+    assert "every output equal" not in md
+    assert "- outputs NOT compared (no plain server in this run); 0 request errors" in md
+
+
+def test_render_flag_draws_a_saved_result_without_servers(tmp_path):
+    pytest.importorskip("matplotlib")
+    a = build_parser().parse_args(["run", "--render", str(RESULT), "--out", str(tmp_path / "docs")])
+    assert a.main(a) == 0
+    assert {p.name for p in (tmp_path / "docs").iterdir()} == {"bench.json", "bench.md", "concurrency.png", "ramp.png"}
+
+
+def test_the_report_shows_what_auto_measured_per_bucket():
+    # Row 35: auto ran plain at 1 and 16 requests and the report gave only its crossover; the
+    # server's per-bucket estimates say why it moved there.
+    result = json.loads(RESULT.read_text())
+    estimates = "1-1: 494 / 251 tok/s (30/5 steps); 9-16: 5188 / 2973 tok/s (30/5 steps)"
+    result["servers"]["eagle3_auto"] = {"kv_used_after_flush": 0, "running_limit": 4096, "speculative_disable": {
+        "threshold": "auto", "crossover": 16, "speculative_steps": 10, "plain_steps": 5, "mode_changes": 2,
+        "estimates": estimates}}
+    md = bench_report.markdown(result)
+    assert f"EAGLE-3 + auto: per bucket, speculative / plain: {estimates}" in md
+    assert "threshold 16: per bucket" not in md  # a fixed threshold measures nothing
+
+
+def test_the_report_says_where_the_host_time_went():
+    """Each window of plain and its twin at 256 requests with its scheduler's counters and the
+    probe's work: the report gives, per server, the wall, on-CPU and waiting ms per step, and
+    which of them moved with the wall time from window to window."""
+    result = json.loads(RESULT.read_text())
+    on_cpu = {"plain": [4.0, 6.0, 5.0, 5.0], "plain_twin": [4.5, 5.5, 5.0, 6.5]}
+    for k, b in enumerate(result["blocks"]["256"]):
+        for name in ("plain", "plain_twin"):
+            w = b["windows"][name]
+            w["steps"], w["seconds"] = 500, 3.0
+            cpu = on_cpu[name][k]  # ms per step; the wall follows it, 1 ms above
+            w["seconds"] = 500 * (cpu + 1.0) / 1000
+            w["scheduler"] = {"scheduler_cpu_s": 500 * cpu / 1000, "scheduler_wait_s": 0.005,
+                              "scheduler_preempted": 10.0, "server_cpu_s": 500 * cpu / 1000 + 1.2 * w["seconds"]}
+            w.setdefault("host", {})["probe_work_s"] = 0.001  # the CPUs' speed: no change
+    md = bench_report.markdown(result)
+    assert "Where the host time went, per decode step" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 256 |") and "cores" in line)
+    assert "6.00 [5.00-7.00] / 5.00 [4.00-6.00] / 0.01 [0.01-0.01]; 1.20 cores" in row
+    spread = next(line for line in md.splitlines() if line.startswith("- 256 requests, window to window"))
+    assert "the scheduler's time on a CPU per step -20% to +24% (r = 1.00 with the wall time)" in spread
+    assert "wall time per step -17% to +20%" in spread
+    assert spread.endswith("(the CPUs' speed, inverted) +0% to +0%")  # constant: no correlation to give
+    # no counters read (an older result): no such section
+    assert "Where the host time went" not in bench_report.markdown(json.loads(RESULT.read_text()))
+    result["cpus"], result["scheduler_cpus"] = {"plain": [0, 1, 2], "plain_twin": [3]}, {"plain": 0, "plain_twin": None}
+    assert ("- CPUs: plain 0,1,2 (its scheduler thread alone on 0); plain (A/A twin) 3 (the client on others)"
+            in bench_report.markdown(result))

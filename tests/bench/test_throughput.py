@@ -1,0 +1,457 @@
+"""The run (bench.throughput): what every server is started with, and the loop over whole
+units within each call's deadline, resumed by the next call on the same servers (FakeLab), once
+on real processes that answer as sglang does."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from bench import diagnose, hostinfo, options, servers, throughput
+from bench import report as bench_report
+from bench.__main__ import build_parser
+from smoke.deadline import Deadline
+from smoke.server import ServerConfig, SmokeError, group_running
+from tests.bench.conftest import FakeServer, bench_options, free_port_base, titled
+
+
+def test_configs_map_to_server_flags(tmp_path):
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16, 64), concurrency=(1, 256),
+                                configs=("plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto"),
+                                server_args=("--gc-threshold", "50000"), mem_share=0.8, max_total_tokens=1000)
+    names = options.server_names(opts)
+    assert names == ["plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr16", "eagle3_thr64", "eagle3_auto"]
+    argv = {name: throughput.server_config(name, opts).argv(30000) for name in names}
+    assert "--speculative-algorithm" not in argv["plain"] and argv["plain_twin"] == argv["plain"]  # A/A: identical
+    assert all("--speculative-adaptive" not in a for n, a in argv.items() if n != "eagle3_adaptive")
+    ad = argv["eagle3_adaptive"]
+    assert ad[ad.index("--speculative-adaptive-config") + 1] == str(tmp_path / "adaptive_config.json")
+    # upstream's default tiers, without the 7-step one that crashed at start on an H200
+    assert max(max(e["candidate_steps"]) for e in throughput.ADAPTIVE_CONFIG.values()) == 3
+    assert throughput.ADAPTIVE_CONFIG["64"]["candidate_steps"] == [0]
+    for name, a in argv.items():
+        # every server the same fixed pool: they start side by side
+        assert a[a.index("--mem-fraction-static") + 1] == "0.8" and a[a.index("--max-total-tokens") + 1] == "1000"
+        assert a[a.index("--cuda-graph-max-bs") + 1] == "256" and "--sleep-on-idle" in a
+        assert a[-2:] == ["--gc-threshold", "50000"], name  # the user's flags last
+        assert (throughput.THRESHOLD_FLAG in a) == options.config_records(opts)[name].switches
+    flag = {name: a[a.index(throughput.THRESHOLD_FLAG) + 1] for name, a in argv.items() if throughput.THRESHOLD_FLAG in a}
+    assert flag == {"eagle3_thr16": "16", "eagle3_thr64": "64", "eagle3_auto": "auto"}
+    sized = throughput.server_config("plain", options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 256)))
+    assert sized.argv(1)[sized.argv(1).index("--max-total-tokens") + 1] == str(int(1.1 * 256 * (64 + 320)))
+    assert throughput.server_config("plain", opts).env == {}
+    assert throughput.server_config("plain", options.BenchOptions(models=tmp_path, out=tmp_path, diagnose=True)).env \
+        == diagnose.SERVER_ENV
+    # auto traces its steps into the bench's folder (the logs a GPU run brings back)
+    assert throughput.server_config("eagle3_auto", opts).env == {
+        "SGLANG_IMAGE_AUTO_TRACE": str(tmp_path.resolve() / "eagle3_auto_steps.jsonl")}
+    assert all(throughput.server_config(n, opts).env == {} for n in names if n != "eagle3_auto")
+
+
+def test_a_depth_sweep_is_one_always_on_eagle3_server_per_draft_depth(tmp_path):
+    # eagle3_depth d: drafts d steps and verifies d + 1 tokens a request (top-k 1, a chain);
+    # eagle3 is the launch depth, 3. The record, not the name, says what a server is.
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), depths=(1, 2),
+                                configs=("plain", "eagle3", "eagle3_depth"))
+    assert options.server_names(opts) == ["plain", "eagle3", "eagle3_depth1", "eagle3_depth2"]
+
+    def spec(name: str) -> tuple[str | None, ...]:
+        a = throughput.server_config(name, opts).argv(30000)
+        return tuple(a[a.index(f) + 1] if f in a else None for f in (
+            "--speculative-num-steps", "--speculative-num-draft-tokens", "--speculative-eagle-topk",
+            "--speculative-draft-model-path"))
+
+    draft = str(tmp_path / "draft")
+    assert spec("plain") == (None, None, None, None)
+    assert spec("eagle3") == ("3", "4", "1", draft)
+    assert spec("eagle3_depth1") == ("1", "2", "1", draft)
+    assert spec("eagle3_depth2") == ("2", "3", "1", draft)
+    records = options.config_records(opts)
+    assert [(r.kind, r.steps, r.switches) for r in records.values()] == [
+        ("plain", 0, False), ("fixed", 3, False), ("fixed", 1, False), ("fixed", 2, False)]
+    assert bench_options("--configs", "plain,eagle3_depth", "--depth", "2,1").depths == (1, 2)
+    for bad in ("0", "1,1", "x", ""):
+        with pytest.raises(SystemExit, match="--depth .*distinct draft depths >= 1"):
+            bench_options("--configs", "plain,eagle3_depth", "--depth", bad)
+
+
+def test_a_schedule_sweep_is_one_server_per_draft_depth_schedule(tmp_path):
+    # eagle3_sched: the plugin's --speculative-depth-schedule, one server per schedule given
+    # (';' between them), each checked by the plugin's own parser before any server starts.
+    opts = bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-:0; 1-8:3,9-16:3,17-64:1,65-:0")
+    assert opts.schedules == ("1-16:3,17-:0", "1-16:3,17-64:1,65-:0")  # tiers of one depth merged
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), schedules=opts.schedules,
+                                configs=opts.configs)
+    assert options.server_names(opts) == ["plain", "eagle3_sched1", "eagle3_sched2"]
+    a = throughput.server_config("eagle3_sched2", opts).argv(30000)
+    assert a[a.index("--speculative-depth-schedule") + 1] == "1-16:3,17-64:1,65-:0"
+    assert a[a.index("--speculative-num-steps") + 1] == "3" and throughput.THRESHOLD_FLAG not in a
+    assert options.config_records(opts)["eagle3_sched1"].switches
+    assert options.config_records(opts)["eagle3_sched1"].label == "EAGLE-3 + schedule 1-16:3,17-:0"
+    with pytest.raises(SystemExit, match="--schedule: the last tier must be open"):
+        bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-32:0")
+    with pytest.raises(SystemExit, match="--schedule .*distinct schedules"):
+        bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-:0;1-16:3,17-:0")
+
+
+def test_switching_servers_can_start_with_the_servers_own_limits(tmp_path):
+    # --switching-defaults: the threshold and auto servers start as the README's Serve command
+    # does (no --max-running-requests, no decode graph size); the others keep the top concurrency.
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16,), concurrency=(1, 64),
+                                configs=("plain", "eagle3", "eagle3_thr", "eagle3_auto"),
+                                switching_defaults=True)
+    argv = {n: throughput.server_config(n, opts).argv(30000) for n in options.server_names(opts)}
+    for name, a in argv.items():
+        given = not options.config_records(opts)[name].switches
+        assert ("--max-running-requests" in a) == given and ("--cuda-graph-max-bs-decode" in a
+                                                             or "--cuda-graph-max-bs" in a) == given
+        if given:
+            assert a[a.index("--max-running-requests") + 1] == "64"
+    assert bench_options("--switching-defaults").switching_defaults
+    assert not bench_options().switching_defaults
+
+
+def test_auto_runs_only_where_the_plugin_is_installed(tmp_path, monkeypatch):
+    """Read from real package metadata: a dist-info listing auto_threshold.py says `auto` is there."""
+    assert throughput.auto_supported() is False  # the test environment has no plugin installed
+    info = tmp_path / "sglang_image_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang-image-plugin\nVersion: 0.1\n")
+    (info / "RECORD").write_text("sglang_image_plugin/__init__.py,,\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert throughput.auto_supported() is False  # a plugin without the auto threshold
+    (info / "RECORD").write_text("sglang_image_plugin/__init__.py,,\nsglang_image_plugin/auto_threshold.py,,\n")
+    assert throughput.auto_supported() is True
+
+
+def test_a_deadline_too_short_starts_no_server_and_says_so(tmp_path):
+    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path / "out", deadline=Deadline(0.0),
+                                configs=("plain", "eagle3", "eagle3_auto"))
+    result = throughput.run_bench(opts, {})
+    assert result["skipped"][0] == "concurrency 1: 6 of 6 blocks"
+    assert "no server started" in result["skipped"][-1]
+    assert result["configs"] == ["plain", "eagle3"] and "eagle3_auto" in result["not_run"]
+    assert "remaining: concurrency 256: 6 of 6 blocks" in result["table"] and not result["blocks"]
+
+
+def test_servers_warm_up_one_after_the_other(lab, monkeypatch):
+    """A server that learns its crossover from its own step times must not learn them while the
+    others share the GPU: the warm-ups do not overlap."""
+    active: list[str] = []
+    seen: list[tuple[str, int]] = []
+
+    def warm_up(base: str, opts: options.BenchOptions) -> None:
+        active.append(base)
+        seen.append((base.removeprefix("http://"), len(active)))
+        time.sleep(0.02)  # long enough for a second thread to enter, were there one
+        lab.spend(10)
+        active.remove(base)
+
+    monkeypatch.setattr(throughput, "warm_up", warm_up)
+    throughput.run_bench(lab.options(400, configs=("plain", "eagle3", "plain_twin")), {})
+    assert seen == [("plain", 1), ("eagle3", 1), ("plain_twin", 1)]
+
+
+def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
+    """Three calls with one state, as e2e makes them after each deadline: the servers start once,
+    side by side, and the later calls use them; no block or ramp is measured twice; the blocks of
+    one concurrency come back to back, the order reversed every other one; the bench complete, the
+    servers are checked and stopped, and a call after the end measures nothing. Budgets: a start
+    150 s + a warm-up 15 s per server until measured; a block (settle + window + 2 s) per server;
+    20 s + 12 s per server kept to end a call."""
+    state: dict[str, Any] = {}
+    saved: list[list[str]] = []
+    # plan: 180 s to start, 2 x 23 s a block, 44 s kept = 270 s; spent: 60 + 20 s to start, 42 s a block
+    first = throughput.run_bench(lab.options(290, ramp_hold_s=10.0), state, lambda r: saved.append(list(r["skipped"])))
+    assert lab.launched == ["plain", "eagle3"] and lab.warm == {"plain", "eagle3"} and not lab.stopped
+    assert lab.windows == [("plain", 1, "c1-0"), ("eagle3", 1, "c1-0"), ("eagle3", 1, "c1-0"), ("plain", 1, "c1-0"),
+                           ("plain", 4, "c4-0"), ("eagle3", 4, "c4-0")]
+    assert first["skipped"][:2] == ["concurrency 4: 1 of 2 blocks", "ramp of plain, eagle3"]
+    assert "remaining: concurrency 4: 1 of 2 blocks" in first["table"] and not first["failures"]
+    assert len(saved) == 3 and "| 4 (1 of 2 blocks) |" in first["table"] and "result" not in state
+    state = json.loads(json.dumps(state))  # e2e keeps it as JSON between calls
+
+    lab.launched.clear(), lab.windows.clear()
+    # plan: the start as measured (60 s), a block 46 s, a ramp 3 x 10 + 30 s, 44 s kept
+    second = throughput.run_bench(lab.options(160, ramp_hold_s=10.0), state)
+    assert lab.launched == [] and lab.ramps == ["plain"]  # the servers of the first call, warm: no start
+    assert lab.windows == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")]
+    assert lab.measured(second) == [(n, c, k) for n in ("eagle3", "plain") for c in (1, 4) for k in (1, 2)]
+    assert second["skipped"][0] == "ramp of eagle3" and not lab.stopped
+    assert any("plain: the server started earlier" in e for e in second["server_events"])
+    assert bench_report.level_table(second)["1"]["eagle3"]["vs_plain"]["median"] == 1.2
+
+    third = throughput.run_bench(lab.options(600, ramp_hold_s=10.0), state)
+    assert lab.launched == [] and lab.ramps == ["plain", "eagle3"]
+    assert not third["skipped"] and not third["failures"] and state["result"] is third
+    assert sorted(lab.stopped) == ["eagle3", "plain"] and not lab.running  # complete: checked and stopped
+    assert third["calls"] == 3 and set(third["ramp"]) == {"plain", "eagle3"} and "over 3 calls" in third["table"]
+    assert "every output equal to plain decoding's" in third["table"] and "remaining" not in third["table"]
+    assert set(third["servers"]) == {"plain", "eagle3"}
+
+    assert throughput.run_bench(lab.options(600), state)["blocks"] == third["blocks"] and not lab.running
+
+
+@pytest.mark.parametrize("seconds", range(10, 700, 30))
+def test_a_call_finishes_whole_units_within_its_deadline(lab, seconds):
+    """Whatever the time a call has: it ends within it; every block it keeps was measured on every
+    server and none is measured and thrown away; no server is started without a block measured on
+    it; the report lists exactly what is left."""
+    result = throughput.run_bench(lab.options(seconds, pairs=1, concurrency=(1, 4, 16)), {})
+    assert lab.opts is not None and lab.opts.deadline.left() > 0
+    kept = lab.measured(result)
+    assert len(lab.windows) == len(kept) and {(n, c) for n, c, _ in kept} == {(n, c) for n, c, _ in lab.windows}
+    assert all((other, c, k) in kept for _, c, k in kept for other in ("plain", "eagle3"))
+    assert bool(lab.launched) == bool(kept) and lab.launched in ([], ["plain", "eagle3"])
+    levels_left = [c for c in (1, 4, 16) if str(c) not in result["blocks"]]
+    if levels_left:
+        assert result["skipped"][0] == f"concurrency {levels_left[0]}: 1 of 1 blocks"
+        assert not lab.ramps  # the ramps wait for the blocks
+    assert len(lab.ramps) == len(result["ramp"])
+    assert ("ramp of plain, eagle3" in result["skipped"]) == (not result["ramp"])
+
+
+def test_without_a_registry_the_servers_stop_with_the_call(lab):
+    result = throughput.run_bench(lab.options(300, registry=None), {})
+    assert result["skipped"] and sorted(lab.stopped) == ["eagle3", "plain"] and not lab.running
+
+
+def test_launch_only_starts_the_servers_and_measures_nothing(lab):
+    state: dict[str, Any] = {}
+    result = throughput.run_bench(lab.options(300, launch_only=True), state)
+    assert lab.launched == ["plain", "eagle3"] and not lab.windows and not lab.warm and not lab.stopped
+    assert "result" not in state and any("--launch-only" in s for s in result["skipped"])
+
+
+FAKE_SGLANG = """
+import json, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+NAME = sys.argv[2]
+LOCK = threading.Lock()
+STATE = {"aborted_at": 0.0, "steps": 0}
+
+
+class H(BaseHTTPRequestHandler):
+    def answer(self, body, text=False):
+        data = body.encode() if text else json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain" if text else "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path.startswith("/v1/loads"):
+            return self.answer({"loads": [{"num_used_tokens": 0, "max_total_num_tokens": 5000}]})
+        if self.path == "/metrics":
+            return self.answer('sglang:cuda_graph_passes_total{mode="decode_cuda_graph"} %d\\n' % STATE["steps"], True)
+        if self.path == "/server_info":
+            return self.answer({"internal_states": [{"speculative_disable": {
+                "threshold": 16, "mode": "speculative", "speculative_steps": 9, "plain_steps": 0, "mode_changes": 0,
+                "acceptance_around_plain": {"window_steps": 64, "phases_measured": 2, "unpaired_steps": 0,
+                                            "last_before": 3.2, "last_after": 3.15,
+                                            "worst_after_over_before": 0.97}}}]})
+        return self.answer({})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path == "/abort_request":
+            STATE["aborted_at"] = time.time()
+            return self.answer({})
+        if self.path != "/generate":
+            return self.answer({})
+        t0, n = time.time(), req["sampling_params"]["max_new_tokens"]
+        out = []
+        for j in range(n):
+            if STATE["aborted_at"] > t0:
+                break
+            time.sleep(0.002 / (2 if NAME == "eagle3" else 1))
+            out.append((sum(req["input_ids"]) + j) % 97)
+            with LOCK:
+                STATE["steps"] += 1
+        meta = {"spec_accept_length": 2.5} if NAME != "plain" else {}
+        return self.answer({"output_ids": out, "meta_info": meta})
+
+    def log_message(self, *a):
+        pass
+
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+class FakeSglang(ServerConfig):
+    def argv(self, port: int) -> list[str]:
+        return [sys.executable, "-c", FAKE_SGLANG, str(port), self.name]
+
+
+def test_a_whole_run_on_real_processes_over_two_calls(tmp_path, monkeypatch):
+    """run_bench end to end with server processes that answer as sglang does (no GPU), in two calls
+    as e2e makes them: the first call's servers are found alive by the second, which finishes the
+    blocks, the ramps and the checks and then stops them; outputs compared, KV pool checked."""
+    monkeypatch.setattr(throughput, "server_config", lambda name, opts: FakeSglang(name, tmp_path))
+    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+
+    def opts(seconds: float) -> options.BenchOptions:
+        return options.BenchOptions(models=tmp_path, out=tmp_path / "out", configs=("plain", "plain_twin", "eagle3_thr"),
+                                    concurrency=(1, 4), pairs=2, window_s=0.4, settle_s=0.1, ramp_cycles=1,
+                                    ramp_hold_s=0.3, output_len=32, port=free_port_base(), cpus_per_server=0,
+                                    registry=tmp_path / "reg.json", deadline=Deadline(time.time() + seconds))
+
+    state: dict[str, Any] = {}
+    first_opts = opts(900)
+
+    def deadline_comes(_: dict[str, Any]) -> None:  # after the first block: only the time to end the call
+        first_opts.deadline.at = time.time() + 60
+
+    first = throughput.run_bench(first_opts, state, deadline_comes)
+    assert state["blocks_done"] == ["1:0"] and first["skipped"][0] == "concurrency 1: 1 of 2 blocks"
+    recorded = json.loads((tmp_path / "reg.json").read_text())
+    assert set(recorded) == {f"{tmp_path.name}/{n}" for n in ("plain", "plain_twin", "eagle3_thr16")}
+    pgids = {e["pgid"] for e in recorded.values()}
+    assert all(group_running(p) for p in pgids)  # they outlive the call
+    result = throughput.run_bench(opts(900), json.loads(json.dumps(state)))
+    assert not result["failures"] and not result["skipped"]
+    assert sum("is alive: reused" in e for e in result["server_events"]) == 3
+    assert not any(group_running(p) for p in pgids) and json.loads((tmp_path / "reg.json").read_text()) == {}
+    for c in ("1", "4"):
+        blocks = result["blocks"][c]
+        assert [b["block"] for b in blocks] == [1, 2] and blocks[1]["order"] == blocks[0]["order"][::-1]
+        for b in blocks:
+            for name in ("plain", "plain_twin", "eagle3_thr16"):
+                w = b["windows"][name]
+                assert w["seconds"] == pytest.approx(0.4, abs=0.05) and w["tok_per_s"] > 0 and w["steps"] and w["abort_all"]
+    assert result["calls"] == 2 and set(result["ramp"]) == {"plain", "plain_twin", "eagle3_thr16"}
+    assert bench_report.floor_table(result)["4"]["pairs"] == 2
+    assert result["servers"]["eagle3_thr16"]["speculative_disable"]["threshold"] == 16
+    assert all(info["kv_used_after_flush"] == 0 for info in result["servers"].values())
+    assert "every output equal to plain decoding's" in result["table"]
+    assert ("accept length 3.20 in the last 64 speculative steps before a plain phase, 3.15 in the "
+            "first 64 after it (worst of 2 phases: 0.97x)") in result["table"]
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"bench.json", "bench.md"}
+
+
+def test_command_line_state_file_resumes_and_stop_ends_its_servers(lab, tmp_path, capsys):
+    """`bench run --state FILE`: a run stopped by --deadline says what is left and how to go on;
+    the same command measures the rest; other options are refused; --stop ends what runs."""
+    argv = ["run", "--models", str(tmp_path), "--out", str(tmp_path / "out"), "--configs", "plain,eagle3",
+            "--concurrency", "1,4", "--pairs", "2", "--window-s", "20", "--state", str(tmp_path / "st.json")]
+    a = build_parser().parse_args([*argv, "--deadline", "290"])
+    assert a.main(a) == 1
+    out = capsys.readouterr().out
+    assert "BENCH INCOMPLETE: concurrency 4: 1 of 2 blocks" in out and "Run the same command to" in out
+    assert lab.running == {"plain", "eagle3"}  # kept for the next call (recorded beside the state)
+    lab.windows.clear()
+    a = build_parser().parse_args([*argv, "--deadline", "600"])
+    assert a.main(a) == 0 and sorted(lab.windows) == [("eagle3", 4, "c4-0"), ("plain", 4, "c4-0")]
+    assert "BENCH INCOMPLETE" not in capsys.readouterr().out and not lab.running
+    a = build_parser().parse_args([*argv, "--deadline", "340", "--pairs", "3"])
+    with pytest.raises(SystemExit, match="other options"):
+        a.main(a)
+    a = build_parser().parse_args([*argv, "--stop"])
+    assert a.main(a) == 0 and "stopped 0 server(s)" in capsys.readouterr().out
+
+
+def test_a_server_that_fails_to_start_ends_the_run_with_its_log(lab, monkeypatch, tmp_path):
+    """Without a registry nothing outlives the call: the failed start ends the run."""
+    (tmp_path / "eagle3.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
+
+    def ensure(self: Any, configs: dict[str, ServerConfig], key_extra: str, log_for: Any, timeout: float) -> Any:
+        raise SmokeError("eagle3: server exited with code 1 before it became healthy", log=tmp_path / "eagle3.log")
+
+    monkeypatch.setattr(servers.ServerPool, "ensure", ensure)
+    state: dict[str, Any] = {}
+    result = throughput.run_bench(lab.options(600, registry=None), state)
+    assert result["failures"][0].startswith("eagle3: server exited with code 1")
+    assert "CUDA out of memory" in result["failures"][0]
+    assert not result["skipped"] and result["not_measured"][0] == "concurrency 1: 2 of 2 blocks"
+    assert state["result"] is result and "- not measured: concurrency 1: 2 of 2 blocks" in result["table"]
+
+
+def test_a_failed_start_fails_its_call_and_the_next_call_starts_the_server_again(lab, monkeypatch, tmp_path):
+    """A GPU run of 2026-12-04: the servers died at start (the host's torch was not in place yet);
+    the run kept that as its final failure, so every call after the host was fixed replayed it
+    and measured nothing. With the servers recorded, a failed start fails its own call only."""
+    (tmp_path / "eagle3.log").write_text("Traceback ...\nImportError: undefined symbol\n")
+    ensure = servers.ServerPool.ensure
+
+    def failing(self: Any, configs: dict[str, ServerConfig], key_extra: str, log_for: Any, timeout: float) -> Any:
+        raise SmokeError("eagle3: server exited with code 1 before it became healthy", log=tmp_path / "eagle3.log")
+
+    monkeypatch.setattr(servers.ServerPool, "ensure", failing)
+    state: dict[str, Any] = {}
+    first = throughput.run_bench(lab.options(600), state)
+    assert first["failures"][0].startswith("eagle3: server exited") and "undefined symbol" in first["failures"][0]
+    assert "result" not in state and first["skipped"][0] == "concurrency 1: 2 of 2 blocks"
+    monkeypatch.setattr(servers.ServerPool, "ensure", ensure)
+    second = throughput.run_bench(lab.options(600), state)
+    assert not second["failures"] and not second["skipped"] and state["result"] is second
+    assert len(lab.measured(second)) == 8  # 2 servers, 2 concurrencies, 2 blocks
+    assert "eagle3: server exited" not in second["table"]
+
+
+def test_auto_learns_each_level_before_the_blocks(lab, monkeypatch):
+    """What `auto` learns at a batch size it meets for the first time must not land in the first
+    block: it runs every level's load once, with prompts no window sends, before any block."""
+    monkeypatch.setattr(throughput, "auto_supported", lambda: True)
+    monkeypatch.setattr(throughput, "mode_of", lambda base: ("plain", 32, 3))
+    windows: list[tuple[str, int, float, tuple[int, ...]]] = []
+    measure = lab.measure
+
+    def recording(base, prompt_at, c, settle_s, window_s, *args, **kw):
+        windows.append((base.removeprefix("http://"), c, window_s, prompt_at(0).input_ids))
+        return measure(base, prompt_at, c, settle_s, window_s, *args, **kw)
+
+    monkeypatch.setattr(throughput, "measure", recording)
+    result = throughput.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0,
+                                              auto_learn_s=3.0), {})
+    assert [w[:3] for w in windows[:2]] == [("eagle3_auto", 1, 3.0), ("eagle3_auto", 4, 3.0)]
+    assert all(w[2] == 20.0 for w in windows[2:]) and len(windows) == 2 + 2 * 2 * 2
+    learned_prompts = {w[3] for w in windows[:2]}
+    assert not learned_prompts & {w[3] for w in windows[2:]}
+    assert result["learned"]["eagle3_auto"] == {"seconds_per_level": 3.0, "crossover_after": {"1": 32, "4": 32}}
+    assert set(result["learned"]) == {"eagle3_auto"}  # the fixed modes have nothing to learn
+    md = bench_report.markdown(result)
+    assert "3.00 s under each level's load before the blocks" in md and "crossover after each level: 1: 32, 4: 32" in md
+    # 0: no learning (the first block learns, as a new server does)
+    windows.clear()
+    throughput.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0, auto_learn_s=0.0,
+                                     registry=lab.tmp_path / "other.json"), {})
+    assert all(w[2] == 20.0 for w in windows)
+
+
+def test_each_window_keeps_its_server_s_host_counters_and_the_cpus_speed(lab, monkeypatch):
+    """The block's glue: a server of a known process group gets its counters read at its window's
+    counted span, kept as the window's `scheduler` figures, and the probe's work there as the
+    host's; the run records the CPU topology, and the report draws the section from them."""
+    scheduler = titled("sglang::scheduler_TP0", 0.02)  # in this test's process group
+    measure = lab.measure
+
+    def with_counters(base, prompt_at, c, settle_s, window_s, timeout, stop_at, scrape=None, counters=None):
+        assert counters is not None  # a server of a known group
+        before, lo = counters(), time.time()
+        time.sleep(0.5)
+        after, hi = counters(), time.time()
+        m = measure(base, prompt_at, c, settle_s, window_s, timeout, stop_at)
+        return {**m, "steps": 100, "seconds": hi - lo, "span": [lo, hi],
+                "counters": hostinfo.counters_delta(before, after)}
+
+    monkeypatch.setattr(throughput, "measure", with_counters)
+    monkeypatch.setattr(FakeServer, "group", os.getpgid(0))
+    try:
+        result = throughput.run_bench(lab.options(600, concurrency=(4,), pairs=1, ramp_cycles=0), {})
+    finally:
+        scheduler.kill()
+        scheduler.wait()
+    windows = result["blocks"]["4"][0]["windows"]
+    assert all(w["scheduler"]["scheduler_cpu_s"] > 0 and w["scheduler"]["server_cpu_s"] >= 0 for w in windows.values())
+    # the probe's first samples come once its interpreter is up: the second window has them at least
+    assert windows[result["blocks"]["4"][0]["order"][-1]]["host"]["probe_work_s"] > 0
+    assert result["cpu_topology"]["cpus"] == sorted(os.sched_getaffinity(0)) and result["client_cpus"] == []
+    assert "Where the host time went, per decode step" in bench_report.markdown(result)

@@ -1,0 +1,98 @@
+"""One window (bench.window) against a fake generate: the tokens of the counted seconds, the
+abort at its end, the server's decode steps and host counters."""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import pytest
+
+from bench import window, workload
+from smoke import client
+
+
+def test_tokens_are_counted_in_the_window_only():
+    # 100 tokens over 0-2 s, 50 over 1-3 s, 30 over 2.5-5 s; the window 1-3 s
+    spans = [(0.0, 2.0, 100), (1.0, 3.0, 50), (2.5, 5.0, 30)]
+    assert window.tokens_between(spans, 1.0, 3.0) == pytest.approx(50 + 50 + 6)
+    assert window.tokens_between([(1.0, 1.0, 9)], 0.0, 2.0) == 0  # no lifetime: nothing to spread
+
+
+def test_decode_steps_come_from_the_servers_own_counter():
+    def scrape(graph: float, eager: float, prefill: float) -> dict[str, float]:
+        return client.parse_prometheus(
+            f'sglang:cuda_graph_passes_total{{model_name="t",mode="decode_cuda_graph"}} {graph}\n'
+            f'sglang:cuda_graph_passes_total{{model_name="t",mode="decode_none"}} {eager}\n'
+            f'sglang:cuda_graph_passes_total{{model_name="t",mode="prefill_none"}} {prefill}\n')
+    assert window.decode_steps(scrape(10, 2, 5), scrape(110, 3, 50)) == 101  # prefill passes are no decode step
+    assert window.decode_steps({}, {"sglang:num_running_reqs": 3.0}) is None  # metrics without the counter
+
+
+class FakeGenerate:
+    """client.generate replaced: `per_token` s a token; an abort_all cuts what is in flight short."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, per_token: float = 0.002, fail: str | None = None):
+        self.per_token, self.fail = per_token, fail
+        self.aborted_at: float | None = None
+        self.rids: list[str | None] = []
+        monkeypatch.setattr(client, "generate", self.generate)
+        monkeypatch.setattr(client, "post", self.post)
+
+    def post(self, url: str, payload: Any, timeout: float = 600) -> str:
+        if url.endswith("/abort_request"):
+            assert payload == {"abort_all": True}
+            self.aborted_at = time.time()
+        return "{}"
+
+    def generate(self, base: str, p: client.Prompt, timeout: float = 600, rid: str | None = None) -> client.Result:
+        self.rids.append(rid)
+        t0 = time.time()
+        if p.key == self.fail:
+            return client.Result(p.key, error="HTTP 500")
+        ids = []
+        for j in range(p.max_new_tokens):
+            if self.aborted_at is not None and self.aborted_at > t0:
+                break
+            time.sleep(self.per_token)
+            ids.append(j)
+        return client.Result(p.key, ids, {"spec_accept_length": 2.0})
+
+
+def test_a_window_counts_its_seconds_then_aborts_what_is_in_flight(monkeypatch):
+    """The real measure() against a fake generate: clients in a closed loop; the tokens of the
+    counted seconds only; at the end every request in flight is aborted and kept as a prefix."""
+    fake = FakeGenerate(monkeypatch, per_token=0.005)
+    prompt_at = functools.partial(workload.window_prompt, 3000, 2, 40, 100)  # 40 tokens: 0.2 s a request
+    t0 = time.time()
+    m = window.measure("b", prompt_at, 2, 0.3, 1.0, 10, time.time() + 60)
+    assert not m["cut"] and m["seconds"] == pytest.approx(1.0, abs=0.1)
+    assert time.time() - t0 < 1.3 + 0.2 + 0.5  # the aborted requests did not run to their end
+    assert fake.aborted_at is not None and m["abort_all"]
+    assert m["aborted"] == 2 and all(len(ids) < 40 for ids in m["prefixes"].values())
+    assert m["requests"] >= 8 and all(len(ids) == 40 for ids in m["outputs"].values())
+    # two clients, a token each 5 ms: about 400 tokens/s (sleeps only run longer on a busy host)
+    assert 150 < m["tok_per_s"] <= 410 and m["accept_length"] == 2.0 and m["errors"] == 0
+    assert len({r.rsplit("-", 1)[0] for r in fake.rids}) == 1  # named, so that they could be aborted one by one
+    assert window.measure("b", prompt_at, 2, 5.0, 4, 10, time.time() + 3)["cut"]  # past the deadline: not started
+
+
+def test_a_failed_request_is_an_error_not_an_abort(monkeypatch):
+    FakeGenerate(monkeypatch, per_token=0.001, fail="c1-2")
+    m = window.measure("b", lambda i: workload.window_prompt(3000, 1, 8, 100, i), 1, 0.0, 0.5, 10, time.time() + 60)
+    assert m["errors"] == 1 and m["first_error"] == "HTTP 500" and "c1-2" not in m["outputs"]
+
+
+def test_a_window_reads_the_server_s_counters_at_its_counted_span(monkeypatch):
+    FakeGenerate(monkeypatch, per_token=0.002)
+    reads: list[float] = []
+
+    def counters() -> dict[str, float]:
+        reads.append(time.time())
+        return {"scheduler_cpu_s": 2.0 * len(reads), "server_cpu_s": 5.0}
+
+    m = window.measure("b", lambda i: workload.window_prompt(3000, 1, 8, 100, i), 1, 0.2, 0.5, 10, time.time() + 60,
+                       counters=counters)
+    assert m["counters"] == {"scheduler_cpu_s": 2.0, "server_cpu_s": 0.0}
+    lo, hi = m["span"]
+    assert [round(t, 1) for t in reads] == [round(lo, 1), round(hi, 1)] and hi - lo == pytest.approx(0.5, abs=0.1)
