@@ -620,7 +620,7 @@ def test_worker_reports_the_accept_length_before_and_after_a_plain_phase(run_in_
     # before: 3 tokens per request and step; after (8 <= 28 resumes at once): 16 steps at 2,
     # then 48 at 3; the last result, one row short, is not paired with its decision
     assert out == {"window_steps": 64, "phases_measured": 1, "unpaired_steps": 1,
-                   "last_before": 3.0, "last_after": round((16 * 2 + 48 * 3) / 64, 4),
+                   "last_before": 3.0, "last_after": round((16 * 2 + 48 * 3) / 64, 4), "last_depth": 3,
                    "worst_after_over_before": round((16 * 2 + 48 * 3) / 64 / 3, 4)}
 
 
