@@ -588,6 +588,39 @@ def test_worker_switch_and_observability(run_in_tree, tree, plugin_site, model_d
                               "sglang:spec_disable_speculative_steps_total": 0.0}
 
 
+def test_worker_walks_a_depth_schedule_through_upstream_s_controller(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    # --speculative-depth-schedule: upstream's controller builds one state per depth of the
+    # schedule, each only at the graph sizes that depth can run at, and switches the worker
+    # between them per decode batch as the schedule's controller walks (hysteresis per edge).
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-depth-schedule', '1-8:3,9-32:2,33-:0']\n"
+            "TRACE = [1, 8, 9, 8, 7, 32, 33, 64, 30, 28, 27, 0, 2]\nHF_CONFIG = {}\n")
+    body = """
+""" + ATTACH_SCHEDULER + """        EAGLEWorkerV2.activate_step_by_batch(worker, 50)
+        state = {}
+        SchedulerInternalStateController(Scheduler, record_step_time=False)._add_speculative(state)
+        from prometheus_client import REGISTRY
+        depth = REGISTRY.get_sample_value("sglang:spec_disable_depth", Scheduler.metrics_collector.labels)
+        emit({"built": built, "steps": steps, "state": state["speculative_disable"], "policy": policy,
+              "depth_gauge": depth,
+              "start": [r for r in records if r.startswith("Dynamic speculation disable")],
+              "depths": [r for r in records if r.startswith("Speculation depth")]})
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
+    assert out["policy"] == "DepthSchedulePolicy"
+    # depth 3 is the launch state (registered as such); depth 2 runs at 8 (hysteresis 1 under
+    # 8) to 32, plain from 29 (32 - 4) up
+    assert sorted(out["built"]) == [[0, 1, [32, 40, 48, 64]], [2, 3, [8, 16, 24, 32]]]
+    # deeper only below each edge's hysteresis; shallower at once; idle keeps the depth
+    assert out["steps"] == [3, 3, 2, 2, 3, 2, 0, 0, 0, 2, 2, 2, 3]
+    assert out["start"] == ["Dynamic speculation disable enabled: depth schedule=1-8:3,9-32:2,33-:0"]
+    assert out["depths"][0] == ("Speculation depth -> 2 (was 3; batch size 9; schedule 1-8:3,9-32:2,33-:0); "
+                                "depth_changes=1")
+    st = out["state"]
+    assert (st["schedule"], st["depth"], st["mode"]) == ("1-8:3,9-32:2,33-:0", 0, "plain")
+    assert st["steps_by_depth"] == {"0": 4, "2": 5, "3": 4} and st["depth_changes"] == 7
+    assert out["depth_gauge"] == 0.0  # the step at 50 requests, once the metrics were attached
+
+
 def test_worker_reports_the_accept_length_before_and_after_a_plain_phase(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
     # Through upstream's own worker methods, as the overlap scheduler calls them: a decode
     # batch's step count is chosen (activate_step_by_batch), then the batch before it verifies
