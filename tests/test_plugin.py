@@ -1483,9 +1483,10 @@ def test_plain_layout_round_trip_through_the_real_future_map(run_in_tree, tree, 
     # a speculative server's decode log divides by the speculative steps it counted: a plain-layout
     # step's result counts as one accepting one token per request (it stopped the scheduler on a GPU)
     assert metrics == [[[3, 0], {"num_accept_tokens": 3}]] * 2
-    # every step decided once, at prepare (the catch-up step is a plain one); a plain-layout step's
-    # result reaches the worker's verify callback with no draft accepted
-    assert steps == 3 and decided == [True, False, False, False, True]
+    # every step decided once, at prepare, with its draft depth (the catch-up step is a plain one,
+    # depth 0); a plain-layout step's result reaches the worker's verify callback with no draft
+    # accepted
+    assert steps == 3 and decided == [3, 0, 0, 0, 3]
     assert verified == [[0, 0, 0]] * 2
     assert snapshot == {"to_plain": 1, "to_speculative": 1, "plain_steps": 2}
     assert verify_ct == [2, 2, 2]  # a plain step counts as a verify of no draft (tokens per step)
