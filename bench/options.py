@@ -26,7 +26,7 @@ class BenchOptions:
     out: Path
     thresholds: tuple[int, ...] = (16,)  # eagle3_thr: one server per fixed threshold (a sweep)
     depths: tuple[int, ...] = (1, 2)  # eagle3_depth: one always-on EAGLE-3 server per draft depth
-    schedules: tuple[str, ...] = ("1-16:3,17-48:2,49-96:1,97-:0",)  # eagle3_sched: one server per schedule
+    schedules: tuple[str, ...] = (names.DEPTH_SCHEDULE_EXAMPLE,)  # eagle3_sched: one server per schedule
     # the switching servers (a threshold, auto) start without --max-running-requests and a decode
     # graph size, as the README's Serve command does: the plugin keeps a plain server's limits
     switching_defaults: bool = False
@@ -86,7 +86,7 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "depth", default="1,2",
                     help="eagle3_depth's draft depths d, a comma list: one always-on EAGLE-3 server per d, "
                          "drafting d steps and verifying d + 1 tokens a request (eagle3 itself drafts 3)")
-    ap.add_argument(p + "schedule", default="1-16:3,17-48:2,49-96:1,97-:0",
+    ap.add_argument(p + "schedule", default=names.DEPTH_SCHEDULE_EXAMPLE,
                     help="eagle3_sched's draft depth per load (the server's --speculative-depth-schedule); "
                          "several separated by ';' run one server each")
     ap.add_argument(p + "switching-defaults", action="store_true",

@@ -52,6 +52,7 @@ AUTO: str = _names.AUTO
 # a draft depth per load (depth_schedule.py, standard library only too)
 _schedule = load(SCHEDULE_FILE, SCHEDULE_MODULE_NAME)
 DEPTH_SCHEDULE_FLAG: str = _schedule.DEPTH_SCHEDULE_FLAG
+DEPTH_SCHEDULE_EXAMPLE: str = _schedule.EXAMPLE  # the schedule the docs and the bench start from
 
 
 def parse_schedule(raw: str, source: str = "--schedule") -> str:
