@@ -1917,7 +1917,7 @@ def test_a_scheduler_without_the_plain_layout_drops_the_deferred_write(run_in_tr
                    future_map=object(), spec_algorithm="EAGLE3", metrics_reporter=None)
             observe.scheduler_init(None, s)
             kept = state.of(draft, DraftState).deferred
-            step = plain_step.of(worker)
+            step = state.of(worker, WorkerState).plain_step
             return [kept is deferred, deferred.disabled, state.of(worker, WorkerState).layout is not None,
                     step.layout, step.deferred, state.of(draft, DraftState).proposal_by_row]
         emit({"sync": scheduler(False), "overlap": scheduler(True)})

@@ -202,6 +202,7 @@ def install(worker: Any, runner_class: type) -> DeferredDraftKv:
     draft_worker = worker.draft_worker
     own = state.of(draft_worker, DraftState)
     if own.deferred is not None:
+        assert isinstance(own.deferred, DeferredDraftKv)
         return own.deferred
     runner = draft_worker.draft_runner
     target = worker.target_worker.model_runner

@@ -34,13 +34,13 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_image_plugin import draft_kv, state
-from sglang_image_plugin.state import DraftState, WorkerState
+from sglang_image_plugin.state import DraftState, Layout, WorkerState
 
 # The scheduler process's layout (one scheduler per process); set by install().
 _active: PlainLayout | None = None
 
 
-def _layout(worker: Any) -> PlainLayout | None:
+def _layout(worker: Any) -> Layout | None:
     own = state.peek(worker, WorkerState)
     return own.layout if own is not None else None
 

@@ -7,10 +7,9 @@ sglang and prometheus_client are imported inside the functions only.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from sglang_image_plugin import layout, plain_step, spec_disable
+from sglang_image_plugin import layout, spec_disable
 from sglang_image_plugin import state as plugin_state
 from sglang_image_plugin.state import DraftState, WorkerState
 from sglang_image_plugin.tp import log_on_rank0
@@ -97,7 +96,7 @@ def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> N
     labels = getattr(collector, "labels", None)
     if controller is not None and labels is not None:
         controller.metrics = PrometheusMetrics(dict(labels))
-    step = plain_step.of(worker)
+    step = own.plain_step if own is not None else None
     if own is None or controller is None or step is None or not step.kv_only:
         return
     draft = plugin_state.of(worker._draft_worker, DraftState)
@@ -115,8 +114,7 @@ def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> N
         draft.deferred.disable()
     draft.deferred = None
     if reason != step.layout_reason:
-        own.plain_step = replace(step, layout_reason=reason,
-                                 deferred_reason="the speculative layout")
+        own.plain_step = step.in_speculative_layout(reason)
         log_on_rank0(f"Plain step: plain steps keep the speculative layout: {reason}")
 
 

@@ -22,11 +22,9 @@ installed (targets.HOOKS, by group). sglang is imported inside the functions onl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from sglang_image_plugin import state
-from sglang_image_plugin.state import WorkerState
 from sglang_image_plugin.targets import Group
 
 
@@ -85,6 +83,12 @@ class PlainStep:
         return [f"Plain step: {draft}", f"Plain step: {layout}"] + (
             [f"Plain step: {write}"] if self.kv_only else [])
 
+    def in_speculative_layout(self, reason: str) -> PlainStep:
+        """This plain step where the scheduler cannot run the plain layout after all (the
+        scheduler's own check: layout.why_not_plain_layout): each plain step then writes its own
+        draft K/V."""
+        return replace(self, layout_reason=reason, deferred_reason="the speculative layout")
+
 
 def layout_reason_from_args(server_args: Any) -> str | None:
     """Why the scheduler these arguments make cannot run plain steps in the plain layout (the
@@ -118,8 +122,3 @@ def resolve(worker: Any, auto: bool) -> PlainStep:
         deferred = deferred_kv.why_not_in_graph(worker)
     return PlainStep(kv_only_reason=kv_only, layout_reason=layout, deferred_reason=deferred,
                      auto=auto)
-
-
-def of(worker: Any) -> PlainStep | None:
-    own = state.peek(worker, WorkerState)
-    return own.plain_step if own is not None else None

@@ -19,7 +19,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from sglang_image_plugin import deferred_kv, plain_step
+from sglang_image_plugin import deferred_kv, state
+from sglang_image_plugin.state import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +63,16 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
                         speculative_num_draft_tokens: int, *args: Any, **kwargs: Any) -> Any:
     """AROUND EAGLEWorkerV2.build_adaptive_runtime_state: the zero-step state's target graph in
     DECODE mode, with the deferred draft K/V write where the plain step has it."""
-    step = plain_step.of(worker)
+    own = state.peek(worker, WorkerState)
+    step = own.plain_step if own is not None else None
     if speculative_num_steps != 0 or step is None:
         return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
     deferred = deferred_kv.install(worker, runner_class()) if step.deferred else None
     with _decode_runner_for_capture():
-        state = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
+        built = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
     if deferred is not None:
         deferred.reset()  # the capture's runs fed dummy rows
-    return state
+    return built
 
 
 def prepare_for_verify(original: Callable[..., Any], verify_input: Any, req_to_token_pool: Any,

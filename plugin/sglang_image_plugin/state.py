@@ -4,20 +4,89 @@ ServerArgs carries an ArgsState (ServerArgs.__reduce__ pickles it with the recor
 processes), each EAGLE-3 worker a WorkerState and its draft worker a DraftState. `of` gives an
 object's state, made on first use; `peek` reads it without making one (None: the plugin left
 nothing there, e.g. a server without a threshold).
+
+The bottom of the plugin's layers (tests/test_layout.py): it imports no mechanism and no hook. A
+field holding one of their objects is typed by a Protocol here, which says what its readers use
+of it; mypy checks the object put there against it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from sglang_image_plugin.acceptance import AcceptanceAroundPlain
-    from sglang_image_plugin.deferred_kv import DeferredDraftKv
-    from sglang_image_plugin.layout import PlainLayout
-    from sglang_image_plugin.plain_step import PlainStep
-    from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, DepthSchedulePolicy
-    from sglang_image_plugin.spec_disable import Setting, SpecDisableController
+    from sglang_image_plugin.spec_disable import Metrics, Setting
+
+
+class Controller(Protocol):
+    """WorkerState.controller: spec_disable.SpecDisableController, policy.AutoThresholdPolicy or
+    policy.DepthSchedulePolicy, as the observability hooks read it (observe.py)."""
+
+    metrics: Metrics  # where it reports (the scheduler attaches Prometheus)
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
+class AcceptanceWatch(Protocol):
+    """WorkerState.acceptance: acceptance.AcceptanceAroundPlain."""
+
+    def decided(self, depth: int, batch_size: int) -> None: ...
+
+    def verified(self, num_correct_drafts_per_req: Sequence[int]) -> None: ...
+
+    def view(self) -> dict[str, Any]: ...
+
+
+class PlainStepParts(Protocol):
+    """WorkerState.plain_step: plain_step.PlainStep, as the hooks read it."""
+
+    @property
+    def kv_only(self) -> bool: ...
+
+    @property
+    def deferred(self) -> bool: ...
+
+    @property
+    def layout_reason(self) -> str | None: ...
+
+    def view(self) -> dict[str, str]: ...
+
+    def in_speculative_layout(self, reason: str) -> PlainStepParts: ...
+
+
+class Layout(Protocol):
+    """WorkerState.layout: layout.PlainLayout, as its hooks read it."""
+
+    predecided: bool
+
+    def forward(self, batch: Any) -> Any: ...
+
+
+class CatchUp(Protocol):
+    """DraftState.catch_up: policy.CatchUpPolicy, as the draft's hooks read it."""
+
+    @property
+    def full_draft_extend(self) -> bool: ...
+
+    @property
+    def draft_stale(self) -> bool: ...
+
+
+class DeferredWrite(Protocol):
+    """DraftState.deferred: deferred_kv.DeferredDraftKv, as the hooks read it."""
+
+    pending: bool
+
+    def step(self, rows: Any, tokens: Any, positions: Any, hidden: Any, loc: Any) -> None: ...
+
+    def flush(self, rows: Any, tokens: Any, positions: Any) -> None: ...
+
+    def forget(self, rows: Any) -> None: ...
+
+    def disable(self) -> None: ...
+
 
 # Not a ServerArgs field, nor a worker's: upstream never reads or resolves it.
 ATTR = "_sglang_image"
@@ -37,19 +106,19 @@ class WorkerState:
     """On EAGLEWorkerV2: what its threshold decides with and what its plain step is."""
 
     # the threshold's controller, `auto`'s policy or the schedule's; read by the observability hooks
-    controller: SpecDisableController | AutoThresholdPolicy | DepthSchedulePolicy | None = None
+    controller: Controller | None = None
     auto_pending: bool = False  # `auto` waits for init_cuda_graphs to make its policy
-    acceptance: AcceptanceAroundPlain | None = None  # accept length around plain phases
-    plain_step: PlainStep | None = None  # resolved once, at init_cuda_graphs
-    layout: PlainLayout | None = None  # the plain layout, where the scheduler runs it
+    acceptance: AcceptanceWatch | None = None  # accept length around plain phases
+    plain_step: PlainStepParts | None = None  # resolved once, at init_cuda_graphs
+    layout: Layout | None = None  # the plain layout, where the scheduler runs it
 
 
 @dataclass
 class DraftState:
     """On EagleDraftWorker: how a plain step treats the draft."""
 
-    catch_up: CatchUpPolicy | None = None  # whether this plain step drafts in full (K/V-only draft)
-    deferred: DeferredDraftKv | None = None  # the K/V a plain-layout step left for the next
+    catch_up: CatchUp | None = None  # whether this plain step drafts in full (K/V-only draft)
+    deferred: DeferredWrite | None = None  # the K/V a plain-layout step left for the next
     # the overlap scheduler's FutureMap relays the proposal by request row (the plain layout's
     # scheduler): a K/V-only prefill then hands none (draft_kv.draft_extend_for_prefill)
     proposal_by_row: bool = False

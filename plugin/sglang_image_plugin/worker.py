@@ -22,7 +22,7 @@ from sglang_image_plugin.policy import (
     DepthSchedulePolicy,
     ThresholdPolicy,
 )
-from sglang_image_plugin.state import ArgsState, DraftState, WorkerState
+from sglang_image_plugin.state import AcceptanceWatch, ArgsState, DraftState, WorkerState
 from sglang_image_plugin.targets import hooks_of
 from sglang_image_plugin.tp import broadcast_ints, log_on_rank0, tp_agree, tp_group, tp_rank
 
@@ -182,7 +182,7 @@ def step_verified(worker: Any, num_correct_drafts_per_req: list[int], *args: Any
         watch.verified(num_correct_drafts_per_req)
 
 
-def _acceptance(worker: Any) -> AcceptanceAroundPlain | None:
+def _acceptance(worker: Any) -> AcceptanceWatch | None:
     own = state.peek(worker, WorkerState)
     return own.acceptance if own is not None else None
 
