@@ -1062,7 +1062,7 @@ def test_plain_step_writes_draft_kv_only_except_catch_up_speculative_and_idle(ru
     # target wrote, and leaves placeholders for the proposal; the catch-up step, a speculative
     # step, an idle batch and a worker without decode-kv run upstream's full draft extend.
     out = _probe(run_in_tree, tree, plugin_site, EAGLE3_DRAFT, """
-        from sglang_image_plugin import draft_kv
+        from sglang_image_plugin import draft_extend, draft_kv
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         model = make_draft()
         calls = []
@@ -1082,12 +1082,12 @@ def test_plain_step_writes_draft_kv_only_except_catch_up_speculative_and_idle(ru
                                 ("catch_up", draft_worker(model, catch_up=full), batch()),
                                 ("idle", draft_worker(model, catch_up=kv_only), batch(ForwardMode.IDLE))]:
             n = len(calls)
-            draft_kv.draft_extend_for_decode(original, worker, b, result(), kv_loc_plan="plan")
+            draft_extend.draft_extend_for_decode(original, worker, b, result(), kv_loc_plan="plan")
             routed[name] = calls[n:] == ["plan"] and not worker.draft_runner.token_to_kv_pool.writes
         pool = RecordingPool()
         worker, b, r = draft_worker(model, pool=pool, catch_up=kv_only), batch(), result()
         with torch.no_grad():
-            draft_kv.draft_extend_for_decode(original, worker, b, r, kv_loc_plan="plan")
+            draft_extend.draft_extend_for_decode(original, worker, b, r, kv_loc_plan="plan")
             ref = RecordingPool()
             draft_kv.write_draft_kv(model, torch.tensor([3, 17, 8]), torch.tensor([5, 9, 30]),
                                     r.logits_output.hidden_states, torch.tensor([70, 71, 99]), ref)
@@ -1191,7 +1191,7 @@ def test_kv_only_prefill_writes_the_full_draft_extends_kv(run_in_tree, tree, plu
     # positions after its cached prefix), at the target's slots; the new requests get
     # upstream's placeholder proposal and their sampled tokens as bonus tokens.
     out = _probe(run_in_tree, tree, plugin_site, PREFILL_FAKES, """
-        from sglang_image_plugin import draft_kv, state
+        from sglang_image_plugin import draft_extend, state
         from sglang_image_plugin.state import DraftState
         original = ew.EagleDraftWorker._draft_extend_for_prefill
         res = {}
@@ -1201,7 +1201,7 @@ def test_kv_only_prefill_writes_the_full_draft_extends_kv(run_in_tree, tree, plu
                 original(full, prefill_batch(), target_hidden(dtype), SAMPLED, None, kv_loc_plan=Plan())
                 k_full, v_full = full.draft_runner.model.model.layers[0].self_attn.attn.seen[-1]
                 only, runner = prefill_draft(dtype, catch_up=NS(draft_stale=True))
-                nd = draft_kv.draft_extend_for_prefill(original, only, prefill_batch(), target_hidden(dtype),
+                nd = draft_extend.draft_extend_for_prefill(original, only, prefill_batch(), target_hidden(dtype),
                                                        SAMPLED, None, kv_loc_plan=Plan())
             (layer, loc, k, v, _, _), = runner.token_to_kv_pool.writes
             res[name] = {"k": bool(torch.equal(k, k_full)), "v": bool(torch.equal(v, v_full)),
@@ -1234,7 +1234,7 @@ def test_kv_only_prefill_under_the_plain_layout_hands_no_placeholder_proposal(ru
         from sglang.srt.managers.overlap_utils import FutureMap, RelayPayload
         from sglang.srt.speculative.eagle_info import EagleDraftInput
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-        from sglang_image_plugin import draft_kv, state
+        from sglang_image_plugin import draft_extend, state
         from sglang_image_plugin.state import DraftState
         original = ew.EagleDraftWorker._draft_extend_for_prefill
         rows = torch.tensor([4, 6, 9])
@@ -1248,7 +1248,7 @@ def test_kv_only_prefill_under_the_plain_layout_hands_no_placeholder_proposal(ru
             dw, runner = prefill_draft(catch_up=NS(draft_stale=True))
             state.of(dw, DraftState).proposal_by_row = by_row
             with torch.no_grad(), parallel():
-                nd = draft_kv.draft_extend_for_prefill(original, dw, prefill_batch(), target_hidden(), SAMPLED,
+                nd = draft_extend.draft_extend_for_prefill(original, dw, prefill_batch(), target_hidden(), SAMPLED,
                                                        None, kv_loc_plan=Plan())
             fm.stash(rows, RelayPayload.from_draft_input(nd))   # as Scheduler._relay_forward_payload does
             nd.future_indices = rows                            # as run_batch sets it
@@ -1339,7 +1339,7 @@ LAYOUT_FAKES = """
     overlap_utils.gather_spec_extras = lambda i, p, t, o, h: (  # (a triton kernel upstream)
         p[i], t[i], o[i], None if h is None else h[i])
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from sglang_image_plugin import draft_kv, layout as L, state
+    from sglang_image_plugin import draft_extend, draft_kv, layout as L, state
     from sglang_image_plugin.state import DraftState, WorkerState
     from sglang_image_plugin.acceptance import AcceptanceAroundPlain
     from sglang_image_plugin.policy import CatchUpPolicy
@@ -1819,9 +1819,9 @@ def test_layout_hands_the_draft_kv_to_the_graph_and_keeps_its_books_without_it(r
         state.of(dw, DraftState).deferred = rec
         verified = NS(forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor([3, 5]),
                       input_ids=torch.tensor([7, 8]), seq_lens=torch.tensor([12, 22]))
-        draft_kv.draft_extend_for_decode(lambda *a, **k: calls.append(["full draft extend"]), dw, verified, None)
+        draft_extend.draft_extend_for_decode(lambda *a, **k: calls.append(["full draft extend"]), dw, verified, None)
         dw.speculative_num_steps = 3
-        draft_kv.draft_extend_for_decode(lambda *a, **k: calls.append(["speculative extend"]), dw, verified, None)
+        draft_extend.draft_extend_for_decode(lambda *a, **k: calls.append(["speculative extend"]), dw, verified, None)
         emit({"calls": calls, "immediate_writes": writes_before, "marked": graph_step_marked})
     """)
     assert out["immediate_writes"] == 0 and out["marked"] is True

@@ -173,7 +173,7 @@ class CatchUpPolicy:
     def draft_stale(self) -> bool:
         """The mode is plain: a plain step ran since the last full draft step, so the next step
         that would speculate runs the catch-up step first (a prefill now may write only the
-        draft's K/V: draft_kv.draft_extend_for_prefill)."""
+        draft's K/V: draft_extend.draft_extend_for_prefill)."""
         return self._draft_stale
 
     def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:

@@ -120,7 +120,7 @@ class DraftState:
     catch_up: CatchUp | None = None  # whether this plain step drafts in full (K/V-only draft)
     deferred: DeferredWrite | None = None  # the K/V a plain-layout step left for the next
     # the overlap scheduler's FutureMap relays the proposal by request row (the plain layout's
-    # scheduler): a K/V-only prefill then hands none (draft_kv.draft_extend_for_prefill)
+    # scheduler): a K/V-only prefill then hands none (draft_extend.draft_extend_for_prefill)
     proposal_by_row: bool = False
 
 

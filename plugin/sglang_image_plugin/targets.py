@@ -83,10 +83,10 @@ HOOKS: tuple[HookSpec, ...] = (
              "adds speculative_disable to the server info"),
     # -- a draft that writes only its K/V
     HookSpec("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_decode",
-             "around", "sglang_image_plugin.draft_kv:draft_extend_for_decode", Group.KV_ONLY,
+             "around", "sglang_image_plugin.draft_extend:draft_extend_for_decode", Group.KV_ONLY,
              "a plain step writes only the draft's K/V"),
     HookSpec("sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker._draft_extend_for_prefill",
-             "around", "sglang_image_plugin.draft_kv:draft_extend_for_prefill", Group.KV_ONLY,
+             "around", "sglang_image_plugin.draft_extend:draft_extend_for_prefill", Group.KV_ONLY,
              "a prefill while the mode is plain writes only the draft's K/V"),
     # -- the plain layout (overlap scheduler)
     HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode", "around",
