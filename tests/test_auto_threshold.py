@@ -22,14 +22,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 
+from sglang_image_plugin.auto_policy import AutoPolicy, StepTrace
 from sglang_image_plugin.auto_threshold import (
     AutoConfig,
     AutoController,
-    AutoPolicy,
     Decision,
     Mode,
     Prior,
-    StepTrace,
     resume_batch_size,
 )
 from sglang_image_plugin.policy import CatchUpPolicy

@@ -809,7 +809,7 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
     head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-disable-batch-threshold', 'auto']\n"
             "TRACE = []\nHF_CONFIG = {}\n")
     body = """
-        from sglang_image_plugin.auto_threshold import AutoPolicy
+        from sglang_image_plugin.auto_policy import AutoPolicy
         ctl = controller.params.controller
         learned = run(traffic(20000))
         crossover = ctl.crossover()
@@ -1502,7 +1502,8 @@ def test_auto_pairs_each_plain_layout_step_with_its_own_result(run_in_tree, tree
     # catch-up step is neither mode's figure and is left out; so is the first step of a kind
     # after another (its interval times the step before it).
     out = _probe(run_in_tree, tree, plugin_site, LAYOUT_FAKES, """
-        from sglang_image_plugin.auto_threshold import AutoPolicy, Mode
+        from sglang_image_plugin.auto_policy import AutoPolicy
+        from sglang_image_plugin.auto_threshold import Mode
 
         class ScriptedController:  # the two calls AutoPolicy makes of its AutoController
             def __init__(self, modes):

@@ -16,7 +16,8 @@ sys.path.insert(0, str(PLUGIN_DIR))
 from sglang_image_plugin import plain_step
 from sglang_image_plugin import spec_disable as sd
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
-from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, AutoPolicy, Decision
+from sglang_image_plugin.auto_policy import AutoPolicy
+from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, Decision
 from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
 from sglang_image_plugin.targets import HOOKS, START, hooks_of
 

@@ -16,7 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin.auto_threshold import AutoController, AutoPolicy, resume_batch_size
+from sglang_image_plugin.auto_config import resume_batch_size
+from sglang_image_plugin.auto_policy import AutoPolicy
+from sglang_image_plugin.auto_threshold import AutoController
 from sglang_image_plugin.depth_schedule import DepthController
 from sglang_image_plugin.spec_disable import (
     MODE_LOG_INTERVAL_S,

@@ -13,7 +13,9 @@ from typing import Any
 
 from sglang_image_plugin import flags, plain_step, registry, spec_disable, state
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
-from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, StepTrace
+from sglang_image_plugin.auto_config import AutoConfig
+from sglang_image_plugin.auto_policy import StepTrace
+from sglang_image_plugin.auto_threshold import AutoController
 from sglang_image_plugin.depth_schedule import DepthController
 from sglang_image_plugin.layout import decided_at_prepare
 from sglang_image_plugin.policy import (
