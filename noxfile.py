@@ -34,6 +34,7 @@ def _install(session: nox.Session, *groups: str, extra: tuple[str, ...] = ()) ->
                     *extra]
     stamp = Path(str(session.virtualenv.location)) / ".sglang-image-installed"
     key = hashlib.sha256(json.dumps([requirements, PYPROJECT["project"], PYPROJECT["build-system"],
+                                     PYPROJECT["tool"]["setuptools"],  # the packages installed
                                      (ROOT / "VERSION").read_text()]).encode()).hexdigest()
     if stamp.exists() and stamp.read_text() == key:
         session.log("requirements unchanged since the last install: nothing to install")

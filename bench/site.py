@@ -19,12 +19,11 @@ from pathlib import Path
 from bench import comm as comm_mod
 from bench import jitcache
 from bench.call import REPO, Call
-from smoke import names
+from sglang_image_plugin.setting import THRESHOLD_FLAG
 
 # state of the installed site, and prefixes of the results measured on it: a new site drops both
 SITE_STATE = ("patch", "check")
 RESULT_STATE = ("smoke", "features", "bench_", "comm", "router")
-FLAG = names.THRESHOLD_FLAG
 
 
 def bundle_archive(bundle: Path) -> Path:
@@ -248,8 +247,8 @@ class Site:
         if p.returncode != 0:
             raise RuntimeError(f"the sglang import chain fails: {p.stderr.strip()[-1500:]}")
         h = self.call.sh([sys.executable, "-m", "sglang.launch_server", "--help"], "setup.log")
-        if FLAG not in h.stdout:
-            raise RuntimeError(f"`launch_server --help` does not show {FLAG} (patch not applied?)")
+        if THRESHOLD_FLAG not in h.stdout:
+            raise RuntimeError(f"`launch_server --help` does not show {THRESHOLD_FLAG} (patch not applied?)")
         self.call.state["check"] = True
 
     def check_host_stack(self) -> None:

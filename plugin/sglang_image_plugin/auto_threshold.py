@@ -1,4 +1,4 @@
-"""`--speculative-disable-batch-threshold auto`: the server finds where speculation stops paying.
+"""The threshold `auto`: the server finds where speculation stops paying.
 
 Pure Python (no torch, no sglang), so it is tested alone on a CPU. A worker hook calls, per
 decode step:
@@ -59,8 +59,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-# The flag, its parser and the fixed threshold's hysteresis live with the other flags.
-from sglang_image_plugin.spec_disable import (
+# The flag, its parser and the fixed threshold's hysteresis are the setting's.
+from sglang_image_plugin.setting import (
     AUTO,
     AUTO_TRACE_ENV,
     THRESHOLD_FLAG,

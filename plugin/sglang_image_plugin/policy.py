@@ -18,12 +18,8 @@ from typing import Any
 
 from sglang_image_plugin.auto_threshold import AutoController, AutoPolicy, resume_batch_size
 from sglang_image_plugin.depth_schedule import DepthController
-from sglang_image_plugin.spec_disable import (
-    MODE_LOG_INTERVAL_S,
-    Metrics,
-    Mode,
-    SpecDisableController,
-)
+from sglang_image_plugin.setting import MODE_CHANGE_LOG_PREFIX, Mode
+from sglang_image_plugin.spec_disable import MODE_LOG_INTERVAL_S, Metrics, SpecDisableController
 
 logger = logging.getLogger(__name__)
 
@@ -287,9 +283,9 @@ class AutoThresholdPolicy(AutoPolicy):
                     f"accept length {shown}); mode={mode}; per bucket, speculative / plain: "
                     f"{self.controller.estimates_text()}")
         elif mode is Mode.PLAIN:
-            line = f"Speculation mode -> plain (batch size {batch_size} > crossover {crossover}, auto)"
+            line = f"{MODE_CHANGE_LOG_PREFIX} plain (batch size {batch_size} > crossover {crossover}, auto)"
         else:
-            line = (f"Speculation mode -> speculative (batch size {batch_size} <= "
+            line = (f"{MODE_CHANGE_LOG_PREFIX} speculative (batch size {batch_size} <= "
                     f"{resume_batch_size(crossover)}, crossover {crossover}, auto)")
         state = self.controller.state()
         line += (f"; mode_changes={state['mode_changes']}, "

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from sglang_image_plugin.layout import PlainLayout
     from sglang_image_plugin.plain_step import PlainStep
     from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, DepthSchedulePolicy
-    from sglang_image_plugin.spec_disable import Setting, SpecDisableController
+    from sglang_image_plugin.setting import Setting
+    from sglang_image_plugin.spec_disable import SpecDisableController
 
 # Not a ServerArgs field, nor a worker's: upstream never reads or resolves it.
 ATTR = "_sglang_image"
