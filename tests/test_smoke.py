@@ -254,7 +254,7 @@ def test_nox_side_container_and_device_command(tmp_path):
     names = [line.split("#")[0].strip() for line in
              (REPO / "patches" / "sglang-0.5.17" / "series").read_text().splitlines()]
     assert [s["name"] for s in series] == [n for n in names if n]
-    assert "python3 -m bench e2e --bundle .gpu" in gpu.host_command()
+    assert "PYTHONPATH=plugin${PYTHONPATH:+:$PYTHONPATH} python3 -m bench e2e --bundle .gpu" in gpu.host_command()
     default = pins.load_flavor(pins.DEFAULT_FLAVOR)
     lines, _ = gpu.bundle_requirements(default)
     assert any(line.startswith(f"sglang=={default.sglang_version}") for line in lines)
