@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import nox
@@ -34,6 +35,7 @@ def _install(session: nox.Session, *groups: str, extra: tuple[str, ...] = ()) ->
                     *extra]
     stamp = Path(str(session.virtualenv.location)) / ".sglang-image-installed"
     key = hashlib.sha256(json.dumps([requirements, PYPROJECT["project"], PYPROJECT["build-system"],
+                                     PYPROJECT["tool"]["setuptools"],  # the packages installed
                                      (ROOT / "VERSION").read_text()]).encode()).hexdigest()
     if stamp.exists() and stamp.read_text() == key:
         session.log("requirements unchanged since the last install: nothing to install")
@@ -132,7 +134,10 @@ def gpu_e2e(session: nox.Session) -> None:
 @nox.session(venv_backend="none", default=False)
 def bench(session: nox.Session) -> None:
     """Tokens/s of plain, EAGLE-3, adaptive, threshold and auto servers of this Python's sglang on a GPU host (-- --models DIR --out docs/bench)."""
-    session.run("python", "-m", "bench", "run", *session.posargs)
+    # plugin/ on the path: the benchmark imports the speculation setting's contract from it (its
+    # servers get this Python's own sglang and plugin: smoke.server.sglang_env)
+    path = os.pathsep.join(p for p in (str(ROOT / "plugin"), os.environ.get("PYTHONPATH")) if p)
+    session.run("python", "-m", "bench", "run", *session.posargs, env={"PYTHONPATH": path})
 
 
 @nox.session(default=False)

@@ -16,18 +16,18 @@ import argparse
 import bisect
 import dataclasses
 import functools
-import importlib
 import json
 import statistics
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from sglang_image_plugin import auto_threshold
+from sglang_image_plugin.setting import AUTO, AUTO_TRACE_ENV, THRESHOLD_FLAG, Mode
+
 KINDS = ("speculative", "plain")
-THRESHOLD_TRACE_HINT = "--speculative-disable-batch-threshold auto and SGLANG_IMAGE_AUTO_TRACE=FILE"
+THRESHOLD_TRACE_HINT = f"{THRESHOLD_FLAG} {AUTO} and {AUTO_TRACE_ENV}=FILE"
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -44,7 +44,7 @@ def read(path: Path) -> list[dict[str, Any]]:
 @functools.cache
 def server_edges() -> tuple[int, ...]:
     """The bucket edges an auto server uses (the plugin's power_of_two_edges), far past any batch."""
-    return tuple(controller_module().power_of_two_edges(1 << 20))
+    return tuple(auto_threshold.power_of_two_edges(1 << 20))
 
 
 def bucket_of(batch: int) -> tuple[int, int]:
@@ -115,20 +115,10 @@ def render(rows: list[Row] | list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def controller_module() -> ModuleType:
-    """The plugin's auto_threshold: installed, or from this repository's plugin/ folder."""
-    try:
-        return importlib.import_module("sglang_image_plugin.auto_threshold")
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
-        return importlib.import_module("sglang_image_plugin.auto_threshold")
-
-
 def parse_settings(raw: str) -> dict[str, Any]:
     """`step_noise=0.05,stale_steps=2048` into AutoConfig's fields, typed as they are there; a
     SystemExit naming the key and the fields for a wrong one."""
-    auto = controller_module()
-    fields = {f.name: f for f in dataclasses.fields(auto.AutoConfig)}
+    fields = {f.name: f for f in dataclasses.fields(auto_threshold.AutoConfig)}
     out: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in raw.split(","))):
         key, _, value = item.partition("=")
@@ -155,7 +145,6 @@ def replay(records: Iterable[dict[str, Any]], settings: dict[str, Any],
     Returns its crossover changes (time, crossover) and its estimates at the end."""
     if leave_out_prefills not in LEAVE_OUT:
         raise ValueError(f"leave_out_prefills {leave_out_prefills!r}: one of {', '.join(LEAVE_OUT)}")
-    auto = controller_module()
     steps = [r for r in records if r.get("kind") in (*KINDS, "catch-up") and r.get("batch")]
     marked = [bool(r.get("prefills")) for r in steps]
     if leave_out_prefills == "next":
@@ -164,12 +153,12 @@ def replay(records: Iterable[dict[str, Any]], settings: dict[str, Any],
         marked = [False] * len(steps)
     top = max((int(r["batch"]) for r in steps), default=1)
     size = 1 << (top - 1).bit_length()  # the power of two at or above the largest batch
-    ctl = auto.AutoController(auto.AutoConfig(**{"max_batch_size": size, **settings}))
+    ctl = auto_threshold.AutoController(auto_threshold.AutoConfig(**{"max_batch_size": size, **settings}))
     changes, last = [], ctl.crossover()
     for r, skip in zip(steps, marked, strict=True):
         ctl.decide(int(r["batch"]))
         if r.get("recorded") and r.get("tokens") is not None and not skip:
-            ctl.record(auto.Mode(r["kind"]), int(r["batch"]), float(r["seconds"]), int(r["tokens"]))
+            ctl.record(Mode(r["kind"]), int(r["batch"]), float(r["seconds"]), int(r["tokens"]))
         if ctl.crossover() != last:
             last = ctl.crossover()
             changes.append((float(r["t"]), last))

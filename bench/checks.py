@@ -10,7 +10,8 @@ from typing import Any
 
 from bench import autotrace
 from bench.window import flush_cache
-from smoke import client, names
+from sglang_image_plugin.setting import AUTO_TRACE_ENV
+from smoke import client
 from smoke.checks import check_log_clean, spec_state
 from smoke.server import Server, SmokeError
 
@@ -76,7 +77,7 @@ def server_checks(name: str, srv: Server, top: int, switching: bool) -> tuple[di
             info["speculative_disable"] = speculation_state(srv.base)
         except (SmokeError, client.HTTPFailure, ValueError) as exc:
             problems.append(f"{name}: no speculation state: {getattr(exc, 'cause', exc)}")
-    trace = srv.cfg.env.get(names.AUTO_TRACE_ENV)
+    trace = srv.cfg.env.get(AUTO_TRACE_ENV)
     if trace and Path(trace).is_file():  # auto's steps, written out as the server went idle after the load
         info["step_trace"] = [r.as_dict() for r in autotrace.summarize(autotrace.read(Path(trace)))]
     try:

@@ -1,7 +1,7 @@
 """GPU proof of the SM120 all-reduce patches (torch symmetric memory two-shot, FlashInfer allreduce
 fusion) on a 2-GPU machine, with a tiny Qwen3 model (sglang runs it through LayerCommunicator).
 
-    python3 -m bench comm --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
+    PYTHONPATH=plugin python3 -m bench comm --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
 
 = `python3 -m bench e2e --phases install,patch,models,comm` (same options; every phase resumes from
 the state dir, so the same command on the warm machine continues where the deadline stopped it).

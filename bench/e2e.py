@@ -1,8 +1,13 @@
 """The whole GPU run as one resumable driver (for the device machine: no Docker, no internet).
 
-    python3 -m bench e2e --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
+    PYTHONPATH=plugin python3 -m bench e2e --bundle .gpu --state /tmp/smoke-state --out "$OUT" [--deadline 560]
                          [--phases all|install,patch,models,smoke,bench,comm] [--fresh]
                          [--parallel-variants]
+
+In the repository's root: plugin/ holds the speculation setting's contract, which the smoke and
+the bench import by name (their servers load the plugin installed in the site instead). Before
+any phase the driver starts itself again, once, with the site on its PYTHONPATH (it imports from
+the site as its servers do: restart_with_site).
 
 Phases, each skipped when the state dir says it is done (a warm machine keeps /tmp between calls,
 so the same command a second time resumes where the deadline stopped the first; a smoke, bench or
@@ -39,6 +44,7 @@ import io
 import json
 import os
 import signal
+import sys
 import tarfile
 import time
 import traceback
@@ -293,4 +299,31 @@ def main(a: argparse.Namespace) -> int:
     if not levels or min(levels) < 1 or a.router_threshold < 1:
         raise SystemExit(f"--router-levels {a.router_levels} --router-threshold {a.router_threshold}: "
                          "give client counts >= 1 as a comma list (e.g. 2,8,96) and a threshold >= 1")
-    return E2E(a).run()
+    driver = E2E(a)
+    if not a.stop:
+        restart_with_site(driver.site)
+    return driver.run()
+
+
+RESTARTED_ENV = "SGLANG_IMAGE_E2E_RESTARTED"
+
+
+def restart_with_site(site: Site) -> None:
+    """Run this command again, once, in a process that starts with the site on its PYTHONPATH
+    (Site.env), where this one did not: the driver imports from the site too, as its servers do.
+    Only the command line `python -m bench` starts again, before any phase; a call from Python
+    (the tests) goes on as it is."""
+    restarted = os.environ.pop(RESTARTED_ENV, None) is not None  # kept out of the servers' env
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if main_spec is None or main_spec.name != "bench.__main__":
+        return
+    site.env()
+    if site.on_path():
+        return
+    if restarted:  # python -E or -I: once only
+        site.call.log(f"{site.path} is not on this process's path although PYTHONPATH has it "
+                      "(python -E or -I?): the checks that import from the site will fail")
+        return
+    os.environ[RESTARTED_ENV] = "1"
+    site.call.log(f"starting again with {site.path} on PYTHONPATH")
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

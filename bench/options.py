@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.configs import CONFIGS, TWIN, BenchConfig, expand
-from smoke import names
+from sglang_image_plugin.setting import DEPTH_SCHEDULE_EXAMPLE, DEPTH_SCHEDULE_FLAG, parse_schedule
 from smoke.deadline import Deadline
 
 DEFAULT_CONFIGS = ("plain", "eagle3", "eagle3_thr")  # the promise: a threshold against both fixed modes
@@ -26,7 +26,7 @@ class BenchOptions:
     out: Path
     thresholds: tuple[int, ...] = (16,)  # eagle3_thr: one server per fixed threshold (a sweep)
     depths: tuple[int, ...] = (1, 2)  # eagle3_depth: one always-on EAGLE-3 server per draft depth
-    schedules: tuple[str, ...] = (names.DEPTH_SCHEDULE_EXAMPLE,)  # eagle3_sched: one server per schedule
+    schedules: tuple[str, ...] = (DEPTH_SCHEDULE_EXAMPLE,)  # eagle3_sched: one server per schedule
     # the switching servers (a threshold, auto) start without --max-running-requests and a decode
     # graph size, as the README's Serve command does: the plugin keeps a plain server's limits
     switching_defaults: bool = False
@@ -86,8 +86,8 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "depth", default="1,2",
                     help="eagle3_depth's draft depths d, a comma list: one always-on EAGLE-3 server per d, "
                          "drafting d steps and verifying d + 1 tokens a request (eagle3 itself drafts 3)")
-    ap.add_argument(p + "schedule", default=names.DEPTH_SCHEDULE_EXAMPLE,
-                    help="eagle3_sched's draft depth per load (the server's --speculative-depth-schedule); "
+    ap.add_argument(p + "schedule", default=DEPTH_SCHEDULE_EXAMPLE,
+                    help=f"eagle3_sched's draft depth per load (the server's {DEPTH_SCHEDULE_FLAG}); "
                          "several separated by ';' run one server each")
     ap.add_argument(p + "switching-defaults", action="store_true",
                     help="start the threshold and auto servers without --max-running-requests and a "
@@ -153,7 +153,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("depth", "give distinct draft depths >= 1, e.g. 1,2")
     schedules = [x.strip() for x in str(get("schedule")).split(";") if x.strip()]
     try:
-        schedules = [names.parse_schedule(x, source=f"--{prefix}schedule") for x in schedules]
+        schedules = [str(parse_schedule(x, source=f"--{prefix}schedule")) for x in schedules]
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if not schedules or len(set(schedules)) < len(schedules):

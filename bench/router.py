@@ -2,7 +2,7 @@
 it, in front of two threshold servers; a load that crosses each server's threshold both ways;
 every output equal to a plain server's; one server killed mid-load, and no request lost.
 
-    python3 -m bench e2e --bundle .gpu --state STATE --out OUT --phases install,patch,check,models,router
+    PYTHONPATH=plugin python3 -m bench e2e --bundle .gpu --state STATE --out OUT --phases install,patch,check,models,router
 
 What a deployment adds (Services, probes, discovery by label) is checked by the CPU tests of
 deploy/; this run checks what only real servers show: the router's retries across a server's

@@ -16,8 +16,9 @@ from bench import router as router_mod
 from bench.call import REPO, Call, Deadline_
 from bench.options import BenchOptions, tuning_options
 from bench.throughput import run_bench
+from sglang_image_plugin.setting import AUTO, parse_threshold
 from smoke import features as features_mod
-from smoke import names, runner
+from smoke import runner
 
 # model dir -> (`smoke models` args, the phases that use it)
 MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], ("smoke", "features")),
@@ -29,8 +30,8 @@ MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], ("smoke", "features")
 def smoke_threshold(text: str) -> tuple[bool, int]:
     """--threshold: (auto, N); with auto the loads (and the feature matrix) use the default N.
     ValueError names a bad value."""
-    parsed = names.parse_threshold(text)
-    auto = parsed == runner.AUTO
+    parsed = parse_threshold(text, source="--threshold", allow_zero=False)
+    auto = parsed == AUTO
     return auto, runner.DEFAULT_THRESHOLD if auto else int(parsed)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -19,12 +20,12 @@ from pathlib import Path
 from bench import comm as comm_mod
 from bench import jitcache
 from bench.call import REPO, Call
-from smoke import names
+from sglang_image_plugin.setting import THRESHOLD_FLAG
+from smoke.server import SOURCE_PLUGIN_DIR
 
 # state of the installed site, and prefixes of the results measured on it: a new site drops both
 SITE_STATE = ("patch", "check")
 RESULT_STATE = ("smoke", "features", "bench_", "comm", "router")
-FLAG = names.THRESHOLD_FLAG
 
 
 def bundle_archive(bundle: Path) -> Path:
@@ -106,12 +107,18 @@ class Site:
         self.host_stack_checked = False  # check_host_stack runs once a call
 
     def env(self) -> None:
-        """Environment for this process and every server it starts."""
+        """Environment for every process this one starts (servers, the models' builder): the site,
+        the folders its .pth files add and the stubs first on PYTHONPATH, after this tree's plugin/
+        alone (the setting's contract is this tree's; the servers leave it off their path and load
+        the site's plugin: smoke.server.sglang_env). This process imports from the site too (the
+        grammar check's transformers and xgrammar; the metadata of the servers' sglang and plugin):
+        bench.e2e.main starts it again with this environment (on_path)."""
         jit = self.call.state_dir / "jit"
         own = [str(self.path), *pth_paths(self.path), str(self.call.state_dir / "stubs")]
+        given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in own]
+        source = [p for p in given if Path(p).resolve() == SOURCE_PLUGIN_DIR]
         os.environ.update({
-            "PYTHONPATH": os.pathsep.join(own + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                 if p and p not in own]),
+            "PYTHONPATH": os.pathsep.join(source + own + [p for p in given if p not in source]),
             "SMOKE_SERVER_PIDFILE": str(self.call.state_dir / "servers.pid"),
             "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -122,9 +129,10 @@ class Site:
             **comm_mod.NO_MULTICAST_ENV,  # NVLink multicast off, as in bench.comm's runs
         })
         os.environ["PATH"] = f"{os.environ['CUDA_HOME']}/bin:{os.environ.get('PATH', '')}"
-        for p in reversed(own):
-            if p not in sys.path:
-                sys.path.insert(0, p)
+
+    def on_path(self) -> bool:
+        """Whether this process started with the site on its path (its PYTHONPATH had it)."""
+        return os.path.abspath(self.path) in {os.path.abspath(p) for p in sys.path if p}
 
     @functools.cached_property
     def flavor(self) -> str:
@@ -209,6 +217,8 @@ class Site:
         (self.path / ".installed").write_text(key)
         self.call.state["install"] = key
         self.env()  # the new site's .pth folders on the path of every server from here on
+        # this process had the site on its path before it existed: look at the path again
+        importlib.invalidate_caches()
         self.call.log(f"install: {len(wheels)} wheels into {self.path} ({dated} files dated "
                       f"{time.strftime('%Y-%m-%d', time.gmtime(jitcache.SITE_MTIME))})")
 
@@ -248,8 +258,8 @@ class Site:
         if p.returncode != 0:
             raise RuntimeError(f"the sglang import chain fails: {p.stderr.strip()[-1500:]}")
         h = self.call.sh([sys.executable, "-m", "sglang.launch_server", "--help"], "setup.log")
-        if FLAG not in h.stdout:
-            raise RuntimeError(f"`launch_server --help` does not show {FLAG} (patch not applied?)")
+        if THRESHOLD_FLAG not in h.stdout:
+            raise RuntimeError(f"`launch_server --help` does not show {THRESHOLD_FLAG} (patch not applied?)")
         self.call.state["check"] = True
 
     def check_host_stack(self) -> None:

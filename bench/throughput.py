@@ -69,11 +69,11 @@ from bench.options import (
 from bench.ramp import ramp_levels, run_ramp
 from bench.window import WINDOW_END_S, flush_cache, host_counters, measure
 from bench.workload import output_lengths, pool_tokens, window_prompt, workload
-from smoke import client, names
+from sglang_image_plugin.setting import AUTO_TRACE_ENV, DEPTH_SCHEDULE_FLAG, THRESHOLD_FLAG
+from smoke import client
 from smoke.client import Prompt
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 
-THRESHOLD_FLAG = names.THRESHOLD_FLAG
 # upstream's own way to stop drafting (--speculative-adaptive): its default tiers (sglang's
 # speculative/adaptive_spec_params.py) without the 7-step tier of batch 1, whose draft-extend graph
 # capture crashed the server at start on an H200 (triton attention, graphs up to batch 256). The
@@ -90,7 +90,7 @@ WARM_S = 15  # one server's warm-up (they warm up one after the other), budgeted
 
 # ----------------------------------------------------------------------------- what runs
 def auto_supported() -> bool:
-    """Whether this Python's sglang takes `--speculative-disable-batch-threshold auto` (the plugin
+    """Whether this Python's sglang takes the threshold `auto` (the plugin
     that implements it is installed); read from the package metadata, without importing sglang."""
     try:
         files = importlib.metadata.distribution("sglang-image-plugin").files or []
@@ -112,11 +112,11 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     if rec.kind == "threshold":
         cfg.threshold = rec.threshold
     if rec.kind == "schedule" and rec.schedule is not None:
-        extra += [names.DEPTH_SCHEDULE_FLAG, rec.schedule]
+        extra += [DEPTH_SCHEDULE_FLAG, rec.schedule]
     if rec.kind == "auto":
         extra += [THRESHOLD_FLAG, "auto"]
         # its step trace, to read offline why it chose what it chose (in the logs it brings back)
-        cfg.env[names.AUTO_TRACE_ENV] = str((opts.out / f"{name}_steps.jsonl").resolve())
+        cfg.env[AUTO_TRACE_ENV] = str((opts.out / f"{name}_steps.jsonl").resolve())
     if rec.kind == "adaptive":
         extra += ["--speculative-adaptive", "--speculative-adaptive-config", str(opts.out / "adaptive_config.json")]
     if opts.diagnose or opts.device_timer:

@@ -10,15 +10,15 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from sglang_image_plugin.setting import START_LOG_LINE
 from smoke import client
 from smoke.client import Result
 from smoke.server import SmokeError
 
-# the patch's (and the plugin's) log lines
-START_LINE = "Dynamic speculation disable enabled: threshold={n}"
+# the plugin's (and the 0.5.17 flavor's patch's) words for the plain step (the start and
+# mode-change lines are the setting's)
 KV_ONLY_LINE = "write only the draft's K/V"
 FULL_DRAFT_LINE = "run the draft's full step"
-MODE_CHANGE = "Speculation mode ->"
 # Lines that mean the server is broken even if every request came back.
 BAD_LOG_PATTERNS = (
     re.compile(r"^Traceback \(most recent call last\)", re.MULTILINE),
@@ -29,7 +29,7 @@ BAD_LOG_PATTERNS = (
 
 
 def check_start_log(log_text: str, threshold: int | str) -> None:
-    want = START_LINE.format(n=threshold)
+    want = START_LOG_LINE.format(threshold=threshold)
     for line in log_text.splitlines():
         if want in line:
             # exact: the number must not continue (threshold=4 must not match threshold=40)

@@ -3,7 +3,7 @@
     python -m smoke partial --expect-series FILE [--manifest /opt/sglang-image/patches.json]
 
   1. imports that need no GPU driver (torch, transformers, sglang, sglang.srt.server_args)
-  2. `python -m sglang.launch_server --help` shows --speculative-disable-batch-threshold
+  2. `python -m sglang.launch_server --help` shows the threshold flag (the plugin's, or the patch's)
   3. the image's patch manifest equals the repo's patches/<flavor>/series (names, order, sha256);
      FILE is [{"name", "sha256"}] computed from the repo by the caller
   4. `pip check`
@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smoke import names
+from sglang_image_plugin.setting import THRESHOLD_FLAG
+from smoke.server import sglang_env
 
 MANIFEST = Path("/opt/sglang-image/patches.json")
-FLAG = names.THRESHOLD_FLAG
 IMPORTS = ("torch", "transformers", "sglang", "sglang.srt.server_args")
 
 
@@ -43,7 +43,7 @@ def compare_manifest(manifest: list[dict[str, Any]], expected: list[dict[str, An
 
 
 def help_shows_flag(help_text: str) -> bool:
-    return FLAG in help_text
+    return THRESHOLD_FLAG in help_text
 
 
 def patched_files_compile(manifest: list[dict[str, Any]]) -> tuple[bool, str]:
@@ -83,7 +83,7 @@ def run_checks(expected: list[dict[str, Any]], manifest_path: Path = MANIFEST,
     if light:
         ok, detail = patched_files_compile(manifest)
         add("patched files present and compiling", ok, detail)
-        for name in (*(f"import {m}" for m in IMPORTS), f"launch_server --help shows {FLAG}",
+        for name in (*(f"import {m}" for m in IMPORTS), f"launch_server --help shows {THRESHOLD_FLAG}",
                      "pip check"):
             add(name, True, "skipped: light image (no torch); needs the full image", skipped=True)
         return {"partial": True, "light": True, "checks": checks,
@@ -95,12 +95,13 @@ def run_checks(expected: list[dict[str, Any]], manifest_path: Path = MANIFEST,
             add(f"import {mod}", True, getattr(m, "__version__", ""))
         except Exception as exc:  # noqa: BLE001 - report any import failure
             add(f"import {mod}", False, f"{type(exc).__name__}: {exc}")
+    # the image's own sglang and plugin: not the plugin's sources the smoke imports its names from
     p = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"],
-                       check=False, capture_output=True, text=True, timeout=300)
-    add(f"launch_server --help shows {FLAG}", p.returncode == 0 and help_shows_flag(p.stdout),
+                       check=False, capture_output=True, text=True, timeout=300, env=sglang_env())
+    add(f"launch_server --help shows {THRESHOLD_FLAG}", p.returncode == 0 and help_shows_flag(p.stdout),
         "" if help_shows_flag(p.stdout) else (p.stderr or p.stdout)[-1500:] or "flag not in --help")
     p = subprocess.run([sys.executable, "-m", "pip", "check"], check=False, capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=300, env=sglang_env())
     add("pip check", p.returncode == 0, (p.stdout + p.stderr).strip())
     return {"partial": True, "checks": checks, "ok": all(c["ok"] for c in checks),
             "note": "PARTIAL: no GPU here; the full smoke (servers, EAGLE-3, threshold) needs one"}

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smoke import client, names
+from sglang_image_plugin.setting import AUTO, MODE_CHANGE_LOG_PREFIX, parse_threshold
+from smoke import client
 from smoke.checks import (
-    MODE_CHANGE,
     accept_stats,
     check_aborted,
     check_accept_recovers,
@@ -51,7 +51,6 @@ from smoke.server import Server, ServerConfig, SmokeError, log_tail
 # The smoke's threshold: small, so that the tiny model's load crosses it both ways in seconds. Every
 # smoke entry point (here, e2e, `nox -s smoke`) takes its default from this one name.
 DEFAULT_THRESHOLD = 4
-AUTO = names.AUTO
 REQUEST_TIMEOUT_S = 180  # a tiny-model request takes seconds; a hang must not outlive the deadline
 # The plain reference server runs eager (no CUDA graphs: nothing to capture before it serves), so
 # its step is launch-bound and costs about the same at 1 or 64 requests: at 8 at a time the 1B
@@ -118,7 +117,7 @@ class SmokeOptions:
     models: Path
     out: Path
     threshold: int = DEFAULT_THRESHOLD  # shapes the loads (N, 8N); the server's too unless auto
-    auto: bool = False  # the EAGLE-3 servers run --speculative-disable-batch-threshold auto
+    auto: bool = False  # the EAGLE-3 servers run the threshold `auto`
     variants: tuple[str, ...] = ("overlap", "sync")
     port: int = 30000
     mem_fraction: float = 0.15
@@ -281,7 +280,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
             raise SmokeError("server process died during the test")
         text = srv.log_text()
         check_log_clean(text)
-        rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE in line)
+        rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE_LOG_PREFIX in line)
         info = client.server_info(base)
         rep["avg_spec_accept_length"] = (info.get("internal_states") or [{}])[0].get("avg_spec_accept_length")
         rep["spec_disable_final"] = spec_state(info)
@@ -340,7 +339,7 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
             raise SmokeError("server process died during the test")
         text = srv.log_text()
         check_log_clean(text)
-        rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE in line)
+        rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE_LOG_PREFIX in line)
         rep["spec_disable_final"] = spec_state(client.server_info(base))
         rep["errors"] = sum(1 for r in results if r.error)
         rep["ok"] = True
@@ -575,7 +574,7 @@ def comma_list(text: str, known: Iterable[str], flag: str) -> tuple[str, ...]:
 def options(a: argparse.Namespace) -> SmokeOptions:
     variants = comma_list(a.variants, VARIANTS, "--variants")
     try:
-        parsed = names.parse_threshold(a.threshold)
+        parsed = parse_threshold(a.threshold, source="--threshold", allow_zero=False)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     auto = parsed == AUTO

@@ -12,18 +12,38 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from smoke import client, names
+from sglang_image_plugin.setting import THRESHOLD_FLAG
+from smoke import client
 
 # Flags every smoke/bench server gets: seen working on the H200 with the slimmed bundle
 # (no FA3 kernels -> triton attention; pytorch sampling and no grammar avoid more JIT compilation).
 BASE_FLAGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch",
               "--grammar-backend", "none", "--random-seed", "0", "--log-level", "info")
 EAGLE_STEPS = 3  # draft steps of a speculative step; top-k 1 verifies one token more
+# The plugin's sources beside smoke/ (the repository's plugin/, the image smoke's mount of it): on
+# this process's PYTHONPATH for the setting's contract (sglang_image_plugin.setting), never on a
+# server's. Ahead of site-packages, that copy would shadow the plugin installed with the server's
+# sglang (the image's, the GPU host's site), whose hooks and digests are the ones to test.
+SOURCE_PLUGIN_DIR = Path(__file__).resolve().parents[1] / "plugin"
+
+
+def sglang_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of an sglang process started from here: this one's and `extra`, without the
+    plugin's sources on PYTHONPATH (SOURCE_PLUGIN_DIR)."""
+    env = dict(os.environ, **(extra or {}))
+    entries = env.get("PYTHONPATH", "").split(os.pathsep)
+    kept = [p for p in entries if Path(p or ".").resolve() != SOURCE_PLUGIN_DIR]
+    if kept != entries:
+        if any(kept):
+            env["PYTHONPATH"] = os.pathsep.join(kept)
+        else:
+            env.pop("PYTHONPATH")
+    return env
 
 
 def eagle_flags(steps: int = EAGLE_STEPS) -> tuple[str, ...]:
@@ -84,7 +104,7 @@ class ServerConfig:
     model: Path
     draft: Path | None = None          # EAGLE-3 when set
     spec_steps: int = EAGLE_STEPS      # its draft steps (a chain: steps + 1 tokens verified)
-    threshold: int | str | None = None  # --speculative-disable-batch-threshold (N or auto)
+    threshold: int | str | None = None  # the threshold flag (N or auto)
     overlap: bool = True               # False -> --disable-overlap-schedule
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = 64  # None: the server's own default
@@ -110,7 +130,7 @@ class ServerConfig:
         if self.draft is not None:
             a += [*eagle_flags(self.spec_steps), "--speculative-draft-model-path", str(self.draft)]
         if self.threshold is not None:
-            a += [names.THRESHOLD_FLAG, str(self.threshold)]
+            a += [THRESHOLD_FLAG, str(self.threshold)]
         if not self.overlap:
             a += ["--disable-overlap-schedule"]
         if self.enable_metrics:
@@ -200,7 +220,7 @@ class Server:
             time.sleep(1)
         else:
             raise SmokeError(f"{self.cfg.name}: port {self.port} is still in use before the start")
-        env = dict(os.environ, **self.cfg.env)
+        env = sglang_env(self.cfg.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.log_offset = log.tell()

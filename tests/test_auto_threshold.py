@@ -14,13 +14,9 @@ import itertools
 import json
 import math
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugin"))
 
 from sglang_image_plugin.auto_policy import AutoPolicy, StepTrace
 from sglang_image_plugin.auto_threshold import (
@@ -32,7 +28,7 @@ from sglang_image_plugin.auto_threshold import (
     resume_batch_size,
 )
 from sglang_image_plugin.policy import CatchUpPolicy
-from sglang_image_plugin.spec_disable import (
+from sglang_image_plugin.setting import (
     AUTO,
     THRESHOLD_ENV,
     THRESHOLD_FLAG,

@@ -1,32 +1,28 @@
-"""The draft depth per load (plugin/sglang_image_plugin/depth_schedule.py): the schedule's
-grammar and refusals, its hysteresis at every edge, the graph sizes of each depth, and a fixed
-threshold as its two-tier special case. No sglang needed."""
+"""The draft depth per load: the schedule's grammar and refusals (the setting's contract,
+plugin/sglang_image_plugin/setting.py), its hysteresis at every edge (depth_schedule.py), the graph
+sizes of each depth, and a fixed threshold as its two-tier special case. No sglang needed."""
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 
 import pytest
 
-from sglang_image.plugin_source import PLUGIN_DIR
-
-sys.path.insert(0, str(PLUGIN_DIR))
-
 from sglang_image_plugin import depth_schedule as ds
+from sglang_image_plugin import setting as st
 from sglang_image_plugin import spec_disable as sd
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.policy import DepthSchedulePolicy, ThresholdPolicy
 
 
 def test_a_schedule_parses_into_tiers_that_cover_every_batch_size() -> None:
-    s = ds.parse(" 1-16:3, 17-48:2,49-96:1,97-:0 ")
+    s = st.parse_schedule(" 1-16:3, 17-48:2,49-96:1,97-:0 ")
     assert str(s) == "1-16:3,17-48:2,49-96:1,97-:0" and s.depths == [3, 2, 1, 0] and s.deepest == 3
     assert [s.depth_at(b) for b in (1, 16, 17, 48, 49, 96, 97, 100_000)] == [3, 3, 2, 2, 1, 1, 0, 0]
     # adjacent tiers of one depth are one tier; a schedule may stay speculative to the end
-    assert str(ds.parse("1-8:3,9-16:3,17-:1")) == "1-16:3,17-:1"
-    assert str(ds.parse("1-:2")) == "1-:2"
-    assert ds.from_threshold(16, 3) == ds.parse("1-16:3,17-:0")
+    assert str(st.parse_schedule("1-8:3,9-16:3,17-:1")) == "1-16:3,17-:1"
+    assert str(st.parse_schedule("1-:2")) == "1-:2"
+    assert st.schedule_from_threshold(16, 3) == st.parse_schedule("1-16:3,17-:0")
 
 
 @pytest.mark.parametrize(("text", "why"), [
@@ -43,25 +39,25 @@ def test_a_schedule_parses_into_tiers_that_cover_every_batch_size() -> None:
     ("1-0:3,1-:0", "ends before it starts"),
 ])
 def test_a_bad_schedule_is_refused_naming_the_flag_and_the_fix(text: str, why: str) -> None:
-    with pytest.raises(ds.ScheduleError, match=why) as info:
-        ds.parse(text)
-    assert str(info.value).startswith(ds.DEPTH_SCHEDULE_FLAG)
-    with pytest.raises(ds.ScheduleError, match=f"^{ds.DEPTH_SCHEDULE_ENV}"):
-        ds.parse(text, source=ds.DEPTH_SCHEDULE_ENV)
+    with pytest.raises(st.ScheduleError, match=why) as info:
+        st.parse_schedule(text)
+    assert str(info.value).startswith(st.DEPTH_SCHEDULE_FLAG)
+    with pytest.raises(st.ScheduleError, match=f"^{st.DEPTH_SCHEDULE_ENV}"):
+        st.parse_schedule(text, source=st.DEPTH_SCHEDULE_ENV)
 
 
 def test_a_depth_beyond_the_launch_depth_or_none_at_all_is_refused() -> None:
-    ds.check_against_steps(ds.parse("1-16:3,17-:0"), 3)
-    with pytest.raises(ds.ScheduleError, match="depth 4 is deeper than --speculative-num-steps 3; launch with "
+    st.check_against_steps(st.parse_schedule("1-16:3,17-:0"), 3)
+    with pytest.raises(st.ScheduleError, match="depth 4 is deeper than --speculative-num-steps 3; launch with "
                                                "--speculative-num-steps 4 --speculative-num-draft-tokens 5"):
-        ds.check_against_steps(ds.parse("1-16:4,17-:0"), 3)
-    with pytest.raises(ds.ScheduleError, match="no tier drafts"):
-        ds.check_against_steps(ds.parse("1-:0"), 3)
+        st.check_against_steps(st.parse_schedule("1-16:4,17-:0"), 3)
+    with pytest.raises(st.ScheduleError, match="no tier drafts"):
+        st.check_against_steps(st.parse_schedule("1-:0"), 3)
 
 
 def test_the_draft_gets_shallower_at_once_and_deeper_only_below_each_edge_s_hysteresis() -> None:
     changes: list[tuple[int, int, int]] = []
-    ctl = ds.DepthController(ds.parse("1-16:3,17-48:2,49-96:1,97-:0"),
+    ctl = ds.DepthController(st.parse_schedule("1-16:3,17-48:2,49-96:1,97-:0"),
                              on_change=lambda a, b, bs: changes.append((a, b, bs)))
     assert ctl.hysteresis == [2, 6, 12]  # edge // 8
     walk = [(16, 3), (17, 2), (16, 2), (15, 2), (14, 3),  # edge 16: back to 3 at 14
@@ -71,13 +67,13 @@ def test_the_draft_gets_shallower_at_once_and_deeper_only_below_each_edge_s_hyst
     assert changes == [(3, 2, 17), (2, 3, 14), (3, 0, 200), (0, 1, 84), (1, 2, 42), (2, 3, 1)]
     assert ctl.changes == 6 and ctl.steps == {3: 3, 2: 4, 1: 2, 0: 3}
     with pytest.raises(ValueError, match="need 0 <= H < 16"):
-        ds.DepthController(ds.parse("1-16:3,17-:0"), hysteresis=[16])
+        ds.DepthController(st.parse_schedule("1-16:3,17-:0"), hysteresis=[16])
     with pytest.raises(ValueError, match="1 edge"):
-        ds.DepthController(ds.parse("1-16:3,17-:0"), hysteresis=[1, 2])
+        ds.DepthController(st.parse_schedule("1-16:3,17-:0"), hysteresis=[1, 2])
 
 
 def test_each_depth_captures_graphs_only_where_it_can_run() -> None:
-    ctl = ds.DepthController(ds.parse("1-16:3,17-48:2,49-96:1,97-:0"))
+    ctl = ds.DepthController(st.parse_schedule("1-16:3,17-48:2,49-96:1,97-:0"))
     captured = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 224, 256]
     assert ctl.run_range(3) == (1, 16) and ctl.run_range(2) == (15, 48)
     assert ctl.run_range(1) == (43, 96) and ctl.run_range(0) == (85, None)
@@ -101,7 +97,7 @@ def test_a_threshold_is_the_two_tier_schedule_step_for_step() -> None:
     for n, h in ((16, 2), (32, 4), (5, 0), (64, 8)):
         policy = ThresholdPolicy(sd.SpecDisableController(n, h, log_fn=lambda _: None), speculative_steps=3)
         policy.set_cuda_graph_bs(captured)
-        ctl = ds.DepthController(ds.from_threshold(n, 3), hysteresis=[h])
+        ctl = ds.DepthController(st.schedule_from_threshold(n, 3), hysteresis=[h])
         b = n
         for _ in range(4000):
             b = max(1, min(256, b + rnd.randint(-3, 3)))
@@ -122,7 +118,7 @@ def test_the_schedule_s_policy_runs_each_depth_reports_it_and_logs_each_change_o
         def observe_depth(self, depth: int) -> None:
             seen.append(("depth", depth))
 
-    policy = DepthSchedulePolicy(ds.DepthController(ds.parse("1-16:3,17-48:2,49-:0")),
+    policy = DepthSchedulePolicy(ds.DepthController(st.parse_schedule("1-16:3,17-48:2,49-:0")),
                                  log_fn=lines.append, clock=lambda: now[0])
     policy.metrics = Seen()
     assert policy.candidate_steps == [0, 2, 3]
@@ -170,52 +166,35 @@ def test_the_acceptance_watch_pairs_a_plain_phase_only_with_steps_of_one_depth()
 
 
 def test_the_schedule_resolves_from_flag_or_environment_and_refuses_what_cannot_run() -> None:
-    eagle3 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
+    eagle3 = st.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
                            speculative_adaptive=False, speculative_num_steps=3)
 
-    def resolve(environ: dict[str, str], **flags: object) -> sd.Setting:
-        return sd.resolve_and_validate(threshold_flag=flags.get("threshold"),  # type: ignore[arg-type]
+    def resolve(environ: dict[str, str], **flags: object) -> st.Setting:
+        return st.resolve_and_validate(threshold_flag=flags.get("threshold"),  # type: ignore[arg-type]
                                        hysteresis_flag=flags.get("hysteresis"),  # type: ignore[arg-type]
                                        schedule_flag=flags.get("schedule"),  # type: ignore[arg-type]
                                        server=flags.get("server", eagle3), environ=environ)  # type: ignore[arg-type]
 
     got = resolve({}, schedule="1-16:3,17-:0")
-    assert got.enabled and got.schedule == ds.parse("1-16:3,17-:0") and got.threshold == 0
-    assert resolve({ds.DEPTH_SCHEDULE_ENV: "1-8:2,9-:1"}).schedule == ds.parse("1-8:2,9-:1")
-    assert resolve({ds.DEPTH_SCHEDULE_ENV: "1-8:2,9-:1"}, schedule="1-:3").schedule == ds.parse("1-:3")
-    with pytest.raises(ds.ScheduleError, match=f"^{ds.DEPTH_SCHEDULE_ENV} .the fallback"):
-        resolve({ds.DEPTH_SCHEDULE_ENV: "1-8:2"})
+    assert got.enabled and got.schedule == st.parse_schedule("1-16:3,17-:0") and got.threshold == 0
+    assert resolve({st.DEPTH_SCHEDULE_ENV: "1-8:2,9-:1"}).schedule == st.parse_schedule("1-8:2,9-:1")
+    assert resolve({st.DEPTH_SCHEDULE_ENV: "1-8:2,9-:1"}, schedule="1-:3").schedule == st.parse_schedule("1-:3")
+    with pytest.raises(st.ScheduleError, match=f"^{st.DEPTH_SCHEDULE_ENV} .the fallback"):
+        resolve({st.DEPTH_SCHEDULE_ENV: "1-8:2"})
     with pytest.raises(ValueError, match="are both set .flag or environment.: give one"):
-        resolve({sd.THRESHOLD_ENV: "16"}, schedule="1-16:3,17-:0")
+        resolve({st.THRESHOLD_ENV: "16"}, schedule="1-16:3,17-:0")
     with pytest.raises(ValueError, match="each edge .* keeps its own"):
         resolve({}, schedule="1-16:3,17-:0", hysteresis=2)
-    with pytest.raises(ds.ScheduleError, match="depth 4 is deeper than --speculative-num-steps 3"):
+    with pytest.raises(st.ScheduleError, match="depth 4 is deeper than --speculative-num-steps 3"):
         resolve({}, schedule="1-16:4,17-:0")
     with pytest.raises(ValueError, match=r"^--speculative-depth-schedule=1-16:3,17-:0 needs --speculative-eagle-topk 1"):
-        resolve({}, schedule="1-16:3,17-:0", server=sd.ServerView(
+        resolve({}, schedule="1-16:3,17-:0", server=st.ServerView(
             speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_adaptive=False))
-    assert sd.start_log_line(0, ds.parse("1-16:3,17-:0")) == \
+    assert st.start_log_line(0, st.parse_schedule("1-16:3,17-:0")) == \
         "Dynamic speculation disable enabled: depth schedule=1-16:3,17-:0"
     # the launcher's parser names the flag on bad input
     parser = argparse.ArgumentParser(exit_on_error=False)
-    sd.add_cli_args(parser)
-    assert getattr(parser.parse_args([ds.DEPTH_SCHEDULE_FLAG, "1-4:1,5-:0"]), ds.DEPTH_SCHEDULE_DEST) == ds.parse("1-4:1,5-:0")
+    st.add_cli_args(parser)
+    assert getattr(parser.parse_args([st.DEPTH_SCHEDULE_FLAG, "1-4:1,5-:0"]), st.DEPTH_SCHEDULE_DEST) == st.parse_schedule("1-4:1,5-:0")
     with pytest.raises(argparse.ArgumentError, match="the last tier must be open"):
-        parser.parse_args([ds.DEPTH_SCHEDULE_FLAG, "1-4:1,5-8:0"])
-
-
-def test_the_threshold_s_names_still_load_where_the_plugin_package_is_absent() -> None:
-    # The smoke (in an image of a flavor without the plugin) and the build system load
-    # spec_disable.py by its path: the schedule's module must not be needed for that.
-    import subprocess
-
-    code = ("import importlib.util, sys\n"
-            "assert importlib.util.find_spec('sglang_image_plugin') is None\n"
-            "from smoke import names\n"
-            "from sglang_image import threshold\n"
-            "print(names.parse_threshold('16'), threshold.FLAG)\n")
-    root = PLUGIN_DIR.parent
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False,
-                         env={"PYTHONPATH": f"{root}:{root / 'src'}", "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["16", "--speculative-disable-batch-threshold"]
+        parser.parse_args([st.DEPTH_SCHEDULE_FLAG, "1-4:1,5-8:0"])

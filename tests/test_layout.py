@@ -1,16 +1,23 @@
 """The project's import graph: no cycle anywhere (src/, smoke/, bench/, the plugin, and between
 them), and each package imports only what may be where it runs: smoke/ runs inside the image and
 on a bare GPU host (nothing of the build system, nothing of bench/), the plugin runs inside
-SGLang's processes (nothing of the project), bench/ drives smoke/ on a GPU host (not the build)."""
+SGLang's processes (nothing of the project), bench/ drives smoke/ on a GPU host (not the build).
+Of the plugin, the others import its contract for the speculation setting (setting.py) and the
+standard-library modules named below, by name, never its hooks; those import where sglang and
+torch are absent."""
 from __future__ import annotations
 
 import ast
 import graphlib
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from sglang_image import pins, plugin_source
+from sglang_image import pins
+from sglang_image_plugin import targets
 
 ROOT = pins.REPO_ROOT
 # package -> its folder
@@ -20,11 +27,18 @@ PACKAGES = {
     "bench": ROOT / "bench",
     "sglang_image_plugin": ROOT / "plugin" / "sglang_image_plugin",
 }
-# package -> the project's packages it may import
+# The plugin's modules that import where sglang, torch and a GPU are absent: the setting's
+# contract, the hook table plugin-check reads, and `auto`'s controller (the bench replays its
+# trace). Each imports only these (and the package's __init__, which runs first).
+CONTRACT = "sglang_image_plugin.setting"
+PLUGIN_STANDARD_LIBRARY_ONLY = {CONTRACT, "sglang_image_plugin.targets",
+                                "sglang_image_plugin.auto_threshold", "sglang_image_plugin.auto_config",
+                                "sglang_image_plugin.auto_estimate"}
+# package -> the project's packages (or single modules) it may import
 ALLOWED = {
-    "sglang_image": {"sglang_image"},
-    "smoke": {"smoke"},
-    "bench": {"bench", "smoke"},
+    "sglang_image": {"sglang_image", CONTRACT, "sglang_image_plugin.targets"},
+    "smoke": {"smoke", CONTRACT},
+    "bench": {"bench", "smoke", CONTRACT, "sglang_image_plugin.auto_threshold"},
     "sglang_image_plugin": {"sglang_image_plugin"},
 }
 
@@ -99,11 +113,16 @@ def test_the_graph_sees_local_imports_and_a_cycle_fails(tmp_path: Path) -> None:
         graphlib.TopologicalSorter(graph).prepare()
 
 
+def not_allowed(graph: dict[str, set[str]], package: str) -> set[str]:
+    """The edges from `package` to a package or module it may not import."""
+    return {f"{node} -> {dep}" for node, deps in graph.items()
+            if node.split(".")[0] == package for dep in deps
+            if dep.split(".")[0] not in ALLOWED[package] and dep not in ALLOWED[package]}
+
+
 @pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_a_package_imports_only_what_is_where_it_runs(package: str) -> None:
-    wrong = {f"{node} -> {dep}" for node, deps in import_graph().items()
-             if node.split(".")[0] == package for dep in deps
-             if dep.split(".")[0] not in ALLOWED[package]}
+    wrong = not_allowed(import_graph(), package)
     assert not wrong, wrong
 
 
@@ -123,7 +142,7 @@ LAYERS = {f"sglang_image_plugin.{module}": layer for layer, modules in {
     "mechanism": ("policy", "plain_step", "draft_kv", "deferred_kv", "acceptance", "auto_threshold",
                   "auto_config", "auto_estimate", "auto_policy"),
     "state": ("state",),
-    "contract": ("targets", "spec_disable", "depth_schedule"),
+    "contract": ("setting", "targets", "spec_disable", "depth_schedule"),
 }.items() for module in modules}
 
 
@@ -153,7 +172,7 @@ def test_the_plugin_imports_only_downward() -> None:
 
 def test_every_hook_lives_in_a_hook_module() -> None:
     """A module that upstream calls into (targets.HOOKS) is a hook, whatever else it holds."""
-    hooks = {spec.function.split(":")[0] for spec in plugin_source.targets().HOOKS}
+    hooks = {spec.function.split(":")[0] for spec in targets.HOOKS}
     assert hooks and {m: LAYERS[m] for m in sorted(hooks) if LAYERS[m] != "hook"} == {}
 
 
@@ -169,3 +188,48 @@ def test_an_upward_import_fails_the_layers(tmp_path: Path) -> None:
     layers = {"sglang_image_plugin.hooked": "hook", "sglang_image_plugin.low": "mechanism"}
     assert layer_violations(graph, layers) == {
         "sglang_image_plugin.low (mechanism) -> sglang_image_plugin.hooked (hook)"}
+
+
+def test_of_the_plugin_the_others_import_the_contract_not_the_hooks(tmp_path: Path) -> None:
+    """A smoke module that imports a hook module of the plugin fails the check above; the contract
+    passes it."""
+    (tmp_path / "a.py").write_text("from sglang_image_plugin.setting import THRESHOLD_FLAG\n")
+    (tmp_path / "b.py").write_text("from sglang_image_plugin import worker\n")
+    (tmp_path / "c.py").write_text("def f():\n    import sglang_image_plugin.flags\n")
+    folders = {**PACKAGES, "smoke": tmp_path}
+    graph = {f"smoke.{p.stem}": project_imports(p, "smoke", folders) for p in tmp_path.glob("*.py")}
+    assert not_allowed(graph, "smoke") == {"smoke.b -> sglang_image_plugin.worker",
+                                           "smoke.c -> sglang_image_plugin.flags"}
+
+
+def test_what_the_others_import_of_the_plugin_imports_only_itself() -> None:
+    """The plugin's modules the others import reach, within the plugin, only each other and the
+    package's __init__ (which imports them first): none of the hooks."""
+    graph = import_graph()
+    allowed = PLUGIN_STANDARD_LIBRARY_ONLY | {"sglang_image_plugin.__init__", "sglang_image_plugin.registry"}
+    for module in PLUGIN_STANDARD_LIBRARY_ONLY | {"sglang_image_plugin.__init__"}:
+        assert graph[module] <= allowed, (module, graph[module] - allowed)
+    assert {dep for deps in (ALLOWED[p] for p in ALLOWED if p != "sglang_image_plugin")
+            for dep in deps if dep.startswith("sglang_image_plugin")} <= PLUGIN_STANDARD_LIBRARY_ONLY
+
+
+def test_the_contract_imports_without_sglang_torch_or_site_packages() -> None:
+    """What the build system, the smoke and the bench import of the plugin, in an interpreter that
+    has the standard library and plugin/ alone (-S: no site-packages; sglang and torch refused):
+    where the plugin is not installed (the build, an image of a flavor without it, a GPU host
+    before its install)."""
+    code = ("import json, sys\n"
+            "sys.modules['sglang'] = sys.modules['torch'] = None\n"
+            f"for name in {sorted(PLUGIN_STANDARD_LIBRARY_ONLY)!r}:\n"
+            "    __import__(name)\n"
+            "from sglang_image_plugin.setting import THRESHOLD_FLAG, parse_threshold\n"
+            "loaded = sorted(k for k, v in sys.modules.items() if v is not None)\n"
+            "print(json.dumps([THRESHOLD_FLAG, parse_threshold('Auto'), loaded]))\n")
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                          check=False, env={"PYTHONPATH": str(ROOT / "plugin")}, cwd=ROOT / "plugin")
+    assert proc.returncode == 0, proc.stderr
+    flag, auto, modules = json.loads(proc.stdout)
+    assert (flag, auto) == ("--speculative-disable-batch-threshold", "auto")
+    loaded = {m for m in modules if m.startswith("sglang_image_plugin.")}
+    assert loaded == PLUGIN_STANDARD_LIBRARY_ONLY | {"sglang_image_plugin.registry"}, loaded
+    assert not {m.split(".")[0] for m in modules} & {"sglang", "torch", "numpy"}

@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from sglang_image import pins, plugin_check, plugin_source, plugin_wheel
+from sglang_image import pins, plugin_check, plugin_wheel
+from sglang_image_plugin import targets
 from smoke import checks
 from tests.eagle3_draft import EAGLE3_LEAVES
 from tests.forkserver import forked_probes, warm_imports
@@ -723,7 +724,6 @@ def test_worker_refuses_a_draft_sharing_qsa_indices(run_in_tree, tree, plugin_si
 
 def _doctored_copy(tree: Path, dest: Path) -> Path:
     """The files the check reads, copied from the wheel (and its dist-info)."""
-    targets = plugin_source.targets()
     for dotted in [h.target for h in targets.HOOKS] + list(targets.RELIED):
         located = plugin_check._locate(tree, dotted)
         assert located is not None, dotted

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import argparse
 import pkgutil
-import sys
 from typing import Any
 
 import pytest
 
-from sglang_image.plugin_source import PLUGIN_DIR
-
-sys.path.insert(0, str(PLUGIN_DIR))
-
 from sglang_image_plugin import plain_step
+from sglang_image_plugin import setting as st
 from sglang_image_plugin import spec_disable as sd
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_policy import AutoPolicy
@@ -21,85 +17,85 @@ from sglang_image_plugin.auto_threshold import AutoConfig, AutoController, Decis
 from sglang_image_plugin.policy import AutoThresholdPolicy, CatchUpPolicy, ThresholdPolicy
 from sglang_image_plugin.targets import HOOKS, START, hooks_of
 
-EAGLE3 = sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
+EAGLE3 = st.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
                        speculative_adaptive=False)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(exit_on_error=False)
-    sd.add_cli_args(parser)
+    st.add_cli_args(parser)
     return parser
 
 
 def test_flags_parse_numbers_and_auto_and_name_the_flag_on_bad_input() -> None:
-    ns = _parser().parse_args([sd.THRESHOLD_FLAG, "32", sd.HYSTERESIS_FLAG, "3"])
+    ns = _parser().parse_args([st.THRESHOLD_FLAG, "32", st.HYSTERESIS_FLAG, "3"])
     assert (ns.speculative_disable_batch_threshold, ns.speculative_disable_hysteresis) == (32, 3)
     assert _parser().parse_args([]).speculative_disable_batch_threshold is None
-    assert _parser().parse_args([sd.THRESHOLD_FLAG, "AUTO"]).speculative_disable_batch_threshold == "auto"
+    assert _parser().parse_args([st.THRESHOLD_FLAG, "AUTO"]).speculative_disable_batch_threshold == "auto"
     for bad in ("-1", "12x", "", "auto32", "+4"):
         with pytest.raises(argparse.ArgumentError) as err:
-            _parser().parse_args([sd.THRESHOLD_FLAG, bad])
-        assert sd.THRESHOLD_FLAG in str(err.value)
+            _parser().parse_args([st.THRESHOLD_FLAG, bad])
+        assert st.THRESHOLD_FLAG in str(err.value)
         assert f"{bad!r} is not a batch-size threshold; give `auto`" in str(err.value)
 
 
 def test_auto_resolves_from_flag_or_env_and_refuses_what_it_cannot_do() -> None:
-    def resolve(flag: sd.Threshold | None, env: dict[str, str], hysteresis: int | None = None,
-                server: sd.ServerView = EAGLE3) -> sd.Setting:
-        return sd.resolve_and_validate(threshold_flag=flag, hysteresis_flag=hysteresis,
+    def resolve(flag: st.Threshold | None, env: dict[str, str], hysteresis: int | None = None,
+                server: st.ServerView = EAGLE3) -> st.Setting:
+        return st.resolve_and_validate(threshold_flag=flag, hysteresis_flag=hysteresis,
                                        server=server, environ=env)
 
-    assert resolve("auto", {}) == sd.Setting(threshold="auto", hysteresis=0)
-    assert resolve(None, {sd.THRESHOLD_ENV: " Auto "}) == sd.Setting(threshold="auto", hysteresis=0)
-    assert resolve(16, {sd.THRESHOLD_ENV: "auto"}).threshold == 16
-    assert sd.start_log_line("auto") == "Dynamic speculation disable enabled: threshold=auto"
-    with pytest.raises(ValueError, match=f"{sd.HYSTERESIS_FLAG} applies to a fixed"):
+    assert resolve("auto", {}) == st.Setting(threshold="auto", hysteresis=0)
+    assert resolve(None, {st.THRESHOLD_ENV: " Auto "}) == st.Setting(threshold="auto", hysteresis=0)
+    assert resolve(16, {st.THRESHOLD_ENV: "auto"}).threshold == 16
+    assert st.start_log_line("auto") == "Dynamic speculation disable enabled: threshold=auto"
+    with pytest.raises(ValueError, match=f"{st.HYSTERESIS_FLAG} applies to a fixed"):
         resolve("auto", {}, hysteresis=2)
     with pytest.raises(ValueError, match="=auto cannot be combined with --speculative-adaptive"):
-        resolve("auto", {}, server=sd.ServerView(speculative_algorithm="EAGLE3",
+        resolve("auto", {}, server=st.ServerView(speculative_algorithm="EAGLE3",
                                                  speculative_eagle_topk=1, speculative_adaptive=True))
 
 
 def test_env_is_the_fallback_and_the_flag_wins() -> None:
-    def resolve(flag: sd.Threshold | None, env: dict[str, str]) -> sd.Setting:
-        return sd.resolve_and_validate(threshold_flag=flag, hysteresis_flag=None, server=EAGLE3,
+    def resolve(flag: st.Threshold | None, env: dict[str, str]) -> st.Setting:
+        return st.resolve_and_validate(threshold_flag=flag, hysteresis_flag=None, server=EAGLE3,
                                        environ=env)
 
-    assert resolve(None, {}) == sd.OFF
-    assert resolve(None, {sd.THRESHOLD_ENV: " 64 "}) == sd.Setting(threshold=64, hysteresis=8)
-    assert resolve(16, {sd.THRESHOLD_ENV: "64"}) == sd.Setting(threshold=16, hysteresis=2)
-    assert resolve(0, {sd.THRESHOLD_ENV: "64"}) == sd.OFF
-    with pytest.raises(ValueError, match=f"{sd.THRESHOLD_ENV} \\(the fallback for {sd.THRESHOLD_FLAG}\\)"):
-        resolve(None, {sd.THRESHOLD_ENV: "many"})
-    with pytest.raises(ValueError, match=f"{sd.THRESHOLD_ENV} .*'auto-8' is not a batch-size"):
-        resolve(None, {sd.THRESHOLD_ENV: "auto-8"})
+    assert resolve(None, {}) == st.OFF
+    assert resolve(None, {st.THRESHOLD_ENV: " 64 "}) == st.Setting(threshold=64, hysteresis=8)
+    assert resolve(16, {st.THRESHOLD_ENV: "64"}) == st.Setting(threshold=16, hysteresis=2)
+    assert resolve(0, {st.THRESHOLD_ENV: "64"}) == st.OFF
+    with pytest.raises(ValueError, match=f"{st.THRESHOLD_ENV} \\(the fallback for {st.THRESHOLD_FLAG}\\)"):
+        resolve(None, {st.THRESHOLD_ENV: "many"})
+    with pytest.raises(ValueError, match=f"{st.THRESHOLD_ENV} .*'auto-8' is not a batch-size"):
+        resolve(None, {st.THRESHOLD_ENV: "auto-8"})
 
 
 @pytest.mark.parametrize(("server", "hysteresis", "message"), [
-    (sd.ServerView(speculative_algorithm=None, speculative_eagle_topk=None,
+    (st.ServerView(speculative_algorithm=None, speculative_eagle_topk=None,
                    speculative_adaptive=False), None, "needs --speculative-algorithm EAGLE"),
-    (sd.ServerView(speculative_algorithm="NGRAM", speculative_eagle_topk=None,
+    (st.ServerView(speculative_algorithm="NGRAM", speculative_eagle_topk=None,
                    speculative_adaptive=False), None, "needs --speculative-algorithm EAGLE"),
-    (sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=4,
+    (st.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=4,
                    speculative_adaptive=False), None, "needs --speculative-eagle-topk 1"),
-    (sd.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
+    (st.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
                    speculative_adaptive=True), None, "cannot be combined with --speculative-adaptive"),
-    (sd.ServerView(speculative_algorithm="EAGLE", speculative_eagle_topk=1,
+    (st.ServerView(speculative_algorithm="EAGLE", speculative_eagle_topk=1,
                    speculative_adaptive=False, adaptive_unsupported_reason="attention DP"),
      None, "not supported here: attention DP"),
     (EAGLE3, 8, "--speculative-disable-hysteresis must be smaller"),
 ])
 def test_unsupported_combinations_are_refused_naming_the_flag(
-        server: sd.ServerView, hysteresis: int | None, message: str) -> None:
+        server: st.ServerView, hysteresis: int | None, message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
-        sd.resolve_and_validate(threshold_flag=8, hysteresis_flag=hysteresis, server=server,
+        st.resolve_and_validate(threshold_flag=8, hysteresis_flag=hysteresis, server=server,
                                 environ={})
-    assert sd.THRESHOLD_FLAG in str(err.value) or sd.HYSTERESIS_FLAG in str(err.value)
+    assert st.THRESHOLD_FLAG in str(err.value) or st.HYSTERESIS_FLAG in str(err.value)
 
 
 def test_default_hysteresis_and_start_line() -> None:
-    assert [sd.default_hysteresis(n) for n in (1, 2, 8, 9, 32, 64, 100)] == [0, 1, 1, 1, 4, 8, 12]
-    assert sd.start_log_line(32) == "Dynamic speculation disable enabled: threshold=32"
+    assert [st.default_hysteresis(n) for n in (1, 2, 8, 9, 32, 64, 100)] == [0, 1, 1, 1, 4, 8, 12]
+    assert st.start_log_line(32) == "Dynamic speculation disable enabled: threshold=32"
 
 
 def test_controller_hysteresis_counts_and_rate_limited_log() -> None:
@@ -196,14 +192,6 @@ def test_plain_step_installs_the_hooks_of_its_parts_only() -> None:
     assert checks.draft_plain_step({"plain_step": deep.view()}, "") == "full"
     assert checks.draft_plain_step({}, full.log_lines()[0]) == "kv_only"
     assert checks.draft_plain_step({}, deep.log_lines()[0]) == "full"
-    # the flag, its variable and `auto` as the smoke and the bench spell them: the plugin's own
-    from smoke import names
-    assert (names.THRESHOLD_FLAG, names.THRESHOLD_ENV, names.AUTO) == (
-        sd.THRESHOLD_FLAG, sd.THRESHOLD_ENV, sd.AUTO)
-    assert names.parse_threshold(" Auto ") == "auto" and names.parse_threshold("12") == 12
-    for bad in ("0", "-3", "auto32"):
-        with pytest.raises(ValueError, match="--threshold"):
-            names.parse_threshold(bad)
     # every hook names a function that exists, and a start-up hook never depends on a group
     for spec in HOOKS:
         assert callable(pkgutil.resolve_name(spec.function)), spec
@@ -277,6 +265,7 @@ def _tp_rank(rank: int, port: int, agree_on: bool, out: Any) -> None:
     import random
 
     import torch.distributed as dist
+
     from sglang_image_plugin import tp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

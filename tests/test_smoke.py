@@ -239,16 +239,22 @@ def test_nox_side_container_and_device_command(tmp_path):
     assert req["Count"] == -1 and req["Capabilities"] == [["gpu"]]
     assert kw["network_mode"] == "none"
     assert "device_requests" not in image_smoke.container_kwargs(gpu=False, out_dir=tmp_path)
-    # every plugin module the smoke loads its names from is mounted beside it (a flavor's image
-    # without the plugin has none of its own)
-    from smoke import names as smoke_names
-    mounted = {Path(v["bind"]).name for v in kw["volumes"].values() if "/plugin/" in v["bind"]}
-    assert mounted == {smoke_names.MODULE_FILE, smoke_names.SCHEDULE_FILE}
+    # the plugin's package is mounted beside the smoke, as in the repository (a flavor's image
+    # without the plugin has none of its own), and its parent is on the smoke's PYTHONPATH; the
+    # smoke's servers leave it off theirs (test_the_servers_never_get_the_plugin_s_sources)
+    from smoke import server as smoke_server
+    binds = {v["bind"]: Path(k) for k, v in kw["volumes"].items()}
+    assert binds[f"{image_smoke.PLUGIN_MOUNT}/sglang_image_plugin"] == REPO / "plugin" / "sglang_image_plugin"
+    assert binds[f"{image_smoke.MOUNT}/smoke"] == REPO / "smoke"
+    assert kw["environment"]["PYTHONPATH"].split(":") == [image_smoke.MOUNT, image_smoke.PLUGIN_MOUNT]
+    # in the container, the smoke's own folder is MOUNT/smoke: the plugin's sources it leaves off
+    # its servers' path are the mount
+    assert smoke_server.SOURCE_PLUGIN_DIR.relative_to(REPO) == Path(image_smoke.PLUGIN_MOUNT).relative_to(image_smoke.MOUNT)
     series = image_smoke.expected_series(pins.load_flavor("sglang-0.5.17"))
     names = [line.split("#")[0].strip() for line in
              (REPO / "patches" / "sglang-0.5.17" / "series").read_text().splitlines()]
     assert [s["name"] for s in series] == [n for n in names if n]
-    assert "python3 -m bench e2e --bundle .gpu" in gpu.host_command()
+    assert "PYTHONPATH=plugin${PYTHONPATH:+:$PYTHONPATH} python3 -m bench e2e --bundle .gpu" in gpu.host_command()
     default = pins.load_flavor(pins.DEFAULT_FLAVOR)
     lines, _ = gpu.bundle_requirements(default)
     assert any(line.startswith(f"sglang=={default.sglang_version}") for line in lines)
@@ -264,7 +270,8 @@ def test_partial_checks_on_the_real_patched_tree(sglang_tree, forked_in_tree, tm
     manifest = tmp_path / "patches.json"
     manifest.write_text(json.dumps([dict(e, files=[]) for e in expected]))
     repo, series, man = str(REPO), json.dumps(expected), str(manifest)
-    code = (f"import json, sys; from pathlib import Path; sys.path.append({repo!r})\n"
+    # the smoke with the plugin's package beside it, as the image smoke mounts them
+    code = (f"import json, sys; from pathlib import Path; sys.path += [{repo!r}, {repo + '/plugin'!r}]\n"
             "from smoke import partial\n"
             f"print(json.dumps(partial.run_checks(json.loads({series!r}), Path({man!r}))))")
     p = forked_in_tree(tree, code, timeout=900)
@@ -420,6 +427,40 @@ def test_server_stop_leaves_no_running_member_of_its_group(tmp_path):
     stat = Path(f"/proc/{child}/stat")
     assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     assert server_mod.port_free(port)
+
+
+def test_the_servers_never_get_the_plugin_s_sources(tmp_path, monkeypatch):
+    """The smoke imports the setting's contract from the plugin's sources (plugin/ beside smoke/:
+    `PYTHONPATH=plugin` on a GPU host, the image smoke's mount): a server started from here gets
+    the rest of PYTHONPATH without them, so the plugin installed with its sglang is the one it
+    loads (a copy ahead of site-packages would shadow the image's)."""
+    import os
+
+    from smoke import server as server_mod
+
+    plugin = REPO / "plugin"
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["plugin", str(tmp_path), str(plugin) + "/", "src"]))
+    assert server_mod.sglang_env()["PYTHONPATH"] == os.pathsep.join([str(tmp_path), "src"])
+    assert server_mod.sglang_env({"PYTHONPATH": str(plugin)}).get("PYTHONPATH") is None
+    assert server_mod.sglang_env({"X": "1"})["X"] == "1"
+    monkeypatch.delenv("PYTHONPATH")
+    assert "PYTHONPATH" not in server_mod.sglang_env()
+
+    # a server process's own environment
+    seen = tmp_path / "seen.txt"
+
+    class EnvConfig(server_mod.ServerConfig):
+        def argv(self, port: int) -> list[str]:
+            code = (f"import os; open({str(seen)!r}, 'w').write(os.environ.get('PYTHONPATH', '-') + "
+                    "'|' + os.environ.get('SEEN_EXTRA', '-'))")
+            return [sys.executable, "-c", code]
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(plugin), str(tmp_path)]))
+    srv = server_mod.Server(EnvConfig("env", tmp_path, env={"SEEN_EXTRA": "yes"}), 1, tmp_path / "env.log")
+    srv.launch()
+    assert srv.proc is not None and srv.proc.wait(30) == 0
+    assert seen.read_text() == f"{tmp_path}|yes"
 
 
 def test_servers_of_one_process_start_one_after_the_other(tmp_path):

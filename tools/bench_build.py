@@ -1,6 +1,6 @@
 """Build timings: the time per phase of a cold, an unchanged and a patch-only build.
 
-    PYTHONPATH=src python tools/bench_build.py [--flavor F] [--base TAG] [--light] [--skip-cold]
+    PYTHONPATH=src:plugin python tools/bench_build.py [--flavor F] [--base TAG] [--light] [--skip-cold]
 
 Scenarios, in this order, on the engine DOCKER_HOST names (or the one `ensure_engine()` finds
 or starts, as every command does):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 # The flag, its parser and the fixed threshold's hysteresis live with the other flags.
-from sglang_image_plugin.spec_disable import THRESHOLD_FLAG, default_hysteresis
+from sglang_image_plugin.setting import THRESHOLD_FLAG, default_hysteresis
 
 
 def resume_batch_size(threshold: int) -> int:

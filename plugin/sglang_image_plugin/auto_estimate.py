@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
-from sglang_image_plugin.spec_disable import Mode
+from sglang_image_plugin.setting import Mode
 
 EXTRAPOLATION_SPAN: Final = 1.5  # see seconds_at
 

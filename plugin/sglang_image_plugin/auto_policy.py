@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sglang_image_plugin.auto_threshold import AutoController
-from sglang_image_plugin.spec_disable import AUTO_TRACE_ENV, THRESHOLD_FLAG, Mode
+from sglang_image_plugin.setting import AUTO_TRACE_ENV, THRESHOLD_FLAG, Mode
 
 
 @dataclass

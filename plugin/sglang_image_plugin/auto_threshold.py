@@ -1,4 +1,4 @@
-"""`--speculative-disable-batch-threshold auto`: the server finds where speculation stops paying.
+"""The threshold `auto`: the server finds where speculation stops paying.
 
 Pure Python (no torch, no sglang), so it is tested alone on a CPU. A worker hook calls, per
 decode step:
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 from sglang_image_plugin.auto_config import AutoConfig, Prior, power_of_two_edges, resume_batch_size
 from sglang_image_plugin.auto_estimate import Average, Bucket, seconds_at
-from sglang_image_plugin.spec_disable import AUTO, Mode
+from sglang_image_plugin.setting import AUTO, Mode
 
 __all__ = ["AutoConfig", "AutoController", "BucketEstimate", "Decision", "Mode", "Prior",
            "power_of_two_edges", "resume_batch_size"]

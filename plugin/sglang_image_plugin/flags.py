@@ -1,5 +1,5 @@
-"""The flags' hooks: the two flags, their validation against what upstream allows, and a
-threshold server's running-request limit. The resolved Setting travels to the scheduler
+"""The flags' hooks: the setting's flags (setting.py), their validation against what upstream
+allows, and a threshold server's running-request limit. The resolved Setting travels to the scheduler
 on the record (ServerArgs pickles bookkeeping attributes with it).
 
 sglang is imported inside the hooks only: they run in a process that has it.
@@ -14,8 +14,8 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import depth_schedule, registry, spec_disable, state
-from sglang_image_plugin.spec_disable import Setting
+from sglang_image_plugin import registry, setting, state
+from sglang_image_plugin.setting import Setting
 from sglang_image_plugin.state import ArgsState
 
 logger = logging.getLogger(__name__)
@@ -26,18 +26,18 @@ UPSTREAM_LIMIT_WARNING = "Max running requests is reset to 48 for speculative de
 
 
 def add_cli_args(result: None, parser: argparse.ArgumentParser) -> None:
-    """AFTER ServerArgs.add_cli_args: the two flags."""
+    """AFTER ServerArgs.add_cli_args: the setting's flags."""
     registry.check_once()
-    spec_disable.add_cli_args(parser)
+    setting.add_cli_args(parser)
 
 
 def from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Namespace) -> Any:
     """AROUND ServerArgs.from_cli_args: keep the parsed flags on the record."""
     server_args = original(cls, args)
     flags = (
-        getattr(args, spec_disable.THRESHOLD_DEST, None),
-        getattr(args, spec_disable.HYSTERESIS_DEST, None),
-        getattr(args, depth_schedule.DEPTH_SCHEDULE_DEST, None),
+        getattr(args, setting.THRESHOLD_DEST, None),
+        getattr(args, setting.HYSTERESIS_DEST, None),
+        getattr(args, setting.DEPTH_SCHEDULE_DEST, None),
     )
     state.of(server_args, ArgsState).flags = flags
     return server_args
@@ -57,19 +57,19 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
     environ = dict(os.environ) if environ is None else environ
     threshold_flag, hysteresis_flag, schedule_flag = _flags(server_args)
     if threshold_flag is None and schedule_flag is None and not any(
-            environ.get(var, "").strip() for var in (spec_disable.THRESHOLD_ENV, depth_schedule.DEPTH_SCHEDULE_ENV)):
+            environ.get(var, "").strip() for var in (setting.THRESHOLD_ENV, setting.DEPTH_SCHEDULE_ENV)):
         if hysteresis_flag is not None:
             raise ValueError(
-                f"{spec_disable.HYSTERESIS_FLAG} needs {spec_disable.THRESHOLD_FLAG} "
-                f"(or {spec_disable.THRESHOLD_ENV})"
+                f"{setting.HYSTERESIS_FLAG} needs {setting.THRESHOLD_FLAG} "
+                f"(or {setting.THRESHOLD_ENV})"
             )
-        return spec_disable.OFF
+        return setting.OFF
 
     from sglang.srt.arg_groups.overrides import resolving_view
 
     cfg = resolving_view(server_args)
     reason = None
-    if cfg.speculative_algorithm in spec_disable.SUPPORTED_ALGORITHMS:
+    if cfg.speculative_algorithm in setting.SUPPORTED_ALGORITHMS:
         reason = upstream_adaptive_refusal(server_args)
         if reason is None and (cfg.pp_size or 1) > 1:
             reason = "pipeline parallelism (--pp-size > 1) is not supported"
@@ -77,14 +77,14 @@ def resolve_setting(server_args: Any, environ: dict[str, str] | None = None) -> 
             reason = (
                 f"{SKIP_DRAFT_EXTEND_ENV} leaves the draft's KV cache stale while plain; unset it"
             )
-    view = spec_disable.ServerView(
+    view = setting.ServerView(
         speculative_algorithm=cfg.speculative_algorithm,
         speculative_eagle_topk=cfg.speculative_eagle_topk,
         speculative_adaptive=bool(cfg.speculative_adaptive),
         speculative_num_steps=cfg.speculative_num_steps,
         adaptive_unsupported_reason=reason,
     )
-    return spec_disable.resolve_and_validate(
+    return setting.resolve_and_validate(
         threshold_flag=threshold_flag,
         hysteresis_flag=hysteresis_flag,
         server=view,
@@ -162,10 +162,10 @@ def _threshold_requested(server_args: Any) -> bool:
     value: validation names it)."""
     threshold_flag, _, schedule_flag = _flags(server_args)
     try:
-        schedule = spec_disable.resolve_schedule(schedule_flag)
+        schedule = setting.resolve_schedule(schedule_flag)
         if schedule is not None:
             return 0 in schedule.depths
-        return spec_disable.resolve_threshold(threshold_flag) != 0
+        return setting.resolve_threshold(threshold_flag) != 0
     except ValueError:
         return False
 

@@ -20,12 +20,8 @@ from sglang_image_plugin.auto_config import resume_batch_size
 from sglang_image_plugin.auto_policy import AutoPolicy
 from sglang_image_plugin.auto_threshold import AutoController
 from sglang_image_plugin.depth_schedule import DepthController
-from sglang_image_plugin.spec_disable import (
-    MODE_LOG_INTERVAL_S,
-    Metrics,
-    Mode,
-    SpecDisableController,
-)
+from sglang_image_plugin.setting import MODE_CHANGE_LOG_PREFIX, Mode
+from sglang_image_plugin.spec_disable import MODE_LOG_INTERVAL_S, Metrics, SpecDisableController
 
 logger = logging.getLogger(__name__)
 
@@ -289,9 +285,9 @@ class AutoThresholdPolicy(AutoPolicy):
                     f"accept length {shown}); mode={mode}; per bucket, speculative / plain: "
                     f"{self.controller.estimates_text()}")
         elif mode is Mode.PLAIN:
-            line = f"Speculation mode -> plain (batch size {batch_size} > crossover {crossover}, auto)"
+            line = f"{MODE_CHANGE_LOG_PREFIX} plain (batch size {batch_size} > crossover {crossover}, auto)"
         else:
-            line = (f"Speculation mode -> speculative (batch size {batch_size} <= "
+            line = (f"{MODE_CHANGE_LOG_PREFIX} speculative (batch size {batch_size} <= "
                     f"{resume_batch_size(crossover)}, crossover {crossover}, auto)")
         state = self.controller.state()
         line += (f"; mode_changes={state['mode_changes']}, "

@@ -17,7 +17,7 @@ import pkgutil
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sglang_image_plugin.spec_disable import THRESHOLD_FLAG
+from sglang_image_plugin.setting import THRESHOLD_FLAG
 from sglang_image_plugin.targets import HookSpec
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from sglang_image_plugin.spec_disable import Metrics, Setting
+    from sglang_image_plugin.setting import Setting
+    from sglang_image_plugin.spec_disable import Metrics
 
 
 class Controller(Protocol):

@@ -24,6 +24,7 @@ from sglang_image_plugin.policy import (
     DepthSchedulePolicy,
     ThresholdPolicy,
 )
+from sglang_image_plugin.setting import AUTO, AUTO_TRACE_ENV, THRESHOLD_FLAG, start_log_line
 from sglang_image_plugin.state import AcceptanceWatch, ArgsState, DraftState, WorkerState
 from sglang_image_plugin.targets import hooks_of
 from sglang_image_plugin.tp import broadcast_ints, log_on_rank0, tp_agree, tp_group, tp_rank
@@ -46,7 +47,7 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     hf_config = worker._draft_worker.draft_runner.model_config.hf_config
     if eagle_worker_v2._qsa_index_share_requested(hf_config):
         raise ValueError(
-            f"{spec_disable.THRESHOLD_FLAG} is not supported with a draft that shares QSA "
+            f"{THRESHOLD_FLAG} is not supported with a draft that shares QSA "
             "indices across its steps (index_share_for_mtp_iteration): its index buffers "
             "belong to one step count (as with --speculative-adaptive)"
         )
@@ -56,7 +57,7 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
         policy = DepthSchedulePolicy(DepthController(setting.schedule), log_fn=log_on_rank0)
         worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
         own.controller = policy
-    elif setting.threshold == spec_disable.AUTO:
+    elif setting.threshold == AUTO:
         own.auto_pending = True
     else:
         assert isinstance(setting.threshold, int)
@@ -69,7 +70,7 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
             worker, ThresholdPolicy(controller, worker.speculative_num_steps)
         )
         own.controller = controller
-    log_on_rank0(spec_disable.start_log_line(setting.threshold, setting.schedule))
+    log_on_rank0(start_log_line(setting.threshold, setting.schedule))
 
 
 def trivial_verify_input(original: Callable[..., Any], worker: Any, batch: Any) -> Any:
@@ -123,7 +124,7 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
                                                   [max_running_requests])[0]
             buckets = len(AutoConfig(max_batch_size=max_running_requests).edges)
             agree = tp_agree(group.cpu_group, group.ranks[0], buckets)
-        trace_path = os.environ.get(spec_disable.AUTO_TRACE_ENV)
+        trace_path = os.environ.get(AUTO_TRACE_ENV)
         trace = StepTrace(trace_path) if trace_path and tp_rank() == 0 else None
         policy = AutoThresholdPolicy(
             AutoController(AutoConfig(max_batch_size=max_running_requests), agree=agree),

@@ -38,6 +38,7 @@ from sglang_image import (
 )
 from sglang_image.errors import PARTIAL_EXIT_CODE, SglangImageError, exit_code_table
 from sglang_image.plan import IMAGE_REPO, BuildOptions
+from sglang_image_plugin.setting import THRESHOLD_FLAG
 
 error_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -143,7 +144,7 @@ def _add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--out", type=Path, default=None,
                    help="where logs and reports go (default: out/smoke)")
     p.add_argument("--threshold", type=threshold.parse, default=None,
-                   help=f"the EAGLE-3 servers' {threshold.FLAG}: N running requests, or auto "
+                   help=f"the EAGLE-3 servers' {THRESHOLD_FLAG}: N running requests, or auto "
                         "where the flavor has it (default: the smoke's own small N, which the "
                         "tiny model's load crosses both ways)")
     p.add_argument("--accept-partial", action="store_true",

@@ -6,7 +6,8 @@ from PyPI on the build machine, slims the big ones (dropping shared objects the 
 and packs them into `.gpu/wheels.tar.xz` (an ignored folder). Copy the repository with `.gpu/` to
 the GPU host and run the printed command there.
 
-There `python3 -m bench e2e --bundle .gpu ...` installs them with
+There `PYTHONPATH=plugin python3 -m bench e2e --bundle .gpu ...` (plugin/: the speculation
+setting's contract, which the smoke and the benchmark import by name) installs them with
 `pip install --no-index --no-deps --target /tmp/site`, applies patches/<flavor>/series on top,
 builds the tiny models and runs the smoke checks and the benchmark (see bench/e2e.py).
 
@@ -381,8 +382,10 @@ def write_parts(tar_path: Path, part_mib: int) -> list[Path]:
 
 
 def host_command(*, phases: str = "all", out: str = "out/gpu-e2e") -> str:
-    """The command to run in the repository's root on the GPU host (the bundle in .gpu/)."""
-    return (f"mkdir -p {out} && PYTHONUNBUFFERED=1 python3 -m bench e2e --bundle .gpu "
+    """The command to run in the repository's root on the GPU host (the bundle in .gpu/; plugin/ on
+    PYTHONPATH: the smoke and the benchmark import the speculation setting's contract from it)."""
+    return (f"mkdir -p {out} && PYTHONUNBUFFERED=1 PYTHONPATH=plugin${{PYTHONPATH:+:$PYTHONPATH}} "
+            f"python3 -m bench e2e --bundle .gpu "
             f"--state /tmp/smoke-state --out {out} --phases {phases}")
 
 

@@ -28,10 +28,9 @@ from typing import Any
 from sglang_image import threshold as thresholds
 from sglang_image.docker_engine import ensure_engine
 from sglang_image.errors import PARTIAL_EXIT_CODE, ImageNotFoundError, SmokeError
-from sglang_image.pins import REPO_ROOT, Flavor, load_flavor
+from sglang_image.pins import PLUGIN_PACKAGE_DIR, REPO_ROOT, Flavor, load_flavor
 from sglang_image.plan import check_reference, default_tag
-from sglang_image.plugin_source import PACKAGE_DIR
-from sglang_image.threshold import Threshold
+from sglang_image_plugin.setting import AUTO, START_LOG_LINE, Threshold
 
 MOUNT = "/opt/sglang-smoke"
 OUT_MOUNT = "/out"
@@ -41,7 +40,7 @@ RECORDS_DIR = REPO_ROOT / "out" / "smoke-records"
 # What only the full smoke checks: said whenever a PARTIAL result is shown.
 NOT_CHECKED_WITHOUT_GPU = (
     "the server starting on a GPU (CUDA kernels, FlashInfer JIT, CUDA graphs)",
-    "the start log line 'Dynamic speculation disable enabled: threshold=N'",
+    f"the start log line '{START_LOG_LINE.format(threshold='N')}'",
     "EAGLE-3 greedy outputs equal to plain decoding below and above the threshold",
     "speculation switching off and on with load (server info counters), accept length",
     "aborted requests in both modes and the KV pool returning to empty",
@@ -123,7 +122,7 @@ def full_command(threshold: Threshold | None = None) -> list[str]:
     """The smoke, then the feature matrix, with `threshold` (None: the smoke's own default)."""
     given = "" if threshold is None else f" --threshold {threshold}"
     # the matrix crosses a fixed N both ways; with auto it runs at the smoke's default N
-    matrix = "" if threshold == thresholds.AUTO else given
+    matrix = "" if threshold == AUTO else given
     script = ("set -e; python3 -m smoke models /tmp/models --device cuda; "
               f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT}{given}; "
               f"python3 -m smoke features --models /tmp/models --out {OUT_MOUNT}/features{matrix}")
@@ -135,8 +134,11 @@ def partial_command(light: bool = False) -> list[str]:
             f"{OUT_MOUNT}/expected-series.json", *(["--light"] if light else [])]
 
 
-# the plugin's standard-library modules the smoke reads its names from (smoke/names.py)
-SHARED_MODULES = ("spec_disable.py", "depth_schedule.py")
+# The plugin's package beside the smoke, as in the repository: the smoke imports the speculation
+# setting's contract from it by name (sglang_image_plugin.setting), and a flavor's image without the
+# plugin has none of its own. On the smoke's PYTHONPATH only: the smoke leaves it off its servers'
+# (smoke.server.sglang_env), where it would shadow the image's installed plugin.
+PLUGIN_MOUNT = f"{MOUNT}/plugin"
 
 
 def container_kwargs(*, gpu: bool, out_dir: Path) -> dict[str, Any]:
@@ -144,14 +146,12 @@ def container_kwargs(*, gpu: bool, out_dir: Path) -> dict[str, Any]:
     import docker.types
 
     kw: dict[str, Any] = {
-        # the smoke, and the modules whose names it shares with the plugin (smoke/names.py
-        # looks for them beside smoke/, where the repository has them)
+        # the smoke, and the plugin's package it imports the setting's contract from
         "volumes": {str(REPO_ROOT / "smoke"): {"bind": f"{MOUNT}/smoke", "mode": "ro"},
-                    **{str(PACKAGE_DIR / module): {"bind": f"{MOUNT}/plugin/sglang_image_plugin/{module}", "mode": "ro"}
-                       for module in SHARED_MODULES},
+                    str(PLUGIN_PACKAGE_DIR): {"bind": f"{PLUGIN_MOUNT}/sglang_image_plugin", "mode": "ro"},
                     str(out_dir): {"bind": OUT_MOUNT, "mode": "rw"}},
         "working_dir": MOUNT,
-        "environment": {"PYTHONPATH": MOUNT, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+        "environment": {"PYTHONPATH": f"{MOUNT}:{PLUGIN_MOUNT}", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
                         "TRANSFORMERS_OFFLINE": "1"},
         "network_mode": "none",
         "shm_size": "8g",

@@ -22,6 +22,10 @@ from sglang_image.patch import read_series
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FLAVOR_DIR = REPO_ROOT / "images" / "flavors"
 PATCH_ROOT = REPO_ROOT / "patches"
+# The plugin's sources: its wheel is built from PLUGIN_DIR, its digests are recorded in the package's
+# folder, and the smoke mounts that folder (its contract, setting.py, is imported by name).
+PLUGIN_DIR = REPO_ROOT / "plugin"
+PLUGIN_PACKAGE_DIR = PLUGIN_DIR / "sglang_image_plugin"
 DEFAULT_FLAVOR = "sglang-0.5.23"
 # The distributions every flavor's [lock] requirements pin (with its kernel_package): the stack
 # the labels, the tests and the README name by version.

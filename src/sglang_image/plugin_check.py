@@ -14,14 +14,15 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_image import plugin_source
 from sglang_image.errors import PluginError, UsageError
-from sglang_image.pins import Flavor
-from sglang_image.plugin_source import PACKAGE_DIR
+from sglang_image.pins import PLUGIN_PACKAGE_DIR, Flavor
+from sglang_image_plugin import targets as plugin_targets
 
 
 def digests_path() -> Path:
-    return PACKAGE_DIR / str(plugin_source.targets().DIGESTS_FILE)
+    """The digests in the plugin's sources (where `--record` writes them, whatever imported the
+    targets)."""
+    return PLUGIN_PACKAGE_DIR / plugin_targets.DIGESTS_FILE
 
 
 def load_digests() -> dict[str, dict[str, str]]:
@@ -89,21 +90,20 @@ def check_hook_targets(site_packages: Path, sglang_version: str,
     """Problems, one line each naming what to review: a hook target that does not
     exist in this tree, an upstream definition the plugin relies on that is missing,
     has no recorded digest for this version, or changed since it was recorded."""
-    targets = plugin_source.targets()
     recorded = (load_digests() if digests is None else digests).get(sglang_version)
     problems = []
     found_version = wheel_version(site_packages)
     if found_version is not None and found_version != sglang_version:
         problems.append(f"{site_packages} holds sglang {found_version}, not {sglang_version}")
-    for spec in targets.HOOKS:
+    for spec in plugin_targets.HOOKS:
         if definition_source(site_packages, spec.target) is None:
             problems.append(f"hook target {spec.target} ({spec.hook_type}: {spec.why}) does "
                             f"not exist in sglang {sglang_version}: move the hook")
     if recorded is None:
         problems.append(f"no digests recorded for sglang {sglang_version}: review "
-                        f"{', '.join(targets.RELIED)} against the plugin, then record them "
+                        f"{', '.join(plugin_targets.RELIED)} against the plugin, then record them "
                         f"(nox -s plugin-check -- --site-packages DIR --record)")
-    for dotted in targets.RELIED:
+    for dotted in plugin_targets.RELIED:
         source = definition_source(site_packages, dotted)
         if source is None:
             problems.append(f"{dotted} does not exist in sglang {sglang_version}: the plugin "
@@ -119,7 +119,7 @@ def check_hook_targets(site_packages: Path, sglang_version: str,
 def record_digests(site_packages: Path, sglang_version: str) -> dict[str, str]:
     """Write this release's digests of every relied-on definition (after review)."""
     entry = {}
-    for dotted in plugin_source.targets().RELIED:
+    for dotted in plugin_targets.RELIED:
         source = definition_source(site_packages, dotted)
         if source is None:
             raise PluginError(f"{dotted} does not exist under {site_packages}: fix the plugin "
@@ -171,7 +171,6 @@ def run(flavor: Flavor | None, options: PluginCheckOptions) -> int:
     for line in problems:
         print(f"FAIL {line}")
     if not problems:
-        targets = plugin_source.targets()
-        print(f"ok: sglang {version}: {len(targets.HOOKS)} hook targets exist, "
-              f"{len(targets.RELIED)} relied-on definitions unchanged")
+        print(f"ok: sglang {version}: {len(plugin_targets.HOOKS)} hook targets exist, "
+              f"{len(plugin_targets.RELIED)} relied-on definitions unchanged")
     return 1 if problems else 0

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 
 from sglang_image.errors import PluginError
-from sglang_image.plugin_source import PLUGIN_DIR
+from sglang_image.pins import PLUGIN_DIR
 
 # Wheel timestamps: zip's earliest date (the build must not depend on when it ran).
 WHEEL_EPOCH = 315532800

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from sglang_image import threshold as thresholds
 from sglang_image.errors import UsageError
 from sglang_image.pins import Flavor, flavor_names, load_flavor
+from sglang_image_plugin.setting import THRESHOLD_FLAG
 
 Topology = Literal["single", "router", "multinode"]
 Platform = Literal["compose", "kubernetes"]
@@ -39,7 +40,6 @@ ROUTER_METRICS_PORT = 29000
 MODELS_MOUNT = "/models"  # where the models volume is mounted, read-only
 QUANTITY_UNITS = {"Mi": "m", "Gi": "g", "Ti": "t"}  # --shm-size: Kubernetes unit -> Docker's
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label: a Kubernetes name
-THRESHOLD_FLAG: str = thresholds.FLAG
 # SGLang 0.5.23's /health generates a token and waits up to 20 s for it (its
 # HEALTH_CHECK_TIMEOUT): a check that gives up sooner fails a healthy server.
 HEALTH_WAIT_S = 20

@@ -55,8 +55,8 @@ def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with
 
     from bench import autotrace
     from bench.__main__ import main as bench_main
+    from sglang_image_plugin import auto_threshold as auto
 
-    auto = autotrace.controller_module()
     rng = random.Random(0)
     ctl = auto.AutoController(auto.AutoConfig(max_batch_size=64, step_noise=0.0))
     plain = {16: 4.82e-3, 64: 6.1e-3}

@@ -116,3 +116,26 @@ def test_bench_model_shapes():
     assert ap.parse_args(["e2e", "--bench-size", "8b"]).bench_size == "8b"
     with pytest.raises(SystemExit):
         ap.parse_args(["e2e", "--bench-size", "tiny"])
+
+
+def test_the_gpu_host_command_starts_again_once_with_the_site_on_its_path(tmp_path):
+    """`PYTHONPATH=plugin python3 -m bench e2e ...` from the repository's root: the setting's
+    contract comes from plugin/ (no site-packages here: -S), and the driver starts again, once,
+    with its site on PYTHONPATH before any phase (it imports from the site as its servers do),
+    plugin/ still ahead of it (the contract stays this tree's where the site has a plugin too)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    shadow = tmp_path / "state" / "site" / "sglang_image_plugin"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the site is ahead of plugin/')\n")
+    proc = subprocess.run(
+        [sys.executable, "-S", "-m", "bench", "e2e", "--bundle", str(tmp_path / "bundle"), "--state",
+         str(tmp_path / "state"), "--out", str(tmp_path / "out"), "--phases", "install"],
+        cwd=repo, env={"PATH": os.environ["PATH"], "PYTHONPATH": "plugin"}, capture_output=True,
+        text=True, timeout=120, check=False)
+    log = (tmp_path / "out" / "e2e.log").read_text()
+    assert log.count("starting again with") == 1 and "is not on this process's path" not in log, log
+    assert "== install" in log and "wheels.tar.xz is missing" in proc.stderr, (log, proc.stderr)
