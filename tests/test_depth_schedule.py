@@ -198,3 +198,44 @@ def test_the_schedule_resolves_from_flag_or_environment_and_refuses_what_cannot_
     assert getattr(parser.parse_args([st.DEPTH_SCHEDULE_FLAG, "1-4:1,5-:0"]), st.DEPTH_SCHEDULE_DEST) == st.parse_schedule("1-4:1,5-:0")
     with pytest.raises(argparse.ArgumentError, match="the last tier must be open"):
         parser.parse_args([st.DEPTH_SCHEDULE_FLAG, "1-4:1,5-8:0"])
+
+
+def test_auto_is_the_schedule_the_server_learns_and_excludes_a_threshold() -> None:
+    eagle3 = st.ServerView(speculative_algorithm="EAGLE3", speculative_eagle_topk=1,
+                           speculative_adaptive=False, speculative_num_steps=3)
+
+    def resolve(environ: dict[str, str], **flags: object) -> st.Setting:
+        return st.resolve_and_validate(threshold_flag=flags.get("threshold"),  # type: ignore[arg-type]
+                                       hysteresis_flag=flags.get("hysteresis"),  # type: ignore[arg-type]
+                                       schedule_flag=flags.get("schedule"),  # type: ignore[arg-type]
+                                       server=flags.get("server", eagle3), environ=environ)  # type: ignore[arg-type]
+
+    assert st.parse_schedule_or_auto(" Auto ") == st.AUTO
+    assert st.parse_schedule_or_auto("1-8:2,9-:0") == st.parse_schedule("1-8:2,9-:0")
+    with pytest.raises(st.ScheduleError, match="is not a tier; .*; or `auto`: the server learns"):
+        st.parse_schedule_or_auto("auto32")
+    got = resolve({}, schedule="auto")
+    assert got == st.Setting(threshold=0, hysteresis=0, schedule=st.AUTO) and got.enabled
+    assert resolve({st.DEPTH_SCHEDULE_ENV: "AUTO"}).schedule == st.AUTO
+    assert resolve({st.DEPTH_SCHEDULE_ENV: "auto"}, schedule="1-:3").schedule == st.parse_schedule("1-:3")
+    assert st.start_log_line(0, st.AUTO) == "Dynamic speculation disable enabled: depth schedule=auto"
+    # with a threshold (auto or N, flag or variable), or a hysteresis, it is refused
+    for environ, flags in (({}, {"threshold": "auto"}), ({st.THRESHOLD_ENV: "32"}, {}),
+                           ({st.THRESHOLD_ENV: "auto"}, {})):
+        with pytest.raises(ValueError, match="=auto and --speculative-disable-batch-threshold=.* are both "
+                                             "set .*: give one; `auto` for"):
+            resolve(environ, schedule="auto", **flags)
+    with pytest.raises(ValueError, match="each edge .* keeps its own"):
+        resolve({}, schedule="auto", hysteresis=2)
+    with pytest.raises(st.ScheduleError, match="auto learns depths 0..K .* got K=0"):
+        resolve({}, schedule="auto", server=st.ServerView(
+            speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_adaptive=False,
+            speculative_num_steps=0))
+    with pytest.raises(ValueError, match=r"^--speculative-depth-schedule=auto needs --speculative-eagle-topk 1"):
+        resolve({}, schedule="auto", server=st.ServerView(
+            speculative_algorithm="EAGLE3", speculative_eagle_topk=4, speculative_adaptive=False))
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    st.add_cli_args(parser)
+    assert getattr(parser.parse_args([st.DEPTH_SCHEDULE_FLAG, "auto"]), st.DEPTH_SCHEDULE_DEST) == st.AUTO
+    with pytest.raises(argparse.ArgumentError, match="or `auto`"):
+        parser.parse_args([st.DEPTH_SCHEDULE_FLAG, "automatic"])

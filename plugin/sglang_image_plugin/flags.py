@@ -163,6 +163,8 @@ def _threshold_requested(server_args: Any) -> bool:
     threshold_flag, _, schedule_flag = _flags(server_args)
     try:
         schedule = setting.resolve_schedule(schedule_flag)
+        if schedule == setting.AUTO:
+            return True  # a learned schedule may decode plain at any batch size
         if schedule is not None:
             return 0 in schedule.depths
         return setting.resolve_threshold(threshold_flag) != 0

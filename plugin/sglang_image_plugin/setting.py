@@ -19,6 +19,11 @@ draft (a draft step costs more, and pays less, the larger the batch). A fixed th
 same as `1-N:K,N+1-:0` (K: --speculative-num-steps). Every edge has the threshold's default
 hysteresis (edge // 8): the draft gets shallower as soon as the batch passes an edge, and deeper
 again only once it is that far below it (depth_schedule.DepthController walks it).
+
+`--speculative-depth-schedule auto`: the server learns the schedule itself (auto_depth.py): per
+batch-size bucket, the depth of 0..K with the most tokens per second of step time, monotone in
+batch size. It is the schedule's `auto`; the threshold's `auto` keeps learning one crossover
+between K and plain. The two flags exclude each other either way.
 """
 
 from __future__ import annotations
@@ -92,12 +97,14 @@ DEPTH_SCHEDULE_HELP = (
     "with the target alone. A larger batch never drafts deeper; no depth beyond "
     "--speculative-num-steps. Each edge has hysteresis (edge // 8): shallower at once, "
     f"deeper once the batch is that far below the edge. Instead of {THRESHOLD_FLAG} (N is "
-    f"the schedule 1-N:K,N+1-:0). Without the flag the environment variable "
-    f"{DEPTH_SCHEDULE_ENV} is read. EAGLE/EAGLE3 with topk 1 only."
+    f"the schedule 1-N:K,N+1-:0). `auto`: the server measures the step time of every depth "
+    "0..K per batch-size bucket and the accept length per depth, and learns the schedule with "
+    f"the most tokens/s. Without the flag the environment variable {DEPTH_SCHEDULE_ENV} is read. "
+    "EAGLE/EAGLE3 with topk 1 only."
 )
 
 
-def start_log_line(threshold: Threshold, schedule: DepthSchedule | None = None) -> str:
+def start_log_line(threshold: Threshold, schedule: DepthSchedule | Literal["auto"] | None = None) -> str:
     if schedule is not None:
         return SCHEDULE_START_LOG_LINE.format(schedule=schedule)
     return START_LOG_LINE.format(threshold=threshold)
@@ -247,6 +254,17 @@ def validated_schedule(tiers: Sequence[Tier], *, source: str = DEPTH_SCHEDULE_FL
     return DepthSchedule(tuple(merged))
 
 
+def parse_schedule_or_auto(text: str, *, source: str = DEPTH_SCHEDULE_FLAG) -> DepthSchedule | Literal["auto"]:
+    """The schedule flag's value: `auto` (any case), or a schedule as parse_schedule reads it (a
+    ScheduleError names `source` and says `auto` is the other choice)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return parse_schedule(text, source=source)
+    except ScheduleError as e:
+        raise ScheduleError(f"{e}; or `auto`: the server learns a depth per load") from None
+
+
 def schedule_from_threshold(threshold: int, steps: int) -> DepthSchedule:
     """A fixed threshold N as a schedule: K steps up to N, none above."""
     return validated_schedule([Tier(1, threshold, steps), Tier(threshold + 1, None, 0)])
@@ -283,8 +301,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(HYSTERESIS_FLAG, dest=HYSTERESIS_DEST, type=_argparse_type(parse_hysteresis),
                         default=None, metavar="H", help=HYSTERESIS_HELP)
     parser.add_argument(DEPTH_SCHEDULE_FLAG, dest=DEPTH_SCHEDULE_DEST,
-                        type=_argparse_type(parse_schedule), default=None,
-                        metavar="LOW-HIGH:DEPTH,...", help=DEPTH_SCHEDULE_HELP)
+                        type=_argparse_type(parse_schedule_or_auto), default=None,
+                        metavar="LOW-HIGH:DEPTH,...|auto", help=DEPTH_SCHEDULE_HELP)
 
 
 # -- resolution and validation -------------------------------------------------------------------
@@ -294,7 +312,8 @@ class Setting:
 
     threshold: Threshold
     hysteresis: int
-    schedule: DepthSchedule | None = None  # a draft depth per load (then threshold 0)
+    # a draft depth per load, fixed or `auto` (learned by the server); then threshold 0
+    schedule: DepthSchedule | Literal["auto"] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -316,16 +335,16 @@ def resolve_threshold(flag: str | int | None, environ: Mapping[str, str] | None 
 
 
 def resolve_schedule(flag: DepthSchedule | str | None,
-                     environ: Mapping[str, str] | None = None) -> DepthSchedule | None:
-    """The flag wins; else the environment variable; else none."""
+                     environ: Mapping[str, str] | None = None) -> DepthSchedule | Literal["auto"] | None:
+    """The flag wins; else the environment variable; else none. `auto` (either) stays `auto`."""
     if isinstance(flag, DepthSchedule):
         return flag
     if flag is not None:
-        return parse_schedule(flag)
+        return parse_schedule_or_auto(flag)
     raw = (os.environ if environ is None else environ).get(DEPTH_SCHEDULE_ENV)
     if raw is None or raw.strip() == "":
         return None
-    return parse_schedule(raw, source=f"{DEPTH_SCHEDULE_ENV} (the fallback for {DEPTH_SCHEDULE_FLAG})")
+    return parse_schedule_or_auto(raw, source=f"{DEPTH_SCHEDULE_ENV} (the fallback for {DEPTH_SCHEDULE_FLAG})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -358,9 +377,12 @@ def resolve_and_validate(
     threshold = resolve_threshold(threshold_flag, environ)
     if schedule is not None:
         if threshold != 0:
+            why = (f"`auto` for {THRESHOLD_FLAG} learns where plain beats K draft steps, for "
+                   f"{DEPTH_SCHEDULE_FLAG} a depth 0..K per load" if schedule == AUTO
+                   else "a threshold N is the schedule 1-N:K,N+1-:0")
             raise ValueError(
                 f"{DEPTH_SCHEDULE_FLAG}={schedule} and {THRESHOLD_FLAG}={threshold} are both set "
-                f"(flag or environment): give one; a threshold N is the schedule 1-N:K,N+1-:0"
+                f"(flag or environment): give one; {why}"
             )
         if hysteresis_flag is not None:
             raise ValueError(
@@ -368,8 +390,14 @@ def resolve_and_validate(
                 f"{DEPTH_SCHEDULE_FLAG} keeps its own (edge // 8): drop the hysteresis flag"
             )
         _check_server(f"{DEPTH_SCHEDULE_FLAG}={schedule}", server)
-        if server.speculative_num_steps is not None:
-            check_against_steps(schedule, server.speculative_num_steps)
+        steps = server.speculative_num_steps
+        if schedule == AUTO:
+            if steps is not None and steps < 1:
+                raise ScheduleError(
+                    f"{DEPTH_SCHEDULE_FLAG}=auto learns depths 0..K of --speculative-num-steps K; "
+                    f"got K={steps}: launch with --speculative-num-steps 1 or more")
+        elif steps is not None:
+            check_against_steps(schedule, steps)
         return Setting(threshold=0, hysteresis=0, schedule=schedule)
     if threshold == 0:
         return OFF

@@ -24,7 +24,13 @@ from sglang_image_plugin.policy import (
     DepthSchedulePolicy,
     ThresholdPolicy,
 )
-from sglang_image_plugin.setting import AUTO, AUTO_TRACE_ENV, THRESHOLD_FLAG, start_log_line
+from sglang_image_plugin.setting import (
+    AUTO,
+    AUTO_TRACE_ENV,
+    THRESHOLD_FLAG,
+    DepthSchedule,
+    start_log_line,
+)
 from sglang_image_plugin.state import AcceptanceWatch, ArgsState, DraftState, WorkerState
 from sglang_image_plugin.targets import hooks_of
 from sglang_image_plugin.tp import broadcast_ints, log_on_rank0, tp_agree, tp_group, tp_rank
@@ -53,7 +59,7 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
         )
     own = state.of(worker, WorkerState)
     own.acceptance = AcceptanceAroundPlain()
-    if setting.schedule is not None:
+    if isinstance(setting.schedule, DepthSchedule):
         policy = DepthSchedulePolicy(DepthController(setting.schedule), log_fn=log_on_rank0)
         worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
         own.controller = policy
