@@ -1,6 +1,7 @@
-"""`auto`'s statistics, which the controller (auto_threshold.py) decides with: per batch-size
-bucket and mode, the recent step seconds (their median and its noise) and the batch sizes of the
-traffic; and a mode's step seconds at any batch size from the buckets it was measured in.
+"""`auto`'s statistics, which the controllers (auto_threshold.py, auto_depth.py) decide with: per
+batch-size bucket and mode (or draft depth), the recent step seconds (their median and its noise)
+and the batch sizes of the traffic; and a mode's step seconds at any batch size from the buckets
+it was measured in.
 
 Pure Python (no torch, no sglang).
 """
@@ -11,10 +12,11 @@ import bisect
 import math
 import statistics
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Generic, TypeVar
 
-from sglang_image_plugin.setting import Mode
+Key = TypeVar("Key", bound=Hashable)  # what a bucket's step times are kept by: a Mode, a depth
 
 EXTRAPOLATION_SPAN: Final = 1.5  # see seconds_at
 
@@ -91,24 +93,27 @@ class StepTimes:
 
 
 @dataclass
-class Bucket:
-    """One batch-size bucket: each mode's recent step seconds, the batch sizes of its traffic, when
-    each mode was last measured (the controller's step count)."""
+class Bucket(Generic[Key]):
+    """One batch-size bucket: each mode's (or depth's: `keys`) recent step seconds, the batch sizes
+    of its traffic, when each was last measured (the controller's step count)."""
 
     low: int
     high: int
     window: int
-    step_noise: float = 0.0
-    # per mode: recent step seconds and their batch sizes; and the batch sizes of its traffic
-    seconds: dict[Mode, StepTimes] = field(init=False)
-    batch: dict[Mode, Average] = field(default_factory=lambda: {m: Average() for m in Mode})
-    last_seen: dict[Mode, int | None] = field(default_factory=lambda: {m: None for m in Mode})
+    step_noise: float
+    keys: tuple[Key, ...]
+    # per key: recent step seconds and their batch sizes; and the batch sizes of its traffic
+    seconds: dict[Key, StepTimes] = field(init=False)
+    batch: dict[Key, Average] = field(init=False)
+    last_seen: dict[Key, int | None] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.seconds = {m: StepTimes(self.window, self.step_noise) for m in Mode}
-        self.fresh: dict[Mode, StepTimes | None] = dict.fromkeys(Mode)  # see add
+        self.seconds = {m: StepTimes(self.window, self.step_noise) for m in self.keys}
+        self.batch = {m: Average() for m in self.keys}
+        self.last_seen = dict.fromkeys(self.keys)
+        self.fresh: dict[Key, StepTimes | None] = dict.fromkeys(self.keys)  # see add
 
-    def add(self, mode: Mode, seconds: float, batch_size: int, after_stale_gap: bool, min_samples: int) -> None:
+    def add(self, mode: Key, seconds: float, batch_size: int, after_stale_gap: bool, min_samples: int) -> None:
         """One step's seconds. The steps after a stale gap gather apart until they are enough to
         decide on (the old ones count meanwhile); then they replace the old ones if the two differ
         beyond their noise (the GPU was not what it is now, e.g. shared), else they join them
@@ -127,7 +132,7 @@ class Bucket:
             else:
                 old.extend(fresh)
 
-    def point(self, mode: Mode) -> tuple[float, float] | None:
+    def point(self, mode: Key) -> tuple[float, float] | None:
         """(batch size, step seconds) of this mode's recent steps here, None before a measurement."""
         b, t = self.seconds[mode].batch, self.seconds[mode].value
         return None if b is None or t is None else (b, t)

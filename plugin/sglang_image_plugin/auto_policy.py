@@ -1,13 +1,15 @@
-"""`auto` behind upstream's adaptive-speculation policy protocol: AutoPolicy times each decode
-step and hands the controller (auto_threshold.py) its mode, seconds and output tokens; StepTrace
-writes the steps to a file for reading offline.
+"""`auto` behind upstream's adaptive-speculation policy protocol: TimedPolicy times each decode
+step and pairs it with its verify result; AutoPolicy hands the threshold's controller
+(auto_threshold.py) its mode, seconds and output tokens (the learned depth schedule's policy,
+auto_depth_policy.py, is another TimedPolicy); StepTrace writes the steps to a file for reading
+offline.
 
 Pure Python (no torch, no sglang).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sglang_image_plugin.auto_threshold import AutoController
@@ -16,7 +18,7 @@ from sglang_image_plugin.setting import AUTO_TRACE_ENV, THRESHOLD_FLAG, Mode
 
 @dataclass
 class _Step:
-    mode: Mode
+    depth: int  # the draft steps decided (0: plain)
     batch_size: int
     start: float
     seconds: float | None = None  # 0.0: no time (the server went idle after it)
@@ -27,22 +29,28 @@ class _Step:
 
     @property
     def kind(self) -> str:
-        return "catch-up" if self.catch_up else str(self.mode)
+        return "catch-up" if self.catch_up else str(Mode.PLAIN if self.depth == 0 else Mode.SPECULATIVE)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What a step's time depends on: its kind and its draft depth."""
+        return self.kind, self.depth
 
 
-class AutoPolicy:
-    """AutoController behind upstream's adaptive-speculation policy protocol (sglang's
+class TimedPolicy:
+    """A policy behind upstream's adaptive-speculation policy protocol (sglang's
     AdaptiveSpecPolicy: candidate step counts, one `get_steps_for_batch` before each decode batch,
-    one `on_verify_complete` per decode result): K draft steps or 0 (upstream's zero-step tier,
-    a plain step).
+    one `on_verify_complete` per decode result) that times each decode step. A subclass decides the
+    step's draft depth (`_decide`) and takes each timed step (`_record`) and each result's accepted
+    drafts (`_accepted`).
 
     A step's time is the interval from its `get_steps_for_batch` to the next one: with overlap
     scheduling the host prepares a batch while the previous one runs, so in steady state that is
     the step time the traffic sees, prefills between decode steps included. But the host waits for
     a step's result only after it has launched the next one, so that interval ends when the step
-    before it is done: it times the previous step. The first step of a kind (plain, speculative,
-    the catch-up step) after another kind is therefore left out: it carries the other kind's time
-    (and a change to plain waits once for the last speculative step). Verify results come in
+    before it is done: it times the previous step. The first step of a kind (plain, speculative at
+    a depth, the catch-up step) after another kind is therefore left out: it carries the other
+    kind's time (and a change to plain waits once for the last speculative step). Verify results come in
     decode order, usually a step late; each fills the oldest step still waiting for one. A result
     whose batch size differs from that step's means the two sequences lost step: the pending steps
     are dropped. An idle call (no requests), or the scheduler going idle (note_idle), leaves the
@@ -54,14 +62,10 @@ class AutoPolicy:
 
     MAX_PENDING = 8  # steps waiting for their results, at most (overlap keeps one or two)
 
-    def __init__(self, controller: AutoController, speculative_steps: int,
-                 clock: Callable[[], float] | None = None,
+    def __init__(self, speculative_steps: int, clock: Callable[[], float] | None = None,
                  trace: Callable[[dict[str, object]], None] | None = None) -> None:
-        if speculative_steps < 1:
-            raise ValueError(f"{THRESHOLD_FLAG} auto needs --speculative-num-steps >= 1, got {speculative_steps}")
         import time  # measurement only; the tests pass their own clock
 
-        self.controller = controller
         self.speculative_steps = speculative_steps
         self._clock = clock or time.perf_counter
         self._pending: list[_Step] = []
@@ -70,15 +74,33 @@ class AutoPolicy:
         self.dropped = 0  # steps not recorded: no time, or lost step with the results
         self._trace = trace
 
-    @property
-    def candidate_steps(self) -> list[int]:
-        return [0, self.speculative_steps]
+    # -- the subclass's part --------------------------------------------------------------------
+    def _decide(self, batch_size: int) -> int:
+        """The draft depth of the next decode step of this many requests (>= 1)."""
+        raise NotImplementedError
 
+    def _idle_steps(self) -> int:
+        """The depth to keep for an idle batch (no requests, no step)."""
+        raise NotImplementedError
+
+    def _record(self, step: _Step) -> None:
+        """A step with its time and its output tokens."""
+        raise NotImplementedError
+
+    def _accepted(self, step: _Step, num_correct_drafts_per_req: Sequence[int]) -> None:
+        """A drafting step's accepted drafts per request (the catch-up step's are none), timed or
+        not."""
+
+    def _trace_fields(self, step: _Step) -> dict[str, object]:
+        """What the trace adds to a step's record."""
+        return {}
+
+    # -- the protocol ---------------------------------------------------------------------------
     def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
         self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
 
     def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
-        """Every captured size for both step counts: the crossover moves at run time."""
+        """Every captured size for every step count: what runs where is learned at run time."""
         return self._cuda_graph_bs
 
     def get_steps_for_batch(self, batch_size: int) -> int:
@@ -89,15 +111,14 @@ class AutoPolicy:
         self._flush()
         if batch_size <= 0:
             self._previous = None
-            return 0 if self.controller.mode is Mode.PLAIN else self.speculative_steps
-        mode = self.controller.decide(batch_size)
-        step = _Step(mode, batch_size, now)
+            return self._idle_steps()
+        step = _Step(self._decide(batch_size), batch_size, now)
         self._after(step)
         self._pending.append(step)
         while len(self._pending) > self.MAX_PENDING:
             self._pending.pop(0)
             self.dropped += 1
-        return 0 if mode is Mode.PLAIN else self.speculative_steps
+        return step.depth
 
     def leave_out_last(self) -> None:
         """The step just decided runs as neither mode (the catch-up step that prepares the draft
@@ -109,7 +130,7 @@ class AutoPolicy:
         """Leave out a step whose interval times another kind's step, or, the first after an
         idle gap, the prefill that ended it."""
         previous, self._previous = self._previous, step
-        if previous is None or previous.kind != step.kind:
+        if previous is None or previous.key != step.key:
             step.left_out = True
 
     def note_idle(self) -> None:
@@ -145,6 +166,8 @@ class AutoPolicy:
             self._pending = []
             return None
         step.output_tokens = sum(num_correct_drafts_per_req) + step.batch_size
+        if step.depth > 0 and not step.catch_up:
+            self._accepted(step, num_correct_drafts_per_req)
         self._flush()
         return None
 
@@ -154,14 +177,43 @@ class AutoPolicy:
             s = self._pending.pop(0)
             recorded = not s.left_out and bool(s.seconds) and s.output_tokens is not None
             if recorded:
-                self.controller.record(s.mode, s.batch_size, s.seconds or 0.0, s.output_tokens or 0)
+                self._record(s)
             elif not s.left_out:
                 self.dropped += 1  # no time (idle after it)
             if self._trace is not None:
                 self._trace({"t": round(s.start, 6), "kind": s.kind, "batch": s.batch_size,
                              "seconds": round(s.seconds or 0.0, 6), "tokens": s.output_tokens,
-                             "recorded": recorded, "prefills": s.prefills,
-                             "crossover": self.controller.crossover()})
+                             "recorded": recorded, "prefills": s.prefills, **self._trace_fields(s)})
+
+
+class AutoPolicy(TimedPolicy):
+    """The threshold's `auto` (AutoController) as a TimedPolicy: K draft steps or 0 (upstream's
+    zero-step tier, a plain step)."""
+
+    def __init__(self, controller: AutoController, speculative_steps: int,
+                 clock: Callable[[], float] | None = None,
+                 trace: Callable[[dict[str, object]], None] | None = None) -> None:
+        if speculative_steps < 1:
+            raise ValueError(f"{THRESHOLD_FLAG} auto needs --speculative-num-steps >= 1, got {speculative_steps}")
+        super().__init__(speculative_steps, clock, trace)
+        self.controller = controller
+
+    @property
+    def candidate_steps(self) -> list[int]:
+        return [0, self.speculative_steps]
+
+    def _decide(self, batch_size: int) -> int:
+        return 0 if self.controller.decide(batch_size) is Mode.PLAIN else self.speculative_steps
+
+    def _idle_steps(self) -> int:
+        return 0 if self.controller.mode is Mode.PLAIN else self.speculative_steps
+
+    def _record(self, step: _Step) -> None:
+        mode = Mode.PLAIN if step.depth == 0 else Mode.SPECULATIVE
+        self.controller.record(mode, step.batch_size, step.seconds or 0.0, step.output_tokens or 0)
+
+    def _trace_fields(self, step: _Step) -> dict[str, object]:
+        return {"crossover": self.controller.crossover()}
 
 
 class StepTrace:

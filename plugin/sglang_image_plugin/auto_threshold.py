@@ -100,7 +100,7 @@ class AutoController:
                  agree: Callable[[Decision], Decision] | None = None) -> None:
         self.config = config
         edges = config.edges
-        self._buckets = [Bucket(low + 1, high, config.window, config.step_noise)
+        self._buckets = [Bucket(low + 1, high, config.window, config.step_noise, tuple(Mode))
                          for low, high in zip((0, *edges[:-1]), edges, strict=True)]
         self._edges = edges
         self._agree = agree
@@ -224,7 +224,7 @@ class AutoController:
     def _bucket(self, batch_size: int) -> int:
         return min(bisect.bisect_left(self._edges, batch_size), len(self._edges) - 1)
 
-    def _recent(self, bucket: Bucket, mode: Mode) -> bool:
+    def _recent(self, bucket: Bucket[Mode], mode: Mode) -> bool:
         """Whether this mode was measured here lately, in enough steps to decide on."""
         seen = bucket.last_seen[mode]
         return (seen is not None and self.steps - seen <= self.config.stale_steps
@@ -286,7 +286,7 @@ class AutoController:
                 out.append((d0 + (d1 - d0) * w, v0 + (v1 - v0) * w))
         return out
 
-    def _counts(self, bucket: Bucket) -> bool:
+    def _counts(self, bucket: Bucket[Mode]) -> bool:
         """Whether both modes' step times in this bucket have enough steps to decide on."""
         return all(bucket.seconds[m].enough(self.config.min_samples) for m in Mode)
 
