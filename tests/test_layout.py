@@ -140,7 +140,8 @@ LAYERS = {f"sglang_image_plugin.{module}": layer for layer, modules in {
     "hook": ("__init__", "registry", "flags", "worker", "observe", "layout", "plain_target",
              "draft_extend", "tp"),
     "mechanism": ("policy", "plain_step", "draft_kv", "deferred_kv", "acceptance", "auto_threshold",
-                  "auto_config", "auto_estimate", "auto_policy"),
+                  "auto_config", "auto_estimate", "auto_policy", "auto_accept", "auto_depth",
+                  "auto_depth_policy"),
     "state": ("state",),
     "contract": ("setting", "targets", "spec_disable", "depth_schedule"),
 }.items() for module in modules}

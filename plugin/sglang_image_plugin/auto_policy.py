@@ -17,7 +17,7 @@ from sglang_image_plugin.setting import AUTO_TRACE_ENV, THRESHOLD_FLAG, Mode
 
 
 @dataclass
-class _Step:
+class Step:
     depth: int  # the draft steps decided (0: plain)
     batch_size: int
     start: float
@@ -68,8 +68,8 @@ class TimedPolicy:
 
         self.speculative_steps = speculative_steps
         self._clock = clock or time.perf_counter
-        self._pending: list[_Step] = []
-        self._previous: _Step | None = None  # the step decided last (recorded or not)
+        self._pending: list[Step] = []
+        self._previous: Step | None = None  # the step decided last (recorded or not)
         self._cuda_graph_bs: list[int] | None = None
         self.dropped = 0  # steps not recorded: no time, or lost step with the results
         self._trace = trace
@@ -83,15 +83,15 @@ class TimedPolicy:
         """The depth to keep for an idle batch (no requests, no step)."""
         raise NotImplementedError
 
-    def _record(self, step: _Step) -> None:
+    def _record(self, step: Step) -> None:
         """A step with its time and its output tokens."""
         raise NotImplementedError
 
-    def _accepted(self, step: _Step, num_correct_drafts_per_req: Sequence[int]) -> None:
+    def _accepted(self, step: Step, num_correct_drafts_per_req: Sequence[int]) -> None:
         """A drafting step's accepted drafts per request (the catch-up step's are none), timed or
         not."""
 
-    def _trace_fields(self, step: _Step) -> dict[str, object]:
+    def _trace_fields(self, step: Step) -> dict[str, object]:
         """What the trace adds to a step's record."""
         return {}
 
@@ -112,7 +112,7 @@ class TimedPolicy:
         if batch_size <= 0:
             self._previous = None
             return self._idle_steps()
-        step = _Step(self._decide(batch_size), batch_size, now)
+        step = Step(self._decide(batch_size), batch_size, now)
         self._after(step)
         self._pending.append(step)
         while len(self._pending) > self.MAX_PENDING:
@@ -126,7 +126,7 @@ class TimedPolicy:
         if self._pending:
             self._pending[-1].left_out = self._pending[-1].catch_up = True
 
-    def _after(self, step: _Step) -> None:
+    def _after(self, step: Step) -> None:
         """Leave out a step whose interval times another kind's step, or, the first after an
         idle gap, the prefill that ended it."""
         previous, self._previous = self._previous, step
@@ -208,11 +208,11 @@ class AutoPolicy(TimedPolicy):
     def _idle_steps(self) -> int:
         return 0 if self.controller.mode is Mode.PLAIN else self.speculative_steps
 
-    def _record(self, step: _Step) -> None:
+    def _record(self, step: Step) -> None:
         mode = Mode.PLAIN if step.depth == 0 else Mode.SPECULATIVE
         self.controller.record(mode, step.batch_size, step.seconds or 0.0, step.output_tokens or 0)
 
-    def _trace_fields(self, step: _Step) -> dict[str, object]:
+    def _trace_fields(self, step: Step) -> dict[str, object]:
         return {"crossover": self.controller.crossover()}
 
 
