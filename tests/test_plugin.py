@@ -309,11 +309,13 @@ def test_a_threshold_server_keeps_a_plain_servers_running_limit(run_in_tree, tre
                     state.of(sa, ArgsState).running_limit]
         emit({"threshold": limit(["--speculative-disable-batch-threshold", "16"]),
               "auto": limit(["--speculative-disable-batch-threshold", "auto"]),
+              "schedule_auto": limit(["--speculative-depth-schedule", "auto"]),
               "given": limit(["--speculative-disable-batch-threshold", "16", "--max-running-requests", "64"]),
               "no_threshold": limit([]), "off": limit(["--speculative-disable-batch-threshold", "0"]),
               "plain": limit([], plain=True)})
     """.replace("MODEL", repr(str(model_dir))))
     assert out["threshold"] == [None, False, True] and out["auto"] == [None, False, True]
+    assert out["schedule_auto"] == [None, False, True]  # a learned schedule may decode plain anywhere
     assert out["given"] == [64, False, False]
     assert out["no_threshold"] == [48, True, False] and out["off"] == [48, True, False]
     assert out["plain"] == [None, False, False]  # the limit a threshold server now keeps
@@ -858,6 +860,90 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
     assert out["lines"][0] == ("Speculation crossover: auto, learned online per batch-size "
                                "bucket up to 256 running requests; starting speculative everywhere")
     assert any(line.startswith("Speculation crossover -> 32 (auto, was ") for line in out["lines"])
+
+
+# A synthetic trace for the learned depth schedule through upstream's adaptive controller, as
+# AUTO_TRACE drives the threshold's `auto`: per bucket the tokens/s of each depth as a share of the
+# best (the best depth 3 up to 16 requests, 2 up to 64, 1 up to 128, plain above, each by 10% or
+# more), a request accepting A = 0, 1, 2 or 3 of K = 3 drafts in turn (min(A, depth) at a depth).
+DEPTH_TRACE = textwrap.dedent("""
+    rng = random.Random(0)
+    RATIO = [(16, [.5, .7, .85, 1]), (64, [.7, .85, 1, .85]), (128, [.85, 1, .9, .75]), (256, [1, .85, .75, .6])]
+    TOKENS = [1, 1.75, 2.25, 2.5]  # 1 + E[min(A, depth)]
+    def seconds(k, bs):
+        share = next(r for edge, r in RATIO if bs <= edge)[k]
+        return bs * TOKENS[k] / (share * 2 * bs / (5e-3 + 4e-5 * bs))
+    def traffic(n):
+        out = []
+        while len(out) < n:
+            level = round(math.exp(rng.uniform(0, math.log(256))))
+            out += [min(256, max(1, level + rng.randint(-2, 2))) for _ in range(rng.randint(20, 60))]
+        return out[:n]
+    late = []
+    def run(batches):
+        out = []
+        for bs in batches:
+            EAGLEWorkerV2.activate_step_by_batch(worker, bs)
+            k = worker.speculative_num_steps
+            out.append(k)
+            if late:
+                drafts, size = late.pop()
+                EAGLEWorkerV2.on_verify_complete_cpu(worker, drafts, batch_size=size)
+            late.append(([min(i % 4, k) for i in range(bs)], bs))
+            CLOCK[0] += seconds(k, bs) * math.exp(rng.gauss(0, 0.03))
+        return out
+""")
+
+
+def test_worker_learns_a_depth_schedule_through_upstream_s_controller(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    # --speculative-depth-schedule auto: upstream's controller builds a state for every depth 0..K
+    # at every captured size (the schedule is learned at run time); the policy times each depth
+    # per bucket and learns the schedule of the cost model; the worker then walks it.
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-depth-schedule', 'auto']\n"
+            "TRACE = []\nHF_CONFIG = {}\n")
+    body = """
+        ctl = controller.params.controller
+        run(traffic(30000))
+        learned = ctl.schedule_text
+        explored = ctl.explore_steps
+        ramp = [b for b in [*range(1, 257), *range(256, 0, -1)] for _ in range(4)]
+        ramp_steps = run(ramp)
+
+""" + ATTACH_SCHEDULER + """        EAGLEWorkerV2.activate_step_by_batch(worker, 200)
+        state = {}
+        SchedulerInternalStateController(Scheduler, record_step_time=False)._add_speculative(state)
+        from prometheus_client import REGISTRY
+        emit({"policy": policy, "built": built, "learned": learned, "ramp": ramp, "ramp_steps": ramp_steps,
+              "ramp_explored": ctl.explore_steps - explored, "burst": ctl.config.explore_steps,
+              "state": state["speculative_disable"],
+              "depth_gauge": REGISTRY.get_sample_value("sglang:spec_disable_depth",
+                                                       Scheduler.metrics_collector.labels),
+              "start": [r for r in records if r.startswith("Dynamic speculation disable")],
+              "lines": [r for r in records if r.startswith("Speculation depth schedule")]})
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, FAKE_CLOCK, SWITCH,
+                 DEPTH_TRACE, body)
+    assert out["start"] == ["Dynamic speculation disable enabled: depth schedule=auto"]
+    assert out["policy"] == "AutoDepthPolicy"
+    # depth 3 is the launch state; every other depth at every captured size
+    sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]
+    assert sorted(out["built"]) == [[0, 1, sizes], [1, 2, sizes], [2, 3, sizes]]
+    assert out["learned"] == "1-16:3,17-64:2,65-128:1,129-:0"
+    # on the ramp the worker walks the learned schedule (hysteresis edge // 8), exploration aside
+    from sglang_image_plugin.depth_schedule import DepthController
+    from sglang_image_plugin.setting import parse_schedule
+    walk = DepthController(parse_schedule(out["learned"]))
+    expected = [walk.step(bs) for bs in out["ramp"]]
+    mismatches = sum(a != b for a, b in zip(out["ramp_steps"], expected, strict=True))
+    assert mismatches == out["ramp_explored"] <= (len(out["ramp"]) // 256 + 1) * out["burst"]
+    st = out["state"]
+    assert (st["schedule"], st["learned"], st["depth"], st["mode"]) == ("auto", out["learned"], 0, "plain")
+    assert st["accept_length_by_depth"] == pytest.approx({"0": 1.0, "1": 1.75, "2": 2.25, "3": 2.5}, abs=0.1)
+    assert [e["depth"] for e in st["estimates"]] == [3, 3, 3, 3, 3, 2, 2, 1, 0]
+    assert out["depth_gauge"] == 0.0  # the step at 200 requests, once the metrics were attached
+    assert out["lines"][0] == ("Speculation depth schedule: auto, learned online per batch-size bucket up "
+                               "to 256 running requests and per depth 0..3; starting at depth 3 everywhere")
+    assert any(line.startswith("Speculation depth schedule -> ") for line in out["lines"][1:])
 
 
 def test_worker_auto_from_the_environment(run_in_tree, tree, plugin_site, model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 
 class Controller(Protocol):
-    """WorkerState.controller: spec_disable.SpecDisableController, policy.AutoThresholdPolicy or
-    policy.DepthSchedulePolicy, as the observability hooks read it (observe.py)."""
+    """WorkerState.controller: spec_disable.SpecDisableController, policy.AutoThresholdPolicy,
+    policy.DepthSchedulePolicy or auto_depth_policy.AutoDepthPolicy, as the observability hooks
+    read it (observe.py)."""
 
     metrics: Metrics  # where it reports (the scheduler attaches Prometheus)
 
@@ -109,6 +110,7 @@ class WorkerState:
     # the threshold's controller, `auto`'s policy or the schedule's; read by the observability hooks
     controller: Controller | None = None
     auto_pending: bool = False  # `auto` waits for init_cuda_graphs to make its policy
+    auto_depth: bool = False  # that `auto` is the depth schedule's (else the threshold's)
     acceptance: AcceptanceWatch | None = None  # accept length around plain phases
     plain_step: PlainStepParts | None = None  # resolved once, at init_cuda_graphs
     layout: Layout | None = None  # the plain layout, where the scheduler runs it

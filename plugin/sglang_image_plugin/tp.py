@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from sglang_image_plugin.auto_depth import DepthDecision
 from sglang_image_plugin.auto_threshold import Decision
 
 logger = logging.getLogger(__name__)
@@ -67,3 +68,14 @@ def tp_agree(cpu_group: Any, src: int, buckets: int) -> Callable[[Decision], Dec
     return agree
 
 
+def tp_agree_depths(cpu_group: Any, src: int) -> Callable[[DepthDecision], DepthDecision]:
+    """The learned depth schedule under tensor parallelism: every rank takes rank `src`'s
+    DepthDecision (each bucket's depth and the depth it explores next), as tp_agree does for the
+    threshold's `auto` (every AutoConfig.update_every decode steps, from the scheduler's thread)."""
+
+    def agree(decision: DepthDecision) -> DepthDecision:
+        buckets = len(decision.depths)
+        values = broadcast_ints(cpu_group, src, [*decision.depths, *decision.explore])
+        return DepthDecision(tuple(values[:buckets]), tuple(values[buckets:]))
+
+    return agree

@@ -1,4 +1,4 @@
-"""The EAGLE-3 worker's hooks: its threshold or `auto` policy, its plain step (resolved once,
+"""The EAGLE-3 worker's hooks: its threshold, schedule or `auto` policy, its plain step (resolved once,
 its hooks installed by need), the zero-step verify's token type, and the step decisions and
 verify results that the acceptance watch pairs.
 
@@ -14,6 +14,8 @@ from typing import Any
 from sglang_image_plugin import flags, plain_step, registry, spec_disable, state
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_config import AutoConfig
+from sglang_image_plugin.auto_depth import AutoDepthController
+from sglang_image_plugin.auto_depth_policy import AutoDepthPolicy
 from sglang_image_plugin.auto_policy import StepTrace
 from sglang_image_plugin.auto_threshold import AutoController
 from sglang_image_plugin.depth_schedule import DepthController
@@ -33,7 +35,14 @@ from sglang_image_plugin.setting import (
 )
 from sglang_image_plugin.state import AcceptanceWatch, ArgsState, DraftState, WorkerState
 from sglang_image_plugin.targets import hooks_of
-from sglang_image_plugin.tp import broadcast_ints, log_on_rank0, tp_agree, tp_group, tp_rank
+from sglang_image_plugin.tp import (
+    broadcast_ints,
+    log_on_rank0,
+    tp_agree,
+    tp_agree_depths,
+    tp_group,
+    tp_rank,
+)
 
 
 def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
@@ -63,8 +72,9 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
         policy = DepthSchedulePolicy(DepthController(setting.schedule), log_fn=log_on_rank0)
         worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
         own.controller = policy
-    elif setting.threshold == AUTO:
+    elif setting.threshold == AUTO or setting.schedule == AUTO:
         own.auto_pending = True
+        own.auto_depth = setting.schedule == AUTO
     else:
         assert isinstance(setting.threshold, int)
         controller = spec_disable.SpecDisableController(
@@ -104,7 +114,8 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
     yet. Resolves the plain step (plain_step.py), installs the hooks its parts need, wraps the
     policy for a K/V-only draft (CatchUpPolicy), and for `auto` makes the self-tuning policy (the
     server's max running requests, its largest bucket, is known now); upstream's
-    init_cuda_graphs then builds both step states for every captured batch size.
+    init_cuda_graphs then builds both step states (every depth 0..K, for the learned depth
+    schedule) for every captured batch size.
 
     `auto`'s cold start: no prior. Upstream keeps no per-batch-size replay timings (its capture
     time is graph building, not a step), so the controller starts as always-on EAGLE-3 does and
@@ -122,28 +133,33 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
         own.auto_pending = False
         from sglang.srt.speculative import eagle_worker_v2
 
-        agree = None
         group = tp_group(worker.server_args)
         if group is not None:
             # One bucket layout for all ranks, then rank 0's decisions.
             max_running_requests = broadcast_ints(group.cpu_group, group.ranks[0],
                                                   [max_running_requests])[0]
-            buckets = len(AutoConfig(max_batch_size=max_running_requests).edges)
-            agree = tp_agree(group.cpu_group, group.ranks[0], buckets)
+        config = AutoConfig(max_batch_size=max_running_requests)
         trace_path = os.environ.get(AUTO_TRACE_ENV)
         trace = StepTrace(trace_path) if trace_path and tp_rank() == 0 else None
-        policy = AutoThresholdPolicy(
-            AutoController(AutoConfig(max_batch_size=max_running_requests), agree=agree),
-            worker.speculative_num_steps,
-            log_fn=log_on_rank0,
-            trace=trace,
-        )
+        policy: AutoThresholdPolicy | AutoDepthPolicy
+        if own.auto_depth:
+            depths = AutoDepthController(
+                config, worker.speculative_num_steps,
+                agree=None if group is None else tp_agree_depths(group.cpu_group, group.ranks[0]))
+            policy = AutoDepthPolicy(depths, log_fn=log_on_rank0, trace=trace)
+            what = (f"Speculation depth schedule: auto, learned online per batch-size bucket up to "
+                    f"{max_running_requests} running requests and per depth 0..{depths.max_depth}; "
+                    f"starting at depth {depths.max_depth} everywhere")
+        else:
+            agree = None if group is None else tp_agree(group.cpu_group, group.ranks[0], len(config.edges))
+            policy = AutoThresholdPolicy(AutoController(config, agree=agree), worker.speculative_num_steps,
+                                         log_fn=log_on_rank0, trace=trace)
+            what = (f"Speculation crossover: auto, learned online per batch-size bucket up to "
+                    f"{max_running_requests} running requests; starting speculative everywhere")
         worker.adaptive_controller = eagle_worker_v2.AdaptiveController(worker, policy)
         own.controller = policy
         log_on_rank0(
-            f"Speculation crossover: auto, learned online per batch-size bucket up to "
-            f"{max_running_requests} running requests; starting speculative everywhere"
-            + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else "")
+            what + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else "")
             + (f"; its steps traced to {trace_path}" if trace is not None else ""))
     adaptive = worker.adaptive_controller
     if step.kv_only:
