@@ -362,3 +362,28 @@ def test_bad_input_is_refused() -> None:
                         (lambda: ctl.record_accepted(0, [0]), "depth 0 not in 1..3")):
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def test_the_acceptance_watch_pairs_plain_phases_at_the_learned_depth() -> None:
+    # The learned schedule changes depth often (exploration bursts, its tiers): the watch still
+    # pairs a plain phase only with steps of one depth on either side, and the accept length
+    # after it equals the one before (every request accepts 2 of 3 drafts: min(2, depth)).
+    from sglang_image_plugin.acceptance import AcceptanceAroundPlain
+
+    clock, server = Clock(), Server(noise=0.0)
+    policy = CatchUpPolicy(AutoDepthPolicy(AutoDepthController(AutoConfig(max_batch_size=MAX_BATCH), K),
+                                           step_clock=clock, log_fn=lambda _: None))
+    watch = AcceptanceAroundPlain()
+    late = None
+    for batch in traffic(random.Random(6), 20_000, [1] * 9, stretch=(100, 400)):
+        k = policy.get_steps_for_batch(batch)
+        watch.decided(k, batch)
+        clock.now += server.seconds(k, batch)
+        if late is not None:
+            policy.on_verify_complete(late, len(late))
+            watch.verified(late)
+        late = [min(2, k)] * batch
+    view = watch.view()
+    assert view["phases_measured"] >= 3 and view["last_depth"] in (1, 2, 3)
+    assert view["last_before"] == view["last_after"] == 1 + min(2, view["last_depth"])
+    assert view["worst_after_over_before"] == 1.0
