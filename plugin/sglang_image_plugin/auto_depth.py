@@ -16,7 +16,7 @@ tokens per second of step time at the batch size the bucket's traffic runs at,
 seconds: the median of the bucket's recent steps at that depth (auto_estimate.StepTimes, at least
 `min_samples` of them; interpolated across buckets to the traffic's batch size as the threshold's
 `auto` does); tokens(d): 1 + E[min(A, d)] from the one set of accept histograms
-(auto_accept.py: the steps of every depth inform every other). A depth not timed in a bucket has a
+(auto_accept.py: a step at depth d informs P(A >= j) for every j <= d). A depth not timed in a bucket has a
 prior there: its step time linear in depth between the two nearest timed depths (beyond them, the
 slope of the nearest two, never falling with depth, and never under half the nearest one's time),
 taken as uncertain by PRIOR_NOISE: a prior orders exploration and fills the table; a move to a
