@@ -5,8 +5,9 @@ A depth schedule (`--schedule 1-8:3,9-24:2,25-64:1,65-:0`, the servers'
 --speculative-depth-schedule) drafts one depth per tier; a fixed threshold N is the two-tier
 schedule 1-N:K,N+1-:0. Every edge has hysteresis (edge // 8): the server leaves a tier as soon as
 the batch passes its top, and comes back only once the batch is that far below it. What a load
-must make the server do is computed with the plugin's own walk of a schedule
-(depth_schedule.DepthController), the one the server's policy runs.
+must make the server do is computed with that walk (Tiers.walk: the plugin's
+depth_schedule.DepthController step for step, which tests/test_tiers.py holds it to; the smoke
+imports the plugin's contract alone).
 
 Pure: no server, no GPU; the standard library and the plugin's contract only.
 """
@@ -15,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sglang_image_plugin.depth_schedule import DepthController
 from sglang_image_plugin.setting import (
     DEPTH_SCHEDULE_EXAMPLE,
     DepthSchedule,
     Mode,
     ScheduleError,
+    default_hysteresis,
     parse_schedule,
     schedule_from_threshold,
 )
@@ -100,10 +101,6 @@ class Tiers:
         """A fixed threshold N: the schedule 1-N:K,N+1-:0."""
         return cls(schedule_from_threshold(threshold, steps))
 
-    def walker(self) -> DepthController:
-        """A fresh controller of this schedule, in the first tier (a server's at its start)."""
-        return DepthController(self.schedule)
-
     @property
     def count(self) -> int:
         return len(self.schedule.tiers)
@@ -123,22 +120,29 @@ class Tiers:
         return self.edges[-1]
 
     def hysteresis(self, edge: int) -> int:
-        """Of the edge-th edge (0: the first tier's top)."""
-        return self.walker().hysteresis[edge]
+        """Of the edge-th edge (0: the first tier's top): the setting's default, edge // 8."""
+        return default_hysteresis(self.edges[edge])
 
     def resume(self, tier: int) -> int:
         """The batch size at or under which tier `tier - 1` takes over again from `tier`."""
-        return self.walker().resume_below(tier)
+        return self.edges[tier - 1] - self.hysteresis(tier - 1)
 
     def depth_at(self, batch_size: int) -> int:
         """The depth a load of this many requests runs at, coming from a deeper tier."""
         return self.schedule.depth_at(batch_size)
 
     def walk(self, batch_sizes: Iterable[int], tier: int = 0) -> list[int]:
-        """The depth of each decode step of these batch sizes, the server starting in `tier`."""
-        ctl = self.walker()
-        ctl.tier = tier
-        return [ctl.step(b) for b in batch_sizes]
+        """The depth of each decode step of these batch sizes, the server starting in `tier` (the
+        first at its start): shallower at once where the batch passes the tier's top, deeper only
+        once it is at or under where the tier below takes over again."""
+        depths = []
+        for b in batch_sizes:
+            while (high := self.schedule.tiers[tier].high) is not None and b > high:
+                tier += 1
+            while tier > 0 and b <= self.resume(tier):
+                tier -= 1
+            depths.append(self.schedule.tiers[tier].depth)
+        return depths
 
     def arrival(self, tier: int) -> tuple[int, int | None]:
         """The batch sizes that bring the server into `tier` from whichever tier it is in: above
