@@ -116,15 +116,17 @@ def make_prompts(expected: dict[str, Any], threshold: int, seed: int = 0) -> dic
 
 def make_schedule_prompts(expected: dict[str, Any], schedule: DepthSchedule,
                           seed: int = 0) -> dict[str, list[Prompt]]:
-    """A depth schedule's loads (Tiers): below (one at a time), each edge load (its size at once;
-    its last request longer, so the batch ends at 1 and the server in the first tier, where the
-    next load starts), 8x the top edge at once, after (one at a time), the ramp's long requests
-    and bursts, the aborts (8x the top edge in the last tier, one alone in the first)."""
+    """A depth schedule's loads (Tiers): below (one at a time), each edge load (its size at once,
+    long enough that all of them run together before the first ends, as a load just above an
+    edge must; its last request longer still, so the batch ends at 1 and the server in the first
+    tier, where the next load starts), 8x the top edge at once, after (one at a time), the ramp's
+    long requests and bursts, the aborts (8x the top edge in the last tier, one alone in the
+    first)."""
     tiers = Tiers(schedule)
     mk = PromptMaker(expected, seed)
     sets = {"below": [mk.hf] + mk(3, [48, 64])}
     for name, size in tiers.edge_loads():
-        sets[name] = mk(size - 1, [32, 48]) + mk(1, [64])
+        sets[name] = mk(size - 1, [64, 96]) + mk(1, [112])
     sets["above"] = mk(tiers.above, [32, 48, 64])
     sets["after"] = mk(2, [48, 64]) + sets["above"][:2]
     sets["ramp_long"] = mk(2, [1024])
