@@ -21,11 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from smoke import client
+from smoke.checks import check_kv_back, spec_state, wait_idle
 from smoke.client import Prompt
+from smoke.deadline import Deadline
 from smoke.server import SmokeError, group_pids
 
 DEFAULT_HOLD_S = 5.0  # seconds per level
 DEFAULT_MAX_GROWTH_MIB = 512.0  # per total (host, GPU) between before and after
+RESERVE_S = 60.0  # the ramp starts only with this much left besides its own minutes: the checks after it
 
 
 def rss_mib(pid: int) -> float | None:
@@ -149,3 +152,39 @@ def summary_line(e: dict[str, Any]) -> str:
             f"{e['mismatches']} unlike plain), {e['changes']} {e['changes_of']}; host RSS "
             f"{b['rss_mib']:.0f} -> {a['rss_mib']:.0f} MiB ({g['rss_mib']:+.0f}); {gpu}; "
             f"bound +{e['max_growth_mib']:.0f} MiB")
+
+
+def phase(base: str, baseline: dict[str, Any], pgid: int, levels: list[int], prompts: Sequence[Prompt],
+          refs: dict[str, list[int]], rep: dict[str, Any], *, minutes: float, hold_s: float,
+          max_growth_mib: float, deadline: Deadline, timeout: float, counter: str) -> None:
+    """The endurance ramp of a smoke server (its process group `pgid`): memory read idle, the
+    closed loop through `levels` for `minutes`, memory read idle again; the numbers in
+    rep["endurance"] and printed, then checked: no error, every output equal to plain, the state's
+    `counter` (depth_changes, mode_changes) moved, the KV pool back, neither memory total grown
+    by more than `max_growth_mib`."""
+    seconds = 60 * minutes
+    left = deadline.left_for_requests()
+    if left < seconds + RESERVE_S:
+        raise SmokeError(f"endurance: --ramp-minutes {minutes:g} needs {seconds:.0f} s and "
+                         f"{RESERVE_S:.0f} s for the checks after it, {left:.0f} s are left: "
+                         "give a longer --deadline")
+    wait_idle(base, baseline)
+    st0, before = spec_state(client.server_info(base)), memory_of(pgid)
+    res = run_endurance(base, prompts, refs, levels, hold_s, seconds, timeout)
+    idle = wait_idle(base, baseline)
+    st1, after = spec_state(client.server_info(base)), memory_of(pgid)
+    rep["endurance"] = e = {**res, "changes": st1[counter] - st0[counter],
+                            "changes_of": counter.replace("_", " "), "memory_before": before,
+                            "memory_after": after, "growth": growth(before, after),
+                            "max_growth_mib": max_growth_mib}
+    print(f"{rep.get('name')}: {summary_line(e)}", flush=True)
+    if e["errors"]:
+        raise SmokeError(f"endurance: {e['errors']} of {e['requests']} requests failed, first {e['first_error']}")
+    if e["mismatches"]:
+        raise SmokeError(f"endurance: {e['mismatches']} of {e['requests']} outputs unlike the plain "
+                         f"server's, first {e['first_mismatch']}")
+    if e["changes"] < 2:
+        raise SmokeError(f"endurance: {e['changes']} {e['changes_of']} over levels {e['levels']}: "
+                         "the load did not cross an edge, so the ramp proved nothing")
+    check_kv_back(baseline, idle)
+    check_memory_growth(before, after, max_growth_mib)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -61,6 +60,7 @@ from smoke.checks import (
 )
 from smoke.client import Prompt, Result
 from smoke.deadline import Deadline
+from smoke.prompts import make_prompts, make_schedule_prompts, unique_prompts
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 from smoke.tiers import SCHEDULE_FLAG, Tiers, parse_smoke_schedule
 
@@ -73,77 +73,6 @@ REQUEST_TIMEOUT_S = 180  # a tiny-model request takes seconds; a hang must not o
 # models' references took over 8 minutes. The models' designed top-1 margins keep greedy outputs
 # independent of the batch they run in, so the references may run many at a time.
 REFERENCE_CONCURRENCY = 64
-
-
-# ----------------------------------------------------------------------------- prompts
-class PromptMaker:
-    """Prompts of random token ids, keyed p000, p001, ... in the order made; the same for the
-    same seed."""
-
-    def __init__(self, expected: dict[str, Any], seed: int = 0) -> None:
-        self.rnd = random.Random(seed)
-        self.vocab = int(expected["vocab_size"])
-        self.n = 0
-        self.hf = Prompt("hf", tuple(expected["prompt_ids"]), len(expected["greedy_ids"]))
-
-    def __call__(self, k: int, new: Sequence[int]) -> list[Prompt]:
-        out = []
-        for _ in range(k):
-            ids = tuple(self.rnd.randrange(3, self.vocab) for _ in range(self.rnd.randint(4, 40)))
-            out.append(Prompt(f"p{self.n:03d}", ids, self.rnd.choice(list(new))))
-            self.n += 1
-        return out
-
-
-def make_prompts(expected: dict[str, Any], threshold: int, seed: int = 0) -> dict[str, list[Prompt]]:
-    mk = PromptMaker(expected, seed)
-    sets = {
-        "below": [mk.hf] + mk(3, [48, 64]),
-        "at": mk(threshold, [32, 48]),
-        "above": mk(8 * threshold, [32, 48, 64]),
-        "ramp_long": mk(2, [1024]),  # long enough to run through all three bursts
-    }
-    for i in range(3):
-        sets[f"ramp_burst{i}"] = mk(4 * threshold, [24, 32])
-    sets["after"] = mk(2, [48, 64]) + sets["above"][:2]  # two prefixes first seen while disabled
-    # aborts: 8N long requests (plain mode), every other one aborted mid-generation; then one
-    # long request alone (speculative mode) aborted, and a short one after it
-    sets["abort_plain"] = mk(8 * threshold, [384])
-    sets["abort_spec"] = mk(1, [1024])
-    sets["abort_after"] = mk(2, [48])
-    return sets
-
-
-def make_schedule_prompts(expected: dict[str, Any], schedule: DepthSchedule,
-                          seed: int = 0) -> dict[str, list[Prompt]]:
-    """A depth schedule's loads (Tiers): below (one at a time), each edge load (its size at once,
-    long enough that all of them run together before the first ends, as a load just above an
-    edge must; its last request longer still, so the batch ends at 1 and the server in the first
-    tier, where the next load starts), 8x the top edge at once, after (one at a time), the ramp's
-    long requests and bursts, the aborts (8x the top edge in the last tier, one alone in the
-    first)."""
-    tiers = Tiers(schedule)
-    mk = PromptMaker(expected, seed)
-    sets = {"below": [mk.hf] + mk(3, [48, 64])}
-    for name, size in tiers.edge_loads():
-        sets[name] = mk(size - 1, [64, 96]) + mk(1, [112])
-    sets["above"] = mk(tiers.above, [32, 48, 64])
-    sets["after"] = mk(2, [48, 64]) + sets["above"][:2]
-    sets["ramp_long"] = mk(2, [1024])
-    for i, size in enumerate(tiers.ramp_bursts()):
-        sets[f"ramp_burst{i}"] = mk(size, [24, 32])
-    sets["abort_plain"] = mk(tiers.above, [384])
-    sets["abort_spec"] = mk(1, [1024])
-    sets["abort_after"] = mk(2, [48])
-    return sets
-
-
-def unique_prompts(sets: dict[str, list[Prompt]]) -> list[Prompt]:
-    seen: dict[str, Prompt] = {}
-    for ps in sets.values():
-        for p in ps:
-            seen.setdefault(p.key, p)
-    return list(seen.values())
 
 
 # ----------------------------------------------------------------------------- scenario
@@ -480,48 +409,18 @@ def run_schedule_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict
     return rep
 
 
-# the endurance ramp starts only with this much left besides its own minutes: the final checks
-ENDURANCE_RESERVE_S = 60.0
-
-
 def endurance_phase(opts: SmokeOptions, srv: Server, base: str, baseline: dict[str, Any], tiers: Tiers,
                     sets: dict[str, list[Prompt]], refs: dict[str, list[int]], rep: dict[str, Any]) -> None:
-    """--ramp-minutes M (nothing at 0): a closed loop through every tier and back for M minutes
-    (smoke.endurance), the prompts of the short sets (they have plain references); its numbers in
-    rep["endurance"] and printed, then checked: no error, every output equal to plain, the depth
-    (or the mode) changed, the KV pool back, memory grown by no more than the bound."""
+    """--ramp-minutes M (nothing at 0): the endurance ramp (smoke.endurance.phase) through every
+    tier and back, on the prompts of the short sets (they have plain references)."""
     if opts.ramp_minutes <= 0:
         return
-    seconds = 60 * opts.ramp_minutes
-    left = opts.deadline.left_for_requests()
-    if left < seconds + ENDURANCE_RESERVE_S:
-        raise SmokeError(f"endurance: --ramp-minutes {opts.ramp_minutes:g} needs {seconds:.0f} s and "
-                         f"{ENDURANCE_RESERVE_S:.0f} s for the checks after it, {left:.0f} s are left: "
-                         "give a longer --deadline")
     assert srv.pgid is not None
-    counter = "depth_changes" if opts.schedule is not None else "mode_changes"
     prompts = [p for p in unique_prompts(sets) if p.max_new_tokens <= 64 and p.key in refs]
-    wait_idle(base, baseline)
-    st0, before = spec_state(client.server_info(base)), endurance.memory_of(srv.pgid)
-    res = endurance.run_endurance(base, prompts, refs, tiers.endurance_levels(), opts.ramp_hold_s,
-                                  seconds, opts.request_timeout())
-    idle = wait_idle(base, baseline)
-    st1, after = spec_state(client.server_info(base)), endurance.memory_of(srv.pgid)
-    rep["endurance"] = e = {**res, "changes": st1[counter] - st0[counter],
-                            "changes_of": counter.replace("_", " "), "memory_before": before,
-                            "memory_after": after, "growth": endurance.growth(before, after),
-                            "max_growth_mib": opts.ramp_max_growth_mib}
-    print(f"{rep['name']}: {endurance.summary_line(e)}", flush=True)
-    if e["errors"]:
-        raise SmokeError(f"endurance: {e['errors']} of {e['requests']} requests failed, first {e['first_error']}")
-    if e["mismatches"]:
-        raise SmokeError(f"endurance: {e['mismatches']} of {e['requests']} outputs unlike the plain "
-                         f"server's, first {e['first_mismatch']}")
-    if e["changes"] < 2:
-        raise SmokeError(f"endurance: {e['changes']} {e['changes_of']} over levels {e['levels']}: "
-                         "the load did not cross an edge, so the ramp proved nothing")
-    check_kv_back(baseline, idle)
-    endurance.check_memory_growth(before, after, opts.ramp_max_growth_mib)
+    endurance.phase(base, baseline, srv.pgid, tiers.endurance_levels(), prompts, refs, rep,
+                    minutes=opts.ramp_minutes, hold_s=opts.ramp_hold_s,
+                    max_growth_mib=opts.ramp_max_growth_mib, deadline=opts.deadline,
+                    timeout=opts.request_timeout(), counter="depth_changes" if opts.schedule is not None else "mode_changes")
 
 
 def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
