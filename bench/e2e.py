@@ -20,9 +20,12 @@ patch series is refused unless this call installs again):
   check    imports the server chain; `launch_server --help` must show the threshold flag
   models   the models of the selected phases: --smoke-size, --bench-size (--device cuda: seconds)
   smoke    plain reference server, EAGLE-3 + threshold (overlap on, CUDA graphs) and
-           (--disable-overlap-schedule, no CUDA graphs) with every check of smoke.runner
+           (--disable-overlap-schedule, no CUDA graphs) with every check of smoke.runner;
+           --schedule SPEC: a depth schedule instead, its every tier and edge; --smoke-ramp-minutes
+           M: then an endurance ramp through the tiers, the servers' memory before and after
   features the feature matrix of smoke.features (sampling, logprobs, stops, streams, grammars,
-           penalties, n > 1, chunked prefill, KV pressure, aborts) across the mode changes
+           penalties, n > 1, chunked prefill, KV pressure, aborts) across the mode changes (with
+           --schedule: in every tier and across every edge both ways)
   bench    the paired benchmark of bench.throughput (--bench-*: configs, concurrency, pairs, the
            A/A twin); its servers outlive the call (recorded in STATE/bench-servers.json), so the
            next call goes on with them; they stop when the bench is complete or with --stop
@@ -240,9 +243,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--deadline", type=float, default=560, help="seconds from the start")
     ap.add_argument("--phases", default="all", help=f"'all' or a comma list of {','.join(PHASES)}")
-    ap.add_argument("--threshold", default=str(runner.DEFAULT_THRESHOLD),
+    ap.add_argument("--threshold", default=str(runner.DEFAULT_THRESHOLD), action=runner.Given,
                     help=f"smoke threshold N (default {runner.DEFAULT_THRESHOLD}), or auto (the smoke "
                          f"phase's servers run auto; the feature matrix keeps N={runner.DEFAULT_THRESHOLD})")
+    ap.add_argument("--schedule", metavar="LOW-HIGH:DEPTH,...",
+                    help="smoke and features phases: instead of --threshold, the servers' draft depth "
+                         "per load (e.g. 1-8:3,9-24:2,25-64:1,65-:0); the loads visit every tier and "
+                         "cross every edge both ways")
+    runner.add_endurance_arguments(ap, "smoke-")
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
     ap.add_argument("--feature-variants", default="overlap,sync",
                     help="features phase: comma list of overlap,sync (CUDA graphs on in both)")
@@ -285,9 +293,16 @@ def main(a: argparse.Namespace) -> int:
         _, threshold = smoke_threshold(a.threshold)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    schedule = runner.schedule_option(a)  # exits naming --schedule (or it beside --threshold)
     phases = PHASES if a.phases == "all" else a.phases.split(",")
     if "features" in phases and not a.stop:  # auto: the matrix runs at the default N
-        features_mod.check_threshold(threshold)
+        if schedule is not None:
+            features_mod.check_schedule(schedule)
+        else:
+            features_mod.check_threshold(threshold)
+    if a.smoke_ramp_minutes < 0 or a.smoke_ramp_max_growth_mib < 0:
+        raise SystemExit(f"--smoke-ramp-minutes {a.smoke_ramp_minutes:g} --smoke-ramp-max-growth-mib "
+                         f"{a.smoke_ramp_max_growth_mib:g}: give numbers >= 0")
     if not 1 <= a.feature_graph_bs <= features_mod.PRESSURE_REQUESTS:
         raise SystemExit(f"--feature-graph-bs {a.feature_graph_bs}: give 1 to "
                          f"{features_mod.PRESSURE_REQUESTS} (the feature servers' running-request limit)")

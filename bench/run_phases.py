@@ -19,6 +19,7 @@ from bench.throughput import run_bench
 from sglang_image_plugin.setting import AUTO, parse_threshold
 from smoke import features as features_mod
 from smoke import runner
+from smoke.tiers import Tiers
 
 # model dir -> (`smoke models` args, the phases that use it)
 MODELS = {"tiny": (["--size", "tiny", "--draft", "first"], ("smoke", "features")),
@@ -69,11 +70,16 @@ class RunPhases:
     def smoke(self) -> None:
         st = self.resumable("smoke")
         auto, threshold = smoke_threshold(self.a.threshold)
+        schedule = runner.schedule_option(self.a)
+        if schedule is not None:  # the loads come from its edges
+            auto, threshold = False, Tiers(schedule).top
         opts = runner.SmokeOptions(models=self.call.models_dir / self.a.smoke_size, out=self.call.logs,
-                                   auto=auto, threshold=threshold,
+                                   auto=auto, threshold=threshold, schedule=schedule,
                                    deadline=self.call.deadline, mem_fraction=0.15,
                                    variants=tuple(self.a.smoke_variants.split(",")),
-                                   parallel_variants=self.a.parallel_variants)
+                                   parallel_variants=self.a.parallel_variants,
+                                   ramp_minutes=self.a.smoke_ramp_minutes,
+                                   ramp_max_growth_mib=self.a.smoke_ramp_max_growth_mib)
         rep = runner.run_smoke(opts, st)
         self.call.state["smoke_report"] = rep
         self.call.log("\n" + runner.summarize(rep))
@@ -82,9 +88,11 @@ class RunPhases:
 
     def features(self) -> None:
         st = self.resumable("features")
+        schedule = runner.schedule_option(self.a)
+        threshold = smoke_threshold(self.a.threshold)[1] if schedule is None else Tiers(schedule).top
         opts = features_mod.FeatureOptions(models=self.call.models_dir / self.a.smoke_size, out=self.call.logs,
-                                           graph_bs=self.a.feature_graph_bs,
-                                           threshold=smoke_threshold(self.a.threshold)[1],
+                                           graph_bs=self.a.feature_graph_bs, threshold=threshold,
+                                           schedule=None if schedule is None else str(schedule),
                                            deadline=self.call.deadline,
                                            variants=tuple(self.a.feature_variants.split(",")),
                                            parallel_variants=self.a.parallel_variants,
@@ -104,8 +112,11 @@ class RunPhases:
     def options_digest(self, ph: str) -> str:
         """The options a run phase's result depends on: a later call that changes any of them runs the
         phase again instead of reporting the earlier result as its own."""
-        opts: Any = {"smoke": [self.a.threshold, self.a.smoke_variants, self.a.smoke_size],
-                     "features": [self.a.threshold, self.a.feature_variants, self.a.smoke_size,
+        setting = self.a.threshold if self.a.schedule is None else f"schedule {self.a.schedule}"
+        opts: Any = {"smoke": [setting, self.a.smoke_variants, self.a.smoke_size,
+                               *([self.a.smoke_ramp_minutes, self.a.smoke_ramp_max_growth_mib]
+                                 if self.a.smoke_ramp_minutes else [])],
+                     "features": [setting, self.a.feature_variants, self.a.smoke_size,
                                   self.a.feature_graph_bs, sorted(self.feature_cases())],
                      "bench": [self.a.bench_size, self.a.bench_draft_accept,
                                {k: v for k, v in tuning_options(self.a, "bench-").items()

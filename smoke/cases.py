@@ -8,11 +8,12 @@ import json
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from smoke.answers import Request
 from smoke.grammar_check import Grammar
+from smoke.tiers import LoadMode, MatrixPlan
 from smoke.verdicts import (
     Outcome,
     close_logprobs,
@@ -23,7 +24,9 @@ from smoke.verdicts import (
     streams_closed,
 )
 
-MODES = ("below", "above", "cross_up", "cross_down")  # the loads a case runs under (smoke.loads)
+# the loads a case runs under (smoke.loads), a threshold server's; on a schedule server each is one
+# per tier or edge (on_tiers)
+MODES = ("below", "above", "cross_up", "cross_down")
 TIE_TOP = 5  # top logprobs the constrained cases ask for (tie_margin)
 SAMPLES = 24             # sampled requests per run of the sampling case
 CHUNKED_PREFILL = 512    # --chunked-prefill-size: the long-prompt case is longer
@@ -43,7 +46,7 @@ class Case:
     check: Callable[[Sequence[Outcome], Sequence[Outcome]], dict[str, Any]]
     concurrency: int = 1
     note: str = ""
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str | LoadMode, ...] = MODES
 
 
 def generate(ids: Sequence[int], *, logprobs: int | None = None, **sampling: Any) -> Request:
@@ -55,8 +58,11 @@ def generate(ids: Sequence[int], *, logprobs: int | None = None, **sampling: Any
     return Request("generate", payload)
 
 
-def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int = 0) -> list[Case]:
-    """The matrix's cases (references come from the plain server; no case needs a tokenizer here)."""
+def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int = 0, *,
+               concurrency: int | None = None) -> list[Case]:
+    """The matrix's cases (references come from the plain server; no case needs a tokenizer here).
+    `concurrency`: a case's requests at once at most, where not the threshold's (a schedule's:
+    MatrixPlan.concurrency)."""
     rnd = random.Random(seed)
     vocab = int(expected["vocab_size"])
 
@@ -66,7 +72,7 @@ def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int =
     # at most threshold - 1 running at once: "below" must stay below (the n=2 case runs alone); as
     # many as CASE_CONCURRENCY where N allows, as under the filler each round of a case's requests
     # waits behind its queue
-    conc = max(1, min(CASE_CONCURRENCY, threshold - 1))
+    conc = max(1, min(CASE_CONCURRENCY, threshold - 1)) if concurrency is None else concurrency
     prompt_text = str(expected.get("prompt") or "def fibonacci(n):")
     # a temperature at which the first and second choice of the model are about 2:1 (the models'
     # top-1/top-2 margin is many logits, so temperature 1 would sample the greedy token every time)
@@ -104,6 +110,12 @@ def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int =
             note="the client closes the stream after 4 events, in each mode"),
     ]
     return cases
+
+
+def on_tiers(case: Case, plan: MatrixPlan | None) -> Case:
+    """The case with its modes a schedule server's (one per tier or edge: plan.expand); as it is
+    on a threshold server (no plan)."""
+    return case if plan is None else replace(case, modes=plan.expand(case.modes))
 
 
 def stop_cases(base: Outcome, p: list[int]) -> list[Case]:

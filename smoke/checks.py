@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from sglang_image_plugin.setting import START_LOG_LINE
+from sglang_image_plugin.setting import START_LOG_LINE, DepthSchedule, start_log_line
 from smoke import client
 from smoke.client import Result
 from smoke.server import SmokeError
@@ -19,6 +19,10 @@ from smoke.server import SmokeError
 # mode-change lines are the setting's)
 KV_ONLY_LINE = "write only the draft's K/V"
 FULL_DRAFT_LINE = "run the draft's full step"
+# what a depth schedule server's state has instead of a threshold (plugin: DepthSchedulePolicy)
+SCHEDULE_STATE = ("schedule", "depth", "steps_by_depth", "depth_changes")
+# the start of the line a depth schedule server logs at a depth change (plugin: policy.py)
+DEPTH_CHANGE_LOG_PREFIX = "Speculation depth ->"
 # Lines that mean the server is broken even if every request came back.
 BAD_LOG_PATTERNS = (
     re.compile(r"^Traceback \(most recent call last\)", re.MULTILINE),
@@ -28,13 +32,16 @@ BAD_LOG_PATTERNS = (
 )
 
 
-def check_start_log(log_text: str, threshold: int | str) -> None:
-    want = START_LOG_LINE.format(threshold=threshold)
+def check_start_log(log_text: str, threshold: int | str, schedule: DepthSchedule | None = None) -> None:
+    """The setting's start line for this threshold (or, given one, depth schedule), exactly: the
+    value must not continue (threshold=4 must not match threshold=40, a schedule ending 65-:0
+    not one that goes on)."""
+    want = START_LOG_LINE.format(threshold=threshold) if schedule is None else start_log_line(0, schedule)
+    goes_on = "0123456789" if schedule is None else "0123456789,-:"
     for line in log_text.splitlines():
         if want in line:
-            # exact: the number must not continue (threshold=4 must not match threshold=40)
             rest = line.split(want, 1)[1]
-            if not rest[:1].isdigit():
+            if rest[:1] == "" or rest[0] not in goes_on:
                 return
     raise SmokeError(f"start log line missing: expected a line containing {want!r} "
                        "(is the dynamic-speculation-disable patch applied and the flag passed?)")
@@ -99,13 +106,15 @@ def check_hf_reference(expected: dict[str, Any], output_ids: list[int] | None) -
 
 
 def spec_state(info: dict[str, Any]) -> dict[str, Any]:
-    """internal_states[0]["speculative_disable"] of /get_server_info (the patch's contract)."""
+    """internal_states[0]["speculative_disable"] of /get_server_info (the patch's contract): a
+    threshold server's, or a depth schedule server's (its schedule, depth and steps per depth)."""
     states = info.get("internal_states") or []
     if not states or not isinstance(states[0], dict) or "speculative_disable" not in states[0]:
         raise SmokeError("/get_server_info has no internal_states[0]['speculative_disable'] "
                            "(is the dynamic-speculation-disable patch applied?)")
     st = states[0]["speculative_disable"]
-    missing = [k for k in ("threshold", "mode", "speculative_steps", "plain_steps", "mode_changes")
+    own = SCHEDULE_STATE if isinstance(st, dict) and "schedule" in st else ("threshold",)
+    missing = [k for k in (*own, "mode", "speculative_steps", "plain_steps", "mode_changes")
                if k not in st]
     if missing:
         raise SmokeError(f"speculative_disable state lacks {missing}: {st}")
@@ -136,6 +145,78 @@ def check_switched(st: dict[str, Any], phase: str, *, min_changes: int = 2) -> N
                            + f" ({st})")
 
 
+def depth_steps(st: dict[str, Any]) -> dict[int, int]:
+    """A schedule server's decode steps so far, by depth."""
+    return {int(d): int(n) for d, n in st["steps_by_depth"].items()}
+
+
+def check_schedule_state(st: dict[str, Any], schedule: DepthSchedule) -> None:
+    """The server runs this schedule (its normal form) and counts the steps of each of its depths."""
+    if st["schedule"] != str(schedule):
+        raise SmokeError(f"server-info schedule is {st['schedule']!r}, expected {str(schedule)!r}")
+    if sorted(depth_steps(st)) != sorted(schedule.depths):
+        raise SmokeError(f"server-info steps_by_depth counts depths {sorted(depth_steps(st))}, "
+                         f"expected the schedule's {sorted(schedule.depths)} ({st})")
+
+
+def check_depth(st: dict[str, Any], depth: int, phase: str) -> None:
+    if st["depth"] != depth:
+        raise SmokeError(f"{phase}: depth is {st['depth']}, expected {depth} ({st})")
+
+
+def check_depths_of_load(before: dict[str, Any], after: dict[str, Any], depth: int,
+                         phase: str) -> dict[int, int]:
+    """A load that took the batch up to a size of the tier of `depth`, from a deeper tier: steps
+    at that depth, none at a shallower one (a tier of larger batches). Returns the steps it ran
+    at each depth."""
+    d = {k: n - depth_steps(before)[k] for k, n in depth_steps(after).items()}
+    if d.get(depth, 0) <= 0:
+        raise SmokeError(f"{phase}: no step at depth {depth}, the depth of its batch size "
+                         f"(steps by depth during the load: {d})")
+    beyond = {k: n for k, n in d.items() if k < depth and n > 0}
+    if beyond:
+        raise SmokeError(f"{phase}: steps at depths {sorted(beyond)} of larger batches than the "
+                         f"load's, whose depth is {depth} (steps by depth during the load: {d})")
+    return d
+
+
+def check_only_depth(before: dict[str, Any], after: dict[str, Any], depth: int, phase: str,
+                     *, at_most: int = 0) -> None:
+    """Requests one at a time: steps at `depth` (the first tier's), at most `at_most` at others."""
+    d = {k: n - depth_steps(before)[k] for k, n in depth_steps(after).items()}
+    if d.get(depth, 0) <= 0:
+        raise SmokeError(f"{phase}: no step at depth {depth} (steps by depth: {d})")
+    other = sum(n for k, n in d.items() if k != depth)
+    if other > at_most:
+        raise SmokeError(f"{phase}: {other} step(s) at other depths than {depth} while one request "
+                         f"ran at a time (steps by depth: {d})")
+
+
+def check_depths_ran(st: dict[str, Any], depths: list[int], phase: str,
+                     before: dict[str, Any] | None = None) -> None:
+    """Every one of `depths` ran steps (since `before`, where given): a schedule's every depth
+    after the loads."""
+    now = depth_steps(st)
+    then = depth_steps(before) if before is not None else {}
+    idle = [d for d in depths if now.get(d, 0) - then.get(d, 0) <= 0]
+    if idle:
+        raise SmokeError(f"{phase}: no step at depth(s) {idle} of {sorted(depths, reverse=True)} "
+                         f"(steps by depth: {now}{'' if before is None else f', before: {then}'})")
+
+
+def check_depth_changes(before: dict[str, Any], after: dict[str, Any], phase: str, *,
+                        at_least: int, at_most: int) -> int:
+    """The depth changed at least `at_least` times (the load crossed edges) and at most `at_most`
+    (it did not flip back and forth)."""
+    n = int(after["depth_changes"]) - int(before["depth_changes"])
+    if n < at_least:
+        raise SmokeError(f"{phase}: {n} depth change(s), expected at least {at_least} ({after})")
+    if n > at_most:
+        raise SmokeError(f"{phase}: {n} depth changes, more than the {at_most} its loads can "
+                         f"cause: the depth flips back and forth ({after})")
+    return n
+
+
 def check_delta(before: dict[str, Any], after: dict[str, Any], key: str, phase: str,
                 *, positive: bool, at_most: int = 0) -> int:
     """positive: the counter must grow; else it may grow by `at_most` at most."""
@@ -150,10 +231,16 @@ def check_delta(before: dict[str, Any], after: dict[str, Any], key: str, phase: 
 
 def spec_deltas(st: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """A phase's record of the server's speculation state: the state after it and what changed."""
-    return {"spec_disable": st,
-            "d_plain_steps": st["plain_steps"] - before["plain_steps"],
-            "d_speculative_steps": st["speculative_steps"] - before["speculative_steps"],
-            "d_mode_changes": st["mode_changes"] - before["mode_changes"]}
+    out: dict[str, Any] = {
+        "spec_disable": st,
+        "d_plain_steps": st["plain_steps"] - before["plain_steps"],
+        "d_speculative_steps": st["speculative_steps"] - before["speculative_steps"],
+        "d_mode_changes": st["mode_changes"] - before["mode_changes"]}
+    if "steps_by_depth" in st:  # a depth schedule's
+        was = depth_steps(before)
+        out["d_depth_changes"] = st["depth_changes"] - before["depth_changes"]
+        out["d_steps_by_depth"] = {str(d): n - was.get(d, 0) for d, n in depth_steps(st).items()}
+    return out
 
 
 def accept_stats(results: Iterable[Result]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""Feature matrix: what users send, checked across the threshold server's mode changes.
+"""Feature matrix: what users send, checked across the switching server's mode (or depth) changes.
 
-    python -m smoke features --models DIR --out DIR [--threshold N] [--variants overlap,sync]
-                             [--parallel-variants]
+    python -m smoke features --models DIR --out DIR [--threshold N | --schedule SPEC]
+                             [--variants overlap,sync] [--parallel-variants]
 
 A plain server (the reference) and an EAGLE-3 server with the threshold run side by side. Each case
 sends the same requests to both; on the threshold server it runs four times, under four loads:
@@ -14,6 +14,13 @@ the change did not happen while the case's requests were in flight. After every 
 KV pool must be back to its idle size. The KV-pressure case runs once per server, with 256
 concurrent requests against a pool that holds 2N whole filler requests and no more (pool_tokens),
 so that the scheduler retracts requests in both modes.
+
+With a depth schedule (`--schedule 1-8:3,9-24:2,25-64:1,65-:0`, the server's
+--speculative-depth-schedule) the loads are per tier and edge (smoke.tiers.Tiers.matrix_plan):
+"below" runs in the first tier (depth3), "above" in every other one (depth2, depth1, depth0: a
+filler holds the batch inside each), "cross_up" and "cross_down" across every edge both ways (up8,
+down8, ...: a filler holds the lower tier, more arrive or leave mid-case); the runner watches the
+depth. N is the schedule's top edge there (the pool, the 4N filler of the last tier).
 
 The matrix keeps its deadline: each request takes its timeout from the time left as it starts, a
 case starts only with time left for it, and a case the deadline cuts short is skipped, not failed.
@@ -39,9 +46,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_image_plugin.setting import DepthSchedule
 from smoke import client
 from smoke.answers import Request, cut_by_deadline, send, send_all
-from smoke.cases import CHUNKED_PREFILL, Case, generate, make_cases, stop_cases
+from smoke.cases import (
+    CASE_CONCURRENCY,
+    CHUNKED_PREFILL,
+    Case,
+    generate,
+    make_cases,
+    on_tiers,
+    stop_cases,
+)
 from smoke.checks import check_log_clean, wait_idle
 from smoke.deadline import Deadline
 from smoke.loads import (
@@ -54,12 +70,15 @@ from smoke.loads import (
 from smoke.runner import (
     DEFAULT_THRESHOLD,
     REFERENCE_CONCURRENCY,
+    Given,
     comma_list,
     exit_code,
+    schedule_option,
     side_by_side,
     side_port,
 )
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
+from smoke.tiers import SCHEDULE_FLAG, MatrixPlan, Tiers, parse_smoke_schedule
 from smoke.verdicts import Outcome, equal_tokens
 
 CASE_NAMES = ("greedy", "logprobs", "sampling", "penalties", "n2", "long_prompt", "json_schema", "regex",
@@ -124,6 +143,21 @@ def check_threshold(threshold: int, flag: str = "--threshold") -> None:
                          f"with N <= {max_threshold()}")
 
 
+def check_schedule(schedule: DepthSchedule, flag: str = SCHEDULE_FLAG) -> None:
+    """SystemExit naming the cause and the fix for a schedule the matrix cannot run: a tier between
+    others too narrow to hold a filler and a case in, or a top edge whose pool is too large."""
+    try:
+        Tiers(schedule).matrix_plan(CASE_CONCURRENCY)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    top = Tiers(schedule).top
+    if top > max_threshold():
+        raise SystemExit(f"{flag} {schedule}: the feature matrix holds the batch above the top edge "
+                         f"{top} with {4 * top} requests, which needs a KV pool of {pool_tokens(top)} "
+                         f"tokens; its KV-pressure case ({PRESSURE_REQUESTS} requests) cannot overfill "
+                         f"a pool that large. Give a top edge <= {max_threshold()}")
+
+
 class DeadlineReached(Exception):
     """Too little time is left to start the named server, or to finish its work: the next call
     resumes there."""
@@ -142,7 +176,9 @@ def nothing_to_save() -> None:
 class FeatureOptions:
     models: Path
     out: Path
-    threshold: int = DEFAULT_THRESHOLD
+    threshold: int = DEFAULT_THRESHOLD  # a schedule's top edge where it runs one (the pool, the filler)
+    # the switching servers' depth schedule (its normal form) instead of the threshold
+    schedule: str | None = None
     variants: tuple[str, ...] = ("overlap", "sync")
     port: int = 30100
     mem_fraction: float = 0.12
@@ -161,6 +197,13 @@ class FeatureOptions:
     # called (under STATE_LOCK) each time a piece of work is kept in the resume state: the caller
     # may write the state out, so that a call stopped from outside leaves it for the next
     save_state: Callable[[], None] = nothing_to_save
+
+
+def matrix_plan(opts: FeatureOptions) -> MatrixPlan | None:
+    """A schedule server's load modes (Tiers.matrix_plan); None for a threshold server."""
+    if opts.schedule is None:
+        return None
+    return Tiers(parse_smoke_schedule(opts.schedule)).matrix_plan(CASE_CONCURRENCY)
 
 
 VARIANT_FLAGS = {"overlap": True, "sync": False}  # CUDA graphs on in both
@@ -183,7 +226,8 @@ def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool
     n = opts.threshold
     share = SIDE_BY_SIDE_MEM_SHARE if opts.parallel_variants else opts.mem_fraction
     return ServerConfig(name, opts.models / "target", draft=(opts.models / "draft") if draft else None,
-                        threshold=n if draft else None, overlap=overlap, cuda_graph=True,
+                        threshold=n if draft and opts.schedule is None else None,
+                        schedule=opts.schedule if draft else None, overlap=overlap, cuda_graph=True,
                         cuda_graph_max_bs=opts.graph_bs, max_running=PRESSURE_REQUESTS,
                         mem_fraction=share, enable_metrics=draft, extra=extra)
 
@@ -298,6 +342,8 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
                     note=f"{PRESSURE_REQUESTS} concurrent requests, pool of {pool_tokens(opts.threshold)} tokens")
     report: dict[str, Any] = {"threshold": opts.threshold, "variants": {}, "failures": [],
                               "pool_tokens": pool_tokens(opts.threshold)}
+    if opts.schedule is not None:
+        report["schedule"] = opts.schedule
     if set(opts.cases) != set(CASE_NAMES):
         report["only_cases"] = [n for n in CASE_NAMES if n in opts.cases]
     early = spawn_variants_early(opts, state.setdefault("variants", {}))
@@ -334,8 +380,10 @@ def run_matrix(opts: FeatureOptions, state: dict[str, Any], report: dict[str, An
     """run_features' work once its servers are spawned: the references, then the variants."""
     vocab = int(expected["vocab_size"])
     try:
-        cases, refs = references(opts, make_cases(expected, opts.threshold, str(opts.models / "target"))
-                                 + [pressure], stop_prompt, state)
+        plan = matrix_plan(opts)
+        made = make_cases(expected, opts.threshold, str(opts.models / "target"),
+                          concurrency=None if plan is None else plan.concurrency)
+        cases, refs = references(opts, made + [pressure], stop_prompt, state)
     except DeadlineReached as exc:
         report["skipped"] = [str(exc)] + [f"{key}" for key in opts.variants]
         return report
@@ -447,7 +495,9 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
     rnd = random.Random(5)
     filler_prompts = [[rnd.randrange(3, vocab) for _ in range(FILLER_PROMPT_TOKENS)]
                       for _ in range(4 * opts.threshold)]
-    todo = [c for c in [*cases, pressure] if c.name in opts.cases and c.name not in kept]
+    plan = matrix_plan(opts)  # a schedule server: each case's modes per tier and edge
+    todo = [c if c is pressure else on_tiers(c, plan)
+            for c in [*cases, pressure] if c.name in opts.cases and c.name not in kept]
     srv = spawned or Server(cfg, opts.port + 1 if port is None else port, log)
     try:
         timeout = min(opts.health_timeout, opts.deadline.left() - 60)
@@ -513,15 +563,22 @@ def tie_note(row: dict[str, Any]) -> str:
     return "".join(f", tie at {t['at']} ({t['margin']})" for t in row.get("ties") or [])
 
 
+def changes(row: dict[str, Any]) -> str:
+    """A run's changes: the mode's, a schedule server's depth's (`3d`)."""
+    return f"{row['depth_changes']}d" if "depth_changes" in row else str(row.get("mode_changes"))
+
+
 def summarize(report: dict[str, Any]) -> str:
     """A line per case: each mode's result, with (mode changes, plain/speculative steps)."""
-    lines = [f"features: threshold={report['threshold']} pool={report.get('pool_tokens')} tokens"
+    setting = (f"schedule={report['schedule']}" if report.get("schedule")
+               else f"threshold={report['threshold']}")
+    lines = [f"features: {setting} pool={report.get('pool_tokens')} tokens"
              + (f"; only the cases {', '.join(report['only_cases'])}" if report.get("only_cases") else "")]
     for key, rep in report.get("variants", {}).items():
         lines.append(f"  {key}: overlap={rep.get('overlap')} cuda_graph={rep.get('cuda_graph')} "
                      f"start {rep.get('start_s')}s")
         for name, rows in rep.get("cases", {}).items():
-            cells = [f"{mode} " + (f"PASS({row.get('mode_changes')}, {row.get('plain_steps')}p/"
+            cells = [f"{mode} " + (f"PASS({changes(row)}, {row.get('plain_steps')}p/"
                                    f"{row.get('speculative_steps')}s{tie_note(row)})" if row.get("ok") else "FAIL")
                      for mode, row in rows.items() if isinstance(row, dict)]
             lines.append(f"    {name:20s} " + "  ".join(cells) + f"  [{rows.get('seconds', '-')}s]")
@@ -535,8 +592,12 @@ def summarize(report: dict[str, Any]) -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", type=Path, required=True, help="dir from `python -m smoke models`")
     ap.add_argument("--out", type=Path, required=True, help="logs and features.json go here")
-    ap.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD,
+    ap.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD, action=Given,
                     help=f"N, 2 to {max_threshold()} (the KV pool grows with N; see pool_tokens)")
+    ap.add_argument(SCHEDULE_FLAG, metavar="LOW-HIGH:DEPTH,...",
+                    help="instead of --threshold: the servers' draft depth per load, e.g. "
+                         "1-8:3,9-24:2,25-64:1,65-:0; each case runs in every tier and across every "
+                         f"edge both ways (the top edge at most {max_threshold()})")
     ap.add_argument("--variants", default="overlap,sync",
                     help="comma list of: overlap, sync (--disable-overlap-schedule); CUDA graphs on")
     ap.add_argument("--port", type=int, default=30100)
@@ -551,8 +612,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def options(a: argparse.Namespace) -> FeatureOptions:
     variants = comma_list(a.variants, VARIANT_FLAGS, "--variants")
-    check_threshold(a.threshold)
-    return FeatureOptions(models=a.models, out=a.out, threshold=a.threshold, variants=variants,
+    schedule = schedule_option(a)
+    if schedule is not None:
+        check_schedule(schedule)
+    else:
+        check_threshold(a.threshold)
+    threshold = a.threshold if schedule is None else Tiers(schedule).top
+    return FeatureOptions(models=a.models, out=a.out, threshold=threshold,
+                          schedule=None if schedule is None else str(schedule), variants=variants,
                           port=a.port, deadline=Deadline(time.time() + a.deadline),
                           parallel_variants=a.parallel_variants,
                           cases=comma_list(a.cases, CASE_NAMES, "--cases"))

@@ -1,9 +1,16 @@
 """The smoke runner: plain reference outputs, then EAGLE-3 servers with the dynamic speculation
-disable threshold, checked from the outside (log line, outputs, server-info counters, accept length,
-KV pool, errors).
+disable threshold, or with a draft depth per load (a depth schedule), checked from the outside (log
+line, outputs, server-info counters, accept length, KV pool, errors).
 
-    python -m smoke run --models DIR --out DIR [--threshold N] [--variants overlap,sync]
-                        [--parallel-variants] ...
+    python -m smoke run --models DIR --out DIR [--threshold N | --schedule SPEC]
+                        [--variants overlap,sync] [--parallel-variants] [--ramp-minutes M] ...
+
+A threshold N: loads below, at and above N, a ramp across it, aborts in both modes. A schedule
+(`--schedule 1-8:3,9-24:2,25-64:1,65-:0`, the servers' --speculative-depth-schedule; N is the
+schedule 1-N:K,N+1-:0): loads below, at and above every edge, a ramp through every tier, aborts in
+the last tier and the first; every depth must run, its changes stay bounded (smoke.tiers derives
+the loads from the edges). `--ramp-minutes M`: then an endurance ramp through the tiers for M
+minutes, the servers' memory read before and after (smoke.endurance).
 
 Every check is a function of smoke.checks that raises SmokeError(cause); `run_smoke` collects the
 failures of every server variant (one GPU call should tell as much as it can), prints a short
@@ -15,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,22 +29,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_image_plugin.setting import AUTO, MODE_CHANGE_LOG_PREFIX, parse_threshold
-from smoke import client
+from sglang_image_plugin.setting import AUTO, MODE_CHANGE_LOG_PREFIX, DepthSchedule, parse_threshold
+from smoke import client, endurance
 from smoke.checks import (
+    DEPTH_CHANGE_LOG_PREFIX,
     accept_stats,
     check_aborted,
     check_accept_recovers,
     check_delta,
+    check_depth,
+    check_depth_changes,
+    check_depths_of_load,
+    check_depths_ran,
     check_hf_reference,
     check_kv_back,
     check_log_clean,
     check_mode,
     check_no_errors,
+    check_only_depth,
     check_outputs,
+    check_schedule_state,
     check_start_log,
     check_switched,
     check_threshold_state,
+    depth_steps,
     draft_plain_step,
     spec_deltas,
     spec_state,
@@ -46,7 +60,9 @@ from smoke.checks import (
 )
 from smoke.client import Prompt, Result
 from smoke.deadline import Deadline
+from smoke.prompts import make_prompts, make_schedule_prompts, unique_prompts
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
+from smoke.tiers import SCHEDULE_FLAG, Tiers, parse_smoke_schedule
 
 # The smoke's threshold: small, so that the tiny model's load crosses it both ways in seconds. Every
 # smoke entry point (here, e2e, `nox -s smoke`) takes its default from this one name.
@@ -57,47 +73,6 @@ REQUEST_TIMEOUT_S = 180  # a tiny-model request takes seconds; a hang must not o
 # models' references took over 8 minutes. The models' designed top-1 margins keep greedy outputs
 # independent of the batch they run in, so the references may run many at a time.
 REFERENCE_CONCURRENCY = 64
-
-
-# ----------------------------------------------------------------------------- prompts
-def make_prompts(expected: dict[str, Any], threshold: int, seed: int = 0) -> dict[str, list[Prompt]]:
-    rnd = random.Random(seed)
-    vocab = int(expected["vocab_size"])
-    n = 0
-
-    def mk(k: int, new: Sequence[int]) -> list[Prompt]:
-        nonlocal n
-        out = []
-        for _ in range(k):
-            ids = tuple(rnd.randrange(3, vocab) for _ in range(rnd.randint(4, 40)))
-            out.append(Prompt(f"p{n:03d}", ids, rnd.choice(list(new))))
-            n += 1
-        return out
-
-    hf = Prompt("hf", tuple(expected["prompt_ids"]), len(expected["greedy_ids"]))
-    sets = {
-        "below": [hf] + mk(3, [48, 64]),
-        "at": mk(threshold, [32, 48]),
-        "above": mk(8 * threshold, [32, 48, 64]),
-        "ramp_long": mk(2, [1024]),  # long enough to run through all three bursts
-    }
-    for i in range(3):
-        sets[f"ramp_burst{i}"] = mk(4 * threshold, [24, 32])
-    sets["after"] = mk(2, [48, 64]) + sets["above"][:2]  # two prefixes first seen while disabled
-    # aborts: 8N long requests (plain mode), every other one aborted mid-generation; then one
-    # long request alone (speculative mode) aborted, and a short one after it
-    sets["abort_plain"] = mk(8 * threshold, [384])
-    sets["abort_spec"] = mk(1, [1024])
-    sets["abort_after"] = mk(2, [48])
-    return sets
-
-
-def unique_prompts(sets: dict[str, list[Prompt]]) -> list[Prompt]:
-    seen: dict[str, Prompt] = {}
-    for ps in sets.values():
-        for p in ps:
-            seen.setdefault(p.key, p)
-    return list(seen.values())
 
 
 # ----------------------------------------------------------------------------- scenario
@@ -118,6 +93,12 @@ class SmokeOptions:
     out: Path
     threshold: int = DEFAULT_THRESHOLD  # shapes the loads (N, 8N); the server's too unless auto
     auto: bool = False  # the EAGLE-3 servers run the threshold `auto`
+    # the EAGLE-3 servers run this depth schedule instead of a threshold; the loads come from its
+    # edges (then `threshold` is its top edge)
+    schedule: DepthSchedule | None = None
+    ramp_minutes: float = 0.0  # the endurance ramp after the loads (0: none)
+    ramp_hold_s: float = endurance.DEFAULT_HOLD_S
+    ramp_max_growth_mib: float = endurance.DEFAULT_MAX_GROWTH_MIB
     variants: tuple[str, ...] = ("overlap", "sync")
     port: int = 30000
     mem_fraction: float = 0.15
@@ -176,18 +157,27 @@ def record_error(rep: dict[str, Any], exc: BaseException, log: Path) -> None:
         raise exc
 
 
-def variant_server(opts: SmokeOptions, v: Variant, draft: Path, threshold: int | str, *,
-                   reach: int, port: int | None) -> tuple[Server, Path, dict[str, Any]]:
-    """The EAGLE-3 server of variant `v` with `threshold` (on `port`, default opts.port), its
-    decode graphs and running requests up to `reach` (64 at least); its log and its report."""
+def log_suffix(threshold: int | str | None, schedule: DepthSchedule | None) -> str:
+    """What a variant's server log is named after its setting: auto and a schedule get their own."""
+    return "_auto" if threshold == AUTO else "_schedule" if schedule is not None else ""
+
+
+def variant_server(opts: SmokeOptions, v: Variant, draft: Path, threshold: int | str | None, *,
+                   reach: int, port: int | None,
+                   schedule: DepthSchedule | None = None) -> tuple[Server, Path, dict[str, Any]]:
+    """The EAGLE-3 server of variant `v` with `threshold` or `schedule` (on `port`, default
+    opts.port), its decode graphs and running requests up to `reach` (64 at least); its log and
+    its report."""
     cfg = ServerConfig(v.name, opts.models / "target", draft=draft, threshold=threshold,
+                       schedule=None if schedule is None else str(schedule),
                        overlap=v.overlap, cuda_graph=v.cuda_graph and opts.cuda_graph,
                        cuda_graph_max_bs=max(64, reach), max_running=max(64, reach),
                        mem_fraction=opts.mem_fraction)
     # leaks: sglang logs "memory leak detected" at idle; check_log_clean fails on it
-    log = opts.out / f"server_{v.name}{'_auto' if threshold == AUTO else ''}.log"
+    log = opts.out / f"server_{v.name}{log_suffix(threshold, schedule)}.log"
+    setting: dict[str, Any] = {"threshold": threshold} if schedule is None else {"schedule": str(schedule)}
     rep: dict[str, Any] = {"name": v.name, "overlap": v.overlap, "cuda_graph": cfg.cuda_graph,
-                           "threshold": threshold, "phases": {}}
+                           **setting, "phases": {}}
     return Server(cfg, opts.port if port is None else port, log), log, rep
 
 
@@ -260,6 +250,8 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
         # 6) aborts mid-generation, in plain mode and in speculative mode; the pool must still empty
         st6 = abort_phase(base, sets, refs, rep, opts, st5, baseline)
         check_delta(st5, st6, "plain_steps", "abort", positive=True)
+        # the endurance ramp across the threshold, where asked (--ramp-minutes)
+        endurance_phase(opts, srv, base, baseline, Tiers.of_threshold(n), sets, refs, rep)
         # 7) the load is over: pool back to its initial state, no error in the log, metrics exported
         final = wait_idle(base, baseline)
         rep["kv_final"] = {k: final.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
@@ -291,6 +283,144 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
     finally:
         srv.stop()
     return rep
+
+
+def run_schedule_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
+                         refs: dict[str, list[int]], port: int | None = None) -> dict[str, Any]:
+    """One EAGLE-3 server with the depth schedule (on `port`, default opts.port): its start line and
+    server-info state; one request at a time; loads below, at and above every edge, each from the
+    first tier, each running at the depth of its size and at none of a larger batch; 8x the top
+    edge at once; one at a time again (the accept length back); a ramp through every tier beside
+    long requests; aborts in the last tier and alone in the first; the endurance ramp where asked.
+    Every output equal to plain, every depth run, the depth changes bounded, the KV pool back at
+    its start, the metrics and the log lines there. Returns the variant's report."""
+    schedule = opts.schedule
+    assert schedule is not None
+    tiers = Tiers(schedule)
+    first, last = tiers.depths[0], tiers.depths[-1]
+    bursts = tiers.ramp_bursts()
+    srv, log, rep = variant_server(opts, v, draft, None, schedule=schedule, port=port,
+                                   reach=max(bursts))
+    try:
+        base = start_variant_server(srv, opts, rep)
+        start_log = srv.log_text()
+        check_start_log(start_log, 0, schedule)
+        st0 = spec_state(client.server_info(base))
+        rep["draft_plain_step"] = draft_plain_step(st0, start_log)
+        check_schedule_state(st0, schedule)
+        check_depth(st0, first, "after start")
+        baseline = wait_idle(base, client.load(base))
+        rep["kv_baseline"] = {k: baseline.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
+        all_results: list[Result] = []
+        timeout = opts.request_timeout
+
+        def phase(name: str, size: int, st_before: dict[str, Any]) -> dict[str, Any]:
+            """The prompts of set `name`, `size` at a time; checked against plain and recorded."""
+            results = client.run_concurrent(base, sets[name], size, timeout())
+            all_results.extend(results)
+            check_no_errors(results, name)
+            check_outputs(refs, results, name)
+            st = spec_state(client.server_info(base))
+            rep["phases"][name] = {"requests": len(results), "concurrency": size,
+                                   **accept_stats(results), **spec_deltas(st, st_before)}
+            return st
+
+        # 1) one at a time: the first tier only
+        st = phase("below", 1, st0)
+        check_only_depth(st0, st, first, "below")
+        # 2) below, at and above every edge, each load at once; its last request alone brings the
+        # server back to the first tier; then 8x the top edge
+        waves = 0
+        for name, size in [*tiers.edge_loads(), ("above", tiers.above)]:
+            wait_idle(base, baseline)
+            before, st = st, phase(name, size, st)
+            check_depths_of_load(before, st, tiers.depth_at(size), name)
+            waves += 1
+        wait_idle(base, baseline)
+        # 3) one at a time again: the first tier, its accept length as before the loads
+        before, st = st, phase("after", 1, st)
+        # the first step after plain steps may be a catch-up step, counted where its batch is
+        check_only_depth(before, st, first, "after", at_most=1)
+        check_depth(st, first, "after")
+        check_accept_recovers(rep["phases"]["below"], rep["phases"]["after"])
+        # 4) ramp: long requests run while bursts take the batch through every tier and back
+        before = st
+        longs = client.in_background(lambda: client.run_concurrent(base, sets["ramp_long"], 2, timeout()))
+        ramp: list[Result] = []
+        for i, size in enumerate(bursts):
+            time.sleep(0.3)
+            ramp += client.run_concurrent(base, sets[f"ramp_burst{i}"], size, timeout())
+        ramp += longs.result()
+        all_results.extend(ramp)
+        check_no_errors(ramp, "ramp")
+        check_outputs(refs, ramp, "ramp")
+        st = spec_state(client.server_info(base))
+        rep["phases"]["ramp"] = {"requests": len(ramp), "bursts": bursts, **accept_stats(ramp),
+                                 **spec_deltas(st, before)}
+        check_depths_ran(st, sorted({tiers.depth_at(b) for b in bursts}), "ramp", before)
+        waves += len(bursts) + 1
+        check_depth_changes(before, st, "ramp", at_least=2, at_most=tiers.changes_bound(len(bursts) + 1))
+        # 5) aborts mid-generation, in the last tier and alone in the first; the pool must empty
+        before = st
+        st = abort_phase(base, sets, refs, rep, opts, before, baseline,
+                         where=(f"depth {last}", f"depth {first}"))
+        if depth_steps(st)[last] <= depth_steps(before)[last]:
+            raise SmokeError(f"abort: no step at depth {last} while {tiers.above} requests ran ({st})")
+        waves += 3
+        # every depth of the schedule ran; the depth changed, and not more often than the loads
+        # can make it
+        check_depths_ran(st, schedule.depths, "end of load", st0)
+        rep["depth_changes"] = {"count": check_depth_changes(st0, st, "end of load", at_least=2,
+                                                             at_most=tiers.changes_bound(waves)),
+                                "bound": tiers.changes_bound(waves)}
+        # the endurance ramp through the tiers, where asked (--ramp-minutes)
+        endurance_phase(opts, srv, base, baseline, tiers, sets, refs, rep)
+        # 6) the load is over: pool back to its initial state, no error in the log, metrics there
+        final = wait_idle(base, baseline)
+        rep["kv_final"] = {k: final.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
+        check_kv_back(baseline, final)
+        client.get_text(base + "/flush_cache")
+        check_kv_back(baseline, wait_idle(base, baseline))
+        m1 = client.metrics(base)
+        names = ("sglang:spec_disable_depth", "sglang:spec_disable_plain_mode",
+                 "sglang:spec_disable_speculative_steps_total", "sglang:spec_disable_plain_steps_total")
+        rep["metrics"] = {k: client.metric(m1, k) for k in (*names, "sglang:kv_used_tokens")}
+        for k in names:
+            if rep["metrics"][k] is None:
+                raise SmokeError(f"Prometheus metric {k} missing from /metrics (--enable-metrics is on)")
+        if not srv.alive():
+            raise SmokeError("server process died during the test")
+        text = srv.log_text()
+        check_log_clean(text)
+        rep["depth_change_log_lines"] = sum(1 for line in text.splitlines()
+                                            if DEPTH_CHANGE_LOG_PREFIX in line)
+        if rep["depth_change_log_lines"] == 0:
+            raise SmokeError(f"no {DEPTH_CHANGE_LOG_PREFIX!r} line in the server log after "
+                             f"{rep['depth_changes']['count']} depth changes")
+        info = client.server_info(base)
+        rep["avg_spec_accept_length"] = (info.get("internal_states") or [{}])[0].get("avg_spec_accept_length")
+        rep["spec_disable_final"] = spec_state(info)
+        rep["errors"] = sum(1 for r in all_results if r.error)
+        rep["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
+        record_error(rep, exc, log)
+    finally:
+        srv.stop()
+    return rep
+
+
+def endurance_phase(opts: SmokeOptions, srv: Server, base: str, baseline: dict[str, Any], tiers: Tiers,
+                    sets: dict[str, list[Prompt]], refs: dict[str, list[int]], rep: dict[str, Any]) -> None:
+    """--ramp-minutes M (nothing at 0): the endurance ramp (smoke.endurance.phase) through every
+    tier and back, on the prompts of the short sets (they have plain references)."""
+    if opts.ramp_minutes <= 0:
+        return
+    assert srv.pgid is not None
+    prompts = [p for p in unique_prompts(sets) if p.max_new_tokens <= 64 and p.key in refs]
+    endurance.phase(base, baseline, srv.pgid, tiers.endurance_levels(), prompts, refs, rep,
+                    minutes=opts.ramp_minutes, hold_s=opts.ramp_hold_s,
+                    max_growth_mib=opts.ramp_max_growth_mib, deadline=opts.deadline,
+                    timeout=opts.request_timeout(), counter="depth_changes" if opts.schedule is not None else "mode_changes")
 
 
 def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
@@ -351,7 +481,10 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
 
 
 def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[int]], rep: dict[str, Any],
-                opts: SmokeOptions, st_before: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+                opts: SmokeOptions, st_before: dict[str, Any], baseline: dict[str, Any],
+                where: tuple[str, str] = ("plain mode", "speculative mode")) -> dict[str, Any]:
+    """Many long requests (the last tier, `where[0]`), every other one aborted mid-generation;
+    then one alone (the first tier, `where[1]`) aborted, and short ones after it."""
     tag = f"{int(time.time() * 1000)}"  # rids unique across calls on the same server
 
     def start(ps: list[Prompt]) -> list[Any]:
@@ -365,13 +498,13 @@ def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[i
     for key in sorted(aborted):
         client.abort(base, f"smoke-{tag}-{key}")
     results = [f.result() for f in futs]
-    counts = check_aborted(refs, results, aborted, "abort (plain mode)")
+    counts = check_aborted(refs, results, aborted, f"abort ({where[0]})")
     wait_idle(base, baseline)  # aborted requests leave the batch before the next load starts
     spec_fut = start(spec_set)
     time.sleep(0.5)  # alone: speculative steps
     client.abort(base, f"smoke-{tag}-{spec_set[0].key}")
     spec_res = [f.result() for f in spec_fut]
-    spec_counts = check_aborted(refs, spec_res, {spec_set[0].key}, "abort (speculative mode)")
+    spec_counts = check_aborted(refs, spec_res, {spec_set[0].key}, f"abort ({where[1]})")
     after = client.run_concurrent(base, sets["abort_after"], 1, opts.request_timeout())
     check_no_errors(after, "after the aborts")
     check_outputs(refs, after, "after the aborts")
@@ -436,8 +569,13 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
     state = state if state is not None else {}
     opts.out.mkdir(parents=True, exist_ok=True)
     expected = json.loads((opts.models / "expected.json").read_text())
-    sets = make_prompts(expected, opts.threshold)
-    report: dict[str, Any] = {"threshold": AUTO if opts.auto else opts.threshold,
+    if opts.schedule is not None:
+        sets = make_schedule_prompts(expected, opts.schedule)
+        setting: dict[str, Any] = {"schedule": str(opts.schedule)}
+    else:
+        sets = make_prompts(expected, opts.threshold)
+        setting = {"threshold": AUTO if opts.auto else opts.threshold}
+    report: dict[str, Any] = {**setting,
                               "models": str(opts.models),
                               "designed_accept_length": expected.get("designed_accept_length"),
                               "variants": {}, "failures": []}
@@ -468,19 +606,28 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
         if opts.deadline.left() < opts.min_server_s:
             report.setdefault("skipped", []).append(f"{v.name} (deadline)")
             continue
-        run = run_auto_variant if opts.auto else run_variant
-        rep = run(opts, v, opts.models / "draft", sets, refs)
+        rep = variant_runner(opts)(opts, v, opts.models / "draft", sets, refs)
         report["variants"][v.name] = rep
         if rep.get("ok"):
             done[v.name] = rep
     return collect_failures(report)
 
 
+VariantRun = Callable[..., dict[str, Any]]
+
+
+def variant_runner(opts: SmokeOptions) -> VariantRun:
+    """What checks one variant's server: a schedule's, auto's or a fixed threshold's checks."""
+    if opts.schedule is not None:
+        return run_schedule_variant
+    return run_auto_variant if opts.auto else run_variant
+
+
 def run_side_by_side(opts: SmokeOptions, sets: dict[str, list[Prompt]], refs: dict[str, list[int]],
                      done: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     """run_smoke's variants at once, each server on its own port (side_port): the same skips, the
     same reports in the order of opts.variants, `done` (the resume state) written here only."""
-    run = run_auto_variant if opts.auto else run_variant
+    run = variant_runner(opts)
     jobs: dict[str, Callable[[], dict[str, Any]]] = {}
     for key in opts.variants:
         v = VARIANTS[key]
@@ -494,10 +641,11 @@ def run_side_by_side(opts: SmokeOptions, sets: dict[str, list[Prompt]], refs: di
 
     def crashed(name: str, exc: Exception) -> dict[str, Any]:
         v = next(v for v in VARIANTS.values() if v.name == name)
+        threshold = AUTO if opts.auto else opts.threshold
+        setting = {"threshold": threshold} if opts.schedule is None else {"schedule": str(opts.schedule)}
         rep: dict[str, Any] = {"name": name, "overlap": v.overlap,
-                               "cuda_graph": v.cuda_graph and opts.cuda_graph,
-                               "threshold": AUTO if opts.auto else opts.threshold, "phases": {}}
-        record_error(rep, exc, opts.out / f"server_{name}{'_auto' if opts.auto else ''}.log")
+                               "cuda_graph": v.cuda_graph and opts.cuda_graph, **setting, "phases": {}}
+        record_error(rep, exc, opts.out / f"server_{name}{log_suffix(threshold, opts.schedule)}.log")
         return rep
 
     reports = side_by_side(jobs, crashed)
@@ -513,8 +661,9 @@ def run_side_by_side(opts: SmokeOptions, sets: dict[str, list[Prompt]], refs: di
 
 
 def summarize(report: dict[str, Any]) -> str:
-    lines = [(f"smoke: threshold={report['threshold']} designed accept length "
-              f"{report.get('designed_accept_length')}")]
+    setting = (f"schedule={report['schedule']}" if report.get("schedule")
+               else f"threshold={report.get('threshold')}")
+    lines = [f"smoke: {setting} designed accept length {report.get('designed_accept_length')}"]
     for name, rep in report.get("variants", {}).items():
         status = "PASS" if rep.get("ok") else "FAIL"
         lines.append(f"  {name:14s} {status}  start {rep.get('start_s')}s  overlap={rep.get('overlap')} "
@@ -526,11 +675,18 @@ def summarize(report: dict[str, Any]) -> str:
             if "d_speculative_steps" in d:  # a fixed N; an auto server's phases count no steps
                 line += (f"  d_spec {d['d_speculative_steps']:5d}  d_plain {d['d_plain_steps']:5d}  "
                          f"d_changes {d['d_mode_changes']}")
+            if "d_steps_by_depth" in d:  # a depth schedule's: the steps per depth, the changes
+                line += f"  d_steps_by_depth {d['d_steps_by_depth']}  d_depth_changes {d['d_depth_changes']}"
             if "plain_mode" in d:
                 line += (f"  cut short {d['plain_mode']['aborted_cut_short']}/"
                          f"{d['plain_mode']['aborted_sent']} (plain) "
                          f"{d['speculative_mode']['aborted_cut_short']}/1 (spec)")
             lines.append(line)
+        if rep.get("depth_changes"):
+            lines.append(f"    depth changes {rep['depth_changes']['count']} (at most "
+                         f"{rep['depth_changes']['bound']} for its loads)")
+        if rep.get("endurance"):
+            lines.append(f"    {endurance.summary_line(rep['endurance'])}")
         if rep.get("spec_disable_final"):
             lines.append(f"    final {rep['spec_disable_final']}  kv {rep.get('kv_baseline')} -> "
                          f"{rep.get('kv_final')}")
@@ -545,10 +701,15 @@ def summarize(report: dict[str, Any]) -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", type=Path, required=True, help="dir from `python -m smoke models`")
     ap.add_argument("--out", type=Path, required=True, help="logs and report.json go here")
-    ap.add_argument("--threshold", default=str(DEFAULT_THRESHOLD),
+    ap.add_argument("--threshold", default=str(DEFAULT_THRESHOLD), action=Given,
                     help=f"the servers' threshold N >= 1 (default {DEFAULT_THRESHOLD}), or `auto`: "
                          "the server finds its crossover; the loads are then shaped for "
                          f"N={DEFAULT_THRESHOLD} and the checks are those that hold for any crossover")
+    ap.add_argument(SCHEDULE_FLAG, metavar="LOW-HIGH:DEPTH,...",
+                    help="instead of --threshold: the servers' draft depth per load "
+                         "(--speculative-depth-schedule), e.g. 1-8:3,9-24:2,25-64:1,65-:0; the loads "
+                         "visit every tier and cross every edge both ways")
+    add_endurance_arguments(ap)
     ap.add_argument("--variants", default="overlap,sync",
                     help="comma list of: overlap (CUDA graphs on), sync (--disable-overlap-schedule)")
     ap.add_argument("--port", type=int, default=30000)
@@ -559,6 +720,44 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="run the variants side by side, their servers on ports PORT+1, PORT+2, "
                          "...: they start one after the other, then their checks overlap; for a "
                          "GPU with memory for two servers")
+
+
+def add_endurance_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The endurance ramp's flags (`bench e2e` gives them as --smoke-ramp-*)."""
+    p = "--" + prefix
+    ap.add_argument(p + "ramp-minutes", type=float, default=0.0,
+                    help="after the loads, a closed loop through every tier and back for this many "
+                         "minutes, the servers' memory read before and after (0: none)")
+    if not prefix:
+        ap.add_argument("--ramp-hold", type=float, default=endurance.DEFAULT_HOLD_S,
+                        help="the endurance ramp's seconds per level")
+    ap.add_argument(p + "ramp-max-growth-mib", type=float, default=endurance.DEFAULT_MAX_GROWTH_MIB,
+                    help="the endurance ramp fails where a server's host (VmRSS) or GPU memory grew "
+                         "by more than this many MiB")
+
+
+class Given(argparse.Action):
+    """Stores the value and notes that the flag was given (`{dest}_given`): a flag whose default
+    may not be combined with another one's value, where given (--threshold with --schedule)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
+def schedule_option(a: argparse.Namespace, flag: str = SCHEDULE_FLAG) -> DepthSchedule | None:
+    """--schedule parsed (None where not given); SystemExit naming the flag for a bad one, or for
+    one given with --threshold."""
+    if a.schedule is None:
+        return None
+    if getattr(a, "threshold_given", False):
+        raise SystemExit(f"{flag} and --threshold are both given: give one (a threshold N is the "
+                         "schedule 1-N:K,N+1-:0)")
+    try:
+        return parse_smoke_schedule(a.schedule, flag)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def comma_list(text: str, known: Iterable[str], flag: str) -> tuple[str, ...]:
@@ -573,16 +772,25 @@ def comma_list(text: str, known: Iterable[str], flag: str) -> tuple[str, ...]:
 
 def options(a: argparse.Namespace) -> SmokeOptions:
     variants = comma_list(a.variants, VARIANTS, "--variants")
+    schedule = schedule_option(a)
     try:
         parsed = parse_threshold(a.threshold, source="--threshold", allow_zero=False)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    auto = parsed == AUTO
-    threshold = DEFAULT_THRESHOLD if auto else int(parsed)
-    return SmokeOptions(models=a.models, out=a.out, threshold=threshold, auto=auto, variants=variants,
-                        port=a.port, mem_fraction=a.mem_fraction, cuda_graph=not a.no_cuda_graph,
-                        deadline=Deadline(time.time() + a.deadline),
-                        parallel_variants=a.parallel_variants)
+    auto = parsed == AUTO and schedule is None
+    threshold = Tiers(schedule).top if schedule else DEFAULT_THRESHOLD if auto else int(parsed)
+    if a.ramp_minutes < 0 or a.ramp_hold <= 0 or a.ramp_max_growth_mib < 0:
+        raise SystemExit(f"--ramp-minutes {a.ramp_minutes:g} --ramp-hold {a.ramp_hold:g} "
+                         f"--ramp-max-growth-mib {a.ramp_max_growth_mib:g}: give minutes >= 0, a hold "
+                         "> 0 and a bound >= 0")
+    if a.ramp_minutes and auto:
+        raise SystemExit("--ramp-minutes: the endurance ramp runs on a fixed threshold or a schedule, "
+                         "not auto (its tiers move)")
+    return SmokeOptions(models=a.models, out=a.out, threshold=threshold, auto=auto, schedule=schedule,
+                        variants=variants, port=a.port, mem_fraction=a.mem_fraction,
+                        cuda_graph=not a.no_cuda_graph, deadline=Deadline(time.time() + a.deadline),
+                        parallel_variants=a.parallel_variants, ramp_minutes=a.ramp_minutes,
+                        ramp_hold_s=a.ramp_hold, ramp_max_growth_mib=a.ramp_max_growth_mib)
 
 
 def main(a: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from sglang_image_plugin.setting import THRESHOLD_FLAG
+from sglang_image_plugin.setting import DEPTH_SCHEDULE_FLAG, THRESHOLD_FLAG
 from smoke import client
 
 # Flags every smoke/bench server gets: seen working on the H200 with the slimmed bundle
@@ -105,6 +105,7 @@ class ServerConfig:
     draft: Path | None = None          # EAGLE-3 when set
     spec_steps: int = EAGLE_STEPS      # its draft steps (a chain: steps + 1 tokens verified)
     threshold: int | str | None = None  # the threshold flag (N or auto)
+    schedule: str | None = None        # the depth schedule flag (LOW-HIGH:DEPTH,...), instead of it
     overlap: bool = True               # False -> --disable-overlap-schedule
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = 64  # None: the server's own default
@@ -131,6 +132,8 @@ class ServerConfig:
             a += [*eagle_flags(self.spec_steps), "--speculative-draft-model-path", str(self.draft)]
         if self.threshold is not None:
             a += [THRESHOLD_FLAG, str(self.threshold)]
+        if self.schedule is not None:
+            a += [DEPTH_SCHEDULE_FLAG, self.schedule]
         if not self.overlap:
             a += ["--disable-overlap-schedule"]
         if self.enable_metrics:
@@ -153,17 +156,23 @@ def pinned(cpus: tuple[int, ...]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def group_running(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs (Linux /proc); zombies (no memory left, reaped
-    by whoever adopted them) do not count."""
+def group_pids(pgid: int) -> list[int]:
+    """The running processes of group `pgid` (Linux /proc); zombies (no memory left, reaped by
+    whoever adopted them) do not count."""
+    pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
         if int(pgrp) == pgid and state != "Z":
-            return True
-    return False
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (group_pids)."""
+    return bool(group_pids(pgid))
 
 
 def port_free(port: int) -> bool:

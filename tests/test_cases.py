@@ -51,6 +51,7 @@ def test_cases_keep_below_under_the_threshold_and_are_plain_json():
 ACCEPTS = """
 import dataclasses, json, sys
 sys.path.insert(0, {repo!r})
+sys.path.append({repo!r} + "/plugin")  # the setting's contract, where the tree has no plugin of its own
 from smoke.cases import Case, make_cases, stop_cases
 from smoke.features import pressure_requests
 from smoke.verdicts import Outcome, equal_tokens

@@ -621,3 +621,32 @@ def test_parallel_variants_start_beside_each_other_with_a_share_that_holds_their
     assert F.server_config("x", alone, draft=True).mem_fraction == alone.mem_fraction < F.SIDE_BY_SIDE_MEM_SHARE
     # the pool is fixed in both: what a server beside takes cannot shrink it
     assert "--max-total-tokens" in F.server_config("x", opts, draft=True).extra
+
+
+def test_on_a_schedule_server_each_case_runs_in_every_tier_and_across_every_edge(tmp_path, monkeypatch):
+    """--schedule: the cases' modes become the schedule's (smoke.tiers.Tiers.matrix_plan), their
+    requests at most as many at once as its first tier holds, the filler 4x its top edge."""
+    clock = Clock()
+    fake_matrix(tmp_path, monkeypatch, clock, interrupt=set())
+    seen: dict = {}
+
+    def run_case_modes(case, ref, base, baseline, filler_prompts, deadline):
+        names = [getattr(m, "name", m) for m in case.modes]
+        seen[case.name] = (names, case.concurrency, len(filler_prompts))
+        return {name: {"ok": True, "depth_changes": 2, "mode_changes": 0, "plain_steps": 1,
+                       "speculative_steps": 5} for name in names}
+
+    monkeypatch.setattr(F, "run_case_modes", run_case_modes)
+    schedule = "1-8:3,9-24:2,25-64:1,65-:0"
+    opts = F.options(build_parser().parse_args(["features", "--models", str(tmp_path), "--out",
+                                                str(tmp_path / "one"), "--schedule", schedule,
+                                                "--variants", "sync"]))
+    opts.deadline, opts.progress = ClockDeadline(clock, 10_000), lambda _: None
+    report = F.run_features(opts, {})
+    tiers = ["depth3", "depth2", "depth1", "depth0"]
+    assert seen["greedy"] == (tiers + ["up8", "up24", "up64", "down8", "down24", "down64"], 7, 256)
+    assert seen["abort_stream"][0] == tiers  # in each tier, as it runs below and above a threshold
+    assert seen["n2"][1] == 1 and "kv_pressure" not in seen  # the pressure case runs once, as before
+    assert report["schedule"] == schedule and report["pool_tokens"] == F.pool_tokens(64)
+    text = F.summarize(report)
+    assert f"features: schedule={schedule} pool=" in text and "depth2 PASS(2d, 1p/5s)" in text

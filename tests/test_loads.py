@@ -12,6 +12,8 @@ from smoke import loads
 from smoke.cases import Case, make_cases
 from smoke.deadline import Deadline
 from smoke.loads import (
+    CROSS_DOWN_NEW_TOKENS,
+    FILLER_NEW_TOKENS,
     RETRACT_LOG,
     CaseInterrupted,
     NotExercised,
@@ -99,3 +101,68 @@ def test_a_crossing_that_came_too_late_says_by_how_much(mode, monkeypatch):
     outs, seen = run_under(mode, "http://x", case, [], deadline)
     assert seen["crossed_in_flight"] and seen["mode_changed_after_s"] < seen["case_ran_s"]
     assert len(outs) == len(case.requests)
+
+
+def test_a_schedule_server_s_modes_hold_a_tier_and_cross_an_edge_with_their_fillers(monkeypatch):
+    """On a schedule server (smoke.tiers.Tiers.matrix_plan) a mode's filler holds the batch in a
+    tier between others while the case runs, more arrive (up) or short ones leave (down) mid-case,
+    and the runner waits for the depth, not the mode."""
+    from smoke.cases import CASE_CONCURRENCY
+    from smoke.tiers import Tiers, parse_smoke_schedule
+
+    plan = Tiers(parse_smoke_schedule("1-8:3,9-24:2,25-64:1,65-:0")).matrix_plan(CASE_CONCURRENCY)
+    events: list = []
+
+    class FakeFiller:
+        def __init__(self, base, prompts, max_new, tag, deadline, rolling):
+            events.append(("filler", len(prompts), max_new, rolling))
+
+        def stop(self):
+            events.append("stop")
+
+        def wait(self):
+            events.append("wait")
+
+    def wait_mode(base, want, timeout=20):
+        events.append(("wait for", want))
+        return True
+
+    def send_all(base, requests, concurrency, deadline):
+        time.sleep(0.2)  # in flight while the depth changes
+        return [Outcome(ids=[[1]]) for _ in requests]
+
+    depth = {"now": 2}
+    monkeypatch.setattr(loads, "Filler", FakeFiller)
+    monkeypatch.setattr(loads, "send_all", send_all)
+    monkeypatch.setattr(loads, "wait_mode", wait_mode)
+    monkeypatch.setattr(loads, "wait_running", lambda base, n, timeout=10: events.append(("running", n)))
+    monkeypatch.setattr(loads.client, "server_info", lambda base: {})
+    monkeypatch.setattr(loads, "spec_state", lambda info: {"mode": "speculative", "depth": depth["now"]})
+    case = next(c for c in make_cases(EXPECTED, 64, "m", concurrency=plan.concurrency) if c.name == "greedy")
+    deadline = Deadline(time.time() + 600)
+    filler = [[1]] * 256
+    in_depth2, up24, down24 = plan.modes["above"][0], plan.modes["cross_up"][1], plan.modes["cross_down"][1]
+    assert (in_depth2.name, up24.name, down24.name) == ("depth2", "up24", "down24")
+    outs, seen = run_under(in_depth2, "http://x", case, filler, deadline)
+    assert events == [("filler", 11, FILLER_NEW_TOKENS, True), ("wait for", 2), "stop"]
+    assert seen["depth2_before"] and seen["depth2_after"] and len(outs) == len(case.requests)
+    depth["now"] = 1
+    with pytest.raises(NotExercised, match="depth2: the server was not in depth 2 for the whole case"):
+        run_under(in_depth2, "http://x", case, filler, deadline)
+    events.clear()
+    outs, seen = run_under(up24, "http://x", case, filler, deadline)
+    assert events == [("filler", 11, FILLER_NEW_TOKENS, True), ("wait for", 2), ("running", 12),
+                      ("filler", 26, FILLER_NEW_TOKENS, True), ("wait for", 1), "stop", "stop"]
+    assert seen["crossed_in_flight"]
+    events.clear()
+    outs, seen = run_under(down24, "http://x", case, filler, deadline)
+    assert events == [("filler", 11, FILLER_NEW_TOKENS, True), ("filler", 26, CROSS_DOWN_NEW_TOKENS, False),
+                      ("wait for", 1), ("wait for", 2), "wait", "stop"]
+    assert seen["crossed_in_flight"]
+    # the first tier: the case alone, and only its depth may run (one step elsewhere allowed)
+    before = {"plain_steps": 0, "speculative_steps": 10, "steps_by_depth": {"0": 0, "1": 0, "2": 0, "3": 10}}
+    after = {"plain_steps": 1, "speculative_steps": 30, "steps_by_depth": {"0": 1, "1": 0, "2": 2, "3": 27}}
+    assert loads.steps_elsewhere(before, after, 3) == 3 and loads.steps_elsewhere(before, after, "speculative") == 1
+    assert loads.step_deltas(dict(before, mode_changes=0, depth_changes=0), dict(after, mode_changes=2, depth_changes=4)) == {
+        "mode_changes": 2, "plain_steps": 1, "speculative_steps": 20, "depth_changes": 4,
+        "steps_by_depth": {"0": 1, "1": 0, "2": 2, "3": 17}}

@@ -14,6 +14,7 @@ import pytest
 from bench import options, throughput
 from smoke import features, runner
 from smoke.server import ServerConfig, cuda_graph_max_bs_flag
+from smoke.tiers import parse_smoke_schedule
 from tests.probe import probe_result
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -56,10 +57,18 @@ def configurations(models: Path, release: tuple[int, ...], auto: bool) -> dict[s
     }
     for name in ("plain", "eagle3", "eagle3_thr16", "eagle3_adaptive"):
         configs[f"bench_{name}"] = throughput.server_config(name, bench_opts)
-    if auto:
+    if auto:  # the plugin's settings: auto, and a depth schedule (the smoke's and the matrix's)
         configs["smoke_auto"] = ServerConfig("auto", models / "target", draft=models / "draft",
                                              threshold=runner.AUTO)
         configs["bench_eagle3_auto"] = throughput.server_config("eagle3_auto", bench_opts)
+        schedule = parse_smoke_schedule("1-8:3,9-24:2,25-64:1,65-:0")
+        sched_opts = runner.SmokeOptions(models=models, out=models, schedule=schedule)
+        configs["smoke_schedule"] = runner.variant_server(
+            sched_opts, runner.VARIANTS["overlap"], models / "draft", None, reach=256, port=None,
+            schedule=schedule)[0].cfg
+        configs["feature_schedule"] = features.server_config(
+            "sched", features.FeatureOptions(models=models, out=models, threshold=64,
+                                             schedule=str(schedule)), draft=True)
     out = {}
     for name, cfg in configs.items():
         cfg.release = release
