@@ -1053,6 +1053,58 @@ def test_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_
     assert out["graph"] == [[1, [[8, 36], [-1] * 8]], [0, None]]
 
 
+
+def test_each_depth_state_s_memory_is_logged_and_in_the_server_info(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # Each runtime state upstream builds for a depth other than the launch one takes GPU memory
+    # (its graphs, an attention workspace) that the KV pool no longer has: counted per depth from
+    # the free memory before and after its build, logged with the running total, and shown in the
+    # server info. Without a GPU nothing is counted.
+    out = _probe(run_in_tree, tree, plugin_site, """
+        import logging
+        from types import SimpleNamespace as NS
+        from sglang_image_plugin import observe, plain_step, plain_target, state
+        from sglang_image_plugin.state import WorkerState
+        lines = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                lines.append(record.getMessage())
+        logging.getLogger("sglang_image_plugin").addHandler(Keep())
+        logging.getLogger("sglang_image_plugin").setLevel(logging.INFO)
+        def original(worker, steps, tokens, *a, **k):
+            return steps
+        w = NS(draft_worker=None, target_worker=NS(model_runner=NS(capture_tail_hooks=[])))
+        own = state.of(w, WorkerState)
+        own.plain_step = plain_step.PlainStep(kv_only_reason=None, layout_reason="sync", deferred_reason="sync")
+        own.controller = NS(snapshot=lambda: {"depth": 3})
+        gib = 2 ** 30
+        frees = iter([40 * gib, 39.5 * gib, 39.5 * gib, 38.75 * gib])
+        plain_target.free_gpu_bytes = lambda: int(next(frees))
+        built = [plain_target.build_runtime_state(original, w, 0, 1, cuda_graph_bs=[64, 128, 256]),
+                 plain_target.build_runtime_state(original, w, 1, 2, cuda_graph_bs=[1, 2, 4, 8, 16])]
+        info = {}
+        observe.add_speculative_state(None, NS(scheduler=NS(draft_worker=w)), info)
+        plain_target.free_gpu_bytes = lambda: None
+        bare = NS(draft_worker=None)
+        state.of(bare, WorkerState).controller = NS(snapshot=lambda: {"depth": 3})
+        plain_target.build_runtime_state(original, bare, 2, 3, cuda_graph_bs=[8])
+        info_bare = {}
+        observe.add_speculative_state(None, NS(scheduler=NS(draft_worker=bare)), info_bare)
+        emit({"built": built, "memory": own.state_memory, "info": info["speculative_disable"],
+              "bare": info_bare["speculative_disable"],
+              "lines": [x for x in lines if x.startswith("Speculation state depth")]})
+    """)
+    gib = 2 ** 30
+    assert out["built"] == [0, 1]
+    assert out["memory"] == {"0": gib // 2, "1": 3 * gib // 4}
+    assert out["info"]["state_memory_gib"] == {"0": 0.5, "1": 0.75}
+    assert out["bare"] == {"depth": 3}
+    assert out["lines"] == [
+        "Speculation state depth 0: 0.50 GiB (graphs at 3 batch sizes up to 256); the extra depth "
+        "states take 0.50 GiB beside the launch depth's",
+        "Speculation state depth 1: 0.75 GiB (graphs at 5 batch sizes up to 16); the extra depth "
+        "states take 1.25 GiB beside the launch depth's"]
+
+
 # The fake draft's worker: its runner (model, KV pool, slot translators), as the hooks read it.
 EAGLE3_DRAFT = EAGLE3_LEAVES + """
 def draft_worker(model, steps=0, pool=None, catch_up=None, translating=False):

@@ -136,3 +136,6 @@ def add_speculative_state(result: None, state_controller: Any, state: dict[str, 
             state["speculative_disable"]["plain_step"] = own.plain_step.view()
         if own.acceptance is not None:
             state["speculative_disable"]["acceptance_around_plain"] = own.acceptance.view()
+        if own.state_memory:
+            state["speculative_disable"]["state_memory_gib"] = {
+                str(depth): round(b / 2**30, 3) for depth, b in sorted(own.state_memory.items())}

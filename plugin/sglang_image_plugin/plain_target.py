@@ -21,6 +21,7 @@ from typing import Any
 
 from sglang_image_plugin import deferred_kv, state
 from sglang_image_plugin.state import WorkerState
+from sglang_image_plugin.tp import log_on_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +66,43 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
     DECODE mode, with the deferred draft K/V write where the plain step has it."""
     own = state.peek(worker, WorkerState)
     step = own.plain_step if own is not None else None
+    free_before = free_gpu_bytes()
     if speculative_num_steps != 0 or step is None:
-        return original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
-    deferred = deferred_kv.install(worker, runner_class()) if step.deferred else None
-    with _decode_runner_for_capture():
         built = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
-    if deferred is not None:
-        deferred.reset()  # the capture's runs fed dummy rows
+    else:
+        deferred = deferred_kv.install(worker, runner_class()) if step.deferred else None
+        with _decode_runner_for_capture():
+            built = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
+        if deferred is not None:
+            deferred.reset()  # the capture's runs fed dummy rows
+    if own is not None:
+        _count_state_memory(own, speculative_num_steps, free_before, kwargs.get("cuda_graph_bs"))
     return built
+
+
+def free_gpu_bytes() -> int | None:
+    """Free memory of this process's GPU; None without one (the CPU tests' servers)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def _count_state_memory(own: WorkerState, depth: int, free_before: int | None, graph_sizes: Any) -> None:
+    """What one depth's runtime state took (its graphs, attention workspaces) goes into the server
+    info and the log: each extra depth costs memory the KV pool no longer has."""
+    free_after = free_gpu_bytes()
+    if free_before is None or free_after is None:
+        return
+    own.state_memory[depth] = max(0, free_before - free_after)
+    sizes = sorted(int(b) for b in graph_sizes or ())
+    graphs = f"graphs at {len(sizes)} batch sizes up to {sizes[-1]}" if sizes else "no graphs"
+    log_on_rank0(f"Speculation state depth {depth}: {own.state_memory[depth] / 2**30:.2f} GiB ({graphs}); "
+                 f"the extra depth states take {sum(own.state_memory.values()) / 2**30:.2f} GiB "
+                 "beside the launch depth's")
 
 
 def prepare_for_verify(original: Callable[..., Any], verify_input: Any, req_to_token_pool: Any,

@@ -13,7 +13,7 @@ of it; mypy checks the object put there against it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -114,6 +114,8 @@ class WorkerState:
     acceptance: AcceptanceWatch | None = None  # accept length around plain phases
     plain_step: PlainStepParts | None = None  # resolved once, at init_cuda_graphs
     layout: Layout | None = None  # the plain layout, where the scheduler runs it
+    # GPU bytes each extra depth's runtime state took at its build (plain_target.py)
+    state_memory: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
