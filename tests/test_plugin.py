@@ -1099,10 +1099,10 @@ def test_each_depth_state_s_memory_is_logged_and_in_the_server_info(run_in_tree,
     assert out["info"]["state_memory_gib"] == {"0": 0.5, "1": 0.75}
     assert out["bare"] == {"depth": 3}
     assert out["lines"] == [
-        "Speculation state depth 0: 0.50 GiB (graphs at 3 batch sizes up to 256); the extra depth "
-        "states take 0.50 GiB beside the launch depth's",
-        "Speculation state depth 1: 0.75 GiB (graphs at 5 batch sizes up to 16); the extra depth "
-        "states take 1.25 GiB beside the launch depth's"]
+        ("Speculation state depth 0: 0.50 GiB (graphs at 3 batch sizes up to 256); the extra depth "
+         "states take 0.50 GiB beside the launch depth's"),
+        ("Speculation state depth 1: 0.75 GiB (graphs at 5 batch sizes up to 16); the extra depth "
+         "states take 1.25 GiB beside the launch depth's")]
 
 
 # The fake draft's worker: its runner (model, KV pool, slot translators), as the hooks read it.
