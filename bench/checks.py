@@ -36,6 +36,16 @@ def mode_of(base: str) -> tuple[str | None, int | None, int | None]:
     return st.get("mode"), crossover if isinstance(crossover, int) else None, st.get("mode_changes")
 
 
+def learned_schedule_of(base: str) -> str | None:
+    """The depth schedule a schedule server runs now (`auto`: the one it learned), in the flag's
+    grammar; None where it says nothing."""
+    try:
+        schedule = speculation_state(base).get("schedule")
+    except (SmokeError, client.HTTPFailure, ValueError):
+        return None
+    return schedule if isinstance(schedule, str) else None
+
+
 def kv_used_after_flush(base: str) -> int | None:
     """Tokens still held in the KV pool once the load is over and the radix cache flushed (0 when
     every request gave back what it took)."""

@@ -42,6 +42,12 @@ class BenchConfig:
         return self.kind in ("threshold", "schedule", "auto")
 
     @property
+    def learns(self) -> bool:
+        """It learns its policy online (the threshold's `auto`, the schedule's `auto`): the bench
+        gives it a learning pass at every concurrency before the blocks, and keeps its step trace."""
+        return self.kind == "auto" or (self.kind == "schedule" and self.schedule == "auto")
+
+    @property
     def label(self) -> str:
         if self.kind == "plain":
             return "plain (A/A twin)" if self.twin else "plain"

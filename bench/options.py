@@ -13,7 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.configs import CONFIGS, TWIN, BenchConfig, expand
-from sglang_image_plugin.setting import DEPTH_SCHEDULE_EXAMPLE, DEPTH_SCHEDULE_FLAG, parse_schedule
+from sglang_image_plugin.setting import (
+    DEPTH_SCHEDULE_EXAMPLE,
+    DEPTH_SCHEDULE_FLAG,
+    parse_schedule_or_auto,
+)
 from smoke.deadline import Deadline
 
 DEFAULT_CONFIGS = ("plain", "eagle3", "eagle3_thr")  # the promise: a threshold against both fixed modes
@@ -88,7 +92,7 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                          "drafting d steps and verifying d + 1 tokens a request (eagle3 itself drafts 3)")
     ap.add_argument(p + "schedule", default=DEPTH_SCHEDULE_EXAMPLE,
                     help=f"eagle3_sched's draft depth per load (the server's {DEPTH_SCHEDULE_FLAG}); "
-                         "several separated by ';' run one server each")
+                         "several separated by ';' run one server each; `auto`: the server learns it")
     ap.add_argument(p + "switching-defaults", action="store_true",
                     help="start the threshold and auto servers without --max-running-requests and a "
                          "decode graph size, as the README's Serve command does (the others get the "
@@ -153,7 +157,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("depth", "give distinct draft depths >= 1, e.g. 1,2")
     schedules = [x.strip() for x in str(get("schedule")).split(";") if x.strip()]
     try:
-        schedules = [str(parse_schedule(x, source=f"--{prefix}schedule")) for x in schedules]
+        schedules = [str(parse_schedule_or_auto(x, source=f"--{prefix}schedule")) for x in schedules]
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if not schedules or len(set(schedules)) < len(schedules):

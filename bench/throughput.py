@@ -57,7 +57,14 @@ from typing import Any
 
 from bench import diagnose, hostinfo, pairing, servers
 from bench import report as bench_report
-from bench.checks import compared_outputs, digest, mismatches, mode_of, server_checks
+from bench.checks import (
+    compared_outputs,
+    digest,
+    learned_schedule_of,
+    mismatches,
+    mode_of,
+    server_checks,
+)
 from bench.options import (
     BenchOptions,
     config_records,
@@ -115,6 +122,7 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
         extra += [DEPTH_SCHEDULE_FLAG, rec.schedule]
     if rec.kind == "auto":
         extra += [THRESHOLD_FLAG, "auto"]
+    if rec.learns:
         # its step trace, to read offline why it chose what it chose (in the logs it brings back)
         cfg.env[AUTO_TRACE_ENV] = str((opts.out / f"{name}_steps.jsonl").resolve())
     if rec.kind == "adaptive":
@@ -239,7 +247,7 @@ class Bench:
 
     def learn_cost(self, name: str) -> float:
         """learn()'s seconds: a window of auto_learn_s at every level, and its end."""
-        if config_records(self.opts)[name].kind != "auto" or self.opts.auto_learn_s <= 0:
+        if not config_records(self.opts)[name].learns or self.opts.auto_learn_s <= 0:
             return 0.0
         return len(self.opts.concurrency) * (self.opts.auto_learn_s + WINDOW_END_S + 0.5)
 
@@ -285,6 +293,9 @@ class Bench:
         if not self.learn_cost(name):
             return
         opts, srv = self.opts, self.servers[name]
+        # what it learned by each level: the threshold's `auto` a crossover, the schedule's a schedule
+        learned_at = learned_schedule_of if config_records(opts)[name].kind == "schedule" else (
+            lambda base: mode_of(base)[1])
         crossovers = {}
         for c in opts.concurrency:
             prompt_at = functools.partial(window_prompt, self.vocab, c, opts.output_len, 50, spread=opts.output_spread)
@@ -292,7 +303,7 @@ class Bench:
                         opts.deadline.at - self.reserve())
             if m.get("cut"):
                 break
-            crossovers[str(c)] = mode_of(srv.base)[1]
+            crossovers[str(c)] = learned_at(srv.base)
         self.result.setdefault("learned", {})[name] = {"seconds_per_level": opts.auto_learn_s,
                                                        "crossover_after": crossovers}
         flush_cache(srv.base)

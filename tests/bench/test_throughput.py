@@ -98,6 +98,25 @@ def test_a_schedule_sweep_is_one_server_per_draft_depth_schedule(tmp_path):
         bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-:0;1-16:3,17-:0")
 
 
+def test_a_learned_schedule_is_a_schedule_server_with_a_learning_pass_and_a_trace(tmp_path):
+    # `auto` among the schedules: the server learns its depth per load (the plugin's
+    # --speculative-depth-schedule auto); like the threshold's `auto` it gets a learning pass at
+    # every level before the blocks and writes its step trace; a fixed schedule gets neither.
+    opts = bench_options("--configs", "plain,eagle3_sched", "--schedule", "AUTO;1-16:3,17-:0")
+    assert opts.schedules == ("auto", "1-16:3,17-:0")
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), schedules=opts.schedules,
+                                configs=opts.configs, auto_learn_s=4.0)
+    records = options.config_records(opts)
+    assert records["eagle3_sched1"].learns and not records["eagle3_sched2"].learns
+    assert records["eagle3_sched1"].label == "EAGLE-3 + schedule auto"
+    learner, fixed = (throughput.server_config(n, opts) for n in ("eagle3_sched1", "eagle3_sched2"))
+    a = learner.argv(30000)
+    assert a[a.index("--speculative-depth-schedule") + 1] == "auto" and throughput.THRESHOLD_FLAG not in a
+    assert throughput.AUTO_TRACE_ENV in learner.env and throughput.AUTO_TRACE_ENV not in fixed.env
+    with pytest.raises(SystemExit, match="--schedule: .*or `auto`"):
+        bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-16:0")
+
+
 def test_switching_servers_can_start_with_the_servers_own_limits(tmp_path):
     # --switching-defaults: the threshold and auto servers start as the README's Serve command
     # does (no --max-running-requests, no decode graph size); the others keep the top concurrency.
