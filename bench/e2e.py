@@ -63,7 +63,8 @@ from bench.options import add_tuning_arguments, tuning_options
 from bench.run_phases import MODELS, RunPhases, smoke_threshold
 from bench.site import Site
 from smoke import features as features_mod
-from smoke import runner
+from smoke import run_command, runner
+from smoke.scenario import DEFAULT_THRESHOLD, VARIANTS
 
 PHASES = ("install", "patch", "check", "models", "smoke", "features", "bench", "comm", "router")
 RUN_PHASES = ("smoke", "features", "bench", "comm", "router")  # marked done in the state once complete
@@ -243,14 +244,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     ap.add_argument("--deadline", type=float, default=560, help="seconds from the start")
     ap.add_argument("--phases", default="all", help=f"'all' or a comma list of {','.join(PHASES)}")
-    ap.add_argument("--threshold", default=str(runner.DEFAULT_THRESHOLD), action=runner.Given,
-                    help=f"smoke threshold N (default {runner.DEFAULT_THRESHOLD}), or auto (the smoke "
-                         f"phase's servers run auto; the feature matrix keeps N={runner.DEFAULT_THRESHOLD})")
+    ap.add_argument("--threshold", default=str(DEFAULT_THRESHOLD), action=run_command.Given,
+                    help=f"smoke threshold N (default {DEFAULT_THRESHOLD}), or auto (the smoke "
+                         f"phase's servers run auto; the feature matrix keeps N={DEFAULT_THRESHOLD})")
     ap.add_argument("--schedule", metavar="LOW-HIGH:DEPTH,...",
                     help="smoke and features phases: instead of --threshold, the servers' draft depth "
                          "per load (e.g. 1-8:3,9-24:2,25-64:1,65-:0); the loads visit every tier and "
                          "cross every edge both ways")
-    runner.add_endurance_arguments(ap, "smoke-")
+    run_command.add_endurance_arguments(ap, "smoke-")
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
     ap.add_argument("--feature-variants", default="overlap,sync",
                     help="features phase: comma list of overlap,sync (CUDA graphs on in both)")
@@ -284,16 +285,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def main(a: argparse.Namespace) -> int:
     if a.phases != "all":
-        runner.comma_list(a.phases, PHASES, "--phases")
-    runner.comma_list(a.smoke_variants, runner.VARIANTS, "--smoke-variants")
-    runner.comma_list(a.feature_variants, features_mod.VARIANT_FLAGS, "--feature-variants")
-    runner.comma_list(a.feature_cases, features_mod.CASE_NAMES, "--feature-cases")
-    runner.comma_list(a.comm_runs, comm_mod.RUN_NAMES, "--comm-runs")
+        run_command.comma_list(a.phases, PHASES, "--phases")
+    run_command.comma_list(a.smoke_variants, VARIANTS, "--smoke-variants")
+    run_command.comma_list(a.feature_variants, features_mod.VARIANT_FLAGS, "--feature-variants")
+    run_command.comma_list(a.feature_cases, features_mod.CASE_NAMES, "--feature-cases")
+    run_command.comma_list(a.comm_runs, comm_mod.RUN_NAMES, "--comm-runs")
     try:
         _, threshold = smoke_threshold(a.threshold)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    schedule = runner.schedule_option(a)  # exits naming --schedule (or it beside --threshold)
+    schedule = run_command.schedule_option(a)  # exits naming --schedule (or it beside --threshold)
     phases = PHASES if a.phases == "all" else a.phases.split(",")
     if "features" in phases and not a.stop:  # auto: the matrix runs at the default N
         if schedule is not None:

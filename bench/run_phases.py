@@ -18,7 +18,8 @@ from bench.options import BenchOptions, tuning_options
 from bench.throughput import run_bench
 from sglang_image_plugin.setting import AUTO, parse_threshold
 from smoke import features as features_mod
-from smoke import runner
+from smoke import run_command, runner
+from smoke.scenario import DEFAULT_THRESHOLD, SmokeOptions
 from smoke.tiers import Tiers
 
 # model dir -> (`smoke models` args, the phases that use it)
@@ -33,7 +34,7 @@ def smoke_threshold(text: str) -> tuple[bool, int]:
     ValueError names a bad value."""
     parsed = parse_threshold(text, source="--threshold", allow_zero=False)
     auto = parsed == AUTO
-    return auto, runner.DEFAULT_THRESHOLD if auto else int(parsed)
+    return auto, DEFAULT_THRESHOLD if auto else int(parsed)
 
 
 class RunPhases:
@@ -70,16 +71,16 @@ class RunPhases:
     def smoke(self) -> None:
         st = self.resumable("smoke")
         auto, threshold = smoke_threshold(self.a.threshold)
-        schedule = runner.schedule_option(self.a)
+        schedule = run_command.schedule_option(self.a)
         if schedule is not None:  # the loads come from its edges
             auto, threshold = False, Tiers(schedule).top
-        opts = runner.SmokeOptions(models=self.call.models_dir / self.a.smoke_size, out=self.call.logs,
-                                   auto=auto, threshold=threshold, schedule=schedule,
-                                   deadline=self.call.deadline, mem_fraction=0.15,
-                                   variants=tuple(self.a.smoke_variants.split(",")),
-                                   parallel_variants=self.a.parallel_variants,
-                                   ramp_minutes=self.a.smoke_ramp_minutes,
-                                   ramp_max_growth_mib=self.a.smoke_ramp_max_growth_mib)
+        opts = SmokeOptions(models=self.call.models_dir / self.a.smoke_size, out=self.call.logs,
+                            auto=auto, threshold=threshold, schedule=schedule,
+                            deadline=self.call.deadline, mem_fraction=0.15,
+                            variants=tuple(self.a.smoke_variants.split(",")),
+                            parallel_variants=self.a.parallel_variants,
+                            ramp_minutes=self.a.smoke_ramp_minutes,
+                            ramp_max_growth_mib=self.a.smoke_ramp_max_growth_mib)
         rep = runner.run_smoke(opts, st)
         self.call.state["smoke_report"] = rep
         self.call.log("\n" + runner.summarize(rep))
@@ -88,7 +89,7 @@ class RunPhases:
 
     def features(self) -> None:
         st = self.resumable("features")
-        schedule = runner.schedule_option(self.a)
+        schedule = run_command.schedule_option(self.a)
         threshold = smoke_threshold(self.a.threshold)[1] if schedule is None else Tiers(schedule).top
         opts = features_mod.FeatureOptions(models=self.call.models_dir / self.a.smoke_size, out=self.call.logs,
                                            graph_bs=self.a.feature_graph_bs, threshold=threshold,
@@ -107,7 +108,7 @@ class RunPhases:
             raise Deadline_(f"features: skipped {rep['skipped']}")
 
     def feature_cases(self) -> tuple[str, ...]:
-        return runner.comma_list(self.a.feature_cases, features_mod.CASE_NAMES, "--feature-cases")
+        return run_command.comma_list(self.a.feature_cases, features_mod.CASE_NAMES, "--feature-cases")
 
     def options_digest(self, ph: str) -> str:
         """The options a run phase's result depends on: a later call that changes any of them runs the

@@ -4,14 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from smoke import features, models, partial, runner
+from smoke import features, models, partial, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m smoke", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     for name, mod, help_ in (("models", models, "generate the tiny/1B-shaped models offline"),
-                             ("run", runner, "smoke checks against servers started here"),
+                             ("run", run_command, "smoke checks against servers started here"),
                              ("partial", partial, "image checks that need no GPU (PARTIAL)"),
                              ("features", features, "what users send, across the mode changes")):
         p = sub.add_parser(name, help=help_, description=mod.__doc__,

@@ -67,16 +67,9 @@ from smoke.loads import (
     run_case_modes,
     run_pressure,
 )
-from smoke.runner import (
-    DEFAULT_THRESHOLD,
-    REFERENCE_CONCURRENCY,
-    Given,
-    comma_list,
-    exit_code,
-    schedule_option,
-    side_by_side,
-    side_port,
-)
+from smoke.run_command import Given, comma_list, schedule_option
+from smoke.runner import REFERENCE_CONCURRENCY, exit_code, side_by_side, side_port
+from smoke.scenario import DEFAULT_THRESHOLD
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 from smoke.tiers import SCHEDULE_FLAG, MatrixPlan, Tiers, parse_smoke_schedule
 from smoke.verdicts import Outcome, equal_tokens

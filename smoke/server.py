@@ -321,7 +321,7 @@ class Server:
 class SmokeError(Exception):
     """A smoke check failed: `cause` says which and why; `log` is the server log to show the tail of.
 
-    Defined here, beside the server whose log it shows; smoke.runner raises it too. The host's `nox -s smoke` reports the same failure as `sglang_image.errors.SmokeError` (exit code
+    Defined here, beside the server whose log it shows; the smoke's runs (smoke.runner, smoke.variant_runs) raise it too. The host's `nox -s smoke` reports the same failure as `sglang_image.errors.SmokeError` (exit code
     9): this package runs inside the image and on a bare GPU host, where that package is absent.
     """
 

@@ -133,7 +133,7 @@ def test_a_threshold_the_matrix_cannot_run_is_refused_before_any_work(tmp_path):
 
 def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monkeypatch):
     from bench import e2e, run_phases
-    from smoke import runner
+    from smoke import scenario
 
     features = ["features", "--models", "m", "--out", "o"]
     assert F.options(build_parser().parse_args(features)).parallel_variants is False
@@ -157,7 +157,7 @@ def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monk
         drv.runs.smoke()
         drv.runs.features()
         assert seen["smoke"].parallel_variants is want and seen["features"].parallel_variants is want
-        assert isinstance(seen["smoke"], runner.SmokeOptions)
+        assert isinstance(seen["smoke"], scenario.SmokeOptions)
         # the matrix's progress reaches e2e.log, and its state the disk as each case is done
         seen["features"].progress("features overlap: greedy ok")
         assert "features overlap: greedy ok" in (tmp_path / "out" / "e2e.log").read_text()

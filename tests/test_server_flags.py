@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench import options, throughput
-from smoke import features, runner
+from smoke import features, runner, scenario, variant_runs
 from smoke.server import ServerConfig, cuda_graph_max_bs_flag
 from smoke.tiers import parse_smoke_schedule
 from tests.probe import probe_result
@@ -42,7 +42,7 @@ print("RESULT " + json.dumps(out))
 
 def configurations(models: Path, release: tuple[int, ...], auto: bool) -> dict[str, list[str]]:
     """The argv (after `-m sglang.launch_server`) of every kind of server the project starts."""
-    smoke_opts = runner.SmokeOptions(models=models, out=models)
+    smoke_opts = scenario.SmokeOptions(models=models, out=models)
     bench_opts = options.BenchOptions(models=models, out=models, configs=(
         "plain", "eagle3", "eagle3_thr", "eagle3_adaptive", "eagle3_auto"))
     feature_opts = features.FeatureOptions(models=models, out=models)
@@ -62,9 +62,9 @@ def configurations(models: Path, release: tuple[int, ...], auto: bool) -> dict[s
                                              threshold=runner.AUTO)
         configs["bench_eagle3_auto"] = throughput.server_config("eagle3_auto", bench_opts)
         schedule = parse_smoke_schedule("1-8:3,9-24:2,25-64:1,65-:0")
-        sched_opts = runner.SmokeOptions(models=models, out=models, schedule=schedule)
-        configs["smoke_schedule"] = runner.variant_server(
-            sched_opts, runner.VARIANTS["overlap"], models / "draft", None, reach=256, port=None,
+        sched_opts = scenario.SmokeOptions(models=models, out=models, schedule=schedule)
+        configs["smoke_schedule"] = variant_runs.variant_server(
+            sched_opts, scenario.VARIANTS["overlap"], models / "draft", None, reach=256, port=None,
             schedule=schedule)[0].cfg
         configs["feature_schedule"] = features.server_config(
             "sched", features.FeatureOptions(models=models, out=models, threshold=64,

@@ -1,6 +1,6 @@
-"""The smoke run (smoke.runner): its failure reports, prompts, variants and argument parsing; the
-model generator, the partial smoke and the host side (CPU, no server; the checks themselves:
-tests/test_checks.py).
+"""The smoke run (smoke.runner, smoke.variant_runs, smoke.run_command): its failure reports,
+prompts, variants and argument parsing; the model generator, the partial smoke and the host side
+(CPU, no server; the checks themselves: tests/test_checks.py).
 
 The failure paths run on real text and real outputs: a server log in sglang 0.5.17's format, the
 greedy continuation of a model generated here. Nothing pretends to be an sglang server.
@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.__main__ import build_parser as bench_parser
-from smoke import checks, client, models, partial, runner
+from smoke import checks, client, models, partial, run_command, runner, scenario, variant_runs
 from smoke.__main__ import build_parser
 from smoke.deadline import Deadline
 from tests.draft_emulation import emulate_draft
@@ -115,7 +115,7 @@ def test_missing_log_line_fails_with_cause_and_log_tail(tmp_path):
     with pytest.raises(runner.SmokeError) as ei:
         checks.check_start_log(log.read_text(), 4)
     assert "Dynamic speculation disable enabled: threshold=4" in ei.value.cause
-    runner.record_failure(rep, ei.value, log)
+    variant_runs.record_failure(rep, ei.value, log)
     report = runner.collect_failures({"threshold": 4, "variants": {"eagle_overlap": rep},
                                       "failures": []})
     text = runner.summarize(report)
@@ -151,7 +151,7 @@ def test_output_mismatch_fails_with_cause_and_log_tail(tiny_models, tmp_path):
     with pytest.raises(runner.SmokeError) as ei:
         checks.check_outputs(ref, [client.Result("hf", wrong)], "above")
     assert "above: output mismatch" in ei.value.cause and "first difference at token 7" in ei.value.cause
-    runner.record_failure(rep, ei.value, log)
+    variant_runs.record_failure(rep, ei.value, log)
     report = runner.collect_failures({"threshold": 4, "variants": {"eagle_sync": rep}, "failures": []})
     text = runner.summarize(report)
     assert "SMOKE FAILED [eagle_sync]: above: output mismatch" in text
@@ -178,17 +178,17 @@ def test_prompts_cover_below_at_above_and_ramp():
 def test_argument_parsing(tmp_path):
     ap = build_parser()
     a = ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "8", "--variants", "sync"])
-    opts = runner.options(a)
+    opts = run_command.options(a)
     assert opts.threshold == 8 and opts.variants == ("sync",) and opts.cuda_graph
     with pytest.raises(SystemExit):
-        runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--variants", "bogus"]))
+        run_command.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--variants", "bogus"]))
     with pytest.raises(SystemExit):
-        runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "0"]))
-    auto = runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "AUTO"]))
-    assert auto.auto and auto.threshold == runner.DEFAULT_THRESHOLD  # loads shaped for N=4
+        run_command.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "0"]))
+    auto = run_command.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", "AUTO"]))
+    assert auto.auto and auto.threshold == scenario.DEFAULT_THRESHOLD  # loads shaped for N=4
     for bad in ("auto8", "-1", "lots"):
         with pytest.raises(SystemExit, match=r"give `auto` .* or a whole number N >= 1"):
-            runner.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", bad]))
+            run_command.options(ap.parse_args(["run", "--models", "m", "--out", "o", "--threshold", bad]))
     from sglang_image import image_smoke
 
     script = image_smoke.full_command("auto")[-1]
@@ -197,7 +197,7 @@ def test_argument_parsing(tmp_path):
     # with auto the feature matrix runs at its own default N, the runner's DEFAULT_THRESHOLD
     assert script.replace(image_smoke.OUT_MOUNT, "/out").endswith(
         "features --models /tmp/models --out /out/features")
-    assert ap.parse_args(["features", "--models", "m", "--out", "o"]).threshold == runner.DEFAULT_THRESHOLD
+    assert ap.parse_args(["features", "--models", "m", "--out", "o"]).threshold == scenario.DEFAULT_THRESHOLD
     a = ap.parse_args(["models", str(tmp_path), "--size", "1b", "--draft", "chain",
                        "--draft-accept", "0.7", "--device", "cuda"])
     assert (a.size, a.draft, a.draft_accept, a.device) == ("1b", "chain", 0.7, "cuda")
@@ -603,7 +603,7 @@ class SmokeVariantRecorder(VariantRecorder):
                            {"name": v.name, "ok": True, "phases": {}, "port": port})
 
 
-def smoke_options(tmp_path, monkeypatch, recorder, *, auto: bool = False, **kw) -> runner.SmokeOptions:
+def smoke_options(tmp_path, monkeypatch, recorder, *, auto: bool = False, **kw) -> scenario.SmokeOptions:
     """SmokeOptions over a models dir with only expected.json; the variant function replaced (the
     other one fails if called): no server starts. Pass state with "refs" to skip the plain server."""
     (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 1000, "prompt_ids": [5, 6, 7],
@@ -611,7 +611,7 @@ def smoke_options(tmp_path, monkeypatch, recorder, *, auto: bool = False, **kw) 
     used, unused = ("run_auto_variant", "run_variant") if auto else ("run_variant", "run_auto_variant")
     monkeypatch.setattr(runner, used, recorder)
     monkeypatch.setattr(runner, unused, lambda *a, **k: pytest.fail(f"{unused} called"))
-    return runner.SmokeOptions(models=tmp_path, out=tmp_path / "out", port=30000, auto=auto, **kw)
+    return scenario.SmokeOptions(models=tmp_path, out=tmp_path / "out", port=30000, auto=auto, **kw)
 
 
 @pytest.mark.parametrize("auto", [False, True])
@@ -676,19 +676,19 @@ def test_a_smoke_variant_s_server_listens_on_the_port_it_is_given(tmp_path, monk
     ports: list[int] = []
     NoServer = port_recording_server(ports)
 
-    monkeypatch.setattr(runner, "Server", NoServer)
-    opts = runner.SmokeOptions(models=tmp_path, out=tmp_path, port=30000)
-    for run in (runner.run_variant, runner.run_auto_variant):
-        assert run(opts, runner.VARIANTS["sync"], tmp_path, {}, {})["cause"] == "no GPU here"
-        run(opts, runner.VARIANTS["sync"], tmp_path, {}, {}, port=30005)
+    monkeypatch.setattr(variant_runs, "Server", NoServer)
+    opts = scenario.SmokeOptions(models=tmp_path, out=tmp_path, port=30000)
+    for run in (variant_runs.run_variant, variant_runs.run_auto_variant):
+        assert run(opts, scenario.VARIANTS["sync"], tmp_path, {}, {})["cause"] == "no GPU here"
+        run(opts, scenario.VARIANTS["sync"], tmp_path, {}, {}, port=30005)
     assert ports == [30000, 30005, 30000, 30005]
 
 
 def test_parallel_variants_flag_reaches_the_smoke(tmp_path):
     ap = build_parser()
     base = ["run", "--models", "m", "--out", "o"]
-    assert runner.options(ap.parse_args(base)).parallel_variants is False
-    assert runner.options(ap.parse_args(base + ["--parallel-variants"])).parallel_variants is True
+    assert run_command.options(ap.parse_args(base)).parallel_variants is False
+    assert run_command.options(ap.parse_args(base + ["--parallel-variants"])).parallel_variants is True
     assert bench_parser().parse_args(["e2e", "--parallel-variants"]).parallel_variants is True
     assert bench_parser().parse_args(["e2e"]).parallel_variants is False
 
@@ -891,15 +891,15 @@ def test_a_variant_s_failure_is_reported_with_its_cause_and_log(tmp_path):
                        (client.HTTPFailure("503 from /generate"),
                         "HTTP failure talking to the server: 503 from /generate")):
         rep: dict = {}
-        runner.record_error(rep, exc, log)
+        variant_runs.record_error(rep, exc, log)
         assert rep["ok"] is False and rep["cause"] == cause
         assert "the server's last words" in rep["log_tail"]
     rep = {}
     try:
         raise KeyError("missing field")
     except KeyError as exc:
-        runner.record_error(rep, exc, log)
+        variant_runs.record_error(rep, exc, log)
     assert rep["cause"].startswith("runner error: KeyError: 'missing field'")
     assert "Traceback" in rep["cause"]
     with pytest.raises(KeyboardInterrupt):  # an interrupt is not a smoke failure
-        runner.record_error({}, KeyboardInterrupt(), log)
+        variant_runs.record_error({}, KeyboardInterrupt(), log)

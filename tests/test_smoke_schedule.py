@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import build_parser as bench_parser
-from smoke import endurance, runner
+from smoke import endurance, run_command, runner, scenario, variant_runs
 from smoke import features as F
 from smoke import server as server_mod
 from smoke.__main__ import build_parser
@@ -33,16 +33,16 @@ SMALL = "1-2:3,3-4:2,5-:0"  # the fake's loads: a few dozen requests
 def test_schedule_is_parsed_by_the_contract_and_refused_beside_a_threshold():
     ap = build_parser()
     run = ["run", "--models", "m", "--out", "o"]
-    opts = runner.options(ap.parse_args([*run, "--schedule", " 1-8:3,9-24:2,25-64:1,65-:0 "]))
+    opts = run_command.options(ap.parse_args([*run, "--schedule", " 1-8:3,9-24:2,25-64:1,65-:0 "]))
     assert str(opts.schedule) == SCHEDULE and opts.threshold == 64 and not opts.auto
-    assert runner.options(ap.parse_args(run)).schedule is None  # the threshold path as before
+    assert run_command.options(ap.parse_args(run)).schedule is None  # the threshold path as before
     for flags, why in ((["--schedule", "1-8:3,10-:0"], "--schedule: tier 10-:0 must start at 9"),
                        (["--schedule", "1-8:4,9-:0"], "--schedule: depth 4 is deeper"),
                        (["--schedule", "fast"], "--schedule: 'fast' is not a tier"),
                        (["--threshold", "4", "--schedule", SCHEDULE], "--schedule and --threshold are both given"),
                        (["--schedule", SCHEDULE, "--threshold", "auto"], "--schedule and --threshold are both given")):
         with pytest.raises(SystemExit, match=why):
-            runner.options(ap.parse_args([*run, *flags]))
+            run_command.options(ap.parse_args([*run, *flags]))
     # the feature matrix: the same flag, the pool and the filler from the top edge
     feats = ["features", "--models", "m", "--out", "o"]
     f = F.options(ap.parse_args([*feats, "--schedule", SCHEDULE]))
@@ -58,15 +58,15 @@ def test_schedule_is_parsed_by_the_contract_and_refused_beside_a_threshold():
     with pytest.raises(SystemExit, match=f"Give a top edge <= {F.max_threshold()}"):
         F.options(ap.parse_args([*feats, "--schedule", "1-16:3,17-200:1,201-:0"]))
     # the smoke's servers get it too
-    sched = runner.options(ap.parse_args([*run, "--schedule", SCHEDULE]))
-    srv, log, rep = runner.variant_server(sched, runner.VARIANTS["sync"], Path("d"), None, reach=256,
+    sched = run_command.options(ap.parse_args([*run, "--schedule", SCHEDULE]))
+    srv, log, rep = variant_runs.variant_server(sched, scenario.VARIANTS["sync"], Path("d"), None, reach=256,
                                           port=None, schedule=sched.schedule)
     argv = srv.cfg.argv(1)
     assert argv[argv.index("--speculative-depth-schedule") + 1] == SCHEDULE
     assert "--speculative-disable-batch-threshold" not in argv and "--max-running-requests" in argv
     assert rep["schedule"] == SCHEDULE and log.name == "server_eagle_sync_schedule.log"
     with pytest.raises(SystemExit, match="--ramp-minutes: the endurance ramp runs on a fixed threshold"):
-        runner.options(ap.parse_args([*run, "--threshold", "auto", "--ramp-minutes", "1"]))
+        run_command.options(ap.parse_args([*run, "--threshold", "auto", "--ramp-minutes", "1"]))
 
 
 def test_e2e_passes_the_schedule_and_the_ramp_to_the_smoke_and_the_matrix(tmp_path, monkeypatch):
@@ -125,7 +125,8 @@ def fake_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str,
         def argv(self, port: int) -> list[str]:  # sglang's flags, to the fake
             return [sys.executable, str(FAKE), *super().argv(port)[3:], *server_flags]
 
-    monkeypatch.setattr(runner, "ServerConfig", FakeConfig)
+    monkeypatch.setattr(runner, "ServerConfig", FakeConfig)  # the plain server's
+    monkeypatch.setattr(variant_runs, "ServerConfig", FakeConfig)  # the EAGLE-3 servers'
     models = tmp_path / "models"
     models.mkdir()
     prompt = [5, 6, 7, 8]
@@ -133,7 +134,7 @@ def fake_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str,
                                                       "greedy_ids": output_ids(prompt, 24)}))
     a = build_parser().parse_args(["run", "--models", str(models), "--out", str(tmp_path / "out"),
                                    "--variants", "sync", "--port", str(free_port()), *flags])
-    code = runner.main(a)
+    code = run_command.main(a)
     return code, json.loads((tmp_path / "out" / "report.json").read_text())
 
 

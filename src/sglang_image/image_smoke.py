@@ -265,7 +265,7 @@ class ImageSmokeOptions:
     image: str | None = None  # default: the tag nox -s build gives the flavor
     gpu: bool | None = None  # default: when nvidia-smi lists a GPU
     out_dir: Path | None = None  # default: out/smoke
-    threshold: Threshold | None = None  # default: the smoke's own (smoke/runner.py)
+    threshold: Threshold | None = None  # default: the smoke's own (smoke/scenario.py)
     accept_partial: bool = False  # exit 0, not PARTIAL_EXIT_CODE, when the PARTIAL check passes
     records: Path | None = None  # default: RECORDS_DIR
 

@@ -4,7 +4,7 @@ deploy`, `nox -s publish`), on the build side: a bad value as a UsageError, and 
 The values, `auto` and their parser are the plugin's contract for the speculation setting
 (sglang_image_plugin.setting, imported by name): a whole number N >= 1 of running requests, or
 `auto`, accepted alike by the server, the smoke, the benchmark and the build. The smoke's default N
-is the smoke's own (smoke/runner.py's DEFAULT_THRESHOLD: the build passes a threshold only when
+is the smoke's own (smoke/scenario.py's DEFAULT_THRESHOLD: the build passes a threshold only when
 given), the deployments' is deploy/serve.toml's.
 """
 from __future__ import annotations
