@@ -6,7 +6,7 @@ A depth schedule (`--schedule 1-8:3,9-24:2,25-64:1,65-:0`, the servers'
 schedule 1-N:K,N+1-:0. Every edge has hysteresis (edge // 8): the server leaves a tier as soon as
 the batch passes its top, and comes back only once the batch is that far below it. What a load
 must make the server do is computed with that walk (Tiers.walk: the plugin's
-depth_schedule.DepthController step for step, which tests/test_tiers.py holds it to; the smoke
+depth_schedule.DepthController step for step, which tests/smoke/test_tiers.py holds it to; the smoke
 imports the plugin's contract alone).
 
 Pure: no server, no GPU; the standard library and the plugin's contract only.

@@ -23,7 +23,7 @@ TREE_CACHE = REPO_ROOT / ".cache" / "trees"
 # under .cache instead, so that a run leaves nothing in /tmp.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO_ROOT / ".cache" / "torchinductor"))
 
-pytest_plugins = ["tests.conftest_docker"]
+pytest_plugins = ["tests.build.conftest_docker"]
 
 # A passed test's tmp_path is removed when it ends (tmp_path_retention_policy = "failed"). Trees of
 # tens of thousands of files take seconds of disk waits to delete: the folder is moved aside at

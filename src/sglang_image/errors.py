@@ -90,7 +90,7 @@ class PluginError(SglangImageError):
     exit_code = 14
 
 
-# Exit code -> its cause, for the documentation and --help (tests/test_errors.py keeps them in step).
+# Exit code -> its cause, for the documentation and --help (tests/build/test_errors.py keeps them in step).
 EXIT_CODES: dict[int, str] = {
     0: "done (smoke: the full GPU smoke passed)",
     1: "an unexpected error (a bug: the traceback says where)",

@@ -48,7 +48,7 @@ HOST_ROOTS: tuple[str, ...] = ("torch", "torchvision", "torchaudio")
 # Distributions that sglang requires (directly or not) but that a server of the smoke, feature and
 # bench models (Llama + EAGLE-3, CUDA graphs, triton attention) does not import. Everything else
 # sglang requires in the lock goes into the bundle, so a dependency a new release adds is carried
-# by default; tests/test_gpu_bundle.py imports the server's launch path with the bundle alone and
+# by default; tests/build/test_gpu_bundle.py imports the server's launch path with the bundle alone and
 # fails when one of these (or anything else) turns out to be needed.
 NOT_ON_LAUNCH_PATH: dict[str, str] = {
     "nvidia-cuda-nvcc": "the host's CUDA toolkit compiles run-time kernels (CUDA_HOME)",
@@ -151,7 +151,7 @@ class BundleReport:
 
 # Distributions sglang imports when the server starts but does not declare (they reach its lock
 # through other requirements, some of them NOT_ON_LAUNCH_PATH): carried as if sglang required them.
-# tests/test_gpu_bundle.py finds such imports; each was also seen failing on a GPU host.
+# tests/build/test_gpu_bundle.py finds such imports; each was also seen failing on a GPU host.
 UNDECLARED_IMPORTS: dict[str, str] = {
     "dill": "sglang/srt/sampling/custom_logit_processor.py (via the configs package)",
     "jsonschema": "sglang/srt/entrypoints/openai/serving_chat.py",

@@ -5,7 +5,7 @@ prompt, a few ms per token), /v1/loads, /flush_cache, and a threshold server's
 speculative_disable state: a token decoded while more requests than the threshold run counts as a
 plain step, otherwise as a speculative one.
 
-    python tests/fake_threshold_server.py PORT NAME THRESHOLD MODEL_DIR [--wrong]
+    python tests/bench/fake_threshold_server.py PORT NAME THRESHOLD MODEL_DIR [--wrong]
 
 THRESHOLD 0: a plain server (no speculative_disable state). --wrong: outputs that differ from a
 plain server's.

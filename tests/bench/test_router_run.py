@@ -1,6 +1,6 @@
 """The router run of the GPU host (bench.router, the e2e driver's `router` phase) on the CPU: the
 real sglang-router, started with the flags deploy/ renders, in front of two stand-in threshold
-servers in processes of their own (tests/fake_threshold_server.py), and a stand-in plain server.
+servers in processes of their own (tests/bench/fake_threshold_server.py), and a stand-in plain server.
 The run must cross each server's threshold both ways, compare every output with the plain
 server's, and lose no request when the second server is killed with requests in flight."""
 from __future__ import annotations

@@ -41,7 +41,7 @@ from sglang_image.errors import (
     PatchApplyError,
 )
 from sglang_image.progress import Progress
-from tests.conftest_docker import (
+from tests.build.conftest_docker import (
     ENGINES,
     Rebuilt,
     drop_build_cache,

@@ -17,8 +17,8 @@ from docker import DockerClient
 from sglang_image import build, cli, image_smoke, pins, publish
 from sglang_image.errors import PublishError, SmokeError
 from sglang_image.labels import SBOM_PATH
-from tests.conftest_docker import one_engine
-from tests.registries import Registry, docker_config, start_registry
+from tests.build.conftest_docker import one_engine
+from tests.build.registries import Registry, docker_config, start_registry
 
 USER, PASSWORD = "alice", "correct-horse-7"
 SBOM = {"bomFormat": "CycloneDX", "specVersion": "1.6", "components": [

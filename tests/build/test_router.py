@@ -20,8 +20,8 @@ import requests
 
 from bench import router as router_run
 from sglang_image import topology
+from tests.build.sglang_workers import Worker, workers
 from tests.deploy_checks import expand, flags, need
-from tests.sglang_workers import Worker, workers
 
 DEADLINE_S = 60  # each wait below; the router checks health every second here
 

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from tests.eagle3_draft import EAGLE3_LEAVES
 from tests.forkserver import forked_probes, warm_imports
+from tests.plugin.eagle3_draft import EAGLE3_LEAVES
 from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.17"
@@ -1495,7 +1495,7 @@ def tiny_models(tmp_path_factory):
     from pathlib import Path
 
     out = tmp_path_factory.mktemp("tiny_models")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-m", "smoke", "models", str(out), "--device", "cpu", "--size", "tiny", "--draft", "first"],
         cwd=root, check=False, capture_output=True, text=True, timeout=600,

@@ -6,7 +6,7 @@ interpreter that imported torch and the sglang modules the probes use (tests/for
 the plugin's site first on its path but the plugin not loaded: each probe loads it itself, over
 upstream modules already imported (its hooks reach them as SGLang's hook registry propagates them).
 A probe with another path (no plugin, a second plugin) runs in a fresh interpreter, and so do
-tests/test_pod_start.py's, which load the plugin before sglang's server arguments are imported.
+tests/build/test_pod_start.py's, which load the plugin before sglang's server arguments are imported.
 
 GPU-only pieces faked (test_worker_switch): the worker's build_adaptive_runtime_state (captures
 attention backends and CUDA graphs) and apply_runtime_state (swaps them); the EAGLEWorkerV2 object
@@ -30,8 +30,8 @@ import pytest
 from sglang_image import pins, plugin_check, plugin_wheel
 from sglang_image_plugin import targets
 from smoke import checks
-from tests.eagle3_draft import EAGLE3_LEAVES
 from tests.forkserver import forked_probes, warm_imports
+from tests.plugin.eagle3_draft import EAGLE3_LEAVES
 from tests.probe import probe_result
 
 SGLANG_VERSION = "0.5.23"

@@ -8,7 +8,7 @@ plugin's); neither flag: a plain server. A step at depth d decodes d + 1 tokens 
 Outputs are a function of the prompt alone (output_ids), at every depth, unless --wrong-at-depth D:
 a token decoded at depth D is one off.
 
-    python tests/fake_schedule_server.py --port P [sglang's flags] [--wrong-at-depth D]
+    python tests/smoke/fake_schedule_server.py --port P [sglang's flags] [--wrong-at-depth D]
 
 Imported by the tests for output_ids (the plain reference a models dir's expected.json records).
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 # the plugin's sources: a server started by the smoke gets PYTHONPATH without them (an installed
 # plugin is a server's own), and here there is none installed
-PLUGIN = str(Path(__file__).resolve().parents[1] / "plugin")
+PLUGIN = str(Path(__file__).resolve().parents[2] / "plugin")
 VOCAB = 3000
 STEP_S = 0.003
 

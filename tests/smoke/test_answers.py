@@ -19,7 +19,7 @@ from smoke.cases import generate, make_cases
 from smoke.deadline import REQUEST_MARGIN_S
 from smoke.loads import CaseInterrupted, Filler, run_under
 from smoke.verdicts import CaseFailure
-from tests.matrix_fakes import EXPECTED, GREEDY_ANSWER, Clock, ClockDeadline
+from tests.smoke.matrix_fakes import EXPECTED, GREEDY_ANSWER, Clock, ClockDeadline
 
 
 def test_generate_answers_are_read_for_one_and_for_n_choices():

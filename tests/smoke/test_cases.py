@@ -90,7 +90,7 @@ def test_every_request_of_the_matrix_is_one_the_real_server_accepts(flavor, sgla
     from pathlib import Path
 
     tree = sglang_tree(flavor, False)
-    p = forked_in_tree(tree, ACCEPTS.format(repo=str(Path(__file__).resolve().parents[1])))
+    p = forked_in_tree(tree, ACCEPTS.format(repo=str(Path(__file__).resolve().parents[2])))
     assert p.returncode == 0, p.stderr[-3000:]
     assert "checked" in p.stdout
 

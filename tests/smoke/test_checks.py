@@ -7,7 +7,7 @@ import pytest
 from smoke import checks
 from smoke.client import Result
 from smoke.server import SmokeError
-from tests.server_log import PATCH_LINE, SERVER_LOG
+from tests.smoke.server_log import PATCH_LINE, SERVER_LOG
 
 
 def test_start_log_line_found_and_exact():

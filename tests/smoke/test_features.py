@@ -20,8 +20,8 @@ from smoke.loads import FILLER_NEW_TOKENS, FILLER_PROMPT_TOKENS, CaseInterrupted
 from smoke.runner import REFERENCE_CONCURRENCY
 from smoke.server import SmokeError
 from smoke.verdicts import Outcome, equal_tokens
-from tests.matrix_fakes import EXPECTED, GREEDY_ANSWER, Clock, ClockDeadline
-from tests.server_fakes import VariantRecorder, port_recording_server
+from tests.smoke.matrix_fakes import EXPECTED, GREEDY_ANSWER, Clock, ClockDeadline
+from tests.smoke.server_fakes import VariantRecorder, port_recording_server
 
 
 def test_the_pressure_requests_outgrow_what_admission_reserves_before_any_can_finish(tmp_path):
@@ -218,7 +218,7 @@ def test_smoke_and_matrix_run_on_the_1b_models_with_graphs_to_256_when_asked(tmp
 
 # ----------------------------------------------------------------------------- variants side by side
 class MatrixVariantRecorder(VariantRecorder):
-    """Stands in for the feature matrix's run_variant (tests/server_fakes.py)."""
+    """Stands in for the feature matrix's run_variant (tests/smoke/server_fakes.py)."""
 
     def __call__(self, opts, key, cases, refs, pressure, vocab, port=None, kept=None, spawned=None):
         return self.record(key, port, lambda: RuntimeError(f"{key} blew up"),

@@ -22,7 +22,7 @@ from smoke.loads import (
     run_under,
 )
 from smoke.verdicts import Outcome, equal_tokens
-from tests.matrix_fakes import EXPECTED, Clock, ClockDeadline
+from tests.smoke.matrix_fakes import EXPECTED, Clock, ClockDeadline
 
 
 def test_only_the_schedulers_retraction_warning_counts(tmp_path):

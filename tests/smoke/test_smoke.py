@@ -1,6 +1,6 @@
 """The smoke run (smoke.runner, smoke.variant_runs, smoke.run_command): its failure reports,
 prompts, variants and argument parsing; the model generator, the partial smoke and the host side
-(CPU, no server; the checks themselves: tests/test_checks.py).
+(CPU, no server; the checks themselves: tests/smoke/test_checks.py).
 
 The failure paths run on real text and real outputs: a server log in sglang 0.5.17's format, the
 greedy continuation of a model generated here. Nothing pretends to be an sglang server.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -30,9 +30,9 @@ from bench.__main__ import build_parser as bench_parser
 from smoke import checks, client, models, partial, run_command, runner, scenario, variant_runs
 from smoke.__main__ import build_parser
 from smoke.deadline import Deadline
-from tests.draft_emulation import emulate_draft
-from tests.server_fakes import VariantRecorder, port_recording_server
-from tests.server_log import PATCH_LINE, SERVER_LOG
+from tests.smoke.draft_emulation import emulate_draft
+from tests.smoke.server_fakes import VariantRecorder, port_recording_server
+from tests.smoke.server_log import PATCH_LINE, SERVER_LOG
 
 
 # ----------------------------------------------------------------------------- models (real, CPU)
@@ -596,7 +596,7 @@ def test_the_host_start_lock_leaves_nothing_in_the_temporary_directory():
 
 # ----------------------------------------------------------------------------- variants side by side
 class SmokeVariantRecorder(VariantRecorder):
-    """Stands in for run_variant / run_auto_variant (tests/server_fakes.py)."""
+    """Stands in for run_variant / run_auto_variant (tests/smoke/server_fakes.py)."""
 
     def __call__(self, opts, v, draft, sets, refs, port=None):
         return self.record(v.name, port, lambda: KeyError("missing field"),

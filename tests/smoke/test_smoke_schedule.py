@@ -1,7 +1,7 @@
 """The smoke and the feature matrix with a depth schedule: `--schedule` on both command lines and
 on `bench e2e` (parsed by the setting's contract, refused beside --threshold), whole smoke runs
 against server processes that walk the schedule with the plugin's own policy
-(tests/fake_schedule_server.py), and the endurance ramp's memory check on a real process group."""
+(tests/smoke/fake_schedule_server.py), and the endurance ramp's memory check on a real process group."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ from smoke import features as F
 from smoke import server as server_mod
 from smoke.__main__ import build_parser
 from smoke.server import SmokeError
-from tests.fake_schedule_server import output_ids
+from tests.smoke.fake_schedule_server import output_ids
 
 FAKE = Path(__file__).with_name("fake_schedule_server.py")
 SCHEDULE = "1-8:3,9-24:2,25-64:1,65-:0"
@@ -119,7 +119,7 @@ def free_port() -> int:
 def fake_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str,
                server_flags: tuple[str, ...] = ()) -> tuple[int, dict]:
     """`python -m smoke run` (one variant) against fake server processes: a plain one, then one
-    that walks the setting with the plugin's policy (tests/fake_schedule_server.py)."""
+    that walks the setting with the plugin's policy (tests/smoke/fake_schedule_server.py)."""
 
     class FakeConfig(server_mod.ServerConfig):
         def argv(self, port: int) -> list[str]:  # sglang's flags, to the fake

@@ -15,7 +15,7 @@ from sglang_image_plugin.setting import DEPTH_SCHEDULE_EXAMPLE, ScheduleError
 from smoke import runner
 from smoke.cases import CASE_CONCURRENCY, make_cases
 from smoke.tiers import THRESHOLD_MODES, Tiers, parse_smoke_schedule
-from tests.matrix_fakes import EXPECTED
+from tests.smoke.matrix_fakes import EXPECTED
 
 SCHEDULES = ["1-8:3,9-24:2,25-64:1,65-:0", DEPTH_SCHEDULE_EXAMPLE, "1-2:3,3-4:2,5-:0", "1-4:3,5-:0",
              "1-1:2,2-:1", "1-12:3,13-40:1,41-:0", "1-16:3,17-17:2,18-:0"]
