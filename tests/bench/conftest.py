@@ -39,8 +39,22 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def free_port_base() -> int:
-    return 32000 + os.getpid() % 1500 * 8
+def free_port_base(span: int = 8) -> int:
+    """The first of `span` ports that nothing listens on or holds, below the kernel's ephemeral
+    range (from 32768: a client socket of another test or the Docker engine may take one there
+    at any time, and a server started on it then fails to bind)."""
+    import socket
+
+    start = 20000 + os.getpid() % 1000 * span
+    for base in [*range(start, 32000 - span, span), *range(20000, start, span)]:
+        try:
+            for port in range(base, base + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {span} free ports in 20000-32000")
 
 
 def titled(title: str, busy_s: float) -> Any:
