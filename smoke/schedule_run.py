@@ -35,6 +35,7 @@ from smoke.tiers import Tiers
 from smoke.variant_runs import (
     abort_phase,
     endurance_phase,
+    record_end,
     record_error,
     start_variant_server,
     variant_server,
@@ -153,11 +154,7 @@ def run_schedule_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict
         if rep["depth_change_log_lines"] == 0:
             raise SmokeError(f"no {DEPTH_CHANGE_LOG_PREFIX!r} line in the server log after "
                              f"{rep['depth_changes']['count']} depth changes")
-        info = client.server_info(base)
-        rep["avg_spec_accept_length"] = (info.get("internal_states") or [{}])[0].get("avg_spec_accept_length")
-        rep["spec_disable_final"] = spec_state(info)
-        rep["errors"] = sum(1 for r in all_results if r.error)
-        rep["ok"] = True
+        record_end(rep, base, all_results)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
         record_error(rep, exc, log)
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ from smoke.prompts import unique_prompts
 from smoke.scenario import SmokeOptions, Variant
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
 from smoke.tiers import Tiers
+
+
+def record_end(rep: dict[str, Any], base: str, results: Sequence[Any], *, accept_length: bool = True) -> None:
+    """What a variant run records once every check passed: the server's final speculation state
+    (and accept length), the requests that failed, ok."""
+    info = client.server_info(base)
+    if accept_length:
+        rep["avg_spec_accept_length"] = (info.get("internal_states") or [{}])[0].get("avg_spec_accept_length")
+    rep["spec_disable_final"] = spec_state(info)
+    rep["errors"] = sum(1 for r in results if r.error)
+    rep["ok"] = True
 
 
 def record_error(rep: dict[str, Any], exc: BaseException, log: Path) -> None:
@@ -168,11 +180,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
         text = srv.log_text()
         check_log_clean(text)
         rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE_LOG_PREFIX in line)
-        info = client.server_info(base)
-        rep["avg_spec_accept_length"] = (info.get("internal_states") or [{}])[0].get("avg_spec_accept_length")
-        rep["spec_disable_final"] = spec_state(info)
-        rep["errors"] = sum(1 for r in all_results if r.error)
-        rep["ok"] = True
+        record_end(rep, base, all_results)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
         record_error(rep, exc, log)
     finally:
@@ -241,9 +249,7 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
         text = srv.log_text()
         check_log_clean(text)
         rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE_LOG_PREFIX in line)
-        rep["spec_disable_final"] = spec_state(client.server_info(base))
-        rep["errors"] = sum(1 for r in results if r.error)
-        rep["ok"] = True
+        record_end(rep, base, results, accept_length=False)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
         record_error(rep, exc, log)
     finally:
