@@ -16,7 +16,6 @@ from smoke.checks import (
     check_depths_of_load,
     check_depths_ran,
     check_kv_back,
-    check_log_clean,
     check_no_errors,
     check_only_depth,
     check_outputs,
@@ -35,8 +34,10 @@ from smoke.tiers import Tiers
 from smoke.variant_runs import (
     abort_phase,
     endurance_phase,
+    log_lines_with,
     record_end,
     record_error,
+    required_metrics,
     start_variant_server,
     variant_server,
 )
@@ -138,19 +139,11 @@ def run_schedule_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict
         check_kv_back(baseline, final)
         client.get_text(base + "/flush_cache")
         check_kv_back(baseline, wait_idle(base, baseline))
-        m1 = client.metrics(base)
-        names = ("sglang:spec_disable_depth", "sglang:spec_disable_plain_mode",
-                 "sglang:spec_disable_speculative_steps_total", "sglang:spec_disable_plain_steps_total")
-        rep["metrics"] = {k: client.metric(m1, k) for k in (*names, "sglang:kv_used_tokens")}
-        for k in names:
-            if rep["metrics"][k] is None:
-                raise SmokeError(f"Prometheus metric {k} missing from /metrics (--enable-metrics is on)")
-        if not srv.alive():
-            raise SmokeError("server process died during the test")
-        text = srv.log_text()
-        check_log_clean(text)
-        rep["depth_change_log_lines"] = sum(1 for line in text.splitlines()
-                                            if DEPTH_CHANGE_LOG_PREFIX in line)
+        rep["metrics"] = required_metrics(
+            base, ("sglang:spec_disable_depth", "sglang:spec_disable_plain_mode",
+                   "sglang:spec_disable_speculative_steps_total", "sglang:spec_disable_plain_steps_total"),
+            ("sglang:kv_used_tokens",))
+        rep["depth_change_log_lines"] = log_lines_with(srv, DEPTH_CHANGE_LOG_PREFIX)
         if rep["depth_change_log_lines"] == 0:
             raise SmokeError(f"no {DEPTH_CHANGE_LOG_PREFIX!r} line in the server log after "
                              f"{rep['depth_changes']['count']} depth changes")

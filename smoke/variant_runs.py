@@ -37,6 +37,25 @@ from smoke.server import Server, ServerConfig, SmokeError, log_tail
 from smoke.tiers import Tiers
 
 
+def required_metrics(base: str, required: Sequence[str], also: Sequence[str] = ()) -> dict[str, Any]:
+    """The server's /metrics values of `required` and `also`; a required one missing fails."""
+    page = client.metrics(base)
+    values = {k: client.metric(page, k) for k in (*required, *also)}
+    for k in required:
+        if values[k] is None:
+            raise SmokeError(f"Prometheus metric {k} missing from /metrics (--enable-metrics is on)")
+    return values
+
+
+def log_lines_with(srv: Server, prefix: str) -> int:
+    """After the loads: the server still runs and its log is clean; how many of its lines say `prefix`."""
+    if not srv.alive():
+        raise SmokeError("server process died during the test")
+    text = srv.log_text()
+    check_log_clean(text)
+    return sum(1 for line in text.splitlines() if prefix in line)
+
+
 def record_end(rep: dict[str, Any], base: str, results: Sequence[Any], *, accept_length: bool = True) -> None:
     """What a variant run records once every check passed: the server's final speculation state
     (and accept length), the requests that failed, ok."""
@@ -166,20 +185,10 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
         client.get_text(base + "/flush_cache")
         after_flush = wait_idle(base, baseline)
         check_kv_back(baseline, after_flush)
-        m1 = client.metrics(base)
-        rep["metrics"] = {k: client.metric(m1, k) for k in (
-            "sglang:spec_disable_plain_mode", "sglang:spec_disable_speculative_steps_total",
-            "sglang:spec_disable_plain_steps_total", "sglang:kv_available_tokens",
-            "sglang:kv_used_tokens")}
-        for k in ("sglang:spec_disable_plain_mode", "sglang:spec_disable_speculative_steps_total",
-                  "sglang:spec_disable_plain_steps_total"):
-            if rep["metrics"][k] is None:
-                raise SmokeError(f"Prometheus metric {k} missing from /metrics (--enable-metrics is on)")
-        if not srv.alive():
-            raise SmokeError("server process died during the test")
-        text = srv.log_text()
-        check_log_clean(text)
-        rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE_LOG_PREFIX in line)
+        rep["metrics"] = required_metrics(
+            base, ("sglang:spec_disable_plain_mode", "sglang:spec_disable_speculative_steps_total",
+                   "sglang:spec_disable_plain_steps_total"), ("sglang:kv_available_tokens", "sglang:kv_used_tokens"))
+        rep["mode_change_log_lines"] = log_lines_with(srv, MODE_CHANGE_LOG_PREFIX)
         record_end(rep, base, all_results)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
         record_error(rep, exc, log)
@@ -238,17 +247,9 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
         final = wait_idle(base, baseline)
         rep["kv_final"] = {k: final.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
         check_kv_back(baseline, final)
-        metrics = client.metrics(base)
-        rep["metrics"] = {k: client.metric(metrics, k) for k in (
-            "sglang:spec_disable_crossover", "sglang:spec_disable_speculative_steps_total",
-            "sglang:spec_disable_plain_steps_total")}
-        if rep["metrics"]["sglang:spec_disable_crossover"] is None:
-            raise SmokeError("Prometheus metric sglang:spec_disable_crossover missing (auto)")
-        if not srv.alive():
-            raise SmokeError("server process died during the test")
-        text = srv.log_text()
-        check_log_clean(text)
-        rep["mode_change_log_lines"] = sum(1 for line in text.splitlines() if MODE_CHANGE_LOG_PREFIX in line)
+        rep["metrics"] = required_metrics(base, ("sglang:spec_disable_crossover",), (
+            "sglang:spec_disable_speculative_steps_total", "sglang:spec_disable_plain_steps_total"))
+        rep["mode_change_log_lines"] = log_lines_with(srv, MODE_CHANGE_LOG_PREFIX)
         record_end(rep, base, results, accept_length=False)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
         record_error(rep, exc, log)
