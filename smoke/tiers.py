@@ -5,17 +5,18 @@ A depth schedule (`--schedule 1-8:3,9-24:2,25-64:1,65-:0`, the servers'
 --speculative-depth-schedule) drafts one depth per tier; a fixed threshold N is the two-tier
 schedule 1-N:K,N+1-:0. Every edge has hysteresis (edge // 8): the server leaves a tier as soon as
 the batch passes its top, and comes back only once the batch is that far below it. What a load
-must make the server do is computed with that walk (Tiers.walk: the plugin's
-depth_schedule.DepthController step for step, which tests/smoke/test_tiers.py holds it to; the smoke
-imports the plugin's contract alone).
+must make the server do is computed with that walk: Tiers.walk runs the plugin's own
+depth_schedule.DepthController (standard library only, like the contract), so the smoke predicts
+exactly what the server decides.
 
-Pure: no server, no GPU; the standard library and the plugin's contract only.
+Pure: no server, no GPU; the standard library, the plugin's contract and its schedule walk only.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sglang_image_plugin.depth_schedule import DepthController
 from sglang_image_plugin.setting import (
     DEPTH_SCHEDULE_EXAMPLE,
     DepthSchedule,
@@ -125,7 +126,7 @@ class Tiers:
 
     def resume(self, tier: int) -> int:
         """The batch size at or under which tier `tier - 1` takes over again from `tier`."""
-        return self.edges[tier - 1] - self.hysteresis(tier - 1)
+        return DepthController(self.schedule).resume_below(tier)
 
     def depth_at(self, batch_size: int) -> int:
         """The depth a load of this many requests runs at, coming from a deeper tier."""
@@ -135,13 +136,12 @@ class Tiers:
         """The depth of each decode step of these batch sizes, the server starting in `tier` (the
         first at its start): shallower at once where the batch passes the tier's top, deeper only
         once it is at or under where the tier below takes over again."""
+        walker = DepthController(self.schedule)  # the plugin's own walk, without its counters' use
+        walker.tier = tier
         depths = []
         for b in batch_sizes:
-            while (high := self.schedule.tiers[tier].high) is not None and b > high:
-                tier += 1
-            while tier > 0 and b <= self.resume(tier):
-                tier -= 1
-            depths.append(self.schedule.tiers[tier].depth)
+            walker.tier = walker.next_tier(b)
+            depths.append(walker.depth)
         return depths
 
     def arrival(self, tier: int) -> tuple[int, int | None]:

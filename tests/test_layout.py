@@ -33,12 +33,13 @@ PACKAGES = {
 CONTRACT = "sglang_image_plugin.setting"
 PLUGIN_STANDARD_LIBRARY_ONLY = {CONTRACT, "sglang_image_plugin.targets",
                                 "sglang_image_plugin.auto_threshold", "sglang_image_plugin.auto_config",
-                                "sglang_image_plugin.auto_estimate"}
+                                "sglang_image_plugin.auto_estimate", "sglang_image_plugin.depth_schedule"}
 # package -> the project's packages (or single modules) it may import
 ALLOWED = {
     "sglang_image": {"sglang_image", CONTRACT, "sglang_image_plugin.targets"},
-    "smoke": {"smoke", CONTRACT},
-    "bench": {"bench", "smoke", CONTRACT, "sglang_image_plugin.auto_threshold"},
+    "smoke": {"smoke", CONTRACT, "sglang_image_plugin.depth_schedule"},
+    "bench": {"bench", "smoke", CONTRACT, "sglang_image_plugin.auto_threshold",
+              "sglang_image_plugin.depth_schedule"},
     "sglang_image_plugin": {"sglang_image_plugin"},
 }
 
