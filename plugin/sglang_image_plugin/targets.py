@@ -62,6 +62,9 @@ HOOKS: tuple[HookSpec, ...] = (
              "resolves the plain step (auto: its policy) and installs its hooks"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler.__init__", "after",
              f"{_OBSERVE}:scheduler_init", START, "metrics; the plain layout"),
+    HookSpec("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__", "after",
+             "sglang_image_plugin.verify_attention:triton_backend_init", START,
+             "the split-KV verify attention on NVIDIA GPUs, where asked for"),
     # -- every threshold server (installed by the worker)
     HookSpec(f"{_WORKER}.build_adaptive_runtime_state", "around",
              "sglang_image_plugin.plain_target:build_runtime_state", Group.THRESHOLD,
@@ -144,6 +147,11 @@ RELIED: tuple[str, ...] = (
         "sglang.srt.managers.scheduler_components.batch_result_processor."
         "SchedulerBatchResultProcessor._resolve_spec_v2_tokens"
     ),
+    # The split-KV verify (verify_attention.py): the backend's dispatch of a target verify to it,
+    # with its fallback, and the kernel's own refusals.
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend",
+    "sglang.kernels.ops.attention.verify_splitkv.verify_splitkv_fwd",
+    "sglang.kernels.ops.attention.verify_splitkv.can_handle",
     # The tensor-parallel rank and group the plugin logs on and agrees over.
     "sglang.srt.runtime_context.get_parallel",
     # How the hooks are applied: the wrapper shape registry.not_taken() inspects, and the

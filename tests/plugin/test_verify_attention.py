@@ -1,0 +1,124 @@
+"""The split-KV verify attention on NVIDIA GPUs (plugin/sglang_image_plugin/verify_attention.py),
+against the real sglang 0.5.23 wheel on a CPU: the start-up hook is applied, it turns upstream's
+switch on for a top-k 1 chain only where asked, and upstream's own Triton backend then routes a
+target verify to the split-KV kernel instead of the prefill kernel. The kernels run in Triton's
+interpreter (TRITON_INTERPRET=1) in float32: the interpreter computes bfloat16 wrongly."""
+from __future__ import annotations
+
+import subprocess
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sglang_image_plugin import verify_attention
+from sglang_image_plugin.setting import SPLITKV_VERIFY_ENV
+from tests.probe import probe_result
+
+FLAVOR = "sglang-0.5.23"
+
+
+@pytest.mark.parametrize(("value", "asked"), [("1", True), ("true", True), (" ON ", True), ("0", False),
+                                              ("", False), ("no", False), (None, False)])
+def test_only_a_true_switch_asks_for_it(value: str | None, asked: bool) -> None:
+    env = {} if value is None else {SPLITKV_VERIFY_ENV: value}
+    assert verify_attention.asked_for(env) is asked
+
+
+PROBE = textwrap.dedent("""
+    import json, logging, os, sys
+    from types import SimpleNamespace as NS
+    import torch
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
+    from sglang_image_plugin import registry, verify_attention
+
+    def after_init(topk, gfx95=False):
+        # what upstream's __init__ leaves on a GPU that is not gfx95 (its gate), then our hook
+        b = object.__new__(TritonAttnBackend)
+        b.topk, b.use_verify_splitkv = topk, gfx95
+        verify_attention.triton_backend_init(None, b)
+        return b
+
+    torch.manual_seed(0)
+    bs, hq, hkv, d, width, prefix = 3, 4, 2, 16, 4, [5, 37, 70]
+    pool = 160
+    kb, vb = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+    kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
+    kv_indices = torch.randperm(pool)[:sum(prefix)].to(torch.int64)
+    q = torch.randn(bs * width, hq * d)
+    k, v = torch.randn(bs * width, hkv, d), torch.randn(bs * width, hkv, d)
+
+    def verify(backend):
+        called = []
+        def prefill_kernel(*args, **kwargs):
+            called.append("prefill")
+        backend.extend_attention_fwd = prefill_kernel
+        backend.verify_splitkv_fwd = verify_splitkv_fwd
+        backend.use_verify_shared_kv, backend.dcp_size, backend.enable_deterministic = False, 1, False
+        backend.dllm_attention, backend.page_size = None, 1
+        backend._can_run_dense_fp8_chunked_mha = lambda *a: False
+        backend.req_to_token_pool = NS(size=8)
+        backend.token_to_kv_pool = NS(get_key_buffer=lambda i: kb, get_value_buffer=lambda i: vb)
+        backend.forward_metadata = NS(qo_indptr=torch.arange(0, bs * width + 1, width, dtype=torch.int32),
+                                      kv_indptr=kv_indptr, kv_indices=kv_indices, custom_mask=None,
+                                      mask_indptr=None, max_extend_len=width)
+        layer = NS(qk_head_dim=d, v_head_dim=d, tp_q_head_num=hq, logit_capping_method="tanh", logit_cap=0.0,
+                   is_cross_attention=False, attn_type=AttentionType.DECODER, sliding_window_size=-1,
+                   k_scale=None, v_scale=None, scaling=d ** -0.5, layer_id=0, xai_temperature_len=-1)
+        batch = NS(forward_mode=ForwardMode.TARGET_VERIFY, mha_one_shot=False, extend_seq_lens_cpu=None)
+        out = backend.forward_extend(q, k, v, layer, batch, save_kv_cache=False)
+        return called, out.view(-1, hq, d)
+
+    def reference():
+        # every verified token attends to its request's prefix and to the chain up to itself
+        ref = torch.zeros(bs * width, hq, d, dtype=torch.float64)
+        qs = q.view(-1, hq, d)
+        for b in range(bs):
+            idx = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+            for i in range(width):
+                r = b * width + i
+                for h in range(hq):
+                    g = h // (hq // hkv)
+                    keys = torch.cat([kb[idx, g], k[b * width:r + 1, g]]).double()
+                    vals = torch.cat([vb[idx, g], v[b * width:r + 1, g]]).double()
+                    ref[r, h] = torch.softmax(keys @ qs[r, h].double() * d ** -0.5, 0) @ vals
+        return ref
+
+    os.environ.pop("SGLANG_ENABLE_SPLITKV_VERIFY", None)
+    off = after_init(1)
+    os.environ["SGLANG_ENABLE_SPLITKV_VERIFY"] = "0"
+    zero = after_init(1)
+    os.environ["SGLANG_ENABLE_SPLITKV_VERIFY"] = "1"
+    on, tree, gfx95 = after_init(1), after_init(3), after_init(1, gfx95=True)
+    called_off, _ = verify(off)
+    called_on, out = verify(on)
+    emit({"hooked": registry.wraps_hook(TritonAttnBackend.__init__, verify_attention.triton_backend_init),
+          "switch": [off.use_verify_splitkv, zero.use_verify_splitkv, on.use_verify_splitkv,
+                     tree.use_verify_splitkv, gfx95.use_verify_splitkv],
+          "called_off": called_off, "called_on": called_on,
+          "max_err": (out.double() - reference()).abs().max().item()})
+""")
+
+
+def test_a_chain_verify_runs_the_split_kv_kernel_where_asked(
+        run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
+        sglang_tree: Callable[[str, bool], Path], plugin_site: Path) -> None:
+    tree = sglang_tree(FLAVOR, False)
+    code = "import json\ndef emit(obj):\n    print('RESULT ' + json.dumps(obj), flush=True)\n" + PROBE
+    proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}", "TRITON_INTERPRET": "1"},
+                       timeout=900)
+    out: dict[str, Any] = probe_result(proc)
+    assert out["hooked"] is True
+    # unset, 0: upstream's choice (off here); 1: on for a chain, not for a tree; gfx95 keeps upstream's
+    assert out["switch"] == [False, False, True, False, True]
+    assert out["called_off"] == ["prefill"]  # without it upstream takes the prefill kernel
+    assert out["called_on"] == [] and out["max_err"] < 1e-4  # with it the split-KV kernel, exact
+    assert proc.stdout.count("LOG EAGLE verify attention: split-KV kernel") == 1
