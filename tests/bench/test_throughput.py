@@ -243,6 +243,35 @@ def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
     assert throughput.run_bench(lab.options(600), state)["blocks"] == third["blocks"] and not lab.running
 
 
+def test_an_aborted_output_not_a_prefix_of_plain_s_is_described_in_bench_json(lab, monkeypatch):
+    """The failure says where the aborted output leaves plain's; bench.json keeps the examples of
+    each block and server with the finish_reason the server gave, and the window's counts of
+    aborted outputs longer than asked for or empty; the finish reasons themselves stay out of it."""
+    fake = lab.measure
+
+    def measure(base: str, prompt_at: Any, c: int, *a: Any, **kw: Any) -> dict[str, Any]:
+        m = fake(base, prompt_at, c, *a, **kw)
+        key = prompt_at(0).key  # plain's complete output of it: [len(key)]
+        if base.endswith("eagle3"):
+            m["prefixes"] = {key: [len(key), 9]}
+            m["abort_reasons"] = {key: {"type": "abort"}}
+            m["aborted_over_max"] = 1
+        return m
+
+    monkeypatch.setattr(throughput, "measure", measure)
+    result = throughput.run_bench(lab.options(400, concurrency=(4,), pairs=1, ramp_cycles=0), {})
+    assert result["failures"] == [("block 1 c=4 eagle3: 1 aborted output(s) not a prefix of plain's (e.g. "
+                                   "c4-0: differs at token 1 of 2, plain's 1 (longer than plain's), finish abort: "
+                                   "got [4, 9] want [4])")]
+    assert result["prefix_mismatches"] == [{"where": "block 1 c=4", "server": "eagle3", "bad": 1, "examples": [
+        {"key": "c4-0", "aborted_len": 2, "plain_len": 1, "differs_at": 1, "longer": True, "from": 0,
+         "got": [4, 9], "want": [4], "finish_reason": {"type": "abort"}}]}]
+    eagle3 = result["blocks"]["4"][0]["windows"]["eagle3"]
+    assert eagle3["aborted_over_max"] == 1 and "abort_reasons" not in eagle3 and "prefixes" not in eagle3
+    saved = json.loads((lab.tmp_path / "out" / "bench.json").read_text())
+    assert saved["prefix_mismatches"] == result["prefix_mismatches"]
+
+
 @pytest.mark.parametrize("seconds", range(10, 700, 30))
 def test_a_call_finishes_whole_units_within_its_deadline(lab, seconds):
     """Whatever the time a call has: it ends within it; every block it keeps was measured on every
