@@ -113,15 +113,46 @@ def digest(ids: list[int] | None) -> str | None:
     return None if ids is None else hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
-def compared_outputs(outputs: dict[str, dict[str, Any]], prefixes: dict[str, dict[str, Any]],
-                     where: str) -> list[str]:
-    """mismatches() of the complete outputs, and every aborted output a prefix of plain's."""
+PREFIX_EXAMPLES = 5  # bad aborted outputs described per block and server (bench.json)
+BEFORE, AFTER = 3, 5  # tokens shown before and from the first difference
+
+
+def prefix_detail(key: str, got: list[int], want: list[int], finish_reason: Any = None) -> dict[str, Any]:
+    """Where an aborted output leaves plain's complete one: both lengths, the first differing
+    token (plain's length where the aborted one is longer: then it cannot be a prefix), the tokens
+    around it from both (from token `from`), and the server's finish_reason of the aborted one."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    lo = max(0, at - BEFORE)
+    return {"key": key, "aborted_len": len(got), "plain_len": len(want), "differs_at": at,
+            "longer": len(got) > len(want), "from": lo, "got": got[lo:at + AFTER], "want": want[lo:at + AFTER],
+            "finish_reason": finish_reason}
+
+
+def detail_text(d: dict[str, Any]) -> str:
+    """A detail in a few words: `c64-74: differs at token 118 of 131, plain's 256: got [..] want [..]`."""
+    reason = d.get("finish_reason")
+    finish = f", finish {reason.get('type')}" if isinstance(reason, dict) and reason.get("type") else ""
+    longer = " (longer than plain's)" if d["longer"] else ""
+    return (f"{d['key']}: differs at token {d['differs_at']} of {d['aborted_len']}, plain's {d['plain_len']}"
+            f"{longer}{finish}: got {d['got']} want {d['want']}")
+
+
+def compared_outputs(outputs: dict[str, dict[str, Any]], prefixes: dict[str, dict[str, Any]], where: str,
+                     reasons: dict[str, dict[str, Any]] | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+    """mismatches() of the complete outputs, and every aborted output a prefix of plain's; with,
+    per server that has aborted outputs that are not, the first PREFIX_EXAMPLES of them described
+    (prefix_detail; `reasons`: server -> key -> finish_reason of its aborted outputs)."""
     problems = mismatches(outputs, where)
+    details: list[dict[str, Any]] = []
     ref = outputs.get("plain", {})
     for name, got in prefixes.items():
         if name == "plain":
             continue
         bad = [k for k, v in got.items() if k in ref and ref[k] is not None and v != ref[k][:len(v)]]
         if bad:
-            problems.append(f"{where} {name}: {len(bad)} aborted output(s) not a prefix of plain's (e.g. {bad[0]})")
-    return problems
+            why = (reasons or {}).get(name, {})
+            examples = [prefix_detail(k, got[k], ref[k], why.get(k)) for k in bad[:PREFIX_EXAMPLES]]
+            details.append({"where": where, "server": name, "bad": len(bad), "examples": examples})
+            problems.append(f"{where} {name}: {len(bad)} aborted output(s) not a prefix of plain's "
+                            f"(e.g. {detail_text(examples[0])})")
+    return problems, details

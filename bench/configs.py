@@ -4,7 +4,10 @@ and groups it by its record, and bench.json keeps the records (nothing decodes a
 A config named on the command line becomes one record, or one per value of a sweep: `eagle3_thr`
 one per --threshold N, `eagle3_depth` one per --depth d (always-on EAGLE-3 drafting d steps and
 verifying d + 1 tokens a request; `eagle3` is the launch depth, 3), `eagle3_sched` one per
---schedule (the plugin's draft depth per load).
+--schedule (the plugin's draft depth per load). `eagle3_extend_verify` is `eagle3` started with
+upstream's split-KV verify kernel switched off (SGLANG_ENABLE_SPLITKV_VERIFY=0): EAGLE's
+target-verify attention then runs the Triton backend's prefill "extend" kernel, the path before
+the plugin's change, so the two compare in the same blocks.
 """
 from __future__ import annotations
 
@@ -14,9 +17,12 @@ from typing import Any
 from smoke.server import EAGLE_STEPS
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
-CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_depth", "eagle3_adaptive", "eagle3_thr", "eagle3_sched",
-           "eagle3_auto")
+CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_depth", "eagle3_adaptive",
+           "eagle3_thr", "eagle3_sched", "eagle3_auto")
 TWIN = "plain_twin"  # the A/A config: a second plain server
+EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
+# what a server's environment changes, in its label; any other variable is named as it is
+ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class BenchConfig:
     threshold: int | None = None
     schedule: str | None = None  # the depth schedule (LOW-HIGH:DEPTH,...)
     twin: bool = False  # the A/A twin of plain
+    env: tuple[tuple[str, str], ...] = ()  # (variable, value) pairs the server is started with
 
     @property
     def draft(self) -> bool:
@@ -49,6 +56,11 @@ class BenchConfig:
 
     @property
     def label(self) -> str:
+        notes = [ENV_NOTES.get(pair, "=".join(pair)) for pair in self.env]
+        return self.base_label + (f" ({', '.join(notes)})" if notes else "")
+
+    @property
+    def base_label(self) -> str:
         if self.kind == "plain":
             return "plain (A/A twin)" if self.twin else "plain"
         if self.kind == "fixed":
@@ -60,6 +72,11 @@ class BenchConfig:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, rec: dict[str, Any]) -> BenchConfig:
+        """A record as as_dict() wrote it, read back from JSON (its env pairs come back as lists)."""
+        return cls(**{**rec, "env": tuple((str(k), str(v)) for k, v in rec.get("env") or ())})
+
 
 def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
            depths: tuple[int, ...] = (), schedules: tuple[str, ...] = ()) -> list[BenchConfig]:
@@ -70,6 +87,8 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out.append(BenchConfig(name, "plain", twin=name == TWIN))
         elif name == "eagle3":
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS))
+        elif name == "eagle3_extend_verify":
+            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(EXTEND_VERIFY,)))
         elif name == "eagle3_depth":
             out += [BenchConfig(f"eagle3_depth{d}", "fixed", d) for d in depths]
         elif name == "eagle3_thr":
@@ -91,7 +110,7 @@ def from_result(result: dict[str, Any]) -> dict[str, BenchConfig]:
     bench, which kept names only, gets them from its names (a name it does not know has none)."""
     records = result.get("config_records")
     if records:
-        return {name: BenchConfig(**rec) for name, rec in records.items()}
+        return {name: BenchConfig.from_dict(rec) for name, rec in records.items()}
     names: list[str] = [*result.get("configs", []), *result.get("not_run", {})]
     legacy: dict[str, BenchConfig] = {}
     for name in names:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.configs import CONFIGS, TWIN, BenchConfig, expand
+from bench.configs import CONFIGS, EXTEND_VERIFY, TWIN, BenchConfig, expand
 from sglang_image_plugin.setting import (
     DEPTH_SCHEDULE_EXAMPLE,
     DEPTH_SCHEDULE_FLAG,
@@ -83,7 +83,8 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     p = "--" + prefix
     ap.add_argument(p + "configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma list of {','.join(CONFIGS)} ({TWIN}: a second plain server, the A/A "
-                         "noise floor; eagle3_auto runs only where the server has it)")
+                         "noise floor; eagle3_extend_verify: eagle3 with upstream's split-KV verify kernel "
+                         f"off, {'='.join(EXTEND_VERIFY)}; eagle3_auto runs only where the server has it)")
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
     ap.add_argument(p + "threshold", default="16",
                     help="eagle3_thr's fixed threshold N; a comma list runs one server per N (a sweep)")

@@ -116,6 +116,7 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     extra: list[str] = ["--sleep-on-idle", "--max-total-tokens", str(opts.max_total_tokens or pool_tokens(opts))]
     if rec.draft:
         cfg.draft, cfg.spec_steps = opts.models / "draft", rec.steps
+    cfg.env.update(rec.env)  # e.g. eagle3_extend_verify's upstream switch; part of the server's key
     if rec.kind == "threshold":
         cfg.threshold = rec.threshold
     if rec.kind == "schedule" and rec.schedule is not None:
@@ -401,6 +402,7 @@ class Bench:
         got: dict[str, dict[str, Any]] = {}
         outputs: dict[str, dict[str, Any]] = {}
         prefixes: dict[str, dict[str, Any]] = {}
+        reasons: dict[str, dict[str, Any]] = {}
         order = pairing.block_order(self.names, k)
         for name in order:
             others = {n: s for n, s in self.servers.items() if n != name}
@@ -409,9 +411,13 @@ class Bench:
                 return False
             outputs[name] = m.pop("outputs")
             prefixes[name] = m.pop("prefixes")
+            reasons[name] = m.pop("abort_reasons")
             got[name] = m
         self.result["blocks"].setdefault(str(c), []).append({"block": k + 1, "order": order, "windows": got})
-        self.result["window_mismatches"] += compared_outputs(outputs, prefixes, f"block {k + 1} c={c}")
+        problems, details = compared_outputs(outputs, prefixes, f"block {k + 1} c={c}", reasons)
+        self.result["window_mismatches"] += problems
+        # what the aborted outputs that are not a prefix of plain's hold (a state of an older bench has none)
+        self.result.setdefault("prefix_mismatches", []).extend(details)
         self.st["blocks_done"].append(f"{c}:{k}")
         return True
 
@@ -450,7 +456,8 @@ def new_result(opts: BenchOptions, expected: dict[str, Any]) -> dict[str, Any]:
             "model": {k: expected.get(k) for k in ("size", "hidden", "layers", "draft", "draft_accept",
                                                     "designed_accept_length")},
             "configs": [], "not_run": {}, "start_s": {}, "warm_s": {}, "kv_pool_tokens": {}, "blocks": {},
-            "ramp": {}, "servers": {}, "diagnose": {}, "window_mismatches": [], "checks": [], "calls": 0,
+            "ramp": {}, "servers": {}, "diagnose": {}, "window_mismatches": [], "prefix_mismatches": [],
+            "checks": [], "calls": 0,
             "server_events": [], "cpus": {}, "mismatches": [], "failures": [], "skipped": []}
 
 

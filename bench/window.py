@@ -99,11 +99,15 @@ def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, set
         t.join(timeout)
     tail = time.time() - aborted_at
     complete, cut_short, errors = [], [], []
+    over_max = empty = 0
     for start, end, r, p in done:
         if r.error is None and len(r.output_ids or []) == p.max_new_tokens:
             complete.append((start, end, r))
         elif end >= aborted_at:  # in flight at the end: aborted, what it returned must be a prefix
             cut_short.append((start, min(end, aborted_at), r))
+            # an aborted request can hold no more than it asked for, and an empty one is not compared
+            over_max += len(r.output_ids or []) > p.max_new_tokens
+            empty += not r.output_ids
         else:
             errors.append(r)
     spans = [(s, e, len(r.output_ids or [])) for s, e, r in complete + cut_short]
@@ -117,7 +121,9 @@ def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, set
         "accept_length": round(statistics.mean(lens), 3) if lens else None, "steps": steps,
         "tail_s": round(tail, 2), "abort_all": aborted, "cut": False,
         "outputs": {r.key: r.output_ids for _, _, r in complete},
-        "prefixes": {r.key: r.output_ids for _, _, r in cut_short if r.output_ids}}
+        "prefixes": {r.key: r.output_ids for _, _, r in cut_short if r.output_ids},
+        "abort_reasons": {r.key: r.meta.get("finish_reason") for _, _, r in cut_short if r.output_ids},
+        "aborted_over_max": over_max, "aborted_empty": empty}
     gpu = diagnose.gpu_seconds(before, after) if scrape else {}
     if gpu:
         m["gpu_s"] = gpu

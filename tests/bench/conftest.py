@@ -189,7 +189,8 @@ class FakeLab:
         keys = [prompt_at(i).key for i in range(3)]
         return {"requests": 3, "aborted": c, "errors": 0, "first_error": None, "output_tokens": int(speed * window_s),
                 "seconds": window_s, "tok_per_s": speed, "accept_length": None, "steps": None, "tail_s": 0.2,
-                "abort_all": True, "cut": False, "outputs": {k: [len(k)] for k in keys}, "prefixes": {}}
+                "abort_all": True, "cut": False, "outputs": {k: [len(k)] for k in keys}, "prefixes": {},
+                "abort_reasons": {}}
 
     def run_ramp(self, base: str, levels: list[int], hold_s: float, vocab: int, output_len: int, timeout: float,
                  poll: Any) -> dict[str, Any]:

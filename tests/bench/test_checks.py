@@ -13,9 +13,45 @@ from smoke.server import ServerConfig
 def test_outputs_and_aborted_prefixes_are_compared_with_plain_decoding():
     outs = {"plain": {"a": [1, 2], "b": [2, 3]}, "eagle3": {"a": [1, 2], "b": [9, 3]}}
     prefixes = {"plain": {"c": [5]}, "eagle3": {"c": [5], "b": [2]}, "plain_twin": {"a": [7]}}
-    assert checks.compared_outputs(outs, prefixes, "block 1 c=4") == [
+    problems, details = checks.compared_outputs(outs, prefixes, "block 1 c=4")
+    assert problems == [
         "block 1 c=4 eagle3: 1 output(s) differ from plain (e.g. b)",
-        "block 1 c=4 plain_twin: 1 aborted output(s) not a prefix of plain's (e.g. a)"]
+        ("block 1 c=4 plain_twin: 1 aborted output(s) not a prefix of plain's "
+         "(e.g. a: differs at token 0 of 1, plain's 2: got [7] want [1, 2])")]
+    assert [(d["server"], d["bad"], [e["key"] for e in d["examples"]]) for d in details] == [("plain_twin", 1, ["a"])]
+
+
+def test_an_aborted_output_not_a_prefix_of_plain_s_says_where_it_leaves_it():
+    # A GPU run failed blocks at 64 and 128 requests with aborted EAGLE-3 outputs that were no
+    # prefix of plain's, and nothing said how: the failure now names the first differing token,
+    # both lengths and the tokens around it; bench.json keeps the first 5 of each block and server,
+    # with the server's finish_reason of each.
+    plain = list(range(100, 120))  # 20 tokens
+    keys = [f"c64-{i}" for i in range(7)]
+    outs = {"plain": {k: plain for k in keys}}
+    changed = plain[:12]
+    changed[9] = 7
+    bad = {keys[0]: changed,  # differs inside: at token 9 of its 12
+           keys[1]: [*plain, 5, 6],  # longer than plain's complete output: cannot be a prefix
+           **{k: [1] for k in keys[2:]},
+           "c64-ok": plain[:4]}
+    outs["plain"]["c64-ok"] = plain
+    reasons = {"eagle3": {keys[0]: {"type": "abort", "message": "Abort all requests"}}}
+    problems, details = checks.compared_outputs(outs, {"eagle3": bad}, "block 3 c=64", reasons)
+    assert problems == [(
+        "block 3 c=64 eagle3: 7 aborted output(s) not a prefix of plain's (e.g. c64-0: differs at token 9 "
+        "of 12, plain's 20, finish abort: got [106, 107, 108, 7, 110, 111] want [106, 107, 108, 109, 110, 111, 112, 113])")]
+    (d,) = details
+    assert (d["where"], d["server"], d["bad"], len(d["examples"])) == ("block 3 c=64", "eagle3", 7, 5)
+    first, longer = d["examples"][:2]
+    assert first == {"key": "c64-0", "aborted_len": 12, "plain_len": 20, "differs_at": 9, "longer": False,
+                     "from": 6, "got": [106, 107, 108, 7, 110, 111], "want": [106, 107, 108, 109, 110, 111, 112, 113],
+                     "finish_reason": {"type": "abort", "message": "Abort all requests"}}
+    assert longer == {"key": "c64-1", "aborted_len": 22, "plain_len": 20, "differs_at": 20, "longer": True,
+                      "from": 17, "got": [117, 118, 119, 5, 6], "want": [117, 118, 119], "finish_reason": None}
+    assert checks.detail_text(longer) == ("c64-1: differs at token 20 of 22, plain's 20 (longer than plain's): "
+                                          "got [117, 118, 119, 5, 6] want [117, 118, 119]")
+    assert d["examples"][2]["differs_at"] == 0 and d["examples"][2]["from"] == 0
 
 
 class ChecksServer:

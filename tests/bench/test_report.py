@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from bench import configs
 from bench import report as bench_report
 from bench.__main__ import build_parser
 from tests.bench.conftest import RESULT, png_size
@@ -106,6 +107,32 @@ def test_the_report_labels_and_compares_each_depth_by_its_record():
     assert bench_report.label(old, "eagle3_thr16") == "EAGLE-3 + threshold 16"
     assert bench_report.label(old, "eagle3") == "EAGLE-3"
     assert bench_report.label(old, "eagle3_auto") == "EAGLE-3 + auto"
+
+
+def test_a_server_s_environment_comes_back_from_bench_json_and_is_in_its_label():
+    # bench.json keeps the records as JSON (env's pairs become lists): read back they are the same
+    # records, and the extend-verify server is one more always-on EAGLE-3 against the better of
+    # plain and EAGLE-3 in the same block, labelled by its environment.
+    recs = configs.expand(("plain", "eagle3", "eagle3_extend_verify"))
+    result: dict[str, Any] = json.loads(json.dumps({
+        "configs": [r.name for r in recs], "config_records": {r.name: r.as_dict() for r in recs}}))
+    assert result["config_records"]["eagle3_extend_verify"]["env"] == [["SGLANG_ENABLE_SPLITKV_VERIFY", "0"]]
+    back = configs.from_result(result)
+    assert back == {r.name: r for r in recs}
+    assert back["eagle3_extend_verify"].env == (("SGLANG_ENABLE_SPLITKV_VERIFY", "0"),)
+    # a record of a bench before env, and a result that kept names only
+    assert configs.from_result({"config_records": {"eagle3": {"name": "eagle3", "kind": "fixed", "steps": 3}}}
+                               )["eagle3"].env == ()
+    assert configs.from_result({"configs": ["eagle3_extend_verify"]})["eagle3_extend_verify"] == recs[2]
+    assert configs.BenchConfig("x", "fixed", 3, env=(("A", "1"),)).label == "EAGLE-3 (A=1)"
+    window = {"errors": 0, "output_tokens": 3000, "seconds": 3.0, "steps": 300, "accept_length": 2.8}
+    result["blocks"] = {"1": [{"block": k + 1, "order": [], "windows": {
+        "plain": {**window, "tok_per_s": 500.0, "accept_length": None}, "eagle3": {**window, "tok_per_s": 1000.0},
+        "eagle3_extend_verify": {**window, "tok_per_s": 900.0 + k}}} for k in range(3)]}
+    result["pairs"] = 3
+    assert set(bench_report.better_table(result)["1"]) == {"eagle3_extend_verify"}
+    assert bench_report.better_table(result)["1"]["eagle3_extend_verify"]["median"] == pytest.approx(0.901)
+    assert "| concurrency | plain | EAGLE-3 | EAGLE-3 (extend-kernel verify) |" in bench_report.markdown(result)
 
 
 def test_a_run_without_plain_does_not_claim_equal_outputs():

@@ -125,6 +125,21 @@ def test_a_server_recorded_with_other_options_is_not_reused(pool_of, tmp_path):
     assert not group_running(other_site.pgid) and not (tmp_path / "reg.json").exists()
 
 
+def test_a_server_recorded_with_another_environment_is_not_reused(pool_of, tmp_path):
+    # eagle3 and eagle3_extend_verify share their flags and differ in one variable: a running
+    # server of the one must never stand for the other
+    def cfg(env: dict[str, str]) -> SleepyConfig:
+        c = sleepy("eagle3", tmp_path)
+        c.env = env
+        return c
+
+    old = pool_of().ensure({"eagle3": cfg({})}, "", logs(tmp_path), 30)["eagle3"].pgid
+    assert servers.options_key(cfg({})) != servers.options_key(cfg({"SGLANG_ENABLE_SPLITKV_VERIFY": "0"}))
+    switched = pool_of().ensure({"eagle3": cfg({"SGLANG_ENABLE_SPLITKV_VERIFY": "0"})}, "", logs(tmp_path), 30)
+    assert switched["eagle3"].pgid != old and not group_running(old)
+    assert any("eagle3: recorded with other options: stopping it" in e for e in pool_of.events)
+
+
 def test_servers_start_side_by_side_and_each_is_pinned_to_its_own_cpus(pool_of, tmp_path):
     """No start waits for another's (their pools are fixed); once healthy, every process and thread
     of a server runs on CPUs of its own, beside the client's; where none are left, it says so."""

@@ -3,6 +3,7 @@ units within each call's deadline, resumed by the next call on the same servers 
 on real processes that answer as sglang does."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -77,6 +78,32 @@ def test_a_depth_sweep_is_one_always_on_eagle3_server_per_draft_depth(tmp_path):
     for bad in ("0", "1,1", "x", ""):
         with pytest.raises(SystemExit, match="--depth .*distinct draft depths >= 1"):
             bench_options("--configs", "plain,eagle3_depth", "--depth", bad)
+
+
+def test_extend_verify_is_eagle3_with_upstream_s_split_kv_verify_off(tmp_path):
+    # eagle3_extend_verify: the same flags as eagle3, started with SGLANG_ENABLE_SPLITKV_VERIFY=0
+    # (the verify attention on the extend kernel); its environment is in its key, so a running
+    # eagle3 is never reused for it, nor it for eagle3.
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64),
+                                configs=("plain", "eagle3", "eagle3_extend_verify"))
+    assert options.server_names(opts) == ["plain", "eagle3", "eagle3_extend_verify"]
+    eagle3, extend = (throughput.server_config(n, opts) for n in ("eagle3", "eagle3_extend_verify"))
+    assert extend.argv(30000) == eagle3.argv(30000)
+    assert extend.env == {"SGLANG_ENABLE_SPLITKV_VERIFY": "0"} and eagle3.env == {}
+    assert servers.options_key(extend, "site") != servers.options_key(eagle3, "site")
+    # with the device timer both get its variables, and the switch stays
+    timed = options.BenchOptions(models=tmp_path, out=tmp_path, configs=opts.configs, device_timer=True)
+    assert throughput.server_config("eagle3_extend_verify", timed).env == {
+        **diagnose.SERVER_ENV, "SGLANG_ENABLE_SPLITKV_VERIFY": "0"}
+    rec = options.config_records(opts)["eagle3_extend_verify"]
+    assert (rec.kind, rec.steps, rec.switches, rec.learns) == ("fixed", 3, False, False)
+    assert rec.label == "EAGLE-3 (extend-kernel verify)" and options.config_records(opts)["eagle3"].label == "EAGLE-3"
+    assert bench_options("--configs", "plain,eagle3,eagle3_extend_verify").configs[-1] == "eagle3_extend_verify"
+    ap = argparse.ArgumentParser()
+    options.add_tuning_arguments(ap)
+    configs_help = next(a.help for a in ap._actions if a.dest == "configs")
+    assert "eagle3_extend_verify: eagle3 with upstream's split-KV verify kernel off, " \
+           "SGLANG_ENABLE_SPLITKV_VERIFY=0" in str(configs_help)
 
 
 def test_a_schedule_sweep_is_one_server_per_draft_depth_schedule(tmp_path):
@@ -214,6 +241,35 @@ def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
     assert set(third["servers"]) == {"plain", "eagle3"}
 
     assert throughput.run_bench(lab.options(600), state)["blocks"] == third["blocks"] and not lab.running
+
+
+def test_an_aborted_output_not_a_prefix_of_plain_s_is_described_in_bench_json(lab, monkeypatch):
+    """The failure says where the aborted output leaves plain's; bench.json keeps the examples of
+    each block and server with the finish_reason the server gave, and the window's counts of
+    aborted outputs longer than asked for or empty; the finish reasons themselves stay out of it."""
+    fake = lab.measure
+
+    def measure(base: str, prompt_at: Any, c: int, *a: Any, **kw: Any) -> dict[str, Any]:
+        m = fake(base, prompt_at, c, *a, **kw)
+        key = prompt_at(0).key  # plain's complete output of it: [len(key)]
+        if base.endswith("eagle3"):
+            m["prefixes"] = {key: [len(key), 9]}
+            m["abort_reasons"] = {key: {"type": "abort"}}
+            m["aborted_over_max"] = 1
+        return m
+
+    monkeypatch.setattr(throughput, "measure", measure)
+    result = throughput.run_bench(lab.options(400, concurrency=(4,), pairs=1, ramp_cycles=0), {})
+    assert result["failures"] == [("block 1 c=4 eagle3: 1 aborted output(s) not a prefix of plain's (e.g. "
+                                   "c4-0: differs at token 1 of 2, plain's 1 (longer than plain's), finish abort: "
+                                   "got [4, 9] want [4])")]
+    assert result["prefix_mismatches"] == [{"where": "block 1 c=4", "server": "eagle3", "bad": 1, "examples": [
+        {"key": "c4-0", "aborted_len": 2, "plain_len": 1, "differs_at": 1, "longer": True, "from": 0,
+         "got": [4, 9], "want": [4], "finish_reason": {"type": "abort"}}]}]
+    eagle3 = result["blocks"]["4"][0]["windows"]["eagle3"]
+    assert eagle3["aborted_over_max"] == 1 and "abort_reasons" not in eagle3 and "prefixes" not in eagle3
+    saved = json.loads((lab.tmp_path / "out" / "bench.json").read_text())
+    assert saved["prefix_mismatches"] == result["prefix_mismatches"]
 
 
 @pytest.mark.parametrize("seconds", range(10, 700, 30))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,8 +33,10 @@ def test_decode_steps_come_from_the_servers_own_counter():
 class FakeGenerate:
     """client.generate replaced: `per_token` s a token; an abort_all cuts what is in flight short."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, per_token: float = 0.002, fail: str | None = None):
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, per_token: float = 0.002, fail: str | None = None,
+                 cut: Callable[[client.Prompt, list[int]], list[int]] | None = None):
         self.per_token, self.fail = per_token, fail
+        self.cut = cut  # what an aborted request returns, from its prompt and its tokens (None: them)
         self.aborted_at: float | None = None
         self.rids: list[str | None] = []
         monkeypatch.setattr(client, "generate", self.generate)
@@ -56,6 +59,9 @@ class FakeGenerate:
                 break
             time.sleep(self.per_token)
             ids.append(j)
+        if len(ids) < p.max_new_tokens:  # aborted: as sglang answers an abort_all
+            return client.Result(p.key, self.cut(p, ids) if self.cut else ids,
+                                 {"finish_reason": {"type": "abort", "message": "Abort all requests"}})
         return client.Result(p.key, ids, {"spec_accept_length": 2.0})
 
 
@@ -70,11 +76,27 @@ def test_a_window_counts_its_seconds_then_aborts_what_is_in_flight(monkeypatch):
     assert time.time() - t0 < 1.3 + 0.2 + 0.5  # the aborted requests did not run to their end
     assert fake.aborted_at is not None and m["abort_all"]
     assert m["aborted"] == 2 and all(len(ids) < 40 for ids in m["prefixes"].values())
+    assert m["aborted_over_max"] == m["aborted_empty"] == 0
     assert m["requests"] >= 8 and all(len(ids) == 40 for ids in m["outputs"].values())
     # two clients, a token each 5 ms: about 400 tokens/s (sleeps only run longer on a busy host)
     assert 150 < m["tok_per_s"] <= 410 and m["accept_length"] == 2.0 and m["errors"] == 0
     assert len({r.rsplit("-", 1)[0] for r in fake.rids}) == 1  # named, so that they could be aborted one by one
     assert window.measure("b", prompt_at, 2, 5.0, 4, 10, time.time() + 3)["cut"]  # past the deadline: not started
+
+
+def test_a_window_says_which_aborted_outputs_are_too_long_or_empty_and_keeps_why_they_ended(monkeypatch):
+    # an aborted request holds no more tokens than it asked for, and an empty one is not compared
+    # (it is no prefix): the window counts both; the server's finish_reason of each aborted output
+    # is kept for the comparison with plain's (bench.checks)
+    def cut(p: client.Prompt, ids: list[int]) -> list[int]:
+        return [*range(p.max_new_tokens + 3)] if p.key.endswith("-0") else [] if p.key.endswith("-1") else ids
+
+    FakeGenerate(monkeypatch, per_token=0.01, cut=cut)
+    prompt_at = functools.partial(workload.window_prompt, 3000, 3, 400, 100)  # no request ends in the window
+    m = window.measure("b", prompt_at, 3, 0.0, 0.3, 10, time.time() + 60)
+    assert m["aborted"] == 3 and m["aborted_over_max"] == 1 and m["aborted_empty"] == 1
+    assert sorted(m["prefixes"]) == sorted(m["abort_reasons"]) == ["c3-0", "c3-2"]
+    assert m["abort_reasons"]["c3-0"] == {"type": "abort", "message": "Abort all requests"}
 
 
 def test_a_failed_request_is_an_error_not_an_abort(monkeypatch):
