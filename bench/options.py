@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import time
 from collections.abc import Callable
@@ -57,6 +58,8 @@ class BenchOptions:
     # --max-total-tokens of every server (0: room for the top concurrency's requests)
     max_total_tokens: int = 0
     server_args: tuple[str, ...] = ()  # appended to every server's flags
+    # every server's environment besides its own record's (the record wins: eagle3_extend_verify's 0)
+    server_env: tuple[tuple[str, str], ...] = ()
     cpus_per_server: int = 0  # each server pinned to this many CPUs of its own (0: no pinning)
     diagnose: bool = False
     device_timer: bool = False  # GPU seconds per window (diagnose's device timer, without its solo units)
@@ -124,6 +127,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                          "pinning; 3 CPUs each did not narrow the A/A floor on an H200 host)")
     ap.add_argument(p + "server-args", default="",
                     help="extra flags for every server, one shell-quoted string (e.g. '--gc-threshold 50000')")
+    ap.add_argument(p + "server-env", default="",
+                    help="environment variables for every server, NAME=VALUE separated by spaces (e.g. "
+                         "'SGLANG_ENABLE_SPLITKV_VERIFY=1'); a config's own value of one wins "
+                         "(eagle3_extend_verify keeps its 0)")
     ap.add_argument(p + "diagnose", action="store_true",
                     help="also where each server's time goes at full load (py-spy, torch profiler, device timer)")
     ap.add_argument(p + "device-timer", action="store_true",
@@ -182,6 +189,12 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("max-total-tokens", "must be >= 0 (0: sized for the top concurrency)")
     if get("cpus-per-server") < 0:
         raise refuse("cpus-per-server", "must be >= 0 (0: no pinning)")
+    server_env = []
+    for item in shlex.split(get("server-env")):
+        name, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise refuse("server-env", f"{item!r} is not NAME=VALUE (e.g. SGLANG_ENABLE_SPLITKV_VERIFY=1)")
+        server_env.append((name, value))
     return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
             "depths": tuple(sorted(int(x) for x in depths)), "schedules": tuple(schedules),
@@ -191,7 +204,8 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
             "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),
             "cpus_per_server": get("cpus-per-server"),
-            "server_args": tuple(shlex.split(get("server-args"))), "diagnose": get("diagnose"),
+            "server_args": tuple(shlex.split(get("server-args"))), "server_env": tuple(server_env),
+            "diagnose": get("diagnose"),
             "device_timer": get("device-timer"), "launch_only": get("launch-only")}
 
 

@@ -116,7 +116,8 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
     extra: list[str] = ["--sleep-on-idle", "--max-total-tokens", str(opts.max_total_tokens or pool_tokens(opts))]
     if rec.draft:
         cfg.draft, cfg.spec_steps = opts.models / "draft", rec.steps
-    cfg.env.update(rec.env)  # e.g. eagle3_extend_verify's upstream switch; part of the server's key
+    cfg.env.update(opts.server_env)  # part of the server's key, as the record's own
+    cfg.env.update(rec.env)  # e.g. eagle3_extend_verify's upstream switch, over --server-env's
     if rec.kind == "threshold":
         cfg.threshold = rec.threshold
     if rec.kind == "schedule" and rec.schedule is not None:

@@ -4,6 +4,7 @@ on real processes that answer as sglang does."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -104,6 +105,24 @@ def test_extend_verify_is_eagle3_with_upstream_s_split_kv_verify_off(tmp_path):
     configs_help = next(a.help for a in ap._actions if a.dest == "configs")
     assert "eagle3_extend_verify: eagle3 with upstream's split-KV verify kernel off, " \
            "SGLANG_ENABLE_SPLITKV_VERIFY=0" in str(configs_help)
+
+
+def test_server_env_reaches_every_server_but_a_config_s_own_value_wins(tmp_path):
+    # --server-env SGLANG_ENABLE_SPLITKV_VERIFY=1: every server's verify on the split-KV kernel,
+    # except eagle3_extend_verify, whose own 0 is the paired baseline; a bad item names the flag
+    opts = bench_options("--configs", "plain,eagle3,eagle3_extend_verify,eagle3_depth", "--depth", "1",
+                         "--server-env", "SGLANG_ENABLE_SPLITKV_VERIFY=1 X_Y='a b'")
+    opts = dataclasses.replace(opts, models=tmp_path, out=tmp_path)
+    assert opts.server_env == (("SGLANG_ENABLE_SPLITKV_VERIFY", "1"), ("X_Y", "a b"))
+    env = {n: throughput.server_config(n, opts).env for n in options.server_names(opts)}
+    assert env["eagle3"] == env["eagle3_depth1"] == env["plain"] == {"SGLANG_ENABLE_SPLITKV_VERIFY": "1", "X_Y": "a b"}
+    assert env["eagle3_extend_verify"] == {"SGLANG_ENABLE_SPLITKV_VERIFY": "0", "X_Y": "a b"}
+    plain_opts = dataclasses.replace(opts, server_env=())
+    assert servers.options_key(throughput.server_config("eagle3", opts), "s") != \
+        servers.options_key(throughput.server_config("eagle3", plain_opts), "s")
+    for bad in ("NOEQUALS", "1X=2", "=3"):
+        with pytest.raises(SystemExit, match=f"--server-env .*{bad!r} is not NAME=VALUE"):
+            bench_options("--server-env", bad)
 
 
 def test_a_schedule_sweep_is_one_server_per_draft_depth_schedule(tmp_path):
