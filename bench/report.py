@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import autotrace, configs, diagnose, hostinfo, pairing
+from bench import autotrace, configs, diagnose, hostinfo, pairing, report_steps
 from bench.configs import TWIN
 
 FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
@@ -440,6 +440,7 @@ def markdown(result: dict[str, Any]) -> str:
                     cells.append(f"{cell['wall_ms']:.2f} ({cell['tokens_per_step']:.0f})")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += report_steps.lines(result, lambda n: label(result, n))
     lines += attribution_lines(result)
     ramp = ramp_summary(result)
     if ramp:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench import configs
+from bench import configs, report_steps
 from bench import report as bench_report
 from bench.__main__ import build_parser
 from tests.bench.conftest import RESULT, png_size
@@ -38,6 +38,7 @@ def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
     assert "| 64 | 0.99x [0.98-1.00] | 16 | 1.01x [1.00-1.02] |" in md  # auto against the alternatives
     # per decode step at 256: 3 s over the steps; GPU 3.8 ms (decode + extend), host the rest
     assert "| 256 | 5.00 / 3.80 / 1.20 (256) |" in md
+    assert "| 256 | EAGLE-3 + auto | 3.50 | 0.30 |" in md  # the same GPU time by forward kind
     assert "- server: call 2: plain: the server started earlier" in md
     assert "at most EAGLE-3 0.02" in md and "CPUs: plain 1,2,3" in md
     assert "every output equal to plain decoding's" in md
@@ -194,3 +195,27 @@ def test_the_report_says_where_the_host_time_went():
     result["cpus"], result["scheduler_cpus"] = {"plain": [0, 1, 2], "plain_twin": [3]}, {"plain": 0, "plain_twin": None}
     assert ("- CPUs: plain 0,1,2 (its scheduler thread alone on 0); plain (A/A twin) 3 (the client on others)"
             in bench_report.markdown(result))
+
+
+def test_gpu_time_per_step_by_forward_kind() -> None:
+    # the device timer's categories per decode step, medians over the blocks; an unknown category
+    # goes to "other"; no table without the timer
+    def window(steps: int, **gpu_s: float) -> dict[str, Any]:
+        return {"steps": steps, "seconds": 3.0, "output_tokens": 10 * steps, "gpu_s": gpu_s}
+
+    result: dict[str, Any] = {"configs": ["plain", "eagle3_depth1"], "blocks": {"64": [
+        {"windows": {"plain": window(100, decode=0.6, extend=0.2),
+                     "eagle3_depth1": window(50, target_verify=0.8, eagle_draft_extend=0.03, split_prefill=0.01)}},
+        {"windows": {"plain": window(100, decode=0.8, extend=0.1),
+                     "eagle3_depth1": window(50, target_verify=0.6, eagle_draft_extend=0.03)}},
+    ]}}
+    table = report_steps.gpu_ms_by_kind(result)
+    assert table == {"64": {"plain": {"decode": 7.0, "prefill": 1.5},
+                            "eagle3_depth1": {"verify": 14.0, "draft extend": 0.6, "other": 0.2}}}
+    text = "\n".join(report_steps.lines(result, lambda n: n.upper()))
+    assert "| concurrency | server | decode | verify | draft extend | prefill | other |" in text
+    assert "| 64 | EAGLE3_DEPTH1 | - | 14.00 | 0.60 | - | 0.20 |" in text
+    for b in result["blocks"]["64"]:
+        for w in b["windows"].values():
+            del w["gpu_s"]
+    assert report_steps.lines(result, str) == []
