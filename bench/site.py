@@ -28,19 +28,50 @@ SITE_STATE = ("patch", "check")
 RESULT_STATE = ("smoke", "features", "bench_", "comm", "router")
 
 
+def _archive_problem(path: Path, meta: dict[str, object]) -> str | None:
+    """How `path` differs from the archive bundle.json describes (size, then sha256); None: it
+    does not, or bundle.json says nothing of it."""
+    size, sha = meta.get("size"), meta.get("sha256")
+    if isinstance(size, int) and path.stat().st_size != size:
+        return f"is {path.stat().st_size:,} bytes, bundle.json says {size:,}"
+    if isinstance(sha, str) and hashlib.sha256(path.read_bytes()).hexdigest() != sha:
+        return f"has sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:16]}..., bundle.json says {sha[:16]}..."
+    return None
+
+
 def bundle_archive(bundle: Path) -> Path:
-    """BUNDLE/wheels.tar.xz; where it travelled in parts (wheels.tar.xz.part-NN), joined first."""
+    """BUNDLE/wheels.tar.xz, checked against bundle.json; where it travelled in parts
+    (wheels.tar.xz.part-NN), joined first. A whole archive that does not match while parts lie
+    beside it (joined before every part had come) is joined again; parts that do not make the
+    archive, or a copy cut short, stop the run naming what is missing."""
     whole = bundle / "wheels.tar.xz"
+    meta_file = bundle / "bundle.json"
+    meta: dict[str, object] = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     parts = sorted(bundle.glob("wheels.tar.xz.part-*"))
+    if whole.is_file() and parts and _archive_problem(whole, meta):
+        whole.unlink()  # derived from the parts, which are kept: nothing is lost
     if not whole.is_file() and parts:
+        numbers = sorted(int(p.name.rsplit("-", 1)[1]) for p in parts if p.name.rsplit("-", 1)[1].isdigit())
+        gaps = sorted(set(range(max(numbers, default=-1) + 1)) - set(numbers))
         tmp = whole.with_suffix(".joining")
         with tmp.open("wb") as out:
             for part in parts:
                 out.write(part.read_bytes())
+        problem = _archive_problem(tmp, meta)
+        if gaps or problem:
+            tmp.unlink()
+            missing = f"part(s) {', '.join(f'{n:02d}' for n in gaps)} missing" if gaps else \
+                f"joined, they {problem} (the last part missing or one cut short?)"
+            raise SystemExit(f"{bundle}: the parts of wheels.tar.xz ({', '.join(p.name[-2:] for p in parts)}) "
+                             f"do not make the archive: {missing}; copy every part of .gpu/ to this host again")
         tmp.replace(whole)
     if not whole.is_file():
         raise SystemExit(f"{whole} is missing: build the bundle with nox -s gpu-e2e, then copy "
                          ".gpu/ (or its parts) to this host")
+    problem = _archive_problem(whole, meta)
+    if problem:
+        raise SystemExit(f"{whole} {problem}: a copy cut short or of another bundle; copy .gpu/ "
+                         "(or its parts) to this host again")
     return whole
 
 

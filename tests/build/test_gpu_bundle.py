@@ -329,3 +329,38 @@ def test_parts_join_back_into_the_archive(tmp_path: Path) -> None:
         (host / part.name).write_bytes(part.read_bytes())
     assert bundle_archive(host).read_bytes() == data
     assert gpu.write_parts(archive, 0) == [] and not list(archive.parent.glob("*.part-*"))
+
+
+def test_a_join_with_a_part_missing_stops_naming_it_and_is_made_again_once_all_came(tmp_path: Path) -> None:
+    # The archive's size and sha256 in bundle.json: a join made while a part was still on its way
+    # is refused (the part named, no joined file left), and a stale whole archive beside a full
+    # set of parts is joined again; a whole archive cut short without parts stops the run.
+    from bench.site import bundle_archive
+
+    archive = tmp_path / "src" / "wheels.tar.xz"
+    archive.parent.mkdir()
+    data = os.urandom(3 * 2**20 + 123)
+    archive.write_bytes(data)
+    parts = gpu.write_parts(archive, 1)
+    meta = json.dumps({"size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "bundle.json").write_text(meta)
+    for part in parts[1:]:  # part-00 not here yet
+        (host / part.name).write_bytes(part.read_bytes())
+    with pytest.raises(SystemExit, match=r"part\(s\) 00 missing; copy every part"):
+        bundle_archive(host)
+    assert not (host / "wheels.tar.xz").exists() and not (host / "wheels.tar.xz.joining").exists()
+    (host / "wheels.tar.xz").write_bytes(parts[1].read_bytes())  # what an older join left
+    (host / parts[0].name).write_bytes(parts[0].read_bytes())
+    assert bundle_archive(host).read_bytes() == data  # joined again from the full set
+    (host / parts[-1].name).unlink()  # the last part missing: only the size can tell
+    (host / "wheels.tar.xz").unlink()
+    with pytest.raises(SystemExit, match="bytes, bundle.json says 3,145,851 .the last part missing"):
+        bundle_archive(host)
+    for part in host.glob("*.part-*"):
+        part.unlink()
+    (host / "wheels.tar.xz").write_bytes(data[:-1])
+    with pytest.raises(SystemExit, match="wheels.tar.xz is 3,145,850 bytes, bundle.json says 3,145,851: a copy cut short"):
+        bundle_archive(host)
+    assert (host / "wheels.tar.xz").exists()  # no parts to make it from: kept as it is
