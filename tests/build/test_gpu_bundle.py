@@ -314,18 +314,23 @@ def test_host_provides_leaves_out_what_the_host_has_and_refuses_unknown_names() 
         gpu.bundle_members(flavor, ("no-such-dist",))
 
 
-def test_parts_join_back_into_the_archive(tmp_path: Path) -> None:
-    from bench.site import bundle_archive
-
+def archive_in_parts(tmp_path: Path) -> tuple[Path, bytes, list[Path], Path]:
+    """A 3 MiB archive written in 1 MiB parts (4), and an empty host folder to copy them to."""
     archive = tmp_path / "src" / "wheels.tar.xz"
     archive.parent.mkdir()
     data = os.urandom(3 * 2**20 + 123)
     archive.write_bytes(data)
-    parts = gpu.write_parts(archive, 1)
-    assert [p.name for p in parts] == [f"wheels.tar.xz.part-0{i}" for i in range(4)]
-    host = tmp_path / "host"  # only the parts travelled
+    host = tmp_path / "host"
     host.mkdir()
-    for part in parts:
+    return archive, data, gpu.write_parts(archive, 1), host
+
+
+def test_parts_join_back_into_the_archive(tmp_path: Path) -> None:
+    from bench.site import bundle_archive
+
+    archive, data, parts, host = archive_in_parts(tmp_path)
+    assert [p.name for p in parts] == [f"wheels.tar.xz.part-0{i}" for i in range(4)]
+    for part in parts:  # only the parts travelled
         (host / part.name).write_bytes(part.read_bytes())
     assert bundle_archive(host).read_bytes() == data
     assert gpu.write_parts(archive, 0) == [] and not list(archive.parent.glob("*.part-*"))
@@ -337,14 +342,8 @@ def test_a_join_with_a_part_missing_stops_naming_it_and_is_made_again_once_all_c
     # set of parts is joined again; a whole archive cut short without parts stops the run.
     from bench.site import bundle_archive
 
-    archive = tmp_path / "src" / "wheels.tar.xz"
-    archive.parent.mkdir()
-    data = os.urandom(3 * 2**20 + 123)
-    archive.write_bytes(data)
-    parts = gpu.write_parts(archive, 1)
+    _, data, parts, host = archive_in_parts(tmp_path)
     meta = json.dumps({"size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    host = tmp_path / "host"
-    host.mkdir()
     (host / "bundle.json").write_text(meta)
     for part in parts[1:]:  # part-00 not here yet
         (host / part.name).write_bytes(part.read_bytes())
