@@ -77,7 +77,7 @@ def base(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def smoke(session: nox.Session) -> None:
-    """Start the server in the built image with a threshold and prove the output (-- --image T --threshold N)."""
+    """Start the server in the built image with a threshold and prove the output (-- --image T --threshold N|--schedule S)."""
     _install(session)
     _run(session, "smoke")
 

@@ -1,9 +1,11 @@
 """PARTIAL check of an image without a GPU (the full smoke needs one):
 
     python -m smoke partial --expect-series FILE [--manifest /opt/sglang-image/patches.json]
+                            [--expect-schedule]
 
   1. imports that need no GPU driver (torch, transformers, sglang, sglang.srt.server_args)
-  2. `python -m sglang.launch_server --help` shows the threshold flag (the plugin's, or the patch's)
+  2. `python -m sglang.launch_server --help` shows the threshold flag (the plugin's, or the patch's);
+     with --expect-schedule the depth schedule's flag too (the plugin's)
   3. the image's patch manifest equals the repo's patches/<flavor>/series (names, order, sha256);
      FILE is [{"name", "sha256"}] computed from the repo by the caller
   4. `pip check`
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sglang_image_plugin.setting import THRESHOLD_FLAG
+from sglang_image_plugin.setting import DEPTH_SCHEDULE_FLAG, THRESHOLD_FLAG
 from smoke.server import sglang_env
 
 MANIFEST = Path("/opt/sglang-image/patches.json")
@@ -42,8 +44,8 @@ def compare_manifest(manifest: list[dict[str, Any]], expected: list[dict[str, An
     return f"sha256 differs for {diff} (the image was built from other patch files)"
 
 
-def help_shows_flag(help_text: str) -> bool:
-    return THRESHOLD_FLAG in help_text
+def help_shows_flag(help_text: str, flag: str = THRESHOLD_FLAG) -> bool:
+    return flag in help_text
 
 
 def patched_files_compile(manifest: list[dict[str, Any]]) -> tuple[bool, str]:
@@ -67,8 +69,10 @@ def patched_files_compile(manifest: list[dict[str, Any]]) -> tuple[bool, str]:
 
 
 def run_checks(expected: list[dict[str, Any]], manifest_path: Path = MANIFEST,
-               light: bool = False) -> dict[str, Any]:
+               light: bool = False, expect_schedule: bool = False) -> dict[str, Any]:
     checks = []
+    # the flags --help must show: the schedule's only where the smoke was asked to run one
+    flags = (THRESHOLD_FLAG, *((DEPTH_SCHEDULE_FLAG,) if expect_schedule else ()))
 
     def add(name: str, ok: bool, detail: str = "", skipped: bool = False) -> None:
         checks.append({"name": name, "ok": ok, "detail": detail[-1500:], "skipped": skipped})
@@ -83,8 +87,8 @@ def run_checks(expected: list[dict[str, Any]], manifest_path: Path = MANIFEST,
     if light:
         ok, detail = patched_files_compile(manifest)
         add("patched files present and compiling", ok, detail)
-        for name in (*(f"import {m}" for m in IMPORTS), f"launch_server --help shows {THRESHOLD_FLAG}",
-                     "pip check"):
+        for name in (*(f"import {m}" for m in IMPORTS),
+                     *(f"launch_server --help shows {flag}" for flag in flags), "pip check"):
             add(name, True, "skipped: light image (no torch); needs the full image", skipped=True)
         return {"partial": True, "light": True, "checks": checks,
                 "ok": all(c["ok"] for c in checks),
@@ -98,8 +102,10 @@ def run_checks(expected: list[dict[str, Any]], manifest_path: Path = MANIFEST,
     # the image's own sglang and plugin: not the plugin's sources the smoke imports its names from
     p = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"],
                        check=False, capture_output=True, text=True, timeout=300, env=sglang_env())
-    add(f"launch_server --help shows {THRESHOLD_FLAG}", p.returncode == 0 and help_shows_flag(p.stdout),
-        "" if help_shows_flag(p.stdout) else (p.stderr or p.stdout)[-1500:] or "flag not in --help")
+    for flag in flags:
+        shown = help_shows_flag(p.stdout, flag)
+        add(f"launch_server --help shows {flag}", p.returncode == 0 and shown,
+            "" if shown else (p.stderr or p.stdout)[-1500:] or "flag not in --help")
     p = subprocess.run([sys.executable, "-m", "pip", "check"], check=False, capture_output=True,
                        text=True, timeout=300, env=sglang_env())
     add("pip check", p.returncode == 0, (p.stdout + p.stderr).strip())
@@ -111,9 +117,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--expect-series", type=Path, required=True)
     ap.add_argument("--manifest", type=Path, default=MANIFEST)
     ap.add_argument("--light", action="store_true", help="image built with --light (no torch)")
+    ap.add_argument("--expect-schedule", action="store_true",
+                    help=f"--help must show {DEPTH_SCHEDULE_FLAG} too (nox -s smoke -- --schedule S)")
 
 
 def main(a: argparse.Namespace) -> int:
-    rep = run_checks(json.loads(a.expect_series.read_text()), a.manifest, a.light)
+    rep = run_checks(json.loads(a.expect_series.read_text()), a.manifest, a.light, a.expect_schedule)
     print(json.dumps(rep))
     return 0 if rep["ok"] else 1

@@ -33,12 +33,13 @@ from sglang_image import (
     pins,
     plugin_check,
     publish,
+    smoke_schedule,
     threshold,
     topology,
 )
 from sglang_image.errors import PARTIAL_EXIT_CODE, SglangImageError, exit_code_table
 from sglang_image.plan import IMAGE_REPO, BuildOptions
-from sglang_image_plugin.setting import THRESHOLD_FLAG
+from sglang_image_plugin.setting import DEPTH_SCHEDULE_FLAG, THRESHOLD_FLAG
 
 error_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -147,6 +148,12 @@ def _add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"the EAGLE-3 servers' {THRESHOLD_FLAG}: N running requests, or auto "
                         "where the flavor has it (default: the smoke's own small N, which the "
                         "tiny model's load crosses both ways)")
+    p.add_argument(smoke_schedule.OPTION, type=smoke_schedule.parse, default=None,
+                   metavar="LOW-HIGH:DEPTH,...",
+                   help=f"instead of --threshold: the EAGLE-3 servers' {DEPTH_SCHEDULE_FLAG}, a draft "
+                        f"depth per load, e.g. {smoke_schedule.EXAMPLE} (depths of at most "
+                        f"{smoke_schedule.SMOKE_STEPS}, flavors with the plugin); the smoke and the "
+                        "feature matrix run in and across every tier (default: none, the threshold)")
     p.add_argument("--accept-partial", action="store_true",
                    help=f"exit 0 when the PARTIAL check passes (default: exit "
                         f"{PARTIAL_EXIT_CODE})")
@@ -154,7 +161,7 @@ def _add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="where passed smokes are recorded (default: out/smoke-records)")
     p.set_defaults(func=lambda a: image_smoke.run(a.flavor, image_smoke.ImageSmokeOptions(
         image=a.image or a.image_pos, gpu=a.gpu, out_dir=a.out, threshold=a.threshold,
-        accept_partial=a.accept_partial, records=a.records)))
+        schedule=a.schedule, accept_partial=a.accept_partial, records=a.records)))
 
 
 # --- publish ------------------------------------------------------------------------------------

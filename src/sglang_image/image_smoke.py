@@ -1,14 +1,14 @@
-"""`nox -s smoke`: serve a generated model with EAGLE-3 and a threshold inside the built image and
-check its output token for token against plain decoding.
+"""`nox -s smoke`: serve a generated model with EAGLE-3 and a threshold (or a draft depth per load,
+--schedule) inside the built image and check its output token for token against plain decoding.
 
 With a GPU: the full smoke. The image serves a tiny Llama target and EAGLE-3 draft generated
 offline (nothing is downloaded, the container has no network); a plain server records the
 reference outputs, then EAGLE-3 servers with the threshold (overlap scheduler with CUDA graphs, and
-sync mode without) take load below, at and above it, and the feature matrix runs against them.
-Logs and report.json land in --out.
+sync mode without) take load below, at and above it (with --schedule: in and across every tier),
+and the feature matrix runs against them. Logs and report.json land in --out.
 Without a GPU: a clearly labelled PARTIAL check (the image's imports, the threshold flag in the
-server's --help, its patch manifest against patches/<flavor>/series, pip check), and the list of
-what it did not check.
+server's --help, with --schedule the schedule's flag too, its patch manifest against
+patches/<flavor>/series, pip check), and the list of what it did not check.
 
 A passed smoke is recorded by image digest in out/smoke-records/: `nox -s publish` publishes only
 an image that has one (a PARTIAL one only with --allow-partial-smoke).
@@ -25,18 +25,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_image import smoke_schedule
 from sglang_image import threshold as thresholds
 from sglang_image.docker_engine import ensure_engine
-from sglang_image.errors import PARTIAL_EXIT_CODE, ImageNotFoundError, SmokeError
+from sglang_image.errors import PARTIAL_EXIT_CODE, ImageNotFoundError, SmokeError, UsageError
 from sglang_image.pins import PLUGIN_PACKAGE_DIR, REPO_ROOT, Flavor, load_flavor
 from sglang_image.plan import check_reference, default_tag
-from sglang_image_plugin.setting import AUTO, START_LOG_LINE, Threshold
+from sglang_image_plugin.setting import (
+    AUTO,
+    SCHEDULE_START_LOG_LINE,
+    START_LOG_LINE,
+    DepthSchedule,
+    Threshold,
+)
 
 MOUNT = "/opt/sglang-smoke"
 OUT_MOUNT = "/out"
 FULL_TIMEOUT_S = 3600
 PARTIAL_TIMEOUT_S = 900
 RECORDS_DIR = REPO_ROOT / "out" / "smoke-records"
+MATRIX_CASES = ("greedy, logprobs, sampling, penalties, n2, long_prompt (chunked prefill), json_schema, "
+                "regex, completions_stream, chat_stream, abort_stream, stop, kv_pressure (retraction)")
 # What only the full smoke checks: said whenever a PARTIAL result is shown.
 NOT_CHECKED_WITHOUT_GPU = (
     "the server starting on a GPU (CUDA kernels, FlashInfer JIT, CUDA graphs)",
@@ -44,10 +53,22 @@ NOT_CHECKED_WITHOUT_GPU = (
     "EAGLE-3 greedy outputs equal to plain decoding below and above the threshold",
     "speculation switching off and on with load (server info counters), accept length",
     "aborted requests in both modes and the KV pool returning to empty",
-    ("the feature matrix below, above and across the threshold (python -m smoke features): greedy, "
-     "logprobs, sampling, penalties, n2, long_prompt (chunked prefill), json_schema, regex, "
-     "completions_stream, chat_stream, abort_stream, stop, kv_pressure (retraction)"),
+    f"the feature matrix below, above and across the threshold (python -m smoke features): {MATRIX_CASES}",
 )
+
+
+def not_checked_without_gpu(schedule: DepthSchedule | None = None) -> tuple[str, ...]:
+    """NOT_CHECKED_WITHOUT_GPU, or with a schedule what the full smoke checks of its tiers."""
+    if schedule is None:
+        return NOT_CHECKED_WITHOUT_GPU
+    return (NOT_CHECKED_WITHOUT_GPU[0],
+            f"the start log line '{SCHEDULE_START_LOG_LINE.format(schedule=schedule)}'",
+            "EAGLE-3 greedy outputs equal to plain decoding in every tier of the schedule",
+            ("the draft depth following the load through every tier (server info counters), "
+             "accept length"),
+            "aborted requests in the first tier and the last, and the KV pool returning to empty",
+            ("the feature matrix in every tier and across every edge (python -m smoke features): "
+             f"{MATRIX_CASES}"))
 
 
 @dataclass
@@ -59,6 +80,7 @@ class SmokeResult:
     report: dict[str, Any] = field(default_factory=dict)
     log_tail: str = ""
     image_id: str = ""  # sha256:<hex> of the image's config: what the record is keyed by
+    schedule: DepthSchedule | None = None  # the servers' depth schedule, where one was asked for
 
 
 @dataclass(frozen=True)
@@ -80,7 +102,8 @@ def write_record(res: SmokeResult, image: str, records_dir: Path | None = None) 
     """Records a passed smoke (full, or PARTIAL) under the image's digest; None if it failed."""
     if not res.ok or not res.image_id:
         return None
-    detail = ({"checks": res.report.get("checks", []), "not_checked": list(NOT_CHECKED_WITHOUT_GPU)}
+    detail = ({"checks": res.report.get("checks", []),
+               "not_checked": list(not_checked_without_gpu(res.schedule))}
               if res.mode == "partial" else {"report": str(res.out_dir / "report.json")})
     record = SmokeRecord(res.image_id, image, res.mode,
                          time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), detail)
@@ -118,20 +141,28 @@ def host_has_gpu() -> bool:
     return p.returncode == 0 and "GPU" in p.stdout
 
 
-def full_command(threshold: Threshold | None = None) -> list[str]:
-    """The smoke, then the feature matrix, with `threshold` (None: the smoke's own default)."""
+def full_command(threshold: Threshold | None = None,
+                 schedule: DepthSchedule | None = None) -> list[str]:
+    """The smoke, then the feature matrix, with `threshold` or `schedule` (neither: the smoke's own
+    default threshold)."""
+    if threshold is not None and schedule is not None:
+        raise ValueError("a threshold or a schedule, not both")
     given = "" if threshold is None else f" --threshold {threshold}"
     # the matrix crosses a fixed N both ways; with auto it runs at the smoke's default N
     matrix = "" if threshold == AUTO else given
+    if schedule is not None:  # both run it: the smoke through its tiers, the matrix in each
+        given = matrix = f" --schedule {schedule}"
     script = ("set -e; python3 -m smoke models /tmp/models --device cuda; "
               f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT}{given}; "
               f"python3 -m smoke features --models /tmp/models --out {OUT_MOUNT}/features{matrix}")
     return ["bash", "-c", script]
 
 
-def partial_command(light: bool = False) -> list[str]:
+def partial_command(light: bool = False, schedule: bool = False) -> list[str]:
+    """The PARTIAL check; with `schedule`, the server's --help must show the schedule's flag too."""
     return ["python3", "-m", "smoke", "partial", "--expect-series",
-            f"{OUT_MOUNT}/expected-series.json", *(["--light"] if light else [])]
+            f"{OUT_MOUNT}/expected-series.json", *(["--light"] if light else []),
+            *(["--expect-schedule"] if schedule else [])]
 
 
 # The plugin's package beside the smoke, as in the repository: the smoke imports the speculation
@@ -178,9 +209,10 @@ def image_missing(image: str) -> ImageNotFoundError:
 
 
 def smoke_image(image: str, *, flavor: Flavor | None = None, gpu: bool | None = None,
-                out_dir: Path | None = None, threshold: Threshold | None = None) -> SmokeResult:
+                out_dir: Path | None = None, threshold: Threshold | None = None,
+                schedule: DepthSchedule | None = None) -> SmokeResult:
     """Runs the smoke (full with a GPU, else PARTIAL) in `image` against `flavor`'s series (None:
-    the flavor the image was built for, by its label)."""
+    the flavor the image was built for, by its label), with `threshold` or `schedule`."""
     import docker.errors
 
     gpu = host_has_gpu() if gpu is None else gpu
@@ -199,9 +231,12 @@ def smoke_image(image: str, *, flavor: Flavor | None = None, gpu: bool | None = 
         flavor = load_flavor(built_for)  # the image's own flavor (the default without a label)
     if threshold is not None:
         thresholds.check_flavor(threshold, flavor)
+    if schedule is not None:
+        smoke_schedule.check_flavor(schedule, flavor)
     (out_dir / "expected-series.json").write_text(json.dumps(expected_series(flavor), indent=1))
     light = labels.get("io.sglang-image.light") == "true"
-    cmd = full_command(threshold) if gpu and not light else partial_command(light)
+    cmd = (full_command(threshold, schedule) if gpu and not light
+           else partial_command(light, schedule is not None))
     try:
         # The image's entrypoint starts the server: replace it, the command is the runner.
         container = engine.client.containers.run(image_id, entrypoint=cmd,
@@ -226,7 +261,7 @@ def smoke_image(image: str, *, flavor: Flavor | None = None, gpu: bool | None = 
     if gpu:
         rp = out_dir / "report.json"
         report = json.loads(rp.read_text()) if rp.is_file() else {}
-        return SmokeResult("full", code == 0, code, out_dir, report, tail, image_id)
+        return SmokeResult("full", code == 0, code, out_dir, report, tail, image_id, schedule)
     report = {}
     for line in reversed(logs.splitlines()):
         if line.startswith("{") and '"partial"' in line:
@@ -234,7 +269,7 @@ def smoke_image(image: str, *, flavor: Flavor | None = None, gpu: bool | None = 
             break
     (out_dir / "partial.json").write_text(json.dumps(report, indent=1))
     return SmokeResult("partial", code == 0 and bool(report.get("ok")), code, out_dir, report, tail,
-                       image_id)
+                       image_id, schedule)
 
 
 def describe(res: SmokeResult) -> str:
@@ -242,7 +277,7 @@ def describe(res: SmokeResult) -> str:
         verdict = "passed" if res.ok else "FAILED"
         lines = [(f"PARTIAL smoke {verdict} (no GPU on this host): image checks only, NOT a "
                   "pass of the smoke. Not checked without a GPU:")]
-        lines += [f"  - {item}" for item in NOT_CHECKED_WITHOUT_GPU]
+        lines += [f"  - {item}" for item in not_checked_without_gpu(res.schedule)]
         lines.append("The full smoke: nox -s smoke on a GPU host with Docker (nox -s gpu-e2e "
                      "runs the same checks on the same wheels on a GPU host without Docker, but "
                      "not on this image). Checks run here:")
@@ -259,19 +294,27 @@ def describe(res: SmokeResult) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ImageSmokeOptions:
-    """What `nox -s smoke` was asked for, besides the flavor; checked when made (the threshold
-    against the flavor in `run`, once the image's flavor is known)."""
+    """What `nox -s smoke` was asked for, besides the flavor; checked when made (the threshold or
+    the schedule against the flavor in `run`, once the image's flavor is known)."""
 
     image: str | None = None  # default: the tag nox -s build gives the flavor
     gpu: bool | None = None  # default: when nvidia-smi lists a GPU
     out_dir: Path | None = None  # default: out/smoke
     threshold: Threshold | None = None  # default: the smoke's own (smoke/scenario.py)
+    schedule: DepthSchedule | None = None  # instead of the threshold: a draft depth per load
     accept_partial: bool = False  # exit 0, not PARTIAL_EXIT_CODE, when the PARTIAL check passes
     records: Path | None = None  # default: RECORDS_DIR
 
     def __post_init__(self) -> None:
         if self.image is not None:
             check_reference(self.image, "--image", digest=True)
+        if self.schedule is not None:
+            if self.threshold is not None:
+                raise UsageError(
+                    f"--threshold {self.threshold} and --schedule {self.schedule} are both given: "
+                    "give one (a threshold N is the schedule "
+                    f"1-N:{smoke_schedule.SMOKE_STEPS},N+1-:0 on the smoke's servers)")
+            smoke_schedule.check(self.schedule)
 
 
 def run(flavor: Flavor | None, options: ImageSmokeOptions) -> int:
@@ -284,7 +327,7 @@ def run(flavor: Flavor | None, options: ImageSmokeOptions) -> int:
         flavor = flavor or load_flavor()
         image = default_tag(flavor)
     res = smoke_image(image, flavor=flavor, gpu=options.gpu, out_dir=options.out_dir,
-                      threshold=options.threshold)
+                      threshold=options.threshold, schedule=options.schedule)
     print(describe(res))
     if not res.ok:
         stale = record_path(res.image_id, options.records)

@@ -24,9 +24,14 @@ def parse(raw: object, source: str = "--threshold") -> Threshold:
         raise UsageError(str(exc)) from None
 
 
+def plugin_flavors() -> str:
+    """The flavors whose image carries the plugin, for an error that names them ("none" if none)."""
+    return ", ".join(n for n in flavor_names() if load_flavor(n).plugin) or "none"
+
+
 def check_flavor(threshold: Threshold, flavor: Flavor) -> None:
     """`auto` only where the flavor's image carries the plugin that implements it."""
     if threshold == AUTO and not flavor.plugin:
-        having = ", ".join(n for n in flavor_names() if load_flavor(n).plugin) or "none"
+        having = plugin_flavors()
         raise UsageError(f"--threshold auto: the {flavor.name} image has no automatic threshold "
                          f"(flavors that have it: {having}); give a number of requests instead")

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_image import image_smoke, pins
+from sglang_image import image_smoke, pins, smoke_schedule
 from sglang_image.build import BuildResult
+from sglang_image_plugin.setting import DEPTH_SCHEDULE_FLAG
 
 pytestmark = pytest.mark.docker
 
@@ -28,6 +29,17 @@ def test_partial_smoke_passes_on_the_light_image(light_image: BuildResult, tmp_p
     # what the light image cannot show is said, not faked
     assert checks["pip check"]["skipped"]
     assert "PARTIAL" in image_smoke.describe(res) and "[skip]" in image_smoke.describe(res)
+
+
+def test_partial_smoke_with_a_schedule_expects_the_schedule_s_flag(light_image: BuildResult,
+                                                                  tmp_path: Path) -> None:
+    """The smoke in the image takes --expect-schedule; a light image says the flag unchecked."""
+    schedule = smoke_schedule.parse(smoke_schedule.EXAMPLE)
+    res = image_smoke.smoke_image(light_image.tags[0], gpu=False, out_dir=tmp_path, schedule=schedule)
+    assert res.ok, image_smoke.describe(res)
+    checks = {c["name"]: c for c in res.report["checks"]}
+    assert checks[f"launch_server --help shows {DEPTH_SCHEDULE_FLAG}"]["skipped"]
+    assert f"depth schedule={schedule}" in image_smoke.describe(res)
 
 
 def test_partial_smoke_fails_when_the_image_has_other_patches(

@@ -230,6 +230,43 @@ def test_partial_manifest_comparison():
     assert partial.help_shows_flag("  --speculative-disable-batch-threshold SPECULATIVE_DISABLE_...")
 
 
+def test_the_partial_check_wants_the_schedule_flag_only_when_asked(tmp_path, monkeypatch, capsys):
+    """--expect-schedule (nox -s smoke -- --schedule S): the server's --help must show the depth
+    schedule's flag too; without it the checks are the threshold's alone, as before."""
+    from types import SimpleNamespace
+
+    from sglang_image_plugin.setting import DEPTH_SCHEDULE_FLAG, THRESHOLD_FLAG
+
+    manifest = tmp_path / "patches.json"
+    manifest.write_text("[]")
+    shown = [f"  {THRESHOLD_FLAG} N|auto"]  # a server without the schedule, then with it
+    monkeypatch.setattr(partial, "IMPORTS", ())
+    monkeypatch.setattr(partial, "subprocess", SimpleNamespace(
+        run=lambda cmd, **_: subprocess.CompletedProcess(cmd, 0, "\n".join(shown), "")))
+    wanted = f"launch_server --help shows {DEPTH_SCHEDULE_FLAG}"
+
+    def checks(**kw):
+        rep = partial.run_checks([], manifest, **kw)
+        return rep["ok"], {c["name"]: c for c in rep["checks"]}
+
+    ok, found = checks()
+    assert ok and wanted not in found and found[f"launch_server --help shows {THRESHOLD_FLAG}"]["ok"]
+    ok, found = checks(expect_schedule=True)
+    assert not ok and not found[wanted]["ok"] and THRESHOLD_FLAG in found[wanted]["detail"]
+    shown.append(f"  {DEPTH_SCHEDULE_FLAG} LOW-HIGH:DEPTH,...|auto")
+    assert checks(expect_schedule=True)[0]
+    # a light image cannot run --help: said as skipped, for the schedule's flag too
+    assert wanted not in checks(light=True)[1]
+    ok, found = checks(light=True, expect_schedule=True)
+    assert ok and found[wanted]["skipped"]
+    # from the command line the image smoke runs (image_smoke.partial_command)
+    series = tmp_path / "series.json"
+    series.write_text("[]")
+    argv = ["partial", "--expect-series", str(series), "--manifest", str(manifest), "--light"]
+    assert partial.main(build_parser().parse_args([*argv, "--expect-schedule"])) == 0
+    assert wanted in {c["name"] for c in json.loads(capsys.readouterr().out)["checks"]}
+
+
 def test_nox_side_container_and_device_command(tmp_path):
     pytest.importorskip("docker")
     from sglang_image import gpu, image_smoke, pins
