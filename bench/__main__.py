@@ -1,10 +1,10 @@
-"""python -m bench {run,e2e,comm,auto-trace} ... (see each module's docstring)."""
+"""python -m bench {run,e2e,comm,auto-trace,verify-kernel} ... (see each module's docstring)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench import autotrace, comm, e2e, options, throughput
+from bench import autotrace, comm, e2e, options, throughput, verify_kernel
 
 
 def _add_comm_arguments(ap: argparse.ArgumentParser) -> None:
@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("comm", comm.__doc__, _add_comm_arguments, e2e.main,
              "2-GPU all-reduce proof: e2e's install,patch,models,comm"),
             ("auto-trace", autotrace.__doc__, autotrace.add_arguments, autotrace.main,
-             "an auto server's step trace, per batch-size bucket and mode")):
+             "an auto server's step trace, per batch-size bucket and mode"),
+            ("verify-kernel", verify_kernel.__doc__, verify_kernel.add_arguments, verify_kernel.main,
+             "the EAGLE verify's attention alone: upstream's prefill kernel against its split-KV one")):
         p = sub.add_parser(name, help=help_, description=doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(p)

@@ -31,6 +31,8 @@ patch series is refused unless this call installs again):
            next call goes on with them; they stop when the bench is complete or with --stop
   comm     TP=2/TP=1 runs of a tiny Qwen3 with torch symm mem / FlashInfer allreduce fusion (bench.comm;
            needs 2 GPUs; `python3 -m bench comm` = this driver with install,patch,models,comm)
+  kernels  `python -m bench verify-kernel` with --kernel-args: the EAGLE verify's attention alone,
+           upstream's prefill kernel against its split-KV one (seconds, no server; run every call)
   router   sglang-router with deploy/'s rendered flags in front of two threshold servers (1B-shaped
            models): load across each threshold, outputs equal to plain, a server killed mid-load
            with no request lost (bench.router; --router-*)
@@ -66,7 +68,7 @@ from smoke import features as features_mod
 from smoke import run_command, runner
 from smoke.scenario import DEFAULT_THRESHOLD, VARIANTS
 
-PHASES = ("install", "patch", "check", "models", "smoke", "features", "bench", "comm", "router")
+PHASES = ("install", "patch", "check", "models", "kernels", "smoke", "features", "bench", "comm", "router")
 RUN_PHASES = ("smoke", "features", "bench", "comm", "router")  # marked done in the state once complete
 
 
@@ -129,7 +131,7 @@ class E2E:
         self.kill_leftover_servers()
         steps: dict[str, Callable[[], None]] = {
             "install": self.site.install, "patch": self.site.patch, "check": self.site.check,
-            "models": self.runs.models, "smoke": self.runs.smoke, "features": self.runs.features,
+            "models": self.runs.models, "kernels": self.runs.kernels, "smoke": self.runs.smoke, "features": self.runs.features,
             "bench": self.runs.bench, "comm": self.runs.comm, "router": self.runs.router}
         stale = self.stale_site()
         if stale:
@@ -252,6 +254,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "per load (e.g. 1-8:3,9-24:2,25-64:1,65-:0); the loads visit every tier and "
                          "cross every edge both ways")
     run_command.add_endurance_arguments(ap, "smoke-")
+    ap.add_argument("--kernel-args", default="",
+                    help="kernels phase: flags for python -m bench verify-kernel, one shell-quoted string "
+                         "(default: its own: the 8B shape at 16-256 requests, contexts 256 and 2048)")
     ap.add_argument("--smoke-variants", default="overlap,sync", help="smoke phase: comma list of overlap,sync")
     ap.add_argument("--feature-variants", default="overlap,sync",
                     help="features phase: comma list of overlap,sync (CUDA graphs on in both)")

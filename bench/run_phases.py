@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -67,6 +68,16 @@ class RunPhases:
             self.call.state[f"models_{name}"] = args
             self.call.save()
             self.call.log(f"models {name}: {p.stdout.strip().splitlines()[-1]}")
+
+    def kernels(self) -> None:
+        """`python -m bench verify-kernel` in a subprocess (its GPU memory freed with it), with the
+        site on its path as the servers have it; its table in e2e.log, its files with the logs."""
+        cmd = [sys.executable, "-m", "bench", "verify-kernel", "--out", str(self.call.logs),
+               *shlex.split(self.a.kernel_args)]
+        p = self.call.sh(cmd, "kernels.log", cwd=str(REPO))
+        self.call.log(p.stdout.strip())
+        if p.returncode != 0:
+            raise RuntimeError(f"verify-kernel: {(p.stdout + p.stderr).strip()[-1500:]}")
 
     def smoke(self) -> None:
         st = self.resumable("smoke")

@@ -1,0 +1,173 @@
+"""`python -m bench verify-kernel`: the EAGLE verify's attention alone, one layer, no server.
+
+Upstream's two kernels for a target verify with speculative top-k 1 (a causal chain): the prefill
+kernel (`extend_attention_fwd`, what SGLang's Triton backend runs for a verify on NVIDIA GPUs) and
+the split-KV verify kernel (`verify_splitkv_fwd`, what it runs with SGLANG_ENABLE_SPLITKV_VERIFY=1
+and this image's plugin). At each batch size, context length and verify width asked for, the same
+inputs go through both: each one's time (CUDA events, the median of --repeats runs after a
+warm-up), times --layers for a decode step's share, and the largest difference of their outputs.
+A difference beyond --tolerance fails the command. The shape's defaults are the 8B shape's (32
+query heads, 8 KV heads, head dim 128); the default contexts bracket the benchmark's short
+prompts (about 200 tokens) and a chat's (2,048).
+
+Needs sglang (the image's, or the GPU host's site) and a GPU; with --device cpu and
+TRITON_INTERPRET=1 it runs Triton's interpreter on tiny shapes (float32: the interpreter computes
+bfloat16 wrongly), which is what the CPU tests do.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    context: int  # prefix tokens a request has before the verified ones
+    width: int  # tokens verified per request (draft steps + 1)
+
+
+@dataclass(frozen=True)
+class Timing:
+    case: Case
+    prefill_ms: float
+    splitkv_ms: float | None  # None: the split-KV kernel refused the case (upstream then falls back)
+    max_diff: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        return self.prefill_ms / self.splitkv_ms if self.splitkv_ms else None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers separated by commas")
+    return values
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--batch", type=_ints, default=[16, 64, 128, 256], help="requests verified together")
+    ap.add_argument("--context", type=_ints, default=[256, 2048], help="prefix tokens per request")
+    ap.add_argument("--width", type=_ints, default=[2, 3, 4], help="tokens verified per request (depth + 1)")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=32, help="layers a decode step runs (the step's share)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tolerance", type=float, default=0.02,
+                    help="the largest difference of the two kernels' outputs allowed (inputs of unit scale)")
+    ap.add_argument("--out", type=Path, default=None, help="write the table (.md) and the figures (.json) here")
+
+
+def _timer(device: str) -> Callable[[Callable[[], Any], int], float]:
+    """Median ms of fn over n runs: CUDA events on a GPU, the wall clock elsewhere."""
+    import torch
+
+    def on_gpu(fn: Callable[[], Any], n: int) -> float:
+        times = []
+        for _ in range(n):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+        return statistics.median(times)
+
+    def on_host(fn: Callable[[], Any], n: int) -> float:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    return on_gpu if device.startswith("cuda") else on_host
+
+
+def measure(case: Case, a: argparse.Namespace) -> Timing:
+    import torch
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+    from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
+
+    dtype, dev = getattr(torch, a.dtype), a.device
+    g = torch.Generator(device="cpu").manual_seed(case.batch * 7919 + case.context * 31 + case.width)
+    def randn(*shape: int) -> Any:
+        return torch.randn(*shape, generator=g).to(dtype=dtype, device=dev)
+
+    bs, n, w = case.batch, case.context, case.width
+    pool = bs * n + 1  # slot 0 unused, as in SGLang's pool
+    k_buf, v_buf = randn(pool, a.kv_heads, a.head_dim), randn(pool, a.kv_heads, a.head_dim)
+    kv_indptr = torch.arange(0, bs * n + 1, n, dtype=torch.int32, device=dev)
+    kv_indices = (torch.randperm(pool - 1, generator=g) + 1).to(torch.int64).to(dev)  # scattered, as in use
+    qo_indptr = torch.arange(0, bs * w + 1, w, dtype=torch.int32, device=dev)
+    q = randn(bs * w, a.heads, a.head_dim)
+    k, v = randn(bs * w, a.kv_heads, a.head_dim), randn(bs * w, a.kv_heads, a.head_dim)
+    o_prefill, o_split = torch.zeros_like(q), torch.zeros_like(q)
+    scale = a.head_dim ** -0.5
+
+    def prefill() -> None:
+        extend_attention_fwd(q, k, v, o_prefill, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None,
+                             True, None, w, 1.0, 1.0, scale)
+
+    def split() -> bool:
+        return bool(verify_splitkv_fwd(q, k, v, o_split, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None,
+                                       True, None, w, 1.0, 1.0, scale, max_bs=bs))
+
+    timed = _timer(dev)
+    prefill()
+    ran = split()  # also the warm-up (Triton compiles on first use)
+    prefill_ms = timed(prefill, a.repeats)
+    if not ran:
+        return Timing(case, round(prefill_ms, 4), None, None)
+    split_ms = timed(split, a.repeats)
+    for name, out in (("prefill", o_prefill), ("split-KV", o_split)):
+        if not out.abs().max().item() > 0:  # equal outputs must not be two untouched buffers
+            raise RuntimeError(f"the {name} kernel wrote no output at {case}")
+    diff = (o_prefill.float() - o_split.float()).abs().max().item()
+    return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6))
+
+
+def table(rows: list[Timing], layers: int) -> str:
+    lines = [("| batch | context | width | prefill kernel ms | split-KV ms | speed-up | "
+              f"per step, {layers} layers: prefill / split-KV ms | largest difference |"),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r.case
+        if r.splitkv_ms is None:
+            lines.append(f"| {c.batch} | {c.context} | {c.width} | {r.prefill_ms:.3f} | refused | - | "
+                         f"{r.prefill_ms * layers:.2f} / - | - |")
+            continue
+        lines.append(f"| {c.batch} | {c.context} | {c.width} | {r.prefill_ms:.3f} | {r.splitkv_ms:.3f} | "
+                     f"{r.speedup:.2f}x | {r.prefill_ms * layers:.2f} / {r.splitkv_ms * layers:.2f} | {r.max_diff:g} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(a: argparse.Namespace) -> int:
+    rows = [measure(Case(b, n, w), a) for b in a.batch for n in a.context for w in a.width]
+    text = (f"EAGLE verify attention, one layer: {a.heads} query heads, {a.kv_heads} KV heads, head dim "
+            f"{a.head_dim}, {a.dtype} on {a.device}; median of {a.repeats} runs\n\n" + table(rows, a.layers))
+    print(text, end="", flush=True)
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "verify_kernel.md").write_text(text)
+        (a.out / "verify_kernel.json").write_text(json.dumps(
+            [{**asdict(r.case), "prefill_ms": r.prefill_ms, "splitkv_ms": r.splitkv_ms, "max_diff": r.max_diff}
+             for r in rows], indent=1) + "\n")
+    bad = [r for r in rows if r.max_diff is not None and r.max_diff > a.tolerance]
+    for r in bad:
+        print(f"FAILED: batch {r.case.batch}, context {r.case.context}, width {r.case.width}: the kernels' "
+              f"outputs differ by {r.max_diff:g}, more than --tolerance {a.tolerance:g}", flush=True)
+    return 1 if bad else 0

@@ -1,0 +1,48 @@
+"""`python -m bench verify-kernel` on a CPU: upstream's two verify kernels of the real sglang 0.5.23
+wheel in Triton's interpreter, tiny shapes, float32 (the interpreter computes bfloat16 wrongly)."""
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.bench.conftest import REPO
+
+TINY = ["--device", "cpu", "--dtype", "float32", "--batch", "2", "--context", "40", "--width", "2,3",
+        "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--repeats", "1"]
+
+
+def test_both_kernels_time_the_same_verify_and_agree(
+        run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
+        sglang_tree: Callable[[str, bool], Path], tmp_path: Path) -> None:
+    tree = sglang_tree("sglang-0.5.23", False)
+    env = {"PYTHONPATH": f"{tree}:{REPO}:{REPO / 'src'}:{REPO / 'plugin'}", "TRITON_INTERPRET": "1"}
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        code = "import sys; from bench.__main__ import main; sys.exit(main(sys.argv[1:]))"
+        return run_in_tree(tree, code.replace("sys.argv[1:]", repr(["verify-kernel", *TINY, *extra])), env=env)
+
+    ok = run("--out", str(tmp_path))
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    rows = json.loads((tmp_path / "verify_kernel.json").read_text())
+    assert [(r["batch"], r["context"], r["width"]) for r in rows] == [(2, 40, 2), (2, 40, 3)]
+    assert all(r["prefill_ms"] > 0 and r["splitkv_ms"] > 0 and r["max_diff"] <= 1e-5 for r in rows)
+    assert "| 2 | 40 | 3 |" in (tmp_path / "verify_kernel.md").read_text()
+    bad = run("--tolerance", "-1")  # every difference is above it: the command fails, naming the case
+    assert bad.returncode == 1 and "FAILED: batch 2, context 40, width 2: the kernels' outputs differ" in bad.stdout
+
+
+def test_the_e2e_kernels_phase_runs_it_and_keeps_the_table_in_its_log(
+        run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
+        sglang_tree: Callable[[str, bool], Path], tmp_path: Path) -> None:
+    tree = sglang_tree("sglang-0.5.23", False)
+    env = {"PYTHONPATH": f"{tree}:{REPO / 'src'}:{REPO / 'plugin'}", "TRITON_INTERPRET": "1"}
+    argv = ["e2e", "--bundle", str(tmp_path / "none"), "--state", str(tmp_path / "st"), "--out",
+            str(tmp_path / "out"), "--phases", "kernels", "--kernel-args", " ".join(TINY)]
+    code = f"import sys, os; os.chdir({str(REPO)!r}); from bench.__main__ import main; sys.exit(main({argv!r}))"
+    proc = run_in_tree(tree, code, env=env)
+    log = (tmp_path / "out" / "e2e.log").read_text()
+    assert proc.returncode == 0, log[-2000:]
+    assert "| 2 | 40 | 3 |" in log and "RESULT: PASS" in log
+    assert (tmp_path / "st" / "logs" / "verify_kernel.json").is_file()
