@@ -597,6 +597,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--deadline", type=float, default=3600, help="seconds from now")
     ap.add_argument("--cases", default=",".join(CASE_NAMES),
                     help="comma list of the cases to run (default: all); a subset reruns what failed")
+    ap.add_argument("--check", action="store_true",
+                    help="check the options (the threshold or the schedule against the matrix's KV pool) "
+                         "and exit, starting nothing: the image smoke does so before its first server")
     ap.add_argument("--parallel-variants", action="store_true",
                     help="run the variants side by side, their servers on ports PORT+1, PORT+2, "
                          "...: they start at once (their KV pools are fixed), then their matrices overlap; for a "
@@ -620,6 +623,9 @@ def options(a: argparse.Namespace) -> FeatureOptions:
 
 def main(a: argparse.Namespace) -> int:
     opts = options(a)
+    if a.check:
+        print(f"features: the options hold (threshold {opts.threshold}, schedule {opts.schedule})", flush=True)
+        return 0
     report = run_features(opts)
     (opts.out / "features.json").write_text(json.dumps(report, indent=1))
     print(summarize(report))

@@ -152,7 +152,9 @@ def full_command(threshold: Threshold | None = None,
     matrix = "" if threshold == AUTO else given
     if schedule is not None:  # both run it: the smoke through its tiers, the matrix in each
         given = matrix = f" --schedule {schedule}"
-    script = ("set -e; python3 -m smoke models /tmp/models --device cuda; "
+    # the matrix's own refusals (its KV pool, its tiers) before any model or server, not after the smoke
+    script = (f"set -e; python3 -m smoke features --check --models /tmp/models --out {OUT_MOUNT}/features{matrix}; "
+              "python3 -m smoke models /tmp/models --device cuda; "
               f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT}{given}; "
               f"python3 -m smoke features --models /tmp/models --out {OUT_MOUNT}/features{matrix}")
     return ["bash", "-c", script]

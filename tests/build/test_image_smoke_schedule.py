@@ -4,6 +4,8 @@ PARTIAL check's --help expectation. No Docker: the engine is a fake that records
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from sglang_image_plugin.setting import (
 )
 
 EXAMPLE = smoke_schedule.EXAMPLE
+REPO = pins.REPO_ROOT
 
 
 def _flavors(plugin: bool) -> list[str]:
@@ -223,3 +226,20 @@ def test_a_schedule_smoke_runs_with_the_schedule_and_says_what_it_did_not_check(
     assert engine.commands[-1] == image_smoke.partial_command()
     assert image_smoke.not_checked_without_gpu(res.schedule) == image_smoke.NOT_CHECKED_WITHOUT_GPU
     assert "threshold=N" in image_smoke.describe(res)
+
+
+def test_the_matrix_checks_its_setting_before_any_model_or_server() -> None:
+    # The full smoke's first step is the matrix's own check of its options: a schedule the smoke
+    # accepts but the matrix cannot hold (the plugin's example: top edge 96) stops the container in
+    # seconds, naming the fix, instead of after the models and the whole smoke.
+    script = image_smoke.full_command(schedule=smoke_schedule.parse("1-16:3,17-48:2,49-96:1,97-:0"))[-1]
+    first = script.split("; ")[1]
+    assert first.startswith("python3 -m smoke features --check ") and "smoke models" in script.split("; ")[2]
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'src'}:{REPO / 'plugin'}"}
+    argv = first.replace("python3", sys.executable, 1).split()
+    bad = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, check=False)
+    assert bad.returncode != 0 and "Give a top edge <= " in bad.stderr
+    good = image_smoke.full_command(schedule=smoke_schedule.parse(EXAMPLE))[-1].split("; ")[1]
+    ok = subprocess.run(good.replace("python3", sys.executable, 1).split(), capture_output=True, text=True,
+                        env=env, cwd=REPO, check=False)
+    assert ok.returncode == 0 and "features: the options hold" in ok.stdout
