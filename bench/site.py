@@ -34,8 +34,10 @@ def _archive_problem(path: Path, meta: dict[str, object]) -> str | None:
     size, sha = meta.get("size"), meta.get("sha256")
     if isinstance(size, int) and path.stat().st_size != size:
         return f"is {path.stat().st_size:,} bytes, bundle.json says {size:,}"
-    if isinstance(sha, str) and hashlib.sha256(path.read_bytes()).hexdigest() != sha:
-        return f"has sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:16]}..., bundle.json says {sha[:16]}..."
+    if isinstance(sha, str):
+        have = hashlib.sha256(path.read_bytes()).hexdigest()
+        if have != sha:
+            return f"has sha256 {have[:16]}..., bundle.json says {sha[:16]}..."
     return None
 
 
@@ -48,30 +50,32 @@ def bundle_archive(bundle: Path) -> Path:
     meta_file = bundle / "bundle.json"
     meta: dict[str, object] = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
     parts = sorted(bundle.glob("wheels.tar.xz.part-*"))
-    if whole.is_file() and parts and _archive_problem(whole, meta):
+    if whole.is_file():
+        problem = _archive_problem(whole, meta)
+        if problem is None:
+            return whole
+        if not parts:
+            raise SystemExit(f"{whole} {problem}: a copy cut short or of another bundle; copy .gpu/ "
+                             "(or its parts) to this host again")
         whole.unlink()  # derived from the parts, which are kept: nothing is lost
-    if not whole.is_file() and parts:
-        numbers = sorted(int(p.name.rsplit("-", 1)[1]) for p in parts if p.name.rsplit("-", 1)[1].isdigit())
-        gaps = sorted(set(range(max(numbers, default=-1) + 1)) - set(numbers))
-        tmp = whole.with_suffix(".joining")
-        with tmp.open("wb") as out:
-            for part in parts:
-                out.write(part.read_bytes())
-        problem = _archive_problem(tmp, meta)
-        if gaps or problem:
-            tmp.unlink()
-            missing = f"part(s) {', '.join(f'{n:02d}' for n in gaps)} missing" if gaps else \
-                f"joined, they {problem} (the last part missing or one cut short?)"
-            raise SystemExit(f"{bundle}: the parts of wheels.tar.xz ({', '.join(p.name[-2:] for p in parts)}) "
-                             f"do not make the archive: {missing}; copy every part of .gpu/ to this host again")
-        tmp.replace(whole)
-    if not whole.is_file():
+    if not parts:
         raise SystemExit(f"{whole} is missing: build the bundle with nox -s gpu-e2e, then copy "
                          ".gpu/ (or its parts) to this host")
-    problem = _archive_problem(whole, meta)
-    if problem:
-        raise SystemExit(f"{whole} {problem}: a copy cut short or of another bundle; copy .gpu/ "
-                         "(or its parts) to this host again")
+    suffixes = [p.name.rsplit("-", 1)[1] for p in parts]
+    numbers = {int(x) for x in suffixes if x.isdigit()}
+    gaps = sorted(set(range(max(numbers, default=-1) + 1)) - numbers)
+    tmp = whole.with_suffix(".joining")
+    with tmp.open("wb") as out:
+        for part in parts:
+            out.write(part.read_bytes())
+    problem = _archive_problem(tmp, meta)
+    if gaps or problem:
+        tmp.unlink()
+        missing = f"part(s) {', '.join(f'{n:02d}' for n in gaps)} missing" if gaps else \
+            f"joined, they {problem} (the last part missing or one cut short?)"
+        raise SystemExit(f"{bundle}: the parts of wheels.tar.xz ({', '.join(suffixes)}) "
+                         f"do not make the archive: {missing}; copy every part of .gpu/ to this host again")
+    tmp.replace(whole)
     return whole
 
 
