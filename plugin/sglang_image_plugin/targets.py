@@ -26,6 +26,7 @@ class Group(StrEnum):
     KV_ONLY = "kv_only"  # a draft that writes only its K/V
     LAYOUT = "layout"  # the plain layout (overlap scheduler)
     AUTO_ONLY = "auto"  # what only an `auto` threshold needs
+    SPECULATIVE = "speculative"  # every EAGLE server, a threshold or not (worker_init)
 
 
 START = Group.START
@@ -65,6 +66,10 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__", "after",
              "sglang_image_plugin.verify_attention:triton_backend_init", START,
              "the split-KV verify attention on NVIDIA GPUs, where asked for"),
+    # -- every EAGLE server (installed by the worker, whatever its setting)
+    HookSpec("sglang.srt.managers.schedule_batch.Req.update_finish_state", "after",
+             "sglang_image_plugin.length_cap:cap_finished_output", Group.SPECULATIVE,
+             "an aborted request's output stops at its max_new_tokens"),
     # -- every threshold server (installed by the worker)
     HookSpec(f"{_WORKER}.build_adaptive_runtime_state", "around",
              "sglang_image_plugin.plain_target:build_runtime_state", Group.THRESHOLD,
@@ -152,6 +157,10 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend",
     "sglang.kernels.ops.attention.verify_splitkv.verify_splitkv_fwd",
     "sglang.kernels.ops.attention.verify_splitkv.can_handle",
+    # length_cap.py: an abort marks a running request `to_finish` for one more decode pass, which
+    # update_finish_state (the hook's target) takes before its length check.
+    "sglang.srt.managers.scheduler.Scheduler.abort_request",
+    "sglang.srt.managers.scheduler_components.output_streamer._GenerationStreamAccumulator.accept",
     # The tensor-parallel rank and group the plugin logs on and agrees over.
     "sglang.srt.runtime_context.get_parallel",
     # How the hooks are applied: the wrapper shape registry.not_taken() inspects, and the

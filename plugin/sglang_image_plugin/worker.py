@@ -34,7 +34,7 @@ from sglang_image_plugin.setting import (
     start_log_line,
 )
 from sglang_image_plugin.state import AcceptanceWatch, ArgsState, DraftState, WorkerState
-from sglang_image_plugin.targets import hooks_of
+from sglang_image_plugin.targets import Group, hooks_of
 from sglang_image_plugin.tp import (
     broadcast_ints,
     log_on_rank0,
@@ -50,6 +50,7 @@ def worker_init(result: None, worker: Any, *args: Any, **kwargs: Any) -> None:
     zero-step state; the switch is upstream's AdaptiveController with our policy (for
     `auto`, installed by worker_init_cuda_graphs, once the server's batch limit is known)."""
     registry.check_once()
+    registry.install(hooks_of(Group.SPECULATIVE), "speculative")
     server_args = worker.server_args
     on_args = state.peek(server_args, ArgsState)
     setting = on_args.setting if on_args is not None else None

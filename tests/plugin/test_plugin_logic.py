@@ -195,7 +195,7 @@ def test_plain_step_installs_the_hooks_of_its_parts_only() -> None:
     # every hook names a function that exists, and a start-up hook never depends on a group
     for spec in HOOKS:
         assert callable(pkgutil.resolve_name(spec.function)), spec
-    assert {h.group for h in HOOKS} == {START, "threshold", "kv_only", "layout", "auto"}
+    assert {h.group for h in HOOKS} == {START, "speculative", "threshold", "kv_only", "layout", "auto"}
 
 
 class RecordedMetrics(sd.Metrics):
