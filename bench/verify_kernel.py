@@ -2,7 +2,7 @@
 
 Upstream's two kernels for a target verify with speculative top-k 1 (a causal chain): the prefill
 kernel (`extend_attention_fwd`, what SGLang's Triton backend runs for a verify on NVIDIA GPUs) and
-the split-KV verify kernel (`verify_splitkv_fwd`, what it runs with SGLANG_ENABLE_SPLITKV_VERIFY=1
+the split-KV verify kernel (`verify_splitkv_fwd`, what it runs by default with
 and this image's plugin). At each batch size, context length and verify width asked for, the same
 inputs go through both: each one's time (CUDA events, the median of --repeats runs after a
 warm-up), times --layers for a decode step's share, and the largest difference of their outputs.

@@ -46,10 +46,10 @@ DEPTH_SCHEDULE_ENV = "SGLANG_SPEC_DEPTH_SCHEDULE"
 # `auto`: a file to append its step trace to (JSON lines, rank 0; auto_threshold.StepTrace)
 AUTO_TRACE_ENV = "SGLANG_IMAGE_AUTO_TRACE"
 # Not the speculation setting, but read beside it: upstream's switch of its split-KV verify
-# attention (Triton backend, top-k 1), which upstream runs on AMD gfx95 only. Set to 1, it runs on
-# NVIDIA GPUs too (verify_attention.py); unset or 0, upstream's choice stands.
+# attention (Triton backend, top-k 1), which upstream runs on AMD gfx95 only. The plugin runs it on
+# NVIDIA GPUs too (verify_attention.py) unless it is set to 0 (upstream's prefill kernel then).
 SPLITKV_VERIFY_ENV = "SGLANG_ENABLE_SPLITKV_VERIFY"
-SPLITKV_VERIFY_LOG_LINE = "EAGLE verify attention: split-KV kernel ({env}=1, top-k 1)"
+SPLITKV_VERIFY_LOG_LINE = "EAGLE verify attention: split-KV kernel (top-k 1; {env}=0 turns it off)"
 # argparse destinations: not ServerArgs fields, so ServerArgs.from_cli_args skips them.
 THRESHOLD_DEST = "speculative_disable_batch_threshold"
 HYSTERESIS_DEST = "speculative_disable_hysteresis"

@@ -1,7 +1,7 @@
 """The split-KV verify attention on NVIDIA GPUs (plugin/sglang_image_plugin/verify_attention.py),
 against the real sglang 0.5.23 wheel on a CPU: the start-up hook is applied, it turns upstream's
-switch on for a top-k 1 chain only where asked, and upstream's own Triton backend then routes a
-target verify to the split-KV kernel instead of the prefill kernel. The kernels run in Triton's
+switch on for a top-k 1 chain unless it is turned off, and upstream's own Triton backend then
+routes a target verify to the split-KV kernel instead of the prefill kernel. The kernels run in Triton's
 interpreter (TRITON_INTERPRET=1) in float32: the interpreter computes bfloat16 wrongly."""
 from __future__ import annotations
 
@@ -20,9 +20,12 @@ from tests.probe import probe_result
 FLAVOR = "sglang-0.5.23"
 
 
-@pytest.mark.parametrize(("value", "asked"), [("1", True), ("true", True), (" ON ", True), ("0", False),
-                                              ("", False), ("no", False), (None, False)])
-def test_only_a_true_switch_asks_for_it(value: str | None, asked: bool) -> None:
+# upstream's EnvBool: unset is its default (on); false values turn it off; a value it cannot read
+# leaves the default, with upstream's warning
+@pytest.mark.parametrize(("value", "asked"), [(None, True), ("1", True), ("true", True), ("Y", True),
+                                              ("0", False), ("false", False), ("No", False), ("n", False),
+                                              ("maybe", True)])
+def test_only_a_false_switch_turns_it_off(value: str | None, asked: bool) -> None:
     env = {} if value is None else {SPLITKV_VERIFY_ENV: value}
     assert verify_attention.asked_for(env) is asked
 
@@ -98,7 +101,7 @@ PROBE = textwrap.dedent("""
     zero = after_init(1)
     os.environ["SGLANG_ENABLE_SPLITKV_VERIFY"] = "1"
     on, tree, gfx95 = after_init(1), after_init(3), after_init(1, gfx95=True)
-    called_off, _ = verify(off)
+    called_off, _ = verify(zero)
     called_on, out = verify(on)
     emit({"hooked": registry.wraps_hook(TritonAttnBackend.__init__, verify_attention.triton_backend_init),
           "switch": [off.use_verify_splitkv, zero.use_verify_splitkv, on.use_verify_splitkv,
@@ -108,7 +111,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def test_a_chain_verify_runs_the_split_kv_kernel_where_asked(
+def test_a_chain_verify_runs_the_split_kv_kernel_unless_turned_off(
         run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
         sglang_tree: Callable[[str, bool], Path], plugin_site: Path) -> None:
     tree = sglang_tree(FLAVOR, False)
@@ -117,8 +120,8 @@ def test_a_chain_verify_runs_the_split_kv_kernel_where_asked(
                        timeout=900)
     out: dict[str, Any] = probe_result(proc)
     assert out["hooked"] is True
-    # unset, 0: upstream's choice (off here); 1: on for a chain, not for a tree; gfx95 keeps upstream's
-    assert out["switch"] == [False, False, True, False, True]
-    assert out["called_off"] == ["prefill"]  # without it upstream takes the prefill kernel
+    # unset, 1: on for a chain, not for a tree; 0: upstream's choice (off here); gfx95 keeps upstream's
+    assert out["switch"] == [True, False, True, False, True]
+    assert out["called_off"] == ["prefill"]  # turned off, upstream takes the prefill kernel
     assert out["called_on"] == [] and out["max_err"] < 1e-4  # with it the split-KV kernel, exact
     assert proc.stdout.count("LOG EAGLE verify attention: split-KV kernel") == 1
