@@ -148,7 +148,10 @@ def compared_outputs(outputs: dict[str, dict[str, Any]], prefixes: dict[str, dic
     for name, got in prefixes.items():
         if name == "plain":
             continue
-        bad = [k for k, v in got.items() if k in ref and ref[k] is not None and v != ref[k][:len(v)]]
+        # plain's complete output ran to max_new_tokens: one that starts with all of it and goes on
+        # ran past its length, which over_max() reports from every window (plain's or not)
+        bad = [k for k, v in got.items() if k in ref and ref[k] is not None and v != ref[k][:len(v)]
+               and v[:len(ref[k])] != ref[k]]
         if bad:
             why = (reasons or {}).get(name, {})
             examples = [prefix_detail(k, got[k], ref[k], why.get(k)) for k in bad[:PREFIX_EXAMPLES]]
@@ -156,3 +159,10 @@ def compared_outputs(outputs: dict[str, dict[str, Any]], prefixes: dict[str, dic
             problems.append(f"{where} {name}: {len(bad)} aborted output(s) not a prefix of plain's "
                             f"(e.g. {detail_text(examples[0])})")
     return problems, details
+
+
+def over_max(windows: dict[str, dict[str, Any]], where: str) -> list[str]:
+    """Every server whose aborted outputs ran past their max_new_tokens in this block (a window's
+    `aborted_over_max`): a request gets no more tokens than it asked for, aborted or not."""
+    return [f"{where} {name}: {w['aborted_over_max']} aborted output(s) longer than their max_new_tokens"
+            for name, w in windows.items() if w.get("aborted_over_max")]

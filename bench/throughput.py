@@ -63,6 +63,7 @@ from bench.checks import (
     learned_schedule_of,
     mismatches,
     mode_of,
+    over_max,
     server_checks,
 )
 from bench.options import (
@@ -416,7 +417,7 @@ class Bench:
             got[name] = m
         self.result["blocks"].setdefault(str(c), []).append({"block": k + 1, "order": order, "windows": got})
         problems, details = compared_outputs(outputs, prefixes, f"block {k + 1} c={c}", reasons)
-        self.result["window_mismatches"] += problems
+        self.result["window_mismatches"] += problems + over_max(got, f"block {k + 1} c={c}")
         # what the aborted outputs that are not a prefix of plain's hold (a state of an older bench has none)
         self.result.setdefault("prefix_mismatches", []).extend(details)
         self.st["blocks_done"].append(f"{c}:{k}")

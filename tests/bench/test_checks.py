@@ -32,10 +32,13 @@ def test_an_aborted_output_not_a_prefix_of_plain_s_says_where_it_leaves_it():
     changed = plain[:12]
     changed[9] = 7
     bad = {keys[0]: changed,  # differs inside: at token 9 of its 12
-           keys[1]: [*plain, 5, 6],  # longer than plain's complete output: cannot be a prefix
+           keys[1]: [*plain[:-1], 5, 6],  # longer than plain's complete output, and differs before its end
            **{k: [1] for k in keys[2:]},
-           "c64-ok": plain[:4]}
-    outs["plain"]["c64-ok"] = plain
+           "c64-ok": plain[:4],
+           # all of plain's output and more: not a wrong token but a length past max_new_tokens,
+           # which over_max() reports from the window's count (a GPU run: 1-7 a block at 192-256)
+           "c64-over": [*plain, 5, 6]}
+    outs["plain"]["c64-ok"] = outs["plain"]["c64-over"] = plain
     reasons = {"eagle3": {keys[0]: {"type": "abort", "message": "Abort all requests"}}}
     problems, details = checks.compared_outputs(outs, {"eagle3": bad}, "block 3 c=64", reasons)
     assert problems == [(
@@ -47,11 +50,21 @@ def test_an_aborted_output_not_a_prefix_of_plain_s_says_where_it_leaves_it():
     assert first == {"key": "c64-0", "aborted_len": 12, "plain_len": 20, "differs_at": 9, "longer": False,
                      "from": 6, "got": [106, 107, 108, 7, 110, 111], "want": [106, 107, 108, 109, 110, 111, 112, 113],
                      "finish_reason": {"type": "abort", "message": "Abort all requests"}}
-    assert longer == {"key": "c64-1", "aborted_len": 22, "plain_len": 20, "differs_at": 20, "longer": True,
-                      "from": 17, "got": [117, 118, 119, 5, 6], "want": [117, 118, 119], "finish_reason": None}
-    assert checks.detail_text(longer) == ("c64-1: differs at token 20 of 22, plain's 20 (longer than plain's): "
-                                          "got [117, 118, 119, 5, 6] want [117, 118, 119]")
+    assert longer == {"key": "c64-1", "aborted_len": 21, "plain_len": 20, "differs_at": 19, "longer": True,
+                      "from": 16, "got": [116, 117, 118, 5, 6], "want": [116, 117, 118, 119], "finish_reason": None}
+    assert checks.detail_text(longer) == ("c64-1: differs at token 19 of 21, plain's 20 (longer than plain's): "
+                                          "got [116, 117, 118, 5, 6] want [116, 117, 118, 119]")
     assert d["examples"][2]["differs_at"] == 0 and d["examples"][2]["from"] == 0
+    assert "c64-over" not in {e["key"] for e in d["examples"]}
+
+
+def test_an_aborted_output_past_its_max_new_tokens_fails_its_block():
+    # an abort's last speculative pass could accept tokens past the request's max_new_tokens
+    # (upstream took the abort before the length check); the window counts them, plain's or not
+    windows = {"plain": {"aborted_over_max": 0}, "eagle3": {"aborted_over_max": 3}, "old": {}}
+    assert checks.over_max(windows, "block 2 c=256") == [
+        "block 2 c=256 eagle3: 3 aborted output(s) longer than their max_new_tokens"]
+    assert checks.over_max({"eagle3": {"aborted_over_max": 0}}, "block 1 c=1") == []
 
 
 class ChecksServer:

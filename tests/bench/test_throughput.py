@@ -272,7 +272,7 @@ def test_an_aborted_output_not_a_prefix_of_plain_s_is_described_in_bench_json(la
         m = fake(base, prompt_at, c, *a, **kw)
         key = prompt_at(0).key  # plain's complete output of it: [len(key)]
         if base.endswith("eagle3"):
-            m["prefixes"] = {key: [len(key), 9]}
+            m["prefixes"] = {key: [9, len(key)]}
             m["abort_reasons"] = {key: {"type": "abort"}}
             m["aborted_over_max"] = 1
         return m
@@ -280,11 +280,12 @@ def test_an_aborted_output_not_a_prefix_of_plain_s_is_described_in_bench_json(la
     monkeypatch.setattr(throughput, "measure", measure)
     result = throughput.run_bench(lab.options(400, concurrency=(4,), pairs=1, ramp_cycles=0), {})
     assert result["failures"] == [("block 1 c=4 eagle3: 1 aborted output(s) not a prefix of plain's (e.g. "
-                                   "c4-0: differs at token 1 of 2, plain's 1 (longer than plain's), finish abort: "
-                                   "got [4, 9] want [4])")]
+                                   "c4-0: differs at token 0 of 2, plain's 1 (longer than plain's), finish abort: "
+                                   "got [9, 4] want [4])"),
+                                  "block 1 c=4 eagle3: 1 aborted output(s) longer than their max_new_tokens"]
     assert result["prefix_mismatches"] == [{"where": "block 1 c=4", "server": "eagle3", "bad": 1, "examples": [
-        {"key": "c4-0", "aborted_len": 2, "plain_len": 1, "differs_at": 1, "longer": True, "from": 0,
-         "got": [4, 9], "want": [4], "finish_reason": {"type": "abort"}}]}]
+        {"key": "c4-0", "aborted_len": 2, "plain_len": 1, "differs_at": 0, "longer": True, "from": 0,
+         "got": [9, 4], "want": [4], "finish_reason": {"type": "abort"}}]}]
     eagle3 = result["blocks"]["4"][0]["windows"]["eagle3"]
     assert eagle3["aborted_over_max"] == 1 and "abort_reasons" not in eagle3 and "prefixes" not in eagle3
     saved = json.loads((lab.tmp_path / "out" / "bench.json").read_text())
