@@ -6,6 +6,7 @@ tables and plots can be drawn where matplotlib is installed, away from the GPU h
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 from pathlib import Path
 from typing import Any
@@ -360,7 +361,8 @@ def markdown(result: dict[str, Any]) -> str:
               f"reversed every other block; a window counts {fmt2(result.get('window_s'))} s of output after "
               f"{fmt2(result.get('settle_s'))} s under load. A ratio is taken within a block; shown: the median "
               "over the blocks and its bootstrap 95% interval [low-high]"
-              + (f"; measured over {result['calls']} calls." if (result.get("calls") or 0) > 1 else ".")), ""]
+              + (f"; measured over {result['calls']} calls." if (result.get("calls") or 0) > 1 else ".")), "",
+             server_setting_text(result), ""]
     table = level_table(result)
     floor = floor_table(result)
     if table:
@@ -505,6 +507,18 @@ def markdown(result: dict[str, Any]) -> str:
     for name, diag in result.get("diagnose", {}).items():
         lines += ["", *diagnose.render(name, diag)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def server_setting_text(result: dict[str, Any]) -> str:
+    """What --server-env and --server-args gave every server; said where not recorded (a bench.json
+    from before the bench kept them)."""
+    if "server_env" not in result and "server_args" not in result:
+        return ("Every server's --server-env and --server-args: not recorded (a bench.json from before "
+                "the bench kept them).")
+    env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (result.get("server_env") or {}).items())
+    args = shlex.join(result.get("server_args") or [])
+    return ("Every server: " + (f"--server-env `{env}`" if env else "no --server-env") + ", "
+            + (f"--server-args `{args}`" if args else "no --server-args") + ".")
 
 
 def fmt2(x: Any) -> str:
