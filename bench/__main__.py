@@ -1,10 +1,10 @@
-"""python -m bench {run,e2e,comm,auto-trace,verify-kernel} ... (see each module's docstring)."""
+"""python -m bench {run,e2e,comm,merge,auto-trace,verify-kernel} ... (see each module's docstring)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench import autotrace, comm, e2e, options, throughput, verify_kernel
+from bench import autotrace, comm, e2e, merge, options, throughput, verify_kernel
 
 
 def _add_comm_arguments(ap: argparse.ArgumentParser) -> None:
@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
              "the whole GPU-host run: install, patch, models, smoke, bench"),
             ("comm", comm.__doc__, _add_comm_arguments, e2e.main,
              "2-GPU all-reduce proof: e2e's install,patch,models,comm"),
+            ("merge", merge.__doc__, merge.add_arguments, merge.main,
+             "several calls' bench.json as one report (the concurrencies one card could not hold at once)"),
             ("auto-trace", autotrace.__doc__, autotrace.add_arguments, autotrace.main,
              "an auto server's step trace, per batch-size bucket and mode"),
             ("verify-kernel", verify_kernel.__doc__, verify_kernel.add_arguments, verify_kernel.main,

@@ -6,6 +6,7 @@ tables and plots can be drawn where matplotlib is installed, away from the GPU h
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,25 @@ def blocks_at(result: dict[str, Any], c: str) -> list[dict[str, Any]]:
 
 def levels(result: dict[str, Any]) -> list[str]:
     return sorted(result.get("blocks", {}), key=int)
+
+
+def sources_at(result: dict[str, Any], c: str, name: str | None = None) -> list[int]:
+    """The calls a merged result (bench.merge: each block tagged with its `source`) has blocks
+    from at concurrency c, those with a window of `name` where given; empty for one call's result."""
+    return sorted({b["source"] for b in blocks_at(result, c)
+                   if "source" in b and (name is None or name in b["windows"])})
+
+
+def mixed_levels(result: dict[str, Any]) -> list[str]:
+    """The concurrencies where a merged result's blocks come from several calls: a tokens/s median
+    there pools windows of different calls (each ratio stays within its block)."""
+    return [c for c in levels(result) if len(sources_at(result, c)) > 1]
+
+
+def blocks_expected(result: dict[str, Any], c: str) -> int:
+    """The blocks the calls meant to measure at c: --pairs, or in a merged result the sum of the
+    --pairs of the calls that measured c."""
+    return int((result.get("pairs_at") or {}).get(c, result.get("pairs") or 0))
 
 
 def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -352,15 +372,18 @@ def learned_notes(result: dict[str, Any]) -> list[str]:
 def markdown(result: dict[str, Any]) -> str:
     names: list[str] = result.get("configs", [])
     model = result.get("model", {})
+    sources = result.get("sources") or []
     lines = [f"# Decode throughput, {result.get('date', '')}", "",
              (f"Model: {model.get('size')}-shaped target ({model.get('layers')} layers, hidden {model.get('hidden')}), "
               f"{model.get('draft')} EAGLE-3 draft (designed accept length {fmt2(model.get('designed_accept_length'))}); "
               f"greedy, {output_tokens_text(result)} per request. Paired windows: at each "
-              f"concurrency {result.get('pairs')} blocks, each a window on every server back to back, the order "
+              f"concurrency {blocks_text(result)}, each a window on every server back to back, the order "
               f"reversed every other block; a window counts {fmt2(result.get('window_s'))} s of output after "
               f"{fmt2(result.get('settle_s'))} s under load. A ratio is taken within a block; shown: the median "
               "over the blocks and its bootstrap 95% interval [low-high]"
-              + (f"; measured over {result['calls']} calls." if (result.get("calls") or 0) > 1 else ".")), ""]
+              + (f"; merged from {len(sources)} calls (listed at the end)." if sources
+                 else f"; measured over {result['calls']} calls." if (result.get("calls") or 0) > 1 else ".")), "",
+             server_setting_text(result), ""]
     table = level_table(result)
     floor = floor_table(result)
     if table:
@@ -369,14 +392,21 @@ def markdown(result: dict[str, Any]) -> str:
                   "|---:|" + "---:|" * len(names)]
         for c in sorted(table, key=int):
             blocks = max((cell["blocks"] for cell in table[c].values()), default=0)
-            partial = f" ({blocks} of {result.get('pairs')} blocks)" if blocks < (result.get("pairs") or 0) else ""
+            expected = blocks_expected(result, c)
+            partial = f" ({blocks} of {expected} blocks)" if blocks < expected else ""
+            calls = len(sources_at(result, c))
+            mixed = f" ({calls} calls)" if calls > 1 else ""
             cells = []
             for n in names:
                 cell = table[c].get(n)
+                pooled = "*" if len(sources_at(result, c, n)) > 1 else ""
                 cells.append("-" if cell is None else
-                             f"{cell['tok_per_s']:.0f}" + (f" ({interval(cell['vs_plain'])})" if cell["vs_plain"] else ""))
-            lines.append(f"| {c}{partial} | " + " | ".join(cells) + " |")
+                             f"{cell['tok_per_s']:.0f}{pooled}"
+                             + (f" ({interval(cell['vs_plain'])})" if cell["vs_plain"] else ""))
+            lines.append(f"| {c}{mixed}{partial} | " + " | ".join(cells) + " |")
         lines.append("")
+        if sources:
+            lines += [mixed_calls_note(result), ""]
     accepts = {c: {n: cell["accept_length"] for n, cell in row.items() if cell.get("accept_length")}
                for c, row in table.items()}
     drafting = [n for n in names if any(n in row for row in accepts.values())]
@@ -499,12 +529,72 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"- not measured: {s}" for s in result.get("not_measured", [])]
     lines += [f"- FAILED: {f.splitlines()[0]}" for f in result.get("failures", [])]
     if not result.get("failures") and (result.get("blocks") or result.get("ramp")):
-        compared = "plain" in result.get("configs", ())
+        # a merged result: every call must have had its plain server to compare with
+        compared = all("plain" in s.get("configs", ()) for s in sources) if sources else "plain" in result.get("configs", ())
         lines.append("- every output equal to plain decoding's (aborted ones a prefix of it); 0 request errors"
                      if compared else "- outputs NOT compared (no plain server in this run); 0 request errors")
     for name, diag in result.get("diagnose", {}).items():
         lines += ["", *diagnose.render(name, diag)]
+    lines += source_lines(result)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def blocks_text(result: dict[str, Any]) -> str:
+    """`6 blocks`; in a merged result, the blocks of every call there and how many a call took."""
+    sources = result.get("sources") or []
+    if not sources:
+        return f"{result.get('pairs')} blocks"
+    pairs = sorted({s.get("pairs") or 0 for s in sources})
+    each = f"{pairs[0]}" if len(pairs) == 1 else f"{pairs[0]}-{pairs[-1]}"
+    return f"the blocks of every call that measured it ({each} a call)"
+
+
+def server_setting_text(result: dict[str, Any]) -> str:
+    """What --server-env and --server-args gave every server; said where not recorded (a bench.json
+    from before the bench kept them; in a merged result, the calls that did not)."""
+    if "server_env" not in result and "server_args" not in result:
+        return ("Every server's --server-env and --server-args: not recorded (a bench.json from before "
+                "the bench kept them).")
+    env = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (result.get("server_env") or {}).items())
+    args = shlex.join(result.get("server_args") or [])
+    text = ("Every server: " + (f"--server-env `{env}`" if env else "no --server-env") + ", "
+            + (f"--server-args `{args}`" if args else "no --server-args"))
+    unknown = [str(i) for i, s in enumerate(result.get("sources") or [], 1)
+               if s.get("server_env") is None or s.get("server_args") is None]
+    if unknown:
+        text += (f"; not recorded by source{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} (a bench "
+                 "from before it kept them): unknown there, not checked against the others")
+    return text + "."
+
+
+def mixed_calls_note(result: dict[str, Any]) -> str:
+    """A merged result's table says what its figures mix: tokens/s medians pool calls, ratios do not."""
+    n = len(result.get("sources") or [])
+    mixed = mixed_levels(result)
+    if not mixed:
+        return (f"Merged from {n} calls, each concurrency measured by one of them; each ratio is taken "
+                "within its own block.")
+    return (f"Merged from {n} calls. At {', '.join(mixed)} requests several calls measured the level (marked): "
+            "a tokens/s median marked * pools the windows of several calls, minutes or days apart, each with "
+            "its own servers, and so do the accept-length and per-step medians below; each ratio is still "
+            "taken within its own block (windows seconds apart), against that block's plain window, and only "
+            "those per-block ratios are pooled.")
+
+
+def source_lines(result: dict[str, Any]) -> list[str]:
+    """A merged result's calls, numbered as its blocks' `source` and the lines above say."""
+    sources = result.get("sources") or []
+    if not sources:
+        return []
+    lines = ["", (f"Sources: the {len(sources)} calls merged (`python -m bench merge`); bench.json keeps each "
+                  "one's whole result under `sources` (its servers, checks, ramps, diagnoses) and tags each "
+                  "block with its source:"), ""]
+    for i, s in enumerate(sources, 1):
+        names = ", ".join(label(result, n) for n in s.get("configs", []))
+        conc = ", ".join(map(str, s.get("concurrency") or []))
+        lines.append(f"- source {i}: `{s.get('path')}`, {s.get('date')}; concurrency {conc}; {names}; "
+                     f"{s.get('pairs')} blocks a concurrency")
+    return lines
 
 
 def fmt2(x: Any) -> str:
@@ -534,6 +624,10 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
     for name in result.get("configs", []):
         xs = [c for c in xs_all if name in table[str(c)]]
         line = ax.plot(xs, [table[str(c)][name]["tok_per_s"] for c in xs], marker="o", label=label(result, name))[0]
+        pooled = [c for c in xs if len(sources_at(result, str(c), name)) > 1]
+        if pooled:  # a merged result: a median over several calls' windows, drawn hollow
+            ax.plot(pooled, [table[str(c)][name]["tok_per_s"] for c in pooled], marker="o", linestyle="none",
+                    color=line.get_color(), markerfacecolor="white", zorder=3)
         if name in ("plain", TWIN):
             continue
         rs = [(c, table[str(c)][name]["vs_plain"]) for c in xs if table[str(c)][name]["vs_plain"]]
@@ -545,17 +639,24 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
     ratio.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ratio.set_xticks(xs_all, labels=[str(c) for c in xs_all])
+    ratio.set_xticks(xs_all, labels=[str(c) for c in xs_all], fontsize=8)  # 192 beside 256 on a log axis
     ratio.set_xlabel("concurrent requests (closed loop)")
     ax.set_ylabel("output tokens/s")
     ratio.set_ylabel("x plain, within a block\n(bars: 95% interval)", fontsize=8)
-    ax.set_title(f"{result.get('model', {}).get('size')}-shaped model, {result.get('date', '')}")
+    sources = result.get("sources") or []
+    ax.set_title(f"{result.get('model', {}).get('size')}-shaped model, {result.get('date', '')}"
+                 + (f", merged from {len(sources)} calls" if sources else ""))
     for a in (ax, ratio):
         a.grid(alpha=0.3)
     ax.legend(fontsize=8)
     if floor:
         ratio.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+    if sources:  # what the points mix, under the axes
+        fig.text(0.01, 0.01, ("hollow: a tokens/s median over the windows of several calls; " if mixed_levels(result)
+                              else "") + "each ratio: within its own block (windows seconds apart)", fontsize=7)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+    else:
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

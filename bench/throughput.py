@@ -515,6 +515,10 @@ def run_bench(opts: BenchOptions, state: dict[str, Any] | None = None,
         (opts.out / "adaptive_config.json").write_text(json.dumps(ADAPTIVE_CONFIG, indent=1))
     result["configs"] = names
     result["config_records"] = {n: rec.as_dict() for n, rec in config_records(opts).items()}
+    # what every server got besides its record: set by every call, so that a state an older bench
+    # began records them too (the state's key holds them, so they never change within a state)
+    result["server_env"] = dict(opts.server_env)
+    result["server_args"] = list(opts.server_args)
     run = Bench(opts, state, int(expected["vocab_size"]), names, progress)
     failed = False
     try:

@@ -43,6 +43,8 @@ def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
     assert "at most EAGLE-3 0.02" in md and "CPUs: plain 1,2,3" in md
     assert "every output equal to plain decoding's" in md
     assert "![tokens/s by concurrency](concurrency.png)" in md
+    # a bench.json from before the bench recorded them: said, not guessed
+    assert "Every server's --server-env and --server-args: not recorded" in md and "Sources:" not in md
 
 
 def test_tables_of_the_recorded_result():

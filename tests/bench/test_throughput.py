@@ -389,7 +389,8 @@ class FakeSglang(ServerConfig):
 def test_a_whole_run_on_real_processes_over_two_calls(tmp_path, monkeypatch):
     """run_bench end to end with server processes that answer as sglang does (no GPU), in two calls
     as e2e makes them: the first call's servers are found alive by the second, which finishes the
-    blocks, the ramps and the checks and then stops them; outputs compared, KV pool checked."""
+    blocks, the ramps and the checks and then stops them; outputs compared, KV pool checked; what
+    --server-env and --server-args gave every server recorded in bench.json and its header."""
     monkeypatch.setattr(throughput, "server_config", lambda name, opts: FakeSglang(name, tmp_path))
     (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
 
@@ -397,7 +398,8 @@ def test_a_whole_run_on_real_processes_over_two_calls(tmp_path, monkeypatch):
         return options.BenchOptions(models=tmp_path, out=tmp_path / "out", configs=("plain", "plain_twin", "eagle3_thr"),
                                     concurrency=(1, 4), pairs=2, window_s=0.4, settle_s=0.1, ramp_cycles=1,
                                     ramp_hold_s=0.3, output_len=32, port=free_port_base(), cpus_per_server=0,
-                                    registry=tmp_path / "reg.json", deadline=Deadline(time.time() + seconds))
+                                    registry=tmp_path / "reg.json", deadline=Deadline(time.time() + seconds),
+                                    server_env=(("SGLANG_X", "1"), ("Y", "a b")), server_args=("--gc-threshold", "50000"))
 
     state: dict[str, Any] = {}
     first_opts = opts(900)
@@ -430,6 +432,9 @@ def test_a_whole_run_on_real_processes_over_two_calls(tmp_path, monkeypatch):
     assert ("accept length 3.20 in the last 64 speculative steps before a plain phase, 3.15 in the "
             "first 64 after it (worst of 2 phases: 0.97x)") in result["table"]
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"bench.json", "bench.md"}
+    saved = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert saved["server_env"] == {"SGLANG_X": "1", "Y": "a b"} and saved["server_args"] == ["--gc-threshold", "50000"]
+    assert "Every server: --server-env `SGLANG_X=1 Y='a b'`, --server-args `--gc-threshold 50000`." in result["table"]
 
 
 def test_command_line_state_file_resumes_and_stop_ends_its_servers(lab, tmp_path, capsys):
