@@ -53,7 +53,7 @@ import sys
 import tarfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +64,8 @@ from bench.call import Call, Deadline_
 from bench.options import add_tuning_arguments, tuning_options
 from bench.run_phases import MODELS, RunPhases, smoke_threshold
 from bench.site import Site
+from smoke import client, run_command, runner
 from smoke import features as features_mod
-from smoke import run_command, runner
 from smoke.scenario import DEFAULT_THRESHOLD, VARIANTS
 from smoke.tiers import Tiers
 
@@ -325,10 +325,26 @@ def main(a: argparse.Namespace) -> int:
     if not levels or min(levels) < 1 or a.router_threshold < 1:
         raise SystemExit(f"--router-levels {a.router_levels} --router-threshold {a.router_threshold}: "
                          "give client counts >= 1 as a comma list (e.g. 2,8,96) and a threshold >= 1")
+    if not a.stop:  # kept by the restart below (execv)
+        client.allow_connections(in_flight(a, phases, matrix_n))
     driver = E2E(a)
     if not a.stop:
         restart_with_site(driver.site)
     return driver.run()
+
+
+def in_flight(a: argparse.Namespace, phases: Sequence[str], n: int) -> int:
+    """The most requests the smoke and features phases have in flight at once (N: the threshold,
+    a schedule's top edge, the default N for auto), their variants side by side where asked."""
+    def servers(variants: str) -> int:
+        return len(variants.split(",")) if a.parallel_variants else 1
+
+    counts = [0]
+    if "smoke" in phases:
+        counts.append(runner.in_flight(n, servers(a.smoke_variants)))
+    if "features" in phases:
+        counts.append(features_mod.in_flight(n, servers(a.feature_variants)))
+    return max(counts)
 
 
 RESTARTED_ENV = "SGLANG_IMAGE_E2E_RESTARTED"

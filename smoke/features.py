@@ -146,6 +146,12 @@ def running_limit(threshold: int) -> int:
     return pressure_count(threshold)
 
 
+def in_flight(threshold: int, servers: int = 1) -> int:
+    """The most requests the matrix has in flight at once: per threshold server its filler (4N)
+    beside a case's, or the pressure case; `servers` variants side by side."""
+    return max(4 * threshold + CASE_CONCURRENCY, pressure_count(threshold)) * servers
+
+
 def check_threshold(threshold: int, flag: str = "--threshold") -> None:
     """SystemExit naming the cause and the fix for an N the matrix cannot run."""
     if threshold < 2:
@@ -638,8 +644,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cases", default=",".join(CASE_NAMES),
                     help="comma list of the cases to run (default: all); a subset reruns what failed")
     ap.add_argument("--check", action="store_true",
-                    help="check the options (the threshold or the schedule against the matrix's limits) "
-                         "and exit, starting nothing: the image smoke does so before its first server")
+                    help="check the options (the threshold or the schedule against the matrix's limits, "
+                         "the open files its requests need) and exit, starting nothing: the image smoke "
+                         "does so before its first server")
     ap.add_argument("--parallel-variants", action="store_true",
                     help="run the variants side by side, their servers on ports PORT+1, PORT+2, "
                          "...: they start at once (their KV pools are fixed), then their matrices overlap; for a "
@@ -663,6 +670,7 @@ def options(a: argparse.Namespace) -> FeatureOptions:
 
 def main(a: argparse.Namespace) -> int:
     opts = options(a)
+    client.allow_connections(in_flight(opts.threshold, len(opts.variants) if opts.parallel_variants else 1))
     if a.check:
         print(f"features: the options hold (threshold {opts.threshold}, schedule {opts.schedule})", flush=True)
         return 0

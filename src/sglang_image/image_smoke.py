@@ -156,8 +156,8 @@ def full_command(threshold: Threshold | None = None,
     matrix = "" if threshold == AUTO else given
     if schedule is not None:  # both run it: the smoke through its tiers, the matrix in each
         given = matrix = f" --schedule {schedule}"
-    # the matrix's own refusals (N or a top edge above MATRIX_MAX_THRESHOLD, its tiers) before any
-    # model or server, not after the smoke
+    # the matrix's own refusals (N or a top edge above MATRIX_MAX_THRESHOLD, its tiers, the open
+    # files) before any model or server, not after the smoke
     script = (f"set -e; python3 -m smoke features --check --models /tmp/models --out {OUT_MOUNT}/features{matrix}; "
               "python3 -m smoke models /tmp/models --device cuda; "
               f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT}{given}; "

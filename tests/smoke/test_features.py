@@ -183,13 +183,18 @@ def test_a_large_threshold_passes_every_check_of_the_matrix_and_of_e2e(threshold
 
     feats = ["features", "--models", "m", "--out", str(tmp_path / "o"), "--threshold", str(threshold)]
     assert F.options(build_parser().parse_args(feats)).threshold == threshold
-    assert F.main(build_parser().parse_args([*feats, "--check"])) == 0
+    asked: list[int] = []
+    monkeypatch.setattr(F.client, "allow_connections", asked.append)
+    assert F.main(build_parser().parse_args([*feats, "--check", "--parallel-variants"])) == 0
+    assert asked == [2 * F.in_flight(threshold)]  # two variants side by side
     monkeypatch.setattr(e2e, "E2E", StartsNothing)
+    monkeypatch.setattr(e2e.client, "allow_connections", asked.append)
     limit = F.running_limit(threshold)
     for graph_bs in (256, limit):
         assert e2e.main(bench_parser().parse_args(
             ["e2e", "--phases", "models,smoke,features", "--threshold", str(threshold),
              "--feature-graph-bs", str(graph_bs)])) == 0
+    assert asked[-1] == max(8 * threshold, F.in_flight(threshold))  # the smoke's 8N, the matrix's
     with pytest.raises(SystemExit, match=f"--feature-graph-bs {limit + 1}: give 1 to {limit} "
                                          rf"\(the feature servers' running-request limit at N={threshold}"):
         e2e.main(bench_parser().parse_args(["e2e", "--phases", "features", "--threshold", str(threshold),

@@ -130,6 +130,7 @@ def test_e2e_takes_a_schedule_topping_out_at_192_with_graphs_past_256(tmp_path, 
             return 0
 
     monkeypatch.setattr(e2e, "E2E", StartsNothing)
+    monkeypatch.setattr(e2e.client, "allow_connections", lambda count: None)
     assert e2e.main(bench_parser().parse_args(["e2e", "--phases", "smoke,features", "--schedule", WIDE,
                                                "--feature-graph-bs", "512"])) == 0
     with pytest.raises(SystemExit, match=f"--feature-graph-bs 600: give 1 to {F.running_limit(192)} "):
