@@ -53,7 +53,7 @@ import sys
 import tarfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +64,10 @@ from bench.call import Call, Deadline_
 from bench.options import add_tuning_arguments, tuning_options
 from bench.run_phases import MODELS, RunPhases, smoke_threshold
 from bench.site import Site
+from smoke import client, run_command, runner
 from smoke import features as features_mod
-from smoke import run_command, runner
 from smoke.scenario import DEFAULT_THRESHOLD, VARIANTS
+from smoke.tiers import Tiers
 
 PHASES = ("install", "patch", "check", "models", "kernels", "smoke", "features", "bench", "comm", "router")
 RUN_PHASES = ("smoke", "features", "bench", "comm", "router")  # marked done in the state once complete
@@ -248,11 +249,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--phases", default="all", help=f"'all' or a comma list of {','.join(PHASES)}")
     ap.add_argument("--threshold", default=str(DEFAULT_THRESHOLD), action=run_command.Given,
                     help=f"smoke threshold N (default {DEFAULT_THRESHOLD}), or auto (the smoke "
-                         f"phase's servers run auto; the feature matrix keeps N={DEFAULT_THRESHOLD})")
+                         f"phase's servers run auto; the feature matrix keeps N={DEFAULT_THRESHOLD}); "
+                         f"the features phase takes N of 2 to {features_mod.MAX_THRESHOLD}")
     ap.add_argument("--schedule", metavar="LOW-HIGH:DEPTH,...",
                     help="smoke and features phases: instead of --threshold, the servers' draft depth "
                          "per load (e.g. 1-8:3,9-24:2,25-64:1,65-:0); the loads visit every tier and "
-                         "cross every edge both ways")
+                         f"cross every edge both ways (the features phase: the top edge at most "
+                         f"{features_mod.MAX_THRESHOLD})")
     run_command.add_endurance_arguments(ap, "smoke-")
     ap.add_argument("--kernel-args", default="",
                     help="kernels phase: flags for python -m bench verify-kernel, one shell-quoted string "
@@ -263,8 +266,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--smoke-size", default="tiny", choices=[n for n, (_, used_by) in MODELS.items() if "smoke" in used_by],
                     help="smoke and features phases: the models (tiny, or the bench's 1B shape)")
     ap.add_argument("--feature-graph-bs", type=int, default=64,
-                    help="features phase: decode CUDA graphs captured up to this batch "
-                         f"(at most {features_mod.PRESSURE_REQUESTS})")
+                    help="features phase: decode CUDA graphs captured up to this batch, at most the "
+                         "feature servers' running-request limit (its KV-pressure case's requests: "
+                         f"{features_mod.running_limit(DEFAULT_THRESHOLD)} at N={DEFAULT_THRESHOLD}, "
+                         f"{features_mod.running_limit(features_mod.MAX_THRESHOLD)} at "
+                         f"N={features_mod.MAX_THRESHOLD})")
     ap.add_argument("--feature-cases", default=",".join(features_mod.CASE_NAMES),
                     help="features phase: comma list of the cases to run (default: all)")
     ap.add_argument("--parallel-variants", action="store_true",
@@ -301,7 +307,8 @@ def main(a: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from None
     schedule = run_command.schedule_option(a)  # exits naming --schedule (or it beside --threshold)
     phases = PHASES if a.phases == "all" else a.phases.split(",")
-    if "features" in phases and not a.stop:  # auto: the matrix runs at the default N
+    matrix_n = threshold if schedule is None else Tiers(schedule).top  # auto: the default N
+    if "features" in phases and not a.stop:
         if schedule is not None:
             features_mod.check_schedule(schedule)
         else:
@@ -309,9 +316,7 @@ def main(a: argparse.Namespace) -> int:
     if a.smoke_ramp_minutes < 0 or a.smoke_ramp_max_growth_mib < 0:
         raise SystemExit(f"--smoke-ramp-minutes {a.smoke_ramp_minutes:g} --smoke-ramp-max-growth-mib "
                          f"{a.smoke_ramp_max_growth_mib:g}: give numbers >= 0")
-    if not 1 <= a.feature_graph_bs <= features_mod.PRESSURE_REQUESTS:
-        raise SystemExit(f"--feature-graph-bs {a.feature_graph_bs}: give 1 to "
-                         f"{features_mod.PRESSURE_REQUESTS} (the feature servers' running-request limit)")
+    features_mod.check_graph_bs(a.feature_graph_bs, matrix_n)
     tuning_options(a, "bench-")  # exits naming a bad --bench-* value before any work
     try:
         levels = [int(c) for c in a.router_levels.split(",")]
@@ -320,10 +325,26 @@ def main(a: argparse.Namespace) -> int:
     if not levels or min(levels) < 1 or a.router_threshold < 1:
         raise SystemExit(f"--router-levels {a.router_levels} --router-threshold {a.router_threshold}: "
                          "give client counts >= 1 as a comma list (e.g. 2,8,96) and a threshold >= 1")
+    if not a.stop:  # kept by the restart below (execv)
+        client.allow_connections(in_flight(a, phases, matrix_n))
     driver = E2E(a)
     if not a.stop:
         restart_with_site(driver.site)
     return driver.run()
+
+
+def in_flight(a: argparse.Namespace, phases: Sequence[str], n: int) -> int:
+    """The most requests the smoke and features phases have in flight at once (N: the threshold,
+    a schedule's top edge, the default N for auto), their variants side by side where asked."""
+    def servers(variants: str) -> int:
+        return len(variants.split(",")) if a.parallel_variants else 1
+
+    counts = [0]
+    if "smoke" in phases:
+        counts.append(runner.in_flight(n, servers(a.smoke_variants)))
+    if "features" in phases:
+        counts.append(features_mod.in_flight(n, servers(a.feature_variants)))
+    return max(counts)
 
 
 RESTARTED_ENV = "SGLANG_IMAGE_E2E_RESTARTED"

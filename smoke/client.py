@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import time
 import urllib.error
 import urllib.request
@@ -12,9 +13,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+# open files a smoke process holds beside its requests' connections: the servers' logs and pipes,
+# the interpreter's own
+SPARE_FILES = 256
+
 
 class HTTPFailure(Exception):
     pass
+
+
+def allow_connections(count: int) -> None:
+    """Lets this process hold `count` connections at once (and SPARE_FILES): its soft limit of open
+    files raised where it is lower, as sglang's servers raise theirs. A container's is often 1024
+    (Docker 25 on: 1024:524288), fewer than the 8N requests the smoke sends at once from N=128 on.
+    SystemExit naming the fix where the hard limit is lower too."""
+    need = count + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise SystemExit(f"{count} requests at once need {need} open files, and this process may open "
+                         f"{hard} (its hard limit, ulimit -Hn): raise it (docker run --ulimit "
+                         f"nofile={need}, or ulimit -Hn {need} as root) or give a smaller N")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 @contextlib.contextmanager

@@ -11,16 +11,18 @@ sends the same requests to both; on the threshold server it runs four times, und
   cross_down  the filler leaves while they run (plain -> speculative mid-request)
 A crossing is not assumed from timing: the runner watches the server's mode and fails the case if
 the change did not happen while the case's requests were in flight. After every run of a case the
-KV pool must be back to its idle size. The KV-pressure case runs once per server, with 256
-concurrent requests against a pool that holds 2N whole filler requests and no more (pool_tokens),
-so that the scheduler retracts requests in both modes.
+KV pool must be back to its idle size. The KV-pressure case runs once per server, with all its
+requests at once against a pool that holds 2N whole filler requests and no more (pool_tokens): at
+least 256, as many more as that pool needs to overfill (pressure_count, ~3N above N=84), so that
+the scheduler retracts requests in both modes. N runs from 2 to MAX_THRESHOLD (256).
 
 With a depth schedule (`--schedule 1-8:3,9-24:2,25-64:1,65-:0`, the server's
 --speculative-depth-schedule) the loads are per tier and edge (smoke.tiers.Tiers.matrix_plan):
 "below" runs in the first tier (depth3), "above" in every other one (depth2, depth1, depth0: a
 filler holds the batch inside each), "cross_up" and "cross_down" across every edge both ways (up8,
 down8, ...: a filler holds the lower tier, more arrive or leave mid-case); the runner watches the
-depth. N is the schedule's top edge there (the pool, the 4N filler of the last tier).
+depth. N is the schedule's top edge there (the pool, the 4N filler of the last tier, the pressure
+case).
 
 The matrix keeps its deadline: each request takes its timeout from the time left as it starts, a
 case starts only with time left for it, and a case the deadline cuts short is skipped, not failed.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import random
 import statistics
@@ -77,7 +80,9 @@ from smoke.verdicts import Outcome, equal_tokens
 CASE_NAMES = ("greedy", "logprobs", "sampling", "penalties", "n2", "long_prompt", "json_schema", "regex",
               "completions_stream", "chat_stream", "abort_stream", "stop", "kv_pressure")
 MIN_POOL_TOKENS = 16384  # --max-total-tokens of both servers at least (see pool_tokens)
-PRESSURE_REQUESTS = 256
+# The pressure case's fewest requests (as many as ran on the GPU, 0.5.23); a larger N's pool takes
+# more to overfill (pressure_count)
+MIN_PRESSURE_REQUESTS = 256
 # new tokens per pressure request: long, so that requests admitted together outgrow what admission
 # reserves for them (a share of max_new_tokens) before any can finish; with 96-160 early finishes
 # made room as fast as the rest grew (GPU, 0.5.23: the pool peaked at 75%, nothing retracted)
@@ -89,7 +94,14 @@ PRESSURE_OVERFILL = 1.5
 # length after a retraction (GPU, 0.5.23, N=64: a pool of 16,384 tokens ran 37 filler requests, and
 # the batch never passed the threshold)
 FILLER_POOL_FACTOR = 2
-SCHEDULE_CONSERVATIVENESS = 0.2  # admit against ~14% of max_new_tokens, so 256 requests overfill the pool
+# admit against ~14% of max_new_tokens, so that the pressure requests admitted together overfill
+# the pool
+SCHEDULE_CONSERVATIVENESS = 0.2
+# The largest N (or schedule top edge) the matrix runs. Users set N just below their crossover of
+# plain and always-on EAGLE-3, which the split-KV verify moved to 192-256 requests on the 8B shape,
+# within the servers' decode graphs (up to 256); the matrix's loads grow with N (4N filler requests
+# at once, a pool of FILLER_POOL_FACTOR x N whole filler requests, ~3N pressure requests).
+MAX_THRESHOLD = 256
 # A case starts only with this much left (beyond the margin): the slowest case of this call so far,
 # half again (the cases differ: stop repeats its requests, a crossing may need all ATTEMPTS), and at
 # least CASE_RESERVE_MIN_S (the first case has no measure yet; four modes' waits for the mode and for
@@ -107,21 +119,37 @@ def pool_tokens(threshold: int) -> int:
     return max(MIN_POOL_TOKENS, FILLER_POOL_FACTOR * threshold * (FILLER_PROMPT_TOKENS + FILLER_NEW_TOKENS))
 
 
-def pressure_overfill(pool: int) -> float:
-    """How many times the pool the pressure requests admitted together need before the first can
-    finish: all of them if their reservations fit (their prompts and a share of max_new_tokens,
-    sglang's initial new-token ratio 0.7 x the conservativeness), else as many as do."""
+def pressure_overfill(pool: int, requests: int) -> float:
+    """How many times the pool `requests` pressure requests admitted together need before the
+    first can finish: all of them if their reservations fit (their prompts and a share of
+    max_new_tokens, sglang's initial new-token ratio 0.7 x the conservativeness), else as many as
+    do."""
     prompt = statistics.fmean(PRESSURE_PROMPT_TOKENS)
     new = statistics.fmean(PRESSURE_NEW_TOKENS)
     reserved = prompt + 0.7 * SCHEDULE_CONSERVATIVENESS * new
-    admitted = min(PRESSURE_REQUESTS, pool / reserved)
+    admitted = min(requests, pool / reserved)
     return admitted * (prompt + min(PRESSURE_NEW_TOKENS)) / pool
 
 
-def max_threshold() -> int:
-    """The largest N whose pool the pressure case still overfills."""
-    return max((n for n in range(2, PRESSURE_REQUESTS + 1)
-                if pressure_overfill(pool_tokens(n)) >= PRESSURE_OVERFILL), default=1)
+def pressure_count(threshold: int) -> int:
+    """The pressure case's requests for N: the fewest from MIN_PRESSURE_REQUESTS up that overfill
+    the matrix's pool PRESSURE_OVERFILL times. There is one: as many as the pool admits together
+    need ~4x it before the first can finish (a test holds the constants to that)."""
+    pool = pool_tokens(threshold)
+    return next(n for n in itertools.count(MIN_PRESSURE_REQUESTS)
+                if pressure_overfill(pool, n) >= PRESSURE_OVERFILL)
+
+
+def running_limit(threshold: int) -> int:
+    """--max-running-requests of the matrix's servers: every pressure request at once (requests
+    left queued would not overfill the pool); more than N, so the filler holds the batch above it."""
+    return pressure_count(threshold)
+
+
+def in_flight(threshold: int, servers: int = 1) -> int:
+    """The most requests the matrix has in flight at once: per threshold server its filler (4N)
+    beside a case's, or the pressure case; `servers` variants side by side."""
+    return max(4 * threshold + CASE_CONCURRENCY, pressure_count(threshold)) * servers
 
 
 def check_threshold(threshold: int, flag: str = "--threshold") -> None:
@@ -129,26 +157,35 @@ def check_threshold(threshold: int, flag: str = "--threshold") -> None:
     if threshold < 2:
         raise SystemExit(f"{flag} {threshold}: the feature matrix needs N >= 2 (its 'below' runs need "
                          "one request under the threshold)")
-    if threshold > max_threshold():
-        raise SystemExit(f"{flag} {threshold}: the feature matrix holds the batch above N with 4N requests, "
-                         f"which needs a KV pool of {pool_tokens(threshold)} tokens; its KV-pressure case "
-                         f"({PRESSURE_REQUESTS} requests) cannot overfill a pool that large. Run the matrix "
-                         f"with N <= {max_threshold()}")
+    if threshold > MAX_THRESHOLD:
+        raise SystemExit(f"{flag} {threshold}: the feature matrix runs N up to {MAX_THRESHOLD}, as far "
+                         f"as the servers' decode graphs go (its loads grow with N: {4 * threshold} "
+                         f"filler requests at once into a KV pool of {pool_tokens(threshold)} tokens). "
+                         f"Run the matrix with N <= {MAX_THRESHOLD}: its cases cross a smaller N alike")
 
 
 def check_schedule(schedule: DepthSchedule, flag: str = SCHEDULE_FLAG) -> None:
     """SystemExit naming the cause and the fix for a schedule the matrix cannot run: a tier between
-    others too narrow to hold a filler and a case in, or a top edge whose pool is too large."""
+    others too narrow to hold a filler and a case in, or a top edge above MAX_THRESHOLD."""
     try:
         Tiers(schedule).matrix_plan(CASE_CONCURRENCY)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     top = Tiers(schedule).top
-    if top > max_threshold():
-        raise SystemExit(f"{flag} {schedule}: the feature matrix holds the batch above the top edge "
-                         f"{top} with {4 * top} requests, which needs a KV pool of {pool_tokens(top)} "
-                         f"tokens; its KV-pressure case ({PRESSURE_REQUESTS} requests) cannot overfill "
-                         f"a pool that large. Give a top edge <= {max_threshold()}")
+    if top > MAX_THRESHOLD:
+        raise SystemExit(f"{flag} {schedule}: the feature matrix runs a top edge up to {MAX_THRESHOLD}, "
+                         f"as far as the servers' decode graphs go (its loads grow with it: {4 * top} "
+                         f"filler requests at once into a KV pool of {pool_tokens(top)} tokens). Give "
+                         f"a top edge <= {MAX_THRESHOLD}")
+
+
+def check_graph_bs(graph_bs: int, threshold: int, flag: str = "--feature-graph-bs") -> None:
+    """SystemExit naming the fix for decode graphs beyond the matrix's running-request limit at N
+    (sglang would capture none of the sizes past it)."""
+    if not 1 <= graph_bs <= running_limit(threshold):
+        raise SystemExit(f"{flag} {graph_bs}: give 1 to {running_limit(threshold)} (the feature servers' "
+                         f"running-request limit at N={threshold}: its KV-pressure case's requests, "
+                         "all at once)")
 
 
 class DeadlineReached(Exception):
@@ -178,7 +215,7 @@ class FeatureOptions:
     deadline: Deadline = field(default_factory=lambda: Deadline(time.time() + 3600))
     health_timeout: float = 480
     min_server_s: float = 150
-    graph_bs: int = 64  # decode CUDA graphs captured up to this batch (at most PRESSURE_REQUESTS)
+    graph_bs: int = 64  # decode CUDA graphs captured up to this batch (at most running_limit(threshold))
     # the variants' servers side by side, each on its own port, started at once: opt-in, as it
     # needs a GPU with memory for them all (SIDE_BY_SIDE_MEM_SHARE)
     parallel_variants: bool = False
@@ -221,13 +258,14 @@ def server_config(name: str, opts: FeatureOptions, *, draft: bool, overlap: bool
     return ServerConfig(name, opts.models / "target", draft=(opts.models / "draft") if draft else None,
                         threshold=n if draft and opts.schedule is None else None,
                         schedule=opts.schedule if draft else None, overlap=overlap, cuda_graph=True,
-                        cuda_graph_max_bs=opts.graph_bs, max_running=PRESSURE_REQUESTS,
+                        cuda_graph_max_bs=opts.graph_bs, max_running=running_limit(n),
                         mem_fraction=share, enable_metrics=draft, extra=extra)
 
 
-def pressure_requests(seed: int, vocab: int) -> tuple[Request, ...]:
-    """Not ignore_eos: 0.5.23's admission reserves the whole max_new_tokens of such a request, so
-    they never overfill the pool (GPU: nothing retracted). min_new_tokens keeps them as long."""
+def pressure_requests(seed: int, vocab: int, count: int) -> tuple[Request, ...]:
+    """`count` pressure requests (pressure_count). Not ignore_eos: 0.5.23's admission reserves the
+    whole max_new_tokens of such a request, so they never overfill the pool (GPU: nothing
+    retracted). min_new_tokens keeps them as long."""
     rnd = random.Random(seed + 7)
 
     def one() -> Request:
@@ -235,7 +273,16 @@ def pressure_requests(seed: int, vocab: int) -> tuple[Request, ...]:
         new = rnd.choice(PRESSURE_NEW_TOKENS)
         return generate(prompt, max_new_tokens=new, min_new_tokens=new, ignore_eos=False)
 
-    return tuple(one() for _ in range(PRESSURE_REQUESTS))
+    return tuple(one() for _ in range(count))
+
+
+def pressure_case(threshold: int, vocab: int) -> Case:
+    """The KV-pressure case for N: its requests all at once (pressure_count), on the threshold
+    server above N only (it runs once per server)."""
+    count, pool = pressure_count(threshold), pool_tokens(threshold)
+    return Case("kv_pressure", pressure_requests(0, vocab, count), equal_tokens, count, modes=("above",),
+                note=f"{count} concurrent requests, pool of {pool} tokens "
+                     f"({pressure_overfill(pool, count):.2f}x needed before the first can finish)")
 
 
 def keep(opts: FeatureOptions, store: dict[str, Any], name: str, value: Any) -> None:
@@ -330,9 +377,7 @@ def run_features(opts: FeatureOptions, state: dict[str, Any] | None = None) -> d
     vocab = int(expected["vocab_size"])
     rnd = random.Random(99)
     stop_prompt = [rnd.randrange(3, vocab) for _ in range(24)]
-    pressure = Case("kv_pressure", pressure_requests(0, vocab), equal_tokens, PRESSURE_REQUESTS,
-                    modes=("above",),
-                    note=f"{PRESSURE_REQUESTS} concurrent requests, pool of {pool_tokens(opts.threshold)} tokens")
+    pressure = pressure_case(opts.threshold, vocab)
     report: dict[str, Any] = {"threshold": opts.threshold, "variants": {}, "failures": [],
                               "pool_tokens": pool_tokens(opts.threshold)}
     if opts.schedule is not None:
@@ -586,11 +631,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", type=Path, required=True, help="dir from `python -m smoke models`")
     ap.add_argument("--out", type=Path, required=True, help="logs and features.json go here")
     ap.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD, action=Given,
-                    help=f"N, 2 to {max_threshold()} (the KV pool grows with N; see pool_tokens)")
+                    help=f"N, 2 to {MAX_THRESHOLD} (the KV pool and the pressure case grow with N; "
+                         "see pool_tokens, pressure_count)")
     ap.add_argument(SCHEDULE_FLAG, metavar="LOW-HIGH:DEPTH,...",
                     help="instead of --threshold: the servers' draft depth per load, e.g. "
                          "1-8:3,9-24:2,25-64:1,65-:0; each case runs in every tier and across every "
-                         f"edge both ways (the top edge at most {max_threshold()})")
+                         f"edge both ways (the top edge at most {MAX_THRESHOLD})")
     ap.add_argument("--variants", default="overlap,sync",
                     help="comma list of: overlap, sync (--disable-overlap-schedule); CUDA graphs on")
     ap.add_argument("--port", type=int, default=30100)
@@ -598,8 +644,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--cases", default=",".join(CASE_NAMES),
                     help="comma list of the cases to run (default: all); a subset reruns what failed")
     ap.add_argument("--check", action="store_true",
-                    help="check the options (the threshold or the schedule against the matrix's KV pool) "
-                         "and exit, starting nothing: the image smoke does so before its first server")
+                    help="check the options (the threshold or the schedule against the matrix's limits, "
+                         "the open files its requests need) and exit, starting nothing: the image smoke "
+                         "does so before its first server")
     ap.add_argument("--parallel-variants", action="store_true",
                     help="run the variants side by side, their servers on ports PORT+1, PORT+2, "
                          "...: they start at once (their KV pools are fixed), then their matrices overlap; for a "
@@ -623,6 +670,7 @@ def options(a: argparse.Namespace) -> FeatureOptions:
 
 def main(a: argparse.Namespace) -> int:
     opts = options(a)
+    client.allow_connections(in_flight(opts.threshold, len(opts.variants) if opts.parallel_variants else 1))
     if a.check:
         print(f"features: the options hold (threshold {opts.threshold}, schedule {opts.schedule})", flush=True)
         return 0

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from sglang_image_plugin.setting import AUTO, DepthSchedule, parse_threshold
-from smoke import endurance
+from smoke import client, endurance
 from smoke.deadline import Deadline
-from smoke.runner import exit_code, run_smoke, summarize
+from smoke.runner import exit_code, in_flight, run_smoke, summarize
 from smoke.scenario import DEFAULT_THRESHOLD, VARIANTS, SmokeOptions
 from smoke.tiers import SCHEDULE_FLAG, Tiers, parse_smoke_schedule
 
@@ -136,6 +136,7 @@ def options(a: argparse.Namespace) -> SmokeOptions:
 
 def main(a: argparse.Namespace) -> int:
     opts = options(a)
+    client.allow_connections(in_flight(opts.threshold, len(opts.variants) if opts.parallel_variants else 1))
     report = run_smoke(opts)
     (opts.out / "report.json").write_text(json.dumps(report, indent=1))
     print(summarize(report))

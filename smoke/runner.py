@@ -19,6 +19,7 @@ from smoke.prompts import make_prompts, make_schedule_prompts, unique_prompts
 from smoke.scenario import VARIANTS, SmokeOptions
 from smoke.schedule_run import run_schedule_variant
 from smoke.server import Server, ServerConfig, SmokeError, log_tail
+from smoke.tiers import ABOVE_FACTOR
 from smoke.variant_runs import log_suffix, record_error, run_auto_variant, run_variant
 
 # The plain reference server runs eager (no CUDA graphs: nothing to capture before it serves), so
@@ -26,6 +27,12 @@ from smoke.variant_runs import log_suffix, record_error, run_auto_variant, run_v
 # models' references took over 8 minutes. The models' designed top-1 margins keep greedy outputs
 # independent of the batch they run in, so the references may run many at a time.
 REFERENCE_CONCURRENCY = 64
+
+
+def in_flight(threshold: int, servers: int = 1) -> int:
+    """The most requests the smoke has in flight at once, N being the threshold or a schedule's
+    top edge: each variant's "above" load and its aborts (8N), `servers` variants side by side."""
+    return ABOVE_FACTOR * threshold * servers
 
 
 def record_references(opts: SmokeOptions, expected: dict[str, Any], prompts: list[Prompt],

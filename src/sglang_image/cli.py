@@ -147,13 +147,15 @@ def _add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--threshold", type=threshold.parse, default=None,
                    help=f"the EAGLE-3 servers' {THRESHOLD_FLAG}: N running requests, or auto "
                         "where the flavor has it (default: the smoke's own small N, which the "
-                        "tiny model's load crosses both ways)")
+                        "tiny model's load crosses both ways); the feature matrix takes N of 2 to "
+                        f"{image_smoke.MATRIX_MAX_THRESHOLD}")
     p.add_argument(smoke_schedule.OPTION, type=smoke_schedule.parse, default=None,
                    metavar="LOW-HIGH:DEPTH,...",
                    help=f"instead of --threshold: the EAGLE-3 servers' {DEPTH_SCHEDULE_FLAG}, a draft "
                         f"depth per load, e.g. {smoke_schedule.EXAMPLE} (depths of at most "
-                        f"{smoke_schedule.SMOKE_STEPS}, flavors with the plugin); the smoke and the "
-                        "feature matrix run in and across every tier (default: none, the threshold)")
+                        f"{smoke_schedule.SMOKE_STEPS}, flavors with the plugin; the top edge at most "
+                        f"{image_smoke.MATRIX_MAX_THRESHOLD}); the smoke and the feature matrix run in "
+                        "and across every tier (default: none, the threshold)")
     p.add_argument("--accept-partial", action="store_true",
                    help=f"exit 0 when the PARTIAL check passes (default: exit "
                         f"{PARTIAL_EXIT_CODE})")

@@ -44,6 +44,10 @@ OUT_MOUNT = "/out"
 FULL_TIMEOUT_S = 3600
 PARTIAL_TIMEOUT_S = 900
 RECORDS_DIR = REPO_ROOT / "out" / "smoke-records"
+# The largest N, or schedule top edge, the feature matrix runs (smoke/features.py MAX_THRESHOLD; the
+# build may not import the smoke, a test holds the two equal): the container's first step refuses
+# a larger one
+MATRIX_MAX_THRESHOLD = 256
 MATRIX_CASES = ("greedy, logprobs, sampling, penalties, n2, long_prompt (chunked prefill), json_schema, "
                 "regex, completions_stream, chat_stream, abort_stream, stop, kv_pressure (retraction)")
 # What only the full smoke checks: said whenever a PARTIAL result is shown.
@@ -152,7 +156,8 @@ def full_command(threshold: Threshold | None = None,
     matrix = "" if threshold == AUTO else given
     if schedule is not None:  # both run it: the smoke through its tiers, the matrix in each
         given = matrix = f" --schedule {schedule}"
-    # the matrix's own refusals (its KV pool, its tiers) before any model or server, not after the smoke
+    # the matrix's own refusals (N or a top edge above MATRIX_MAX_THRESHOLD, its tiers, the open
+    # files) before any model or server, not after the smoke
     script = (f"set -e; python3 -m smoke features --check --models /tmp/models --out {OUT_MOUNT}/features{matrix}; "
               "python3 -m smoke models /tmp/models --device cuda; "
               f"python3 -m smoke run --models /tmp/models --out {OUT_MOUNT}{given}; "

@@ -229,17 +229,27 @@ def test_a_schedule_smoke_runs_with_the_schedule_and_says_what_it_did_not_check(
 
 
 def test_the_matrix_checks_its_setting_before_any_model_or_server() -> None:
-    # The full smoke's first step is the matrix's own check of its options: a schedule the smoke
-    # accepts but the matrix cannot hold (the plugin's example: top edge 96) stops the container in
+    # The full smoke's first step is the matrix's own check of its options: a setting the smoke
+    # accepts but the matrix does not run (a top edge or N above 256) stops the container in
     # seconds, naming the fix, instead of after the models and the whole smoke.
-    script = image_smoke.full_command(schedule=smoke_schedule.parse("1-16:3,17-48:2,49-96:1,97-:0"))[-1]
-    first = script.split("; ")[1]
-    assert first.startswith("python3 -m smoke features --check ") and "smoke models" in script.split("; ")[2]
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'src'}:{REPO / 'plugin'}"}
-    argv = first.replace("python3", sys.executable, 1).split()
-    bad = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, check=False)
-    assert bad.returncode != 0 and "Give a top edge <= " in bad.stderr
-    good = image_smoke.full_command(schedule=smoke_schedule.parse(EXAMPLE))[-1].split("; ")[1]
-    ok = subprocess.run(good.replace("python3", sys.executable, 1).split(), capture_output=True, text=True,
-                        env=env, cwd=REPO, check=False)
-    assert ok.returncode == 0 and "features: the options hold" in ok.stdout
+
+    def check(script: list[str]) -> subprocess.CompletedProcess[str]:
+        first = script[-1].split("; ")[1]
+        assert first.startswith("python3 -m smoke features --check ") and "smoke models" in script[-1].split("; ")[2]
+        return subprocess.run(first.replace("python3", sys.executable, 1).split(), capture_output=True,
+                              text=True, env=env, cwd=REPO, check=False)
+
+    from smoke import features
+
+    assert image_smoke.MATRIX_MAX_THRESHOLD == features.MAX_THRESHOLD  # the build's copy, for its help
+    bad = check(image_smoke.full_command(schedule=smoke_schedule.parse("1-16:3,17-96:2,97-300:1,301-:0")))
+    assert bad.returncode != 0 and "Give a top edge <= 256" in bad.stderr
+    bad = check(image_smoke.full_command(threshold=300))
+    assert bad.returncode != 0 and "Run the matrix with N <= 256" in bad.stderr
+    # the smoke's example, the plugin's (top edge 96), and N where users now set it (192-256)
+    for script in (image_smoke.full_command(schedule=smoke_schedule.parse(EXAMPLE)),
+                   image_smoke.full_command(schedule=smoke_schedule.parse(DEPTH_SCHEDULE_EXAMPLE)),
+                   image_smoke.full_command(threshold=192), image_smoke.full_command(threshold=256)):
+        ok = check(script)
+        assert ok.returncode == 0 and "features: the options hold" in ok.stdout, ok.stderr

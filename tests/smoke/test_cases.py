@@ -62,7 +62,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 expected = {{"vocab_size": 3000, "mean_top1_top2_margin": 20.0, "prompt": "def f"}}
 base = Outcome(ids=[list(range(10, 60))], text=["abcdefghijklmnopqrstuvwxyz"], finish=["length"])
 cases = make_cases(expected, 4, "m") + stop_cases(base, [3, 4]) + [
-    Case("kv_pressure", pressure_requests(0, 3000), equal_tokens)]
+    Case("kv_pressure", pressure_requests(0, 3000, 256), equal_tokens)]
 fields = {{f.name for f in dataclasses.fields(GenerateReqInput)}}
 checked = 0
 for case in cases:

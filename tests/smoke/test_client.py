@@ -3,9 +3,14 @@ events as sglang streams them, an error answer, Prometheus text."""
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +77,53 @@ def test_prometheus_parsing():
     assert client.metric(m, "sglang:spec_disable_plain_steps_total") == 57.0
     assert client.metric(m, "sglang:spec_disable_plain_mode") == 0.0
     assert client.metric(m, "sglang:spec_disable_speculative_steps_total") is None
+
+
+# A smoke process about to hold COUNT connections: its limit raised, then that many sockets opened
+OPENS = """
+import resource, socket, sys
+from smoke import client
+count = int(sys.argv[1])
+client.allow_connections(count)
+sockets = [socket.socket() for _ in range(count)]
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+REPO = Path(__file__).resolve().parents[2]
+
+
+def opens(count: int, soft: int, hard: int) -> subprocess.CompletedProcess[str]:
+    """OPENS in a process that starts with these limits of open files."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", OPENS, str(count)], preexec_fn=limit, env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def hard_limit_for(need: int) -> int:
+    """A hard limit of open files at least `need` that this process may give a child (skips where
+    this host's is lower)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"this host's hard limit of open files ({hard}) is below {need}")
+    return 4 * need if hard == resource.RLIM_INFINITY else min(hard, 4 * need)
+
+
+def test_the_smoke_raises_its_open_files_limit_for_8n_requests_at_once():
+    """N=256: the smoke sends 8N = 2048 requests at once, each a connection; a container's soft
+    limit is often 1024 (Docker 25 on), which ran out at about N=126."""
+    count = 8 * 256
+    need = count + client.SPARE_FILES
+    hard = hard_limit_for(need)
+    res = opens(count, 1024, hard)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert int(res.stdout) == need
+    # a hard limit too low: refused before any request, naming the fix
+    res = opens(count, 1024, 1024)
+    assert res.returncode != 0
+    assert f"2048 requests at once need {need} open files, and this process may open 1024" in res.stderr
+    assert f"--ulimit nofile={need}" in res.stderr and "or give a smaller N" in res.stderr
+    # enough already: left as it is
+    res = opens(64, 1024, hard)
+    assert res.returncode == 0 and int(res.stdout) == 1024, res.stderr[-2000:]

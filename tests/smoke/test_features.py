@@ -4,6 +4,7 @@ The matrix itself needs a GPU and runs in `python -m bench e2e --phases ...,feat
 (docs/validation.md); its cases, loads, requests and verdicts have their own tests."""
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 from pathlib import Path
@@ -29,7 +30,7 @@ def test_the_pressure_requests_outgrow_what_admission_reserves_before_any_can_fi
     # new tokens per request early finishes made room as fast as the rest grew (peak 75%, no
     # retraction: each request held at most 2.6x its reservation when the first could finish)
     opts = F.FeatureOptions(models=tmp_path, out=tmp_path)
-    reqs = F.pressure_requests(0, 3000)
+    reqs = F.pressure_case(opts.threshold, 3000).requests
     first_finish = min(r.payload["sampling_params"]["max_new_tokens"] for r in reqs)
     for draft in (False, True):
         argv = F.server_config("x", opts, draft=draft).extra
@@ -57,7 +58,7 @@ print(json.dumps([PrefillAdder._get_running_request_total_token_offset(
 def test_sglangs_admission_reserves_a_share_of_each_pressure_requests_new_tokens(sglang_tree, run_in_tree):
     # GPU, 0.5.23, N=64: the pressure requests were ignore_eos, which 0.5.23's admission reserves
     # whole (ratio 1.0): about 110 ran at once, the pool peaked at 70% and nothing was retracted
-    params = [r.payload["sampling_params"] for r in F.pressure_requests(0, 3000)]
+    params = [r.payload["sampling_params"] for r in F.pressure_requests(0, 3000, F.MIN_PRESSURE_REQUESTS)]
     ratio = 0.7 * F.SCHEDULE_CONSERVATIVENESS  # sglang's initial new-token ratio, 0.7 by default
     code = (ADMISSION_RESERVES.replace("sys.argv[1]", repr(json.dumps(params)))
             .replace("sys.argv[2]", repr(str(ratio))))
@@ -90,18 +91,29 @@ def pool_of(opts: F.FeatureOptions) -> int:
     return int(argv[argv.index("--max-total-tokens") + 1])
 
 
-@pytest.mark.parametrize("threshold", [2, 4, 16, 64, F.max_threshold()])
+def running_limit_of(opts: F.FeatureOptions, draft: bool) -> int:
+    argv = F.server_config("x", opts, draft=draft).argv(1)
+    return int(argv[argv.index("--max-running-requests") + 1])
+
+
+# 128-256: where users now set N (the split-KV verify moved the 8B shape's crossover to 192-256)
+@pytest.mark.parametrize("threshold", [2, 4, 16, 64, 84, 85, 128, 192, F.MAX_THRESHOLD])
 def test_the_pool_holds_the_filler_above_the_threshold_and_the_pressure_still_overfills_it(threshold, tmp_path):
     # GPU, 0.5.23, N=64: in a pool of 16,384 tokens the filler's 256 requests ran 37 at a time (the
     # pool full of their whole lengths after a retraction), so "above" and "cross_up" never left
     # speculation
-    pool = pool_of(F.FeatureOptions(models=tmp_path, out=tmp_path, threshold=threshold))
+    F.check_threshold(threshold)
+    opts = F.FeatureOptions(models=tmp_path, out=tmp_path, threshold=threshold)
+    pool = pool_of(opts)
     whole_filler_request = FILLER_PROMPT_TOKENS + FILLER_NEW_TOKENS
     assert pool // whole_filler_request >= 2 * threshold
     assert pool >= F.MIN_POOL_TOKENS
     # the pressure case, against the same pool: its requests admitted together need well over the
     # pool before the first can finish (the same model of admission as the test above)
-    reqs = F.pressure_requests(0, 3000)
+    case = F.pressure_case(threshold, 3000)
+    reqs = case.requests
+    assert len(reqs) >= F.MIN_PRESSURE_REQUESTS and case.concurrency == len(reqs)
+    assert F.pressure_overfill(pool, len(reqs)) >= F.PRESSURE_OVERFILL
     prompts = [len(r.payload["input_ids"]) for r in reqs]
     news = [r.payload["sampling_params"]["max_new_tokens"] for r in reqs]
     assert min(prompts) >= F.PRESSURE_PROMPT_TOKENS[0] and max(prompts) <= F.PRESSURE_PROMPT_TOKENS[1]
@@ -113,22 +125,80 @@ def test_the_pool_holds_the_filler_above_the_threshold_and_the_pressure_still_ov
         admitted, room = admitted + 1, room - r
     held = sorted(p + min(news) for p in prompts)[:admitted]
     assert sum(held) >= 1.4 * pool, (threshold, pool, admitted)
+    # both servers run every pressure request at once (a queue would not overfill the pool), and
+    # more than N (the filler holds the batch above it)
+    for draft in (False, True):
+        assert running_limit_of(opts, draft) == F.running_limit(threshold) >= len(reqs)
+    assert F.running_limit(threshold) > threshold
+    assert f"{len(reqs)} concurrent requests, pool of {pool} tokens" in case.note
+
+
+def test_the_pressure_case_overfills_its_pool_at_every_n_the_matrix_takes():
+    # the constants admit a count that overfills: as many requests as the pool admits together
+    # need more than PRESSURE_OVERFILL x it before the first can finish
+    assert F.pressure_overfill(10**6, 10**6) > F.PRESSURE_OVERFILL
+    counts = [F.pressure_count(n) for n in range(2, F.MAX_THRESHOLD + 1)]
+    for n, count in zip(range(2, F.MAX_THRESHOLD + 1), counts):
+        assert F.pressure_overfill(F.pool_tokens(n), count) >= F.PRESSURE_OVERFILL, n
+        # the fewest that do: one less would not (256 at least)
+        assert count == F.MIN_PRESSURE_REQUESTS or \
+            F.pressure_overfill(F.pool_tokens(n), count - 1) < F.PRESSURE_OVERFILL, n
+    assert counts == sorted(counts)  # a larger N never sends fewer
+    # the numbers the docs give
+    assert [(F.pool_tokens(n), F.pressure_count(n)) for n in (64, 128, 192, 256)] == \
+        [(55296, 256), (110592, 388), (165888, 582), (221184, 776)]
 
 
 def test_a_threshold_the_matrix_cannot_run_is_refused_before_any_work(tmp_path):
-    too_high = F.max_threshold() + 1
+    too_high = F.MAX_THRESHOLD + 1
     a = build_parser().parse_args(["features", "--models", "m", "--out", "o", "--threshold", str(too_high)])
-    with pytest.raises(SystemExit, match=f"--threshold {too_high}: .* N <= {F.max_threshold()}"):
+    with pytest.raises(SystemExit, match=f"--threshold {too_high}: .* Run the matrix with N <= {F.MAX_THRESHOLD}"):
         F.options(a)
     from bench import e2e
     for phases in ("models,features", "all"):
-        with pytest.raises(SystemExit, match=f"--threshold {too_high}: .*KV pool"):
+        with pytest.raises(SystemExit, match=f"--threshold {too_high}: .*KV pool.* N <= {F.MAX_THRESHOLD}"):
             e2e.main(bench_parser().parse_args(["e2e", "--phases", phases, "--out", str(tmp_path / "o"),
                                                 "--threshold", str(too_high)]))
     with pytest.raises(SystemExit, match="--threshold"):
         e2e.main(bench_parser().parse_args(["e2e", "--phases", "smoke", "--out", str(tmp_path / "o"),
                                             "--threshold", "lots"]))
     assert not (tmp_path / "o").exists()
+
+
+class StartsNothing:
+    """Stands in for bench.e2e.E2E once the driver is past its checks: no phase runs."""
+
+    def __init__(self, a: argparse.Namespace):
+        self.site = None
+
+    def run(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("threshold", [128, 192, F.MAX_THRESHOLD])
+def test_a_large_threshold_passes_every_check_of_the_matrix_and_of_e2e(threshold, tmp_path, monkeypatch):
+    """N of 128-256 (was: refused above 84): the matrix's options, its --check, and e2e's checks
+    with decode graphs up to the matrix's running-request limit, not past it."""
+    from bench import e2e
+
+    feats = ["features", "--models", "m", "--out", str(tmp_path / "o"), "--threshold", str(threshold)]
+    assert F.options(build_parser().parse_args(feats)).threshold == threshold
+    asked: list[int] = []
+    monkeypatch.setattr(F.client, "allow_connections", asked.append)
+    assert F.main(build_parser().parse_args([*feats, "--check", "--parallel-variants"])) == 0
+    assert asked == [2 * F.in_flight(threshold)]  # two variants side by side
+    monkeypatch.setattr(e2e, "E2E", StartsNothing)
+    monkeypatch.setattr(e2e.client, "allow_connections", asked.append)
+    limit = F.running_limit(threshold)
+    for graph_bs in (256, limit):
+        assert e2e.main(bench_parser().parse_args(
+            ["e2e", "--phases", "models,smoke,features", "--threshold", str(threshold),
+             "--feature-graph-bs", str(graph_bs)])) == 0
+    assert asked[-1] == max(8 * threshold, F.in_flight(threshold))  # the smoke's 8N, the matrix's
+    with pytest.raises(SystemExit, match=f"--feature-graph-bs {limit + 1}: give 1 to {limit} "
+                                         rf"\(the feature servers' running-request limit at N={threshold}"):
+        e2e.main(bench_parser().parse_args(["e2e", "--phases", "features", "--threshold", str(threshold),
+                                            "--feature-graph-bs", str(limit + 1)]))
 
 
 def test_parallel_variants_flag_reaches_the_matrix_from_both_clis(tmp_path, monkeypatch):
@@ -358,7 +428,7 @@ def test_references_the_deadline_stops_are_kept_and_the_next_call_asks_only_for_
     singles = [c for c in F.make_cases(EXPECTED, 4, "m")
                if c.name in ("n2", "long_prompt", "json_schema", "regex")]  # one request each
     monkeypatch.setattr(F, "make_cases", lambda *a, **k: list(singles))
-    monkeypatch.setattr(F, "pressure_requests", lambda seed, vocab: tuple(
+    monkeypatch.setattr(F, "pressure_requests", lambda seed, vocab, count: tuple(
         generate([7, 8, i], max_new_tokens=384) for i in range(8)))
     started: list[str] = []
     monkeypatch.setattr(F, "Server", fake_server(started))

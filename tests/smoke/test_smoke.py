@@ -174,6 +174,27 @@ def test_prompts_cover_below_at_above_and_ramp():
     assert len(sets["abort_plain"]) == 32 and len(sets["abort_spec"]) == 1
 
 
+def test_a_smoke_at_n_256_may_hold_its_8n_requests_at_once(tmp_path, monkeypatch):
+    """Where users now set N (up to 256): 8N requests at once, each a connection of this process,
+    which raises its limit of open files for them (smoke.client.allow_connections) before any
+    server starts; its prompts' keys stay unique past p999."""
+    sets = runner.make_prompts({"vocab_size": 3072, "prompt_ids": [1], "greedy_ids": [4]}, 256)
+    assert len(sets["above"]) == len(sets["abort_plain"]) == 2048
+    keys = [p.key for p in runner.unique_prompts(sets)]
+    assert len(keys) == len(set(keys)) > 7000
+    asked: list[int] = []
+    monkeypatch.setattr(run_command.client, "allow_connections", asked.append)
+    monkeypatch.setattr(run_command, "run_smoke", lambda opts: {"threshold": opts.threshold, "variants": {},
+                                                                "failures": []})
+    for flags, want in (([], 2048), (["--parallel-variants"], 2 * 2048)):
+        a = build_parser().parse_args(["run", "--models", "m", "--out", str(tmp_path), "--threshold", "256",
+                                       *flags])
+        assert run_command.main(a) == 0 and asked[-1] == want
+    a = build_parser().parse_args(["run", "--models", "m", "--out", str(tmp_path), "--schedule",
+                                   "1-16:3,17-64:2,65-192:1,193-:0"])
+    assert run_command.main(a) == 0 and asked[-1] == 8 * 192  # the top edge's
+
+
 # ----------------------------------------------------------------------------- arguments
 def test_argument_parsing(tmp_path):
     ap = build_parser()

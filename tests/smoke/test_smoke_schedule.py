@@ -27,6 +27,7 @@ from tests.smoke.fake_schedule_server import output_ids
 FAKE = Path(__file__).with_name("fake_schedule_server.py")
 SCHEDULE = "1-8:3,9-24:2,25-64:1,65-:0"
 SMALL = "1-2:3,3-4:2,5-:0"  # the fake's loads: a few dozen requests
+WIDE = "1-16:3,17-64:2,65-192:1,193-:0"  # a top edge where users now set N (192-256)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -55,8 +56,17 @@ def test_schedule_is_parsed_by_the_contract_and_refused_beside_a_threshold():
         F.options(ap.parse_args([*feats, "--threshold", "4", "--schedule", SCHEDULE]))
     with pytest.raises(SystemExit, match="too narrow for the feature matrix"):
         F.options(ap.parse_args([*feats, "--schedule", SMALL]))
-    with pytest.raises(SystemExit, match=f"Give a top edge <= {F.max_threshold()}"):
-        F.options(ap.parse_args([*feats, "--schedule", "1-16:3,17-200:1,201-:0"]))
+    with pytest.raises(SystemExit, match=f"--schedule 1-16:3,17-300:1,301-:0: .*top edge up to "
+                                         f"{F.MAX_THRESHOLD}.* Give a top edge <= {F.MAX_THRESHOLD}"):
+        F.options(ap.parse_args([*feats, "--schedule", "1-16:3,17-300:1,301-:0"]))
+    # a top edge of 192 (was: refused above 84): the pool, the pressure case and the running
+    # limit from it, as for N=192
+    f = F.options(ap.parse_args([*feats, "--schedule", WIDE]))
+    assert f.threshold == 192 and f.schedule == WIDE
+    argv = F.server_config("x", f, draft=True).argv(1)
+    assert argv[argv.index("--max-total-tokens") + 1] == str(F.pool_tokens(192))
+    assert int(argv[argv.index("--max-running-requests") + 1]) == F.pressure_count(192) > 192
+    assert F.pressure_overfill(F.pool_tokens(192), F.pressure_count(192)) >= F.PRESSURE_OVERFILL
     # the smoke's servers get it too
     sched = run_command.options(ap.parse_args([*run, "--schedule", SCHEDULE]))
     srv, log, rep = variant_runs.variant_server(sched, scenario.VARIANTS["sync"], Path("d"), None, reach=256,
@@ -107,6 +117,25 @@ def test_e2e_passes_the_schedule_and_the_ramp_to_the_smoke_and_the_matrix(tmp_pa
             e2e.main(bench_parser().parse_args(["e2e", "--phases", "smoke,features", "--out",
                                                 str(tmp_path / "o"), *flags]))
     assert not (tmp_path / "o").exists()
+
+
+def test_e2e_takes_a_schedule_topping_out_at_192_with_graphs_past_256(tmp_path, monkeypatch):
+    from bench import e2e
+
+    class StartsNothing:
+        def __init__(self, a):
+            self.site = None
+
+        def run(self) -> int:
+            return 0
+
+    monkeypatch.setattr(e2e, "E2E", StartsNothing)
+    monkeypatch.setattr(e2e.client, "allow_connections", lambda count: None)
+    assert e2e.main(bench_parser().parse_args(["e2e", "--phases", "smoke,features", "--schedule", WIDE,
+                                               "--feature-graph-bs", "512"])) == 0
+    with pytest.raises(SystemExit, match=f"--feature-graph-bs 600: give 1 to {F.running_limit(192)} "):
+        e2e.main(bench_parser().parse_args(["e2e", "--phases", "features", "--schedule", WIDE,
+                                            "--feature-graph-bs", "600"]))
 
 
 # ----------------------------------------------------------------------------- whole runs
