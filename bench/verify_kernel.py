@@ -2,8 +2,8 @@
 
 Upstream's two kernels for a target verify with speculative top-k 1 (a causal chain): the prefill
 kernel (`extend_attention_fwd`, what SGLang's Triton backend runs for a verify on NVIDIA GPUs) and
-the split-KV verify kernel (`verify_splitkv_fwd`, what it runs by default with
-and this image's plugin). At each batch size, context length and verify width asked for, the same
+the split-KV verify kernel (`verify_splitkv_fwd`, what it runs by default with this image's
+plugin, whose hooks are loaded here as in a server). At each batch size, context length and verify width asked for, the same
 inputs go through both: each one's time (CUDA events, the median of --repeats runs after a
 warm-up), times --layers for a decode step's share, and the largest difference of their outputs.
 A difference beyond --tolerance fails the command. The shape's defaults are the 8B shape's (32
@@ -134,6 +134,8 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         return Timing(case, round(prefill_ms, 4), None, None)
     split_ms = timed(split, a.repeats)
     for name, out in (("prefill", o_prefill), ("split-KV", o_split)):
+        if nans := int(torch.isnan(out).sum()):
+            raise RuntimeError(f"the {name} kernel gave NaN in {nans} of {out.numel()} values at {case}")
         if not out.abs().max().item() > 0:  # equal outputs must not be two untouched buffers
             raise RuntimeError(f"the {name} kernel wrote no output at {case}")
     diff = (o_prefill.float() - o_split.float()).abs().max().item()
@@ -156,6 +158,9 @@ def table(rows: list[Timing], layers: int) -> str:
 
 
 def main(a: argparse.Namespace) -> int:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # the kernels as a server of the image runs them (verify_attention.zero_scratch)
     rows = [measure(Case(b, n, w), a) for b in a.batch for n in a.context for w in a.width]
     text = (f"EAGLE verify attention, one layer: {a.heads} query heads, {a.kv_heads} KV heads, head dim "
             f"{a.head_dim}, {a.dtype} on {a.device}; median of {a.repeats} runs\n\n" + table(rows, a.layers))

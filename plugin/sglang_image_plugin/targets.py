@@ -65,7 +65,10 @@ HOOKS: tuple[HookSpec, ...] = (
              f"{_OBSERVE}:scheduler_init", START, "metrics; the plain layout"),
     HookSpec("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__", "after",
              "sglang_image_plugin.verify_attention:triton_backend_init", START,
-             "the split-KV verify attention on NVIDIA GPUs, where asked for"),
+             "the split-KV verify attention on NVIDIA GPUs, unless turned off"),
+    HookSpec("sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._alloc", "after",
+             "sglang_image_plugin.verify_attention:zero_scratch", START,
+             "the split-KV verify's skipped splits weigh zeros, never an allocation's NaN"),
     # -- every EAGLE server (installed by the worker, whatever its setting)
     HookSpec("sglang.srt.managers.schedule_batch.Req.update_finish_state", "after",
              "sglang_image_plugin.length_cap:cap_finished_output", Group.SPECULATIVE,
@@ -157,6 +160,9 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend",
     "sglang.kernels.ops.attention.verify_splitkv.verify_splitkv_fwd",
     "sglang.kernels.ops.attention.verify_splitkv.can_handle",
+    # ... and its two stages: a skipped split's -inf weight, the combine's sum over every split.
+    "sglang.kernels.ops.attention.verify_splitkv._verify_prefix_stage1",
+    "sglang.kernels.ops.attention.verify_splitkv._verify_combine_stage2",
     # length_cap.py: an abort marks a running request `to_finish` for one more decode pass, which
     # update_finish_state (the hook's target) takes before its length check.
     "sglang.srt.managers.scheduler.Scheduler.abort_request",

@@ -14,7 +14,16 @@ with it decodes 1.04-1.41x faster than without from 1 to 128 requests, with outp
 (docs/validation.md). The kernel refuses what it cannot compute as the prefill kernel does (ragged
 verify widths, sliding windows, sinks, logit caps) and upstream then falls back, per call.
 
-sglang and torch are imported inside the hook only: it runs in a process that has them.
+The kernel's first stage skips the prefix splits a request's length does not reach (each split
+covers at least 32 tokens, so every request under 97 tokens has some) and writes only their -inf
+log-sum-exp; the combine stage weights their partial outputs by exp(-inf) = 0. Those outputs lie
+in a scratch buffer allocated with torch.empty, and 0 x NaN is NaN: where the allocation holds a
+NaN or inf, the request's attention output is NaN. Triton's interpreter shows it on a CPU about
+every other run; on a GPU it takes reused memory holding such a value, so it is rare, never seen
+in our runs, and silent when it happens. zero_scratch clears the buffer once, when it is
+allocated; the kernel writes only finite values into it after that.
+
+sglang and torch are imported inside the hooks only: they run in a process that has them.
 """
 
 from __future__ import annotations
@@ -54,4 +63,18 @@ def triton_backend_init(result: None, backend: Any, *args: Any, **kwargs: Any) -
     if not _logged:
         _logged = True
         logger.info(SPLITKV_VERIFY_LOG_LINE.format(env=SPLITKV_VERIFY_ENV))
+    return result
+
+
+def zero_scratch(result: None, verify: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER VerifySplitKV._alloc: the partial-output scratch starts at zero, not as whatever the
+    allocation held (see the module's docstring). Not while a CUDA graph is being captured: a
+    memset captured there would run at every replay; the warm-up forward before the capture
+    allocates the buffer first."""
+    import torch
+
+    scratch = verify.att_out
+    if scratch.is_cuda and torch.cuda.is_current_stream_capturing():
+        return result
+    scratch.zero_()
     return result

@@ -1,5 +1,7 @@
 """`python -m bench verify-kernel` on a CPU: upstream's two verify kernels of the real sglang 0.5.23
-wheel in Triton's interpreter, tiny shapes, float32 (the interpreter computes bfloat16 wrongly)."""
+wheel in Triton's interpreter, tiny shapes, float32 (the interpreter computes bfloat16 wrongly),
+with the plugin installed as in the image (its hooks load as in a server: without its scratch
+hook, width 3 gave NaN in about every other run)."""
 from __future__ import annotations
 
 import json
@@ -15,9 +17,9 @@ TINY = ["--device", "cpu", "--dtype", "float32", "--batch", "2", "--context", "4
 
 def test_both_kernels_time_the_same_verify_and_agree(
         run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
-        sglang_tree: Callable[[str, bool], Path], tmp_path: Path) -> None:
+        sglang_tree: Callable[[str, bool], Path], plugin_site: Path, tmp_path: Path) -> None:
     tree = sglang_tree("sglang-0.5.23", False)
-    env = {"PYTHONPATH": f"{tree}:{REPO}:{REPO / 'src'}:{REPO / 'plugin'}", "TRITON_INTERPRET": "1"}
+    env = {"PYTHONPATH": f"{plugin_site}:{tree}:{REPO}:{REPO / 'src'}", "TRITON_INTERPRET": "1"}
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
         code = "import sys; from bench.__main__ import main; sys.exit(main(sys.argv[1:]))"
@@ -35,9 +37,9 @@ def test_both_kernels_time_the_same_verify_and_agree(
 
 def test_the_e2e_kernels_phase_runs_it_and_keeps_the_table_in_its_log(
         run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
-        sglang_tree: Callable[[str, bool], Path], tmp_path: Path) -> None:
+        sglang_tree: Callable[[str, bool], Path], plugin_site: Path, tmp_path: Path) -> None:
     tree = sglang_tree("sglang-0.5.23", False)
-    env = {"PYTHONPATH": f"{tree}:{REPO / 'src'}:{REPO / 'plugin'}", "TRITON_INTERPRET": "1"}
+    env = {"PYTHONPATH": f"{plugin_site}:{tree}:{REPO / 'src'}", "TRITON_INTERPRET": "1"}
     argv = ["e2e", "--bundle", str(tmp_path / "none"), "--state", str(tmp_path / "st"), "--out",
             str(tmp_path / "out"), "--phases", "kernels", "--kernel-args", " ".join(TINY)]
     code = f"import sys, os; os.chdir({str(REPO)!r}); from bench.__main__ import main; sys.exit(main({argv!r}))"

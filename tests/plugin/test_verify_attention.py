@@ -125,3 +125,67 @@ def test_a_chain_verify_runs_the_split_kv_kernel_unless_turned_off(
     assert out["called_off"] == ["prefill"]  # turned off, upstream takes the prefill kernel
     assert out["called_on"] == [] and out["max_err"] < 1e-4  # with it the split-KV kernel, exact
     assert proc.stdout.count("LOG EAGLE verify attention: split-KV kernel") == 1
+
+
+SCRATCH_PROBE = textwrap.dedent("""
+    import types
+    import torch
+    import sglang.kernels.ops.attention.verify_splitkv as vs
+
+    # an allocation that holds NaN, as reused memory may: the kernel's scratch only
+    garbage = types.SimpleNamespace(**{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")})
+    garbage.empty = lambda *shape, **kw: torch.full(*shape, float("nan"), **kw)
+    vs.torch = garbage
+
+    torch.manual_seed(0)
+    bs, hq, hkv, d, width, prefix = 2, 4, 2, 16, 4, [40, 70]  # under 97 tokens: splits skipped
+    kb, vb = torch.randn(128, hkv, d), torch.randn(128, hkv, d)
+    kv_indptr = torch.tensor([0, 40, 110], dtype=torch.int32)
+    kv_indices = torch.randperm(128)[:110].to(torch.int64)
+    qo_indptr = torch.arange(0, bs * width + 1, width, dtype=torch.int32)
+    q, k, v = torch.randn(bs * width, hq, d), torch.randn(bs * width, hkv, d), torch.randn(bs * width, hkv, d)
+
+    def verify():
+        vs._VK_CACHE.clear()  # a new server's first verify allocates the scratch
+        out = torch.zeros_like(q)
+        assert vs.verify_splitkv_fwd(q, k, v, out, kb, vb, qo_indptr, kv_indptr, kv_indices, None, True,
+                                     None, width, 1.0, 1.0, d ** -0.5, max_bs=bs)
+        return out
+
+    def reference():
+        ref = torch.zeros(bs * width, hq, d, dtype=torch.float64)
+        for b in range(bs):
+            idx = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+            for i in range(width):
+                r = b * width + i
+                for h in range(hq):
+                    g = h // (hq // hkv)
+                    keys = torch.cat([kb[idx, g], k[b * width:r + 1, g]]).double()
+                    vals = torch.cat([vb[idx, g], v[b * width:r + 1, g]]).double()
+                    ref[r, h] = torch.softmax(keys @ q[r, h].double() * d ** -0.5, 0) @ vals
+        return ref
+
+    upstream = verify()
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang_image_plugin import registry, verify_attention
+    hooked = verify()
+    emit({"hooked": registry.wraps_hook(vs.VerifySplitKV._alloc, verify_attention.zero_scratch),
+          "nan_upstream": int(torch.isnan(upstream).sum()), "nan_hooked": int(torch.isnan(hooked).sum()),
+          "max_err": (hooked.double() - reference()).abs().max().item()})
+""")
+
+
+def test_the_split_kv_verify_never_weighs_an_allocation_s_nan(
+        run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
+        sglang_tree: Callable[[str, bool], Path], plugin_site: Path) -> None:
+    # Triton's interpreter gave NaN in about every other run of `bench verify-kernel` at width 3:
+    # the skipped splits' partial outputs are weighted by 0, and 0 x NaN is NaN
+    tree = sglang_tree(FLAVOR, False)
+    code = "import json\ndef emit(obj):\n    print('RESULT ' + json.dumps(obj), flush=True)\n" + SCRATCH_PROBE
+    proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}", "TRITON_INTERPRET": "1"},
+                       timeout=900)
+    out: dict[str, Any] = probe_result(proc)
+    assert out["nan_upstream"] > 0  # upstream alone, on NaN-holding memory
+    assert out["hooked"] is True
+    assert out["nan_hooked"] == 0 and out["max_err"] < 1e-4
