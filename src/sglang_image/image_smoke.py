@@ -322,6 +322,17 @@ class ImageSmokeOptions:
                     "give one (a threshold N is the schedule "
                     f"1-N:{smoke_schedule.SMOKE_STEPS},N+1-:0 on the smoke's servers)")
             smoke_schedule.check(self.schedule)
+            top = max(t.high for t in self.schedule.tiers if t.high is not None)
+            if top > MATRIX_MAX_THRESHOLD:
+                raise UsageError(f"--schedule {self.schedule}: its top edge {top} is above the "
+                                 f"{MATRIX_MAX_THRESHOLD} the smoke's feature matrix runs (its decode "
+                                 f"graphs go to {MATRIX_MAX_THRESHOLD}); give a top edge <= "
+                                 f"{MATRIX_MAX_THRESHOLD}")
+        if isinstance(self.threshold, int) and self.threshold > MATRIX_MAX_THRESHOLD:
+            # refused here, not after the image has started: the matrix runs N up to its ceiling
+            raise UsageError(f"--threshold {self.threshold}: the smoke's feature matrix runs N up to "
+                             f"{MATRIX_MAX_THRESHOLD} (its decode graphs go to {MATRIX_MAX_THRESHOLD}); "
+                             f"give N <= {MATRIX_MAX_THRESHOLD}")
 
 
 def run(flavor: Flavor | None, options: ImageSmokeOptions) -> int:

@@ -97,6 +97,16 @@ def test_the_options_refuse_a_schedule_with_a_threshold_and_one_the_smoke_cannot
         image_smoke.ImageSmokeOptions(schedule=parse_schedule("1-8:4,9-:0"))
 
 
+def test_the_options_refuse_what_the_matrix_cannot_run_before_any_container() -> None:
+    top = image_smoke.MATRIX_MAX_THRESHOLD
+    assert image_smoke.ImageSmokeOptions(threshold=top).threshold == top  # a crossover near 256 runs
+    assert image_smoke.ImageSmokeOptions(schedule=smoke_schedule.parse(f"1-64:3,65-{top}:1,{top + 1}-:0"))
+    with pytest.raises(UsageError, match=f"--threshold {top + 1}: .* give N <= {top}"):
+        image_smoke.ImageSmokeOptions(threshold=top + 1)
+    with pytest.raises(UsageError, match=f"its top edge {top + 44} is above .* give a top edge <= {top}"):
+        image_smoke.ImageSmokeOptions(schedule=smoke_schedule.parse(f"1-64:3,65-{top + 44}:1,{top + 45}-:0"))
+
+
 @pytest.mark.parametrize("argv, said", [
     (["--threshold", "8", "--schedule", EXAMPLE], "--threshold 8 and --schedule"),
     (["--schedule", "1-8:3"], "--schedule: the last tier must be open"),
