@@ -30,6 +30,44 @@ def test_only_a_false_switch_turns_it_off(value: str | None, asked: bool) -> Non
     assert verify_attention.asked_for(env) is asked
 
 
+# What both probes compare with: chain attention in float64, every verified token attending to its
+# request's prefix and to the chain up to itself (GQA: query head h reads KV head h // group).
+REFERENCE = textwrap.dedent("""
+    import json
+    import torch
+
+    def emit(obj):
+        print("RESULT " + json.dumps(obj), flush=True)
+
+    def chain_reference(q, k, v, kb, vb, kv_indptr, kv_indices, width):
+        hkv, d = kb.shape[1], kb.shape[2]
+        qs = q.view(-1, q.numel() // (q.shape[0] * d), d)
+        bs, hq = qs.shape[0] // width, qs.shape[1]
+        ref = torch.zeros(bs * width, hq, d, dtype=torch.float64)
+        for b in range(bs):
+            idx = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+            for i in range(width):
+                r = b * width + i
+                for h in range(hq):
+                    g = h // (hq // hkv)
+                    keys = torch.cat([kb[idx, g], k[b * width:r + 1, g]]).double()
+                    vals = torch.cat([vb[idx, g], v[b * width:r + 1, g]]).double()
+                    ref[r, h] = torch.softmax(keys @ qs[r, h].double() * d ** -0.5, 0) @ vals
+        return ref
+""")
+
+
+def run_probe(run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
+              sglang_tree: Callable[[str, bool], Path], plugin_site: Path,
+              probe: str) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
+    """The probe in its own process on the real 0.5.23 wheel with the plugin installed, the kernels
+    in Triton's interpreter: its RESULT and the process."""
+    tree = sglang_tree(FLAVOR, False)
+    proc = run_in_tree(tree, REFERENCE + probe,
+                       env={"PYTHONPATH": f"{plugin_site}:{tree}", "TRITON_INTERPRET": "1"}, timeout=900)
+    return probe_result(proc), proc
+
+
 PROBE = textwrap.dedent("""
     import json, logging, os, sys
     from types import SimpleNamespace as NS
@@ -80,21 +118,6 @@ PROBE = textwrap.dedent("""
         out = backend.forward_extend(q, k, v, layer, batch, save_kv_cache=False)
         return called, out.view(-1, hq, d)
 
-    def reference():
-        # every verified token attends to its request's prefix and to the chain up to itself
-        ref = torch.zeros(bs * width, hq, d, dtype=torch.float64)
-        qs = q.view(-1, hq, d)
-        for b in range(bs):
-            idx = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
-            for i in range(width):
-                r = b * width + i
-                for h in range(hq):
-                    g = h // (hq // hkv)
-                    keys = torch.cat([kb[idx, g], k[b * width:r + 1, g]]).double()
-                    vals = torch.cat([vb[idx, g], v[b * width:r + 1, g]]).double()
-                    ref[r, h] = torch.softmax(keys @ qs[r, h].double() * d ** -0.5, 0) @ vals
-        return ref
-
     os.environ.pop("SGLANG_ENABLE_SPLITKV_VERIFY", None)
     off = after_init(1)
     os.environ["SGLANG_ENABLE_SPLITKV_VERIFY"] = "0"
@@ -107,18 +130,14 @@ PROBE = textwrap.dedent("""
           "switch": [off.use_verify_splitkv, zero.use_verify_splitkv, on.use_verify_splitkv,
                      tree.use_verify_splitkv, gfx95.use_verify_splitkv],
           "called_off": called_off, "called_on": called_on,
-          "max_err": (out.double() - reference()).abs().max().item()})
+          "max_err": (out.double() - chain_reference(q, k, v, kb, vb, kv_indptr, kv_indices, width)).abs().max().item()})
 """)
 
 
 def test_a_chain_verify_runs_the_split_kv_kernel_unless_turned_off(
         run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
         sglang_tree: Callable[[str, bool], Path], plugin_site: Path) -> None:
-    tree = sglang_tree(FLAVOR, False)
-    code = "import json\ndef emit(obj):\n    print('RESULT ' + json.dumps(obj), flush=True)\n" + PROBE
-    proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}", "TRITON_INTERPRET": "1"},
-                       timeout=900)
-    out: dict[str, Any] = probe_result(proc)
+    out, proc = run_probe(run_in_tree, sglang_tree, plugin_site, PROBE)
     assert out["hooked"] is True
     # unset, 1: on for a chain, not for a tree; 0: upstream's choice (off here); gfx95 keeps upstream's
     assert out["switch"] == [True, False, True, False, True]
@@ -152,19 +171,6 @@ SCRATCH_PROBE = textwrap.dedent("""
                                      None, width, 1.0, 1.0, d ** -0.5, max_bs=bs)
         return out
 
-    def reference():
-        ref = torch.zeros(bs * width, hq, d, dtype=torch.float64)
-        for b in range(bs):
-            idx = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
-            for i in range(width):
-                r = b * width + i
-                for h in range(hq):
-                    g = h // (hq // hkv)
-                    keys = torch.cat([kb[idx, g], k[b * width:r + 1, g]]).double()
-                    vals = torch.cat([vb[idx, g], v[b * width:r + 1, g]]).double()
-                    ref[r, h] = torch.softmax(keys @ q[r, h].double() * d ** -0.5, 0) @ vals
-        return ref
-
     upstream = verify()
     from sglang.srt.plugins import load_plugins
     load_plugins()
@@ -172,7 +178,7 @@ SCRATCH_PROBE = textwrap.dedent("""
     hooked = verify()
     emit({"hooked": registry.wraps_hook(vs.VerifySplitKV._alloc, verify_attention.zero_scratch),
           "nan_upstream": int(torch.isnan(upstream).sum()), "nan_hooked": int(torch.isnan(hooked).sum()),
-          "max_err": (hooked.double() - reference()).abs().max().item()})
+          "max_err": (hooked.double() - chain_reference(q, k, v, kb, vb, kv_indptr, kv_indices, width)).abs().max().item()})
 """)
 
 
@@ -181,11 +187,7 @@ def test_the_split_kv_verify_never_weighs_an_allocation_s_nan(
         sglang_tree: Callable[[str, bool], Path], plugin_site: Path) -> None:
     # Triton's interpreter gave NaN in about every other run of `bench verify-kernel` at width 3:
     # the skipped splits' partial outputs are weighted by 0, and 0 x NaN is NaN
-    tree = sglang_tree(FLAVOR, False)
-    code = "import json\ndef emit(obj):\n    print('RESULT ' + json.dumps(obj), flush=True)\n" + SCRATCH_PROBE
-    proc = run_in_tree(tree, code, env={"PYTHONPATH": f"{plugin_site}:{tree}", "TRITON_INTERPRET": "1"},
-                       timeout=900)
-    out: dict[str, Any] = probe_result(proc)
+    out, _ = run_probe(run_in_tree, sglang_tree, plugin_site, SCRATCH_PROBE)
     assert out["nan_upstream"] > 0  # upstream alone, on NaN-holding memory
     assert out["hooked"] is True
     assert out["nan_hooked"] == 0 and out["max_err"] < 1e-4
