@@ -52,7 +52,7 @@ class Source:
     result: dict[str, Any]
 
 
-def output_lengths(result: dict[str, Any]) -> list[Any]:
+def lengths_of(result: dict[str, Any]) -> list[Any]:
     """The range of the requests' output lengths (a result from before the spread: one length)."""
     return list(result.get("output_lengths") or [result.get("output_len")] * 2)
 
@@ -66,7 +66,7 @@ def device_timer(result: dict[str, Any]) -> bool:
 # something else. (what, how a result says it, the fix)
 MUST_MATCH: tuple[tuple[str, Callable[[dict[str, Any]], Any], str], ...] = (
     ("models", lambda r: r.get("model"), "merge each model's calls on their own"),
-    ("output lengths", output_lengths, "merge only calls run with the same --output-len and --output-spread"),
+    ("output lengths", lengths_of, "merge only calls run with the same --output-len and --output-spread"),
     ("window seconds", lambda r: r.get("window_s"), "merge only calls run with the same --window-s"),
     ("settle seconds", lambda r: r.get("settle_s"), "merge only calls run with the same --settle-s"),
     ("device timer settings", device_timer,
