@@ -160,6 +160,8 @@ RELIED: tuple[str, ...] = (
     "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend",
     "sglang.kernels.ops.attention.verify_splitkv.verify_splitkv_fwd",
     "sglang.kernels.ops.attention.verify_splitkv.can_handle",
+    # ... and how upstream reads its switch, which verify_attention.asked_for mirrors.
+    "sglang.srt.environ.EnvBool.parse",
     # ... and its two stages: a skipped split's -inf weight, the combine's sum over every split.
     "sglang.kernels.ops.attention.verify_splitkv._verify_prefix_stage1",
     "sglang.kernels.ops.attention.verify_splitkv._verify_combine_stage2",
