@@ -181,6 +181,11 @@ class AutoDepthController:
         """A drafting step's accepted drafts per request (timed or not)."""
         self.accept.add(depth, num_correct_drafts_per_req)
 
+    def note_idle(self) -> None:
+        """The server ran nothing (no request left): the next batch walks the learned schedule
+        from its start, its hysteresis forgotten (DepthController.note_idle)."""
+        self._walk.note_idle()
+
     # ------------------------------------------------------------------ reports
     @property
     def depth(self) -> int:

@@ -68,6 +68,9 @@ class AutoDepthPolicy(TimedPolicy):
     def _trace_fields(self, step: Step) -> dict[str, object]:
         return {"depth": step.depth, "schedule": self.controller.schedule_text}
 
+    def _went_idle(self) -> None:
+        self.controller.note_idle()
+
     # -- the protocol, with the reports ---------------------------------------------------------
     def get_steps_for_batch(self, batch_size: int) -> int:
         depth = super().get_steps_for_batch(batch_size)

@@ -95,6 +95,9 @@ class TimedPolicy:
         """What the trace adds to a step's record."""
         return {}
 
+    def _went_idle(self) -> None:
+        """The scheduler found nothing to run (note_idle): what the decisions forget then."""
+
     # -- the protocol ---------------------------------------------------------------------------
     def set_cuda_graph_bs(self, cuda_graph_bs: list[int] | None) -> None:
         self._cuda_graph_bs = sorted(cuda_graph_bs) if cuda_graph_bs else None
@@ -137,6 +140,7 @@ class TimedPolicy:
         """The scheduler found nothing to run: the step before this has no step time (the interval
         to the next decode step would be the idle gap, and a burst after a pause would charge the
         whole pause to the last step before it)."""
+        self._went_idle()
         self._previous = None
         last = self._pending[-1] if self._pending else None
         if last is not None and last.seconds is None:
@@ -214,6 +218,9 @@ class AutoPolicy(TimedPolicy):
 
     def _trace_fields(self, step: Step) -> dict[str, object]:
         return {"crossover": self.controller.crossover()}
+
+    def _went_idle(self) -> None:
+        self.controller.note_idle()
 
 
 class StepTrace:

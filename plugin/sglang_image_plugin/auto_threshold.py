@@ -174,6 +174,12 @@ class AutoController:
         if mode is Mode.SPECULATIVE:
             self._accept.add(output_tokens / batch_size, self.config.accept_memory, batch_size)
 
+    def note_idle(self) -> None:
+        """The server ran nothing (no request left): the next batch takes its side by the
+        crossover alone (the hysteresis holds a mode against a running batch's wobble, and an
+        idle server has none)."""
+        self._mode_for = -1
+
     # ------------------------------------------------------------------ reports
     def crossover(self) -> int:
         """The batch size up to which the server speculates now (0: never; max_batch_size: always)."""

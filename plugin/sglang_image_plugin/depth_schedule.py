@@ -4,7 +4,8 @@ The schedule's flag, grammar, parser and validation are setting.py's (`1-16:3,17
 drafts 3 steps while at most 16 requests run, 2 up to 48, 1 up to 96 and none above). Every edge
 has hysteresis H (default edge // 8, as the threshold's): the draft gets shallower as soon as the
 batch passes an edge, and deeper again only once it is H below it, so one arrival or finish does
-not flip the depth. Pure logic (standard library only): tested on any machine.
+not flip the depth. A server gone idle (note_idle) has no batch for the hysteresis to protect: the
+first batch after it walks from the deepest tier, as at start. Pure logic (standard library only): tested on any machine.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class DepthController:
         self.steps = {d: 0 for d in schedule.depths}
         self.changes = 0
         self._on_change = on_change
+        self._after_idle = False  # the next batch is the first since the server went idle
 
     @property
     def depth(self) -> int:
@@ -47,9 +49,13 @@ class DepthController:
         assert edge is not None
         return edge - self.hysteresis[tier - 1]
 
+    def note_idle(self) -> None:
+        """The server ran nothing (no request left): the next batch walks from the start."""
+        self._after_idle = True
+
     def next_tier(self, batch_size: int) -> int:
         """The transition alone (no side effects)."""
-        tiers, i = self.schedule.tiers, self.tier
+        tiers, i = self.schedule.tiers, 0 if self._after_idle else self.tier
         while (high := tiers[i].high) is not None and batch_size > high:
             i += 1
         while i > 0 and batch_size <= self.resume_below(i):
@@ -59,6 +65,7 @@ class DepthController:
     def step(self, batch_size: int) -> int:
         """Account one decode step of this many requests; its depth."""
         new = self.next_tier(batch_size)
+        self._after_idle = False
         if new != self.tier:
             old_depth = self.depth
             self.tier = new

@@ -119,8 +119,9 @@ def scheduler_init(result: None, scheduler: Any, *args: Any, **kwargs: Any) -> N
 
 
 def scheduler_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """BEFORE Scheduler.on_idle: `auto` times a step until the next decode step; an idle gap
-    between them is no step time (AutoPolicy.note_idle)."""
+    """BEFORE Scheduler.on_idle: the policy's note_idle. The first batch after it takes its side
+    by the threshold, schedule or crossover alone (no running batch for the hysteresis to hold);
+    `auto` also times a step until the next decode step, and an idle gap is no step time."""
     own = plugin_state.peek(getattr(scheduler, "draft_worker", None), WorkerState)
     note_idle = getattr(own.controller, "note_idle", None) if own is not None else None
     if note_idle is not None:

@@ -55,8 +55,6 @@ class PlainStep:
             groups.append(Group.KV_ONLY)
         if self.layout:
             groups.append(Group.LAYOUT)
-        if self.auto:
-            groups.append(Group.AUTO_ONLY)
         return tuple(groups)
 
     def view(self) -> dict[str, str]:

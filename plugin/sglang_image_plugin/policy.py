@@ -59,6 +59,10 @@ class ThresholdPolicy:
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> None:
         """The threshold does not follow acceptance."""
 
+    def note_idle(self) -> None:
+        """The scheduler found nothing to run (observe.scheduler_idle)."""
+        self.controller.note_idle()
+
     def cuda_graph_bs_for_step(self, step: int) -> list[int] | None:
         """The captured batch sizes a step count can run at (a batch pads up to the
         next captured size): plain from the resume size up, speculative up to the
@@ -126,6 +130,10 @@ class DepthSchedulePolicy:
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> None:
         """The schedule does not follow acceptance."""
+
+    def note_idle(self) -> None:
+        """The scheduler found nothing to run (observe.scheduler_idle)."""
+        self.controller.note_idle()
 
     def _report(self, before: int, depth: int, batch_size: int) -> None:
         now = self._clock()

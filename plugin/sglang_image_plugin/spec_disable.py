@@ -43,7 +43,9 @@ class SpecDisableController:
     """Speculative -> plain when batch_size > N; plain -> speculative when <= N - H.
 
     The decision depends only on the running batch size, which every TP rank sees
-    identically, so all ranks choose the same mode without communication.
+    identically, so all ranks choose the same mode without communication. An idle
+    server (note_idle) holds no batch for the hysteresis to protect: the first batch
+    after it takes its side by N alone, as at start.
     """
 
     def __init__(
@@ -73,24 +75,32 @@ class SpecDisableController:
         self._log_interval_s = log_interval_s
         self._last_log_time: float | None = None
         self._suppressed = 0
+        self._after_idle = False  # the next batch is the first since the server went idle
 
     @property
     def resume_batch_size(self) -> int:
         return self.threshold - self.hysteresis
 
+    def note_idle(self) -> None:
+        """The server ran nothing (no request left): the next batch is decided by N alone.
+        Otherwise a server that went plain under a burst above N stays plain through every later
+        burst that starts between N - H and N, for as long as each lasts."""
+        self._after_idle = True
+
     def next_mode(self, batch_size: int) -> Mode:
         """The transition function alone (no side effects)."""
-        if self.mode is Mode.SPECULATIVE:
+        if self.mode is Mode.SPECULATIVE or self._after_idle:
             return Mode.PLAIN if batch_size > self.threshold else Mode.SPECULATIVE
         return Mode.SPECULATIVE if batch_size <= self.resume_batch_size else Mode.PLAIN
 
     def step(self, batch_size: int) -> bool:
         """Account one decode step of this many requests; True: it runs plain."""
         new_mode = self.next_mode(batch_size)
+        after_idle, self._after_idle = self._after_idle, False
         if new_mode != self.mode:
             self.mode = new_mode
             self.mode_changes += 1
-            self._log_mode_change(batch_size)
+            self._log_mode_change(batch_size, after_idle)
         plain = self.mode is Mode.PLAIN
         if plain:
             self.plain_steps += 1
@@ -99,13 +109,15 @@ class SpecDisableController:
         self.metrics.observe(plain, int(not plain), int(plain))
         return plain
 
-    def _log_mode_change(self, batch_size: int) -> None:
+    def _log_mode_change(self, batch_size: int, after_idle: bool) -> None:
         now = self._clock()
         if self._last_log_time is not None and now - self._last_log_time < self._log_interval_s:
             self._suppressed += 1
             return
         if self.mode is Mode.PLAIN:
             why = f"batch size {batch_size} > threshold {self.threshold}"
+        elif after_idle:
+            why = f"batch size {batch_size} <= threshold {self.threshold}, the first batch since the server went idle"
         else:
             why = (
                 f"batch size {batch_size} <= {self.resume_batch_size} (threshold "

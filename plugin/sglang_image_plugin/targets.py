@@ -25,7 +25,6 @@ class Group(StrEnum):
     THRESHOLD = "threshold"  # every threshold server
     KV_ONLY = "kv_only"  # a draft that writes only its K/V
     LAYOUT = "layout"  # the plain layout (overlap scheduler)
-    AUTO_ONLY = "auto"  # what only an `auto` threshold needs
     SPECULATIVE = "speculative"  # every EAGLE server, a threshold or not (worker_init)
 
 
@@ -113,9 +112,9 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.srt.managers.scheduler_components.batch_result_processor."
              "SchedulerBatchResultProcessor.process_batch_result_decode", "before",
              f"{_LAYOUT}:plain_result", Group.LAYOUT, "a plain step's result counted as a zero-step verify's"),
-    # -- auto
+    # -- an idle server
     HookSpec("sglang.srt.managers.scheduler.Scheduler.on_idle", "before", f"{_OBSERVE}:scheduler_idle",
-             Group.AUTO_ONLY, "auto: an idle gap is no step time"),
+             Group.THRESHOLD, "the first batch after idle takes its side by N alone; auto: no step time"),
 )
 
 

@@ -257,6 +257,18 @@ def test_switches_like_a_fixed_threshold_around_the_crossover():
     assert seen[1:] == [Mode.SPECULATIVE, Mode.PLAIN, Mode.PLAIN, Mode.PLAIN, Mode.SPECULATIVE, Mode.PLAIN]
 
 
+def test_the_first_batch_after_an_idle_server_takes_its_side_by_the_crossover_alone():
+    prior = Prior(3.2, {b: CostModel().seconds(Mode.SPECULATIVE, b) for b in (1, 64, 128)},
+                  {b: CostModel().seconds(Mode.PLAIN, b) for b in (1, 64, 128)})
+    cfg = AutoConfig(max_batch_size=MAX_BATCH, stale_steps=10**9, explore_steps=1, explore_gap=10**6)
+    ctl = AutoController(cfg, prior)
+    assert ctl.crossover() == 64
+    ctl.decide(1)  # the first step explores
+    assert [ctl.decide(b) for b in (65, 64, 60)] == [Mode.PLAIN] * 3  # held plain down to 56
+    ctl.note_idle()
+    assert [ctl.decide(b) for b in (64, 65, 64)] == [Mode.SPECULATIVE, Mode.PLAIN, Mode.PLAIN]
+
+
 def test_state_for_server_info():
     ctl = AutoController(AutoConfig(max_batch_size=8))
     ctl.record(ctl.decide(4), 4, 0.01, 4)

@@ -72,6 +72,15 @@ def test_the_draft_gets_shallower_at_once_and_deeper_only_below_each_edge_s_hyst
         ds.DepthController(st.parse_schedule("1-16:3,17-:0"), hysteresis=[1, 2])
 
 
+def test_the_first_batch_after_an_idle_server_walks_the_schedule_from_its_start() -> None:
+    ctl = ds.DepthController(st.parse_schedule("1-16:3,17-48:2,49-96:1,97-:0"))
+    assert [ctl.step(b) for b in (200, 90)] == [0, 0]  # 90 is above 96's resume size (84): held
+    ctl.note_idle()
+    assert [ctl.step(b) for b in (90, 96, 97, 90)] == [1, 1, 0, 0]  # by the tiers alone, then held
+    ctl.note_idle()
+    assert ctl.step(16) == 3 and ctl.changes == 4
+
+
 def test_each_depth_captures_graphs_only_where_it_can_run() -> None:
     ctl = ds.DepthController(st.parse_schedule("1-16:3,17-48:2,49-96:1,97-:0"))
     captured = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 224, 256]
