@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench import hostinfo
+from sglang_image_plugin.setting import AUTO_TRACE_ENV
 from smoke import client
 from smoke.server import Server, ServerConfig, SmokeError, group_running, port_free
 
@@ -58,6 +59,15 @@ def options_key(cfg: ServerConfig, extra: str = "") -> str:
         argv = argv[:i] + argv[i + 2:]
     blob = json.dumps({"argv": argv, "env": cfg.env, "extra": extra}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def clear_step_trace(cfg: ServerConfig) -> None:
+    """A server about to start gets a step trace of its own: the file is named after the config,
+    and the plugin appends, so an earlier server of the same name left its steps there. Unlinked,
+    not truncated: one still exiting flushes into its own, removed file, not into the new one's."""
+    trace = cfg.env.get(AUTO_TRACE_ENV)
+    if trace:
+        Path(trace).unlink(missing_ok=True)
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -209,6 +219,7 @@ class ServerPool:
                 srv.stop()  # whatever is left of its group
                 self.record(name, None)
             port = self.free_port({e.port for e in self.read().values()})
+            clear_step_trace(cfg)  # a reused server (above) keeps appending to its own
             srv = Server(cfg, port, log_for(name))
             srv.launch()
             assert srv.pgid is not None

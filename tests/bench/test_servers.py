@@ -140,6 +140,43 @@ def test_a_server_recorded_with_another_environment_is_not_reused(pool_of, tmp_p
     assert any("eagle3: recorded with other options: stopping it" in e for e in pool_of.events)
 
 
+# A stand-in for the plugin's step trace: the server appends a line with its pid to the file
+TRACING = "import os\nwith open(os.environ['SGLANG_IMAGE_AUTO_TRACE'], 'a') as f: f.write(f'{os.getpid()}\\n')\n"
+
+
+class TracingConfig(SleepyConfig):
+    def argv(self, port: int) -> list[str]:
+        return [sys.executable, "-c", TRACING + HEALTHY_AFTER, str(port), "0", *self.extra]
+
+
+def test_a_new_server_s_step_trace_holds_only_its_own_steps(pool_of, tmp_path):
+    # The trace is named after the config: a later call's new server of the same name appended to
+    # the earlier server's file, and the report read both servers' steps as its own.
+    trace = tmp_path / "eagle3_auto_steps.jsonl"
+
+    def cfg(*extra: str) -> TracingConfig:
+        c = TracingConfig("eagle3_auto", tmp_path, extra=extra)
+        c.env = {"SGLANG_IMAGE_AUTO_TRACE": str(trace)}
+        return c
+
+    def lines() -> list[str]:
+        for _ in range(100):  # the stand-in writes once it runs, before it answers
+            if trace.exists() and trace.read_text():
+                break
+            time.sleep(0.05)
+        return trace.read_text().split()
+
+    first = pool_of().ensure({"eagle3_auto": cfg()}, "", logs(tmp_path), 30)["eagle3_auto"]
+    assert lines() == [str(first.pgid)]
+    # reused by the next call: one server, its trace kept
+    assert pool_of().ensure({"eagle3_auto": cfg()}, "", logs(tmp_path), 30)["eagle3_auto"].pgid == first.pgid
+    assert lines() == [str(first.pgid)]
+    # another concurrency set (other options): a new server, a trace of its own
+    second = pool_of().ensure({"eagle3_auto": cfg("--max-running-requests", "256")}, "", logs(tmp_path),
+                              30)["eagle3_auto"]
+    assert second.pgid != first.pgid and lines() == [str(second.pgid)]
+
+
 def test_servers_start_side_by_side_and_each_is_pinned_to_its_own_cpus(pool_of, tmp_path):
     """No start waits for another's (their pools are fixed); once healthy, every process and thread
     of a server runs on CPUs of its own, beside the client's; where none are left, it says so."""
