@@ -119,6 +119,20 @@ def pool_tokens(threshold: int) -> int:
     return max(MIN_POOL_TOKENS, FILLER_POOL_FACTOR * threshold * (FILLER_PROMPT_TOKENS + FILLER_NEW_TOKENS))
 
 
+def pool_shortfall(actual: int | None, threshold: int) -> str | None:
+    """Why a server's KV pool (its max_total_num_tokens) cannot run the matrix for N, None where it
+    can: --max-total-tokens only caps the pool, and a server whose memory share holds less gets
+    less, so the filler no longer holds the batch above N and the pressure case's overfill is
+    another than its note says."""
+    planned = pool_tokens(threshold)
+    if actual is None or actual >= planned:
+        return None
+    return (f"the server's KV pool holds {actual} tokens, fewer than the {planned} the matrix sizes "
+            f"for N={threshold} (the filler above N, the pressure case's overfill): its GPU memory "
+            f"share is too small; run the variants one after the other (no --parallel-variants), "
+            f"on a GPU with more memory, or with a smaller N")
+
+
 def pressure_overfill(pool: int, requests: int) -> float:
     """How many times the pool `requests` pressure requests admitted together need before the
     first can finish: all of them if their reservations fit (their prompts and a share of
@@ -548,6 +562,10 @@ def run_variant(opts: FeatureOptions, key: str, cases: list[Case], refs: dict[st
         opts.progress(f"features {key}: server up in {srv.start_seconds:.0f}s{early}, {len(todo)} case(s) "
                       f"to run (left {opts.deadline.left():.0f}s)")
         baseline = wait_idle(srv.base, client.load(srv.base))
+        rep["kv_pool_tokens"] = baseline.get("max_total_num_tokens")
+        short = pool_shortfall(rep["kv_pool_tokens"], opts.threshold)
+        if short is not None:
+            raise SmokeError(short)
         skipped = run_cases(opts, key, todo, refs, pressure, srv.base, baseline, filler_prompts, log, kept)
         if skipped:
             rep["skipped"] = skipped

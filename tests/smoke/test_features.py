@@ -720,3 +720,24 @@ def test_on_a_schedule_server_each_case_runs_in_every_tier_and_across_every_edge
     assert report["schedule"] == schedule and report["pool_tokens"] == F.pool_tokens(64)
     text = F.summarize(report)
     assert f"features: schedule={schedule} pool=" in text and "depth2 PASS(2d, 1p/5s)" in text
+
+
+def test_a_variant_server_with_a_smaller_kv_pool_than_planned_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    """--max-total-tokens only caps the pool: a server whose memory share holds less gets less, and
+    the matrix's filler and pressure case would then test another load than they say."""
+    planned = F.pool_tokens(192)
+    pools: list[int] = []
+    monkeypatch.setattr(F, "Server", fake_server([]))
+    monkeypatch.setattr(F.client, "load", lambda base: {"num_running_reqs": 0, "num_waiting_reqs": 0,
+                                                        "num_used_tokens": 0, "max_total_num_tokens": pools[-1]})
+    opts = F.FeatureOptions(models=tmp_path, out=tmp_path, threshold=192, cases=())
+    pressure = Case("kv_pressure", (), equal_tokens)
+    pools.append(planned - 1)
+    rep = F.run_variant(opts, "overlap", [], {}, pressure, 100)
+    assert rep["kv_pool_tokens"] == planned - 1
+    assert f"holds {planned - 1} tokens, fewer than the {planned}" in rep["cause"]
+    assert "no --parallel-variants" in rep["cause"] and "smaller N" in rep["cause"]
+    pools.append(planned)
+    rep = F.run_variant(opts, "overlap", [], {}, pressure, 100)
+    assert "cause" not in rep and rep["kv_pool_tokens"] == planned
+    assert F.pool_shortfall(None, 192) is None  # a server that does not say: not judged
