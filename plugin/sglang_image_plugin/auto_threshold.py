@@ -19,9 +19,11 @@ buckets it was measured in: within a bucket the two modes are seldom measured at
 sizes). A mode's step time in a bucket is the median of its recent steps there, and a bucket
 counts once both modes have `min_samples` of them: a step timed by the scheduler's clock may
 carry a first use's compile, a wave of prefills or an abort, and one such step in a mean of ten
-outweighs the difference between the modes. Speculation pays in a prefix of the batch sizes
-(its step costs a multiple of a plain one's compute, so its advantage shrinks as the batch fills
-the GPU); the crossover is the split
+outweighs the difference between the modes. The buckets (AutoConfig.edges): powers of two up to
+32, then four per octave (40, 48, 56, 64, 80, ...) up to max_batch_size, so that a crossover
+between two powers of two (speculation winning at 192 requests, losing at 256) has an edge near
+it. Speculation pays in a prefix of the batch sizes (its step costs a multiple of a plain one's
+compute, so its advantage shrinks as the batch fills the GPU); the crossover is the split
 that maximizes the summed log advantage of the speculating buckets. Every `update_every` steps it
 moves there only if that beats the current split by `margin` plus twice the noise of the
 difference (from the spread of the step times, taken as at least `step_noise` a step, so that a
@@ -62,12 +64,17 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sglang_image_plugin.auto_config import AutoConfig, Prior, power_of_two_edges, resume_batch_size
+from sglang_image_plugin.auto_config import (
+    AutoConfig,
+    Prior,
+    quarter_octave_edges,
+    resume_batch_size,
+)
 from sglang_image_plugin.auto_estimate import Average, Bucket, seconds_at
 from sglang_image_plugin.setting import AUTO, Mode
 
 __all__ = ["AutoConfig", "AutoController", "BucketEstimate", "Decision", "Mode", "Prior",
-           "power_of_two_edges", "resume_batch_size"]
+           "quarter_octave_edges", "resume_batch_size"]
 
 
 @dataclass(frozen=True)
