@@ -43,12 +43,13 @@ def read(path: Path) -> list[dict[str, Any]]:
 
 @functools.cache
 def server_edges() -> tuple[int, ...]:
-    """The bucket edges an auto server uses (the plugin's power_of_two_edges), far past any batch."""
-    return tuple(auto_threshold.power_of_two_edges(1 << 20))
+    """The bucket edges an auto server uses (the plugin's quarter_octave_edges), far past any batch."""
+    return tuple(auto_threshold.quarter_octave_edges(1 << 20))
 
 
 def bucket_of(batch: int) -> tuple[int, int]:
-    """The server's bucket (low, high) of a batch size: 1-1, 2-2, 3-4, 5-8, ... (as _bucket finds it)."""
+    """The server's bucket (low, high) of a batch size: 1-1, 2-2, 3-4, 5-8, ..., 33-40, 41-48, ...
+    (as _bucket finds it)."""
     edges = server_edges()
     i = bisect.bisect_left(edges, batch)
     return (edges[i - 1] + 1 if i else 1, edges[i])

@@ -22,13 +22,21 @@ def resume_batch_size(threshold: int) -> int:
     return threshold - default_hysteresis(threshold)
 
 
-def power_of_two_edges(max_batch_size: int) -> tuple[int, ...]:
-    """Bucket upper edges 1, 2, 4, ... and max_batch_size last."""
+FINE_FROM = 32  # the default bucket edges: powers of two up to here, then four per octave
+
+
+def quarter_octave_edges(max_batch_size: int) -> tuple[int, ...]:
+    """Bucket upper edges 1, 2, 4, ..., FINE_FROM, then four per octave, the octave's start times
+    1.25, 1.5, 1.75 and 2 (40, 48, 56, 64, 80, 96, 112, 128, 160, ...), and max_batch_size last.
+    Where the batch fills the GPU, speculation's advantage falls by several percent a quarter
+    octave: a crossover between two powers of two (speculation winning at 192 requests, losing at
+    256) would otherwise be rounded to one of them. Below FINE_FROM a quarter octave is a request
+    or two."""
     edges = []
     edge = 1
     while edge < max_batch_size:
         edges.append(edge)
-        edge *= 2
+        edge += edge if edge < FINE_FROM else (1 << (edge.bit_length() - 1)) // 4
     return (*edges, max_batch_size)
 
 
@@ -38,8 +46,9 @@ class AutoConfig:
     runs hundreds of steps a second."""
 
     max_batch_size: int  # the largest decode batch the server runs (its max running requests)
-    # upper edges of the batch-size buckets, increasing, the last = max_batch_size (default: powers
-    # of two; a server may pass its CUDA-graph batch sizes: step time is flat between two of them)
+    # upper edges of the batch-size buckets, increasing, the last = max_batch_size (default:
+    # quarter_octave_edges; a server may pass its CUDA-graph batch sizes: step time is flat between
+    # two of them)
     bucket_edges: tuple[int, ...] = ()
     # a new crossover must beat the current one by this much summed log advantage (0.02: 2% in
     # one bucket), besides the noise: a switch costs a catch-up step, and so close a choice matters little
@@ -87,7 +96,7 @@ class AutoConfig:
 
     @property
     def edges(self) -> tuple[int, ...]:
-        return self.bucket_edges or power_of_two_edges(self.max_batch_size)
+        return self.bucket_edges or quarter_octave_edges(self.max_batch_size)
 
     @property
     def window(self) -> int:

@@ -7,9 +7,10 @@ Pure Python (no torch, no sglang), tested alone on a CPU. Per decode step a poli
     controller.record(depth, batch_size, step_seconds)                  # its time, if timed
     controller.record_accepted(depth, num_correct_drafts_per_req)       # a drafting step's result
 
-What it estimates, per batch-size bucket (as the threshold's `auto`: powers of two up to the max
-running requests) and per depth d in 0..K (K: --speculative-num-steps; 0: the plain step): the
-tokens per second of step time at the batch size the bucket's traffic runs at,
+What it estimates, per batch-size bucket (the threshold's `auto`'s, AutoConfig.edges: powers of
+two up to 32, then four per octave up to the max running requests) and per depth d in 0..K (K:
+--speculative-num-steps; 0: the plain step): the tokens per second of step time at the batch size
+the bucket's traffic runs at,
 
     tok/s(bucket, d) = batch * tokens(d) / seconds(bucket, d)
 

@@ -19,9 +19,11 @@ buckets it was measured in: within a bucket the two modes are seldom measured at
 sizes). A mode's step time in a bucket is the median of its recent steps there, and a bucket
 counts once both modes have `min_samples` of them: a step timed by the scheduler's clock may
 carry a first use's compile, a wave of prefills or an abort, and one such step in a mean of ten
-outweighs the difference between the modes. Speculation pays in a prefix of the batch sizes
-(its step costs a multiple of a plain one's compute, so its advantage shrinks as the batch fills
-the GPU); the crossover is the split
+outweighs the difference between the modes. The buckets (AutoConfig.edges): powers of two up to
+32, then four per octave (40, 48, 56, 64, 80, ...) up to max_batch_size, so that a crossover
+between two powers of two (speculation winning at 192 requests, losing at 256) has an edge near
+it. Speculation pays in a prefix of the batch sizes (its step costs a multiple of a plain one's
+compute, so its advantage shrinks as the batch fills the GPU); the crossover is the split
 that maximizes the summed log advantage of the speculating buckets. Every `update_every` steps it
 moves there only if that beats the current split by `margin` plus twice the noise of the
 difference (from the spread of the step times, taken as at least `step_noise` a step, so that a
@@ -33,10 +35,12 @@ moves, the running batch takes its side at once.
 The live accept length is measured wherever the server speculates and applied to every bucket,
 so a shift of acceptance moves the crossover without exploring. A bucket whose other mode has no
 recent measurement (`stale_steps`) of `min_samples` steps runs that mode for `explore_steps`
-steps, at most one such burst every `explore_gap` steps; so does a bucket next to the crossover
-whose advantage is still within its noise. Exploration costs at most explore_steps / explore_gap
-of the steps. Steps measured after a stale gap replace the old ones where the two differ beyond
-their noise: a mode timed once, while something else slowed the GPU, and never again (the other
+steps, at most one such burst every `explore_gap` steps; so does any measured bucket, near the
+crossover or far from it, whose own figures say the other side, or neither beyond their noise:
+its other mode is often timed in one burst as the load arrives, among the load's prefills, and
+waiting `stale_steps` for the next one left it undecided for tens of seconds. Exploration costs at most explore_steps / explore_gap of the
+steps. Steps measured after a stale gap replace the old ones where the two differ beyond their
+noise: a mode timed once, while something else slowed the GPU, and never again (the other
 mode winning there), would otherwise hold the bucket's decision for good.
 A cold start may take a prior (for example step times timed at CUDA-graph capture, per batch size):
 one step of each mode in each bucket it covers, which counts there at once and which the steps
@@ -45,8 +49,8 @@ say otherwise.
 
 Every decision is a function of the measurements given, without randomness. Step times differ
 between tensor-parallel ranks, so a TP hook passes `agree` (a broadcast of rank 0's Decision):
-the estimate reaches the decisions only through it (the crossover, and the buckets near it still
-being explored), at the same steps on every rank; everything else follows from the batch sizes
+the estimate reaches the decisions only through it (the crossover, and the buckets still being
+explored), at the same steps on every rank; everything else follows from the batch sizes
 and the order of the calls, which the ranks share.
 
 Here the controller; its settings are auto_config.py's (AutoConfig, Prior), its statistics
@@ -62,12 +66,17 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sglang_image_plugin.auto_config import AutoConfig, Prior, power_of_two_edges, resume_batch_size
+from sglang_image_plugin.auto_config import (
+    AutoConfig,
+    Prior,
+    quarter_octave_edges,
+    resume_batch_size,
+)
 from sglang_image_plugin.auto_estimate import Average, Bucket, seconds_at
 from sglang_image_plugin.setting import AUTO, Mode
 
 __all__ = ["AutoConfig", "AutoController", "BucketEstimate", "Decision", "Mode", "Prior",
-           "power_of_two_edges", "resume_batch_size"]
+           "quarter_octave_edges", "resume_batch_size"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ class Decision:
     """What the estimate decides at an update, all a rank needs to act as the others do."""
 
     split: int  # buckets [0, split) speculate
-    undecided: frozenset[int]  # buckets next to the split still explored: within the noise
+    undecided: frozenset[int]  # buckets still explored: their figures contradict or do not decide
 
 
 @dataclass(frozen=True)
@@ -111,7 +120,7 @@ class AutoController:
         self._burst_left = 0
         self._burst_mode = Mode.PLAIN
         self._last_burst: int | None = None
-        # the buckets on either side of the crossover whose advantage is within its noise: more
+        # the measured buckets whose figures contradict their side or are within their noise: more
         # measurements there decide where the crossover goes
         self._undecided: set[int] = set()
         self.steps = 0
@@ -319,11 +328,13 @@ class AutoController:
         split = self._split if advantages is None else self._best_split(advantages, self.config.margin)
         undecided = set()
         if advantages is not None:
-            for i in (split - 1, split):
-                if 0 <= i < len(advantages) and self._counts(self._buckets[i]):
-                    d, variance = advantages[i]
-                    if abs(d) <= self.config.margin + 2 * math.sqrt(variance):
-                        undecided.add(i)
+            bar = self.config.margin
+            for i, (d, variance) in enumerate(advantages):
+                # measured, and its figures say the other side, or neither beyond their noise: a
+                # bucket holds the split there only as long as that noise does, wherever it lies
+                against = d < 0 if i < split else d > 0
+                if self._counts(self._buckets[i]) and (against or abs(d) <= bar + 2 * math.sqrt(variance)):
+                    undecided.add(i)
         decision = Decision(split, frozenset(undecided))
         if self._agree is not None:
             decision = self._agree(decision)

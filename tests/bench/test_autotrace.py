@@ -26,8 +26,8 @@ def test_auto_s_step_trace_is_read_back_per_bucket_and_mode(tmp_path, capsys):
     path = tmp_path / "eagle3_auto_steps.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"t": 2.0, "kind": "spe')  # cut short
     rows = {(r.low, r.high, r.kind): r for r in autotrace.summarize(autotrace.read(path))}
-    assert set(rows) == {(33, 64, "plain"), (33, 64, "speculative"), (1, 1, "speculative")}
-    plain, spec = rows[(33, 64, "plain")], rows[(33, 64, "speculative")]
+    assert set(rows) == {(57, 64, "plain"), (57, 64, "speculative"), (1, 1, "speculative")}
+    plain, spec = rows[(57, 64, "plain")], rows[(57, 64, "speculative")]
     assert (plain.steps, plain.left_out, plain.with_prefill) == (40, 1, 0.25)
     assert plain.median_ms == pytest.approx(5.0) and plain.mean_ms == pytest.approx(6.0)
     assert plain.tok_s_median == pytest.approx(64 / 0.005) and plain.tok_s_sums == pytest.approx(64 / 0.006)
@@ -36,8 +36,8 @@ def test_auto_s_step_trace_is_read_back_per_bucket_and_mode(tmp_path, capsys):
     lines = autotrace.render(list(rows.values()))
     by_medians = (spec.tok_s_median / plain.tok_s_median)
     by_sums = (spec.tok_s_sums / plain.tok_s_sums)
-    assert f"33-64 speculative / plain: {by_medians:.3f}x by the medians, {by_sums:.3f}x by the sums" in lines
-    assert any(line.startswith("33-64 plain: 40 steps (+1 left out), batch 64.0, 25% with a prefill") for line in lines)
+    assert f"57-64 speculative / plain: {by_medians:.3f}x by the medians, {by_sums:.3f}x by the sums" in lines
+    assert any(line.startswith("57-64 plain: 40 steps (+1 left out), batch 64.0, 25% with a prefill") for line in lines)
     # the same lines from the report's dicts, and from the command line
     assert autotrace.render([r.as_dict() for r in rows.values()]) == lines
     assert bench_main(["auto-trace", str(path)]) == 0
@@ -59,6 +59,7 @@ def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with
 
     rng = random.Random(0)
     ctl = auto.AutoController(auto.AutoConfig(max_batch_size=64, step_noise=0.0))
+    settled = ctl.config.edges[-2]  # the edge below the 64 bucket, where plain wins
     plain = {16: 4.82e-3, 64: 6.1e-3}
     spec = {16: 9.3e-3, 64: 19.7e-3}  # 1.55x plain's tokens/s at 16, 0.93x at 64
     records, clock, bursts, last = [], 0.0, 0, None
@@ -67,7 +68,7 @@ def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with
             mode = ctl.decide(batch)
             is_spec = mode is auto.Mode.SPECULATIVE
             seconds = (spec if is_spec else plain)[batch] * math.exp(rng.gauss(0, 0.03))
-            if phase == 1 and is_spec and ctl.crossover() == 32:
+            if phase == 1 and is_spec and ctl.crossover() == settled:
                 bursts += last is not auto.Mode.SPECULATIVE
                 seconds *= 0.88 if bursts == 2 else 1.0
             last = mode
@@ -77,18 +78,18 @@ def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with
                             "crossover": ctl.crossover()})
             clock += seconds
     served = autotrace.server_changes(records)
-    assert [c for _, c in served] == [64, 32, 64, 32]  # the burst moved it (and back)
+    assert [c for _, c in served] == [64, settled, 64, settled]  # the burst moved it (and back)
     same, _ = autotrace.replay(records, {"step_noise": 0.0})
     assert same == served[1:]  # (the server started at its max batch: no change to replay there)
     today, estimates = autotrace.replay(records, {})
-    assert [c for _, c in today] == [32] and "33-64" in estimates
+    assert [c for _, c in today] == [settled] and "57-64" in estimates
     path = tmp_path / "steps.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert bench_main(["auto-trace", str(path), "--replay", "step_noise=0"]) == 0
     out = capsys.readouterr().out
-    assert "the server's crossover: 64 at 0.0s, 32 at " in out and "replayed (step_noise=0): 32 at " in out
+    assert f"the server's crossover: 64 at 0.0s, {settled} at " in out and f"replayed (step_noise=0): {settled} at " in out
     assert bench_main(["auto-trace", str(path), "--replay", "", "--leave-out-prefills", "next"]) == 0
-    assert "replayed (defaults; steps with a prefill left out: next): 32 at " in capsys.readouterr().out
+    assert f"replayed (defaults; steps with a prefill left out: next): {settled} at " in capsys.readouterr().out
     for bad in ("noise=1", "step_noise=", "step_noise=much", "bucket_edges=1"):
         with pytest.raises(SystemExit, match="--replay"):
             bench_main(["auto-trace", str(path), "--replay", bad])
@@ -137,6 +138,6 @@ def test_a_replay_can_leave_out_the_steps_a_prefill_fell_in(leave_out, steps):
     records = ([step("speculative", 0)] * 9 + [step("speculative", 1)]
                + [step("plain", i in (1, 3, 5, 7)) for i in range(10)])
     _, estimates = autotrace.replay(records, {}, leave_out)
-    assert estimates.startswith("33-64: ") and estimates.endswith(steps)
+    assert estimates.startswith("57-64: ") and estimates.endswith(steps)
     with pytest.raises(ValueError, match="leave_out_prefills 'all'"):
         autotrace.replay(records, {}, "all")

@@ -26,7 +26,7 @@ from sglang_image_plugin.spec_disable import Metrics
 
 K = 3
 MAX_BATCH = 256
-EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the buckets the server's table is given per
 # each bucket's traffic runs at one batch size, clear of the hysteresis below its edge
 BATCH = {1: 1, 2: 2, 4: 3, 8: 6, 16: 12, 32: 24, 64: 48, 128: 96, 256: 192}
 SURVIVAL = (1.0, 0.8, 0.64, 0.512)  # P(A >= j), j = 0..K
@@ -141,7 +141,7 @@ def test_learns_the_best_monotone_schedule_of_a_cost_model(weights: list[int], s
     best = server.oracle(weights)
     assert best == ((3, 3, 3, 3, 2, 2, 2, 1, 0) if weights[5] == 1 else (3, 3, 3, 3, 3, 3, 2, 1, 0))
     rng = random.Random(seed)
-    ctl = AutoDepthController(AutoConfig(max_batch_size=MAX_BATCH), K)
+    ctl = AutoDepthController(AutoConfig(max_batch_size=MAX_BATCH, bucket_edges=EDGES), K)
     assert learned(ctl) == (3,) * 9  # cold start: K everywhere
     history = drive(ctl, server, traffic(rng, 40_000, weights), rng)
     # learned within 30,000 steps, and held from there on
@@ -217,7 +217,7 @@ def test_at_a_steady_load_it_serves_within_3_percent_of_the_best_depth() -> None
 def test_exploration_is_bounded_and_times_every_depth_of_every_bucket_visited() -> None:
     server = Server()
     rng = random.Random(4)
-    cfg = AutoConfig(max_batch_size=MAX_BATCH)
+    cfg = AutoConfig(max_batch_size=MAX_BATCH, bucket_edges=EDGES)
     ctl = AutoDepthController(cfg, K)
     batches = traffic(rng, 30_000, [1] * 9)
     explored_at = []
@@ -330,7 +330,7 @@ def test_each_move_is_logged_with_its_reason_traced_and_shown() -> None:
     clock, server = Clock(), Server(noise=0.0)
     lines: list[str] = []
     traced: list[dict[str, object]] = []
-    ctl = AutoDepthController(AutoConfig(max_batch_size=MAX_BATCH), K)
+    ctl = AutoDepthController(AutoConfig(max_batch_size=MAX_BATCH, bucket_edges=EDGES), K)
     # the log line's clock is the steps' (one line per 5 s of them at most)
     policy = AutoDepthPolicy(ctl, step_clock=clock, log_fn=lines.append, clock=clock, trace=traced.append)
     policy.metrics = seen = Seen()

@@ -241,8 +241,8 @@ def test_auto_policy_reports_each_crossover_move_in_the_line_metrics_and_snapsho
     """The crossover is moved through the controller's `agree` seam (a split of its
     power-of-two buckets: 6 -> 32, 7 -> 64) to see what the policy reports."""
     split = [9]  # all 9 buckets of 1..256 speculate
-    ctl = AutoController(AutoConfig(max_batch_size=256, update_every=4, explore_steps=1,
-                                    explore_gap=10**6),
+    ctl = AutoController(AutoConfig(max_batch_size=256, bucket_edges=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                                    update_every=4, explore_steps=1, explore_gap=10**6),
                          agree=lambda _: Decision(split[0], frozenset()))
     lines: list[str] = []
     now = [0.0]
