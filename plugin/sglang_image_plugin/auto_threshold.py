@@ -38,10 +38,11 @@ recent measurement (`stale_steps`) of `min_samples` steps runs that mode for `ex
 steps, at most one such burst every `explore_gap` steps; so does any measured bucket, near the
 crossover or far from it, whose own figures say the other side, or neither beyond their noise:
 its other mode is often timed in one burst as the load arrives, among the load's prefills, and
-waiting `stale_steps` for the next one left it undecided for tens of seconds. Exploration costs at most explore_steps / explore_gap of the
-steps. Steps measured after a stale gap replace the old ones where the two differ beyond their
-noise: a mode timed once, while something else slowed the GPU, and never again (the other
-mode winning there), would otherwise hold the bucket's decision for good.
+waiting `stale_steps` for the next one left it undecided for tens of seconds. Exploration costs at
+most explore_steps / explore_gap of the steps. Steps measured after a stale gap replace the old
+ones where the two differ beyond their noise: a mode timed once, while something else slowed the
+GPU, and never again (the other mode winning there), would otherwise hold the bucket's decision
+for good.
 A cold start may take a prior (for example step times timed at CUDA-graph capture, per batch size):
 one step of each mode in each bucket it covers, which counts there at once and which the steps
 measured then outvote; without one it speculates everywhere, as EAGLE-3 does, until measurements
