@@ -939,7 +939,11 @@ def test_worker_learns_a_depth_schedule_through_upstream_s_controller(run_in_tre
     st = out["state"]
     assert (st["schedule"], st["learned"], st["depth"], st["mode"]) == ("auto", out["learned"], 0, "plain")
     assert st["accept_length_by_depth"] == pytest.approx({"0": 1.0, "1": 1.75, "2": 2.25, "3": 2.5}, abs=0.1)
-    assert [e["depth"] for e in st["estimates"]] == [3, 3, 3, 3, 3, 2, 2, 1, 0]
+    # each bucket's learned depth is the learned schedule's at its top (buckets: powers of two to
+    # 32, then four per octave)
+    assert [e["high"] for e in st["estimates"]] == [1, 2, 4, 8, 16, 32, 40, 48, 56, 64, 80, 96, 112, 128,
+                                                    160, 192, 224, 256]
+    assert [e["depth"] for e in st["estimates"]] == [3] * 5 + [2] * 5 + [1] * 4 + [0] * 4
     assert out["depth_gauge"] == 0.0  # the step at 200 requests, once the metrics were attached
     assert out["lines"][0] == ("Speculation depth schedule: auto, learned online per batch-size bucket up "
                                "to 256 running requests and per depth 0..3; starting at depth 3 everywhere")
