@@ -5,7 +5,8 @@ drafts 3 steps while at most 16 requests run, 2 up to 48, 1 up to 96 and none ab
 has hysteresis H (default edge // 8, as the threshold's): the draft gets shallower as soon as the
 batch passes an edge, and deeper again only once it is H below it, so one arrival or finish does
 not flip the depth. A server gone idle (note_idle) has no batch for the hysteresis to protect: the
-first batch after it walks from the deepest tier, as at start. Pure logic (standard library only): tested on any machine.
+first batch after it walks from the deepest tier, as at start. Pure logic (standard library only):
+tested on any machine.
 """
 
 from __future__ import annotations

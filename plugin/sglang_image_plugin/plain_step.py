@@ -35,7 +35,6 @@ class PlainStep:
     kv_only_reason: str | None
     layout_reason: str | None
     deferred_reason: str | None
-    auto: bool = False
 
     @property
     def kv_only(self) -> bool:
@@ -101,7 +100,7 @@ def layout_reason_from_args(server_args: Any) -> str | None:
     return None
 
 
-def resolve(worker: Any, auto: bool) -> PlainStep:
+def resolve(worker: Any) -> PlainStep:
     """The worker's plain step, from its draft, its pools and its server arguments."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
@@ -118,5 +117,4 @@ def resolve(worker: Any, auto: bool) -> PlainStep:
         deferred = "the speculative layout writes the draft's K/V in the draft extend"
     else:
         deferred = deferred_kv.why_not_in_graph(worker)
-    return PlainStep(kv_only_reason=kv_only, layout_reason=layout, deferred_reason=deferred,
-                     auto=auto)
+    return PlainStep(kv_only_reason=kv_only, layout_reason=layout, deferred_reason=deferred)

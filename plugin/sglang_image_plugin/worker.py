@@ -126,7 +126,7 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
     if own is None or not own.auto_pending and own.controller is None:
         return  # no threshold on this worker
     auto = own.auto_pending
-    step = plain_step.resolve(worker, auto)
+    step = plain_step.resolve(worker)
     own.plain_step = step
     registry.install(hooks_of(*step.hook_groups()), "plain-step")
     max_running_requests = int(worker.target_worker.model_runner.max_running_requests)

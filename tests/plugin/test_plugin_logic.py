@@ -200,7 +200,7 @@ def test_plain_step_installs_the_hooks_of_its_parts_only() -> None:
     # every switching server, `auto` or not, hears the scheduler go idle (its hysteresis resets)
     assert "sglang.srt.managers.scheduler.Scheduler.on_idle" in {h.target for h in hooks_of("threshold")}
     sync = plain_step.PlainStep(kv_only_reason=None, layout_reason="the synchronous scheduler",
-                                deferred_reason="the speculative layout", auto=True)
+                                deferred_reason="the speculative layout")
     assert sync.hook_groups() == ("threshold", "kv_only")
     assert sync.view() == {"target": "decode graph", "draft": "kv only", "layout": "speculative",
                            "draft_kv_write": "after each step"}
