@@ -133,7 +133,7 @@ def gpu_e2e(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def bench(session: nox.Session) -> None:
-    """Tokens/s of plain, EAGLE-3, adaptive, threshold and auto servers of this Python's sglang on a GPU host (-- --models DIR --out docs/bench)."""
+    """Tokens/s of plain, EAGLE-3, adaptive, threshold and auto servers of this Python's sglang on a GPU host (-- --models DIR [--out out/bench])."""
     # plugin/ on the path: the benchmark imports the speculation setting's contract from it (its
     # servers get this Python's own sglang and plugin: smoke.server.sglang_env)
     path = os.pathsep.join(p for p in (str(ROOT / "plugin"), os.environ.get("PYTHONPATH")) if p)

@@ -222,7 +222,8 @@ def state_key(opts: BenchOptions) -> str:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", type=Path, help="a target and draft (python -m smoke models)")
-    ap.add_argument("--out", type=Path, default=Path("docs/bench"))
+    # a run's raw report stays out of the tree; docs/validation.md keeps one row of its figures
+    ap.add_argument("--out", type=Path, default=Path("out/bench"))
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--port", type=int, default=30000, help="the first port tried for a server")
     ap.add_argument("--deadline", type=float, default=7200, help="seconds from now")

@@ -2,7 +2,7 @@
 speculation-disable threshold and `auto`, on servers started here (a GPU host, no Docker needed),
 compared in paired windows with an A/A noise floor beside every comparison.
 
-    python -m bench run --models DIR --out docs/bench [--configs plain,plain_twin,eagle3,...]
+    python -m bench run --models DIR [--out out/bench] [--configs plain,plain_twin,eagle3,...]
                           [--concurrency 1,4,16,64,256] [--pairs 6] [--window-s 3 --settle-s 1]
                           [--threshold 16[,32,...]] [--ramp-cycles 3 --ramp-hold 2]
                           [--device-timer] [--diagnose] [--state FILE] [--stop] [--deadline S]

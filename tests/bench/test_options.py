@@ -27,7 +27,7 @@ def test_state_file_of_other_options_is_refused(tmp_path):
 def test_options_and_refused_values():
     o = bench_options()
     assert o.concurrency == (1, 4, 16, 64, 256) and o.configs == options.DEFAULT_CONFIGS == ("plain", "eagle3", "eagle3_thr")
-    assert o.pairs == 6 and o.window_s == 3.0 and o.settle_s == 1.0 and o.out == Path("docs/bench")
+    assert o.pairs == 6 and o.window_s == 3.0 and o.settle_s == 1.0 and o.out == Path("out/bench")
     assert o.registry is None and o.cpus_per_server == 0  # pinning is asked for, not the default
     o = bench_options("--concurrency", "256,1,8", "--configs", "plain,plain_twin,eagle3_auto",
                       "--server-args", "--gc-threshold 7 8", "--threshold", "32,8", "--state", "st.json")
