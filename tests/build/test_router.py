@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,18 @@ DEADLINE_S = 60  # each wait below; the router checks health every second here
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports on loopback: each socket stays bound until all are chosen (one at a
+    time, the kernel may hand the port it just took back a second time, and the router then
+    fails to bind its metrics port or its own)."""
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def wait_until(what: str, check: Callable[[], bool], log: Path) -> None:
@@ -114,7 +123,7 @@ def start(tmp_path: Path, servers: list[Worker], *, fast_health: bool, **setting
     s = topology.check(topology.Settings(model_path="m", draft_model_path="d",
                                          replicas=len(servers), **settings))
     urls = dict(zip(topology.worker_urls(s), (w.url for w in servers), strict=True))
-    argv = loopback_argv(topology.router_args(s, "compose"), urls, free_port(), free_port(),
+    argv = loopback_argv(topology.router_args(s, "compose"), urls, *free_ports(2),
                          fast_health=fast_health)
     assert flags(argv)["--worker-urls"] == [w.url for w in servers]
     return argv, tmp_path / "router.log"
@@ -248,7 +257,7 @@ def test_the_compose_router_takes_the_key_of_the_env_file(tmp_path: Path) -> Non
         entrypoint = [a.replace("$$", "$").replace(deploy.PYTHON, sys.executable)
                       for a in service["entrypoint"]]
         urls = dict(zip(topology.worker_urls(s), (w.url for w in servers), strict=True))
-        argv = loopback_argv(tuple(service["command"]), urls, free_port(), free_port(),
+        argv = loopback_argv(tuple(service["command"]), urls, *free_ports(2),
                              fast_health=True)
         log = tmp_path / "router.log"
         with router_process(argv, log, entrypoint=entrypoint,
