@@ -88,7 +88,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help=f"comma list of {','.join(CONFIGS)} ({TWIN}: a second plain server, the A/A "
                          "noise floor; eagle3_extend_verify: eagle3 with upstream's split-KV verify kernel "
                          f"off, {'='.join(EXTEND_VERIFY)}; eagle3_auto runs only where the server has it)")
-    ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
+    ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),
+                    help="comma list of closed-loop loads, measured in the order given (a switching "
+                         "server carries what one load taught it into the next: 256,192 shows a "
+                         "learned crossover after a higher load); the report sorts them")
     ap.add_argument(p + "threshold", default="16",
                     help="eagle3_thr's fixed threshold N; a comma list runs one server per N (a sweep)")
     ap.add_argument(p + "depth", default="1,2",
@@ -195,7 +198,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise refuse("server-env", f"{item!r} is not NAME=VALUE (e.g. SGLANG_ENABLE_SPLITKV_VERIFY=1)")
         server_env.append((name, value))
-    return {"configs": configs, "concurrency": tuple(sorted(int(x) for x in conc)),
+    return {"configs": configs, "concurrency": tuple(int(x) for x in conc),
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
             "depths": tuple(sorted(int(x) for x in depths)), "schedules": tuple(schedules),
             "switching_defaults": get("switching-defaults"), "pairs": get("pairs"),

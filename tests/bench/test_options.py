@@ -24,6 +24,16 @@ def test_state_file_of_other_options_is_refused(tmp_path):
         options.load_state(tmp_path / "s.json", bench_options("--pairs", "3"))
 
 
+def test_loads_are_measured_in_the_order_given():
+    """A switching server carries what one load taught it into the next: 256 then 192 shows a
+    crossover learned at the higher load, which a rising order never does."""
+    from bench import throughput
+
+    bench = throughput.Bench(bench_options("--concurrency", "256,192", "--pairs", "2"), {"partial": {"calls": 1}},
+                             100, ["plain"], None)
+    assert bench.blocks_left() == [(256, 0), (256, 1), (192, 0), (192, 1)]
+
+
 def test_options_and_refused_values():
     o = bench_options()
     assert o.concurrency == (1, 4, 16, 64, 256) and o.configs == options.DEFAULT_CONFIGS == ("plain", "eagle3", "eagle3_thr")
@@ -31,7 +41,7 @@ def test_options_and_refused_values():
     assert o.registry is None and o.cpus_per_server == 0  # pinning is asked for, not the default
     o = bench_options("--concurrency", "256,1,8", "--configs", "plain,plain_twin,eagle3_auto",
                       "--server-args", "--gc-threshold 7 8", "--threshold", "32,8", "--state", "st.json")
-    assert o.concurrency == (1, 8, 256) and o.configs == ("plain", "plain_twin", "eagle3_auto")
+    assert o.concurrency == (256, 1, 8) and o.configs == ("plain", "plain_twin", "eagle3_auto")
     assert o.thresholds == (8, 32) and o.server_args == ("--gc-threshold", "7", "8")
     assert o.registry == Path("st.json.servers.json")
     for flags, word in ((("--configs", "plain,nope"), "--configs"), (("--configs", "plain,plain"), "--configs"),
