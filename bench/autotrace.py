@@ -5,7 +5,10 @@ mode, the steps its estimate was made of, how their times spread, and how many c
 
 The estimate takes a mode's median step time in a bucket; the traffic pays the mean, prefills
 included. Where the two disagree between the modes, the crossover it learns is not the one the
-traffic sees: these rows show both side by side. --replay feeds the same steps, in the same order,
+traffic sees: these rows show both side by side, and a third reading, by dwells: all tokens over
+all time in runs of at least DWELL_STEPS steps of one mode in one bucket, the first DWELL_SKIP
+of each run left out (the arrivals there are still the other mode's). A short burst of a mode
+carries few of the prefills its own rhythm brings; a dwell carries them. --replay feeds the same steps, in the same order,
 to a fresh controller with other settings (AutoConfig's fields; none: today's) and prints the
 crossovers it would have moved to beside the server's: an estimator change tried on a GPU's steps
 (--leave-out-prefills: the estimate without the steps a prefill fell in).
@@ -27,6 +30,8 @@ from sglang_image_plugin import auto_threshold
 from sglang_image_plugin.setting import AUTO, AUTO_TRACE_ENV, THRESHOLD_FLAG, Mode
 
 KINDS = ("speculative", "plain")
+DWELL_SKIP = 4  # steps of a run left out: the first after a change of mode or bucket
+DWELL_STEPS = 16  # steps a run needs after those to count as a dwell
 THRESHOLD_TRACE_HINT = f"{THRESHOLD_FLAG} {AUTO} and {AUTO_TRACE_ENV}=FILE"
 
 
@@ -68,12 +73,42 @@ class Row:
     mean_ms: float
     tok_s_median: float  # mean tokens per step over the median step time: what the estimate uses
     tok_s_sums: float  # all tokens over all time: what the traffic got from these steps
+    dwells: int = 0  # runs long enough to count (module docstring)
+    tok_s_dwells: float | None = None  # all tokens over all time in those runs, their heads left out
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
+def dwells(records: Iterable[dict[str, Any]]) -> dict[tuple[int, int, str], list[list[dict[str, Any]]]]:
+    """Per (bucket, kind), its runs of recorded steps long enough to count, each without its first
+    DWELL_SKIP steps. Any other step (another mode or bucket, one not recorded, a catch-up) ends a
+    run; the prefills between steps do not (their time is in the next step's)."""
+    out: dict[tuple[int, int, str], list[list[dict[str, Any]]]] = {}
+    run: list[dict[str, Any]] = []
+    key: tuple[int, int, str] | None = None
+
+    def close() -> None:
+        if key is not None and len(run) >= DWELL_SKIP + DWELL_STEPS:
+            out.setdefault(key, []).append(run[DWELL_SKIP:])
+
+    for r in records:
+        if r.get("kind") == "prefill":
+            continue
+        here = ((*bucket_of(int(r["batch"])), str(r["kind"]))
+                if r.get("kind") in KINDS and r.get("batch") and r.get("recorded") else None)
+        if here is None or here != key:
+            close()
+            run, key = [], here
+        if here is not None:
+            run.append(r)
+    close()
+    return out
+
+
 def summarize(records: Iterable[dict[str, Any]]) -> list[Row]:
+    records = list(records)
+    runs = dwells(records)
     steps: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     skipped: dict[tuple[int, int, str], int] = {}
     for r in records:
@@ -89,11 +124,14 @@ def summarize(records: Iterable[dict[str, Any]]) -> list[Row]:
         seconds = [float(r["seconds"]) for r in got]
         tokens = [int(r["tokens"]) for r in got]
         median = statistics.median(seconds)
+        dwelt = [r for run in runs.get((low, high, kind), []) for r in run]
         rows.append(Row(low, high, kind, len(got), skipped.get((low, high, kind), 0),
                         sum(1 for r in got if r.get("prefills")) / len(got),
                         statistics.fmean(int(r["batch"]) for r in got), 1e3 * median,
                         1e3 * statistics.fmean(seconds), statistics.fmean(tokens) / median,
-                        sum(tokens) / sum(seconds)))
+                        sum(tokens) / sum(seconds), len(runs.get((low, high, kind), [])),
+                        (sum(int(r["tokens"]) for r in dwelt) / sum(float(r["seconds"]) for r in dwelt))
+                        if dwelt else None))
     return rows
 
 
@@ -107,12 +145,15 @@ def render(rows: list[Row] | list[dict[str, Any]]) -> list[str]:
         lines.append(f"{r.low}-{r.high} {r.kind}: {r.steps} steps (+{r.left_out} left out), batch "
                      f"{r.mean_batch:.1f}, {100 * r.with_prefill:.0f}% with a prefill; median "
                      f"{r.median_ms:.2f} ms, mean {r.mean_ms:.2f} ms; {r.tok_s_median:.0f} tok/s by the "
-                     f"median, {r.tok_s_sums:.0f} by the sums")
+                     f"median, {r.tok_s_sums:.0f} by the sums"
+                     + (f", {r.tok_s_dwells:.0f} by {r.dwells} dwell(s)" if r.tok_s_dwells else ""))
     for (low, high), kinds in sorted(by_bucket.items()):
         if set(kinds) == set(KINDS):
             s, p = kinds["speculative"], kinds["plain"]
             lines.append(f"{low}-{high} speculative / plain: {s.tok_s_median / p.tok_s_median:.3f}x by the "
-                         f"medians, {s.tok_s_sums / p.tok_s_sums:.3f}x by the sums")
+                         f"medians, {s.tok_s_sums / p.tok_s_sums:.3f}x by the sums"
+                         + (f", {s.tok_s_dwells / p.tok_s_dwells:.3f}x by the dwells"
+                            if s.tok_s_dwells and p.tok_s_dwells else ", not by dwells (one mode has none)"))
     return lines
 
 

@@ -33,10 +33,16 @@ def test_auto_s_step_trace_is_read_back_per_bucket_and_mode(tmp_path, capsys):
     assert plain.tok_s_median == pytest.approx(64 / 0.005) and plain.tok_s_sums == pytest.approx(64 / 0.006)
     assert spec.median_ms == pytest.approx(19.0) and spec.mean_batch == pytest.approx(63.75)
     assert spec.tok_s_sums == pytest.approx((10 * 189 + 30 * 192) / (10 * 0.015 + 30 * 0.019))
+    # each mode ran 40 steps in a row there: one dwell each, its first 4 steps left out
+    assert (plain.dwells, spec.dwells, rows[(1, 1, "speculative")].dwells) == (1, 1, 0)
+    assert plain.tok_s_dwells == pytest.approx(36 * 64 / (26 * 0.005 + 10 * 0.009))
+    assert spec.tok_s_dwells == pytest.approx((6 * 189 + 30 * 192) / (6 * 0.015 + 30 * 0.019))
     lines = autotrace.render(list(rows.values()))
     by_medians = (spec.tok_s_median / plain.tok_s_median)
     by_sums = (spec.tok_s_sums / plain.tok_s_sums)
-    assert f"57-64 speculative / plain: {by_medians:.3f}x by the medians, {by_sums:.3f}x by the sums" in lines
+    by_dwells = (spec.tok_s_dwells / plain.tok_s_dwells)
+    assert (f"57-64 speculative / plain: {by_medians:.3f}x by the medians, {by_sums:.3f}x by the sums, "
+            f"{by_dwells:.3f}x by the dwells") in lines
     assert any(line.startswith("57-64 plain: 40 steps (+1 left out), batch 64.0, 25% with a prefill") for line in lines)
     # the same lines from the report's dicts, and from the command line
     assert autotrace.render([r.as_dict() for r in rows.values()]) == lines
@@ -44,6 +50,25 @@ def test_auto_s_step_trace_is_read_back_per_bucket_and_mode(tmp_path, capsys):
     assert lines[0] in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no such trace"):
         bench_main(["auto-trace", str(tmp_path / "none.jsonl")])
+
+
+def test_a_dwell_is_a_long_enough_run_of_one_mode_in_one_bucket():
+    """A burst of a few steps is no dwell; any other step ends a run (another mode or bucket, one
+    not recorded); the prefills between steps do not, their time being in the next step's."""
+    from bench import autotrace
+
+    def step(kind, batch, recorded=True):
+        return {"kind": kind, "batch": batch, "seconds": 0.01, "tokens": batch, "recorded": recorded}
+
+    need = autotrace.DWELL_SKIP + autotrace.DWELL_STEPS
+    prefill = {"kind": "prefill", "tokens": 40}
+    records = ([step("plain", 200)] * (need - 1) + [step("speculative", 200)]  # one short of a dwell
+               + [step("plain", 200), prefill] * need  # a dwell, prefills between its steps
+               + [step("plain", 250)] * need  # another bucket: a dwell of its own
+               + [step("plain", 200)] * 6 + [step("plain", 200, recorded=False)] + [step("plain", 200)] * (need - 6))
+    runs = autotrace.dwells(records)
+    assert {k: [len(r) for r in v] for k, v in runs.items()} == {
+        (193, 224, "plain"): [autotrace.DWELL_STEPS], (225, 256, "plain"): [autotrace.DWELL_STEPS]}
 
 
 def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with_others_shows_theirs(tmp_path, capsys):
