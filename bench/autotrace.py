@@ -8,10 +8,10 @@ included. Where the two disagree between the modes, the crossover it learns is n
 traffic sees: these rows show both side by side, and a third reading, by dwells: all tokens over
 all time in runs of at least DWELL_STEPS steps of one mode in one bucket, the first DWELL_SKIP
 of each run left out (the arrivals there are still the other mode's). A short burst of a mode
-carries few of the prefills its own rhythm brings; a dwell carries them. --replay feeds the same steps, in the same order,
-to a fresh controller with other settings (AutoConfig's fields; none: today's) and prints the
-crossovers it would have moved to beside the server's: an estimator change tried on a GPU's steps
-(--leave-out-prefills: the estimate without the steps a prefill fell in).
+carries few of the prefills its own rhythm brings; a dwell carries them. --replay feeds the same
+steps, in the same order, to a fresh controller with other settings (AutoConfig's fields; none:
+today's) and prints the crossovers it would have moved to beside the server's: an estimator change
+tried on a GPU's steps (--leave-out-prefills: the estimate without the steps a prefill fell in).
 """
 from __future__ import annotations
 
@@ -124,12 +124,13 @@ def summarize(records: Iterable[dict[str, Any]]) -> list[Row]:
         seconds = [float(r["seconds"]) for r in got]
         tokens = [int(r["tokens"]) for r in got]
         median = statistics.median(seconds)
-        dwelt = [r for run in runs.get((low, high, kind), []) for r in run]
+        own_runs = runs.get((low, high, kind), [])
+        dwelt = [r for run in own_runs for r in run]
         rows.append(Row(low, high, kind, len(got), skipped.get((low, high, kind), 0),
                         sum(1 for r in got if r.get("prefills")) / len(got),
                         statistics.fmean(int(r["batch"]) for r in got), 1e3 * median,
                         1e3 * statistics.fmean(seconds), statistics.fmean(tokens) / median,
-                        sum(tokens) / sum(seconds), len(runs.get((low, high, kind), [])),
+                        sum(tokens) / sum(seconds), len(own_runs),
                         (sum(int(r["tokens"]) for r in dwelt) / sum(float(r["seconds"]) for r in dwelt))
                         if dwelt else None))
     return rows

@@ -13,7 +13,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -28,6 +27,8 @@ import bcrypt
 import pytest
 import requests
 
+from tests.ports import free_port
+
 REGISTRY_BIN = "docker-registry"  # Debian's package docker-registry (Distribution 2.8)
 
 
@@ -39,12 +40,6 @@ def registry_binary() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +21,9 @@ from bench import router as router_run
 from sglang_image import topology
 from tests.build.sglang_workers import Worker, workers
 from tests.deploy_checks import expand, flags, need
+from tests.ports import free_port, free_ports
 
 DEADLINE_S = 60  # each wait below; the router checks health every second here
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports on loopback: each socket stays bound until all are chosen (one at a
-    time, the kernel may hand the port it just took back a second time, and the router then
-    fails to bind its metrics port or its own)."""
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
 
 
 def wait_until(what: str, check: Callable[[], bool], log: Path) -> None:

@@ -30,6 +30,7 @@ from bench.__main__ import build_parser as bench_parser
 from smoke import checks, client, models, partial, run_command, runner, scenario, variant_runs
 from smoke.__main__ import build_parser
 from smoke.deadline import Deadline
+from tests.ports import free_port
 from tests.smoke.draft_emulation import emulate_draft
 from tests.smoke.server_fakes import VariantRecorder, port_recording_server
 from tests.smoke.server_log import PATCH_LINE, SERVER_LOG
@@ -525,7 +526,6 @@ def test_servers_of_one_process_start_one_after_the_other(tmp_path):
     """Variants side by side: sglang sizes a server's KV pool from the GPU memory free while it
     starts, so a second server is spawned only once the first answers; the wait counts against the
     second one's start timeout."""
-    import socket
     import textwrap
 
     from smoke import server as server_mod
@@ -547,11 +547,6 @@ def test_servers_of_one_process_start_one_after_the_other(tmp_path):
     class FakeConfig(server_mod.ServerConfig):
         def argv(self, port: int) -> list[str]:  # the first one is slow to listen
             return [sys.executable, "-c", leader, str(port), "3" if self.name == "first" else "0.5"]
-
-    def free_port() -> int:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return int(sock.getsockname()[1])
 
     def stamp(log: Path, what: str) -> float:
         return next(float(line.split()[1]) for line in log.read_text().splitlines() if line.startswith(what))

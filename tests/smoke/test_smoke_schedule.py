@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from smoke import features as F
 from smoke import server as server_mod
 from smoke.__main__ import build_parser
 from smoke.server import SmokeError
+from tests.ports import free_port
 from tests.smoke.fake_schedule_server import output_ids
 
 FAKE = Path(__file__).with_name("fake_schedule_server.py")
@@ -139,12 +139,6 @@ def test_e2e_takes_a_schedule_topping_out_at_192_with_graphs_past_256(tmp_path, 
 
 
 # ----------------------------------------------------------------------------- whole runs
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def fake_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str,
                server_flags: tuple[str, ...] = ()) -> tuple[int, dict]:
     """`python -m smoke run` (one variant) against fake server processes: a plain one, then one
