@@ -1,7 +1,7 @@
 """`auto`'s statistics, which the controllers (auto_threshold.py, auto_depth.py) decide with: per
 batch-size bucket and mode (or draft depth), the recent step seconds (their median and its noise)
-and the batch sizes of the traffic; and a mode's step seconds at any batch size from the buckets
-it was measured in.
+and the batch sizes of the traffic; a mode's step seconds at any batch size from the buckets
+it was measured in; and what a mode's dwells add to its median step (Overhead, Dwells).
 
 Pure Python (no torch, no sglang).
 """
@@ -12,13 +12,17 @@ import bisect
 import math
 import statistics
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Generic, TypeVar
 
 Key = TypeVar("Key", bound=Hashable)  # what a bucket's step times are kept by: a Mode, a depth
 
 EXTRAPOLATION_SPAN: Final = 1.5  # see seconds_at
+DWELL_SKIP: Final = 4  # steps of a run left out: the first after a change of mode or bucket
+DWELL_STEPS: Final = 16  # steps of a run folded into its Overhead at a time
+OVERHEAD_MEMORY: Final = 0.95  # weight a dwell's chunks keep per new chunk (~40 chunks, ~600 steps)
+OVERHEAD_CHUNKS: Final = 3  # chunks a mode's Overhead needs in a bucket before it counts there
 
 
 @dataclass
@@ -92,6 +96,76 @@ class StepTimes:
         return math.pi / 2 * relative * relative / n
 
 
+class Overhead:
+    """What a mode's steps cost beyond its median step in one bucket, prefills in, over the runs it
+    dwells there (Dwells): per chunk of DWELL_STEPS steps, their mean over their median.
+
+    A median leaves out the prefills that fall between the decode steps, and on a GPU under load
+    they take a fifth to a third of the time and differ by mode: a plain step is short, so the
+    arrivals reach it in more and smaller prefill batches (8B shape, one H100, docs/validation.md
+    row 54: the mean step 1.16x the median at 192 requests speculating, 1.25x at 256 plain). A
+    burst of a few steps of the other mode carries the arrivals of the mode before it, not its own
+    rhythm; a dwell carries them. A chunk's own median (not the bucket's) keeps the ratio to the
+    batch sizes it ran at, which change between chunks. One chunk is noisy (a wave of prefills
+    falls in some), so this is the chunks' mean, not their median, and counts once
+    OVERHEAD_CHUNKS are in. A wave also lifts its chunk's median, so the ratio errs low, toward
+    the medians alone: on row 54's steps plain at 225-256 reads 1.17."""
+
+    def __init__(self) -> None:
+        self._ratio = Average()
+        self._square = Average()
+        self.chunks = 0
+
+    def add(self, seconds: Sequence[float]) -> None:
+        ratio = statistics.fmean(seconds) / statistics.median(seconds)
+        self._ratio.add(ratio, OVERHEAD_MEMORY)
+        self._square.add(ratio * ratio, OVERHEAD_MEMORY)
+        self.chunks += 1
+
+    @property
+    def value(self) -> float | None:
+        return self._ratio.value if self.chunks >= OVERHEAD_CHUNKS else None
+
+    def relative_variance(self) -> float:
+        """The squared standard error of the ratio over the ratio squared, the chunks counted as many
+        as their forgetting mean weighs."""
+        mean, square = self._ratio.value, self._square.value
+        if mean is None or square is None:
+            return 0.0
+        count = min(self.chunks, (1 + OVERHEAD_MEMORY) / (1 - OVERHEAD_MEMORY))
+        return max(square - mean * mean, 0.0) / (mean * mean) / count
+
+
+class Dwells(Generic[Key]):
+    """The run of steps going on: of one mode (key) in one bucket, recorded one after another. After
+    its first DWELL_SKIP steps (a switch's transient: the catch-up, the other mode's arrivals) each
+    DWELL_STEPS steps fold into that bucket's Overhead for the mode."""
+
+    def __init__(self) -> None:
+        self._run: tuple[int, Key] | None = None
+        self._length = 0
+        self._chunk: list[float] = []
+
+    def add(self, index: int, key: Key, seconds: float, bucket: Bucket[Key]) -> bool:
+        """One recorded step; whether it completed a chunk."""
+        if self._run != (index, key):
+            self.end()
+            self._run = (index, key)
+        self._length += 1
+        if self._length <= DWELL_SKIP:
+            return False
+        self._chunk.append(seconds)
+        if len(self._chunk) < DWELL_STEPS:
+            return False
+        bucket.overhead[key].add(self._chunk)
+        self._chunk = []
+        return True
+
+    def end(self) -> None:
+        """The run ends (another mode or bucket, an idle server): its unfolded steps are dropped."""
+        self._run, self._length, self._chunk = None, 0, []
+
+
 @dataclass
 class Bucket(Generic[Key]):
     """One batch-size bucket: each mode's (or depth's: `keys`) recent step seconds, the batch sizes
@@ -106,9 +180,11 @@ class Bucket(Generic[Key]):
     seconds: dict[Key, StepTimes] = field(init=False)
     batch: dict[Key, Average] = field(init=False)
     last_seen: dict[Key, int | None] = field(init=False)
+    overhead: dict[Key, Overhead] = field(init=False)  # per key: what its dwells add to its median
 
     def __post_init__(self) -> None:
         self.seconds = {m: StepTimes(self.window, self.step_noise) for m in self.keys}
+        self.overhead = {m: Overhead() for m in self.keys}
         self.batch = {m: Average() for m in self.keys}
         self.last_seen = dict.fromkeys(self.keys)
         self.fresh: dict[Key, StepTimes | None] = dict.fromkeys(self.keys)  # see add

@@ -19,7 +19,11 @@ buckets it was measured in: within a bucket the two modes are seldom measured at
 sizes). A mode's step time in a bucket is the median of its recent steps there, and a bucket
 counts once both modes have `min_samples` of them: a step timed by the scheduler's clock may
 carry a first use's compile, a wave of prefills or an abort, and one such step in a mean of ten
-outweighs the difference between the modes. The buckets (AutoConfig.edges): powers of two up to
+outweighs the difference between the modes. But the prefills between the steps are the traffic's
+cost too, and a plain step, being short, meets more of them per token: so each mode's median is
+multiplied by what its dwells (runs of 16 steps and more in one bucket) pay over their median
+(auto_estimate.Overhead), taken from the nearest bucket the mode dwelt in where it did not dwell
+in this one, and left uncorrected while either mode dwelt nowhere. The buckets (AutoConfig.edges): powers of two up to
 32, then four per octave (40, 48, 56, 64, 80, ...) up to max_batch_size, so that a crossover
 between two powers of two (speculation winning at 192 requests, losing at 256) has an edge near
 it. Speculation pays in a prefix of the batch sizes (its step costs a multiple of a plain one's
@@ -73,7 +77,7 @@ from sglang_image_plugin.auto_config import (
     quarter_octave_edges,
     resume_batch_size,
 )
-from sglang_image_plugin.auto_estimate import Average, Bucket, seconds_at
+from sglang_image_plugin.auto_estimate import Average, Bucket, Dwells, seconds_at
 from sglang_image_plugin.setting import AUTO, Mode
 
 __all__ = ["AutoConfig", "AutoController", "BucketEstimate", "Decision", "Mode", "Prior",
@@ -101,6 +105,8 @@ class BucketEstimate:
     speculate: bool
     speculative_steps: int = 0  # the steps each mode's median is taken over
     plain_steps: int = 0
+    speculative_overhead: float = 1.0  # what each mode's dwells add to its median step (_overheads)
+    plain_overhead: float = 1.0
 
 
 class AutoController:
@@ -124,6 +130,9 @@ class AutoController:
         # the measured buckets whose figures contradict their side or are within their noise: more
         # measurements there decide where the crossover goes
         self._undecided: set[int] = set()
+        self._dwells: Dwells[Mode] = Dwells()
+        # per mode, (bucket index, overhead ratio, its relative variance) where it dwelt: _overheads
+        self._dwelt: dict[Mode, list[tuple[int, float, float]]] | None = None
         self.steps = 0
         self.explore_steps = 0
         self.mode_changes = 0
@@ -175,10 +184,15 @@ class AutoController:
             raise ValueError(f"record: step_seconds must be a finite number > 0, got {step_seconds!r}")
         if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
             raise ValueError(f"record: output_tokens must be a whole number >= 0, got {output_tokens!r}")
-        bucket = self._buckets[self._bucket(batch_size)]
+        index = self._bucket(batch_size)
+        bucket = self._buckets[index]
         seen = bucket.last_seen[mode]
-        bucket.add(mode, step_seconds, batch_size, seen is not None and self.steps - seen > self.config.stale_steps,
-                   self.config.min_samples)
+        stale = seen is not None and self.steps - seen > self.config.stale_steps
+        bucket.add(mode, step_seconds, batch_size, stale, self.config.min_samples)
+        if stale:
+            self._dwells.end()
+        if self._dwells.add(index, mode, step_seconds, bucket):
+            self._dwelt = None
         bucket.batch[mode].add(batch_size, self.config.memory)
         bucket.last_seen[mode] = self.steps
         if mode is Mode.SPECULATIVE:
@@ -187,8 +201,9 @@ class AutoController:
     def note_idle(self) -> None:
         """The server ran nothing (no request left): the next batch takes its side by the
         crossover alone (the hysteresis holds a mode against a running batch's wobble, and an
-        idle server has none)."""
+        idle server has none). A dwell ends there."""
         self._mode_for = -1
+        self._dwells.end()
 
     # ------------------------------------------------------------------ reports
     def crossover(self) -> int:
@@ -210,20 +225,24 @@ class AutoController:
         out = []
         for i, b in enumerate(self._buckets):
             ref = b.reference_batch()
-            spec = seconds_at(curves[Mode.SPECULATIVE], ref)
-            plain = seconds_at(curves[Mode.PLAIN], ref)
+            seconds = self._seconds(i, curves)
+            spec, plain = (None, None) if seconds is None else seconds[:2]
+            overhead, _ = self._overheads(i)
             measured = self._counts(b)
             out.append(BucketEstimate(b.low, b.high, round(ref, 1),
                                       ref * accept / spec if measured and spec and accept else None,
                                       ref / plain if measured and plain else None, i < self._split,
-                                      len(b.seconds[Mode.SPECULATIVE]), len(b.seconds[Mode.PLAIN])))
+                                      len(b.seconds[Mode.SPECULATIVE]), len(b.seconds[Mode.PLAIN]),
+                                      overhead[Mode.SPECULATIVE], overhead[Mode.PLAIN]))
         return out
 
     def estimates_text(self) -> str:
         """The buckets measured in both modes, for a log line: `low-high: speculative / plain
-        tokens/s (steps of each in the median)`."""
+        tokens/s (steps of each in the median, what each mode's dwells add to it)`."""
         parts = [f"{e.low}-{e.high}: {e.speculative_tok_s:.0f} / {e.plain_tok_s:.0f} tok/s "
-                 f"({e.speculative_steps}/{e.plain_steps} steps)"
+                 f"({e.speculative_steps}/{e.plain_steps} steps"
+                 + (f", x{e.speculative_overhead:.2f}/x{e.plain_overhead:.2f} by dwells)"
+                    if (e.speculative_overhead, e.plain_overhead) != (1.0, 1.0) else ")")
                  for e in self.estimates() if e.speculative_tok_s is not None and e.plain_tok_s is not None]
         return "; ".join(parts) if parts else "no bucket measured in both modes yet"
 
@@ -275,11 +294,10 @@ class AutoController:
         for i, b in enumerate(self._buckets):
             if accept is None or not self._counts(b):
                 continue
-            ref = b.reference_batch()
-            spec = seconds_at(curves[Mode.SPECULATIVE], ref)
-            plain = seconds_at(curves[Mode.PLAIN], ref)
-            if spec is not None and plain is not None:
-                variance = sum(b.seconds[m].relative_variance() for m in Mode)
+            seconds = self._seconds(i, curves)
+            if seconds is not None:
+                spec, plain, overhead_variance = seconds
+                variance = sum(b.seconds[m].relative_variance() for m in Mode) + overhead_variance
                 known[i] = (math.log(accept * plain / spec), variance)
         if not known:
             return None
@@ -301,6 +319,33 @@ class AutoController:
                 (d0, v0), (d1, v1) = known[lo], known[hi]
                 out.append((d0 + (d1 - d0) * w, v0 + (v1 - v0) * w))
         return out
+
+    def _seconds(self, index: int, curves: dict[Mode, list[tuple[float, float]]]) -> tuple[float, float, float] | None:
+        """Each mode's seconds a step at the batch size bucket `index`'s traffic runs at, its
+        prefills included (median step times Overhead), and the relative variance the overheads add
+        to their ratio; None where a mode has no curve."""
+        ref = self._buckets[index].reference_batch()
+        spec = seconds_at(curves[Mode.SPECULATIVE], ref)
+        plain = seconds_at(curves[Mode.PLAIN], ref)
+        if spec is None or plain is None:
+            return None
+        overhead, variance = self._overheads(index)
+        return spec * overhead[Mode.SPECULATIVE], plain * overhead[Mode.PLAIN], variance
+
+    def _overheads(self, index: int) -> tuple[dict[Mode, float], float]:
+        """Per mode, its mean step over its median step in bucket `index`, prefills in
+        (auto_estimate.Overhead), and the relative variance the two add to the modes' ratio. A mode
+        without dwells there takes the ratio of the nearest bucket it dwelt in (a mode runs for
+        long only on its own side of the crossover, and its prefill rhythm changes slowly with the
+        batch). If a mode dwelt nowhere, neither is corrected (no evidence, no correction): the
+        medians decide as they are."""
+        if self._dwelt is None:  # recomputed only when a dwell adds a chunk
+            self._dwelt = {m: [(j, o.value, o.relative_variance()) for j, b in enumerate(self._buckets)
+                               if (o := b.overhead[m]).value is not None] for m in Mode}
+        if not all(self._dwelt.values()):
+            return dict.fromkeys(Mode, 1.0), 0.0
+        nearest = {m: min(self._dwelt[m], key=lambda d: (abs(d[0] - index), d[0])) for m in Mode}
+        return {m: n[1] for m, n in nearest.items()}, sum(n[2] for n in nearest.values())
 
     def _counts(self, bucket: Bucket[Mode]) -> bool:
         """Whether both modes' step times in this bucket have enough steps to decide on."""
