@@ -22,7 +22,8 @@ EXTRAPOLATION_SPAN: Final = 1.5  # see seconds_at
 DWELL_SKIP: Final = 4  # steps of a run left out: the first after a change of mode or bucket
 DWELL_STEPS: Final = 16  # steps of a run folded into its Overhead at a time
 OVERHEAD_MEMORY: Final = 0.95  # weight a dwell's chunks keep per new chunk (~40 chunks, ~600 steps)
-OVERHEAD_CHUNKS: Final = 3  # chunks a mode's Overhead needs in a bucket before it counts there
+OVERHEAD_CHUNKS: Final = 8  # chunks (128 steps) before a mode's Overhead counts in a bucket: a load's
+# first requests end together, so a dwell's first chunks may carry none of the prefills that follow
 
 
 @dataclass

@@ -408,6 +408,26 @@ def test_a_mode_s_dwells_carry_its_prefills_and_its_bursts_do_not():
     assert "by dwells" in ctl.estimates_text()
 
 
+def test_a_clear_win_in_one_bucket_does_not_carry_a_tied_one_with_it():
+    """A load of 256 passes 161-192 as it arrives: there the two modes tie (plain 1% ahead, within
+    the margin), at 225-256 plain wins by 20%. The crossover moves below 256 but not below 192: a
+    bucket goes along with a move only where its own figures favour it by the margin (on the GPU
+    the prefix rule took 161-192 to plain with 225-256, and the hysteresis held it there, where
+    speculation made 1.09x)."""
+    cfg = AutoConfig(max_batch_size=4096)
+    ctl = AutoController(cfg)
+    accept = 3
+    # (batch, speculative seconds, plain tok/s over speculative tok/s)
+    for batch, spec_seconds, plain_ahead in ((190, 0.030, 1.01), (250, 0.036, 1.2)):
+        plain_seconds = batch / (plain_ahead * accept * batch / spec_seconds)
+        for _ in range(cfg.window):
+            ctl.record(Mode.SPECULATIVE, batch, spec_seconds, accept * batch)
+            ctl.record(Mode.PLAIN, batch, plain_seconds, batch)
+    for _ in range(cfg.update_every):
+        ctl.decide(250)
+    assert ctl.crossover() == 192, ctl.estimates_text()
+
+
 # ----------------------------------------------------------------------------- the upstream protocol
 class Clock:
     def __init__(self) -> None:
