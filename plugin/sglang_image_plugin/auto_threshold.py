@@ -32,8 +32,8 @@ that maximizes the summed log advantage of the speculating buckets. Every `updat
 moves there only if that beats the current split by `margin` plus twice the noise of the
 difference (from the spread of the step times, taken as at least `step_noise` a step, so that a
 few steps that happened to run alike do not pass for a sure figure): hysteresis on the estimate.
-A move takes along only the measured buckets whose own figures favour it by the margin, so a
-clear win at 225-256 requests does not carry a tie at 161-192 across with it.
+A move takes along only the measured buckets whose own figures favour it by the margin and one
+standard deviation, so a clear win at 225-256 requests does not carry a tie at 161-192 with it.
 Running batches switch like a fixed threshold N = crossover: plain above N, speculative again at
 N - N//8 (hysteresis on the batch size), so one arrival does not flip the mode; when the crossover
 moves, the running batch takes its side at once.
@@ -372,12 +372,14 @@ class AutoController:
         if not sums[best] - sums[current] > margin + 2 * noise:
             return current
         # a measured bucket the move passes over goes along only if its own figures favour the
-        # move by the margin: a clear win above 224 requests does not carry 161-192, whose figures
-        # tie, to plain with it (where the hysteresis would then hold it)
+        # move by the margin and one standard deviation of their noise: a clear win above 224
+        # requests does not carry 161-192, whose figures tie, to plain with it (where the
+        # hysteresis would then hold it)
         step = 1 if best > current else -1
         for k in range(current, best, step):
             i = k if step > 0 else k - 1
-            if self._counts(self._buckets[i]) and advantages[i][0] * step <= margin:
+            d, variance = advantages[i]
+            if self._counts(self._buckets[i]) and d * step <= margin + math.sqrt(variance):
                 return k
         return best
 

@@ -423,7 +423,8 @@ def test_a_whole_run_on_real_processes_over_two_calls(tmp_path, monkeypatch):
         for b in blocks:
             for name in ("plain", "plain_twin", "eagle3_thr16"):
                 w = b["windows"][name]
-                assert w["seconds"] == pytest.approx(0.4, abs=0.05) and w["tok_per_s"] > 0 and w["steps"] and w["abort_all"]
+                # at least the window asked for; a busy host's metrics scrape (inside it) may lengthen it
+                assert 0.35 <= w["seconds"] < 0.8 and w["tok_per_s"] > 0 and w["steps"] and w["abort_all"]
     assert result["calls"] == 2 and set(result["ramp"]) == {"plain", "plain_twin", "eagle3_thr16"}
     assert bench_report.floor_table(result)["4"]["pairs"] == 2
     assert result["servers"]["eagle3_thr16"]["speculative_disable"]["threshold"] == 16
