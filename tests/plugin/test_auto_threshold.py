@@ -411,9 +411,9 @@ def test_a_mode_s_dwells_carry_its_prefills_and_its_bursts_do_not():
 def test_a_clear_win_in_one_bucket_does_not_carry_a_tied_one_with_it():
     """A load of 256 passes 161-192 as it arrives: there the two modes tie (plain 1% ahead, within
     the margin), at 225-256 plain wins by 20%. The crossover moves below 256 but not below 192: a
-    bucket goes along with a move only where its own figures favour it by the margin and its noise (on the GPU
-    the prefix rule took 161-192 to plain with 225-256, and the hysteresis held it there, where
-    speculation made 1.09x)."""
+    bucket goes along with a move only where its own figures favour it by the margin and their
+    noise (on the GPU the prefix rule took 161-192 to plain with 225-256, and the hysteresis held
+    it there, where speculation made 1.09x; docs/validation.md rows 58 and 61)."""
     cfg = AutoConfig(max_batch_size=4096)
     ctl = AutoController(cfg)
     accept = 3
