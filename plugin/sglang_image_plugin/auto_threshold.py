@@ -23,10 +23,10 @@ outweighs the difference between the modes. But the prefills between the steps a
 cost too, and a plain step, being short, meets more of them per token: so each mode's median is
 multiplied by what its dwells (runs of 16 steps and more in one bucket) pay over their median
 (auto_estimate.Overhead), taken from the nearest bucket the mode dwelt in where it did not dwell
-in this one, and left uncorrected while either mode dwelt nowhere. The buckets (AutoConfig.edges): powers of two up to
-32, then four per octave (40, 48, 56, 64, 80, ...) up to max_batch_size, so that a crossover
-between two powers of two (speculation winning at 192 requests, losing at 256) has an edge near
-it. Speculation pays in a prefix of the batch sizes (its step costs a multiple of a plain one's
+in this one, and left uncorrected while either mode dwelt nowhere. The buckets
+(AutoConfig.edges): powers of two up to 32, then four per octave (40, 48, 56, 64, 80, ...) up to
+max_batch_size, so that a crossover between two powers of two (speculation winning at 192
+requests, losing at 256) has an edge near it. Speculation pays in a prefix of the batch sizes (its step costs a multiple of a plain one's
 compute, so its advantage shrinks as the batch fills the GPU); the crossover is the split
 that maximizes the summed log advantage of the speculating buckets. Every `update_every` steps it
 moves there only if that beats the current split by `margin` plus twice the noise of the
@@ -229,7 +229,7 @@ class AutoController:
             ref = b.reference_batch()
             seconds = self._seconds(i, curves)
             spec, plain = (None, None) if seconds is None else seconds[:2]
-            overhead, _ = self._overheads(i)
+            overhead, _ = self._overheads(i)  # for the report; _seconds has applied it
             measured = self._counts(b)
             out.append(BucketEstimate(b.low, b.high, round(ref, 1),
                                       ref * accept / spec if measured and spec and accept else None,
@@ -322,7 +322,8 @@ class AutoController:
                 out.append((d0 + (d1 - d0) * w, v0 + (v1 - v0) * w))
         return out
 
-    def _seconds(self, index: int, curves: dict[Mode, list[tuple[float, float]]]) -> tuple[float, float, float] | None:
+    def _seconds(self, index: int,
+                 curves: dict[Mode, list[tuple[float, float]]]) -> tuple[float, float, float] | None:
         """Each mode's seconds a step at the batch size bucket `index`'s traffic runs at, its
         prefills included (median step times Overhead), and the relative variance the overheads add
         to their ratio; None where a mode has no curve."""
