@@ -195,7 +195,11 @@ def replay(records: Iterable[dict[str, Any]], settings: dict[str, Any],
     elif leave_out_prefills == "none":
         marked = [False] * len(steps)
     top = max((int(r["batch"]) for r in steps), default=1)
-    size = 1 << (top - 1).bit_length()  # the power of two at or above the largest batch
+    # the server's running-request limit where the trace shows it (a server without a prior starts
+    # with its crossover there), else the power of two at or above the largest batch: the buckets
+    # above the traffic's take part in where the split goes
+    first = next((int(r["crossover"]) for r in steps if r.get("crossover")), 0)
+    size = max(1 << (top - 1).bit_length(), first)
     ctl = auto_threshold.AutoController(auto_threshold.AutoConfig(**{"max_batch_size": size, **settings}))
     changes, last = [], ctl.crossover()
     for r, skip in zip(steps, marked, strict=True):

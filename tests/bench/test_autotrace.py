@@ -71,6 +71,37 @@ def test_a_dwell_is_a_long_enough_run_of_one_mode_in_one_bucket():
         (193, 224, "plain"): [autotrace.DWELL_STEPS], (225, 256, "plain"): [autotrace.DWELL_STEPS]}
 
 
+def test_a_replay_takes_the_server_s_limit_from_its_trace():
+    """A server of 4,096 running requests at loads of 256 and 192 (plain 4% ahead at 256, noisy
+    steps; speculation wins at 192): the replay with the trace's own settings moves as the server
+    did, its buckets up to the server's limit (the first step's crossover), not the power of two
+    above the traffic (the unmeasured buckets above 256 take part in where the split goes)."""
+    import math
+    import random
+
+    from bench import autotrace
+    from sglang_image_plugin import auto_threshold as auto
+
+    rng = random.Random(1)
+    ctl = auto.AutoController(auto.AutoConfig(max_batch_size=4096, step_noise=0.0))
+    seconds_at = {(True, 256): 32.8e-3, (False, 256): 10.5e-3, (True, 192): 28.6e-3, (False, 192): 9.5e-3}
+    records, clock = [], 0.0
+    for batch in (256, 192, 256, 192):
+        for _ in range(1500):
+            mode = ctl.decide(batch)
+            is_spec = mode is auto.Mode.SPECULATIVE
+            seconds = seconds_at[is_spec, batch] * math.exp(rng.gauss(0, 0.1))
+            ctl.record(mode, batch, seconds, batch * (3 if is_spec else 1))
+            records.append({"t": clock, "kind": str(mode), "batch": batch, "seconds": seconds,
+                            "tokens": batch * (3 if is_spec else 1), "recorded": True, "prefills": 0,
+                            "crossover": ctl.crossover()})
+            clock += seconds
+    served = autotrace.server_changes(records)
+    assert served[0][1] == 4096 and len(served) > 1
+    replayed, _ = autotrace.replay(records, {"step_noise": 0.0})
+    assert replayed == served[1:]
+
+
 def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with_others_shows_theirs(tmp_path, capsys):
     """--replay: the steps of a trace through a fresh controller. With the settings that made the
     trace it must move its crossover exactly as the server did (else it would not show what another
