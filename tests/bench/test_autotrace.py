@@ -3,6 +3,7 @@ controller."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,17 @@ def test_a_dwell_is_a_long_enough_run_of_one_mode_in_one_bucket():
         (193, 224, "plain"): [autotrace.DWELL_STEPS], (225, 256, "plain"): [autotrace.DWELL_STEPS]}
 
 
+def served_step(ctl: Any, mode: Any, batch: int, seconds: float, clock: float) -> dict[str, Any]:
+    """One step of a server's controller (3 tokens a request speculating), recorded there, and its
+    trace record as the server writes it."""
+    from sglang_image_plugin.setting import Mode
+
+    tokens = batch * (3 if mode is Mode.SPECULATIVE else 1)
+    ctl.record(mode, batch, seconds, tokens)
+    return {"t": clock, "kind": str(mode), "batch": batch, "seconds": seconds, "tokens": tokens,
+            "recorded": True, "prefills": 0, "crossover": ctl.crossover()}
+
+
 def test_a_replay_takes_the_server_s_limit_from_its_trace():
     """A server of 4,096 running requests at loads of 256 and 192 (plain 4% ahead at 256, noisy
     steps; speculation wins at 192): the replay with the trace's own settings moves as the server
@@ -91,10 +103,7 @@ def test_a_replay_takes_the_server_s_limit_from_its_trace():
             mode = ctl.decide(batch)
             is_spec = mode is auto.Mode.SPECULATIVE
             seconds = seconds_at[is_spec, batch] * math.exp(rng.gauss(0, 0.1))
-            ctl.record(mode, batch, seconds, batch * (3 if is_spec else 1))
-            records.append({"t": clock, "kind": str(mode), "batch": batch, "seconds": seconds,
-                            "tokens": batch * (3 if is_spec else 1), "recorded": True, "prefills": 0,
-                            "crossover": ctl.crossover()})
+            records.append(served_step(ctl, mode, batch, seconds, clock))
             clock += seconds
     served = autotrace.server_changes(records)
     assert served[0][1] == 4096 and len(served) > 1
@@ -128,10 +137,7 @@ def test_a_trace_replayed_with_its_own_settings_moves_as_the_server_did_and_with
                 bursts += last is not auto.Mode.SPECULATIVE
                 seconds *= 0.88 if bursts == 2 else 1.0
             last = mode
-            ctl.record(mode, batch, seconds, batch * (3 if is_spec else 1))
-            records.append({"t": clock, "kind": str(mode), "batch": batch, "seconds": seconds,
-                            "tokens": batch * (3 if is_spec else 1), "recorded": True, "prefills": 0,
-                            "crossover": ctl.crossover()})
+            records.append(served_step(ctl, mode, batch, seconds, clock))
             clock += seconds
     served = autotrace.server_changes(records)
     assert [c for _, c in served] == [64, settled, 64, settled]  # the burst moved it (and back)
