@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from sglang_image_plugin import auto_threshold
+from sglang_image_plugin.auto_estimate import DWELL_SKIP, DWELL_STEPS  # the controller's dwells
 from sglang_image_plugin.setting import AUTO, AUTO_TRACE_ENV, THRESHOLD_FLAG, Mode
 
 KINDS = ("speculative", "plain")
-DWELL_SKIP = 4  # steps of a run left out: the first after a change of mode or bucket
-DWELL_STEPS = 16  # steps a run needs after those to count as a dwell
 THRESHOLD_TRACE_HINT = f"{THRESHOLD_FLAG} {AUTO} and {AUTO_TRACE_ENV}=FILE"
 
 
