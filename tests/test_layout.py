@@ -39,7 +39,7 @@ ALLOWED = {
     "sglang_image": {"sglang_image", CONTRACT, "sglang_image_plugin.targets"},
     "smoke": {"smoke", CONTRACT, "sglang_image_plugin.depth_schedule"},
     "bench": {"bench", "smoke", CONTRACT, "sglang_image_plugin.auto_threshold",
-              "sglang_image_plugin.depth_schedule"},
+              "sglang_image_plugin.auto_estimate", "sglang_image_plugin.depth_schedule"},
     "sglang_image_plugin": {"sglang_image_plugin"},
 }
 
