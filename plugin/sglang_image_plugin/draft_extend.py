@@ -76,14 +76,19 @@ def draft_extend_for_prefill(original: Callable[..., Any], draft_worker: Any, ba
     if batch.forward_mode != ForwardMode.EXTEND:
         return original(draft_worker, batch, target_hidden_states, next_token_ids,
                         mm_input_embeds, *args, **kwargs)
+    from sglang.srt.speculative import eagle_worker_v2
     from sglang.srt.speculative.eagle_info import EagleDraftInput
     from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
-    runner = draft_worker.draft_runner
-    tokens, positions = draft_kv.prefill_inputs(batch, next_token_ids)
-    # the target's slots (the plan's, untranslated: why_not_kv_only) and its hidden states
-    draft_kv.write_draft_kv(runner.model.model, tokens, positions, target_hidden_states,
-                            batch.out_cache_loc, runner.token_to_kv_pool)
+    # the target's slots (the plan's, untranslated: why_not_kv_only) and its hidden states, from
+    # the captured graphs (prefill_kv.py) where the prefill fits them
+    prefill = own.prefill if own is not None else None
+    if prefill is None or not prefill.write(
+            batch, eagle_worker_v2._eagle_prefill_tail_tokens(batch, next_token_ids), target_hidden_states):
+        runner = draft_worker.draft_runner
+        tokens, positions = draft_kv.prefill_inputs(batch, next_token_ids)
+        draft_kv.write_draft_kv(runner.model.model, tokens, positions, target_hidden_states,
+                                batch.out_cache_loc, runner.token_to_kv_pool)
     next_draft_input = EagleDraftInput(bonus_tokens=next_token_ids, num_tokens_per_req=1,
                                        num_tokens_for_logprob_per_req=1)
     if own is not None and own.proposal_by_row:

@@ -50,6 +50,9 @@ AUTO_TRACE_ENV = "SGLANG_IMAGE_AUTO_TRACE"
 # NVIDIA GPUs too (verify_attention.py) unless it is set to 0 (upstream's prefill kernel then).
 SPLITKV_VERIFY_ENV = "SGLANG_ENABLE_SPLITKV_VERIFY"
 SPLITKV_VERIFY_LOG_LINE = "EAGLE verify attention: split-KV kernel (top-k 1; {env}=0 turns it off)"
+# Not the speculation setting either: 0 makes a prefill in plain mode write the draft's K/V
+# eagerly, not from the plugin's CUDA graphs (prefill_kv.py).
+PREFILL_KV_GRAPHS_ENV = "SGLANG_IMAGE_PREFILL_KV_GRAPHS"
 # argparse destinations: not ServerArgs fields, so ServerArgs.from_cli_args skips them.
 THRESHOLD_DEST = "speculative_disable_batch_threshold"
 HYSTERESIS_DEST = "speculative_disable_hysteresis"

@@ -90,6 +90,12 @@ class DeferredWrite(Protocol):
     def disable(self) -> None: ...
 
 
+class PrefillWrite(Protocol):
+    """DraftState.prefill: prefill_kv.PrefillDraftKv, as the draft's prefill hook reads it."""
+
+    def write(self, batch: Any, tail_tokens: Any, target_hidden: Any) -> bool: ...
+
+
 # Not a ServerArgs field, nor a worker's: upstream never reads or resolves it.
 ATTR = "_sglang_image"
 
@@ -124,6 +130,7 @@ class DraftState:
 
     catch_up: CatchUp | None = None  # whether this plain step drafts in full (K/V-only draft)
     deferred: DeferredWrite | None = None  # the K/V a plain-layout step left for the next
+    prefill: PrefillWrite | None = None  # a K/V-only prefill's buffers and graphs (none: eager)
     # the overlap scheduler's FutureMap relays the proposal by request row (the plain layout's
     # scheduler): a K/V-only prefill then hands none (draft_extend.draft_extend_for_prefill)
     proposal_by_row: bool = False

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from sglang_image_plugin import flags, plain_step, registry, spec_disable, state
+from sglang_image_plugin import flags, plain_step, prefill_kv, registry, spec_disable, state
 from sglang_image_plugin.acceptance import AcceptanceAroundPlain
 from sglang_image_plugin.auto_config import AutoConfig
 from sglang_image_plugin.auto_depth import AutoDepthController
@@ -163,11 +163,15 @@ def worker_init_cuda_graphs(worker: Any, *args: Any, **kwargs: Any) -> None:
             what + ("; tensor-parallel ranks follow rank 0's estimate" if group is not None else "")
             + (f"; its steps traced to {trace_path}" if trace is not None else ""))
     adaptive = worker.adaptive_controller
+    lines = step.log_lines()
     if step.kv_only:
         catch_up = CatchUpPolicy(adaptive.params)
         adaptive.params = catch_up
-        state.of(worker._draft_worker, DraftState).catch_up = catch_up
-    for line in step.log_lines():
+        draft = state.of(worker._draft_worker, DraftState)
+        draft.catch_up = catch_up
+        draft.prefill, prefill_line = prefill_kv.install(worker)
+        lines.append(prefill_line)
+    for line in lines:
         log_on_rank0(line)
     log_on_rank0(_running_limit_line(worker, max_running_requests))
 

@@ -692,6 +692,9 @@ def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(r
     assert out["lines"][0] == ("Plain step: plain steps and prefills in plain mode write only the "
                                "draft's K/V, one catch-up step before speculation resumes")
     assert checks.draft_plain_step({}, "\n".join(out["lines"])) == "kv_only"  # what the smoke reads
+    # no CUDA graphs for its prefills here, and the log says why
+    assert out["lines"][-1] == ("Plain step: prefills in plain mode write the draft's K/V eagerly: "
+                                "the draft has no fc layer over the target's hidden states")
     other = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
     assert other["policy"] == "ThresholdPolicy" and not other["kv_only"]
     assert other["steps"] == [3, 0, 0, 3, 3, 3]
@@ -1360,6 +1363,69 @@ def test_kv_only_prefill_writes_the_full_draft_extends_kv(run_in_tree, tree, plu
         assert got["loc"] == [40, 41, 42, 50, 51, 60, 61, 62] and got["forwards"] == 0
         assert got["positions"] == [5, 6, 7, 0, 1, 4, 5, 6]
         assert got["stubs"] == [[[0.0]] * 3, [[0]] * 3, [3, 16], [13, 22, 31], 1]
+
+
+def test_a_kv_only_prefill_from_fixed_buffers_writes_what_the_eager_path_writes(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # The prefill's draft K/V from prefill_kv.py's fixed buffers (on a GPU replayed as one graph
+    # per token count; here the same code eagerly), through the hook: the real rows' K/V equal,
+    # bit for bit, what upstream's full draft extend hands to attention, at the target's slots;
+    # the padding (8 tokens to a count of 12) writes the padding slot 0 only. A second, smaller
+    # prefill of other requests after it: nothing of the first leaks into its tokens (its tails
+    # included). A prefill above the largest count falls back to the eager write.
+    out = _probe(run_in_tree, tree, plugin_site, PREFILL_FAKES, """
+        from sglang_image_plugin import draft_extend, prefill_kv, state
+        from sglang_image_plugin.state import DraftState
+        original = ew.EagleDraftWorker._draft_extend_for_prefill
+        def small_batch():
+            # two whole prompts of 3 and 2 tokens, at slots 7-11
+            reqs = [Unset(rid=r, extend_end=e, full_untruncated_fill_ids=[0] * e) for r, e in (("d", 3), ("e", 2))]
+            return Unset(forward_mode=ForwardMode.EXTEND, input_ids=torch.tensor([3, 4, 5, 6, 7]),
+                         extend_lens=[3, 2], prefix_lens=[0, 0], extend_num_tokens=5,
+                         seq_lens=torch.tensor([3, 2]), seq_lens_cpu=torch.tensor([3, 2]),
+                         out_cache_loc=torch.tensor([7, 8, 9, 10, 11]), reqs=reqs,
+                         req_pool_indices=torch.tensor([1, 2]), extend_logprob_start_lens=[0, 0],
+                         chunked_req=None, chunked_req_next_prompt_token=None)
+        res = {}
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            with torch.no_grad(), parallel():
+                full, _ = prefill_draft(dtype)
+                k_full, v_full = [], []
+                for batch, hidden, sampled in ((prefill_batch(), target_hidden(dtype), SAMPLED),
+                                               (small_batch(), target_hidden(dtype)[:5] + 1, torch.tensor([9, 8]))):
+                    plan = Plan() if batch.extend_num_tokens == 8 else NS(bind=lambda fb, t, cols=None: setattr(fb, "out_cache_loc", batch.out_cache_loc))
+                    original(full, batch, hidden, sampled, None, kv_loc_plan=plan)
+                    k, v = full.draft_runner.model.model.layers[0].self_attn.attn.seen[-1]
+                    k_full.append(k)
+                    v_full.append(v)
+                only, runner = prefill_draft(dtype, catch_up=NS(draft_stale=True))
+                model = runner.model.model
+                own = state.of(only, DraftState)
+                own.prefill = prefill_kv.PrefillDraftKv(model, runner.token_to_kv_pool, hidden_size=3 * TARGET,
+                                                        dtype=dtype, device="cpu", counts=(6, 12))
+                draft_extend.draft_extend_for_prefill(original, only, prefill_batch(), target_hidden(dtype), SAMPLED, None)
+                draft_extend.draft_extend_for_prefill(original, only, small_batch(), target_hidden(dtype)[:5] + 1,
+                                                      torch.tensor([9, 8]), None)
+                big = prefill_kv.PrefillDraftKv(model, runner.token_to_kv_pool, hidden_size=3 * TARGET,
+                                                dtype=dtype, device="cpu", counts=(4,))
+                own.prefill = big
+                draft_extend.draft_extend_for_prefill(original, only, small_batch(), target_hidden(dtype)[:5] + 1,
+                                                      torch.tensor([9, 8]), None)
+            writes = runner.token_to_kv_pool.writes
+            res[name] = {
+                "locs": [w[1].tolist() for w in writes],
+                "real_equal": [bool(torch.equal(w[2][:n], k_full[i][:n]) and torch.equal(w[3][:n], v_full[i][:n]))
+                               for (i, n), w in zip(((0, 8), (1, 5), (1, 5)), writes)],
+                "counts": [big.count_for(n) for n in (1, 4, 5)] + [own.prefill is big],
+            }
+        emit(res)
+    """)
+    for name in ("float32", "bfloat16"):
+        got = out[name]
+        assert got["locs"] == [[40, 41, 42, 50, 51, 60, 61, 62, 0, 0, 0, 0],
+                               [7, 8, 9, 10, 11, 0],
+                               [7, 8, 9, 10, 11]], name  # padded to 12, to 6, then eager
+        assert got["real_equal"] == [True, True, True], name
+        assert got["counts"] == [4, 4, None, True]
 
 
 def test_kv_only_prefill_under_the_plain_layout_hands_no_placeholder_proposal(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]

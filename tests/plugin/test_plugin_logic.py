@@ -391,3 +391,20 @@ def test_acceptance_queue_pairs_overlapped_results_and_drops_what_does_not_match
     assert watch.unpaired_steps == 3  # the oldest decisions beyond the queue's bound
     with pytest.raises(ValueError, match="window"):
         AcceptanceAroundPlain(window=0)
+
+
+def test_the_prefill_graphs_switch_and_their_token_counts() -> None:
+    """SGLANG_IMAGE_PREFILL_KV_GRAPHS=0 keeps a prefill's draft K/V eager, and says so; a prefill
+    is padded to the next token count, at most 1.5x its own, and one above the largest runs eagerly."""
+    from sglang_image_plugin import prefill_kv
+
+    for off in ("0", "false", " OFF "):
+        assert prefill_kv.why_not_graphs(None, environ={prefill_kv.GRAPHS_ENV: off}) == (
+            f"{prefill_kv.GRAPHS_ENV}={off.strip().lower()}")
+    counts = prefill_kv.TOKEN_COUNTS
+    assert list(counts) == sorted(counts) and counts[0] >= 1
+    padded = object.__new__(prefill_kv.PrefillDraftKv)
+    padded.counts = counts
+    assert [padded.count_for(n) for n in (1, 16, 17, 25, 1000, 1024, 1025)] == [16, 16, 24, 32, 1024, 1024, None]
+    assert all(padded.count_for(n) <= max(16, 1.5 * n) for n in range(1, counts[-1] + 1))  # type: ignore[operator]
+
