@@ -7,22 +7,26 @@ verifying d + 1 tokens a request; `eagle3` is the launch depth, 3), `eagle3_sche
 --schedule (the plugin's draft depth per load). `eagle3_extend_verify` is `eagle3` started with
 upstream's split-KV verify kernel switched off (SGLANG_ENABLE_SPLITKV_VERIFY=0): EAGLE's
 target-verify attention then runs the Triton backend's prefill "extend" kernel, the path before
-the plugin's change, so the two compare in the same blocks.
+the plugin's change, so the two compare in the same blocks. `eagle3_thr_eager_prefill` is
+`eagle3_thr` whose prefills in plain mode write the draft's K/V eagerly
+(SGLANG_IMAGE_PREFILL_KV_GRAPHS=0), not from the plugin's CUDA graphs: the two side by side.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sglang_image_plugin.setting import PREFILL_KV_GRAPHS_ENV
 from smoke.server import EAGLE_STEPS
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
 CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_depth", "eagle3_adaptive",
-           "eagle3_thr", "eagle3_sched", "eagle3_auto")
+           "eagle3_thr", "eagle3_thr_eager_prefill", "eagle3_sched", "eagle3_auto")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
+EAGER_PREFILL = (PREFILL_KV_GRAPHS_ENV, "0")  # the plugin's prefill K/V graphs off: written eagerly
 # what a server's environment changes, in its label; any other variable is named as it is
-ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify"}
+ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", EAGER_PREFILL: "eager prefill K/V"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,9 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out += [BenchConfig(f"eagle3_depth{d}", "fixed", d) for d in depths]
         elif name == "eagle3_thr":
             out += [BenchConfig(f"eagle3_thr{n}", "threshold", LAUNCH_STEPS, threshold=n) for n in thresholds]
+        elif name == "eagle3_thr_eager_prefill":
+            out += [BenchConfig(f"eagle3_thr{n}_eager_prefill", "threshold", LAUNCH_STEPS, threshold=n,
+                                env=(EAGER_PREFILL,)) for n in thresholds]
         elif name == "eagle3_sched":
             out += [BenchConfig(f"eagle3_sched{i}", "schedule", LAUNCH_STEPS, schedule=sched)
                     for i, sched in enumerate(schedules, 1)]
@@ -117,6 +124,7 @@ def from_result(result: dict[str, Any]) -> dict[str, BenchConfig]:
         n = name.removeprefix("eagle3_thr")
         if name.startswith("eagle3_thr") and n.isdigit():
             legacy[name] = BenchConfig(name, "threshold", LAUNCH_STEPS, threshold=int(n))
-        elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr", "eagle3_sched"):
+        elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr", "eagle3_thr_eager_prefill",
+                                              "eagle3_sched"):
             legacy[name] = expand((name,))[0]
     return legacy
