@@ -170,7 +170,12 @@ def install(worker: Any) -> tuple[PrefillDraftKv | None, str]:
     prefill = PrefillDraftKv(runner.model.model, runner.token_to_kv_pool,
                              hidden_size=int(fc.weight.shape[1]), dtype=fc.weight.dtype,
                              device=fc.weight.device)
-    prefill.capture()
+    try:
+        prefill.capture()
+    except Exception as exc:  # any capture failure leaves the eager write, and says why
+        logger.warning("prefill draft K/V graphs not captured", exc_info=True)
+        return None, (f"Plain step: prefills in plain mode write the draft's K/V eagerly: their CUDA "
+                      f"graphs failed to capture ({type(exc).__name__}: {exc})")
     took = max(0, free_before - int(torch.cuda.mem_get_info()[0]))
     return prefill, (f"Plain step: prefills in plain mode write the draft's K/V from CUDA graphs at "
                      f"{len(prefill.counts)} token counts up to {prefill.top} ({took / 2**20:.0f} MiB; "

@@ -408,3 +408,30 @@ def test_the_prefill_graphs_switch_and_their_token_counts() -> None:
     assert [padded.count_for(n) for n in (1, 16, 17, 25, 1000, 1024, 1025)] == [16, 16, 24, 32, 1024, 1024, None]
     assert all(padded.count_for(n) <= max(16, 1.5 * n) for n in range(1, counts[-1] + 1))  # type: ignore[operator]
 
+
+
+def test_a_prefill_graph_that_fails_to_capture_leaves_the_eager_write_and_says_why(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The server starts whatever the capture does: a failure is logged with its cause and the
+    prefills write eagerly (no buffers are kept)."""
+    import torch
+
+    from sglang_image_plugin import prefill_kv
+
+    fc = torch.nn.Linear(12, 4, bias=False)
+    runner = SimpleNamespace(model=SimpleNamespace(model=SimpleNamespace(fc=fc)), token_to_kv_pool=None)
+    worker = SimpleNamespace(_draft_worker=SimpleNamespace(draft_runner=runner))
+    monkeypatch.setattr(prefill_kv, "why_not_graphs", lambda w: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2**30, 2**31))
+
+    def refuse(self: Any) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(prefill_kv.PrefillDraftKv, "capture", refuse)
+    assert prefill_kv.install(worker) == (
+        None, ("Plain step: prefills in plain mode write the draft's K/V eagerly: their CUDA graphs "
+               "failed to capture (RuntimeError: operation not permitted when stream is capturing)"))
+    monkeypatch.setattr(prefill_kv.PrefillDraftKv, "capture", lambda self: None)
+    prefill, line = prefill_kv.install(worker)
+    assert isinstance(prefill, prefill_kv.PrefillDraftKv) and prefill.hidden.shape == (1024, 12)
+    assert line == ("Plain step: prefills in plain mode write the draft's K/V from CUDA graphs at 13 token "
+                    "counts up to 1024 (0 MiB; SGLANG_IMAGE_PREFILL_KV_GRAPHS=0 writes them eagerly)")
