@@ -7,9 +7,9 @@ verifying d + 1 tokens a request; `eagle3` is the launch depth, 3), `eagle3_sche
 --schedule (the plugin's draft depth per load). `eagle3_extend_verify` is `eagle3` started with
 upstream's split-KV verify kernel switched off (SGLANG_ENABLE_SPLITKV_VERIFY=0): EAGLE's
 target-verify attention then runs the Triton backend's prefill "extend" kernel, the path before
-the plugin's change, so the two compare in the same blocks. `eagle3_thr_eager_prefill` is
-`eagle3_thr` whose prefills in plain mode write the draft's K/V eagerly
-(SGLANG_IMAGE_PREFILL_KV_GRAPHS=0), not from the plugin's CUDA graphs: the two side by side.
+the plugin's change, so the two compare in the same blocks. `eagle3_thr_prefill_graphs` is
+`eagle3_thr` whose prefills in plain mode write the draft's K/V from the plugin's CUDA graphs
+(SGLANG_IMAGE_PREFILL_KV_GRAPHS=1), not eagerly: the two side by side.
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from smoke.server import EAGLE_STEPS
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
 CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_depth", "eagle3_adaptive",
-           "eagle3_thr", "eagle3_thr_eager_prefill", "eagle3_sched", "eagle3_auto")
+           "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched", "eagle3_auto")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
-EAGER_PREFILL = (PREFILL_KV_GRAPHS_ENV, "0")  # the plugin's prefill K/V graphs off: written eagerly
+PREFILL_GRAPHS = (PREFILL_KV_GRAPHS_ENV, "1")  # the plugin's prefill K/V graphs on
 # what a server's environment changes, in its label; any other variable is named as it is
-ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", EAGER_PREFILL: "eager prefill K/V"}
+ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", PREFILL_GRAPHS: "prefill K/V graphs"}
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,9 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out += [BenchConfig(f"eagle3_depth{d}", "fixed", d) for d in depths]
         elif name == "eagle3_thr":
             out += [BenchConfig(f"eagle3_thr{n}", "threshold", LAUNCH_STEPS, threshold=n) for n in thresholds]
-        elif name == "eagle3_thr_eager_prefill":
-            out += [BenchConfig(f"eagle3_thr{n}_eager_prefill", "threshold", LAUNCH_STEPS, threshold=n,
-                                env=(EAGER_PREFILL,)) for n in thresholds]
+        elif name == "eagle3_thr_prefill_graphs":
+            out += [BenchConfig(f"eagle3_thr{n}_prefill_graphs", "threshold", LAUNCH_STEPS, threshold=n,
+                                env=(PREFILL_GRAPHS,)) for n in thresholds]
         elif name == "eagle3_sched":
             out += [BenchConfig(f"eagle3_sched{i}", "schedule", LAUNCH_STEPS, schedule=sched)
                     for i, sched in enumerate(schedules, 1)]
@@ -124,7 +124,7 @@ def from_result(result: dict[str, Any]) -> dict[str, BenchConfig]:
         n = name.removeprefix("eagle3_thr")
         if name.startswith("eagle3_thr") and n.isdigit():
             legacy[name] = BenchConfig(name, "threshold", LAUNCH_STEPS, threshold=int(n))
-        elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr", "eagle3_thr_eager_prefill",
+        elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr", "eagle3_thr_prefill_graphs",
                                               "eagle3_sched"):
             legacy[name] = expand((name,))[0]
     return legacy

@@ -14,7 +14,7 @@ speculation resumes. Where each part lives:
   plain server's decode step (layout.py); otherwise spec v2's layout with a one-token verify;
 - the draft's K/V write: inside the next plain step's target graph (deferred_kv.py), where the
   plain layout runs on one GPU; otherwise right after the step. A prefill's, from one captured
-  graph per padded token count (prefill_kv.py), on one GPU.
+  graph per padded token count where asked for (prefill_kv.py), on one GPU.
 
 `resolve` decides all of it once, at `init_cuda_graphs` (the pools exist, the graphs are not yet
 captured); the hooks read the one PlainStep on the worker, and only the hooks its parts need are

@@ -7,7 +7,8 @@ twenty launches and their Python between the target's prefill and the next decod
 server's full load a prefill of a few short prompts comes every step or two, and the eager path
 cost a threshold server's plain step 0.4 ms of host time against a plain server's
 (docs/validation.md row 57). Here the same work runs from fixed buffers, padded to the next of a
-few token counts, as one captured graph a count: five copies in and one replay.
+few token counts, as one captured graph a count: five copies in and one replay. Opt-in
+(SGLANG_IMAGE_PREFILL_KV_GRAPHS=1) until a GPU run has measured it.
 
 A padded row writes the pool's padding slot 0 (upstream never gives slot 0 to a request), at
 position 0, as deferred_kv.py's padded rows do. A prefill above the largest count, several GPUs
@@ -30,8 +31,9 @@ logger = logging.getLogger(__name__)
 # padding is small beside the target's prefill), up to prompts of a chat's length; a longer
 # prefill is GPU-bound and runs eagerly.
 TOKEN_COUNTS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-# Set to 0 to write a prefill's draft K/V eagerly (to compare, or where a graph misbehaves).
+# Set to 1 to write a prefill's draft K/V from the graphs (otherwise eagerly).
 GRAPHS_ENV = PREFILL_KV_GRAPHS_ENV
+ON = ("1", "true", "yes", "on")
 
 
 class PrefillDraftKv:
@@ -140,8 +142,8 @@ def why_not_graphs(worker: Any, environ: dict[str, str] | None = None) -> str | 
     import os
 
     value = (os.environ if environ is None else environ).get(GRAPHS_ENV, "").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return f"{GRAPHS_ENV}={value}"
+    if value not in ON:
+        return f"{GRAPHS_ENV} is not 1 (off by default)"
     import torch
     from sglang.srt.arg_groups.overrides import resolving_view
 
@@ -178,5 +180,4 @@ def install(worker: Any) -> tuple[PrefillDraftKv | None, str]:
                       f"graphs failed to capture ({type(exc).__name__}: {exc})")
     took = max(0, free_before - int(torch.cuda.mem_get_info()[0]))
     return prefill, (f"Plain step: prefills in plain mode write the draft's K/V from CUDA graphs at "
-                     f"{len(prefill.counts)} token counts up to {prefill.top} ({took / 2**20:.0f} MiB; "
-                     f"{GRAPHS_ENV}=0 writes them eagerly)")
+                     f"{len(prefill.counts)} token counts up to {prefill.top} ({took / 2**20:.0f} MiB)")

@@ -50,8 +50,8 @@ AUTO_TRACE_ENV = "SGLANG_IMAGE_AUTO_TRACE"
 # NVIDIA GPUs too (verify_attention.py) unless it is set to 0 (upstream's prefill kernel then).
 SPLITKV_VERIFY_ENV = "SGLANG_ENABLE_SPLITKV_VERIFY"
 SPLITKV_VERIFY_LOG_LINE = "EAGLE verify attention: split-KV kernel (top-k 1; {env}=0 turns it off)"
-# Not the speculation setting either: 0 makes a prefill in plain mode write the draft's K/V
-# eagerly, not from the plugin's CUDA graphs (prefill_kv.py).
+# Not the speculation setting either: 1 makes a prefill in plain mode write the draft's K/V from
+# the plugin's CUDA graphs (prefill_kv.py); off by default until measured on a GPU.
 PREFILL_KV_GRAPHS_ENV = "SGLANG_IMAGE_PREFILL_KV_GRAPHS"
 # argparse destinations: not ServerArgs fields, so ServerArgs.from_cli_args skips them.
 THRESHOLD_DEST = "speculative_disable_batch_threshold"

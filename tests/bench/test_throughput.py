@@ -81,20 +81,20 @@ def test_a_depth_sweep_is_one_always_on_eagle3_server_per_draft_depth(tmp_path):
             bench_options("--configs", "plain,eagle3_depth", "--depth", bad)
 
 
-def test_eager_prefill_is_the_threshold_server_with_the_prefill_graphs_off(tmp_path):
-    # eagle3_thr_eager_prefill: one server per threshold, eagle3_thr's flags, started with
-    # SGLANG_IMAGE_PREFILL_KV_GRAPHS=0 (a prefill's draft K/V in plain mode written eagerly), so
-    # the plugin's prefill graphs and the eager write stand side by side in the same blocks
-    opts = bench_options("--configs", "plain,eagle3_thr,eagle3_thr_eager_prefill", "--threshold", "64,192")
+def test_prefill_graphs_is_the_threshold_server_with_the_plugin_s_prefill_graphs_on(tmp_path):
+    # eagle3_thr_prefill_graphs: one server per threshold, eagle3_thr's flags, started with
+    # SGLANG_IMAGE_PREFILL_KV_GRAPHS=1 (a prefill's draft K/V in plain mode from CUDA graphs), so
+    # the graphs and the eager write stand side by side in the same blocks
+    opts = bench_options("--configs", "plain,eagle3_thr,eagle3_thr_prefill_graphs", "--threshold", "64,192")
     assert options.server_names(opts) == ["plain", "eagle3_thr64", "eagle3_thr192",
-                                          "eagle3_thr64_eager_prefill", "eagle3_thr192_eager_prefill"]
-    graphs, eager = (throughput.server_config(n, opts) for n in ("eagle3_thr192", "eagle3_thr192_eager_prefill"))
-    assert eager.argv(30000) == graphs.argv(30000)
-    assert eager.env == {"SGLANG_IMAGE_PREFILL_KV_GRAPHS": "0"} and graphs.env == {}
+                                          "eagle3_thr64_prefill_graphs", "eagle3_thr192_prefill_graphs"]
+    eager, graphs = (throughput.server_config(n, opts) for n in ("eagle3_thr192", "eagle3_thr192_prefill_graphs"))
+    assert graphs.argv(30000) == eager.argv(30000)
+    assert graphs.env == {"SGLANG_IMAGE_PREFILL_KV_GRAPHS": "1"} and eager.env == {}
     assert servers.options_key(eager, "site") != servers.options_key(graphs, "site")
-    rec = options.config_records(opts)["eagle3_thr192_eager_prefill"]
+    rec = options.config_records(opts)["eagle3_thr192_prefill_graphs"]
     assert (rec.kind, rec.threshold, rec.switches) == ("threshold", 192, True)
-    assert rec.label == "EAGLE-3 + threshold 192 (eager prefill K/V)"
+    assert rec.label == "EAGLE-3 + threshold 192 (prefill K/V graphs)"
     assert configs.BenchConfig.from_dict(json.loads(json.dumps(rec.as_dict()))) == rec
 
 

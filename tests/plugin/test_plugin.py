@@ -692,9 +692,14 @@ def test_worker_decode_kv_catches_up_before_speculating_where_the_draft_allows(r
     assert out["lines"][0] == ("Plain step: plain steps and prefills in plain mode write only the "
                                "draft's K/V, one catch-up step before speculation resumes")
     assert checks.draft_plain_step({}, "\n".join(out["lines"])) == "kv_only"  # what the smoke reads
-    # no CUDA graphs for its prefills here, and the log says why
+    # no CUDA graphs for its prefills unless asked for, and the log says why; asked for, this
+    # draft cannot have them either
     assert out["lines"][-1] == ("Plain step: prefills in plain mode write the draft's K/V eagerly: "
-                                "the draft has no fc layer over the target's hidden states")
+                                "SGLANG_IMAGE_PREFILL_KV_GRAPHS is not 1 (off by default)")
+    asked = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, llama_draft, SWITCH, body,
+                   env={"SGLANG_IMAGE_PREFILL_KV_GRAPHS": "1"})
+    assert asked["lines"][-1] == ("Plain step: prefills in plain mode write the draft's K/V eagerly: "
+                                  "the draft has no fc layer over the target's hidden states")
     other = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, SWITCH, body)
     assert other["policy"] == "ThresholdPolicy" and not other["kv_only"]
     assert other["steps"] == [3, 0, 0, 3, 3, 3]
