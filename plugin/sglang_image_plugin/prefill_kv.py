@@ -8,7 +8,8 @@ server's full load a prefill of a few short prompts comes every step or two, and
 cost a threshold server's plain step 0.4 ms of host time against a plain server's
 (docs/validation.md row 57). Here the same work runs from fixed buffers, padded to the next of a
 few token counts, as one captured graph a count: five copies in and one replay. Opt-in
-(SGLANG_IMAGE_PREFILL_KV_GRAPHS=1) until a GPU run has measured it.
+(SGLANG_IMAGE_PREFILL_KV_GRAPHS=1) until a GPU run has measured it. After the capture the graphs
+are checked against the eager write on the server's own GPU (check()), and used only if they agree.
 
 A padded row writes the pool's padding slot 0 (upstream never gives slot 0 to a request), at
 position 0, as deferred_kv.py's padded rows do. A prefill above the largest count, several GPUs
@@ -117,6 +118,32 @@ class PrefillDraftKv:
             self._run(b)
         return True
 
+    def check(self, n: int = 40) -> float:
+        """The largest difference, over the largest magnitude, between the K/V this path writes for
+        a prefill of n made-up tokens (padded: 40 to 48) and what the eager write writes for them,
+        both at the pool's slots 1..n (free before the first request; what stays there is
+        overwritten before it is read)."""
+        import torch
+
+        device = self.ids.device
+        gen = torch.Generator().manual_seed(0)
+        vocab = int(self.model.embed_tokens.weight.shape[0])
+        ids = torch.randint(0, vocab, (n + 1,), generator=gen).to(device)
+        hidden = torch.randn((n, self.hidden.shape[1]), generator=gen).to(device, self.hidden.dtype)
+        loc = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+        batch = _OnePrompt(input_ids=ids[:n], extend_lens=[n], prefix_lens=[0], out_cache_loc=loc)
+        layer = self.model.layers[0].self_attn.attn
+        with torch.no_grad():
+            draft_kv.write_draft_kv(self.model, ids[1:], torch.arange(n, device=device), hidden, loc,
+                                    self.pool)
+            want = [self.pool.get_key_buffer(layer.layer_id)[loc].float(),
+                    self.pool.get_value_buffer(layer.layer_id)[loc].float()]
+            self.write(batch, ids[n:], hidden)
+            got = [self.pool.get_key_buffer(layer.layer_id)[loc].float(),
+                   self.pool.get_value_buffer(layer.layer_id)[loc].float()]
+        scale = max(float(w.abs().max()) for w in want) or 1.0
+        return max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True)) / scale
+
     def capture(self) -> None:
         """One graph per token count, the largest first, all in one memory pool. The buffers'
         token count is 0, so the warm-up and the capture write only the padding slot."""
@@ -135,6 +162,18 @@ class PrefillDraftKv:
                 self.graphs[b] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+
+
+class _OnePrompt:
+    """A prefill of one prompt, as write() reads the target's batch (check())."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+# check(): the graphs' K/V may differ from the eager write's by rounding only (the padded batch may
+# run other GEMM tiles); more than this, over the largest magnitude, and they are not used.
+CHECK_TOLERANCE = 0.02
 
 
 def why_not_graphs(worker: Any, environ: dict[str, str] | None = None) -> str | None:
@@ -174,10 +213,16 @@ def install(worker: Any) -> tuple[PrefillDraftKv | None, str]:
                              device=fc.weight.device)
     try:
         prefill.capture()
-    except Exception as exc:  # any capture failure leaves the eager write, and says why
-        logger.warning("prefill draft K/V graphs not captured", exc_info=True)
+        took = max(0, free_before - int(torch.cuda.mem_get_info()[0]))
+        difference = prefill.check()
+    except Exception as exc:  # any capture (or check) failure leaves the eager write, and says why
+        logger.warning("prefill draft K/V graphs not used", exc_info=True)
         return None, (f"Plain step: prefills in plain mode write the draft's K/V eagerly: their CUDA "
-                      f"graphs failed to capture ({type(exc).__name__}: {exc})")
-    took = max(0, free_before - int(torch.cuda.mem_get_info()[0]))
+                      f"graphs failed ({type(exc).__name__}: {exc})")
+    if not difference <= CHECK_TOLERANCE:  # NaN too
+        return None, (f"Plain step: prefills in plain mode write the draft's K/V eagerly: their CUDA "
+                      f"graphs wrote K/V {difference:.3g} of the largest magnitude away from the eager "
+                      f"write's (more than {CHECK_TOLERANCE})")
     return prefill, (f"Plain step: prefills in plain mode write the draft's K/V from CUDA graphs at "
-                     f"{len(prefill.counts)} token counts up to {prefill.top} ({took / 2**20:.0f} MiB)")
+                     f"{len(prefill.counts)} token counts up to {prefill.top} ({took / 2**20:.0f} MiB; "
+                     f"checked against the eager write: {difference:.3g} of the largest magnitude apart)")

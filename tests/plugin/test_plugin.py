@@ -1433,6 +1433,42 @@ def test_a_kv_only_prefill_from_fixed_buffers_writes_what_the_eager_path_writes(
         assert got["counts"] == [4, 4, None, True]
 
 
+def test_the_prefill_buffers_check_themselves_against_the_eager_write(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
+    # PrefillDraftKv.check, as a server runs it after the capture: made-up tokens written by both
+    # paths at the pool's slots 1..40, read back; the same K/V (here both eager, padded 40 to 48),
+    # and a fault in the buffered path (each position one off) shows as a difference of the order
+    # of the K/V themselves.
+    out = _probe(run_in_tree, tree, plugin_site, PREFILL_FAKES, """
+        from sglang_image_plugin import prefill_kv
+        class BufferPool:  # a KV pool that keeps what it is given, by slot
+            def __init__(self):
+                self.k, self.v = torch.zeros(64, KV_HEADS, HD), torch.zeros(64, KV_HEADS, HD)
+            def set_kv_buffer(self, layer, loc, k, v, k_scale=None, v_scale=None):
+                self.k[loc], self.v[loc] = k, v
+            def get_key_buffer(self, layer_id):
+                return self.k
+            def get_value_buffer(self, layer_id):
+                return self.v
+        _, runner = prefill_draft()
+        model = runner.model.model
+        model.layers[0].self_attn.attn.layer_id = 0
+        pool = BufferPool()
+        prefill = prefill_kv.PrefillDraftKv(model, pool, hidden_size=3 * TARGET, dtype=torch.float32,
+                                            device="cpu", counts=(16, 48))
+        res = {"same": prefill.check(), "written": int((pool.k[1:41].abs().sum((1, 2)) > 0).sum()),
+               "untouched": float(pool.k[41:].abs().sum())}
+        run = prefill._run
+        def off_by_one(b):
+            prefill.idx[:b] += 1
+            run(b)
+        prefill._run = off_by_one
+        res["faulty"] = prefill.check()
+        emit(res)
+    """)
+    assert out["same"] <= 1e-6 and out["written"] == 40 and out["untouched"] == 0.0, out
+    assert out["faulty"] > 0.02, out
+
+
 def test_kv_only_prefill_under_the_plain_layout_hands_no_placeholder_proposal(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # Host work per prefill while the mode is plain (issue 41): where the overlap scheduler's
     # FutureMap relays the draft's proposal by row (the plain layout), a K/V-only prefill makes

@@ -412,8 +412,8 @@ def test_the_prefill_graphs_switch_and_their_token_counts() -> None:
 
 
 def test_a_prefill_graph_that_fails_to_capture_leaves_the_eager_write_and_says_why(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The server starts whatever the capture does: a failure is logged with its cause and the
-    prefills write eagerly (no buffers are kept)."""
+    """The server starts whatever the capture does: a failure, or graphs whose K/V differ from the
+    eager write's, is logged with its cause and the prefills write eagerly (no buffers kept)."""
     import torch
 
     from sglang_image_plugin import prefill_kv
@@ -430,9 +430,18 @@ def test_a_prefill_graph_that_fails_to_capture_leaves_the_eager_write_and_says_w
     monkeypatch.setattr(prefill_kv.PrefillDraftKv, "capture", refuse)
     assert prefill_kv.install(worker) == (
         None, ("Plain step: prefills in plain mode write the draft's K/V eagerly: their CUDA graphs "
-               "failed to capture (RuntimeError: operation not permitted when stream is capturing)"))
+               "failed (RuntimeError: operation not permitted when stream is capturing)"))
     monkeypatch.setattr(prefill_kv.PrefillDraftKv, "capture", lambda self: None)
+    # captured, then checked against the eager write: used only where they agree
+    for apart in (0.5, float("nan")):
+        monkeypatch.setattr(prefill_kv.PrefillDraftKv, "check", lambda self, apart=apart: apart)
+        assert prefill_kv.install(worker) == (
+            None, ("Plain step: prefills in plain mode write the draft's K/V eagerly: their CUDA graphs "
+                   f"wrote K/V {apart:.3g} of the largest magnitude away from the eager write's (more "
+                   "than 0.02)"))
+    monkeypatch.setattr(prefill_kv.PrefillDraftKv, "check", lambda self: 0.0)
     prefill, line = prefill_kv.install(worker)
     assert isinstance(prefill, prefill_kv.PrefillDraftKv) and prefill.hidden.shape == (1024, 12)
     assert line == ("Plain step: prefills in plain mode write the draft's K/V from CUDA graphs at 13 token "
-                    "counts up to 1024 (0 MiB)")
+                    "counts up to 1024 (0 MiB; checked against the eager write: 0 of the largest "
+                    "magnitude apart)")
