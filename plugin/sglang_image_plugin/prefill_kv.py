@@ -28,9 +28,9 @@ from sglang_image_plugin.setting import PREFILL_KV_GRAPHS_ENV
 
 logger = logging.getLogger(__name__)
 
-# The token counts a prefill is padded to: at most 1.5x its own count (the draft's work on the
-# padding is small beside the target's prefill), up to prompts of a chat's length; a longer
-# prefill is GPU-bound and runs eagerly.
+# The token counts a prefill is padded to: the next one up, at most 1.5x its own count above 16
+# (the draft's work on the padding is small beside the target's prefill), up to 1,024 tokens; a
+# longer prefill is GPU-bound and runs eagerly.
 TOKEN_COUNTS = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 # Set to 1 to write a prefill's draft K/V from the graphs (otherwise eagerly).
 GRAPHS_ENV = PREFILL_KV_GRAPHS_ENV
