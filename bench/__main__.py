@@ -1,10 +1,10 @@
-"""python -m bench {run,e2e,comm,merge,auto-trace,verify-kernel} ... (see each module's docstring)."""
+"""python -m bench {run,e2e,comm,merge,auto-trace,pyspy-diff,verify-kernel} ... (see each module's docstring)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench import autotrace, comm, e2e, merge, options, throughput, verify_kernel
+from bench import autotrace, comm, e2e, merge, options, pyspy, throughput, verify_kernel
 
 
 def _add_comm_arguments(ap: argparse.ArgumentParser) -> None:
@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
              "several calls' bench.json as one report (the concurrencies one card could not hold at once)"),
             ("auto-trace", autotrace.__doc__, autotrace.add_arguments, autotrace.main,
              "an auto server's step trace, per batch-size bucket and mode"),
+            ("pyspy-diff", pyspy.main.__doc__, pyspy.add_arguments, pyspy.main,
+             "two servers' scheduler samples (--diagnose) set against each other, function by function"),
             ("verify-kernel", verify_kernel.__doc__, verify_kernel.add_arguments, verify_kernel.main,
              "the EAGLE verify's attention alone: upstream's prefill kernel against its split-KV one")):
         p = sub.add_parser(name, help=help_, description=doc,

@@ -86,6 +86,15 @@ def _func(frame: str) -> str:
     return re.sub(r"\(.*?(sglang/|torch/|site-packages/)", r"(\1", frame)
 
 
+# `inclusive_all` and `self_all` keep every function with at least this share of the busy samples
+# (%), so that two servers' summaries can be set against each other (difference) beyond their top rows.
+KEPT_PCT = 0.05
+# Left out of a difference: the frames of the plugin framework's hook wrappers (each mirrors the
+# function it wraps, which is shown) and the loop's own frames (all of a step on both sides).
+WRAPPER = "_wrap_fn.<locals>.wrapper (plugins/hook_registry.py)"
+WHOLE_STEP_PCT = 99.0
+
+
 def summarize(raw: str, step_ms: float | None = None, top: int = 30) -> dict[str, Any]:
     """Shares of the scheduler thread's busy samples by function, inclusive and self. Idle samples
     (no batch: the window ran past the load) are counted apart and left out, so that ms per step is
@@ -121,7 +130,63 @@ def summarize(raw: str, step_ms: float | None = None, top: int = 30) -> dict[str
         return [[f, round(100.0 * n / total, 2)] + ([round(step_ms * n / total, 3)] if step_ms else [])
                 for f, n in c.most_common(top)]
     return {"samples": total, "idle_samples": idle, "step_ms": step_ms, "inclusive_pct": rows(inclusive),
-            "self_pct": rows(leaf)}
+            "self_pct": rows(leaf),
+            **{f"{kind}_all": {f: round(100.0 * n / total, 3) for f, n in c.most_common()
+                               if 100.0 * n / total >= KEPT_PCT}
+               for kind, c in (("inclusive", inclusive), ("self", leaf))}}
+
+
+def difference(base: dict[str, Any], other: dict[str, Any], top: int = 15) -> dict[str, Any] | None:
+    """The functions whose share differs most between two servers' summaries, self (where the
+    time itself goes; the differences add up to the step's) and inclusive (which caller spends
+    it), in ms per step where both know their step time, else in % of samples: rows of [function,
+    base, other, other - base], the largest differences first. None where either summary lacks
+    them (an error, or a bench.json from before they were kept)."""
+    if any(s.get(f"{kind}_all") is None for s in (base, other) for kind in ("inclusive", "self")):
+        return None
+    ms = bool(base.get("step_ms")) and bool(other.get("step_ms"))
+    scale = [s["step_ms"] / 100.0 if ms else 1.0 for s in (base, other)]
+    out: dict[str, Any] = {"unit": "ms/step" if ms else "% of samples"}
+    for kind in ("self", "inclusive"):
+        a, b = base[f"{kind}_all"], other[f"{kind}_all"]
+        funcs = {f for f in set(a) | set(b) if f != WRAPPER
+                 and not (a.get(f, 0.0) >= WHOLE_STEP_PCT and b.get(f, 0.0) >= WHOLE_STEP_PCT)}
+        rows = [[f, round(a.get(f, 0.0) * scale[0], 3), round(b.get(f, 0.0) * scale[1], 3)] for f in funcs]
+        rows = [[f, x, y, round(y - x, 3)] for f, x, y in rows]
+        rows.sort(key=lambda r: (-abs(r[3]), r[0]))
+        out[kind] = rows[:top]
+    return out
+
+
+def render_difference(base_name: str, name: str, d: dict[str, Any]) -> str:
+    lines = [(f"py-spy {name} against {base_name}: the functions whose {d['unit']} differ most "
+              f"({base_name}, {name}, difference), self then inclusive")]
+    lines += [f"  {kind[:4]} {x:8.3f} {y:8.3f} {diff:+8.3f}  {f}"
+              for kind in ("self", "inclusive") for f, x, y, diff in d[kind]]
+    return "\n".join(lines)
+
+
+def add_arguments(ap: Any) -> None:
+    ap.add_argument("base", help="py-spy's raw samples of the server to compare against (pyspy_NAME.txt)")
+    ap.add_argument("other", help="py-spy's raw samples of the other server")
+    ap.add_argument("--step-ms", nargs=2, type=float, metavar=("BASE", "OTHER"),
+                    help="each server's ms per step under that load (else shares in %%)")
+    ap.add_argument("--top", type=int, default=25, help="how many functions to show")
+
+
+def main(args: Any) -> int:
+    """Two servers' scheduler samples from `bench run --diagnose` (pyspy_NAME.txt), function by
+    function: where one spends more host time a step than the other."""
+    steps = args.step_ms or (None, None)
+    base, other = (summarize(Path(p).read_text(), ms) for p, ms in zip((args.base, args.other), steps, strict=True))
+    for name, s in ((args.base, base), (args.other, other)):
+        if "error" in s:
+            print(f"{name}: {s['error']}")
+            return 1
+    d = difference(base, other, args.top)
+    assert d is not None  # both summaries were just made
+    print(render_difference(Path(args.base).name, Path(args.other).name, d))
+    return 0
 
 
 def render(name: str, s: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import autotrace, configs, diagnose, hostinfo, pairing, report_steps
+from bench import autotrace, configs, diagnose, hostinfo, pairing, pyspy, report_steps
 from bench.configs import TWIN
 
 FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
@@ -533,8 +533,14 @@ def markdown(result: dict[str, Any]) -> str:
         compared = all("plain" in s.get("configs", ()) for s in sources) if sources else "plain" in result.get("configs", ())
         lines.append("- every output equal to plain decoding's (aborted ones a prefix of it); 0 request errors"
                      if compared else "- outputs NOT compared (no plain server in this run); 0 request errors")
-    for name, diag in result.get("diagnose", {}).items():
+    diagnosed = result.get("diagnose", {})
+    for name, diag in diagnosed.items():
         lines += ["", *diagnose.render(name, diag)]
+    base = (diagnosed.get("plain") or {}).get("pyspy") or {}
+    for name, diag in diagnosed.items():  # where each server's host time a step differs from plain's
+        d = pyspy.difference(base, diag.get("pyspy") or {}) if name != "plain" else None
+        if d is not None:
+            lines += ["", pyspy.render_difference("plain", name, d)]
     lines += source_lines(result)
     return "\n".join(lines).rstrip() + "\n"
 

@@ -42,3 +42,38 @@ def test_pyspy_summary_of_a_real_scheduler_sample():
     assert "41 idle ones, with no batch, left out" in text
     assert "pyspy eagle3_thr: no py-spy binary" in diagnose.render("eagle3_thr", {"pyspy": {"error": "no py-spy binary"},
                                                                                    "profile": {"error": "x"}})
+
+
+def test_two_servers_samples_set_against_each_other(tmp_path, capsys):
+    """pyspy.difference: where one server spends more host time a step than another, self and
+    inclusive, in ms per step; the hook wrappers and the loop's own frames left out. Here the real
+    sample, and the same with one leaf stack twice as often (+1 ms a step at a 10 ms step)."""
+    raw = (REPO / "tests/data/pyspy_scheduler_plain_mode.txt").read_text()
+    lines = raw.splitlines()
+    i, (stack, n) = next((i, line.rsplit(" ", 1)) for i, line in enumerate(lines)
+                         if "MainThread" in line and line.rsplit(" ", 1)[0].endswith("(eagle_utils.py:933)"))
+    base = pyspy.summarize(raw, 10.0)
+    busy = base["samples"]
+    extra = round(busy / 10)  # 1 ms of a 10 ms step
+    more = "\n".join(lines[:i] + [f"{stack} {int(n) + extra}"] + lines[i + 1:]) + "\n"
+    other = pyspy.summarize(more, 10.0 * (busy + extra) / busy)  # the same ms per sample
+    d = pyspy.difference(base, other, top=12)
+    assert d is not None and d["unit"] == "ms/step"
+    leaf = "eagle_prepare_for_decode (eagle_utils.py)"
+    assert d["self"][0][0] == leaf and d["self"][0][3] == pytest.approx(1.0, abs=0.02)
+    assert all(abs(row[3]) < 0.02 for row in d["self"][1:])
+    incl = {row[0]: row[3] for row in d["inclusive"]}
+    assert incl["spec_prepare_for_decode (spec_utils.py)"] == pytest.approx(1.0, abs=0.02)
+    assert not any("event_loop_overlap" in f or "hook_registry" in f for f in incl)
+    text = pyspy.render_difference("plain", "eagle3_thr", d)
+    assert text.splitlines()[0].startswith("py-spy eagle3_thr against plain: the functions whose ms/step")
+    assert text.splitlines()[1].startswith("  self ") and text.splitlines()[1].endswith(f"  {leaf}")
+    # a summary without the kept shares (an older bench.json, or an error): no difference
+    assert pyspy.difference({"error": "no py-spy binary"}, other) is None
+    # the command line, on the raw files
+    (tmp_path / "a.txt").write_text(raw)
+    (tmp_path / "b.txt").write_text(more)
+    from bench.__main__ import main
+    assert main(["pyspy-diff", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "% of samples" in out and leaf in out.splitlines()[1]

@@ -221,3 +221,23 @@ def test_gpu_time_per_step_by_forward_kind() -> None:
         for w in b["windows"].values():
             del w["gpu_s"]
     assert report_steps.lines(result, str) == []
+
+
+def test_the_report_sets_each_diagnosed_server_against_plain() -> None:
+    """With --diagnose, each server's py-spy summary after plain's gets the functions whose host
+    time a step differs most from plain's; without plain's (or from an older bench.json without the
+    kept shares) none."""
+    from bench import pyspy
+
+    result = json.loads(RESULT.read_text())
+    plain = "thread (1): MainThread;Scheduler.event_loop_overlap (scheduler.py:1);run_batch (s.py:2) 80\n"
+    more = plain + "thread (1): MainThread;Scheduler.event_loop_overlap (scheduler.py:1);hook (p.py:3) 20\n"
+    no_trace = {"error": "no trace"}
+    result["diagnose"] = {"plain": {"pyspy": pyspy.summarize(plain, 8.0), "profile": no_trace},
+                          "eagle3_thr16": {"pyspy": pyspy.summarize(more, 10.0), "profile": no_trace}}
+    md = bench_report.markdown(result)
+    section = md.split("py-spy eagle3_thr16 against plain: the functions whose ms/step differ most", 1)[1]
+    assert "  self    0.000    2.000   +2.000  hook (p.py)" in section
+    assert "  incl    8.000    8.000   +0.000  run_batch (s.py)" in section
+    del result["diagnose"]["plain"]
+    assert "against plain" not in bench_report.markdown(result)
