@@ -214,8 +214,9 @@ def install(worker: Any) -> tuple[PrefillDraftKv | None, str]:
         difference = prefill.check()
     except Exception as exc:  # noqa: BLE001 - any capture or check failure: the eager write, named
         # (one line, no traceback: the server goes on, and its log stays free of error patterns)
+        first = (str(exc).splitlines() or [""])[0]
         return None, (f"Plain step: prefills in plain mode write the draft's K/V eagerly: their CUDA "
-                      f"graphs failed ({type(exc).__name__}: {exc})")
+                      f"graphs failed ({type(exc).__name__}: {first})")
     if not difference <= CHECK_TOLERANCE:  # NaN too
         return None, (f"Plain step: prefills in plain mode write the draft's K/V eagerly: their CUDA "
                       f"graphs wrote K/V {difference:.3g} of the largest magnitude away from the eager "
