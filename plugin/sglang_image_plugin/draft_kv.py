@@ -113,27 +113,35 @@ def kv_rows(attn: Any) -> tuple[Any, Any] | None:
                           else None)
 
 
+def prefill_positions(batch: Any) -> tuple[Any, Any]:
+    """A prefill's positions (each request's from its prefix length on) and each request's last
+    row, as numpy int64 arrays, from the batch's host-side lengths alone."""
+    import numpy as np
+
+    lens = np.asarray(batch.extend_lens, dtype=np.int64)
+    ends = np.cumsum(lens) - 1
+    offsets = np.asarray(batch.prefix_lens, dtype=np.int64) - (ends + 1 - lens)
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(offsets, lens), ends
+
+
 def prefill_inputs(batch: Any, next_token_ids: Any) -> tuple[Any, Any]:
     """The draft's tokens and positions for a prefill's K/V, as upstream's draft extend feeds its
     forward: at each position p the token at p + 1 (each request's last position takes its tail
     token: the sampled one, or a chunked request's next prompt token), at the target's positions
     (prefix length onwards). Upstream's per-request loop, vectorised in numpy (a handful of
     torch CPU ops on tensors this small cost 4x as much host time), one host-to-device copy."""
-    import numpy as np
     import torch
     from sglang.srt.speculative import eagle_worker_v2
 
     input_ids = batch.input_ids
     device = input_ids.device
-    lens = np.asarray(batch.extend_lens, dtype=np.int64)
-    ends = np.cumsum(lens) - 1
-    offsets = np.asarray(batch.prefix_lens, dtype=np.int64) - (ends + 1 - lens)
+    positions_np, ends = prefill_positions(batch)
     count = int(input_ids.shape[0])
     # positions and each request's last index in one buffer; pinned, so the copy does not make
     # the host wait for the target's forward
-    host = torch.empty(count + len(lens), dtype=torch.int64, pin_memory=input_ids.is_cuda)
+    host = torch.empty(count + len(ends), dtype=torch.int64, pin_memory=input_ids.is_cuda)
     view = host.numpy()
-    view[:count] = np.arange(count, dtype=np.int64) + np.repeat(offsets, lens)
+    view[:count] = positions_np
     view[count:] = ends
     on_device = host.to(device, non_blocking=True)
     positions, last = on_device[:count], on_device[count:]

@@ -82,7 +82,6 @@ class PrefillDraftKv:
         """A prefill's draft K/V (the target's batch, its tail token per request and its hidden
         states), from the buffers: False where its token count is above the largest (the caller
         writes it eagerly)."""
-        import numpy as np
         import torch
 
         input_ids = batch.input_ids
@@ -91,14 +90,12 @@ class PrefillDraftKv:
         if b is None or n == 0:
             return False
         top = self.top
-        lens = np.asarray(batch.extend_lens, dtype=np.int64)
-        r = len(lens)
-        ends = np.cumsum(lens) - 1
-        offsets = np.asarray(batch.prefix_lens, dtype=np.int64) - (ends + 1 - lens)
+        positions, ends = draft_kv.prefill_positions(batch)
+        r = len(ends)
         # one host buffer, one copy; pinned, so the copy does not wait for the target's forward
         host = torch.empty((2 * top + 1,), dtype=torch.int64, pin_memory=self.pinned)
         view = host.numpy()
-        view[:n] = np.arange(n, dtype=np.int64) + np.repeat(offsets, lens)
+        view[:n] = positions
         view[n:top] = 0
         view[top : top + r] = ends
         view[top + r : 2 * top] = b
