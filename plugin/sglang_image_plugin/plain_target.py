@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from sglang_image_plugin import deferred_kv, state
+from sglang_image_plugin import deferred_kv, gpu_memory, state
 from sglang_image_plugin.state import WorkerState
 from sglang_image_plugin.tp import log_on_rank0
 
@@ -66,7 +66,7 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
     DECODE mode, with the deferred draft K/V write where the plain step has it."""
     own = state.peek(worker, WorkerState)
     step = own.plain_step if own is not None else None
-    free_before = free_gpu_bytes()
+    held_before = gpu_memory.held_bytes()
     if speculative_num_steps != 0 or step is None:
         built = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
     else:
@@ -76,28 +76,17 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
         if deferred is not None:
             deferred.reset()  # the capture's runs fed dummy rows
     if own is not None:
-        _count_state_memory(own, speculative_num_steps, free_before, kwargs.get("cuda_graph_bs"))
+        _count_state_memory(own, speculative_num_steps, held_before, kwargs.get("cuda_graph_bs"))
     return built
 
 
-def free_gpu_bytes() -> int | None:
-    """Free memory of this process's GPU; None without one (the CPU tests' servers)."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.mem_get_info()[0])
-
-
-def _count_state_memory(own: WorkerState, depth: int, free_before: int | None, graph_sizes: Any) -> None:
+def _count_state_memory(own: WorkerState, depth: int, held_before: int | None, graph_sizes: Any) -> None:
     """What one depth's runtime state took (its graphs, attention workspaces) goes into the server
     info and the log: each extra depth costs memory the KV pool no longer has."""
-    free_after = free_gpu_bytes()
-    if free_before is None or free_after is None:
+    taken = gpu_memory.took(held_before, gpu_memory.held_bytes())
+    if taken is None:
         return
-    own.state_memory[depth] = max(0, free_before - free_after)
+    own.state_memory[depth] = taken
     sizes = sorted(int(b) for b in graph_sizes or ())
     graphs = f"graphs at {len(sizes)} batch sizes up to {sizes[-1]}" if sizes else "no graphs"
     log_on_rank0(f"Speculation state depth {depth}: {own.state_memory[depth] / 2**30:.2f} GiB ({graphs}); "

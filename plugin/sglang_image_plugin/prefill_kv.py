@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from sglang_image_plugin import draft_kv
+from sglang_image_plugin import draft_kv, gpu_memory
 from sglang_image_plugin.setting import PREFILL_KV_GRAPHS_ENV
 
 # The token counts a prefill is padded to: the next one up, at most 1.5x its own count above 16
@@ -197,17 +197,15 @@ def install(worker: Any) -> tuple[PrefillDraftKv | None, str]:
     reason = why_not_graphs(worker)
     if reason is not None:
         return None, f"Plain step: prefills in plain mode write the draft's K/V eagerly: {reason}"
-    import torch
-
     runner = worker._draft_worker.draft_runner
     fc = runner.model.model.fc
-    free_before = int(torch.cuda.mem_get_info()[0])
+    held_before = gpu_memory.held_bytes()
     prefill = PrefillDraftKv(runner.model.model, runner.token_to_kv_pool,
                              hidden_size=int(fc.weight.shape[1]), dtype=fc.weight.dtype,
                              device=fc.weight.device)
     try:
         prefill.capture()
-        took = max(0, free_before - int(torch.cuda.mem_get_info()[0]))
+        took = gpu_memory.took(held_before, gpu_memory.held_bytes())
         difference = prefill.check()
     except Exception as exc:  # noqa: BLE001 - any capture or check failure: the eager write, named
         # (one line, no traceback: the server goes on, and its log stays free of error patterns)
@@ -218,6 +216,7 @@ def install(worker: Any) -> tuple[PrefillDraftKv | None, str]:
         return None, (f"Plain step: prefills in plain mode write the draft's K/V eagerly: their CUDA "
                       f"graphs wrote K/V {difference:.3g} of the largest magnitude away from the eager "
                       f"write's (more than {CHECK_TOLERANCE})")
+    memory = "memory not counted" if took is None else f"{took / 2**20:.0f} MiB"
     return prefill, (f"Plain step: prefills in plain mode write the draft's K/V from CUDA graphs at "
-                     f"{len(prefill.counts)} token counts up to {prefill.top} ({took / 2**20:.0f} MiB; "
+                     f"{len(prefill.counts)} token counts up to {prefill.top} ({memory}; "
                      f"checked against the eager write: {difference:.3g} of the largest magnitude apart)")

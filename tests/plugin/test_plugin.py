@@ -1069,12 +1069,12 @@ def test_plain_target_swaps_the_zero_step_runner_only(run_in_tree, tree, plugin_
 def test_each_depth_state_s_memory_is_logged_and_in_the_server_info(run_in_tree, tree, plugin_site) -> None:  # type: ignore[no-untyped-def]
     # Each runtime state upstream builds for a depth other than the launch one takes GPU memory
     # (its graphs, an attention workspace) that the KV pool no longer has: counted per depth from
-    # the free memory before and after its build, logged with the running total, and shown in the
-    # server info. Without a GPU nothing is counted.
+    # what this process's allocator holds before and after its build, logged with the running
+    # total, and shown in the server info. Without a GPU nothing is counted.
     out = _probe(run_in_tree, tree, plugin_site, """
         import logging
         from types import SimpleNamespace as NS
-        from sglang_image_plugin import observe, plain_step, plain_target, state
+        from sglang_image_plugin import gpu_memory, observe, plain_step, plain_target, state
         from sglang_image_plugin.state import WorkerState
         lines = []
         class Keep(logging.Handler):
@@ -1089,13 +1089,13 @@ def test_each_depth_state_s_memory_is_logged_and_in_the_server_info(run_in_tree,
         own.plain_step = plain_step.PlainStep(kv_only_reason=None, layout_reason="sync", deferred_reason="sync")
         own.controller = NS(snapshot=lambda: {"depth": 3})
         gib = 2 ** 30
-        frees = iter([40 * gib, 39.5 * gib, 39.5 * gib, 38.75 * gib])
-        plain_target.free_gpu_bytes = lambda: int(next(frees))
+        helds = iter([1 * gib, 1.5 * gib, 1.5 * gib, 2.25 * gib])
+        gpu_memory.held_bytes = lambda: int(next(helds))
         built = [plain_target.build_runtime_state(original, w, 0, 1, cuda_graph_bs=[64, 128, 256]),
                  plain_target.build_runtime_state(original, w, 1, 2, cuda_graph_bs=[1, 2, 4, 8, 16])]
         info = {}
         observe.add_speculative_state(None, NS(scheduler=NS(draft_worker=w)), info)
-        plain_target.free_gpu_bytes = lambda: None
+        gpu_memory.held_bytes = lambda: None
         bare = NS(draft_worker=None)
         state.of(bare, WorkerState).controller = NS(snapshot=lambda: {"depth": 3})
         plain_target.build_runtime_state(original, bare, 2, 3, cuda_graph_bs=[8])

@@ -416,13 +416,13 @@ def test_a_prefill_graph_that_fails_to_capture_leaves_the_eager_write_and_says_w
     eager write's, is logged with its cause and the prefills write eagerly (no buffers kept)."""
     import torch
 
-    from sglang_image_plugin import prefill_kv
+    from sglang_image_plugin import gpu_memory, prefill_kv
 
     fc = torch.nn.Linear(12, 4, bias=False)
     runner = SimpleNamespace(model=SimpleNamespace(model=SimpleNamespace(fc=fc)), token_to_kv_pool=None)
     worker = SimpleNamespace(_draft_worker=SimpleNamespace(draft_runner=runner))
     monkeypatch.setattr(prefill_kv, "why_not_graphs", lambda w: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2**30, 2**31))
+    monkeypatch.setattr(gpu_memory, "held_bytes", lambda: 2**30)
 
     def refuse(self: Any) -> None:
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -445,3 +445,31 @@ def test_a_prefill_graph_that_fails_to_capture_leaves_the_eager_write_and_says_w
     assert line == ("Plain step: prefills in plain mode write the draft's K/V from CUDA graphs at 13 token "
                     "counts up to 1024 (0 MiB; checked against the eager write: 0 of the largest "
                     "magnitude apart)")
+
+
+def test_what_start_up_state_took_is_this_process_s_own_gpu_memory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A second server starting on the same GPU moves the device's free memory by gigabytes while
+    the prefill graphs are captured (a first GPU run logged 2,342 MiB for them): what the start log
+    counts is what this process's allocator holds after, less before, and nothing without a GPU."""
+    import torch
+
+    from sglang_image_plugin import gpu_memory, prefill_kv
+
+    assert gpu_memory.held_bytes() is None  # the CPU's torch: no GPU, nothing counted
+    assert gpu_memory.took(None, 5) is None and gpu_memory.took(7, 5) == 0
+    mib = 2**20
+    free = iter([40_000 * mib, 37_600 * mib])  # the device: the neighbour allocated 2.3 GiB meanwhile
+    reserved = iter([900 * mib, 912 * mib])  # this process: 12 MiB more after the capture
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (next(free), 80_000 * mib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: next(reserved))
+    fc = torch.nn.Linear(12, 4, bias=False)
+    runner = SimpleNamespace(model=SimpleNamespace(model=SimpleNamespace(fc=fc)), token_to_kv_pool=None)
+    worker = SimpleNamespace(_draft_worker=SimpleNamespace(draft_runner=runner))
+    monkeypatch.setattr(prefill_kv, "why_not_graphs", lambda w: None)
+    monkeypatch.setattr(prefill_kv.PrefillDraftKv, "capture", lambda self: None)
+    monkeypatch.setattr(prefill_kv.PrefillDraftKv, "check", lambda self: 0.0)
+    _, line = prefill_kv.install(worker)
+    assert "(12 MiB;" in line, line
