@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,20 @@ def blocks_expected(result: dict[str, Any], c: str) -> int:
     return int((result.get("pairs_at") or {}).get(c, result.get("pairs") or 0))
 
 
+def reference(result: dict[str, Any]) -> str:
+    """The server the level table's ratios are taken against: plain where it ran, else the first of
+    the result's configs (the one named first on --bench-configs; in a merged result, the first in
+    the report's order)."""
+    names = result.get("configs") or []
+    return "plain" if "plain" in names or not names else str(names[0])
+
+
 def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per concurrency and config: median tokens/s over the blocks, the ratio to plain within each
-    block (median and bootstrap 95% interval), the median accept length, the blocks measured."""
+    """Per concurrency and config: median tokens/s over the blocks, the ratio to the reference
+    (reference(): plain where it ran) within each block (`vs_reference`: median and bootstrap 95%
+    interval; None for the reference itself), the median accept length, the blocks measured."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
+    ref = reference(result)
     for c in levels(result):
         blocks = blocks_at(result, c)
         row: dict[str, dict[str, Any]] = {}
@@ -70,9 +81,9 @@ def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
             if not rates:
                 continue
             accepts = [w["accept_length"] for b in blocks if (w := b["windows"].get(name)) and w.get("accept_length")]
-            vs = pairing.compare(blocks, name, ["plain"]) if name != "plain" else None
+            vs = pairing.compare(blocks, name, [ref]) if name != ref else None
             row[name] = {"tok_per_s": round(statistics.median(rates), 1),
-                         "vs_plain": vs.as_dict() if vs else None,
+                         "vs_reference": vs.as_dict() if vs else None,
                          "accept_length": round(statistics.median(accepts), 2) if accepts else None,
                          "blocks": len(rates)}
         out[c] = row
@@ -387,7 +398,8 @@ def markdown(result: dict[str, Any]) -> str:
     table = level_table(result)
     floor = floor_table(result)
     if table:
-        lines += ["Output tokens/s (median over the blocks) and the ratio to plain within a block:", "",
+        lines += [(f"Output tokens/s (median over the blocks) and the ratio to {label(result, reference(result))} "
+                   "within a block:"), "",
                   "| concurrency | " + " | ".join(label(result, n) for n in names) + " |",
                   "|---:|" + "---:|" * len(names)]
         for c in sorted(table, key=int):
@@ -402,7 +414,7 @@ def markdown(result: dict[str, Any]) -> str:
                 pooled = "*" if len(sources_at(result, c, n)) > 1 else ""
                 cells.append("-" if cell is None else
                              f"{cell['tok_per_s']:.0f}{pooled}"
-                             + (f" ({interval(cell['vs_plain'])})" if cell["vs_plain"] else ""))
+                             + (f" ({interval(cell['vs_reference'])})" if cell["vs_reference"] else ""))
             lines.append(f"| {c}{mixed}{partial} | " + " | ".join(cells) + " |")
         lines.append("")
         if sources:
@@ -536,11 +548,12 @@ def markdown(result: dict[str, Any]) -> str:
     diagnosed = result.get("diagnose", {})
     for name, diag in diagnosed.items():
         lines += ["", *diagnose.render(name, diag)]
-    base = (diagnosed.get("plain") or {}).get("pyspy") or {}
-    for name, diag in diagnosed.items():  # where each server's host time a step differs from plain's
-        d = pyspy.difference(base, diag.get("pyspy") or {}) if name != "plain" else None
+    ref = reference(result)  # plain where it ran, as in the level table
+    base = (diagnosed.get(ref) or {}).get("pyspy") or {}
+    for name, diag in diagnosed.items():  # where each server's host time a step differs from the reference's
+        d = pyspy.difference(base, diag.get("pyspy") or {}) if name != ref else None
         if d is not None:
-            lines += ["", pyspy.render_difference("plain", name, d)]
+            lines += ["", pyspy.render_difference(ref, name, d)]
     lines += source_lines(result)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -577,13 +590,14 @@ def mixed_calls_note(result: dict[str, Any]) -> str:
     """A merged result's table says what its figures mix: tokens/s medians pool calls, ratios do not."""
     n = len(result.get("sources") or [])
     mixed = mixed_levels(result)
+    ref = label(result, reference(result))
     if not mixed:
         return (f"Merged from {n} calls, each concurrency measured by one of them; each ratio is taken "
                 "within its own block.")
     return (f"Merged from {n} calls. At {', '.join(mixed)} requests several calls measured the level (marked): "
             "a tokens/s median marked * pools the windows of several calls, minutes or days apart, each with "
             "its own servers, and so do the accept-length and per-step medians below; each ratio is still "
-            "taken within its own block (windows seconds apart), against that block's plain window, and only "
+            f"taken within its own block (windows seconds apart), against that block's {ref} window, and only "
             "those per-block ratios are pooled.")
 
 
@@ -612,8 +626,9 @@ def fmt(x: float | None) -> str:
 
 
 def plot_concurrency(result: dict[str, Any], path: Path) -> None:
-    """Tokens/s against concurrency, one line per config; below, each config's ratio to plain within
-    a block (median, bars: the 95% interval), with the A/A floor's interval as a grey band."""
+    """Tokens/s against concurrency, one line per config; below, each config's ratio to the reference
+    (reference(): plain where it ran) within a block (median, bars: the 95% interval), with the A/A
+    floor's interval as a grey band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -621,6 +636,7 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
 
     table = level_table(result)
     floor = floor_table(result)
+    ref = reference(result)
     xs_all = sorted((int(c) for c in table), key=int)
     fig, (ax, ratio) = plt.subplots(2, 1, sharex=True, figsize=(7, 6.5), gridspec_kw={"height_ratios": [3, 2]})
     if floor:
@@ -634,9 +650,9 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
         if pooled:  # a merged result: a median over several calls' windows, drawn hollow
             ax.plot(pooled, [table[str(c)][name]["tok_per_s"] for c in pooled], marker="o", linestyle="none",
                     color=line.get_color(), markerfacecolor="white", zorder=3)
-        if name in ("plain", TWIN):
+        if name in (ref, TWIN):  # the twin's ratio is the floor's band
             continue
-        rs = [(c, table[str(c)][name]["vs_plain"]) for c in xs if table[str(c)][name]["vs_plain"]]
+        rs = [(c, table[str(c)][name]["vs_reference"]) for c in xs if table[str(c)][name]["vs_reference"]]
         if rs:
             med = [r["median"] for _, r in rs]
             ratio.errorbar([c for c, _ in rs], med, yerr=[[m - r["low"] for m, (_, r) in zip(med, rs, strict=True)],
@@ -648,7 +664,8 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
     ratio.set_xticks(xs_all, labels=[str(c) for c in xs_all], fontsize=8)  # 192 beside 256 on a log axis
     ratio.set_xlabel("concurrent requests (closed loop)")
     ax.set_ylabel("output tokens/s")
-    ratio.set_ylabel("x plain, within a block\n(bars: 95% interval)", fontsize=8)
+    ratio.set_ylabel(textwrap.fill(f"x {label(result, ref)}, within a block", 30) + "\n(bars: 95% interval)",
+                     fontsize=8)
     sources = result.get("sources") or []
     ax.set_title(f"{result.get('model', {}).get('size')}-shaped model, {result.get('date', '')}"
                  + (f", merged from {len(sources)} calls" if sources else ""))

@@ -76,9 +76,9 @@ def test_merged_calls_give_the_union_of_levels_and_configs_with_ratios_within_bl
     assert [b["source"] for b in merged["blocks"]["1"]] == [1, 1]
     table = bench_report.level_table(merged)
     # each ratio within its own block: the third call's host was twice as fast, which no ratio shows
-    assert table["256"]["eagle3"]["vs_plain"]["ratios"] == [0.9, 0.9, 0.9]
-    assert table["256"]["eagle3_depth1"]["vs_plain"]["ratios"] == [0.8, 0.8]
-    assert table["1"]["eagle3"]["vs_plain"]["median"] == 2.0
+    assert table["256"]["eagle3"]["vs_reference"]["ratios"] == [0.9, 0.9, 0.9]
+    assert table["256"]["eagle3_depth1"]["vs_reference"]["ratios"] == [0.8, 0.8]
+    assert table["1"]["eagle3"]["vs_reference"]["median"] == 2.0
     # plain's tokens/s at 256 pools both calls' windows (25600 x 1.0, 0.7, 1.2, then 2.0, 1.4)
     assert table["256"]["plain"]["blocks"] == 5 and table["256"]["plain"]["tok_per_s"] == 30720.0
     assert [s["path"] for s in merged["sources"]] == [str(p.resolve()) for p in paths]

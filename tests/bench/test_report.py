@@ -45,14 +45,17 @@ def test_a_recorded_result_becomes_json_markdown_and_plots(tmp_path):
     assert "![tokens/s by concurrency](concurrency.png)" in md
     # a bench.json from before the bench recorded them: said, not guessed
     assert "Every server's --server-env and --server-args: not recorded" in md and "Sources:" not in md
+    # plain ran: the ratios are to plain, and the heading says so
+    assert bench_report.reference(result) == "plain"
+    assert "Output tokens/s (median over the blocks) and the ratio to plain within a block:" in md
 
 
 def test_tables_of_the_recorded_result():
     result = json.loads(RESULT.read_text())
     table = bench_report.level_table(result)
-    assert table["256"]["eagle3"]["vs_plain"]["median"] == pytest.approx(0.5556, abs=1e-4)
+    assert table["256"]["eagle3"]["vs_reference"]["median"] == pytest.approx(0.5556, abs=1e-4)
     assert table["256"]["eagle3"]["blocks"] == 4 and table["256"]["eagle3"]["accept_length"] == 3.1
-    assert table["1"]["plain"]["vs_plain"] is None
+    assert table["1"]["plain"]["vs_reference"] is None
     floor = bench_report.floor_table(result)
     assert floor["256"]["ratios"] == [0.99, 1.0, 1.01, 1.0] and floor["256"]["median"] == 1.0
     better = bench_report.better_table(result)
@@ -71,6 +74,81 @@ def test_tables_of_the_recorded_result():
     md = bench_report.markdown(result)
     assert "better of plain and always-on EAGLE-3 in the same block" not in md
     assert "| 256 | 1.00x [0.99-1.01] | 0.990, 1.000, 1.010, 1.000 |" in md
+
+
+def without_plain(names: tuple[str, ...], ratios: tuple[float, ...] = (1.05, 1.1, 1.0)) -> dict[str, Any]:
+    """A call of these configs and no plain server, 3 blocks at 64 requests: the first's tokens/s
+    drifts with the host from block to block, the second's is `ratios` of it in each block."""
+    recs = configs.expand(names)
+    first, second = (r.name for r in recs)
+    window = {"errors": 0, "output_tokens": 3000, "seconds": 3.0, "steps": 300, "accept_length": 2.8}
+    blocks = [{"block": k + 1, "order": [], "windows": {first: {**window, "tok_per_s": 1000.0 * drift},
+                                                        second: {**window, "tok_per_s": 1000.0 * drift * r}}}
+              for k, (drift, r) in enumerate(zip((1.0, 0.8, 1.2), ratios, strict=True))]
+    return {"configs": [first, second], "config_records": {r.name: r.as_dict() for r in recs},
+            "blocks": {"64": blocks}, "pairs": 3}
+
+
+def test_without_plain_the_ratios_are_to_the_first_config_named():
+    # --bench-configs eagle3_thr,eagle3_thr_prefill_graphs: no plain server, so the ratios within a
+    # block are taken against the first config named, which has none itself; the heading says so
+    result = without_plain(("eagle3_thr", "eagle3_thr_prefill_graphs"))
+    assert bench_report.reference(result) == "eagle3_thr16"
+    table = bench_report.level_table(result)["64"]
+    assert table["eagle3_thr16"]["vs_reference"] is None
+    ratio = table["eagle3_thr16_prefill_graphs"]["vs_reference"]
+    assert ratio["ratios"] == [1.05, 1.1, 1.0] and ratio["median"] == 1.05  # the host's drift drops out
+    md = bench_report.markdown(result)
+    assert ("Output tokens/s (median over the blocks) and the ratio to EAGLE-3 + threshold 16 within a "
+            "block:") in md
+    assert "ratio to plain" not in md
+    assert "| concurrency | EAGLE-3 + threshold 16 | EAGLE-3 + threshold 16 (prefill K/V graphs) |" in md
+    assert "| 64 | 1000 | 1050 (1.05x [1.00-1.10]) |" in md
+    assert "- outputs NOT compared (no plain server in this run)" in md  # still: outputs need plain
+    # the first named is the reference, whichever it is (--bench-configs eagle3_auto,eagle3)
+    result = without_plain(("eagle3_auto", "eagle3"), ratios=(0.9, 0.9, 0.9))
+    assert bench_report.reference(result) == "eagle3_auto"
+    table = bench_report.level_table(result)["64"]
+    assert table["eagle3_auto"]["vs_reference"] is None and table["eagle3"]["vs_reference"]["median"] == 0.9
+    md = bench_report.markdown(result)
+    assert "and the ratio to EAGLE-3 + auto within a block:" in md and "| 64 | 1000 | 900 (0.90x [0.90-0.90]) |" in md
+    # the tables against plain and EAGLE-3 (the promise, the A/A floor) need both: none here
+    assert bench_report.better_table(result) == {} and bench_report.floor_table(result) == {}
+
+
+def test_a_merged_result_says_which_window_its_ratios_are_against():
+    result = without_plain(("eagle3_thr", "eagle3_thr_prefill_graphs"))
+    result["sources"] = [{"configs": result["configs"], "pairs": 2}, {"configs": result["configs"], "pairs": 1}]
+    for b, source in zip(result["blocks"]["64"], (1, 1, 2), strict=True):
+        b["source"] = source
+    assert "against that block's EAGLE-3 + threshold 16 window" in bench_report.mixed_calls_note(result)
+    result = json.loads(RESULT.read_text())
+    result["sources"] = [{}, {}]
+    for k, b in enumerate(result["blocks"]["64"]):
+        b["source"] = 1 + k % 2
+    assert "against that block's plain window" in bench_report.mixed_calls_note(result)
+
+
+def test_the_plot_s_ratio_panel_is_against_the_reference(tmp_path, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    close, figures = plt.close, []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep each figure to read its axes
+    try:
+        bench_report.plot_concurrency(json.loads(RESULT.read_text()), tmp_path / "with.png")
+        bench_report.plot_concurrency(without_plain(("eagle3_thr", "eagle3_thr_prefill_graphs")),
+                                      tmp_path / "without.png")
+        (_, with_plain), (_, without) = (fig.axes for fig in figures)
+        assert with_plain.get_ylabel() == "x plain, within a block\n(bars: 95% interval)"
+        assert without.get_ylabel() == "x EAGLE-3 + threshold 16,\nwithin a block\n(bars: 95% interval)"
+        # one ratio drawn: the prefill-graphs server's at 64, none for the reference itself
+        assert len(without.containers) == 1
+        assert list(without.containers[0].lines[0].get_ydata()) == [1.05]
+    finally:
+        for fig in figures:
+            close(fig)
 
 
 def test_failures_and_configs_not_run_are_in_the_table(tmp_path):
@@ -241,3 +319,9 @@ def test_the_report_sets_each_diagnosed_server_against_plain() -> None:
     assert "  incl    8.000    8.000   +0.000  run_batch (s.py)" in section
     del result["diagnose"]["plain"]
     assert "against plain" not in bench_report.markdown(result)
+    # a run without plain: each against the reference of the level table, the first config named
+    result["configs"] = ["eagle3_thr16", "eagle3"]
+    result["diagnose"]["eagle3"] = {"pyspy": pyspy.summarize(plain, 8.0), "profile": no_trace}
+    md = bench_report.markdown(result)
+    assert "py-spy eagle3 against eagle3_thr16: the functions whose ms/step differ most" in md
+    assert "py-spy eagle3_thr16 against" not in md

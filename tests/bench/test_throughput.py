@@ -266,7 +266,7 @@ def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
     assert lab.measured(second) == [(n, c, k) for n in ("eagle3", "plain") for c in (1, 4) for k in (1, 2)]
     assert second["skipped"][0] == "ramp of eagle3" and not lab.stopped
     assert any("plain: the server started earlier" in e for e in second["server_events"])
-    assert bench_report.level_table(second)["1"]["eagle3"]["vs_plain"]["median"] == 1.2
+    assert bench_report.level_table(second)["1"]["eagle3"]["vs_reference"]["median"] == 1.2
 
     third = throughput.run_bench(lab.options(600, ramp_hold_s=10.0), state)
     assert lab.launched == [] and lab.ramps == ["plain", "eagle3"]
