@@ -27,6 +27,7 @@ from smoke.server import Server
 
 SERVER_ENV = {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
 FORWARD_SECONDS = "sglang:forward_execution_seconds_total"  # the device timer's counter, per category
+DECODE_PASSES = "sglang:cuda_graph_passes_total"  # one per decode batch (mode="decode_...")
 PROFILE_STEPS = 20
 PYSPY_SECONDS = 5.0
 SETTLE_S = 1.5  # into a full-load run: past the first prefill wave, into full-batch decode
@@ -61,11 +62,28 @@ def during_load(base: str, prompts: list[Prompt], concurrency: int, timeout: flo
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def summarize_pyspy(raw: dict[str, Any], tok_per_s: float | None, batch: int) -> dict[str, Any]:
-    """py-spy's shares, in ms per step where the full-load tokens/s at `batch` requests is known."""
+def decode_steps(before: dict[str, float], after: dict[str, float]) -> int | None:
+    """Decode batches run between two /metrics scrapes (sglang counts one per decode step, graph or
+    not); None where the server exports no such counter."""
+    keys = [k for k in after if k.startswith(DECODE_PASSES + "{") and re.search(r'mode="decode', k)]
+    if not keys:
+        return None
+    return round(sum(after[k] - before.get(k, 0.0) for k in keys))
+
+
+def load_step_ms(elapsed_s: float, steps: int | None, tok_per_s: float | None, batch: int) -> float | None:
+    """A full-load run's ms per decode step: its wall time over the decode steps the server counted
+    (a speculative step gains several tokens a request, so tokens/s alone would make its steps look
+    3x shorter); where the server counts none, from tokens/s at one token a request a step."""
+    if steps:
+        return 1000.0 * elapsed_s / steps
+    return 1000.0 * batch / tok_per_s if tok_per_s else None
+
+
+def summarize_pyspy(raw: dict[str, Any], step_ms: float | None) -> dict[str, Any]:
+    """py-spy's shares, in ms per step where the full load's step time is known (load_step_ms)."""
     if "error" in raw:
         return raw
-    step_ms = 1000.0 * batch / tok_per_s if tok_per_s else None
     return pyspy.summarize(raw["raw"], step_ms)
 
 
@@ -79,11 +97,14 @@ def full_load(srv: Server, prompts: list[Prompt], concurrency: int, out: Path,
     if exe is None or pid is None:
         result["pyspy"] = {"error": "no py-spy binary" if exe is None else "no scheduler process found"}
     else:
+        before = scrape(srv.base)
         t0 = time.time()
         raw = during_load(srv.base, prompts, concurrency, timeout, lambda: {"raw": pyspy.record(
             exe, pid, PYSPY_SECONDS, out / f"pyspy_{srv.cfg.name}.txt").read_text()})
-        tok_s = sum(p.max_new_tokens for p in prompts) / (time.time() - t0)
-        result["pyspy"] = summarize_pyspy(raw, tok_s, concurrency)
+        elapsed = time.time() - t0
+        steps = decode_steps(before, scrape(srv.base))
+        tok_s = sum(p.max_new_tokens for p in prompts) / elapsed
+        result["pyspy"] = summarize_pyspy(raw, load_step_ms(elapsed, steps, tok_s, concurrency))
     trace_dir = out / f"profile_{srv.cfg.name}"
     def start_profile() -> dict[str, Any]:
         profile.start(srv.base, trace_dir, PROFILE_STEPS)

@@ -8,7 +8,7 @@ the thread waits (a CUDA sync, a lock): a blocked host is exactly what we look f
 
 Used by `bench run --diagnose` (bench.diagnose) on every server at full load: the share of the
 scheduler thread's samples in each function (inclusive and self), and ms per step when the step
-time is known (from the load's tokens/s at that batch size).
+time is known (the load's wall time over the decode steps the server counted).
 """
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def main(args: Any) -> int:
 def render(name: str, s: dict[str, Any]) -> str:
     if "error" in s:
         return f"py-spy {name}: {s['error']}"
-    unit = f", ~{s['step_ms']:.2f} ms/step (from the load's tokens/s)" if s.get("step_ms") else ""
+    unit = f", ~{s['step_ms']:.2f} ms/step (the load's)" if s.get("step_ms") else ""
     idle = f" ({s['idle_samples']} idle ones, with no batch, left out)" if s.get("idle_samples") else ""
     lines = [(f"py-spy {name}: {s['samples']} busy samples of the scheduler thread{idle}{unit}; % of "
               f"samples (ms/step) inclusive, then self")]

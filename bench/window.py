@@ -3,7 +3,6 @@ a counted span, then every request in flight aborted; with the server's decode s
 and host counters read at the span's ends."""
 from __future__ import annotations
 
-import re
 import statistics
 import threading
 import time
@@ -15,7 +14,6 @@ from smoke import client
 from smoke.client import Prompt
 
 WINDOW_END_S = 1.5  # a window's end: the abort, the requests coming back, the next cache flush
-DECODE_PASSES = "sglang:cuda_graph_passes_total"  # one per decode batch (mode="decode_...")
 
 
 def flush_cache(base: str) -> None:
@@ -41,15 +39,6 @@ def tokens_between(requests: list[tuple[float, float, int]], lo: float, hi: floa
     lifetime."""
     return sum(n * max(0.0, min(end, hi) - max(start, lo)) / (end - start)
                for start, end, n in requests if end > start)
-
-
-def decode_steps(before: dict[str, float], after: dict[str, float]) -> int | None:
-    """Decode batches run between two /metrics scrapes (sglang counts one per decode step, graph or
-    not); None where the server exports no such counter."""
-    keys = [k for k in after if k.startswith(DECODE_PASSES + "{") and re.search(r'mode="decode', k)]
-    if not keys:
-        return None
-    return round(sum(after[k] - before.get(k, 0.0) for k in keys))
 
 
 def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, settle_s: float, window_s: float,
@@ -113,7 +102,7 @@ def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, set
     spans = [(s, e, len(r.output_ids or [])) for s, e, r in complete + cut_short]
     toks = tokens_between(spans, lo, hi)
     lens = [r.meta["spec_accept_length"] for _, _, r in complete if "spec_accept_length" in r.meta]
-    steps = decode_steps(before, after)
+    steps = diagnose.decode_steps(before, after)
     m: dict[str, Any] = {
         "requests": len(complete), "aborted": len(cut_short), "errors": len(errors),
         "first_error": errors[0].error if errors else None, "output_tokens": round(toks),

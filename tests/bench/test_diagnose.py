@@ -25,7 +25,7 @@ def test_pyspy_summary_of_a_real_scheduler_sample():
     """py-spy's raw output from an H200 run (threshold server in plain mode at 256 requests, the 80
     heaviest stacks): only the scheduler thread counts, shares are of its samples, ms from step time."""
     raw = (REPO / "tests/data/pyspy_scheduler_plain_mode.txt").read_text()
-    s: dict[str, Any] = diagnose.summarize_pyspy({"raw": raw}, 256_000 / 4.0, 256)
+    s: dict[str, Any] = diagnose.summarize_pyspy({"raw": raw}, diagnose.load_step_ms(10.0, None, 256_000 / 4.0, 256))
     assert s["step_ms"] == pytest.approx(4.0)
     incl = {f: pct for f, pct, _ in s["inclusive_pct"]}
     assert incl["Scheduler.event_loop_overlap (scheduler.py)"] == 100.0
@@ -35,7 +35,7 @@ def test_pyspy_summary_of_a_real_scheduler_sample():
     assert sum(pct for _, pct, _ in s["self_pct"]) <= 100.0
     text = pyspy.render("eagle3_thr", s)
     assert text.startswith("py-spy eagle3_thr:")
-    assert diagnose.summarize_pyspy({"error": "no py-spy binary"}, None, 256) == {"error": "no py-spy binary"}
+    assert diagnose.summarize_pyspy({"error": "no py-spy binary"}, None) == {"error": "no py-spy binary"}
     assert pyspy.summarize("thread (1): MainThread;other (x.py:1) 5\n")["error"].startswith("no sample")
     # the sample's three idle stacks (Scheduler.on_idle: no batch) are counted apart, not in the shares
     assert s["idle_samples"] == 28 + 7 + 6 and not any("on_idle" in f or "Poller.poll" in f for f in incl)
@@ -77,3 +77,17 @@ def test_two_servers_samples_set_against_each_other(tmp_path, capsys):
     assert main(["pyspy-diff", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "% of samples" in out and leaf in out.splitlines()[1]
+
+
+def test_a_speculative_server_s_py_spy_ms_are_per_its_own_steps():
+    """EAGLE-3 at 64 requests gains ~3 tokens a request a step: its load's step time is its wall time
+    over the decode steps it counted (a first GPU run, taken from tokens/s at one token a request a
+    step, printed 8.42 ms where the device timer measured 16.44), and tokens/s only where the server
+    counts no steps."""
+    # 10 s of load, 608 steps counted, 11,978 tok/s at 64 requests
+    assert diagnose.load_step_ms(10.0, 608, 11_978.0, 64) == pytest.approx(16.45, abs=0.01)
+    assert diagnose.load_step_ms(10.0, None, 11_978.0, 64) == pytest.approx(5.34, abs=0.01)
+    assert diagnose.load_step_ms(10.0, 0, None, 64) is None
+    raw = (REPO / "tests/data/pyspy_scheduler_plain_mode.txt").read_text()
+    s = diagnose.summarize_pyspy({"raw": raw}, diagnose.load_step_ms(10.0, 608, 11_978.0, 64))
+    assert s["step_ms"] == pytest.approx(16.45, abs=0.01)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench import window, workload
+from bench import diagnose, window, workload
 from smoke import client
 
 
@@ -26,8 +26,8 @@ def test_decode_steps_come_from_the_servers_own_counter():
             f'sglang:cuda_graph_passes_total{{model_name="t",mode="decode_cuda_graph"}} {graph}\n'
             f'sglang:cuda_graph_passes_total{{model_name="t",mode="decode_none"}} {eager}\n'
             f'sglang:cuda_graph_passes_total{{model_name="t",mode="prefill_none"}} {prefill}\n')
-    assert window.decode_steps(scrape(10, 2, 5), scrape(110, 3, 50)) == 101  # prefill passes are no decode step
-    assert window.decode_steps({}, {"sglang:num_running_reqs": 3.0}) is None  # metrics without the counter
+    assert diagnose.decode_steps(scrape(10, 2, 5), scrape(110, 3, 50)) == 101  # prefill passes are no decode step
+    assert diagnose.decode_steps({}, {"sglang:num_running_reqs": 3.0}) is None  # metrics without the counter
 
 
 class FakeGenerate:
