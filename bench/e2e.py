@@ -38,9 +38,12 @@ patch series is refused unless this call installs again):
            with no request lost (bench.router; --router-*)
 The models phase builds only the models of the selected phases (all when none of
 smoke/bench/comm/router is).
-No server is started with less than ~150 s left before the deadline; what is done is written to
-OUT (report.json, summary.txt, e2e.log, logs.tar.gz: at most 8 files come back), and the kernels
-compiled in this call as jit-cache.tar.xz, for the bundle folder (bench.jitcache).
+No server is started with less than ~150 s left before the deadline, and the smoke's are killed at
+its margin (25 s before it: what they left undone is skipped, for the next call). What is done is
+written to OUT (report.json, summary.txt, e2e.log, logs.tar.gz: at most 8 files come back), and the
+kernels compiled in this call as jit-cache.tar.xz, for the bundle folder (bench.jitcache); the smoke
+logs each step it ends in e2e.log and writes OUT anew as each of its servers is up and each variant
+ends, so that a call killed from outside keeps them.
 """
 from __future__ import annotations
 

@@ -85,13 +85,21 @@ class RunPhases:
         schedule = run_command.schedule_option(self.a)
         if schedule is not None:  # the loads come from its edges
             auto, threshold = False, Tiers(schedule).top
+
+        def save() -> None:  # the state, and OUT with the servers' logs so far (logs.tar.gz)
+            self.call.save()
+            self.report()
+
         opts = SmokeOptions(models=self.call.models_dir / self.a.smoke_size, out=self.call.logs,
                             auto=auto, threshold=threshold, schedule=schedule,
                             deadline=self.call.deadline, mem_fraction=0.15,
                             variants=tuple(self.a.smoke_variants.split(",")),
                             parallel_variants=self.a.parallel_variants,
                             ramp_minutes=self.a.smoke_ramp_minutes,
-                            ramp_max_growth_mib=self.a.smoke_ramp_max_growth_mib)
+                            ramp_max_growth_mib=self.a.smoke_ramp_max_growth_mib,
+                            # progress in e2e.log, the state and OUT on disk as each step is
+                            # done: a call killed from outside keeps them
+                            progress=self.call.log, save_state=save)
         rep = runner.run_smoke(opts, st)
         self.call.state["smoke_report"] = rep
         self.call.log("\n" + runner.summarize(rep))

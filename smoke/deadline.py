@@ -1,6 +1,7 @@
 """A call's deadline: the time left, and the timeout a request started now may take so that the
 call still ends in time (its servers stopped, its report written). The smoke run, the feature
-matrix and bench/ each hand one down to every request they send."""
+matrix and bench/ each hand one down to every request they send; the smoke's servers are killed at
+its margin (smoke.server.Server), and what they left undone is skipped for the next call."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,11 @@ from dataclasses import dataclass
 # written in time); with less than MIN_REQUEST_S left before that, it is not worth starting.
 REQUEST_MARGIN_S = 25.0
 MIN_REQUEST_S = 10.0
+
+
+class DeadlineStop(Exception):
+    """The deadline's margin stopped a smoke server's work before its end: left to the next call,
+    not a failure."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,10 +156,11 @@ def summary_line(e: dict[str, Any]) -> str:
 
 def phase(base: str, baseline: dict[str, Any], pgid: int, levels: list[int], prompts: Sequence[Prompt],
           refs: dict[str, list[int]], rep: dict[str, Any], *, minutes: float, hold_s: float,
-          max_growth_mib: float, deadline: Deadline, timeout: float, counter: str) -> None:
+          max_growth_mib: float, deadline: Deadline, timeout: float, counter: str,
+          say: Callable[[str], None] = print) -> None:
     """The endurance ramp of a smoke server (its process group `pgid`): memory read idle, the
     closed loop through `levels` for `minutes`, memory read idle again; the numbers in
-    rep["endurance"] and printed, then checked: no error, every output equal to plain, the state's
+    rep["endurance"] and said (`say`: the smoke's progress), then checked: no error, every output equal to plain, the state's
     `counter` (depth_changes, mode_changes) moved, the KV pool back, neither memory total grown
     by more than `max_growth_mib`."""
     seconds = 60 * minutes
@@ -177,7 +178,7 @@ def phase(base: str, baseline: dict[str, Any], pgid: int, levels: list[int], pro
                             "changes_of": counter.replace("_", " "), "memory_before": before,
                             "memory_after": after, "growth": growth(before, after),
                             "max_growth_mib": max_growth_mib}
-    print(f"{rep.get('name')}: {summary_line(e)}", flush=True)
+    say(f"{rep.get('name')}: {summary_line(e)}")
     if e["errors"]:
         raise SmokeError(f"endurance: {e['errors']} of {e['requests']} requests failed, first {e['first_error']}")
     if e["mismatches"]:

@@ -2,7 +2,8 @@
 EAGLE-3 server variant (smoke.variant_runs, smoke.schedule_run), one after the other or side by
 side, each on its own port. `run_smoke` collects the failures of every variant (one GPU call should
 tell as much as it can); `summarize` is the short report, `exit_code` non-zero on any failure or
-skip."""
+skip. The deadline's margin kills the servers (smoke.server.Server): what they left undone is
+skipped, not failed, and the next call with the same state runs it."""
 from __future__ import annotations
 
 import functools
@@ -15,6 +16,7 @@ from sglang_image_plugin.setting import AUTO
 from smoke import client, endurance
 from smoke.checks import check_hf_reference, check_log_clean, check_no_errors
 from smoke.client import Prompt
+from smoke.deadline import DeadlineStop
 from smoke.prompts import make_prompts, make_schedule_prompts, unique_prompts
 from smoke.scenario import VARIANTS, SmokeOptions
 from smoke.schedule_run import run_schedule_variant
@@ -37,16 +39,22 @@ def in_flight(threshold: int, servers: int = 1) -> int:
 
 def record_references(opts: SmokeOptions, expected: dict[str, Any], prompts: list[Prompt],
                       state: dict[str, Any]) -> dict[str, list[int]]:
+    """The plain server's outputs for every prompt; DeadlineStop where the deadline's margin killed
+    it before it answered them all."""
     cfg = ServerConfig("plain", opts.models / "target", cuda_graph=False,
                        mem_fraction=opts.mem_fraction, enable_metrics=False)
     log = opts.out / "server_plain.log"
-    with Server(cfg, opts.port, log) as srv:
+    with Server(cfg, opts.port, log, deadline=opts.deadline) as srv:
         srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
         state["plain_start_s"] = round(srv.start_seconds, 1)
+        opts.note("plain", f"server up in {srv.start_seconds:.0f}s, {len(prompts)} prompts to answer")
+        opts.save()
         res = client.run_concurrent(srv.base, prompts, REFERENCE_CONCURRENCY, opts.request_timeout())
         try:
             check_no_errors(res, "plain reference")
         except SmokeError as exc:
+            if srv.past_margin():
+                raise DeadlineStop("stopped by the deadline's margin while it answered") from exc
             exc.log = log
             raise
         refs = {r.key: r.output_ids for r in res if r.output_ids is not None}
@@ -116,17 +124,23 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
                               "variants": {}, "failures": []}
     refs = state.get("refs")
     if refs is None:
-        if opts.deadline.left() < opts.min_server_s:
-            report["skipped"] = ["plain (deadline)"] + [VARIANTS[v].name for v in opts.variants]
-            return report
         try:
+            if opts.deadline.left() < opts.min_server_s:
+                raise DeadlineStop("not started: too little time left")
             refs = record_references(opts, expected, unique_prompts(sets), state)
+        except DeadlineStop as exc:
+            report["skipped"] = ["plain (deadline)"] + [VARIANTS[v].name for v in opts.variants]
+            opts.note("plain", str(exc))
+            return report
         except (SmokeError, client.HTTPFailure) as exc:
             f = exc if isinstance(exc, SmokeError) else SmokeError(str(exc))
             f.log = f.log or opts.out / "server_plain.log"
             report["failures"].append({"variant": "plain", "cause": f.cause, "log_tail": log_tail(f.log)})
+            opts.note("plain", f"FAIL: {first_line(f.cause)}")
             return report
         state["refs"] = refs
+        opts.note("plain", f"{len(refs)} references kept")
+        opts.save()
     if state.get("hf_mismatch"):
         report["failures"].append({"variant": "plain", "cause": state["hf_mismatch"],
                                    "log_tail": "(plain server: see server_plain.log)"})
@@ -140,12 +154,31 @@ def run_smoke(opts: SmokeOptions, state: dict[str, Any] | None = None) -> dict[s
             continue
         if opts.deadline.left() < opts.min_server_s:
             report.setdefault("skipped", []).append(f"{v.name} (deadline)")
+            opts.note(v.name, "not started: too little time left")
             continue
         rep = variant_runner(opts)(opts, v, opts.models / "draft", sets, refs)
-        report["variants"][v.name] = rep
-        if rep.get("ok"):
-            done[v.name] = rep
+        file_variant(opts, report, done, v.name, rep)
     return collect_failures(report)
+
+
+def first_line(text: str | None) -> str:
+    return (text or "").partition("\n")[0]
+
+
+def file_variant(opts: SmokeOptions, report: dict[str, Any], done: dict[str, Any], name: str,
+                 rep: dict[str, Any]) -> None:
+    """A variant's report into the smoke's, its verdict in the progress, then the caller's
+    save_state: one that passed is done (the next call reuses it), one the deadline's margin
+    stopped is skipped (the next call runs it again)."""
+    if rep.get("deadline"):
+        report.setdefault("skipped", []).append(f"{name} ({rep['deadline']})")
+        opts.note(name, rep["deadline"])
+    else:
+        report["variants"][name] = rep
+        if rep.get("ok"):
+            done[name] = rep
+        opts.note(name, "PASS" if rep.get("ok") else f"FAIL: {first_line(rep.get('cause'))}")
+    opts.save()
 
 
 VariantRun = Callable[..., dict[str, Any]]
@@ -170,6 +203,7 @@ def run_side_by_side(opts: SmokeOptions, sets: dict[str, list[Prompt]], refs: di
             continue
         if opts.deadline.left() < opts.min_server_s:
             report.setdefault("skipped", []).append(f"{v.name} (deadline)")
+            opts.note(v.name, "not started: too little time left")
             continue
         jobs[v.name] = functools.partial(run, opts, v, opts.models / "draft", sets, refs,
                                          port=side_port(opts.port, opts.variants, key))
@@ -189,9 +223,7 @@ def run_side_by_side(opts: SmokeOptions, sets: dict[str, list[Prompt]], refs: di
         if name in done:
             report["variants"][name] = done[name]
         elif name in reports:
-            report["variants"][name] = reports[name]
-            if reports[name].get("ok"):
-                done[name] = reports[name]
+            file_variant(opts, report, done, name, reports[name])
     return report
 
 

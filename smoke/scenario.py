@@ -2,7 +2,9 @@
 (SmokeOptions) and the threshold every smoke entry point defaults to (DEFAULT_THRESHOLD)."""
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from smoke.deadline import Deadline
 # from this one name.
 DEFAULT_THRESHOLD = 4
 REQUEST_TIMEOUT_S = 180  # a tiny-model request takes seconds; a hang must not outlive the deadline
+# The variants' threads (side by side) save at once; the caller's save_state writes all of it.
+SAVE_LOCK = threading.Lock()
 
 
 @dataclass
@@ -26,6 +30,14 @@ class Variant:
 
 VARIANTS = {"overlap": Variant("eagle_overlap", True, True),
             "sync": Variant("eagle_sync", False, False)}
+
+
+def print_now(line: str) -> None:
+    print(line, flush=True)
+
+
+def nothing_to_save() -> None:
+    pass
 
 
 @dataclass
@@ -50,6 +62,22 @@ class SmokeOptions:
     # the variants' servers side by side, each on its own port: opt-in, as it needs a GPU with
     # memory for two servers (mem_fraction each)
     parallel_variants: bool = False
+    # a line as each step ends (the e2e driver: e2e.log): a call stopped from outside still shows
+    # where it was
+    progress: Callable[[str], None] = print_now
+    # called as the resume state keeps a piece of work (the references, a variant) and as a server
+    # is up: the caller may write the state and its outputs (the e2e driver: OUT, the servers' logs
+    # so far in logs.tar.gz), so that a call stopped from outside leaves them
+    save_state: Callable[[], None] = nothing_to_save
 
     def request_timeout(self) -> float:
         return self.deadline.request_timeout(REQUEST_TIMEOUT_S)
+
+    def note(self, who: str, what: str) -> None:
+        """A progress line: `who` did `what`, and the time left."""
+        self.progress(f"smoke {who}: {what} (left {self.deadline.left():.0f}s)")
+
+    def save(self) -> None:
+        """save_state, one thread at a time."""
+        with SAVE_LOCK:
+            self.save_state()

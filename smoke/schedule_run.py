@@ -35,6 +35,7 @@ from smoke.variant_runs import (
     abort_phase,
     endurance_phase,
     log_lines_with,
+    phase_done,
     record_end,
     record_error,
     required_metrics,
@@ -79,8 +80,8 @@ def run_schedule_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict
             check_no_errors(results, name)
             check_outputs(refs, results, name)
             st = spec_state(client.server_info(base))
-            rep["phases"][name] = {"requests": len(results), "concurrency": size,
-                                   **accept_stats(results), **spec_deltas(st, st_before)}
+            phase_done(opts, rep, name, {"requests": len(results), "concurrency": size,
+                                         **accept_stats(results), **spec_deltas(st, st_before)})
             return st
 
         # 1) one at a time: the first tier only
@@ -113,8 +114,8 @@ def run_schedule_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict
         check_no_errors(ramp, "ramp")
         check_outputs(refs, ramp, "ramp")
         st = spec_state(client.server_info(base))
-        rep["phases"]["ramp"] = {"requests": len(ramp), "bursts": bursts, **accept_stats(ramp),
-                                 **spec_deltas(st, before)}
+        phase_done(opts, rep, "ramp", {"requests": len(ramp), "bursts": bursts, **accept_stats(ramp),
+                                       **spec_deltas(st, before)})
         check_depths_ran(st, sorted({tiers.depth_at(b) for b in bursts}), "ramp", before)
         waves += len(bursts) + 1
         check_depth_changes(before, st, "ramp", at_least=2, at_most=tiers.changes_bound(len(bursts) + 1))
@@ -149,7 +150,7 @@ def run_schedule_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict
                              f"{rep['depth_changes']['count']} depth changes")
         record_end(rep, base, all_results)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
-        record_error(rep, exc, log)
+        record_error(rep, exc, log, cut=srv.past_margin())
     finally:
         srv.stop()
     return rep

@@ -19,6 +19,7 @@ from typing import Self
 
 from sglang_image_plugin.setting import DEPTH_SCHEDULE_FLAG, THRESHOLD_FLAG
 from smoke import client
+from smoke.deadline import Deadline
 
 # Flags every smoke/bench server gets: seen working on the H200 with the slimmed bundle
 # (no FA3 kernels -> triton attention; pytorch sampling and no grammar avoid more JIT compilation).
@@ -30,6 +31,7 @@ EAGLE_STEPS = 3  # draft steps of a speculative step; top-k 1 verifies one token
 # server's. Ahead of site-packages, that copy would shadow the plugin installed with the server's
 # sglang (the image's, the GPU host's site), whose hooks and digests are the ones to test.
 SOURCE_PLUGIN_DIR = Path(__file__).resolve().parents[1] / "plugin"
+MARGIN_POLL_S = 0.2  # how often a server with a deadline looks whether its margin has come
 
 
 def sglang_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -181,10 +183,11 @@ def port_free(port: int) -> bool:
 
 
 class Server:
-    """A server process in its own session (setsid): stopping kills the whole group."""
+    """A server process in its own session (setsid): stopping kills the whole group. With a
+    deadline, the group is killed at its margin (kill_at_margin)."""
 
-    def __init__(self, cfg: ServerConfig, port: int, log_path: Path):
-        self.cfg, self.port, self.log_path = cfg, port, log_path
+    def __init__(self, cfg: ServerConfig, port: int, log_path: Path, deadline: Deadline | None = None):
+        self.cfg, self.port, self.log_path, self.deadline = cfg, port, log_path, deadline
         self.base = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None  # None when attached (another process started it)
         self.pgid: int | None = None
@@ -240,6 +243,27 @@ class Server:
                 self.proc = subprocess.Popen(self.cfg.argv(self.port), stdout=log,
                                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        if self.deadline is not None:
+            threading.Thread(target=self.kill_at_margin, args=(self.pgid,), daemon=True,
+                             name=f"margin-{self.cfg.name}").start()
+
+    def kill_at_margin(self, pgid: int) -> None:
+        """Until this server stops: at the deadline's margin its group is killed, so that whatever a
+        run on it waits for (a request, a wait for the pool, a stop's grace) fails at once and the
+        run ends, its server stopped and its report written, before the deadline. Bounding each
+        step by the deadline was not enough: past the margin each request still got MIN_REQUEST_S,
+        one after the other, and each wait its 30 s (a GPU run went 40 s past its deadline)."""
+        while self.pgid == pgid:
+            if self.past_margin():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                return
+            time.sleep(MARGIN_POLL_S)
+
+    def past_margin(self) -> bool:
+        """Whether its deadline's margin has come: the server is killed there, and a request whose
+        timeout the deadline set ends then too, so that what failed since failed of that."""
+        return self.deadline is not None and self.deadline.left_for_requests() <= 0
 
     def wait_healthy(self, timeout: float, waited: float = 0.0) -> None:
         """Until /health answers; a server that exits or stays unhealthy raises with its log."""

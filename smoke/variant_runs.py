@@ -1,7 +1,8 @@
 """One EAGLE-3 server variant's run with a threshold: a fixed N (run_variant) or `auto`
 (run_auto_variant), every check in order against one server; and what every variant's run shares
-(smoke.schedule_run's too): its server and report (variant_server), the abort and endurance
-phases, a failure recorded in its report with the cause and its server log (record_error)."""
+(smoke.schedule_run's too): its server and report (variant_server), each load's row in the report
+and the progress (phase_done), the abort and endurance phases, a failure recorded in its report
+with the cause and its server log, or the deadline's stop (record_error)."""
 from __future__ import annotations
 
 import functools
@@ -67,10 +68,16 @@ def record_end(rep: dict[str, Any], base: str, results: Sequence[Any], *, accept
     rep["ok"] = True
 
 
-def record_error(rep: dict[str, Any], exc: BaseException, log: Path) -> None:
+def record_error(rep: dict[str, Any], exc: BaseException, log: Path, *, cut: bool = False) -> None:
     """A variant's failure in its report, with the cause and its server log: a check's own, an
-    HTTP failure, or an unexpected answer (with its traceback). Interrupts propagate."""
-    if isinstance(exc, SmokeError):
+    HTTP failure, or an unexpected answer (with its traceback). Where the deadline's margin has
+    come (`cut`: the server is killed there), whatever failed failed of that: rep["deadline"] says
+    where the run stopped, and the next call runs the variant again. Interrupts propagate."""
+    if cut and isinstance(exc, Exception):
+        done = ", ".join(rep["phases"]) or "none"
+        rep["ok"] = False
+        rep["deadline"] = f"stopped by the deadline's margin; loads done: {done}"
+    elif isinstance(exc, SmokeError):
         record_failure(rep, exc, log)
     elif isinstance(exc, client.HTTPFailure):
         record_failure(rep, SmokeError(f"HTTP failure talking to the server: {exc}"), log)
@@ -104,14 +111,23 @@ def variant_server(opts: SmokeOptions, v: Variant, draft: Path, threshold: int |
     setting: dict[str, Any] = {"threshold": threshold} if schedule is None else {"schedule": str(schedule)}
     rep: dict[str, Any] = {"name": v.name, "overlap": v.overlap, "cuda_graph": cfg.cuda_graph,
                            **setting, "phases": {}}
-    return Server(cfg, opts.port if port is None else port, log), log, rep
+    return Server(cfg, opts.port if port is None else port, log, deadline=opts.deadline), log, rep
 
 
 def start_variant_server(srv: Server, opts: SmokeOptions, rep: dict[str, Any]) -> str:
-    """Starts it within the deadline (a minute left for the checks); its base URL."""
+    """Starts it within the deadline (a minute left for the checks); its base URL. Its start in
+    the progress, and the caller's save_state (a call killed later keeps its start log)."""
     srv.start(min(opts.health_timeout, opts.deadline.left() - 60))
     rep["start_s"] = round(srv.start_seconds, 1)
+    opts.note(rep["name"], f"server up in {srv.start_seconds:.0f}s")
+    opts.save()
     return srv.base
+
+
+def phase_done(opts: SmokeOptions, rep: dict[str, Any], name: str, row: dict[str, Any]) -> None:
+    """A load's row in the variant's report, and a line in the progress."""
+    rep["phases"][name] = row
+    opts.note(rep["name"], f"{name}: {row['requests']} requests")
 
 
 def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
@@ -139,8 +155,8 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
             check_no_errors(results, name)
             check_outputs(refs, results, name)
             st = spec_state(client.server_info(base))
-            rep["phases"][name] = {"requests": len(results), **accept_stats(results),
-                                   **spec_deltas(st, st_before)}
+            phase_done(opts, rep, name, {"requests": len(results), **accept_stats(results),
+                                         **spec_deltas(st, st_before)})
             return st
 
         # 1) below the threshold, one at a time: speculative only
@@ -191,7 +207,7 @@ def run_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, lis
         rep["mode_change_log_lines"] = log_lines_with(srv, MODE_CHANGE_LOG_PREFIX)
         record_end(rep, base, all_results)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
-        record_error(rep, exc, log)
+        record_error(rep, exc, log, cut=srv.past_margin())
     finally:
         srv.stop()
     return rep
@@ -208,7 +224,8 @@ def endurance_phase(opts: SmokeOptions, srv: Server, base: str, baseline: dict[s
     endurance.phase(base, baseline, srv.pgid, tiers.endurance_levels(), prompts, refs, rep,
                     minutes=opts.ramp_minutes, hold_s=opts.ramp_hold_s,
                     max_growth_mib=opts.ramp_max_growth_mib, deadline=opts.deadline,
-                    timeout=opts.request_timeout(), counter="depth_changes" if opts.schedule is not None else "mode_changes")
+                    timeout=opts.request_timeout(), counter="depth_changes" if opts.schedule is not None else "mode_changes",
+                    say=lambda line: opts.progress(f"smoke {line}"))
 
 
 def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str, list[Prompt]],
@@ -233,7 +250,7 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
             check_no_errors(got, name)
             check_outputs(refs, got, name)
             results += got
-            rep["phases"][name] = {"requests": len(got), **accept_stats(got)}
+            phase_done(opts, rep, name, {"requests": len(got), **accept_stats(got)})
         longs = client.in_background(
             lambda: client.run_concurrent(base, sets["ramp_long"], 2, opts.request_timeout()))
         ramp: list[Result] = []
@@ -243,6 +260,7 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
         ramp += longs.result()
         check_no_errors(ramp, "ramp")
         check_outputs(refs, ramp, "ramp")
+        opts.note(rep["name"], f"ramp: {len(ramp)} requests")
         results += ramp
         final = wait_idle(base, baseline)
         rep["kv_final"] = {k: final.get(k) for k in ("num_used_tokens", "max_total_num_tokens")}
@@ -252,7 +270,7 @@ def run_auto_variant(opts: SmokeOptions, v: Variant, draft: Path, sets: dict[str
         rep["mode_change_log_lines"] = log_lines_with(srv, MODE_CHANGE_LOG_PREFIX)
         record_end(rep, base, results, accept_length=False)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported with its log
-        record_error(rep, exc, log)
+        record_error(rep, exc, log, cut=srv.past_margin())
     finally:
         srv.stop()
     return rep
@@ -287,9 +305,9 @@ def abort_phase(base: str, sets: dict[str, list[Prompt]], refs: dict[str, list[i
     check_no_errors(after, "after the aborts")
     check_outputs(refs, after, "after the aborts")
     st = spec_state(client.server_info(base))
-    rep["phases"]["abort"] = {"requests": len(results) + len(spec_res) + len(after),
-                              "plain_mode": counts, "speculative_mode": spec_counts,
-                              **accept_stats(after), **spec_deltas(st, st_before)}
+    phase_done(opts, rep, "abort", {"requests": len(results) + len(spec_res) + len(after),
+                                    "plain_mode": counts, "speculative_mode": spec_counts,
+                                    **accept_stats(after), **spec_deltas(st, st_before)})
     if counts["aborted_cut_short"] == 0:
         raise SmokeError(f"abort: none of the {len(aborted)} aborted requests was cut short (aborts "
                            "arrived after they finished: the phase proved nothing)")

@@ -1,10 +1,16 @@
 """The bench phase of `bench e2e` (bench.run_phases, bench.e2e) on FakeLab: each unit kept as it
-is done, the next call going on; a launch-only call; a failed bench run again; the model shapes."""
+is done, the next call going on; a launch-only call; a failed bench run again; the model shapes.
+The smoke phase against stand-in server processes: stopped at the deadline's margin, its progress
+and logs kept."""
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
+import tarfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +145,75 @@ def test_the_gpu_host_command_starts_again_once_with_the_site_on_its_path(tmp_pa
     log = (tmp_path / "out" / "e2e.log").read_text()
     assert log.count("starting again with") == 1 and "is not on this process's path" not in log, log
     assert "== install" in log and "wheels.tar.xz is missing" in proc.stderr, (log, proc.stderr)
+
+
+def test_an_e2e_smoke_ends_at_its_deadline_s_margin_keeping_what_it_did(tmp_path, monkeypatch):
+    """A GPU call of `bench e2e --phases models,smoke --deadline 380` ran 40 s past its deadline and
+    was killed from outside with nothing of the smoke in OUT: past the deadline's margin each of its
+    requests still got MIN_REQUEST_S, one after the other, and the smoke logged and packed nothing
+    until its end. Here the margin comes while the variant's server (a slow stand-in: its requests
+    take longer than that) answers its first load: the server is killed there, the call ends before
+    the deadline, the variant is skipped (not failed), and e2e.log, the state and logs.tar.gz hold
+    what was done; the next call runs only the variant."""
+    from bench import e2e, run_phases
+    from smoke import runner, scenario, server, variant_runs
+    from smoke.deadline import REQUEST_MARGIN_S
+    from tests.ports import free_port
+    from tests.smoke.fake_schedule_server import output_ids
+
+    fake = Path(__file__).resolve().parents[1] / "smoke" / "fake_schedule_server.py"
+    slow = ["--step-s", "1"]  # a 48-token request: 12 s at depth 3
+
+    class FakeConfig(server.ServerConfig):
+        def argv(self, port: int) -> list[str]:  # sglang's flags, to the fake; the EAGLE-3 one slow
+            return [sys.executable, str(fake), *super().argv(port)[3:], *(slow if self.draft else [])]
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
+    monkeypatch.setattr(runner, "ServerConfig", FakeConfig)
+    monkeypatch.setattr(variant_runs, "ServerConfig", FakeConfig)
+    monkeypatch.setattr(run_phases, "SmokeOptions", functools.partial(scenario.SmokeOptions, port=free_port()))
+    started = variant_runs.start_variant_server
+    cut: list[float] = []
+
+    def start_then_near_deadline(srv, opts, rep):  # the margin in 1 s, the deadline 25 s after it
+        base = started(srv, opts, rep)
+        if not cut:
+            opts.deadline.at = time.time() + REQUEST_MARGIN_S + 1
+            cut.append(opts.deadline.at)
+        return base
+
+    monkeypatch.setattr(variant_runs, "start_variant_server", start_then_near_deadline)
+    tiny = tmp_path / "state" / "models" / "tiny"
+    tiny.mkdir(parents=True)
+    prompt = [5, 6, 7, 8]
+    (tiny / "expected.json").write_text(json.dumps({"vocab_size": 3000, "prompt_ids": prompt,
+                                                    "greedy_ids": output_ids(prompt, 24)}))
+
+    def driver() -> e2e.E2E:
+        drv = e2e.E2E(build_parser().parse_args([
+            "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
+            str(tmp_path / "out"), "--phases", "smoke", "--smoke-variants", "overlap", "--threshold", "4"]))
+        drv.call.deadline.at = time.time() + 600
+        return drv
+
+    assert driver().run() == 3  # INCOMPLETE: run it again
+    assert cut and time.time() < cut[0], f"ended {time.time() - cut[0]:.0f}s past the deadline"
+    log = (tmp_path / "out" / "e2e.log").read_text()
+    for line in ("smoke plain: server up", "references kept", "smoke eagle_overlap: server up",
+                 "smoke eagle_overlap: stopped by the deadline's margin; loads done: none",
+                 "smoke: stopped by the deadline", "INCOMPLETE"):
+        assert line in log, log
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["failures"] == [] and report["incomplete"], report
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as tar:
+        assert {"server_plain.log", "server_eagle_overlap.log"} <= set(tar.getnames())
+    pgids = [int(p) for p in (tmp_path / "state" / "servers.pid").read_text().split()]
+    assert len(pgids) == 2 and not any(server.group_running(g) for g in pgids)  # both servers gone
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert state["smoke"]["refs"] and state["smoke"]["variants"] == {}
+    assert not any(k.startswith("smoke_done_") for k in state)
+
+    slow.clear()  # the next call: time enough; the plain server's references are reused
+    assert driver().run() == 0
+    again = (tmp_path / "out" / "e2e.log").read_text()[len(log):]
+    assert "smoke eagle_overlap: PASS" in again and "smoke plain" not in again, again

@@ -6,9 +6,9 @@ a DepthController for --speculative-depth-schedule, a SpecDisableController for
 --speculative-disable-batch-threshold (their server-info views, log lines and counters are the
 plugin's); neither flag: a plain server. A step at depth d decodes d + 1 tokens of a request.
 Outputs are a function of the prompt alone (output_ids), at every depth, unless --wrong-at-depth D:
-a token decoded at depth D is one off.
+a token decoded at depth D is one off. --step-s S: a step every S seconds (a slow server).
 
-    python tests/smoke/fake_schedule_server.py --port P [sglang's flags] [--wrong-at-depth D]
+    python tests/smoke/fake_schedule_server.py --port P [sglang's flags] [--wrong-at-depth D] [--step-s S]
 
 Imported by the tests for output_ids (the plain reference a models dir's expected.json records).
 """
@@ -86,7 +86,7 @@ class Fake:
 
     def loop(self) -> None:
         while True:
-            time.sleep(STEP_S)
+            time.sleep(self.a.step_s)
             with self.lock:
                 while self.waiting and len(self.running) < self.a.max_running_requests:
                     self.running.append(self.waiting.pop(0))
@@ -202,6 +202,7 @@ def main() -> None:
     ap.add_argument("--speculative-num-steps", type=int, default=3)
     ap.add_argument("--max-running-requests", type=int, default=64)
     ap.add_argument("--wrong-at-depth", type=int, default=-1)
+    ap.add_argument("--step-s", type=float, default=STEP_S)
     a, _ = ap.parse_known_args()
     fake = Fake(a)
     threading.Thread(target=fake.loop, daemon=True).start()

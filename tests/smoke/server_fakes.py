@@ -13,11 +13,14 @@ def port_recording_server(ports: list[int]) -> type:
     """A Server that records the port it is given and cannot start (there is no GPU here)."""
 
     class NoServer:
-        def __init__(self, cfg: Any, port: int, log: Any) -> None:
+        def __init__(self, cfg: Any, port: int, log: Any, deadline: Any = None) -> None:
             ports.append(port)
 
         def start(self, timeout: float) -> None:
             raise SmokeError("no GPU here")
+
+        def past_margin(self) -> bool:
+            return False
 
         def stop(self) -> None:
             pass

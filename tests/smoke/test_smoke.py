@@ -712,6 +712,35 @@ def test_parallel_smoke_variants_rerun_only_what_is_not_done(tmp_path, monkeypat
     assert report["skipped"] == ["eagle_overlap (deadline)", "eagle_sync (deadline)"]
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_variant_the_deadline_s_margin_stopped_is_skipped_not_failed(tmp_path, monkeypatch, parallel):
+    """A variant whose server the deadline's margin killed (what failed after it failed of that) is
+    skipped, neither failed nor done: the next call runs it again. Each variant's verdict is a
+    progress line, and the caller saves after each."""
+    def run(opts, v, draft, sets, refs, port=None):
+        if v.name == "eagle_overlap":
+            return {"name": v.name, "ok": True, "phases": {}}
+        rep: dict = {"name": v.name, "phases": {"below": {"requests": 4}}}
+        variant_runs.record_error(rep, client.HTTPFailure("Connection refused"), tmp_path / "log", cut=True)
+        return rep
+
+    lines: list[str] = []
+    saves: list[int] = []
+    opts = smoke_options(tmp_path, monkeypatch, run, parallel_variants=parallel, progress=lines.append,
+                         save_state=lambda: saves.append(len(lines)))
+    state: dict = {"refs": {}}
+    report = runner.run_smoke(opts, state)
+    stopped = "stopped by the deadline's margin; loads done: below"
+    assert list(report["variants"]) == ["eagle_overlap"] and report["failures"] == []
+    assert report["skipped"] == [f"eagle_sync ({stopped})"] and runner.exit_code(report) == 1
+    assert list(state["variants"]) == ["eagle_overlap"]  # the stopped one runs again next call
+    assert [line.rsplit(" (left", 1)[0] for line in lines] == ["smoke eagle_overlap: PASS",
+                                                              f"smoke eagle_sync: {stopped}"]
+    assert saves == [1, 2]
+    summary = runner.summarize(report)
+    assert f"SKIPPED eagle_sync ({stopped})" in summary and "FAIL" not in summary
+
+
 def test_without_the_flag_smoke_variants_run_one_after_the_other_on_today_s_port(tmp_path, monkeypatch):
     rec = SmokeVariantRecorder(slow=("eagle_overlap",))
     opts = smoke_options(tmp_path, monkeypatch, rec)

@@ -1,7 +1,8 @@
 """The smoke and the feature matrix with a depth schedule: `--schedule` on both command lines and
 on `bench e2e` (parsed by the setting's contract, refused beside --threshold), whole smoke runs
 against server processes that walk the schedule with the plugin's own policy
-(tests/smoke/fake_schedule_server.py), and the endurance ramp's memory check on a real process group."""
+(tests/smoke/fake_schedule_server.py), a plain server the deadline's margin stops, and the endurance
+ramp's memory check on a real process group."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ from smoke import endurance, run_command, runner, scenario, variant_runs
 from smoke import features as F
 from smoke import server as server_mod
 from smoke.__main__ import build_parser
+from smoke.deadline import REQUEST_MARGIN_S
 from smoke.server import SmokeError
 from tests.ports import free_port
 from tests.smoke.fake_schedule_server import output_ids
@@ -206,6 +208,41 @@ def test_a_threshold_smoke_with_its_endurance_ramp_passes_as_before(tmp_path, mo
     assert list(rep["phases"]) == ["below", "at", "above", "after", "ramp", "abort"]
     assert rep["endurance"]["changes_of"] == "mode changes" and rep["endurance"]["changes"] >= 2
     assert rep["endurance"]["levels"] == [2, 8]
+
+
+def test_a_plain_server_the_deadline_s_margin_stops_leaves_the_smoke_skipped_not_failed(tmp_path, monkeypatch):
+    """The margin comes while the plain server answers (a slow one: its references take minutes,
+    and past the margin each request got 10 s more, one after the other): the server is killed
+    there, and run_smoke returns before the deadline, the plain server and the variant skipped,
+    nothing failed, no references kept; its progress says so, its server's group is gone."""
+
+    class SlowConfig(server_mod.ServerConfig):
+        def argv(self, port: int) -> list[str]:
+            return [sys.executable, str(FAKE), *super().argv(port)[3:], "--step-s", "1"]
+
+    monkeypatch.setattr(runner, "ServerConfig", SlowConfig)
+    monkeypatch.setenv("SMOKE_SERVER_PIDFILE", str(tmp_path / "servers.pid"))
+    prompt = [5, 6, 7, 8]
+    (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3000, "prompt_ids": prompt,
+                                                        "greedy_ids": output_ids(prompt, 24)}))
+    lines: list[str] = []
+    saves: list[int] = []
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        if "plain: server up" in line:  # the margin in 1 s, the deadline 25 s after it
+            opts.deadline.at = time.time() + REQUEST_MARGIN_S + 1
+
+    opts = scenario.SmokeOptions(models=tmp_path, out=tmp_path / "out", variants=("sync",), port=free_port(),
+                                 progress=progress, save_state=lambda: saves.append(len(lines)))
+    state: dict = {}
+    report = runner.run_smoke(opts, state)
+    assert time.time() < opts.deadline.at - REQUEST_MARGIN_S / 2, "it ran on past the margin"
+    assert report["skipped"] == ["plain (deadline)", "eagle_sync"] and report["failures"] == []
+    assert "refs" not in state and runner.exit_code(report) == 1
+    assert lines[-1].startswith("smoke plain: stopped by the deadline's margin while it answered"), lines
+    assert saves == [1]  # once the server was up: a call killed later keeps its start log
+    assert not server_mod.group_running(int((tmp_path / "servers.pid").read_text()))
 
 
 # ----------------------------------------------------------------------------- memory
