@@ -13,6 +13,7 @@ The device timer and the profiler cost time themselves: compare servers with eac
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable
@@ -31,6 +32,9 @@ DECODE_PASSES = "sglang:cuda_graph_passes_total"  # one per decode batch (mode="
 PROFILE_STEPS = 20
 PYSPY_SECONDS = 5.0
 SETTLE_S = 1.5  # into a full-load run: past the first prefill wave, into full-batch decode
+# the batch stays full this long past the py-spy sample (the load's tail, its batch shrinking to 0,
+# brings batch sizes the windows never ran, and their kernels' first launches, into no sample)
+LOAD_SPARE_S = 1.5
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -69,6 +73,17 @@ def decode_steps(before: dict[str, float], after: dict[str, float]) -> int | Non
     if not keys:
         return None
     return round(sum(after[k] - before.get(k, 0.0) for k in keys))
+
+
+def full_load_prompts(concurrency: int, tok_per_s: float | None, mean_output: int) -> int:
+    """How many prompts a full-load run sends, so that its batch is still full when the py-spy
+    sample ends: enough for the server's measured tokens/s at this concurrency over the settle,
+    the sample and LOAD_SPARE_S, past the first `concurrency` (at least 3 a client). A fixed 3 a
+    client ran out after 4 s on EAGLE-3 at 64 requests: half its sample was the tail and idle."""
+    if not tok_per_s or mean_output <= 0:
+        return 3 * concurrency
+    busy_s = SETTLE_S + PYSPY_SECONDS + LOAD_SPARE_S
+    return concurrency + max(2 * concurrency, math.ceil(tok_per_s * busy_s / mean_output))
 
 
 def load_step_ms(elapsed_s: float, steps: int | None, tok_per_s: float | None, batch: int) -> float | None:

@@ -50,6 +50,7 @@ import functools
 import importlib.metadata
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -444,7 +445,9 @@ class Bench:
 
     def diagnose(self, name: str) -> None:
         c = max(self.opts.concurrency)
-        prompts = workload(self.vocab, c, self.opts.output_len, 7, 3 * c, self.opts.output_spread)
+        rates = [r for b in self.result["blocks"].get(str(c), []) if (r := pairing.rate(b, name)) is not None]
+        n = diagnose.full_load_prompts(c, statistics.median(rates) if rates else None, self.opts.output_len)
+        prompts = workload(self.vocab, c, self.opts.output_len, 7, n, self.opts.output_spread)
         self.result["diagnose"][name] = diagnose.full_load(self.servers[name], prompts, c, self.opts.out,
                                                            self.opts.pyspy_dirs, self.opts.deadline)
 

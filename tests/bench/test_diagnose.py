@@ -91,3 +91,15 @@ def test_a_speculative_server_s_py_spy_ms_are_per_its_own_steps():
     raw = (REPO / "tests/data/pyspy_scheduler_plain_mode.txt").read_text()
     s = diagnose.summarize_pyspy({"raw": raw}, diagnose.load_step_ms(10.0, 608, 11_978.0, 64))
     assert s["step_ms"] == pytest.approx(16.45, abs=0.01)
+
+
+def test_a_full_load_outlasts_its_py_spy_sample_at_the_server_s_own_speed():
+    """The sample starts SETTLE_S into the load and lasts PYSPY_SECONDS: the prompts cover both and
+    LOAD_SPARE_S at the server's measured tokens/s, so a faster server gets more of them."""
+    busy = diagnose.SETTLE_S + diagnose.PYSPY_SECONDS + diagnose.LOAD_SPARE_S
+    eagle3 = diagnose.full_load_prompts(64, 11_978.0, 256)
+    plain = diagnose.full_load_prompts(64, 7_912.0, 256)
+    assert (eagle3 - 64) * 256 / 11_978.0 >= busy and (plain - 64) * 256 / 7_912.0 >= busy
+    assert eagle3 > plain > 3 * 64  # 3 a client ran out 4 s in on EAGLE-3 at 64
+    assert diagnose.full_load_prompts(64, None, 256) == 192  # no measured rate: 3 a client
+    assert diagnose.full_load_prompts(256, 100.0, 256) == 256 * 3  # a slow server: still 3 a client

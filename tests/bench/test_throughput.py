@@ -573,3 +573,21 @@ def test_each_window_keeps_its_server_s_host_counters_and_the_cpus_speed(lab, mo
     assert windows[result["blocks"]["4"][0]["order"][-1]]["host"]["probe_work_s"] > 0
     assert result["cpu_topology"]["cpus"] == sorted(os.sched_getaffinity(0)) and result["client_cpus"] == []
     assert "Where the host time went, per decode step" in bench_report.markdown(result)
+
+
+def test_the_diagnosed_load_is_sized_by_the_server_s_own_blocks(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--diagnose's full load at the top concurrency sends as many prompts as the server's median
+    tokens/s in its blocks there needs to stay full through the py-spy sample."""
+    sent: dict[str, int] = {}
+    monkeypatch.setattr(diagnose, "full_load", lambda srv, prompts, c, *a: sent.update({srv: len(prompts)}) or {})
+    bench = object.__new__(throughput.Bench)
+    bench.opts = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(16, 64), output_len=256)
+    bench.vocab, bench.pool = 1000, argparse.Namespace(servers={"plain": "plain", "eagle3": "eagle3"})
+    bench.result = {"diagnose": {}, "blocks": {"64": [
+        {"windows": {"plain": {"tok_per_s": tok, "errors": 0}, "eagle3": {"tok_per_s": 1.5 * tok, "errors": 0}}}
+        for tok in (7_800.0, 7_900.0, 8_000.0)]}}
+    for name in ("plain", "eagle3"):
+        bench.diagnose(name)
+    assert sent == {"plain": diagnose.full_load_prompts(64, 7_900.0, 256),
+                    "eagle3": diagnose.full_load_prompts(64, 11_850.0, 256)}
+    assert sent["eagle3"] > sent["plain"] > 3 * 64
