@@ -9,6 +9,7 @@ import json
 import shlex
 import statistics
 import textwrap
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -103,17 +104,36 @@ def floor_table(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def versus_better(blocks: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    """`name`'s tokens/s over the better of plain and always-on EAGLE-3: within each block that
+    holds all three; where none does (a merge of calls, each beside plain: three 8B-shaped servers
+    may not fit one GPU), through plain (pairing.compare_to_better_through), marked `via`."""
+    direct = pairing.compare(blocks, name, list(FIXED_MODES))
+    if direct:
+        return direct.as_dict()
+    through = pairing.compare_to_better_through(blocks, name, "eagle3", "plain")
+    return {**through.as_dict(), "via": "plain"} if through else None
+
+
+def through_plain_note(cells: Iterable[dict[str, Any] | None]) -> list[str]:
+    """The line under a table with ratios taken through plain (versus_better), and its blank line."""
+    if not any(cell and cell.get("via") for cell in cells):
+        return []
+    return [("+: no block held this server, plain and EAGLE-3 together (merged calls): its ratio to plain "
+             "over EAGLE-3's (at least 1.00), each taken within its own blocks; the interval resamples both."), ""]
+
+
 def better_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per concurrency and switching config (a threshold, auto, adaptive): its tokens/s over the
-    better of plain and always-on EAGLE-3 in the same block (the product's promise), median and
+    better of plain and always-on EAGLE-3 (the product's promise; versus_better), median and
     interval; empty unless both plain and EAGLE-3 ran."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     names = result.get("configs", [])
     if not all(n in names for n in FIXED_MODES):
         return out
     for c in levels(result):
-        row = {name: ratio.as_dict() for name in names if name not in (*FIXED_MODES, TWIN)
-               if (ratio := pairing.compare(blocks_at(result, c), name, list(FIXED_MODES)))}
+        row = {name: ratio for name in names if name not in (*FIXED_MODES, TWIN)
+               if (ratio := versus_better(blocks_at(result, c), name))}
         if row:
             out[c] = row
     return out
@@ -308,8 +328,7 @@ def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         blocks = blocks_at(result, c)
         row: dict[str, Any] = {}
         if all(n in names for n in FIXED_MODES):
-            vs = pairing.compare(blocks, "eagle3_auto", list(FIXED_MODES))
-            row["vs_better_of_plain_eagle3"] = vs.as_dict() if vs else None
+            row["vs_better_of_plain_eagle3"] = versus_better(blocks, "eagle3_auto")
         fixed = [n for n in names if (rec := records.get(n)) and rec.kind == "threshold" and n in table.get(c, {})]
         if fixed:
             best = max(fixed, key=lambda n: table[c][n]["tok_per_s"])
@@ -355,10 +374,11 @@ def acceptance_note(state: dict[str, Any]) -> str:
 
 
 def interval(d: dict[str, Any] | None) -> str:
-    """"0.98x [0.95-1.01]": a ratio's median and bootstrap 95% interval ("-" where none)."""
+    """"0.98x [0.95-1.01]": a ratio's median and bootstrap 95% interval ("-" where none); "+" after
+    one taken through plain across calls (versus_better)."""
     if not d:
         return "-"
-    return f"{d['median']:.2f}x [{d['low']:.2f}-{d['high']:.2f}]"
+    return f"{d['median']:.2f}x [{d['low']:.2f}-{d['high']:.2f}]" + ("+" if d.get("via") else "")
 
 
 def output_tokens_text(result: dict[str, Any]) -> str:
@@ -441,7 +461,7 @@ def markdown(result: dict[str, Any]) -> str:
         for c in sorted(better, key=int):
             cells = [interval(better[c].get(n)) for n in switching]
             lines.append(f"| {c} | " + " | ".join(cells) + f" | {interval(floor.get(c)) if floor else 'not measured'} |")
-        lines.append("")
+        lines += ["", *through_plain_note(cell for row in better.values() for cell in row.values())]
     elif floor:
         lines += [("A/A floor: the plain twin over plain within a block, the same procedure as every comparison "
                    "(a perfect bench: 1.00x with a narrow interval):"), "",
@@ -461,7 +481,7 @@ def markdown(result: dict[str, Any]) -> str:
             same = f"{interval(floor_)} ({floor_['threshold']})" if floor_ else "-"
             lines.append(f"| {c} | {interval(a.get('vs_better_of_plain_eagle3'))} | {a.get('best_fixed', '-')} | "
                          f"{interval(a.get('vs_best_fixed'))} | {same} |")
-        lines.append("")
+        lines += ["", *through_plain_note(a.get("vs_better_of_plain_eagle3") for a in auto.values())]
     steps = step_table(result)
     if steps:
         timed = any("gpu_ms" in cell for row in steps.values() for cell in row.values())

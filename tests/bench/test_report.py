@@ -325,3 +325,44 @@ def test_the_report_sets_each_diagnosed_server_against_plain() -> None:
     md = bench_report.markdown(result)
     assert "py-spy eagle3 against eagle3_thr16: the functions whose ms/step differ most" in md
     assert "py-spy eagle3_thr16 against" not in md
+
+
+def two_calls_beside_plain(auto_over_plain: tuple[float, ...], eagle3_over_plain: tuple[float, ...],
+                           both: bool = False) -> dict[str, Any]:
+    """A merge of two calls at 64 requests, each beside plain: plain with auto (3 blocks) and plain
+    with EAGLE-3 (3 blocks), the host drifting; `both`: one more block that holds all three."""
+    recs = configs.expand(("plain", "eagle3", "eagle3_auto"))
+    window = {"errors": 0, "output_tokens": 3000, "seconds": 3.0, "steps": 300, "accept_length": 2.8}
+
+    def block(k: int, drift: float, **ratios: float) -> dict[str, Any]:
+        return {"block": k, "order": [], "windows": {"plain": {**window, "tok_per_s": 1000.0 * drift},
+                                                     **{n: {**window, "tok_per_s": 1000.0 * drift * r}
+                                                        for n, r in ratios.items()}}}
+    drifts = (1.0, 0.8, 1.2)
+    blocks = ([block(k, d, eagle3_auto=r) for k, (d, r) in enumerate(zip(drifts, auto_over_plain, strict=True))]
+              + [block(k, d, eagle3=r) for k, (d, r) in enumerate(zip(drifts, eagle3_over_plain, strict=True))]
+              + ([block(7, 1.0, eagle3=1.5, eagle3_auto=1.5)] if both else []))
+    return {"configs": ["plain", "eagle3", "eagle3_auto"], "config_records": {r.name: r.as_dict() for r in recs},
+            "blocks": {"64": blocks}, "pairs": 3}
+
+
+def test_the_better_mode_is_compared_through_plain_where_no_block_holds_all_three():
+    # three 8B-shaped servers may not fit one GPU: auto beside plain in one call, EAGLE-3 beside plain
+    # in another, merged; auto over the better mode is its ratio to plain over EAGLE-3's (>= 1)
+    result = two_calls_beside_plain((1.50, 1.56, 1.53), (1.50, 1.51, 1.49))
+    cell = bench_report.better_table(result)["64"]["eagle3_auto"]
+    assert cell["via"] == "plain" and cell["median"] == pytest.approx(1.53 / 1.50, abs=1e-4)
+    assert cell["low"] <= cell["median"] <= cell["high"]
+    auto = bench_report.auto_comparison(result)["64"]["vs_better_of_plain_eagle3"]
+    assert auto["median"] == cell["median"] and auto["via"] == "plain"
+    md = bench_report.markdown(result)
+    assert f"{bench_report.interval(cell)}" in md and cell and bench_report.interval(cell).endswith("+")
+    assert "+: no block held this server, plain and EAGLE-3 together" in md
+    # EAGLE-3 below plain: the better mode is plain itself, so the divisor is 1
+    slow = two_calls_beside_plain((0.97, 0.98, 0.99), (0.95, 0.94, 0.96))
+    assert bench_report.better_table(slow)["64"]["eagle3_auto"]["median"] == pytest.approx(0.98)
+    # one block with all three: the comparison within that block, not through plain
+    direct = bench_report.better_table(two_calls_beside_plain((1.5,) * 3, (1.5,) * 3, both=True))["64"]["eagle3_auto"]
+    assert "via" not in direct and direct["ratios"] == [1.0]
+    # without EAGLE-3 beside plain anywhere there is nothing to compare through
+    assert bench_report.better_table(without_plain(("eagle3", "eagle3_auto"))) == {}
