@@ -9,7 +9,7 @@ cost a threshold server's plain step 0.4 ms of host time against a plain server'
 (docs/validation.md row 57). Here the same work runs from fixed buffers, padded to the next of a
 few token counts, as one captured graph a count: five copies in and one replay. Opt-in
 (SGLANG_IMAGE_PREFILL_KV_GRAPHS=1): on an H100 it cut 0.36 ms of host time a plain step at 256
-requests but no throughput (rows 62-63), a host with slower CPUs may gain. After the capture the graphs
+requests but no throughput (rows 62-63); a host with slower CPUs may gain. After the capture the graphs
 are checked against the eager write on the server's own GPU (check()), and used only if they agree.
 
 A padded row writes the pool's padding slot 0 (upstream never gives slot 0 to a request), at
