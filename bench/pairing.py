@@ -36,10 +36,14 @@ def bootstrap_interval(values: Sequence[float], stat: Callable[[Sequence[float]]
         raise ValueError("no values to bootstrap")
     rnd = random.Random(seed)
     n = len(values)
-    stats = sorted(stat([values[rnd.randrange(n)] for _ in range(n)]) for _ in range(resamples))
-    lo_k = int((1 - level) / 2 * (resamples - 1))
-    hi_k = round((1 + level) / 2 * (resamples - 1))
-    return stats[lo_k], stats[hi_k]
+    return percentiles([stat([values[rnd.randrange(n)] for _ in range(n)]) for _ in range(resamples)], level)
+
+
+def percentiles(stats: Sequence[float], level: float = LEVEL) -> tuple[float, float]:
+    """The (1 - level) / 2 and (1 + level) / 2 quantiles of a bootstrap's statistics."""
+    ordered = sorted(stats)
+    k = len(ordered) - 1
+    return ordered[int((1 - level) / 2 * k)], ordered[round((1 + level) / 2 * k)]
 
 
 @dataclass(frozen=True)
@@ -106,10 +110,8 @@ def compare_to_better_through(blocks: Sequence[dict[str, Any]], name: str, other
         return statistics.median(a) / max(1.0, statistics.median(b))
 
     rnd = random.Random(BOOTSTRAP_SEED)
-    stats = sorted(stat([mine[rnd.randrange(len(mine))] for _ in mine],
-                        [theirs[rnd.randrange(len(theirs))] for _ in theirs])
-                   for _ in range(BOOTSTRAP_RESAMPLES))
-    lo_k = int((1 - LEVEL) / 2 * (BOOTSTRAP_RESAMPLES - 1))
-    hi_k = round((1 + LEVEL) / 2 * (BOOTSTRAP_RESAMPLES - 1))
+    low, high = percentiles([stat([mine[rnd.randrange(len(mine))] for _ in mine],
+                                  [theirs[rnd.randrange(len(theirs))] for _ in theirs])
+                             for _ in range(BOOTSTRAP_RESAMPLES)])
     divisor = max(1.0, statistics.median(theirs))
-    return Ratio(tuple(r / divisor for r in mine), stat(mine, theirs), stats[lo_k], stats[hi_k])
+    return Ratio(tuple(r / divisor for r in mine), stat(mine, theirs), low, high)

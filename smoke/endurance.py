@@ -160,9 +160,9 @@ def phase(base: str, baseline: dict[str, Any], pgid: int, levels: list[int], pro
           say: Callable[[str], None] = print) -> None:
     """The endurance ramp of a smoke server (its process group `pgid`): memory read idle, the
     closed loop through `levels` for `minutes`, memory read idle again; the numbers in
-    rep["endurance"] and said (`say`: the smoke's progress), then checked: no error, every output equal to plain, the state's
-    `counter` (depth_changes, mode_changes) moved, the KV pool back, neither memory total grown
-    by more than `max_growth_mib`."""
+    rep["endurance"] and said (`say`: the smoke's progress), then checked: no error, every output
+    equal to plain, the state's `counter` (depth_changes, mode_changes) moved, the KV pool back,
+    neither memory total grown by more than `max_growth_mib`."""
     seconds = 60 * minutes
     left = deadline.left_for_requests()
     if left < seconds + RESERVE_S:
