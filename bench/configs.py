@@ -9,7 +9,10 @@ upstream's split-KV verify kernel switched off (SGLANG_ENABLE_SPLITKV_VERIFY=0):
 target-verify attention then runs the Triton backend's prefill "extend" kernel, the path before
 the plugin's change, so the two compare in the same blocks. `eagle3_thr_prefill_graphs` is
 `eagle3_thr` whose prefills in plain mode write the draft's K/V from the plugin's CUDA graphs
-(SGLANG_IMAGE_PREFILL_KV_GRAPHS=1), not eagerly: the two side by side.
+(SGLANG_IMAGE_PREFILL_KV_GRAPHS=1), not eagerly: the two side by side. `eagle3_metadata_glue` is
+`eagle3` with upstream's experimental metadata glue graph on (SGLANG_ENABLE_METADATA_GLUE_GRAPH=1):
+the target runner's out-of-graph attention metadata, captured per batch size where a batch needs no
+padding, so that the host's share of a speculative step can be compared in the same blocks.
 """
 from __future__ import annotations
 
@@ -20,13 +23,15 @@ from sglang_image_plugin.setting import PREFILL_KV_GRAPHS_ENV
 from smoke.server import EAGLE_STEPS
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
-CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_depth", "eagle3_adaptive",
-           "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched", "eagle3_auto")
+CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_metadata_glue", "eagle3_depth",
+           "eagle3_adaptive", "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched", "eagle3_auto")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
 PREFILL_GRAPHS = (PREFILL_KV_GRAPHS_ENV, "1")  # the plugin's prefill K/V graphs on
+METADATA_GLUE = ("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")  # upstream's metadata glue graph on
 # what a server's environment changes, in its label; any other variable is named as it is
-ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", PREFILL_GRAPHS: "prefill K/V graphs"}
+ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", PREFILL_GRAPHS: "prefill K/V graphs",
+             METADATA_GLUE: "metadata glue graph"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,8 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS))
         elif name == "eagle3_extend_verify":
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(EXTEND_VERIFY,)))
+        elif name == "eagle3_metadata_glue":
+            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(METADATA_GLUE,)))
         elif name == "eagle3_depth":
             out += [BenchConfig(f"eagle3_depth{d}", "fixed", d) for d in depths]
         elif name == "eagle3_thr":

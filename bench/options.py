@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.configs import CONFIGS, EXTEND_VERIFY, PREFILL_GRAPHS, TWIN, BenchConfig, expand
+from bench.configs import (
+    CONFIGS,
+    EXTEND_VERIFY,
+    METADATA_GLUE,
+    PREFILL_GRAPHS,
+    TWIN,
+    BenchConfig,
+    expand,
+)
 from sglang_image_plugin.setting import (
     DEPTH_SCHEDULE_EXAMPLE,
     DEPTH_SCHEDULE_FLAG,
@@ -87,7 +95,8 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma list of {','.join(CONFIGS)} ({TWIN}: a second plain server, the A/A "
                          "noise floor; eagle3_extend_verify: eagle3 with upstream's split-KV verify kernel "
-                         f"off, {'='.join(EXTEND_VERIFY)}; eagle3_thr_prefill_graphs: eagle3_thr writing a "
+                         f"off, {'='.join(EXTEND_VERIFY)}; eagle3_metadata_glue: eagle3 with upstream's metadata glue "
+                         f"graph, {'='.join(METADATA_GLUE)}; eagle3_thr_prefill_graphs: eagle3_thr writing a "
                          f"prefill's draft K/V in plain mode from CUDA graphs, {'='.join(PREFILL_GRAPHS)}; eagle3_auto "
                          "runs only where the server has it)")
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),

@@ -591,3 +591,17 @@ def test_the_diagnosed_load_is_sized_by_the_server_s_own_blocks(tmp_path: Any, m
     assert sent == {"plain": diagnose.full_load_prompts(64, 7_900.0, 256),
                     "eagle3": diagnose.full_load_prompts(64, 11_850.0, 256)}
     assert sent["eagle3"] > sent["plain"] > 3 * 64
+
+
+def test_metadata_glue_is_eagle3_with_upstream_s_glue_graph_on():
+    # eagle3_metadata_glue: always-on EAGLE-3, eagle3's flags, started with
+    # SGLANG_ENABLE_METADATA_GLUE_GRAPH=1, so the host's share of a speculative step with and
+    # without the glue graph compare in the same blocks
+    opts = bench_options("--configs", "eagle3,eagle3_metadata_glue")
+    base, glue = (throughput.server_config(n, opts) for n in ("eagle3", "eagle3_metadata_glue"))
+    assert glue.argv(30000) == base.argv(30000)
+    assert glue.env == {"SGLANG_ENABLE_METADATA_GLUE_GRAPH": "1"} and base.env == {}
+    assert servers.options_key(base, "site") != servers.options_key(glue, "site")
+    rec = options.config_records(opts)["eagle3_metadata_glue"]
+    assert (rec.kind, rec.steps, rec.switches) == ("fixed", 3, False)
+    assert rec.label == "EAGLE-3 (metadata glue graph)"
