@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 # The flag, its parser and the fixed threshold's hysteresis live with the other flags.
+from sglang_image_plugin.auto_estimate import DWELL_SKIP
 from sglang_image_plugin.setting import THRESHOLD_FLAG, default_hysteresis
 
 
@@ -71,6 +72,15 @@ class AutoConfig:
     # a few microseconds by chance, and a burst of them would then outvote a window (GPU, 8B
     # shape, 64 requests: 4 speculative steps replaced 30 and moved the crossover the wrong way)
     step_noise: float = 0.05
+    # a trial (auto_threshold.Trial) at the bucket on either side of the crossover, where its
+    # figures do not decide: pairs of blocks, each trial_block steps of one mode in that bucket
+    # (the first few of a block not counted); at most one a bucket every trial_gap steps, given up
+    # when the traffic leaves that bucket for trial_timeout steps
+    trial_block: int = 64
+    trial_pairs: int = 3  # at least; it goes on until the pairs decide beyond their noise
+    trial_max_pairs: int = 12  # or up to this many, where they tie
+    trial_gap: int = 8192
+    trial_timeout: int = 2048
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,9 +96,15 @@ class AutoConfig:
         for name in ("memory", "accept_memory"):
             if not 0 < getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)} not in (0, 1)")
-        for name in ("update_every", "stale_steps", "explore_steps", "explore_gap", "min_samples"):
+        for name in ("update_every", "stale_steps", "explore_steps", "explore_gap", "min_samples",
+                     "trial_gap", "trial_timeout"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} {getattr(self, name)} < 1")
+        if not 2 <= self.trial_pairs <= self.trial_max_pairs:
+            problems.append(f"trial_pairs {self.trial_pairs}, trial_max_pairs {self.trial_max_pairs}: "
+                            "need 2 <= trial_pairs <= trial_max_pairs (a mean needs its spread)")
+        if self.trial_block <= DWELL_SKIP:
+            problems.append(f"trial_block {self.trial_block} <= {DWELL_SKIP} (the steps of a block not counted)")
         if self.explore_steps > self.explore_gap:
             problems.append(f"explore_steps {self.explore_steps} > explore_gap {self.explore_gap}")
         if problems:
@@ -104,6 +120,11 @@ class AutoConfig:
         weighs (1 + memory) / (1 - memory) samples' worth, and a median needs pi / 2 times the
         samples of a mean for its precision."""
         return max(1, round(math.pi / 2 * (1 + self.memory) / (1 - self.memory)))
+
+    @property
+    def trial_steps(self) -> int:
+        """The most steps one trial runs in the mode the crossover does not give its bucket."""
+        return self.trial_max_pairs * self.trial_block
 
     @property
     def explore_share(self) -> float:

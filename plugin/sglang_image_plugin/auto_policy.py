@@ -217,7 +217,8 @@ class AutoPolicy(TimedPolicy):
         self.controller.record(mode, step.batch_size, step.seconds or 0.0, step.output_tokens or 0)
 
     def _trace_fields(self, step: Step) -> dict[str, object]:
-        return {"crossover": self.controller.crossover()}
+        trial = self.controller.trial  # a trial's steps run its block's mode, not the crossover's
+        return {"crossover": self.controller.crossover(), **({"trial": trial} if trial else {})}
 
     def _went_idle(self) -> None:
         self.controller.note_idle()

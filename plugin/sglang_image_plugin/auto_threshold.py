@@ -49,6 +49,17 @@ most explore_steps / explore_gap of the steps. Steps measured after a stale gap 
 ones where the two differ beyond their noise: a mode timed once, while something else slowed the
 GPU, and never again (the other mode winning there), would otherwise hold the bucket's decision
 for good.
+The estimate above cannot tell the modes apart where they differ by less than its noise, and a
+bucket's first figures may come from a few steps of odd traffic (a warm-up's 5 fast plain steps
+set 161-192 plain on a GPU, docs/validation.md row 70, and the prefills' noise held it there at
+0.89x of the better mode). So a measured bucket on either side of the crossover whose figures do
+not decide gets a trial (Trial): blocks of `trial_block` steps of each mode in turn, each pair
+of blocks a ratio of tokens over seconds with the prefills in, as the bench compares two
+servers, until their mean clears a tie by twice its noise or `trial_max_pairs` pairs are in;
+then the crossover moves past that bucket if the mean says its other side by the margin, and the
+mean stands for the bucket's figure for `trial_gap` steps. One trial runs at a time, in the
+bucket's own traffic only, and a bucket gets one every `trial_gap` steps at most (done or given
+up when its traffic leaves for `trial_timeout` steps).
 A cold start may take a prior (for example step times timed at CUDA-graph capture, per batch size):
 one step of each mode in each bucket it covers, which counts there at once and which the steps
 measured then outvote; without one it speculates everywhere, as EAGLE-3 does, until measurements
@@ -71,7 +82,7 @@ import bisect
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sglang_image_plugin.auto_config import (
     AutoConfig,
@@ -79,11 +90,12 @@ from sglang_image_plugin.auto_config import (
     quarter_octave_edges,
     resume_batch_size,
 )
-from sglang_image_plugin.auto_estimate import Average, Bucket, Dwells, seconds_at
+from sglang_image_plugin.auto_estimate import DWELL_SKIP, Average, Bucket, Dwells, seconds_at
 from sglang_image_plugin.setting import AUTO, Mode
 
-__all__ = ["AutoConfig", "AutoController", "BucketEstimate", "Decision", "Mode", "Prior",
+__all__ = ["AutoConfig", "AutoController", "BucketEstimate", "Decision", "Mode", "Prior", "Trial",
            "quarter_octave_edges", "resume_batch_size"]
+NO_TRIAL = -1  # Decision.trial: none runs
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,70 @@ class Decision:
 
     split: int  # buckets [0, split) speculate
     undecided: frozenset[int]  # buckets still explored: their figures contradict or do not decide
+    trial: int = NO_TRIAL  # the bucket a trial runs in (Trial)
+
+
+@dataclass
+class Trial:
+    """Both modes compared in one bucket as the bench compares two servers: blocks of
+    `block_steps` recorded steps of one mode, in the order A B B A A B ..., each pair of blocks
+    a ratio of output tokens over seconds, the prefills between the steps in (a block is long
+    enough to carry its own mode's rhythm of arrivals; its first DWELL_SKIP steps, which carry
+    the other mode's, are not counted). The pairs' mean is the bucket's advantage, without the
+    medians, their corrections or their noise (AutoController._overheads)."""
+
+    index: int  # the bucket
+    first: Mode  # the mode of the first block
+    block_steps: int
+    pairs: int  # at least this many pairs
+    max_pairs: int  # at most
+    margin: float  # the pairs stop early once their mean is this far from a tie, beyond 2 sd
+    started: int  # the controller's step count at the start
+    blocks: list[tuple[float, float]] = field(default_factory=list)  # per block done: tokens, seconds
+    steps: int = 0  # recorded steps of the block going on
+    tokens: float = 0.0
+    seconds: float = 0.0
+    last: int = 0  # the controller's step count when a step last counted
+
+    @property
+    def mode(self) -> Mode:
+        """The mode of the block going on."""
+        return self.first if len(self.blocks) % 4 in (0, 3) else self.first.other()
+
+    @property
+    def done(self) -> bool:
+        """`pairs` pairs and their mean clear of a tie, or `max_pairs` pairs."""
+        pairs = len(self.blocks) // 2
+        if len(self.blocks) % 2 or pairs < self.pairs:
+            return False
+        mean, variance = self.verdict()
+        return pairs >= self.max_pairs or abs(mean) > self.margin + 2 * math.sqrt(variance)
+
+    def add(self, mode: Mode, seconds: float, tokens: int, now: int) -> None:
+        """A recorded step in the trial's bucket; one of the other mode (a step decided before the
+        block changed, recorded after) is not the block's."""
+        if mode is not self.mode or self.done:
+            return
+        self.steps += 1
+        self.last = now
+        if self.steps > DWELL_SKIP:
+            self.tokens += tokens
+            self.seconds += seconds
+        if self.steps >= self.block_steps:
+            self.blocks.append((self.tokens, self.seconds))
+            self.steps, self.tokens, self.seconds = 0, 0.0, 0.0
+
+    def verdict(self) -> tuple[float, float]:
+        """The mean over the pairs of log(speculative tokens/s / plain tokens/s), and its
+        variance (the pairs' spread over their count)."""
+        ratios = []
+        for k in range(0, len(self.blocks) - 1, 2):
+            (t0, s0), (t1, s1) = self.blocks[k], self.blocks[k + 1]
+            r = math.log(max(t0, 1.0) / s0) - math.log(max(t1, 1.0) / s1)
+            ratios.append(r if (self.first if k % 4 == 0 else self.first.other()) is Mode.SPECULATIVE else -r)
+        mean = statistics.fmean(ratios)
+        variance = statistics.variance(ratios) / len(ratios) if len(ratios) > 1 else math.inf
+        return mean, variance
 
 
 @dataclass(frozen=True)
@@ -132,11 +208,17 @@ class AutoController:
         # the measured buckets whose figures contradict their side or are within their noise: more
         # measurements there decide where the crossover goes
         self._undecided: set[int] = set()
+        self._trial: Trial | None = None
+        # per bucket, the last trial's mean, its variance and the step count when it ended
+        self._verdicts: dict[int, tuple[float, float, int]] = {}
+        self._verdict_new: int | None = None  # a bucket whose trial ended since the last update
+        self._tried: dict[int, int] = {}  # per bucket, the step count its last trial started at
         self._dwells: Dwells[Mode] = Dwells()
         # per mode, (bucket index, overhead ratio, its relative variance) where it dwelt: _overheads
         self._dwelt: dict[Mode, list[tuple[int, float, float]]] | None = None
         self.steps = 0
         self.explore_steps = 0
+        self.trial_steps = 0  # steps a trial ran in the mode the crossover did not give
         self.mode_changes = 0
         self.crossover_changes = 0
         self.steps_by_mode = dict.fromkeys(Mode, 0)
@@ -165,9 +247,13 @@ class AutoController:
             self._mode = Mode.PLAIN
         elif self._mode is Mode.PLAIN and batch_size <= resume_batch_size(n):
             self._mode = Mode.SPECULATIVE
-        mode = self._explore(self._bucket(batch_size)) or self._mode
-        if mode is not self._mode:
-            self.explore_steps += 1
+        index = self._bucket(batch_size)
+        if self._trial is not None and self._trial.index == index:
+            mode = self._trial.mode
+            self.trial_steps += mode is not self._mode
+        else:
+            mode = self._explore(index) or self._mode
+            self.explore_steps += mode is not self._mode
         if mode is not self._last:
             self.mode_changes += 1
         self._last = mode
@@ -199,6 +285,13 @@ class AutoController:
         bucket.last_seen[mode] = self.steps
         if mode is Mode.SPECULATIVE:
             self._accept.add(output_tokens / batch_size, self.config.accept_memory, batch_size)
+        trial = self._trial
+        if trial is not None and trial.index == index:
+            trial.add(mode, step_seconds, output_tokens, self.steps)
+            if trial.done:
+                self._verdicts[index] = (*trial.verdict(), self.steps)
+                self._verdict_new = index
+                self._trial = None
 
     def note_idle(self) -> None:
         """The server ran nothing (no request left): the next batch takes its side by the
@@ -240,12 +333,17 @@ class AutoController:
 
     def estimates_text(self) -> str:
         """The buckets measured in both modes, for a log line: `low-high: speculative / plain
-        tokens/s (steps of each in the median, what each mode's dwells add to it)`."""
+        tokens/s (steps of each in the median, what each mode's dwells add to it)`; then the
+        buckets a trial decides: `low-high: trial speculative / plain N.NNNx [low-high, 2 sd]`."""
         parts = [f"{e.low}-{e.high}: {e.speculative_tok_s:.0f} / {e.plain_tok_s:.0f} tok/s "
                  f"({e.speculative_steps}/{e.plain_steps} steps"
                  + (f", x{e.speculative_overhead:.2f}/x{e.plain_overhead:.2f} by dwells)"
                     if (e.speculative_overhead, e.plain_overhead) != (1.0, 1.0) else ")")
                  for e in self.estimates() if e.speculative_tok_s is not None and e.plain_tok_s is not None]
+        for i, (mean, variance, _) in sorted(self._fresh_verdicts().items()):
+            sd = math.sqrt(variance)
+            parts.append(f"{self._bucket_range(i)}: trial speculative / plain {math.exp(mean):.3f}x "
+                         f"[{math.exp(mean - 2 * sd):.3f}-{math.exp(mean + 2 * sd):.3f}]")
         return "; ".join(parts) if parts else "no bucket measured in both modes yet"
 
     def state(self) -> dict[str, object]:
@@ -255,7 +353,17 @@ class AutoController:
                 "accept_length": round(accept, 3) if accept is not None else None,
                 "speculative_steps": self.steps_by_mode[Mode.SPECULATIVE],
                 "plain_steps": self.steps_by_mode[Mode.PLAIN], "explore_steps": self.explore_steps,
-                "mode_changes": self.mode_changes, "crossover_changes": self.crossover_changes}
+                "mode_changes": self.mode_changes, "crossover_changes": self.crossover_changes,
+                "trial": self.trial, "trial_steps": self.trial_steps}
+
+    @property
+    def trial(self) -> str | None:
+        """The bucket a trial runs in now (low-high), None where none does."""
+        return self._bucket_range(self._trial.index) if self._trial is not None else None
+
+    def _bucket_range(self, index: int) -> str:
+        b = self._buckets[index]
+        return f"{b.low}-{b.high}"
 
     # ------------------------------------------------------------------ inside
     def _bucket(self, batch_size: int) -> int:
@@ -301,6 +409,8 @@ class AutoController:
                 spec, plain, overhead_variance = seconds
                 variance = sum(b.seconds[m].relative_variance() for m in Mode) + overhead_variance
                 known[i] = (math.log(accept * plain / spec), variance)
+        for i, (mean, variance, _) in self._fresh_verdicts().items():
+            known[i] = (mean, variance)  # a trial's figure stands for the bucket's
         if not known:
             return None
         points = sorted(known)
@@ -384,25 +494,67 @@ class AutoController:
                 return k
         return best
 
+    def _fresh_verdicts(self) -> dict[int, tuple[float, float, int]]:
+        """The trials' figures not older than trial_gap steps, by bucket."""
+        return {i: v for i, v in self._verdicts.items() if self.steps - v[2] <= self.config.trial_gap}
+
+    def _after_trial(self, index: int) -> int:
+        """The split after a trial in bucket `index` ended: one bucket further where the trial's
+        mean says the other side of the split beyond the margin (the pairs' own noise aside: at a
+        tie either side costs as little, and the next trial there may move it back)."""
+        mean, bar = self._verdicts[index][0], self.config.margin
+        if index == self._split and mean > bar:
+            return index + 1
+        if index == self._split - 1 and mean < -bar:
+            return index
+        return self._split
+
+    def _trial_at(self, split: int, undecided: set[int]) -> int:
+        """The bucket a trial should run in now, else NO_TRIAL: on either side of the split, its
+        traffic there lately, its figures not deciding, no trial started there (done or given up)
+        within trial_gap steps."""
+        for i in (split, split - 1):
+            if (0 <= i < len(self._buckets) and i in undecided
+                    and self.steps - self._tried.get(i, -self.config.trial_gap - 1) > self.config.trial_gap):
+                seen = [s for s in self._buckets[i].last_seen.values() if s is not None]
+                if seen and self.steps - max(seen) <= self.config.update_every:
+                    return i
+        return NO_TRIAL
+
     def _update(self) -> None:
+        cfg = self.config
         advantages = self._advantages()
-        split = self._split if advantages is None else self._best_split(advantages, self.config.margin)
+        split = self._split if advantages is None else self._best_split(advantages, cfg.margin)
+        if self._verdict_new is not None:
+            split, self._verdict_new = self._after_trial(self._verdict_new), None
         undecided = set()
         if advantages is not None:
-            bar = self.config.margin
+            bar, fresh = cfg.margin, self._fresh_verdicts()
             for i, (d, variance) in enumerate(advantages):
                 # measured, and its figures say the other side, or neither beyond their noise: a
                 # bucket holds the split there only as long as that noise does, wherever it lies
                 against = d < 0 if i < split else d > 0
-                if self._counts(self._buckets[i]) and (against or abs(d) <= bar + 2 * math.sqrt(variance)):
+                if (i not in fresh and self._counts(self._buckets[i])
+                        and (against or abs(d) <= bar + 2 * math.sqrt(variance))):
                     undecided.add(i)
-        decision = Decision(split, frozenset(undecided))
+        trial = self._trial
+        if trial is not None and self.steps - max(trial.last, trial.started) > cfg.trial_timeout:
+            trial = None  # its traffic left the bucket
+        decision = Decision(split, frozenset(undecided),
+                            trial.index if trial is not None else self._trial_at(split, undecided))
         if self._agree is not None:
             decision = self._agree(decision)
         if decision.split != self._split:
             self._split = decision.split
             self.crossover_changes += 1
         self._undecided = set(decision.undecided)
+        if decision.trial == NO_TRIAL:
+            self._trial = None
+        elif self._trial is None or self._trial.index != decision.trial:
+            first = Mode.PLAIN if decision.trial < self._split else Mode.SPECULATIVE  # the other side first
+            self._trial = Trial(decision.trial, first, cfg.trial_block, cfg.trial_pairs, cfg.trial_max_pairs,
+                                cfg.margin, self.steps)
+            self._tried[decision.trial] = self.steps
 
     def _seed(self, prior: Prior) -> None:
         """The prior as one step per bucket and mode (the means of the batch sizes it gives there,

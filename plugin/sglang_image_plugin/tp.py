@@ -57,13 +57,14 @@ def broadcast_ints(cpu_group: Any, src: int, values: list[int]) -> list[int]:
 def tp_agree(cpu_group: Any, src: int, buckets: int) -> Callable[[Decision], Decision]:
     """`auto` under tensor parallelism: every rank takes rank `src`'s Decision. Each rank
     measures its own step times, and ranks that chose different step counts would run
-    collectives of different shapes; the controller calls this at the same steps on every
-    rank (once per AutoConfig.update_every decode steps), from the scheduler's thread."""
+    collectives of different shapes (where a trial runs is agreed too); the controller calls
+    this at the same steps on every rank (once per AutoConfig.update_every decode steps), from
+    the scheduler's thread."""
 
     def agree(decision: Decision) -> Decision:
         flags = [int(i in decision.undecided) for i in range(buckets)]
-        values = broadcast_ints(cpu_group, src, [decision.split, *flags])
-        return Decision(values[0], frozenset(i for i, f in enumerate(values[1:]) if f))
+        values = broadcast_ints(cpu_group, src, [decision.split, decision.trial, *flags])
+        return Decision(values[0], frozenset(i for i, f in enumerate(values[2:]) if f), values[1])
 
     return agree
 

@@ -823,7 +823,7 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
         ctl = controller.params.controller
         learned = run(traffic(20000))
         crossover = ctl.crossover()
-        explored = ctl.explore_steps
+        explored, tried = ctl.explore_steps, ctl.trial_steps
         # a ramp up through the crossover to the top and back, 8 steps per batch size
         ramp = [b for b in [*range(1, 257), *range(256, 0, -1)] for _ in range(8)]
         crossovers = []
@@ -836,7 +836,8 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
               "max_batch_size": ctl.config.max_batch_size, "built": built,
               "crossover": crossover, "ramp_crossovers": sorted(set(crossovers)),
               "ramp": ramp, "ramp_steps": ramp_steps, "ramp_explored": ctl.explore_steps - explored,
-              "burst": ctl.config.explore_steps,
+              "ramp_tried": ctl.trial_steps - tried, "trial_bound": 2 * (len(ramp) // ctl.config.trial_gap + 1)
+              * (ctl.config.trial_steps + 2), "burst": ctl.config.explore_steps,
               "unrecorded": controller.params.dropped, "state": state["speculative_disable"],
               "gauge": REGISTRY.get_sample_value("sglang:spec_disable_crossover",
                                                  Scheduler.metrics_collector.labels),
@@ -854,13 +855,15 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
     assert out["crossover"] == 32 and out["ramp_crossovers"] == [32]
     assert out["unrecorded"] <= 1  # every step timed and paired with its result, the last aside
     # on the ramp the worker switches as a fixed threshold 32 would (plain above 32,
-    # speculative again at <= 28), except for the bounded exploration steps
+    # speculative again at <= 28), except for the bounded exploration and trial steps
     expected, mode = [], 3
     for bs in out["ramp"]:
         mode = 0 if mode == 3 and bs > 32 else 3 if mode == 0 and bs <= 28 else mode
         expected.append(mode)
     mismatches = sum(a != b for a, b in zip(out["ramp_steps"], expected, strict=True))
-    assert mismatches == out["ramp_explored"] <= (len(out["ramp"]) // 256 + 1) * out["burst"]
+    assert mismatches == out["ramp_explored"] + out["ramp_tried"]
+    assert out["ramp_explored"] <= (len(out["ramp"]) // 256 + 1) * out["burst"]
+    assert out["ramp_tried"] <= out["trial_bound"]
     assert 0 in out["ramp_steps"] and 3 in out["ramp_steps"]
     # reported: server info, the gauge, the mode line
     assert out["state"]["threshold"] == "auto" and out["state"]["crossover"] == 32
