@@ -135,8 +135,9 @@ class Trial:
         return self.first if len(self.blocks) % 4 in (0, 3) else self.first.other()
 
     @property
-    def done(self) -> bool:
-        """`pairs` pairs and their mean clear of a tie, or `max_pairs` pairs."""
+    def concluded(self) -> bool:
+        """`pairs` pairs and their mean clear of a tie, or `max_pairs` pairs. (It rests on this
+        rank's seconds: ranks agree on the end through Decision.trial.)"""
         pairs = len(self.blocks) // 2
         if len(self.blocks) % 2 or pairs < self.pairs:
             return False
@@ -145,8 +146,9 @@ class Trial:
 
     def add(self, mode: Mode, seconds: float, tokens: int, now: int) -> None:
         """A recorded step in the trial's bucket; one of the other mode (a step decided before the
-        block changed, recorded after) is not the block's."""
-        if mode is not self.mode or self.done:
+        block changed, recorded after) is not the block's. The blocks end by the count of steps
+        alone, so that every rank's run alike."""
+        if mode is not self.mode or len(self.blocks) >= 2 * self.max_pairs:
             return
         self.steps += 1
         self.last = now
@@ -209,9 +211,9 @@ class AutoController:
         # measurements there decide where the crossover goes
         self._undecided: set[int] = set()
         self._trial: Trial | None = None
-        # per bucket, the last trial's mean, its variance and the step count when it ended
-        self._verdicts: dict[int, tuple[float, float, int]] = {}
-        self._verdict_new: int | None = None  # a bucket whose trial ended since the last update
+        # per bucket, the last trial's mean, its variance, the step count when it ended and the
+        # live accept length then
+        self._verdicts: dict[int, tuple[float, float, int, float | None]] = {}
         self._tried: dict[int, int] = {}  # per bucket, the step count its last trial started at
         self._dwells: Dwells[Mode] = Dwells()
         # per mode, (bucket index, overhead ratio, its relative variance) where it dwelt: _overheads
@@ -285,13 +287,8 @@ class AutoController:
         bucket.last_seen[mode] = self.steps
         if mode is Mode.SPECULATIVE:
             self._accept.add(output_tokens / batch_size, self.config.accept_memory, batch_size)
-        trial = self._trial
-        if trial is not None and trial.index == index:
-            trial.add(mode, step_seconds, output_tokens, self.steps)
-            if trial.done:
-                self._verdicts[index] = (*trial.verdict(), self.steps)
-                self._verdict_new = index
-                self._trial = None
+        if self._trial is not None and self._trial.index == index:
+            self._trial.add(mode, step_seconds, output_tokens, self.steps)
 
     def note_idle(self) -> None:
         """The server ran nothing (no request left): the next batch takes its side by the
@@ -340,7 +337,7 @@ class AutoController:
                  + (f", x{e.speculative_overhead:.2f}/x{e.plain_overhead:.2f} by dwells)"
                     if (e.speculative_overhead, e.plain_overhead) != (1.0, 1.0) else ")")
                  for e in self.estimates() if e.speculative_tok_s is not None and e.plain_tok_s is not None]
-        for i, (mean, variance, _) in sorted(self._fresh_verdicts().items()):
+        for i, (mean, variance) in sorted(self._fresh_verdicts().items()):
             sd = math.sqrt(variance)
             parts.append(f"{self._bucket_range(i)}: trial speculative / plain {math.exp(mean):.3f}x "
                          f"[{math.exp(mean - 2 * sd):.3f}-{math.exp(mean + 2 * sd):.3f}]")
@@ -409,7 +406,7 @@ class AutoController:
                 spec, plain, overhead_variance = seconds
                 variance = sum(b.seconds[m].relative_variance() for m in Mode) + overhead_variance
                 known[i] = (math.log(accept * plain / spec), variance)
-        for i, (mean, variance, _) in self._fresh_verdicts().items():
+        for i, (mean, variance) in self._fresh_verdicts().items():
             known[i] = (mean, variance)  # a trial's figure stands for the bucket's
         if not known:
             return None
@@ -494,15 +491,20 @@ class AutoController:
                 return k
         return best
 
-    def _fresh_verdicts(self) -> dict[int, tuple[float, float, int]]:
-        """The trials' figures not older than trial_gap steps, by bucket."""
-        return {i: v for i, v in self._verdicts.items() if self.steps - v[2] <= self.config.trial_gap}
+    def _fresh_verdicts(self) -> dict[int, tuple[float, float]]:
+        """The trials' figures not older than trial_gap steps, by bucket: the mean and its
+        variance, the mean moved by the live accept length's change since (a speculative step's
+        tokens scale with it, as the estimate applies it to every bucket)."""
+        accept = self._accept.value
+        return {i: (mean + (math.log(accept / then) if accept and then else 0.0), variance)
+                for i, (mean, variance, at, then) in self._verdicts.items()
+                if self.steps - at <= self.config.trial_gap}
 
-    def _after_trial(self, index: int) -> int:
-        """The split after a trial in bucket `index` ended: one bucket further where the trial's
-        mean says the other side of the split beyond the margin (the pairs' own noise aside: at a
-        tie either side costs as little, and the next trial there may move it back)."""
-        mean, bar = self._verdicts[index][0], self.config.margin
+    def _after_trial(self, index: int, mean: float) -> int:
+        """The split after a trial in bucket `index` ended with `mean`: one bucket further where it
+        says the other side of the split beyond the margin (the pairs' own noise aside: at a tie
+        either side costs as little, and the next trial there may move it back)."""
+        bar = self.config.margin
         if index == self._split and mean > bar:
             return index + 1
         if index == self._split - 1 and mean < -bar:
@@ -525,8 +527,11 @@ class AutoController:
         cfg = self.config
         advantages = self._advantages()
         split = self._split if advantages is None else self._best_split(advantages, cfg.margin)
-        if self._verdict_new is not None:
-            split, self._verdict_new = self._after_trial(self._verdict_new), None
+        trial, next_trial = self._trial, NO_TRIAL
+        if trial is not None and trial.concluded:
+            split = self._after_trial(trial.index, trial.verdict()[0])
+        elif trial is not None and self.steps - max(trial.last, trial.started) <= cfg.trial_timeout:
+            next_trial = trial.index  # going on (given up where its traffic left the bucket)
         undecided = set()
         if advantages is not None:
             bar, fresh = cfg.margin, self._fresh_verdicts()
@@ -537,20 +542,20 @@ class AutoController:
                 if (i not in fresh and self._counts(self._buckets[i])
                         and (against or abs(d) <= bar + 2 * math.sqrt(variance))):
                     undecided.add(i)
-        trial = self._trial
-        if trial is not None and self.steps - max(trial.last, trial.started) > cfg.trial_timeout:
-            trial = None  # its traffic left the bucket
-        decision = Decision(split, frozenset(undecided),
-                            trial.index if trial is not None else self._trial_at(split, undecided))
+        if trial is None:
+            next_trial = self._trial_at(split, undecided)
+        decision = Decision(split, frozenset(undecided), next_trial)
         if self._agree is not None:
             decision = self._agree(decision)
         if decision.split != self._split:
             self._split = decision.split
             self.crossover_changes += 1
         self._undecided = set(decision.undecided)
-        if decision.trial == NO_TRIAL:
+        if trial is not None and decision.trial != trial.index:  # it ended (rank 0's word)
+            if len(trial.blocks) >= 2 * trial.pairs:
+                self._verdicts[trial.index] = (*trial.verdict(), self.steps, self._accept.value)
             self._trial = None
-        elif self._trial is None or self._trial.index != decision.trial:
+        if decision.trial != NO_TRIAL and self._trial is None:
             first = Mode.PLAIN if decision.trial < self._split else Mode.SPECULATIVE  # the other side first
             self._trial = Trial(decision.trial, first, cfg.trial_block, cfg.trial_pairs, cfg.trial_max_pairs,
                                 cfg.margin, self.steps)

@@ -250,6 +250,35 @@ def test_tensor_parallel_ranks_agree_through_the_callback():
                if b > 4)
 
 
+def test_ranks_with_their_own_step_times_run_their_trials_alike():
+    """Tensor-parallel ranks time their steps apart (each its own noise) and must still run
+    every step in the same mode: a trial's blocks end by counts of steps, and whether its pairs
+    have decided (which rests on each rank's seconds) reaches the ranks through rank 0's
+    Decision, as the crossover does."""
+    said: list[Decision] = []
+
+    def rank0_tells(decision: Decision) -> Decision:
+        said.append(decision)
+        return decision
+
+    cfg = AutoConfig(max_batch_size=4096)
+    ranks = [AutoController(cfg, agree=rank0_tells), AutoController(cfg, agree=lambda _: said[-1])]
+    noise = [random.Random(1), random.Random(2)]
+    rng = random.Random(3)
+    modes: list[list[Mode]] = [[], []]
+    for _ in range(30000):
+        batch = 220 - rng.randint(0, 6) if rng.random() < 0.9 else 128  # near a tie: trials
+        step = [ctl.decide(batch) for ctl in ranks]  # rank 0 first, as its broadcast comes first
+        for r, ctl in enumerate(ranks):
+            mode = step[r]
+            seconds = h100_line(H100_MEDIAN[mode], batch) * math.exp(noise[r].gauss(0, 0.6))
+            ctl.record(mode, batch, seconds, round(batch * H100_ACCEPT) if mode is Mode.SPECULATIVE else batch)
+            modes[r].append(mode)
+    assert ranks[0].trial_steps > 0
+    assert modes[0] == modes[1]
+    assert [c.crossover() for c in ranks] == [ranks[0].crossover()] * 2
+
+
 def test_switches_like_a_fixed_threshold_around_the_crossover():
     assert [resume_batch_size(n) for n in (0, 1, 2, 8, 16, 64, 256)] == [0, 1, 1, 7, 14, 56, 224]
     prior = Prior(3.2, {b: CostModel().seconds(Mode.SPECULATIVE, b) for b in (1, 64, 128)},
