@@ -11,8 +11,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-# The flag, its parser and the fixed threshold's hysteresis live with the other flags.
 from sglang_image_plugin.auto_estimate import DWELL_SKIP
+
+# The flag, its parser and the fixed threshold's hysteresis live with the other flags.
 from sglang_image_plugin.setting import THRESHOLD_FLAG, default_hysteresis
 
 

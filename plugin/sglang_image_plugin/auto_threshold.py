@@ -110,7 +110,7 @@ class Decision:
 @dataclass
 class Trial:
     """Both modes compared in one bucket as the bench compares two servers: blocks of
-    `block_steps` recorded steps of one mode, in the order A B B A A B ..., each pair of blocks
+    trial_block recorded steps of one mode, in the order A B B A A B ..., each pair of blocks
     a ratio of output tokens over seconds, the prefills between the steps in (a block is long
     enough to carry its own mode's rhythm of arrivals; its first DWELL_SKIP steps, which carry
     the other mode's, are not counted). The pairs' mean is the bucket's advantage, without the
@@ -118,44 +118,50 @@ class Trial:
 
     index: int  # the bucket
     first: Mode  # the mode of the first block
-    block_steps: int
-    pairs: int  # at least this many pairs
-    max_pairs: int  # at most
-    margin: float  # the pairs stop early once their mean is this far from a tie, beyond 2 sd
-    started: int  # the controller's step count at the start
+    config: AutoConfig  # trial_block, trial_pairs, trial_max_pairs, margin
+    last: int  # the controller's step count at the start, then when a step last counted
     blocks: list[tuple[float, float]] = field(default_factory=list)  # per block done: tokens, seconds
     steps: int = 0  # recorded steps of the block going on
     tokens: float = 0.0
     seconds: float = 0.0
-    last: int = 0  # the controller's step count when a step last counted
+
+    def mode_of(self, block: int) -> Mode:
+        """The mode of block number `block` (A B B A: each pair's order turns, so a drift of the
+        traffic falls on both modes alike)."""
+        return self.first if block % 4 in (0, 3) else self.first.other()
 
     @property
     def mode(self) -> Mode:
         """The mode of the block going on."""
-        return self.first if len(self.blocks) % 4 in (0, 3) else self.first.other()
+        return self.mode_of(len(self.blocks))
+
+    @property
+    def pairs(self) -> int:
+        return len(self.blocks) // 2
 
     @property
     def concluded(self) -> bool:
-        """`pairs` pairs and their mean clear of a tie, or `max_pairs` pairs. (It rests on this
-        rank's seconds: ranks agree on the end through Decision.trial.)"""
-        pairs = len(self.blocks) // 2
-        if len(self.blocks) % 2 or pairs < self.pairs:
+        """trial_pairs pairs and their mean clear of a tie by the margin and 2 sd, or
+        trial_max_pairs pairs. (It rests on this rank's seconds: ranks agree on the end through
+        Decision.trial.)"""
+        cfg = self.config
+        if len(self.blocks) % 2 or self.pairs < cfg.trial_pairs:
             return False
         mean, variance = self.verdict()
-        return pairs >= self.max_pairs or abs(mean) > self.margin + 2 * math.sqrt(variance)
+        return self.pairs >= cfg.trial_max_pairs or abs(mean) > cfg.margin + 2 * math.sqrt(variance)
 
     def add(self, mode: Mode, seconds: float, tokens: int, now: int) -> None:
         """A recorded step in the trial's bucket; one of the other mode (a step decided before the
         block changed, recorded after) is not the block's. The blocks end by the count of steps
-        alone, so that every rank's run alike."""
-        if mode is not self.mode or len(self.blocks) >= 2 * self.max_pairs:
+        alone, so that every rank's end alike."""
+        if mode is not self.mode or self.pairs >= self.config.trial_max_pairs:
             return
         self.steps += 1
         self.last = now
         if self.steps > DWELL_SKIP:
             self.tokens += tokens
             self.seconds += seconds
-        if self.steps >= self.block_steps:
+        if self.steps >= self.config.trial_block:
             self.blocks.append((self.tokens, self.seconds))
             self.steps, self.tokens, self.seconds = 0, 0.0, 0.0
 
@@ -166,7 +172,7 @@ class Trial:
         for k in range(0, len(self.blocks) - 1, 2):
             (t0, s0), (t1, s1) = self.blocks[k], self.blocks[k + 1]
             r = math.log(max(t0, 1.0) / s0) - math.log(max(t1, 1.0) / s1)
-            ratios.append(r if (self.first if k % 4 == 0 else self.first.other()) is Mode.SPECULATIVE else -r)
+            ratios.append(r if self.mode_of(k) is Mode.SPECULATIVE else -r)
         mean = statistics.fmean(ratios)
         variance = statistics.variance(ratios) / len(ratios) if len(ratios) > 1 else math.inf
         return mean, variance
@@ -530,7 +536,7 @@ class AutoController:
         trial, next_trial = self._trial, NO_TRIAL
         if trial is not None and trial.concluded:
             split = self._after_trial(trial.index, trial.verdict()[0])
-        elif trial is not None and self.steps - max(trial.last, trial.started) <= cfg.trial_timeout:
+        elif trial is not None and self.steps - trial.last <= cfg.trial_timeout:
             next_trial = trial.index  # going on (given up where its traffic left the bucket)
         undecided = set()
         if advantages is not None:
@@ -552,13 +558,12 @@ class AutoController:
             self.crossover_changes += 1
         self._undecided = set(decision.undecided)
         if trial is not None and decision.trial != trial.index:  # it ended (rank 0's word)
-            if len(trial.blocks) >= 2 * trial.pairs:
+            if trial.pairs >= cfg.trial_pairs:
                 self._verdicts[trial.index] = (*trial.verdict(), self.steps, self._accept.value)
             self._trial = None
         if decision.trial != NO_TRIAL and self._trial is None:
             first = Mode.PLAIN if decision.trial < self._split else Mode.SPECULATIVE  # the other side first
-            self._trial = Trial(decision.trial, first, cfg.trial_block, cfg.trial_pairs, cfg.trial_max_pairs,
-                                cfg.margin, self.steps)
+            self._trial = Trial(decision.trial, first, cfg, self.steps)
             self._tried[decision.trial] = self.steps
 
     def _seed(self, prior: Prior) -> None:
