@@ -8,7 +8,9 @@ included. Where the two disagree between the modes, the crossover it learns is n
 traffic sees: these rows show both side by side, and a third reading, by dwells: all tokens over
 all time in runs of at least DWELL_STEPS steps of one mode in one bucket, the first DWELL_SKIP
 of each run left out (the arrivals there are still the other mode's). A short burst of a mode
-carries few of the prefills its own rhythm brings; a dwell carries them. --replay feeds the same
+carries few of the prefills its own rhythm brings; a dwell carries them. Then a line per trial
+the server ran (its paired blocks of both modes in a tied bucket at the crossover): what each
+mode made there and where the crossover went. --replay feeds the same
 steps, in the same order, to a fresh controller with other settings (AutoConfig's fields; none:
 today's) and prints the crossovers it would have moved to beside the server's: an estimator change
 tried on a GPU's steps (--leave-out-prefills: the estimate without the steps a prefill fell in).
@@ -157,6 +159,50 @@ def render(rows: list[Row] | list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def trials(records: Iterable[dict[str, Any]]) -> list[str]:
+    """A line per trial the server ran (its steps carry the trial's bucket, `trial`): where and
+    when, the steps of each mode it recorded in that bucket meanwhile, their tokens over their
+    seconds, and the crossover before and after it."""
+    lines: list[str] = []
+    current: dict[str, Any] | None = None
+
+    def close() -> None:
+        if current is None:
+            return
+        made = current["made"]  # per mode: tokens, seconds, steps
+        tok_s = {k: made[k][0] / made[k][1] for k in KINDS if made[k][1] > 0}
+        ratio = (f"; speculative / plain {tok_s['speculative'] / tok_s['plain']:.3f}x by the sums"
+                 if len(tok_s) == len(KINDS) else "")
+        lines.append(f"trial at {current['bucket']} from {current['t']:.1f}s: "
+                     + " / ".join(f"{made[k][2]} {k}" for k in KINDS) + f" steps recorded there{ratio}; "
+                     f"crossover {current['before']} -> {current['after']}")
+
+    t0 = None
+    for r in records:
+        if r.get("kind") not in KINDS or not r.get("batch"):
+            continue
+        t0 = float(r["t"]) if t0 is None else t0
+        bucket = r.get("trial")
+        if bucket != (current["bucket"] if current else None):
+            if current is not None:
+                current["after"] = r.get("crossover")  # the first step after it: the move it made
+            close()
+            current = None if bucket is None else {"bucket": bucket, "t": float(r["t"]) - t0,
+                                                    "before": r.get("crossover"),
+                                                    "made": {k: [0, 0.0, 0] for k in KINDS}}
+        if current is None:
+            continue
+        current["after"] = r.get("crossover")
+        low, high = bucket_of(int(r["batch"]))
+        if f"{low}-{high}" == bucket and r.get("recorded"):
+            made = current["made"][str(r["kind"])]
+            made[0] += int(r["tokens"])
+            made[1] += float(r["seconds"])
+            made[2] += 1
+    close()
+    return lines
+
+
 def parse_settings(raw: str) -> dict[str, Any]:
     """`step_noise=0.05,stale_steps=2048` into AutoConfig's fields, typed as they are there; a
     SystemExit naming the key and the fields for a wrong one."""
@@ -241,7 +287,7 @@ def main(a: argparse.Namespace) -> int:
             raise SystemExit(f"{path}: no such trace (a server with {THRESHOLD_TRACE_HINT} writes one)")
         records = read(path)
         print(f"{path}:")
-        for line in render(summarize(records)):
+        for line in [*render(summarize(records)), *trials(records)]:
             print(f"  {line}")
         if settings is not None:
             t0 = min((float(r["t"]) for r in records if "t" in r), default=0.0)

@@ -53,6 +53,30 @@ def test_auto_s_step_trace_is_read_back_per_bucket_and_mode(tmp_path, capsys):
         bench_main(["auto-trace", str(tmp_path / "none.jsonl")])
 
 
+def test_a_trial_s_steps_are_read_back_as_one_line():
+    """A trial's steps carry its bucket: one line says where and when it ran, what each mode made
+    there meanwhile (a step in another bucket, or one not recorded, aside) and how the crossover
+    moved."""
+    from bench import autotrace
+
+    def step(t, kind, batch, seconds, tokens, trial=None, crossover=160, recorded=True):
+        return {"t": t, "kind": kind, "batch": batch, "seconds": seconds, "tokens": tokens,
+                "recorded": recorded, "prefills": 0, "crossover": crossover,
+                **({"trial": trial} if trial else {})}
+
+    records = [step(0.0, "plain", 192, 0.01, 192),
+               *[step(1.0, "speculative", 190, 0.03, 570, "161-192") for _ in range(10)],
+               step(1.5, "plain", 128, 0.008, 128, "161-192"),  # another bucket
+               step(1.6, "plain", 192, 0.5, 192, "161-192", recorded=False),  # not recorded
+               *[step(2.0, "plain", 192, 0.01, 192, "161-192") for _ in range(10)],
+               step(3.0, "speculative", 190, 0.03, 570, crossover=192)]
+    lines = autotrace.trials(records)
+    ratio = (5700 / 0.3) / (1920 / 0.1)
+    assert lines == [(f"trial at 161-192 from 1.0s: 10 speculative / 10 plain steps recorded there; "
+                      f"speculative / plain {ratio:.3f}x by the sums; crossover 160 -> 192")]
+    assert autotrace.trials(records[:1]) == []
+
+
 def test_a_dwell_is_a_long_enough_run_of_one_mode_in_one_bucket():
     """A burst of a few steps is no dwell; any other step ends a run (another mode or bucket, one
     not recorded); the prefills between steps do not, their time being in the next step's."""
