@@ -123,7 +123,7 @@ class AutoConfig:
         return max(1, round(math.pi / 2 * (1 + self.memory) / (1 - self.memory)))
 
     @property
-    def trial_steps(self) -> int:
+    def most_trial_steps(self) -> int:
         """The most steps one trial runs in the mode the crossover does not give its bucket."""
         return self.trial_max_pairs * self.trial_block
 

@@ -206,7 +206,7 @@ def test_exploration_is_bounded_and_covers_every_bucket_visited():
     assert explored == ctl.explore_steps + ctl.trial_steps and ctl.explore_steps > 0
     assert ctl.explore_steps <= cfg.explore_share * len(batches) + cfg.explore_steps
     # trials: one at a time, on either side of the crossover, one a bucket every trial_gap steps
-    assert ctl.trial_steps <= 2 * (len(batches) // cfg.trial_gap + 1) * (cfg.trial_steps + 2)
+    assert ctl.trial_steps <= 2 * (len(batches) // cfg.trial_gap + 1) * (cfg.most_trial_steps + 2)
     assert all(e.speculative_tok_s and e.plain_tok_s for e in ctl.estimates())
     # a steady load in one bucket re-measures the other mode once per stale period, no more
     steady = AutoController(AutoConfig(max_batch_size=MAX_BATCH, stale_steps=2000))
@@ -980,7 +980,7 @@ def test_a_tie_set_on_a_warm_up_s_few_steps_is_tried_and_set_right():
         shares.append(tokens / seconds / best)
         crossovers.append(ctl.crossover())
         texts.append(ctl.estimates_text())
-        assert ctl.trial_steps <= 2 * (ctl.config.trial_steps + 2) and ctl.state()["trial_steps"] == ctl.trial_steps
+        assert ctl.trial_steps <= 2 * (ctl.config.most_trial_steps + 2) and ctl.state()["trial_steps"] == ctl.trial_steps
     # the log line names the trial's figure, e.g. "161-192: trial speculative / plain 1.098x [...]"
     assert sum("161-192: trial speculative / plain" in t for t in texts) >= 24, texts
     assert sum(c >= 192 for c in crossovers) >= 22, crossovers

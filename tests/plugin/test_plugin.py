@@ -837,7 +837,7 @@ def test_worker_auto_learns_the_crossover_and_reports_it(run_in_tree, tree, plug
               "crossover": crossover, "ramp_crossovers": sorted(set(crossovers)),
               "ramp": ramp, "ramp_steps": ramp_steps, "ramp_explored": ctl.explore_steps - explored,
               "ramp_tried": ctl.trial_steps - tried, "trial_bound": 2 * (len(ramp) // ctl.config.trial_gap + 1)
-              * (ctl.config.trial_steps + 2), "burst": ctl.config.explore_steps,
+              * (ctl.config.most_trial_steps + 2), "burst": ctl.config.explore_steps,
               "unrecorded": controller.params.dropped, "state": state["speculative_disable"],
               "gauge": REGISTRY.get_sample_value("sglang:spec_disable_crossover",
                                                  Scheduler.metrics_collector.labels),
