@@ -36,6 +36,16 @@ def mode_of(base: str) -> tuple[str | None, int | None, int | None]:
     return st.get("mode"), crossover if isinstance(crossover, int) else None, st.get("mode_changes")
 
 
+def trial_of(base: str) -> str | None:
+    """The batch-size bucket (low-high) where an `auto` server runs a trial now; None where none
+    runs or it says nothing."""
+    try:
+        trial = speculation_state(base).get("trial")
+    except (SmokeError, client.HTTPFailure, ValueError):
+        return None
+    return trial if isinstance(trial, str) else None
+
+
 def learned_schedule_of(base: str) -> str | None:
     """The depth schedule a schedule server runs now (`auto`: the one it learned), in the flag's
     grammar; None where it says nothing."""

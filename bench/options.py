@@ -59,6 +59,8 @@ class BenchOptions:
     # `auto` servers run this long under the window's load at every concurrency before the blocks:
     # it learns where speculation stops paying once per batch size, as a serving server has done
     auto_learn_s: float = 5.0
+    # at most this much longer at a level while eagle3_auto runs a trial there (auto_threshold.Trial)
+    auto_trial_s: float = 20.0
     port: int = 30000  # the first port tried; each server takes the next free one
     # each server's --mem-fraction-static: the most of the memory free at its start that it may
     # count for its weights and KV pool; the pool itself is max_total_tokens, the same for all
@@ -129,6 +131,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "auto-learn-s", type=float, default=5.0,
                     help="seconds eagle3_auto runs each level's load before the blocks (0: it learns in "
                          "the first block, as a newly started server does)")
+    ap.add_argument(p + "auto-trial-s", type=float, default=20.0,
+                    help="at most this many seconds more at a level of the learning pass while eagle3_auto "
+                         "runs a trial (both modes in turn on a tied bucket): a trial the pass began ends "
+                         "in it, not in the blocks (0: the pass never runs longer)")
     ap.add_argument(p + "ramp-cycles", type=int, default=0, help="ramp up and down this many times (0: none)")
     ap.add_argument(p + "ramp-hold", type=float, default=2.0, help="seconds per ramp level")
     ap.add_argument(p + "mem-share", type=float, default=0.85,
@@ -194,6 +200,8 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("output-spread", "must be in [0, 1): lengths within the mean times 1 -+ it")
     if get("auto-learn-s") < 0:
         raise refuse("auto-learn-s", "must be >= 0 seconds (0: no learning before the blocks)")
+    if get("auto-trial-s") < 0:
+        raise refuse("auto-trial-s", "must be >= 0 seconds (0: the learning pass never runs longer)")
     if get("ramp-cycles") < 0 or get("ramp-hold") <= 0 or get("pairs") + get("ramp-cycles") == 0:
         raise SystemExit(f"--{prefix}ramp-cycles {get('ramp-cycles')} / --{prefix}ramp-hold {get('ramp-hold')}: "
                          f"need cycles >= 0 (> 0 with --{prefix}pairs 0) and a hold > 0 seconds")
@@ -215,6 +223,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             "switching_defaults": get("switching-defaults"), "pairs": get("pairs"),
             "window_s": get("window-s"), "settle_s": get("settle-s"),
             "output_spread": get("output-spread"), "auto_learn_s": get("auto-learn-s"),
+            "auto_trial_s": get("auto-trial-s"),
             "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
             "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),
             "cpus_per_server": get("cpus-per-server"),

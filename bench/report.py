@@ -395,8 +395,11 @@ def learned_notes(result: dict[str, Any]) -> list[str]:
     out = []
     for name, got in (result.get("learned") or {}).items():
         after = ", ".join(f"{c}: {x}" for c, x in (got.get("crossover_after") or {}).items())
+        longer = ", ".join(f"{c}: {fmt2(x)} s" for c, x in (got.get("trial_s") or {}).items())
         out.append(f"- {label(result, name)}: {fmt2(got.get('seconds_per_level'))} s under each level's load before the "
-                   f"blocks (prompts no window sends); crossover after each level: {after or 'not read'}")
+                   f"blocks (prompts no window sends)"
+                   + (f", longer where a trial ran on ({longer})" if longer else "")
+                   + f"; crossover after each level: {after or 'not read'}")
     return out
 
 

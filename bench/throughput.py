@@ -66,6 +66,7 @@ from bench.checks import (
     mode_of,
     over_max,
     server_checks,
+    trial_of,
 )
 from bench.options import (
     BenchOptions,
@@ -94,6 +95,7 @@ ADAPTIVE_CONFIG = {
     "64": {"candidate_steps": [0], "up_hysteresis": 0.0, "down_hysteresis": 0.0, "ceiling_coeff": 0},
 }
 START_S = 150  # the servers' start, side by side, budgeted until measured
+TRIAL_CHUNK_S = 5.0  # the learning pass looks again whether a trial still runs this often
 WARM_S = 15  # one server's warm-up (they warm up one after the other), budgeted until measured
 
 
@@ -147,6 +149,32 @@ def kv_pool(srv: Server) -> int:
         return int(client.load(srv.base).get("max_total_num_tokens") or 0)
     except (client.HTTPFailure, KeyError, IndexError, TypeError, ValueError):
         return 0
+
+
+class PoolTooSmall(RuntimeError):
+    """A server came up with less KV room than every server was given: its blocks would measure
+    requests waiting for room, not decoding."""
+
+    def __init__(self, cause: str):
+        super().__init__(cause)
+        self.cause = cause  # the run's failure says it as it is (run_bench)
+
+
+def short_pool_check(pools: dict[str, int], opts: BenchOptions) -> None:
+    """Before any block: each server holds the pool it was given (0: not read, not judged).
+    SGLang sizes a pool from the memory free when that server loads, so the last of several
+    servers side by side gets what the others left, silently (a GPU run of 2026-12-07: three
+    8B-shaped servers sized for 192 requests on 78 GiB, the third held 2,107 of 81,100 tokens,
+    found only after its blocks)."""
+    asked = opts.max_total_tokens or pool_tokens(opts)
+    short = {name: tokens for name, tokens in pools.items() if 0 < tokens < asked}
+    if short:
+        held = ", ".join(f"{name} {tokens:,}" for name, tokens in short.items())
+        raise PoolTooSmall(
+            f"KV pool short of the {asked:,} tokens every server was given (--max-total-tokens): {held}; "
+            f"the GPU's memory does not hold these {len(pools)} servers' weights and pools side by side: "
+            "run fewer servers in one call (--configs), or a lower top --concurrency, or give every "
+            "server a smaller pool (--max-total-tokens)")
 
 
 def warm_up(base: str, opts: BenchOptions) -> None:
@@ -277,6 +305,7 @@ class Bench:
             self.result.setdefault("cpus", {})[name] = list(self.pool.entries[name].cpus)
             self.result.setdefault("scheduler_cpus", {})[name] = self.pool.entries[name].scheduler_cpu
         pools = self.result["kv_pool_tokens"]
+        short_pool_check(pools, self.opts)
         if len(set(pools.values())) > 1 and not any(f.startswith("unequal KV pools") for f in self.result["checks"]):
             self.result["checks"].append(f"unequal KV pools {pools}: lower --mem-share or set --max-total-tokens "
                                          "so that every server holds the same")
@@ -300,16 +329,26 @@ class Bench:
         # what it learned by each level: the threshold's `auto` a crossover, the schedule's a schedule
         learned_at = learned_schedule_of if config_records(opts)[name].kind == "schedule" else (
             lambda base: mode_of(base)[1])
-        crossovers = {}
+        crossovers, trial_s = {}, {}
         for c in opts.concurrency:
             prompt_at = functools.partial(window_prompt, self.vocab, c, opts.output_len, 50, spread=opts.output_spread)
             m = measure(srv.base, prompt_at, c, 0.0, opts.auto_learn_s, opts.deadline.request_timeout(240),
                         opts.deadline.at - self.reserve())
+            # a trial this level began runs on here, not in the blocks (whose traffic would pay for
+            # its blocks in the worse mode: a GPU run of 2026-12-07), up to auto_trial_s more
+            more = 0.0
+            while not m.get("cut") and more < opts.auto_trial_s and trial_of(srv.base) is not None:
+                chunk = min(TRIAL_CHUNK_S, opts.auto_trial_s - more)
+                m = measure(srv.base, prompt_at, c, 0.0, chunk, opts.deadline.request_timeout(240),
+                            opts.deadline.at - self.reserve())
+                more += chunk
+            if more:
+                trial_s[str(c)] = more
             if m.get("cut"):
                 break
             crossovers[str(c)] = learned_at(srv.base)
         self.result.setdefault("learned", {})[name] = {"seconds_per_level": opts.auto_learn_s,
-                                                       "crossover_after": crossovers}
+                                                       "crossover_after": crossovers, "trial_s": trial_s}
         flush_cache(srv.base)
 
     def log_path(self, name: str) -> Path:

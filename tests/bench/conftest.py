@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from bench import options, servers, throughput
+from bench import options, servers, throughput, workload
 from smoke.deadline import Deadline
 from smoke.server import ServerConfig
 
@@ -99,6 +99,7 @@ class FakeLab:
         self.ramps: list[str] = []
         self.opts: options.BenchOptions | None = None
         self.deadline = Deadline(0.0)  # the one the bench's options hold
+        self.pool = 0  # the KV pool each server holds: the one it was given (server_config)
         self.tmp_path = tmp_path
         (tmp_path / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
         (tmp_path / "log").write_text("")
@@ -159,10 +160,11 @@ class FakeLab:
 
         def server_config(name: str, opts: options.BenchOptions) -> ServerConfig:
             self.deadline = opts.deadline  # the deadline of options the bench made itself (the command line)
+            self.pool = opts.max_total_tokens or workload.pool_tokens(opts)  # what each server holds
             return config(name, opts)
 
         monkeypatch.setattr(throughput, "server_config", server_config)
-        monkeypatch.setattr(throughput, "kv_pool", lambda srv: 5000)
+        monkeypatch.setattr(throughput, "kv_pool", lambda srv: self.pool)
         monkeypatch.setattr(throughput, "warm_up", lambda base, opts: self.spend(10))
         monkeypatch.setattr(throughput, "flush_cache", lambda base: None)
         monkeypatch.setattr(throughput, "measure", self.measure)

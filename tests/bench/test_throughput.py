@@ -533,7 +533,8 @@ def test_auto_learns_each_level_before_the_blocks(lab, monkeypatch):
     assert all(w[2] == 20.0 for w in windows[2:]) and len(windows) == 2 + 2 * 2 * 2
     learned_prompts = {w[3] for w in windows[:2]}
     assert not learned_prompts & {w[3] for w in windows[2:]}
-    assert result["learned"]["eagle3_auto"] == {"seconds_per_level": 3.0, "crossover_after": {"1": 32, "4": 32}}
+    assert result["learned"]["eagle3_auto"] == {"seconds_per_level": 3.0, "crossover_after": {"1": 32, "4": 32},
+                                                "trial_s": {}}
     assert set(result["learned"]) == {"eagle3_auto"}  # the fixed modes have nothing to learn
     md = bench_report.markdown(result)
     assert "3.00 s under each level's load before the blocks" in md and "crossover after each level: 1: 32, 4: 32" in md
@@ -542,6 +543,47 @@ def test_auto_learns_each_level_before_the_blocks(lab, monkeypatch):
     throughput.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0, auto_learn_s=0.0,
                                      registry=lab.tmp_path / "other.json"), {})
     assert all(w[2] == 20.0 for w in windows)
+
+
+def test_a_trial_the_learning_pass_began_runs_on_in_it_not_in_the_blocks(lab, monkeypatch):
+    """A GPU run of 2026-12-07: `auto` began a trial on a tied bucket and ran it in the blocks,
+    whose traffic paid for its blocks in the worse mode. The learning pass holds a level's load
+    while the server reports a trial, in 5 s pieces, up to --auto-trial-s more."""
+    monkeypatch.setattr(throughput, "auto_supported", lambda: True)
+    monkeypatch.setattr(throughput, "mode_of", lambda base: ("plain", 32, 3))
+    windows: list[tuple[str, int, float]] = []
+    measure = lab.measure
+
+    def recording(base, prompt_at, c, settle_s, window_s, *args, **kw):
+        windows.append((base.removeprefix("http://"), c, window_s))
+        return measure(base, prompt_at, c, settle_s, window_s, *args, **kw)
+
+    monkeypatch.setattr(throughput, "measure", recording)
+    # a trial at level 1 that ends after the second look; none at level 4
+    answers = iter(["1-1", "1-1", None, None])
+    monkeypatch.setattr(throughput, "trial_of", lambda base: next(answers))
+    result = throughput.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0,
+                                              auto_learn_s=3.0, auto_trial_s=12.0), {})
+    assert windows[:4] == [("eagle3_auto", 1, 3.0), ("eagle3_auto", 1, 5.0), ("eagle3_auto", 1, 5.0),
+                           ("eagle3_auto", 4, 3.0)]
+    assert all(w[2] == 20.0 for w in windows[4:])  # the blocks as before
+    assert result["learned"]["eagle3_auto"]["trial_s"] == {"1": 10.0}
+    assert "3.00 s under each level's load before the blocks (prompts no window sends), longer where a " \
+           "trial ran on (1: 10.00 s)" in bench_report.markdown(result)
+    # a trial that never ends: the level runs auto_trial_s more and no longer (5 + 5 + 2)
+    windows.clear()
+    monkeypatch.setattr(throughput, "trial_of", lambda base: "1-1")
+    result = throughput.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0, auto_learn_s=3.0,
+                                              auto_trial_s=12.0, registry=lab.tmp_path / "other.json"), {})
+    assert [w[2] for w in windows[:8]] == [3.0, 5.0, 5.0, 2.0, 3.0, 5.0, 5.0, 2.0]
+    assert result["learned"]["eagle3_auto"]["trial_s"] == {"1": 12.0, "4": 12.0}
+    # 0: the pass never runs longer, whatever the server says
+    windows.clear()
+    throughput.run_bench(lab.options(900, configs=("plain", "eagle3_auto"), ramp_cycles=0, auto_learn_s=3.0,
+                                     auto_trial_s=0.0, registry=lab.tmp_path / "third.json"), {})
+    assert [w[2] for w in windows[:2]] == [3.0, 3.0]
+    with pytest.raises(SystemExit, match="--auto-trial-s -1.0: must be >= 0"):
+        bench_options("--auto-trial-s", "-1")
 
 
 def test_each_window_keeps_its_server_s_host_counters_and_the_cpus_speed(lab, monkeypatch):
@@ -605,3 +647,28 @@ def test_metadata_glue_is_eagle3_with_upstream_s_glue_graph_on():
     rec = options.config_records(opts)["eagle3_metadata_glue"]
     assert (rec.kind, rec.steps, rec.switches) == ("fixed", 3, False)
     assert rec.label == "EAGLE-3 (metadata glue graph)"
+
+
+def test_a_server_short_of_its_kv_pool_ends_the_run_before_any_block(lab, monkeypatch):
+    """A GPU run of 2026-12-07: the third of three servers side by side held 2,107 of the 81,100
+    KV tokens each was given (SGLang sizes a pool from the memory the others left), and the run
+    measured every block before saying so. Now it stops before the first, naming the cause and
+    the fixes, and stops the servers (the same options would meet the same shortage)."""
+    opts = lab.options(600, configs=("plain", "eagle3", "eagle3_depth"), depths=(1,), max_total_tokens=81100)
+    monkeypatch.setattr(throughput, "kv_pool",
+                        lambda srv: 2107 if srv.base.endswith("plain") else 0 if "depth" in srv.base else 81100)
+    result = throughput.run_bench(opts, {})
+    assert lab.windows == []
+    failure = result["failures"][0]
+    assert failure.startswith("KV pool short of the 81,100 tokens every server was given")
+    assert "plain 2,107" in failure and "eagle3 " not in failure.split(";")[0]  # 0: not read, not judged
+    assert "fewer servers in one call" in failure and "--max-total-tokens" in failure
+    assert sorted(lab.stopped) == ["eagle3", "eagle3_depth1", "plain"]
+    assert result["not_measured"][0] == "concurrency 1: 2 of 2 blocks"
+    # without --max-total-tokens every server is given room for the top concurrency's requests
+    asked = int(1.1 * 4 * (64 + 320))
+    monkeypatch.setattr(throughput, "kv_pool", lambda srv: asked - 1)
+    assert throughput.run_bench(lab.options(600, registry=lab.tmp_path / "b.json"), {})["failures"][0].startswith(
+        f"KV pool short of the {asked:,} tokens")
+    monkeypatch.setattr(throughput, "kv_pool", lambda srv: asked)  # every pool as given: the run goes on
+    assert not throughput.run_bench(lab.options(600, registry=lab.tmp_path / "c.json"), {})["failures"]
