@@ -10,6 +10,15 @@ A difference beyond --tolerance fails the command. The shape's defaults are the 
 query heads, 8 KV heads, head dim 128); the default contexts bracket the benchmark's short
 prompts (about 200 tokens) and a chat's (2,048).
 
+Beside them, two figures to weigh the verify's attention against: `decode`, upstream's flash-decode
+kernel (`decode_attention_fwd`) with one query a request over the same prefix, the attention a
+plain decode step pays at that load; and `folded`, the verify computed by that same decode kernel
+with each request's d + 1 queries folded into its query-head group (every verified token sees the
+whole prefix, so one pass over the prefix's K/V serves all of them), the chain's own causal
+(d + 1) x (d + 1) part in plain torch, and the two merged by their log-sum-exps: what the verify
+could cost without a kernel of its own (its torch part unfused, so an upper bound). Its output
+is checked against the prefill kernel's as the split-KV kernel's is.
+
 Needs sglang (the image's, or the GPU host's site) and a GPU; with --device cpu and
 TRITON_INTERPRET=1 it runs Triton's interpreter on tiny shapes (float32: the interpreter computes
 bfloat16 wrongly), which is what the CPU tests do.
@@ -39,6 +48,9 @@ class Timing:
     prefill_ms: float
     splitkv_ms: float | None  # None: the split-KV kernel refused the case (upstream then falls back)
     max_diff: float | None
+    decode_ms: float | None = None  # one query a request over the same prefix: a plain step's attention
+    folded_ms: float | None = None  # the verify through the decode kernel, queries folded into the group
+    folded_diff: float | None = None  # its largest difference from the prefill kernel's output
 
     @property
     def speedup(self) -> float | None:
@@ -63,6 +75,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=32, help="layers a decode step runs (the step's share)")
+    ap.add_argument("--kv-splits", type=int, default=8,
+                    help="the decode kernel's most KV splits a request (SGLang's --triton-attention-num-kv-splits)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=20)
@@ -126,34 +140,111 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         return bool(verify_splitkv_fwd(q, k, v, o_split, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None,
                                        True, None, w, 1.0, 1.0, scale, max_bs=bs))
 
+    decode, folded, o_folded = _decode_kernel_paths(case, a, q, k, v, k_buf, v_buf, kv_indptr, kv_indices, scale)
+
     timed = _timer(dev)
     prefill()
     ran = split()  # also the warm-up (Triton compiles on first use)
+    decode()
+    folded()
     prefill_ms = timed(prefill, a.repeats)
-    if not ran:
-        return Timing(case, round(prefill_ms, 4), None, None)
-    split_ms = timed(split, a.repeats)
-    for name, out in (("prefill", o_prefill), ("split-KV", o_split)):
+    decode_ms, folded_ms = timed(decode, a.repeats), timed(folded, a.repeats)
+    outs = [("prefill", o_prefill), ("folded decode", o_folded)] + ([("split-KV", o_split)] if ran else [])
+    for name, out in outs:
         if nans := int(torch.isnan(out).sum()):
             raise RuntimeError(f"the {name} kernel gave NaN in {nans} of {out.numel()} values at {case}")
         if not out.abs().max().item() > 0:  # equal outputs must not be two untouched buffers
             raise RuntimeError(f"the {name} kernel wrote no output at {case}")
+    folded_diff = round((o_prefill.float() - o_folded.float()).abs().max().item(), 6)
+    extra = {"decode_ms": round(decode_ms, 4), "folded_ms": round(folded_ms, 4), "folded_diff": folded_diff}
+    if not ran:
+        return Timing(case, round(prefill_ms, 4), None, None, **extra)
+    split_ms = timed(split, a.repeats)
     diff = (o_prefill.float() - o_split.float()).abs().max().item()
-    return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6))
+    return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), **extra)
+
+
+def _decode_kernel_paths(case: Case, a: argparse.Namespace, q: Any, k: Any, v: Any, k_buf: Any, v_buf: Any,
+                         kv_indptr: Any, kv_indices: Any, scale: float) -> tuple[Callable[[], None],
+                                                                                 Callable[[], None], Any]:
+    """`decode` (one query a request over the prefix) and `folded` (the verify through the same
+    kernel), and the buffer `folded` writes its output into, laid out as the prefill kernel's."""
+    import torch
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+    from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
+
+    bs, w, dev = case.batch, case.width, a.device
+    heads, kv_heads, dim = a.heads, a.kv_heads, a.head_dim
+    group = heads // kv_heads
+    cores = torch.cuda.get_device_properties(dev).multi_processor_count if dev.startswith("cuda") else 8
+    seq_lens = torch.full((bs,), case.context, dtype=torch.int32, device=dev)
+
+    def kernel_args(n_heads: int) -> tuple[Any, Any, Any]:
+        """The decode kernel's scratch for n_heads query heads a request, and its KV splits as the
+        Triton backend sets them (metadata.get_num_kv_splits_triton)."""
+        splits = torch.empty(bs, dtype=torch.int32, device=dev)
+        get_num_kv_splits_triton[(1,)](splits, seq_lens, bs, 1, n_heads, kv_heads, a.kv_splits, cores,
+                                       MAX_NUM_SEQ=max(256, 1 << (bs - 1).bit_length()))
+        logits = torch.empty(bs, n_heads, a.kv_splits, dim, dtype=torch.float32, device=dev)
+        lse = torch.empty(bs, n_heads, a.kv_splits, dtype=torch.float32, device=dev)
+        return splits, logits, lse
+
+    q_one = q.view(bs, w, heads, dim)[:, -1].contiguous()  # a plain step's one query a request
+    o_one = torch.empty_like(q_one)
+    one = kernel_args(heads)
+
+    def decode() -> None:
+        decode_attention_fwd(q_one, k_buf, v_buf, o_one, kv_indptr, kv_indices, one[1], one[2], one[0],
+                             a.kv_splits, scale, 1.0, 1.0)
+
+    # the w queries of a request as w x group heads of each KV head: [bs, kv_heads * w * group, dim]
+    q_fold = q.view(bs, w, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(bs, kv_heads * w * group, dim)
+    o_fold = torch.empty_like(q_fold)
+    fold = kernel_args(kv_heads * w * group)
+    chain = torch.ones(w, w, dtype=torch.bool, device=dev).tril()
+    out = torch.empty_like(q)
+
+    def folded() -> None:
+        fold[2].fill_(-float("inf"))  # splits a request does not reach stay out of the sum
+        decode_attention_fwd(q_fold, k_buf, v_buf, o_fold, kv_indptr, kv_indices, fold[1], fold[2], fold[0],
+                             a.kv_splits, scale, 1.0, 1.0)
+        lse_prefix = torch.logsumexp(fold[2], dim=-1).view(bs, kv_heads, w, group).permute(0, 2, 1, 3)
+        o_prefix = o_fold.view(bs, kv_heads, w, group, dim).permute(0, 2, 1, 3, 4).float()
+        # the chain's own tokens: query i sees verified tokens 0..i
+        qc = q.view(bs, w, kv_heads, group, dim).float()
+        kc, vc = k.view(bs, w, kv_heads, dim).float(), v.view(bs, w, kv_heads, dim).float()
+        s = torch.einsum("bikgd,bjkd->bkgij", qc, kc) * scale
+        s = s.masked_fill(~chain, -float("inf"))
+        lse_chain = torch.logsumexp(s, dim=-1).permute(0, 3, 1, 2)  # [bs, w, kv_heads, group]
+        o_chain = torch.einsum("bkgij,bjkd->bikgd", torch.softmax(s, dim=-1), vc)
+        top = torch.maximum(lse_prefix, lse_chain)
+        wp, wc = torch.exp(lse_prefix - top).unsqueeze(-1), torch.exp(lse_chain - top).unsqueeze(-1)
+        out.copy_(((o_prefix * wp + o_chain * wc) / (wp + wc)).reshape(bs * w, heads, dim))
+
+    return decode, folded, out
 
 
 def table(rows: list[Timing], layers: int) -> str:
     lines = [("| batch | context | width | prefill kernel ms | split-KV ms | speed-up | "
-              f"per step, {layers} layers: prefill / split-KV ms | largest difference |"),
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              f"per step, {layers} layers: prefill / split-KV ms | largest difference | "
+              f"decode ms (one query) | folded decode ms | per step: decode / folded ms | folded's difference |"),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ms(x: float | None, digits: int = 3) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
     for r in rows:
         c = r.case
+        tail = (f" {ms(r.decode_ms)} | {ms(r.folded_ms)} | "
+                f"{ms(r.decode_ms and r.decode_ms * layers, 2)} / {ms(r.folded_ms and r.folded_ms * layers, 2)} | "
+                f"{'-' if r.folded_diff is None else f'{r.folded_diff:g}'} |")
         if r.splitkv_ms is None:
             lines.append(f"| {c.batch} | {c.context} | {c.width} | {r.prefill_ms:.3f} | refused | - | "
-                         f"{r.prefill_ms * layers:.2f} / - | - |")
+                         f"{r.prefill_ms * layers:.2f} / - | - |" + tail)
             continue
         lines.append(f"| {c.batch} | {c.context} | {c.width} | {r.prefill_ms:.3f} | {r.splitkv_ms:.3f} | "
-                     f"{r.speedup:.2f}x | {r.prefill_ms * layers:.2f} / {r.splitkv_ms * layers:.2f} | {r.max_diff:g} |")
+                     f"{r.speedup:.2f}x | {r.prefill_ms * layers:.2f} / {r.splitkv_ms * layers:.2f} | {r.max_diff:g} |"
+                     + tail)
     return "\n".join(lines) + "\n"
 
 
@@ -169,10 +260,10 @@ def main(a: argparse.Namespace) -> int:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "verify_kernel.md").write_text(text)
         (a.out / "verify_kernel.json").write_text(json.dumps(
-            [{**asdict(r.case), "prefill_ms": r.prefill_ms, "splitkv_ms": r.splitkv_ms, "max_diff": r.max_diff}
-             for r in rows], indent=1) + "\n")
-    bad = [r for r in rows if r.max_diff is not None and r.max_diff > a.tolerance]
-    for r in bad:
-        print(f"FAILED: batch {r.case.batch}, context {r.case.context}, width {r.case.width}: the kernels' "
-              f"outputs differ by {r.max_diff:g}, more than --tolerance {a.tolerance:g}", flush=True)
+            [{**asdict(r.case), **{k: x for k, x in asdict(r).items() if k != "case"}} for r in rows], indent=1) + "\n")
+    bad = [(r, name, diff) for r in rows for name, diff in (("split-KV", r.max_diff), ("folded decode", r.folded_diff))
+           if diff is not None and diff > a.tolerance]
+    for r, name, diff in bad:
+        print(f"FAILED: batch {r.case.batch}, context {r.case.context}, width {r.case.width}: the {name} and "
+              f"prefill kernels' outputs differ by {diff:g}, more than --tolerance {a.tolerance:g}", flush=True)
     return 1 if bad else 0
