@@ -16,6 +16,7 @@ import pytest
 from bench import router
 from smoke.deadline import Deadline
 from smoke.server import ServerConfig
+from tests.bench.conftest import free_port_base
 from tests.deploy_checks import need
 
 FAKE = Path(__file__).with_name("fake_threshold_server.py")
@@ -56,7 +57,10 @@ def options(tmp_path: Path, **kw: object) -> router.RouterOptions:
     (tmp_path / "models" / "target").mkdir(parents=True, exist_ok=True)
     (tmp_path / "models" / "expected.json").write_text(json.dumps({"vocab_size": 3072}))
     base = {"threshold": 4, "levels": (2, 24, 8, 24), "requests_per_client": 2, "output_len": 20,
-            "kill_level": 3, "kill_when_running": 2, "port": router.free_port(),
+            "kill_level": 3, "kill_when_running": 2,
+            # the servers take port, port + 1 and port + 2: all three free, below the ephemeral range
+            # (one free port there and the next two taken by a client socket failed a full run)
+            "port": free_port_base(4),
             "deadline": Deadline(time.time() + 300)}
     base.update(kw)
     return router.RouterOptions(models=tmp_path / "models", out=tmp_path / "out", **base)  # type: ignore[arg-type]
