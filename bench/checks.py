@@ -36,24 +36,25 @@ def mode_of(base: str) -> tuple[str | None, int | None, int | None]:
     return st.get("mode"), crossover if isinstance(crossover, int) else None, st.get("mode_changes")
 
 
+def _state_text(base: str, key: str) -> str | None:
+    """One text field of the server's speculation state; None where it says nothing."""
+    try:
+        value = speculation_state(base).get(key)
+    except (SmokeError, client.HTTPFailure, ValueError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def trial_of(base: str) -> str | None:
     """The batch-size bucket (low-high) where an `auto` server runs a trial now; None where none
     runs or it says nothing."""
-    try:
-        trial = speculation_state(base).get("trial")
-    except (SmokeError, client.HTTPFailure, ValueError):
-        return None
-    return trial if isinstance(trial, str) else None
+    return _state_text(base, "trial")
 
 
 def learned_schedule_of(base: str) -> str | None:
     """The depth schedule a schedule server runs now (`auto`: the one it learned), in the flag's
     grammar; None where it says nothing."""
-    try:
-        schedule = speculation_state(base).get("schedule")
-    except (SmokeError, client.HTTPFailure, ValueError):
-        return None
-    return schedule if isinstance(schedule, str) else None
+    return _state_text(base, "schedule")
 
 
 def kv_used_after_flush(base: str) -> int | None:

@@ -332,15 +332,18 @@ class Bench:
         crossovers, trial_s = {}, {}
         for c in opts.concurrency:
             prompt_at = functools.partial(window_prompt, self.vocab, c, opts.output_len, 50, spread=opts.output_spread)
-            m = measure(srv.base, prompt_at, c, 0.0, opts.auto_learn_s, opts.deadline.request_timeout(240),
-                        opts.deadline.at - self.reserve())
+
+            def load(seconds: float, c: int = c, prompt_at: Any = prompt_at) -> dict[str, Any]:
+                return measure(srv.base, prompt_at, c, 0.0, seconds, opts.deadline.request_timeout(240),
+                               opts.deadline.at - self.reserve())
+
+            m = load(opts.auto_learn_s)
             # a trial this level began runs on here, not in the blocks (whose traffic would pay for
             # its blocks in the worse mode: a GPU run of 2026-12-07), up to auto_trial_s more
             more = 0.0
             while not m.get("cut") and more < opts.auto_trial_s and trial_of(srv.base) is not None:
                 chunk = min(TRIAL_CHUNK_S, opts.auto_trial_s - more)
-                m = measure(srv.base, prompt_at, c, 0.0, chunk, opts.deadline.request_timeout(240),
-                            opts.deadline.at - self.reserve())
+                m = load(chunk)
                 more += chunk
             if more:
                 trial_s[str(c)] = more
