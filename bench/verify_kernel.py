@@ -15,9 +15,10 @@ kernel (`decode_attention_fwd`) with one query a request over the same prefix, t
 plain decode step pays at that load; and `folded`, the verify computed by that same decode kernel
 with each request's d + 1 queries folded into its query-head group (every verified token sees the
 whole prefix, so one pass over the prefix's K/V serves all of them), the chain's own causal
-(d + 1) x (d + 1) part in plain torch, and the two merged by their log-sum-exps: what the verify
-could cost without a kernel of its own (its torch part unfused, so an upper bound). Its output
-is checked against the prefill kernel's as the split-KV kernel's is.
+(d + 1) x (d + 1) part in plain torch, and the two merged by their log-sum-exps (upstream's
+`merge_state_triton`): what the verify could cost without a kernel of its own (its torch part
+unfused, so an upper bound). Its output is checked against the prefill kernel's as the split-KV
+kernel's is.
 
 Needs sglang (the image's, or the GPU host's site) and a GPU; with --device cpu and
 TRITON_INTERPRET=1 it runs Triton's interpreter on tiny shapes (float32: the interpreter computes
@@ -171,6 +172,7 @@ def _decode_kernel_paths(case: Case, a: argparse.Namespace, q: Any, k: Any, v: A
     kernel), and the buffer `folded` writes its output into, laid out as the prefill kernel's."""
     import torch
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+    from sglang.kernels.ops.attention.merge_state import merge_state_triton
     from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
 
     bs, w, dev = case.batch, case.width, a.device
@@ -217,9 +219,9 @@ def _decode_kernel_paths(case: Case, a: argparse.Namespace, q: Any, k: Any, v: A
         s = s.masked_fill(~chain, -float("inf"))
         lse_chain = torch.logsumexp(s, dim=-1).permute(0, 3, 1, 2)  # [bs, w, kv_heads, group]
         o_chain = torch.einsum("bkgij,bjkd->bikgd", torch.softmax(s, dim=-1), vc)
-        top = torch.maximum(lse_prefix, lse_chain)
-        wp, wc = torch.exp(lse_prefix - top).unsqueeze(-1), torch.exp(lse_chain - top).unsqueeze(-1)
-        out.copy_(((o_prefix * wp + o_chain * wc) / (wp + wc)).reshape(bs * w, heads, dim))
+        merged, _ = merge_state_triton(o_prefix.reshape(bs * w, heads, dim), lse_prefix.reshape(bs * w, heads),
+                                       o_chain.reshape(bs * w, heads, dim), lse_chain.reshape(bs * w, heads))
+        out.copy_(merged)
 
     return decode, folded, out
 
