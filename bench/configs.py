@@ -7,7 +7,10 @@ verifying d + 1 tokens a request; `eagle3` is the launch depth, 3), `eagle3_sche
 --schedule (the plugin's draft depth per load). `eagle3_extend_verify` is `eagle3` started with
 upstream's split-KV verify kernel switched off (SGLANG_ENABLE_SPLITKV_VERIFY=0): EAGLE's
 target-verify attention then runs the Triton backend's prefill "extend" kernel, the path before
-the plugin's change, so the two compare in the same blocks. `eagle3_thr_prefill_graphs` is
+the plugin's change, so the two compare in the same blocks. `eagle3_headwise_verify` is `eagle3`
+with the split-KV verify's prefix stage back on upstream's own, one program a query head
+(SGLANG_IMAGE_GROUPED_VERIFY=0), where the plugin's reads each KV head once for its query heads.
+`eagle3_thr_prefill_graphs` is
 `eagle3_thr` whose prefills in plain mode write the draft's K/V from the plugin's CUDA graphs
 (SGLANG_IMAGE_PREFILL_KV_GRAPHS=1), not eagerly: the two side by side. `eagle3_metadata_glue` is
 `eagle3` with upstream's experimental metadata glue graph on (SGLANG_ENABLE_METADATA_GLUE_GRAPH=1):
@@ -19,18 +22,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sglang_image_plugin.setting import PREFILL_KV_GRAPHS_ENV
+from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, PREFILL_KV_GRAPHS_ENV
 from smoke.server import EAGLE_STEPS
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
-CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_metadata_glue", "eagle3_depth",
+CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_headwise_verify",
+           "eagle3_metadata_glue", "eagle3_depth",
            "eagle3_adaptive", "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched", "eagle3_auto")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
+HEADWISE_VERIFY = (GROUPED_VERIFY_ENV, "0")  # the split-KV verify's prefix stage upstream's, per query head
 PREFILL_GRAPHS = (PREFILL_KV_GRAPHS_ENV, "1")  # the plugin's prefill K/V graphs on
 METADATA_GLUE = ("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")  # upstream's metadata glue graph on
 # what a server's environment changes, in its label; any other variable is named as it is
-ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", PREFILL_GRAPHS: "prefill K/V graphs",
+ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", HEADWISE_VERIFY: "per-head verify prefix",
+             PREFILL_GRAPHS: "prefill K/V graphs",
              METADATA_GLUE: "metadata glue graph"}
 
 
@@ -98,6 +104,8 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS))
         elif name == "eagle3_extend_verify":
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(EXTEND_VERIFY,)))
+        elif name == "eagle3_headwise_verify":
+            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(HEADWISE_VERIFY,)))
         elif name == "eagle3_metadata_glue":
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(METADATA_GLUE,)))
         elif name == "eagle3_depth":

@@ -16,6 +16,7 @@ from typing import Any
 from bench.configs import (
     CONFIGS,
     EXTEND_VERIFY,
+    HEADWISE_VERIFY,
     METADATA_GLUE,
     PREFILL_GRAPHS,
     TWIN,
@@ -97,7 +98,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma list of {','.join(CONFIGS)} ({TWIN}: a second plain server, the A/A "
                          "noise floor; eagle3_extend_verify: eagle3 with upstream's split-KV verify kernel "
-                         f"off, {'='.join(EXTEND_VERIFY)}; eagle3_metadata_glue: eagle3 with upstream's metadata glue "
+                         f"off, {'='.join(EXTEND_VERIFY)}; eagle3_headwise_verify: eagle3 with the split-KV "
+                         f"verify's prefix stage upstream's, one program a query head, {'='.join(HEADWISE_VERIFY)}; "
+                         f"eagle3_metadata_glue: eagle3 with upstream's metadata glue "
                          f"graph, {'='.join(METADATA_GLUE)}; eagle3_thr_prefill_graphs: eagle3_thr writing a "
                          f"prefill's draft K/V in plain mode from CUDA graphs, {'='.join(PREFILL_GRAPHS)}; eagle3_auto "
                          "runs only where the server has it)")

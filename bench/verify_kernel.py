@@ -3,8 +3,10 @@
 Upstream's two kernels for a target verify with speculative top-k 1 (a causal chain): the prefill
 kernel (`extend_attention_fwd`, what SGLang's Triton backend runs for a verify on NVIDIA GPUs) and
 the split-KV verify kernel (`verify_splitkv_fwd`, what it runs by default with this image's
-plugin, whose hooks are loaded here as in a server). At each batch size, context length and verify width asked for, the same
-inputs go through both: each one's time (CUDA events, the median of --repeats runs after a
+plugin, whose hooks are loaded here as in a server: its prefix stage one program a KV head), and
+beside it `per-head`, the split-KV kernel with upstream's own prefix stage (one program a query
+head; SGLANG_IMAGE_GROUPED_VERIFY=0 in a server). At each batch size, context length and verify
+width asked for, the same inputs go through each: each one's time (CUDA events, the median of --repeats runs after a
 warm-up), times --layers for a decode step's share, and the largest difference of their outputs.
 A difference beyond --tolerance fails the command. The shape's defaults are the 8B shape's (32
 query heads, 8 KV heads, head dim 128); the default contexts bracket the benchmark's short
@@ -52,6 +54,8 @@ class Timing:
     decode_ms: float | None = None  # one query a request over the same prefix: a plain step's attention
     folded_ms: float | None = None  # the verify through the decode kernel, queries folded into the group
     folded_diff: float | None = None  # its largest difference from the prefill kernel's output
+    headwise_ms: float | None = None  # the split-KV kernel with upstream's per-query-head prefix stage
+    headwise_diff: float | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -117,6 +121,8 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
     from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
 
+    from sglang_image_plugin import verify_attention
+
     dtype, dev = getattr(torch, a.dtype), a.device
     g = torch.Generator(device="cpu").manual_seed(case.batch * 7919 + case.context * 31 + case.width)
     def randn(*shape: int) -> Any:
@@ -137,20 +143,32 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         extend_attention_fwd(q, k, v, o_prefill, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None,
                              True, None, w, 1.0, 1.0, scale)
 
-    def split() -> bool:
-        return bool(verify_splitkv_fwd(q, k, v, o_split, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None,
+    def split(out: Any = o_split) -> bool:
+        return bool(verify_splitkv_fwd(q, k, v, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None,
                                        True, None, w, 1.0, 1.0, scale, max_bs=bs))
+
+    o_head = torch.zeros_like(q)
+    grouped = verify_attention.grouped_prefix_on()
+
+    def headwise() -> bool:
+        verify_attention.set_grouped_prefix(False)
+        try:
+            return split(o_head)
+        finally:
+            verify_attention.set_grouped_prefix(grouped)
 
     decode, folded, o_folded = _decode_kernel_paths(case, a, q, k, v, k_buf, v_buf, kv_indptr, kv_indices, scale)
 
     timed = _timer(dev)
     prefill()
     ran = split()  # also the warm-up (Triton compiles on first use)
+    headwise()
     decode()
     folded()
     prefill_ms = timed(prefill, a.repeats)
     decode_ms, folded_ms = timed(decode, a.repeats), timed(folded, a.repeats)
-    outs = [("prefill", o_prefill), ("folded decode", o_folded)] + ([("split-KV", o_split)] if ran else [])
+    outs = [("prefill", o_prefill), ("folded decode", o_folded)] + (
+        [("split-KV", o_split), ("per-head split-KV", o_head)] if ran else [])
     for name, out in outs:
         if nans := int(torch.isnan(out).sum()):
             raise RuntimeError(f"the {name} kernel gave NaN in {nans} of {out.numel()} values at {case}")
@@ -160,9 +178,11 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     extra = {"decode_ms": round(decode_ms, 4), "folded_ms": round(folded_ms, 4), "folded_diff": folded_diff}
     if not ran:
         return Timing(case, round(prefill_ms, 4), None, None, **extra)
-    split_ms = timed(split, a.repeats)
+    split_ms, headwise_ms = timed(split, a.repeats), timed(headwise, a.repeats)
     diff = (o_prefill.float() - o_split.float()).abs().max().item()
-    return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), **extra)
+    headwise_diff = round((o_prefill.float() - o_head.float()).abs().max().item(), 6)
+    return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), **extra,
+                  headwise_ms=round(headwise_ms, 4), headwise_diff=headwise_diff)
 
 
 def _decode_kernel_paths(case: Case, a: argparse.Namespace, q: Any, k: Any, v: Any, k_buf: Any, v_buf: Any,
@@ -229,31 +249,37 @@ def _decode_kernel_paths(case: Case, a: argparse.Namespace, q: Any, k: Any, v: A
 def table(rows: list[Timing], layers: int) -> str:
     lines = [("| batch | context | width | prefill kernel ms | split-KV ms | speed-up | "
               f"per step, {layers} layers: prefill / split-KV ms | largest difference | "
+              f"per-head split-KV ms | per step ms | its difference | "
               f"decode ms (one query) | folded decode ms | per step: decode / folded ms | folded's difference |"),
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def ms(x: float | None, digits: int = 3) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
+    def diff(x: float | None) -> str:
+        return "-" if x is None else f"{x:g}"
+
     for r in rows:
         c = r.case
+        head = (f" {ms(r.headwise_ms)} | {ms(r.headwise_ms and r.headwise_ms * layers, 2)} | "
+                f"{diff(r.headwise_diff)} |")
         tail = (f" {ms(r.decode_ms)} | {ms(r.folded_ms)} | "
                 f"{ms(r.decode_ms and r.decode_ms * layers, 2)} / {ms(r.folded_ms and r.folded_ms * layers, 2)} | "
-                f"{'-' if r.folded_diff is None else f'{r.folded_diff:g}'} |")
+                f"{diff(r.folded_diff)} |")
         if r.splitkv_ms is None:
             lines.append(f"| {c.batch} | {c.context} | {c.width} | {r.prefill_ms:.3f} | refused | - | "
-                         f"{r.prefill_ms * layers:.2f} / - | - |" + tail)
+                         f"{r.prefill_ms * layers:.2f} / - | - |" + head + tail)
             continue
         lines.append(f"| {c.batch} | {c.context} | {c.width} | {r.prefill_ms:.3f} | {r.splitkv_ms:.3f} | "
                      f"{r.speedup:.2f}x | {r.prefill_ms * layers:.2f} / {r.splitkv_ms * layers:.2f} | {r.max_diff:g} |"
-                     + tail)
+                     + head + tail)
     return "\n".join(lines) + "\n"
 
 
 def main(a: argparse.Namespace) -> int:
     from sglang.srt.plugins import load_plugins
 
-    load_plugins()  # the kernels as a server of the image runs them (verify_attention.zero_scratch)
+    load_plugins()  # the kernels as a server of the image runs them (verify_attention's hooks)
     rows = [measure(Case(b, n, w), a) for b in a.batch for n in a.context for w in a.width]
     text = (f"EAGLE verify attention, one layer: {a.heads} query heads, {a.kv_heads} KV heads, head dim "
             f"{a.head_dim}, {a.dtype} on {a.device}; median of {a.repeats} runs\n\n" + table(rows, a.layers))
@@ -263,7 +289,9 @@ def main(a: argparse.Namespace) -> int:
         (a.out / "verify_kernel.md").write_text(text)
         (a.out / "verify_kernel.json").write_text(json.dumps(
             [{**asdict(r.case), **{k: x for k, x in asdict(r).items() if k != "case"}} for r in rows], indent=1) + "\n")
-    bad = [(r, name, diff) for r in rows for name, diff in (("split-KV", r.max_diff), ("folded decode", r.folded_diff))
+    bad = [(r, name, diff) for r in rows
+           for name, diff in (("split-KV", r.max_diff), ("per-head split-KV", r.headwise_diff),
+                              ("folded decode", r.folded_diff))
            if diff is not None and diff > a.tolerance]
     for r, name, diff in bad:
         print(f"FAILED: batch {r.case.batch}, context {r.case.context}, width {r.case.width}: the {name} and "

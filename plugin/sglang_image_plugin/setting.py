@@ -50,6 +50,11 @@ AUTO_TRACE_ENV = "SGLANG_IMAGE_AUTO_TRACE"
 # NVIDIA GPUs too (verify_attention.py) unless it is set to 0 (upstream's prefill kernel then).
 SPLITKV_VERIFY_ENV = "SGLANG_ENABLE_SPLITKV_VERIFY"
 SPLITKV_VERIFY_LOG_LINE = "EAGLE verify attention: split-KV kernel (top-k 1; {env}=0 turns it off)"
+# The split-KV verify's prefix stage one program a KV head, not a query head (verify_prefix_kernel.py):
+# on unless set to 0; 0 runs upstream's own stage.
+GROUPED_VERIFY_ENV = "SGLANG_IMAGE_GROUPED_VERIFY"
+GROUPED_VERIFY_LOG_LINE = ("EAGLE verify attention: the prefix stage reads each KV head once for its query "
+                           "heads ({env}=0 turns it off)")
 # Not the speculation setting either: 1 makes a prefill in plain mode write the draft's K/V from
 # the plugin's CUDA graphs (prefill_kv.py); off by default until measured on a GPU.
 PREFILL_KV_GRAPHS_ENV = "SGLANG_IMAGE_PREFILL_KV_GRAPHS"

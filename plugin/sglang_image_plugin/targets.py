@@ -68,6 +68,9 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._alloc", "after",
              "sglang_image_plugin.verify_attention:zero_scratch", START,
              "the split-KV verify's skipped splits weigh zeros, never an allocation's NaN"),
+    HookSpec("sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._run_prefix_kernel", "around",
+             "sglang_image_plugin.verify_attention:grouped_prefix", START,
+             "the split-KV verify reads each KV head's prefix once for its query heads"),
     # -- every EAGLE server (installed by the worker, whatever its setting)
     HookSpec("sglang.srt.managers.schedule_batch.Req.update_finish_state", "after",
              "sglang_image_plugin.length_cap:cap_finished_output", Group.SPECULATIVE,
@@ -164,6 +167,9 @@ RELIED: tuple[str, ...] = (
     # ... and its two stages: a skipped split's -inf weight, the combine's sum over every split.
     "sglang.kernels.ops.attention.verify_splitkv._verify_prefix_stage1",
     "sglang.kernels.ops.attention.verify_splitkv._verify_combine_stage2",
+    # ... and the scratch and launch settings the grouped prefix stage shares with upstream's.
+    "sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV.__init__",
+    "sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._alloc",
     # length_cap.py: an abort marks a running request `to_finish` for one more decode pass, which
     # update_finish_state (the hook's target) takes before its length check.
     "sglang.srt.managers.scheduler.Scheduler.abort_request",

@@ -23,7 +23,14 @@ every other run; on a GPU it takes reused memory holding such a value, so it is 
 in our runs, and silent when it happens. zero_scratch clears the buffer once, when it is
 allocated; the kernel writes only finite values into it after that.
 
-sglang and torch are imported inside the hooks only: they run in a process that has them.
+Upstream's prefix stage runs a program per query head, so the query heads of a GQA group each read
+their KV head's prefix: a verify reads the prefix's K/V `group` times where a plain decode step
+reads it once, and that excess grows with batch and context. grouped_prefix runs the same stage
+with one program per KV head (verify_prefix_kernel.py), into the same scratch, unless
+SGLANG_IMAGE_GROUPED_VERIFY is 0 (upstream's stage then) or the group's tile would pass
+MAX_GROUPED_ROWS rows (a wide group or verify: upstream's stage, whose tile is the verify's width).
+
+sglang, torch and triton are imported inside the hooks only: they run in a process that has them.
 """
 
 from __future__ import annotations
@@ -33,11 +40,18 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from sglang_image_plugin.setting import SPLITKV_VERIFY_ENV, SPLITKV_VERIFY_LOG_LINE
+from sglang_image_plugin.setting import (
+    GROUPED_VERIFY_ENV,
+    GROUPED_VERIFY_LOG_LINE,
+    SPLITKV_VERIFY_ENV,
+    SPLITKV_VERIFY_LOG_LINE,
+)
 
 logger = logging.getLogger(__name__)
 _FALSE = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default, on
 _logged = False  # one line a process: a server builds a backend per depth state and for the draft
+MAX_GROUPED_ROWS = 64  # query heads x verified tokens (both padded) one program of the grouped stage takes
+_grouped: bool | None = None  # the grouped prefix stage on; None: not yet read (grouped_prefix_on)
 
 
 def asked_for(environ: Mapping[str, str] | None = None) -> bool:
@@ -45,6 +59,29 @@ def asked_for(environ: Mapping[str, str] | None = None) -> bool:
     value; upstream warns of a value it cannot read and keeps its default."""
     value = (environ if environ is not None else os.environ).get(SPLITKV_VERIFY_ENV)
     return value is None or value.lower() not in _FALSE
+
+
+def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
+    """SGLANG_IMAGE_GROUPED_VERIFY read as upstream reads its own switches: off only for a false value."""
+    value = (environ if environ is not None else os.environ).get(GROUPED_VERIFY_ENV)
+    return value is None or value.lower() not in _FALSE
+
+
+def set_grouped_prefix(on: bool | None) -> None:
+    """The grouped prefix stage on or off in this process, whatever the environment says (None: read
+    it again at the next verify). For `bench verify-kernel`, which times both stages."""
+    global _grouped
+    _grouped = on
+
+
+def grouped_prefix_on() -> bool:
+    """Read once a process, at the first verify: a verify runs once a layer."""
+    global _grouped
+    if _grouped is None:
+        _grouped = grouped_asked_for() and not on_rocm()  # on AMD GPUs upstream's tuned stage stays
+        if _grouped:
+            logger.info(GROUPED_VERIFY_LOG_LINE.format(env=GROUPED_VERIFY_ENV))
+    return _grouped
 
 
 def on_rocm() -> bool:
@@ -78,3 +115,17 @@ def zero_scratch(result: None, verify: Any, *args: Any, **kwargs: Any) -> None:
         return result
     scratch.zero_()
     return result
+
+
+def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: Any) -> Any:
+    """AROUND VerifySplitKV._run_prefix_kernel: the prefix stage with one program per request, KV
+    head and split (see the module's docstring), unless it is turned off or the tile too wide."""
+    import triton
+
+    rows = triton.next_power_of_2(verify.group) * verify.l_pad
+    if kwargs or rows > MAX_GROUPED_ROWS or not grouped_prefix_on():
+        return original(verify, bs, *args, **kwargs)
+    from sglang_image_plugin import verify_prefix_kernel
+
+    verify_prefix_kernel.run(verify, bs, *args)
+    return None

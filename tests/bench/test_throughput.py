@@ -124,6 +124,18 @@ def test_extend_verify_is_eagle3_with_upstream_s_split_kv_verify_off(tmp_path):
            "SGLANG_ENABLE_SPLITKV_VERIFY=0" in str(configs_help)
 
 
+def test_headwise_verify_is_eagle3_with_upstream_s_own_prefix_stage(tmp_path):
+    # eagle3_headwise_verify: eagle3's flags, started with SGLANG_IMAGE_GROUPED_VERIFY=0, so that the
+    # plugin's grouped prefix stage and upstream's compare in the same blocks
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, configs=("eagle3", "eagle3_headwise_verify"))
+    eagle3, headwise = (throughput.server_config(n, opts) for n in ("eagle3", "eagle3_headwise_verify"))
+    assert headwise.argv(30000) == eagle3.argv(30000)
+    assert headwise.env == {"SGLANG_IMAGE_GROUPED_VERIFY": "0"} and eagle3.env == {}
+    assert servers.options_key(headwise, "site") != servers.options_key(eagle3, "site")
+    rec = options.config_records(opts)["eagle3_headwise_verify"]
+    assert (rec.kind, rec.steps, rec.label) == ("fixed", 3, "EAGLE-3 (per-head verify prefix)")
+
+
 def test_server_env_reaches_every_server_but_a_config_s_own_value_wins(tmp_path):
     # --server-env SGLANG_ENABLE_SPLITKV_VERIFY=1: every server's verify on the split-KV kernel,
     # except eagle3_extend_verify, whose own 0 is the paired baseline; a bad item names the flag

@@ -30,6 +30,8 @@ def test_both_kernels_time_the_same_verify_and_agree(
     rows = json.loads((tmp_path / "verify_kernel.json").read_text())
     assert [(r["batch"], r["context"], r["width"]) for r in rows] == [(2, 40, 2), (2, 40, 3)]
     assert all(r["prefill_ms"] > 0 and r["splitkv_ms"] > 0 and r["max_diff"] <= 1e-5 for r in rows)
+    # the split-KV kernel with upstream's own prefix stage (one program a query head) beside it
+    assert all(r["headwise_ms"] > 0 and r["headwise_diff"] <= 1e-5 for r in rows)
     # the plain step's attention beside them, and the verify through the decode kernel with the
     # verified tokens folded into the query-head group: the same output as the prefill kernel's
     assert all(r["decode_ms"] > 0 and r["folded_ms"] > 0 and r["folded_diff"] <= 1e-5 for r in rows)
@@ -37,6 +39,7 @@ def test_both_kernels_time_the_same_verify_and_agree(
     bad = run("--tolerance", "-1")  # every difference is above it: the command fails, naming the case
     assert bad.returncode == 1
     assert "FAILED: batch 2, context 40, width 2: the split-KV and prefill kernels' outputs differ" in bad.stdout
+    assert "FAILED: batch 2, context 40, width 2: the per-head split-KV and prefill kernels' outputs" in bad.stdout
     assert "FAILED: batch 2, context 40, width 3: the folded decode and prefill kernels' outputs differ" in bad.stdout
 
 

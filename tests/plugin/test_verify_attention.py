@@ -191,3 +191,62 @@ def test_the_split_kv_verify_never_weighs_an_allocation_s_nan(
     assert out["nan_upstream"] > 0  # upstream alone, on NaN-holding memory
     assert out["hooked"] is True
     assert out["nan_hooked"] == 0 and out["max_err"] < 1e-4
+
+
+GROUPED_PROBE = textwrap.dedent("""
+    import logging, sys
+    import torch
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
+    import sglang.kernels.ops.attention.verify_splitkv as vs
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang_image_plugin import registry, verify_attention
+
+    upstream_stage = vs._verify_prefix_stage1
+    class Refused:  # upstream's per-query-head stage, made to fail wherever it still runs
+        def __getitem__(self, grid):
+            raise RuntimeError("upstream's per-head prefix stage ran")
+
+    def verify(hq, hkv, width, prefix, d=16):
+        torch.manual_seed(hq * 100 + width)
+        bs, pool = len(prefix), sum(prefix) + 8
+        kb, vb = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+        kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
+        kv_indices = torch.randperm(pool)[:sum(prefix)].to(torch.int64)
+        qo_indptr = torch.arange(0, bs * width + 1, width, dtype=torch.int32)
+        q, k, v = torch.randn(bs * width, hq, d), torch.randn(bs * width, hkv, d), torch.randn(bs * width, hkv, d)
+        vs._VK_CACHE.clear()
+        out = torch.zeros_like(q)
+        try:
+            assert vs.verify_splitkv_fwd(q, k, v, out, kb, vb, qo_indptr, kv_indptr, kv_indices, None, True,
+                                         None, width, 1.0, 1.0, d ** -0.5, max_bs=bs)
+        except RuntimeError as exc:
+            return str(exc)
+        return (out.double() - chain_reference(q, k, v, kb, vb, kv_indptr, kv_indices, width)).abs().max().item()
+
+    vs._verify_prefix_stage1 = Refused()
+    # group 4 (the 8B shape's) at widths 4 and 3 (a padded token row); group 3 (padded heads);
+    # group 1; prefixes that skip splits (under 97 tokens) and one that fills them
+    shapes = [(8, 2, 4, [5, 37, 130]), (8, 2, 3, [64, 9]), (6, 2, 4, [40, 100]), (2, 2, 2, [33])]
+    grouped = [verify(*s) for s in shapes]
+    wide = verify(32, 2, 8, [20])  # 16 heads x 8 tokens: past MAX_GROUPED_ROWS, upstream's stage
+    verify_attention.set_grouped_prefix(False)
+    off = verify(8, 2, 4, [5, 37, 130])
+    vs._verify_prefix_stage1 = upstream_stage
+    upstream = verify(8, 2, 4, [5, 37, 130])
+    emit({"hooked": registry.wraps_hook(vs.VerifySplitKV._run_prefix_kernel, verify_attention.grouped_prefix),
+          "grouped": grouped, "wide": wide, "off": off, "upstream": upstream})
+""")
+
+
+def test_the_split_kv_verify_reads_each_kv_head_once_for_its_query_heads(
+        run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
+        sglang_tree: Callable[[str, bool], Path], plugin_site: Path) -> None:
+    # upstream's prefix stage is made to fail: the verify still runs, through the grouped stage,
+    # and equals chain attention; turned off (or a tile too wide) upstream's stage runs again
+    out, proc = run_probe(run_in_tree, sglang_tree, plugin_site, GROUPED_PROBE)
+    assert out["hooked"] is True
+    assert all(isinstance(err, float) and err < 1e-4 for err in out["grouped"]), out["grouped"]
+    assert out["wide"] == out["off"] == "upstream's per-head prefix stage ran"
+    assert isinstance(out["upstream"], float) and out["upstream"] < 1e-4
+    assert proc.stdout.count("LOG EAGLE verify attention: the prefix stage reads each KV head once") == 1
