@@ -121,7 +121,7 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
     from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
 
-    from sglang_image_plugin import verify_attention
+    from sglang_image_plugin import verify_switch
 
     dtype, dev = getattr(torch, a.dtype), a.device
     g = torch.Generator(device="cpu").manual_seed(case.batch * 7919 + case.context * 31 + case.width)
@@ -148,14 +148,14 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
                                        True, None, w, 1.0, 1.0, scale, max_bs=bs))
 
     o_head = torch.zeros_like(q)
-    grouped = verify_attention.grouped_prefix_on()
+    grouped = verify_switch.grouped_prefix_on()
 
     def headwise() -> bool:
-        verify_attention.set_grouped_prefix(False)
+        verify_switch.set_grouped_prefix(False)
         try:
             return split(o_head)
         finally:
-            verify_attention.set_grouped_prefix(grouped)
+            verify_switch.set_grouped_prefix(grouped)
 
     decode, folded, o_folded = _decode_kernel_paths(case, a, q, k, v, k_buf, v_buf, kv_indptr, kv_indices, scale)
 

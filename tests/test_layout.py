@@ -28,18 +28,22 @@ PACKAGES = {
     "sglang_image_plugin": ROOT / "plugin" / "sglang_image_plugin",
 }
 # The plugin's modules that import where sglang, torch and a GPU are absent: the setting's
-# contract, the hook table plugin-check reads, and `auto`'s controller (the bench replays its
-# trace). Each imports only these (and the package's __init__, which runs first).
+# contract, the hook table plugin-check reads, `auto`'s controller (the bench replays its trace)
+# and the switch of the verify's grouped prefix stage (`bench verify-kernel` sets it to time
+# upstream's stage beside the plugin's). Each imports only these
+# (and the package's __init__, which runs first).
 CONTRACT = "sglang_image_plugin.setting"
 PLUGIN_STANDARD_LIBRARY_ONLY = {CONTRACT, "sglang_image_plugin.targets",
                                 "sglang_image_plugin.auto_threshold", "sglang_image_plugin.auto_config",
-                                "sglang_image_plugin.auto_estimate", "sglang_image_plugin.depth_schedule"}
+                                "sglang_image_plugin.auto_estimate", "sglang_image_plugin.depth_schedule",
+                                "sglang_image_plugin.verify_switch"}
 # package -> the project's packages (or single modules) it may import
 ALLOWED = {
     "sglang_image": {"sglang_image", CONTRACT, "sglang_image_plugin.targets"},
     "smoke": {"smoke", CONTRACT, "sglang_image_plugin.depth_schedule"},
     "bench": {"bench", "smoke", CONTRACT, "sglang_image_plugin.auto_threshold",
-              "sglang_image_plugin.auto_estimate", "sglang_image_plugin.depth_schedule"},
+              "sglang_image_plugin.auto_estimate", "sglang_image_plugin.depth_schedule",
+              "sglang_image_plugin.verify_switch"},
     "sglang_image_plugin": {"sglang_image_plugin"},
 }
 
@@ -145,7 +149,7 @@ LAYERS = {f"sglang_image_plugin.{module}": layer for layer, modules in {
                   "auto_config", "auto_estimate", "auto_policy", "auto_accept", "auto_depth",
                   "auto_depth_policy"),
     "state": ("state",),
-    "contract": ("setting", "targets", "spec_disable", "depth_schedule"),
+    "contract": ("setting", "targets", "spec_disable", "depth_schedule", "verify_switch"),
 }.items() for module in modules}
 
 

@@ -35,23 +35,19 @@ sglang, torch and triton are imported inside the hooks only: they run in a proce
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from sglang_image_plugin.setting import (
-    GROUPED_VERIFY_ENV,
-    GROUPED_VERIFY_LOG_LINE,
-    SPLITKV_VERIFY_ENV,
-    SPLITKV_VERIFY_LOG_LINE,
-)
+from sglang_image_plugin.setting import SPLITKV_VERIFY_ENV, SPLITKV_VERIFY_LOG_LINE
+from sglang_image_plugin.verify_switch import grouped_prefix_on
 
 logger = logging.getLogger(__name__)
 _FALSE = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default, on
 _logged = False  # one line a process: a server builds a backend per depth state and for the draft
 MAX_GROUPED_ROWS = 64  # query heads x verified tokens (both padded) one program of the grouped stage takes
-_grouped: bool | None = None  # the grouped prefix stage on; None: not yet read (grouped_prefix_on)
 
 
 def asked_for(environ: Mapping[str, str] | None = None) -> bool:
@@ -61,29 +57,7 @@ def asked_for(environ: Mapping[str, str] | None = None) -> bool:
     return value is None or value.lower() not in _FALSE
 
 
-def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
-    """SGLANG_IMAGE_GROUPED_VERIFY read as upstream reads its own switches: off only for a false value."""
-    value = (environ if environ is not None else os.environ).get(GROUPED_VERIFY_ENV)
-    return value is None or value.lower() not in _FALSE
-
-
-def set_grouped_prefix(on: bool | None) -> None:
-    """The grouped prefix stage on or off in this process, whatever the environment says (None: read
-    it again at the next verify). For `bench verify-kernel`, which times both stages."""
-    global _grouped
-    _grouped = on
-
-
-def grouped_prefix_on() -> bool:
-    """Read once a process, at the first verify: a verify runs once a layer."""
-    global _grouped
-    if _grouped is None:
-        _grouped = grouped_asked_for() and not on_rocm()  # on AMD GPUs upstream's tuned stage stays
-        if _grouped:
-            logger.info(GROUPED_VERIFY_LOG_LINE.format(env=GROUPED_VERIFY_ENV))
-    return _grouped
-
-
+@functools.cache
 def on_rocm() -> bool:
     import torch
 
@@ -123,7 +97,8 @@ def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: An
     import triton
 
     rows = triton.next_power_of_2(verify.group) * verify.l_pad
-    if kwargs or rows > MAX_GROUPED_ROWS or not grouped_prefix_on():
+    # on AMD GPUs upstream's tuned stage stays
+    if kwargs or rows > MAX_GROUPED_ROWS or on_rocm() or not grouped_prefix_on():
         return original(verify, bs, *args, **kwargs)
     from sglang_image_plugin import verify_prefix_kernel
 

@@ -200,7 +200,7 @@ GROUPED_PROBE = textwrap.dedent("""
     import sglang.kernels.ops.attention.verify_splitkv as vs
     from sglang.srt.plugins import load_plugins
     load_plugins()
-    from sglang_image_plugin import registry, verify_attention
+    from sglang_image_plugin import registry, verify_attention, verify_switch
 
     upstream_stage = vs._verify_prefix_stage1
     class Refused:  # upstream's per-query-head stage, made to fail wherever it still runs
@@ -230,7 +230,7 @@ GROUPED_PROBE = textwrap.dedent("""
     shapes = [(8, 2, 4, [5, 37, 130]), (8, 2, 3, [64, 9]), (6, 2, 4, [40, 100]), (2, 2, 2, [33])]
     grouped = [verify(*s) for s in shapes]
     wide = verify(32, 2, 8, [20])  # 16 heads x 8 tokens: past MAX_GROUPED_ROWS, upstream's stage
-    verify_attention.set_grouped_prefix(False)
+    verify_switch.set_grouped_prefix(False)
     off = verify(8, 2, 4, [5, 37, 130])
     vs._verify_prefix_stage1 = upstream_stage
     upstream = verify(8, 2, 4, [5, 37, 130])

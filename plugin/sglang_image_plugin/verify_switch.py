@@ -1,0 +1,39 @@
+"""The switch of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix).
+
+SGLANG_IMAGE_GROUPED_VERIFY, read as upstream reads its own switches (EnvBool): unset or true, on;
+"0", "false", "no" or "n", off (upstream's own stage, one program a query head). Read once a
+process, at the first verify, which runs once a layer; `bench verify-kernel` sets it in its own
+process to time both stages. Standard library only: the bench imports it where no GPU is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, GROUPED_VERIFY_LOG_LINE
+
+logger = logging.getLogger("sglang_image_plugin.verify_attention")
+_FALSE = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default, on
+_grouped: bool | None = None  # None: not yet read
+
+
+def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
+    value = (environ if environ is not None else os.environ).get(GROUPED_VERIFY_ENV)
+    return value is None or value.lower() not in _FALSE
+
+
+def set_grouped_prefix(on: bool | None) -> None:
+    """On or off in this process, whatever the environment says (None: read it again)."""
+    global _grouped
+    _grouped = on
+
+
+def grouped_prefix_on() -> bool:
+    global _grouped
+    if _grouped is None:
+        _grouped = grouped_asked_for()
+        if _grouped:
+            logger.info(GROUPED_VERIFY_LOG_LINE.format(env=GROUPED_VERIFY_ENV))
+    return _grouped
