@@ -6,8 +6,9 @@ the split-KV verify kernel (`verify_splitkv_fwd`, what it runs by default with t
 plugin, whose hooks are loaded here as in a server: its prefix stage one program a KV head), and
 beside it `per-head`, the split-KV kernel with upstream's own prefix stage (one program a query
 head; SGLANG_IMAGE_GROUPED_VERIFY=0 in a server). At each batch size, context length and verify
-width asked for, the same inputs go through each: each one's time (CUDA events, the median of --repeats runs after a
-warm-up), times --layers for a decode step's share, and the largest difference of their outputs.
+width asked for, the same inputs go through each: each one's time (CUDA events, the median of
+--repeats runs after a warm-up), times --layers for a decode step's share, and the largest
+difference of their outputs.
 A difference beyond --tolerance fails the command. The shape's defaults are the 8B shape's (32
 query heads, 8 KV heads, head dim 128); the default contexts bracket the benchmark's short
 prompts (about 200 tokens) and a chat's (2,048).

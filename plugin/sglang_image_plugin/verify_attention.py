@@ -42,10 +42,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from sglang_image_plugin.setting import SPLITKV_VERIFY_ENV, SPLITKV_VERIFY_LOG_LINE
-from sglang_image_plugin.verify_switch import grouped_prefix_on
+from sglang_image_plugin.verify_switch import FALSE_VALUES, grouped_prefix_on
 
 logger = logging.getLogger(__name__)
-_FALSE = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default, on
 _logged = False  # one line a process: a server builds a backend per depth state and for the draft
 MAX_GROUPED_ROWS = 64  # query heads x verified tokens (both padded) one program of the grouped stage takes
 
@@ -54,7 +53,7 @@ def asked_for(environ: Mapping[str, str] | None = None) -> bool:
     """Upstream's switch as sglang.srt.environ reads it (EnvBool, default on): off only for a false
     value; upstream warns of a value it cannot read and keeps its default."""
     value = (environ if environ is not None else os.environ).get(SPLITKV_VERIFY_ENV)
-    return value is None or value.lower() not in _FALSE
+    return value is None or value.lower() not in FALSE_VALUES
 
 
 @functools.cache

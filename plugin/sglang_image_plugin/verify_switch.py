@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, GROUPED_VERIFY_LOG_LINE
 
 logger = logging.getLogger("sglang_image_plugin.verify_attention")
-_FALSE = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default, on
+FALSE_VALUES = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default, on
 _grouped: bool | None = None  # None: not yet read
 
 
 def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
     value = (environ if environ is not None else os.environ).get(GROUPED_VERIFY_ENV)
-    return value is None or value.lower() not in _FALSE
+    return value is None or value.lower() not in FALSE_VALUES
 
 
 def set_grouped_prefix(on: bool | None) -> None:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from sglang_image_plugin import verify_attention
-from sglang_image_plugin.setting import SPLITKV_VERIFY_ENV
+from sglang_image_plugin import verify_attention, verify_switch
+from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, SPLITKV_VERIFY_ENV
 from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.23"
@@ -28,6 +28,14 @@ FLAVOR = "sglang-0.5.23"
 def test_only_a_false_switch_turns_it_off(value: str | None, asked: bool) -> None:
     env = {} if value is None else {SPLITKV_VERIFY_ENV: value}
     assert verify_attention.asked_for(env) is asked
+
+
+# the grouped prefix stage's switch, read the same way (verify_switch.py)
+@pytest.mark.parametrize(("value", "asked"), [(None, True), ("1", True), ("0", False), ("False", False),
+                                              ("n", False), ("maybe", True)])
+def test_only_a_false_value_turns_the_grouped_prefix_stage_off(value: str | None, asked: bool) -> None:
+    env = {} if value is None else {GROUPED_VERIFY_ENV: value}
+    assert verify_switch.grouped_asked_for(env) is asked
 
 
 # What both probes compare with: chain attention in float64, every verified token attending to its
