@@ -8,7 +8,8 @@ beside it `per-head`, the split-KV kernel with upstream's own prefix stage (one 
 head; SGLANG_IMAGE_GROUPED_VERIFY=0 in a server). At each batch size, context length and verify
 width asked for, the same inputs go through each: each one's time (CUDA events, the median of
 --repeats runs after a warm-up), times --layers for a decode step's share, and the largest
-difference of their outputs.
+difference of their outputs. With --grouped-tiles the plugin's stage runs again at each tile
+asked for (BLOCK_N x warps; its default is upstream's stage's own), in a table of its own.
 A difference beyond --tolerance fails the command. The shape's defaults are the 8B shape's (32
 query heads, 8 KV heads, head dim 128); the default contexts bracket the benchmark's short
 prompts (about 200 tokens) and a chat's (2,048).
@@ -30,6 +31,7 @@ bfloat16 wrongly), which is what the CPU tests do.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -57,6 +59,7 @@ class Timing:
     folded_diff: float | None = None  # its largest difference from the prefill kernel's output
     headwise_ms: float | None = None  # the split-KV kernel with upstream's per-query-head prefix stage
     headwise_diff: float | None = None
+    tiles: tuple[tuple[str, float, float], ...] = ()  # --grouped-tiles: (BLOCK_NxWARPS, ms, difference)
 
     @property
     def speedup(self) -> float | None:
@@ -73,6 +76,17 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _tiles(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        n, _, w = item.partition("x")
+        if not (n.isdigit() and w.isdigit()) or int(n) < 16 or int(n) & (int(n) - 1) or int(w) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: give BLOCK_NxWARPS, BLOCK_N a power of two from 16 (e.g. 32x4,64x4,64x8)")
+        out.append((int(n), int(w)))
+    return out
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=_ints, default=[16, 64, 128, 256], help="requests verified together")
     ap.add_argument("--context", type=_ints, default=[256, 2048], help="prefix tokens per request")
@@ -83,6 +97,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layers", type=int, default=32, help="layers a decode step runs (the step's share)")
     ap.add_argument("--kv-splits", type=int, default=8,
                     help="the decode kernel's most KV splits a request (SGLang's --triton-attention-num-kv-splits)")
+    ap.add_argument("--grouped-tiles", type=_tiles, default=[],
+                    help="also time the plugin's grouped prefix stage at these tiles, BLOCK_NxWARPS "
+                         "(e.g. 32x4,64x4,64x8; its default is upstream's stage's own, 32x4 at head dim 128)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=20)
@@ -182,8 +199,19 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     split_ms, headwise_ms = timed(split, a.repeats), timed(headwise, a.repeats)
     diff = (o_prefill.float() - o_split.float()).abs().max().item()
     headwise_diff = round((o_prefill.float() - o_head.float()).abs().max().item(), 6)
+    tiles = []
+    for block_n, warps in a.grouped_tiles:
+        o_tile = torch.zeros_like(q)
+        verify_switch.set_grouped_tile((block_n, warps))
+        try:
+            split(o_tile)  # a tile compiles on first use
+            tile_ms = timed(functools.partial(split, o_tile), a.repeats)
+        finally:
+            verify_switch.set_grouped_tile(None)
+        tiles.append((f"{block_n}x{warps}", round(tile_ms, 4),
+                      round((o_prefill.float() - o_tile.float()).abs().max().item(), 6)))
     return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), **extra,
-                  headwise_ms=round(headwise_ms, 4), headwise_diff=headwise_diff)
+                  headwise_ms=round(headwise_ms, 4), headwise_diff=headwise_diff, tiles=tuple(tiles))
 
 
 def _decode_kernel_paths(case: Case, a: argparse.Namespace, q: Any, k: Any, v: Any, k_buf: Any, v_buf: Any,
@@ -274,6 +302,13 @@ def table(rows: list[Timing], layers: int) -> str:
         lines.append(f"| {c.batch} | {c.context} | {c.width} | {r.prefill_ms:.3f} | {r.splitkv_ms:.3f} | "
                      f"{r.speedup:.2f}x | {r.prefill_ms * layers:.2f} / {r.splitkv_ms * layers:.2f} | {r.max_diff:g} |"
                      + head + tail)
+    if any(r.tiles for r in rows):
+        labels = [label for label, _, _ in next(r.tiles for r in rows if r.tiles)]
+        lines += ["", "The plugin's grouped prefix stage by tile (BLOCK_N x warps), the whole split-KV verify, ms:", "",
+                  "| batch | context | width | " + " | ".join(labels) + " |",
+                  "|---:|---:|---:|" + "---:|" * len(labels)]
+        lines += [f"| {r.case.batch} | {r.case.context} | {r.case.width} | "
+                  + " | ".join(f"{ms} ({d:g})" for _, ms, d in r.tiles) + " |" for r in rows if r.tiles]
     return "\n".join(lines) + "\n"
 
 
@@ -292,7 +327,8 @@ def main(a: argparse.Namespace) -> int:
             [{**asdict(r.case), **{k: x for k, x in asdict(r).items() if k != "case"}} for r in rows], indent=1) + "\n")
     bad = [(r, name, diff) for r in rows
            for name, diff in (("split-KV", r.max_diff), ("per-head split-KV", r.headwise_diff),
-                              ("folded decode", r.folded_diff))
+                              ("folded decode", r.folded_diff),
+                              *((f"split-KV at tile {label}", d) for label, _, d in r.tiles))
            if diff is not None and diff > a.tolerance]
     for r, name, diff in bad:
         print(f"FAILED: batch {r.case.batch}, context {r.case.context}, width {r.case.width}: the {name} and "

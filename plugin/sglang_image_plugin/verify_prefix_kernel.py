@@ -21,6 +21,8 @@ from sglang.kernels.ops.attention.verify_splitkv import (
     _MIN_BLOCK_KV,  # the split sizes stage 2 assumes
 )
 
+from sglang_image_plugin import verify_switch
+
 
 @triton.jit
 def _verify_prefix_grouped_stage1(
@@ -96,8 +98,9 @@ def _verify_prefix_grouped_stage1(
 def run(vk: Any, bs: int, q_extend: Any, k_buffer: Any, v_buffer: Any, qo_indptr: Any, kv_indptr: Any,
         kv_indices: Any, sm_scale: float, k_scale: float, v_scale: float) -> None:
     """What VerifySplitKV._run_prefix_kernel launches, with this stage: the same scratch (vk.att_out,
-    vk.att_lse), tiles and launch settings."""
+    vk.att_lse) and, unless a benchmark set another (verify_switch.grouped_tile), tile and warps."""
     out, lse = vk.att_out, vk.att_lse
+    block_n, num_warps = verify_switch.grouped_tile or (vk.block_n, vk.num_warps)
     _verify_prefix_grouped_stage1[(bs, vk.h_kv, vk.n_splits)](
         q_extend, k_buffer, v_buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, out, lse,
         q_extend.stride(0), q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1),
@@ -105,5 +108,5 @@ def run(vk: Any, bs: int, q_extend: Any, k_buffer: Any, v_buffer: Any, qo_indptr
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         GROUP=vk.group, GROUP_PAD=triton.next_power_of_2(vk.group), N_SPLITS=vk.n_splits, L_EXT=vk.l_pad,
         HEAD_DIM=vk.head_dim, V_HEAD_DIM=vk.v_head_dim, BLOCK_DMODEL=triton.next_power_of_2(vk.head_dim),
-        BLOCK_DV=triton.next_power_of_2(vk.v_head_dim), BLOCK_N=vk.block_n, MIN_BLOCK_KV=_MIN_BLOCK_KV,
-        num_warps=vk.num_warps, num_stages=1)
+        BLOCK_DV=triton.next_power_of_2(vk.v_head_dim), BLOCK_N=block_n, MIN_BLOCK_KV=_MIN_BLOCK_KV,
+        num_warps=num_warps, num_stages=1)

@@ -1,4 +1,5 @@
-"""The switch of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix).
+"""The switch of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix), and
+its tile where a benchmark sets one.
 
 SGLANG_IMAGE_GROUPED_VERIFY, read as upstream reads its own switches (EnvBool): unset or true, on;
 "0", "false", "no" or "n", off (upstream's own stage, one program a query head). Read once a
@@ -17,6 +18,8 @@ from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, GROUPED_VERIFY_LOG_L
 logger = logging.getLogger("sglang_image_plugin.verify_attention")
 FALSE_VALUES = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default, on
 _grouped: bool | None = None  # None: not yet read
+# (BLOCK_N, num_warps) of the grouped stage; None: upstream's stage's own (verify_splitkv.block_config)
+grouped_tile: tuple[int, int] | None = None
 
 
 def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
@@ -37,3 +40,10 @@ def grouped_prefix_on() -> bool:
         if _grouped:
             logger.info(GROUPED_VERIFY_LOG_LINE.format(env=GROUPED_VERIFY_ENV))
     return _grouped
+
+
+def set_grouped_tile(tile: tuple[int, int] | None) -> None:
+    """The grouped stage's (BLOCK_N, num_warps) in this process, for `bench verify-kernel`'s sweep
+    (None: upstream's stage's own). BLOCK_N must be a power of two of 16 or more."""
+    global grouped_tile
+    grouped_tile = tile

@@ -4,11 +4,15 @@ with the plugin installed as in the image (its hooks load as in a server: withou
 hook, width 3 gave NaN in about every other run)."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from bench import verify_kernel
 from tests.bench.conftest import REPO
 
 TINY = ["--device", "cpu", "--dtype", "float32", "--batch", "2", "--context", "40", "--width", "2,3",
@@ -25,21 +29,26 @@ def test_both_kernels_time_the_same_verify_and_agree(
         code = "import sys; from bench.__main__ import main; sys.exit(main(sys.argv[1:]))"
         return run_in_tree(tree, code.replace("sys.argv[1:]", repr(["verify-kernel", *TINY, *extra])), env=env)
 
-    ok = run("--out", str(tmp_path))
+    ok = run("--out", str(tmp_path), "--grouped-tiles", "16x1,64x2")
     assert ok.returncode == 0, ok.stderr[-2000:]
     rows = json.loads((tmp_path / "verify_kernel.json").read_text())
     assert [(r["batch"], r["context"], r["width"]) for r in rows] == [(2, 40, 2), (2, 40, 3)]
     assert all(r["prefill_ms"] > 0 and r["splitkv_ms"] > 0 and r["max_diff"] <= 1e-5 for r in rows)
     # the split-KV kernel with upstream's own prefix stage (one program a query head) beside it
     assert all(r["headwise_ms"] > 0 and r["headwise_diff"] <= 1e-5 for r in rows)
+    # the plugin's stage again at each tile asked for, each checked as the others
+    assert [[(label, diff <= 1e-5) for label, _, diff in r["tiles"]] for r in rows] == [
+        [("16x1", True), ("64x2", True)]] * 2
+    assert "| batch | context | width | 16x1 | 64x2 |" in (tmp_path / "verify_kernel.md").read_text()
     # the plain step's attention beside them, and the verify through the decode kernel with the
     # verified tokens folded into the query-head group: the same output as the prefill kernel's
     assert all(r["decode_ms"] > 0 and r["folded_ms"] > 0 and r["folded_diff"] <= 1e-5 for r in rows)
     assert "| 2 | 40 | 3 |" in (tmp_path / "verify_kernel.md").read_text()
-    bad = run("--tolerance", "-1")  # every difference is above it: the command fails, naming the case
+    bad = run("--tolerance", "-1", "--grouped-tiles", "64x2")  # every difference is above it: the command fails, naming the case
     assert bad.returncode == 1
     assert "FAILED: batch 2, context 40, width 2: the split-KV and prefill kernels' outputs differ" in bad.stdout
     assert "FAILED: batch 2, context 40, width 2: the per-head split-KV and prefill kernels' outputs" in bad.stdout
+    assert "FAILED: batch 2, context 40, width 3: the split-KV at tile 64x2 and prefill kernels'" in bad.stdout
     assert "FAILED: batch 2, context 40, width 3: the folded decode and prefill kernels' outputs differ" in bad.stdout
 
 
@@ -56,3 +65,10 @@ def test_the_e2e_kernels_phase_runs_it_and_keeps_the_table_in_its_log(
     assert proc.returncode == 0, log[-2000:]
     assert "| 2 | 40 | 3 |" in log and "RESULT: PASS" in log
     assert (tmp_path / "st" / "logs" / "verify_kernel.json").is_file()
+
+
+@pytest.mark.parametrize("text", ["48x4", "8x4", "64", "64x0", "x4", "64x4,big"])
+def test_a_tile_that_is_not_block_n_x_warps_is_refused_naming_the_form(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="give BLOCK_NxWARPS, BLOCK_N a power of two from 16"):
+        verify_kernel._tiles(text)
+    assert verify_kernel._tiles("16x1, 64x8") == [(16, 1), (64, 8)]
