@@ -1,7 +1,10 @@
 """Where a decode step's GPU time goes, by forward kind: the device timer's categories (CUDA events
 around each forward: the target's decode or verify, the draft's decode steps and its extend over
 the accepted tokens, prefills) per decode step, medians over the blocks. A kind whose time does
-not shrink with draft depth is where a shallower draft cannot win (docs/validation.md row 45)."""
+not shrink with draft depth is where a shallower draft cannot win (docs/validation.md row 45).
+An interval opens with an event recorded before the host prepares the forward: a graph replay
+follows it at once, but an eager prefill's preparation counts too wherever the GPU reaches the
+event idle (docs/validation.md row 78)."""
 from __future__ import annotations
 
 import statistics
@@ -45,7 +48,8 @@ def lines(result: dict[str, Any], label: Callable[[str], str]) -> list[str]:
         return []
     kinds = [k for k in (*KINDS.values(), OTHER) if any(k in cell for row in table.values() for cell in row.values())]
     out = [("GPU ms per decode step by forward kind (the device timer; medians over the blocks; prefill: "
-            "the prefills that fell between the decode steps):"), "",
+            "the prefills that fell between the decode steps, run eagerly: where the GPU waits for the host, "
+            "their column also counts the host's preparation of them):"), "",
            "| concurrency | server | " + " | ".join(kinds) + " |", "|---:|---|" + "---:|" * len(kinds)]
     for c, row in table.items():
         for name, cell in row.items():
