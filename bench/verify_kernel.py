@@ -8,8 +8,10 @@ beside it `per-head`, the split-KV kernel with upstream's own prefix stage (one 
 head; SGLANG_IMAGE_GROUPED_VERIFY=0 in a server). At each batch size, context length and verify
 width asked for, the same inputs go through each: each one's time (CUDA events, the median of
 --repeats runs after a warm-up), times --layers for a decode step's share, and the largest
-difference of their outputs. With --grouped-tiles the plugin's stage runs again at each tile
-asked for (BLOCK_N x warps; its default is upstream's stage's own), in a table of its own.
+difference of their outputs. A server runs the plugin's stage only where its grid has a program
+for every multiprocessor, so at a few requests the split-KV column is upstream's stage. With
+--grouped-tiles the plugin's stage runs again at each tile asked for (BLOCK_N x warps; its default
+is upstream's stage's own), whatever the grid, in a table of its own.
 A difference beyond --tolerance fails the command. The shape's defaults are the 8B shape's (32
 query heads, 8 KV heads, head dim 128); the default contexts bracket the benchmark's short
 prompts (about 200 tokens) and a chat's (2,048).
@@ -99,7 +101,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the decode kernel's most KV splits a request (SGLang's --triton-attention-num-kv-splits)")
     ap.add_argument("--grouped-tiles", type=_tiles, default=[],
                     help="also time the plugin's grouped prefix stage at these tiles, BLOCK_NxWARPS "
-                         "(e.g. 32x4,64x4,64x8; its default is upstream's stage's own, 32x4 at head dim 128)")
+                         "(e.g. 32x4,64x4,64x8; its default is upstream's stage's own, 32x4 at head dim 128), "
+                         "whatever the grid")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=20)
@@ -203,11 +206,13 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     for block_n, warps in a.grouped_tiles:
         o_tile = torch.zeros_like(q)
         verify_switch.set_grouped_tile((block_n, warps))
+        verify_switch.set_grouped_min_programs(0)  # the stage itself, where a server would not run it too
         try:
             split(o_tile)  # a tile compiles on first use
             tile_ms = timed(functools.partial(split, o_tile), a.repeats)
         finally:
             verify_switch.set_grouped_tile(None)
+            verify_switch.set_grouped_min_programs(None)
         tiles.append((f"{block_n}x{warps}", round(tile_ms, 4),
                       round((o_prefill.float() - o_tile.float()).abs().max().item(), 6)))
     return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), **extra,

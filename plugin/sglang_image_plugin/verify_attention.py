@@ -28,7 +28,9 @@ their KV head's prefix: a verify reads the prefix's K/V `group` times where a pl
 reads it once, and that excess grows with batch and context. grouped_prefix runs the same stage
 with one program per KV head (verify_prefix_kernel.py), into the same scratch, unless
 SGLANG_IMAGE_GROUPED_VERIFY is 0 (upstream's stage then) or the group's tile would pass
-MAX_GROUPED_ROWS rows (a wide group or verify: upstream's stage, whose tile is the verify's width).
+MAX_GROUPED_ROWS rows (a wide group or verify: upstream's stage, whose tile is the verify's width),
+or its grid would have fewer programs than the GPU has multiprocessors (a few requests with long
+prefixes: upstream's stage has `group` times the programs there).
 
 sglang, torch and triton are imported inside the hooks only: they run in a process that has them.
 """
@@ -41,6 +43,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from sglang_image_plugin import verify_switch
 from sglang_image_plugin.setting import SPLITKV_VERIFY_ENV, SPLITKV_VERIFY_LOG_LINE
 from sglang_image_plugin.verify_switch import FALSE_VALUES, grouped_prefix_on
 
@@ -90,14 +93,35 @@ def zero_scratch(result: None, verify: Any, *args: Any, **kwargs: Any) -> None:
     return result
 
 
+@functools.cache
+def multiprocessors(device: Any) -> int:
+    """The GPU's streaming multiprocessors; 0 where there is no GPU (Triton's interpreter)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def grouped_grid_fills(bs: int, kv_heads: int, splits: int, cores: int) -> bool:
+    """Whether the grouped stage's grid (a program per request, KV head and split) has a program for
+    every multiprocessor. Where it has not (a few requests with long prefixes), upstream's stage,
+    with `group` times the programs, keeps more of the GPU's memory bandwidth busy."""
+    return bs * kv_heads * splits >= cores
+
+
 def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: Any) -> Any:
     """AROUND VerifySplitKV._run_prefix_kernel: the prefix stage with one program per request, KV
-    head and split (see the module's docstring), unless it is turned off or the tile too wide."""
+    head and split (see the module's docstring), unless it is turned off, its tile too wide or its
+    grid too small for the GPU."""
     import triton
 
     rows = triton.next_power_of_2(verify.group) * verify.l_pad
     # on AMD GPUs upstream's tuned stage stays
     if kwargs or rows > MAX_GROUPED_ROWS or on_rocm() or not grouped_prefix_on():
+        return original(verify, bs, *args, **kwargs)
+    cores = verify_switch.grouped_min_programs
+    if cores is None:
+        cores = multiprocessors(args[0].device)
+    if not grouped_grid_fills(bs, verify.h_kv, verify.n_splits, cores):
         return original(verify, bs, *args, **kwargs)
     from sglang_image_plugin import verify_prefix_kernel
 

@@ -20,6 +20,8 @@ FALSE_VALUES = ("false", "0", "no", "n")  # upstream's EnvBool: its other values
 _grouped: bool | None = None  # None: not yet read
 # (BLOCK_N, num_warps) of the grouped stage; None: upstream's stage's own (verify_splitkv.block_config)
 grouped_tile: tuple[int, int] | None = None
+# the fewest programs the grouped stage's grid must have; None: the GPU's multiprocessors
+grouped_min_programs: int | None = None
 
 
 def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
@@ -47,3 +49,11 @@ def set_grouped_tile(tile: tuple[int, int] | None) -> None:
     (None: upstream's stage's own). BLOCK_N must be a power of two of 16 or more."""
     global grouped_tile
     grouped_tile = tile
+
+
+def set_grouped_min_programs(programs: int | None) -> None:
+    """The fewest programs the grouped stage's grid must have to run (None: the GPU's
+    multiprocessors; 0: any grid), for `bench verify-kernel`, which times the stage where the
+    server would not run it."""
+    global grouped_min_programs
+    grouped_min_programs = programs

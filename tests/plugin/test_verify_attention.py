@@ -38,6 +38,16 @@ def test_only_a_false_value_turns_the_grouped_prefix_stage_off(value: str | None
     assert verify_switch.grouped_asked_for(env) is asked
 
 
+# the grouped stage runs where its grid has a program for every multiprocessor (132 on an H100);
+# with no GPU (Triton's interpreter, 0) any grid
+@pytest.mark.parametrize(("bs", "kv_heads", "splits", "cores", "fills"),
+                         [(4, 8, 4, 132, False), (5, 8, 4, 132, True), (1, 8, 16, 132, False),
+                          (1, 8, 16, 128, True), (1, 1, 4, 0, True)])
+def test_the_grouped_stage_runs_where_its_grid_fills_the_gpu(bs: int, kv_heads: int, splits: int, cores: int,
+                                                             fills: bool) -> None:
+    assert verify_attention.grouped_grid_fills(bs, kv_heads, splits, cores) is fills
+
+
 # What both probes compare with: chain attention in float64, every verified token attending to its
 # request's prefix and to the chain up to itself (GQA: query head h reads KV head h // group).
 REFERENCE = textwrap.dedent("""
@@ -238,12 +248,17 @@ GROUPED_PROBE = textwrap.dedent("""
     shapes = [(8, 2, 4, [5, 37, 130]), (8, 2, 3, [64, 9]), (6, 2, 4, [40, 100]), (2, 2, 2, [33])]
     grouped = [verify(*s) for s in shapes]
     wide = verify(32, 2, 8, [20])  # 16 heads x 8 tokens: past MAX_GROUPED_ROWS, upstream's stage
+    verify_switch.set_grouped_min_programs(25)  # 3 requests x 2 KV heads x 4 splits = 24 programs: too few
+    small = verify(8, 2, 4, [5, 37, 130])
+    verify_switch.set_grouped_min_programs(24)
+    fills = verify(8, 2, 4, [5, 37, 130])
+    verify_switch.set_grouped_min_programs(None)  # no GPU here: any grid runs
     verify_switch.set_grouped_prefix(False)
     off = verify(8, 2, 4, [5, 37, 130])
     vs._verify_prefix_stage1 = upstream_stage
     upstream = verify(8, 2, 4, [5, 37, 130])
     emit({"hooked": registry.wraps_hook(vs.VerifySplitKV._run_prefix_kernel, verify_attention.grouped_prefix),
-          "grouped": grouped, "wide": wide, "off": off, "upstream": upstream})
+          "grouped": grouped, "wide": wide, "small": small, "fills": fills, "off": off, "upstream": upstream})
 """)
 
 
@@ -255,6 +270,7 @@ def test_the_split_kv_verify_reads_each_kv_head_once_for_its_query_heads(
     out, proc = run_probe(run_in_tree, sglang_tree, plugin_site, GROUPED_PROBE)
     assert out["hooked"] is True
     assert all(isinstance(err, float) and err < 1e-4 for err in out["grouped"]), out["grouped"]
-    assert out["wide"] == out["off"] == "upstream's per-head prefix stage ran"
+    assert out["wide"] == out["off"] == out["small"] == "upstream's per-head prefix stage ran"
+    assert isinstance(out["fills"], float) and out["fills"] < 1e-4
     assert isinstance(out["upstream"], float) and out["upstream"] < 1e-4
     assert proc.stdout.count("LOG EAGLE verify attention: the prefix stage reads each KV head once") == 1
