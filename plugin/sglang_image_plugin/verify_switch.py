@@ -1,10 +1,11 @@
 """The switch of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix), and
-its tile where a benchmark sets one.
+its tile and least grid where a benchmark sets them.
 
 SGLANG_IMAGE_GROUPED_VERIFY, read as upstream reads its own switches (EnvBool): unset or true, on;
 "0", "false", "no" or "n", off (upstream's own stage, one program a query head). Read once a
 process, at the first verify, which runs once a layer; `bench verify-kernel` sets it in its own
-process to time both stages. Standard library only: the bench imports it where no GPU is.
+process to time both stages, the grouped one at other tiles and where a server's grid rule would
+not run it. Standard library only: the bench imports it where no GPU is.
 """
 
 from __future__ import annotations
