@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from sglang_image_plugin import verify_switch
 from sglang_image_plugin.setting import SPLITKV_VERIFY_ENV, SPLITKV_VERIFY_LOG_LINE
-from sglang_image_plugin.verify_switch import FALSE_VALUES, grouped_prefix_on
+from sglang_image_plugin.verify_switch import env_switch_on, grouped_prefix_on
 
 logger = logging.getLogger(__name__)
 _logged = False  # one line a process: a server builds a backend per depth state and for the draft
@@ -55,8 +54,7 @@ MAX_GROUPED_ROWS = 64  # query heads x verified tokens (both padded) one program
 def asked_for(environ: Mapping[str, str] | None = None) -> bool:
     """Upstream's switch as sglang.srt.environ reads it (EnvBool, default on): off only for a false
     value; upstream warns of a value it cannot read and keeps its default."""
-    value = (environ if environ is not None else os.environ).get(SPLITKV_VERIFY_ENV)
-    return value is None or value.lower() not in FALSE_VALUES
+    return env_switch_on(SPLITKV_VERIFY_ENV, environ)
 
 
 @functools.cache
@@ -118,9 +116,8 @@ def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: An
     # on AMD GPUs upstream's tuned stage stays
     if kwargs or rows > MAX_GROUPED_ROWS or on_rocm() or not grouped_prefix_on():
         return original(verify, bs, *args, **kwargs)
-    cores = verify_switch.grouped_min_programs
-    if cores is None:
-        cores = multiprocessors(args[0].device)
+    least = verify_switch.grouped_min_programs
+    cores = multiprocessors(args[0].device) if least is None else least
     if not grouped_grid_fills(bs, verify.h_kv, verify.n_splits, cores):
         return original(verify, bs, *args, **kwargs)
     from sglang_image_plugin import verify_prefix_kernel

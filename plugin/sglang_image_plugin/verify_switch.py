@@ -25,9 +25,14 @@ grouped_tile: tuple[int, int] | None = None
 grouped_min_programs: int | None = None
 
 
-def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
-    value = (environ if environ is not None else os.environ).get(GROUPED_VERIFY_ENV)
+def env_switch_on(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """A switch as upstream's EnvBool reads it (default on): off only for a false value."""
+    value = (environ if environ is not None else os.environ).get(name)
     return value is None or value.lower() not in FALSE_VALUES
+
+
+def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
+    return env_switch_on(GROUPED_VERIFY_ENV, environ)
 
 
 def set_grouped_prefix(on: bool | None) -> None:
