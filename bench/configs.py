@@ -4,7 +4,8 @@ and groups it by its record, and bench.json keeps the records (nothing decodes a
 A config named on the command line becomes one record, or one per value of a sweep: `eagle3_thr`
 one per --threshold N, `eagle3_depth` one per --depth d (always-on EAGLE-3 drafting d steps and
 verifying d + 1 tokens a request; `eagle3` is the launch depth, 3), `eagle3_sched` one per
---schedule (the plugin's draft depth per load). `eagle3_extend_verify` is `eagle3` started with
+--schedule (the plugin's draft depth per load; launched at the deeper of the launch depth and the
+schedule's deepest tier, as the plugin requires). `eagle3_extend_verify` is `eagle3` started with
 upstream's split-KV verify kernel switched off (SGLANG_ENABLE_SPLITKV_VERIFY=0): EAGLE's
 target-verify attention then runs the Triton backend's prefill "extend" kernel, the path before
 the plugin's change, so the two compare in the same blocks. `eagle3_headwise_verify` is `eagle3`
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, PREFILL_KV_GRAPHS_ENV
+from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, PREFILL_KV_GRAPHS_ENV, parse_schedule
 from smoke.server import EAGLE_STEPS
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
@@ -93,6 +94,13 @@ class BenchConfig:
         return cls(**{**rec, "env": tuple((str(k), str(v)) for k, v in rec.get("env") or ())})
 
 
+def schedule_steps(schedule: str) -> int:
+    """The draft steps a schedule server launches with: the launch depth, or the schedule's deepest
+    tier where that is deeper (the plugin refuses a tier deeper than the launch); `auto` learns
+    among the launch depth's."""
+    return LAUNCH_STEPS if schedule == "auto" else max(LAUNCH_STEPS, parse_schedule(schedule).deepest)
+
+
 def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
            depths: tuple[int, ...] = (), schedules: tuple[str, ...] = ()) -> list[BenchConfig]:
     """The servers of the named configs, in order (a sweep's in its values' order)."""
@@ -116,7 +124,7 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out += [BenchConfig(f"eagle3_thr{n}_prefill_graphs", "threshold", LAUNCH_STEPS, threshold=n,
                                 env=(PREFILL_GRAPHS,)) for n in thresholds]
         elif name == "eagle3_sched":
-            out += [BenchConfig(f"eagle3_sched{i}", "schedule", LAUNCH_STEPS, schedule=sched)
+            out += [BenchConfig(f"eagle3_sched{i}", "schedule", schedule_steps(sched), schedule=sched)
                     for i, sched in enumerate(schedules, 1)]
         elif name == "eagle3_auto":
             out.append(BenchConfig(name, "auto", LAUNCH_STEPS))

@@ -167,6 +167,16 @@ def test_a_schedule_sweep_is_one_server_per_draft_depth_schedule(tmp_path):
     assert a[a.index("--speculative-num-steps") + 1] == "3" and throughput.THRESHOLD_FLAG not in a
     assert options.config_records(opts)["eagle3_sched1"].switches
     assert options.config_records(opts)["eagle3_sched1"].label == "EAGLE-3 + schedule 1-16:3,17-:0"
+    # a tier deeper than the launch depth: that server launches at its deepest tier, the others
+    # keep the launch depth (a shallower schedule still runs the launch depth's KV reserve)
+    deep = bench_options("--configs", "eagle3_sched", "--schedule", "1-64:5,65-:3;1-16:1,17-:0")
+    deep = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), schedules=deep.schedules,
+                                configs=deep.configs)
+    a = throughput.server_config("eagle3_sched1", deep).argv(30000)
+    assert a[a.index("--speculative-num-steps") + 1] == "5"
+    assert a[a.index("--speculative-num-draft-tokens") + 1] == "6"
+    a = throughput.server_config("eagle3_sched2", deep).argv(30000)
+    assert a[a.index("--speculative-num-steps") + 1] == "3"
     with pytest.raises(SystemExit, match="--schedule: the last tier must be open"):
         bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-32:0")
     with pytest.raises(SystemExit, match="--schedule .*distinct schedules"):
