@@ -5,7 +5,7 @@ A config named on the command line becomes one record, or one per value of a swe
 one per --threshold N, `eagle3_depth` one per --depth d (always-on EAGLE-3 drafting d steps and
 verifying d + 1 tokens a request; `eagle3` is the launch depth, 3), `eagle3_sched` one per
 --schedule (the plugin's draft depth per load; launched at the deeper of the launch depth and the
-schedule's deepest tier, as the plugin requires). `eagle3_extend_verify` is `eagle3` started with
+schedule's deepest tier, smoke.server.launch_steps). `eagle3_extend_verify` is `eagle3` started with
 upstream's split-KV verify kernel switched off (SGLANG_ENABLE_SPLITKV_VERIFY=0): EAGLE's
 target-verify attention then runs the Triton backend's prefill "extend" kernel, the path before
 the plugin's change, so the two compare in the same blocks. `eagle3_headwise_verify` is `eagle3`
@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, PREFILL_KV_GRAPHS_ENV, parse_schedule
-from smoke.server import EAGLE_STEPS
+from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, PREFILL_KV_GRAPHS_ENV
+from smoke.server import EAGLE_STEPS, launch_steps
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
 CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_headwise_verify",
@@ -94,13 +94,6 @@ class BenchConfig:
         return cls(**{**rec, "env": tuple((str(k), str(v)) for k, v in rec.get("env") or ())})
 
 
-def schedule_steps(schedule: str) -> int:
-    """The draft steps a schedule server launches with: the launch depth, or the schedule's deepest
-    tier where that is deeper (the plugin refuses a tier deeper than the launch); `auto` learns
-    among the launch depth's."""
-    return LAUNCH_STEPS if schedule == "auto" else max(LAUNCH_STEPS, parse_schedule(schedule).deepest)
-
-
 def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
            depths: tuple[int, ...] = (), schedules: tuple[str, ...] = ()) -> list[BenchConfig]:
     """The servers of the named configs, in order (a sweep's in its values' order)."""
@@ -124,7 +117,7 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out += [BenchConfig(f"eagle3_thr{n}_prefill_graphs", "threshold", LAUNCH_STEPS, threshold=n,
                                 env=(PREFILL_GRAPHS,)) for n in thresholds]
         elif name == "eagle3_sched":
-            out += [BenchConfig(f"eagle3_sched{i}", "schedule", schedule_steps(sched), schedule=sched)
+            out += [BenchConfig(f"eagle3_sched{i}", "schedule", launch_steps(sched, LAUNCH_STEPS), schedule=sched)
                     for i, sched in enumerate(schedules, 1)]
         elif name == "eagle3_auto":
             out.append(BenchConfig(name, "auto", LAUNCH_STEPS))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-from sglang_image_plugin.setting import DEPTH_SCHEDULE_FLAG, THRESHOLD_FLAG
+from sglang_image_plugin.setting import AUTO, DEPTH_SCHEDULE_FLAG, THRESHOLD_FLAG, parse_schedule
 from smoke import client
 from smoke.deadline import Deadline
 
@@ -46,6 +46,15 @@ def sglang_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
         else:
             env.pop("PYTHONPATH")
     return env
+
+
+def launch_steps(schedule: str | None, steps: int = EAGLE_STEPS) -> int:
+    """The draft steps an EAGLE-3 server launches with: `steps`, or a fixed depth schedule's deepest
+    tier where that is deeper (the plugin refuses a tier deeper than the launch; `auto` learns
+    among the launch's depths). A bad schedule raises the contract's ScheduleError."""
+    if schedule is None or schedule.strip().lower() == AUTO:
+        return steps
+    return max(steps, parse_schedule(schedule).deepest)
 
 
 def eagle_flags(steps: int = EAGLE_STEPS) -> tuple[str, ...]:
@@ -105,7 +114,8 @@ class ServerConfig:
     name: str
     model: Path
     draft: Path | None = None          # EAGLE-3 when set
-    spec_steps: int = EAGLE_STEPS      # its draft steps (a chain: steps + 1 tokens verified)
+    spec_steps: int = EAGLE_STEPS      # its draft steps (a chain: steps + 1 tokens verified); a
+    # schedule's deeper tier raises them to its depth (launch_steps)
     threshold: int | str | None = None  # the threshold flag (N or auto)
     schedule: str | None = None        # the depth schedule flag (LOW-HIGH:DEPTH,...), instead of it
     overlap: bool = True               # False -> --disable-overlap-schedule
@@ -118,6 +128,10 @@ class ServerConfig:
     env: dict[str, str] = field(default_factory=dict)
     cpus: tuple[int, ...] = ()         # CPU affinity of the server's processes (none: the OS's choice)
     release: tuple[int, ...] | None = None  # the sglang release's flags (None: the installed one)
+
+    def __post_init__(self) -> None:
+        if self.draft is not None:
+            self.spec_steps = launch_steps(self.schedule, self.spec_steps)
 
     def argv(self, port: int) -> list[str]:
         a = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model),

@@ -35,16 +35,11 @@ ABOVE_FACTOR = 8
 BURST_FACTOR = 4
 
 
-def parse_smoke_schedule(text: str, flag: str = SCHEDULE_FLAG,
-                         steps: int = EAGLE_STEPS) -> DepthSchedule:
-    """The contract's parser (setting.parse_schedule), then what the smoke's servers can run: no
-    depth beyond the depth they launch with, at least one edge. A ScheduleError names `flag`."""
+def parse_smoke_schedule(text: str, flag: str = SCHEDULE_FLAG) -> DepthSchedule:
+    """The contract's parser (setting.parse_schedule), then what the smoke's servers can run: a
+    tier that drafts, at least one edge (they launch at the deepest tier, smoke.server.launch_steps).
+    A ScheduleError names `flag`."""
     schedule = parse_schedule(text, source=flag)
-    if schedule.deepest > steps:
-        raise ScheduleError(
-            f"{flag}: depth {schedule.deepest} is deeper than the smoke's servers draft "
-            f"(--speculative-num-steps {steps}); give depths of at most {steps}, "
-            f"e.g. {DEPTH_SCHEDULE_EXAMPLE}")
     if schedule.deepest < 1:
         raise ScheduleError(f"{flag}: {schedule} never drafts; its first tier must draft")
     if len(schedule.tiers) < 2:

@@ -152,8 +152,9 @@ def _add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(smoke_schedule.OPTION, type=smoke_schedule.parse, default=None,
                    metavar="LOW-HIGH:DEPTH,...",
                    help=f"instead of --threshold: the EAGLE-3 servers' {DEPTH_SCHEDULE_FLAG}, a draft "
-                        f"depth per load, e.g. {smoke_schedule.EXAMPLE} (depths of at most "
-                        f"{smoke_schedule.SMOKE_STEPS}, flavors with the plugin; the top edge at most "
+                        f"depth per load, e.g. {smoke_schedule.EXAMPLE} (the servers launch with "
+                        f"--speculative-num-steps {smoke_schedule.SMOKE_STEPS}, or the deepest tier's "
+                        "depth where that is deeper; flavors with the plugin; the top edge at most "
                         f"{image_smoke.MATRIX_MAX_THRESHOLD}); the smoke and the feature matrix run in "
                         "and across every tier (default: none, the threshold)")
     p.add_argument("--accept-partial", action="store_true",

@@ -4,8 +4,8 @@ a threshold, and the smoke and the feature matrix inside the image run with `--s
 
 Checked before any container starts, with the rules of the smoke inside the image: the grammar is
 the plugin's contract (sglang_image_plugin.setting.parse_schedule); then what the smoke's servers
-can run (smoke/tiers.py parse_smoke_schedule): no depth beyond the draft steps they launch with, at
-least one edge. `auto` is refused, as the smoke refuses it: the smoke derives its loads from the
+can run (smoke/tiers.py parse_smoke_schedule): a tier that drafts, at least one edge. A tier deeper
+than the smoke's launch depth launches its servers that deep (smoke/server.py launch_steps). `auto` is refused, as the smoke refuses it: the smoke derives its loads from the
 edges of a fixed schedule. Only a flavor with the plugin has the schedule.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from sglang_image_plugin.setting import (
 )
 
 OPTION = "--schedule"
-# The draft steps the smoke's servers launch with (smoke/server.py EAGLE_STEPS): the deepest tier
-# the smoke can run. The build may not import the smoke (tests/test_layout.py); a test holds the two
-# equal, and these rules to parse_smoke_schedule's.
+# The draft steps the smoke's servers launch with (smoke/server.py EAGLE_STEPS), unless a schedule's
+# tier drafts deeper. The build may not import the smoke (tests/test_layout.py); a test holds the
+# two equal, and these rules to parse_smoke_schedule's.
 SMOKE_STEPS = 3
 # A schedule that the smoke and its feature matrix both run (the matrix takes a top edge up to 256):
 # small, so that the smoke's loads (8x the top edge at once) stay short on its tiny models.
@@ -50,10 +50,6 @@ def parse(raw: str) -> DepthSchedule:
 def check(schedule: DepthSchedule) -> None:
     """What the smoke's servers can run of a parsed schedule (smoke/tiers.py parse_smoke_schedule
     refuses the same inside the image)."""
-    if schedule.deepest > SMOKE_STEPS:
-        raise UsageError(f"{OPTION} {schedule}: depth {schedule.deepest} is deeper than the smoke's "
-                         f"servers draft (--speculative-num-steps {SMOKE_STEPS}); give depths of at "
-                         f"most {SMOKE_STEPS}, e.g. {OPTION} {EXAMPLE}")
     if schedule.deepest < 1:
         raise UsageError(f"{OPTION} {schedule}: never drafts; its first tier must draft, e.g. "
                          f"{OPTION} {EXAMPLE}")

@@ -4,6 +4,7 @@ its series, 0.5.23 with the plugin) on a CPU. 0.5.23 split --cuda-graph-max-bs p
 old spelling is an ambiguous prefix that stopped every smoke server at start."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from bench import options, throughput
 from smoke import features, runner, scenario, variant_runs
-from smoke.server import ServerConfig, cuda_graph_max_bs_flag
+from smoke.server import EAGLE_STEPS, ServerConfig, cuda_graph_max_bs_flag
 from smoke.tiers import parse_smoke_schedule
 from tests.probe import probe_result
 
@@ -69,6 +70,17 @@ def configurations(models: Path, release: tuple[int, ...], auto: bool) -> dict[s
         configs["feature_schedule"] = features.server_config(
             "sched", features.FeatureOptions(models=models, out=models, threshold=64,
                                              schedule=str(schedule)), draft=True)
+        # a tier deeper than the launch depth: the plugin refuses it unless the server launches
+        # that deep, so each launcher must raise its draft steps (smoke.server.launch_steps)
+        deep = parse_smoke_schedule("1-8:5,9-:3")
+        configs["smoke_schedule_deep"] = variant_runs.variant_server(
+            scenario.SmokeOptions(models=models, out=models, schedule=deep), scenario.VARIANTS["overlap"],
+            models / "draft", None, reach=256, port=None, schedule=deep)[0].cfg
+        configs["feature_schedule_deep"] = features.server_config(
+            "sched", features.FeatureOptions(models=models, out=models, threshold=64, schedule=str(deep)),
+            draft=True)
+        deep_opts = dataclasses.replace(bench_opts, configs=("eagle3_sched",), schedules=(str(deep),))
+        configs["bench_eagle3_sched_deep"] = throughput.server_config("eagle3_sched1", deep_opts)
     out = {}
     for name, cfg in configs.items():
         cfg.release = release
@@ -93,6 +105,22 @@ def test_the_flag_of_the_largest_captured_batch_follows_the_release() -> None:
     assert cuda_graph_max_bs_flag((0, 5, 17)) == "--cuda-graph-max-bs"
     assert cuda_graph_max_bs_flag((0, 5, 9)) == "--cuda-graph-max-bs"
     assert cuda_graph_max_bs_flag((0, 5, 23)) == "--cuda-graph-max-bs-decode"
+
+
+def test_a_schedule_deeper_than_the_launch_depth_launches_its_server_that_deep(tmp_path: Path) -> None:
+    # the plugin refuses a tier deeper than --speculative-num-steps; a smoke, matrix or bench
+    # server of such a schedule launches at its deepest tier, every other EAGLE-3 server at 3
+    def steps(cfg: ServerConfig) -> tuple[str, str]:
+        a = cfg.argv(30000)
+        return a[a.index("--speculative-num-steps") + 1], a[a.index("--speculative-num-draft-tokens") + 1]
+
+    draft = tmp_path / "draft"
+    assert steps(ServerConfig("s", tmp_path, draft=draft, schedule="1-8:5,9-:3")) == ("5", "6")
+    assert steps(ServerConfig("s", tmp_path, draft=draft, schedule="1-8:2,9-:0")) == (str(EAGLE_STEPS), "4")
+    assert steps(ServerConfig("s", tmp_path, draft=draft, schedule="auto")) == (str(EAGLE_STEPS), "4")
+    assert steps(ServerConfig("s", tmp_path, draft=draft, threshold=16)) == (str(EAGLE_STEPS), "4")
+    assert steps(ServerConfig("s", tmp_path, draft=draft, spec_steps=6, schedule="1-8:5,9-:3")) == ("6", "7")
+    assert "--speculative-num-steps" not in ServerConfig("p", tmp_path, schedule="1-8:5,9-:3").argv(30000)
 
 
 @pytest.mark.parametrize(("flavor", "release", "patched", "with_plugin"), [

@@ -39,8 +39,10 @@ def test_schedule_is_parsed_by_the_contract_and_refused_beside_a_threshold():
     opts = run_command.options(ap.parse_args([*run, "--schedule", " 1-8:3,9-24:2,25-64:1,65-:0 "]))
     assert str(opts.schedule) == SCHEDULE and opts.threshold == 64 and not opts.auto
     assert run_command.options(ap.parse_args(run)).schedule is None  # the threshold path as before
+    # a tier deeper than the launch depth: the smoke's servers launch that deep
+    assert run_command.options(ap.parse_args([*run, "--schedule", "1-8:5,9-:3"])).schedule is not None
     for flags, why in ((["--schedule", "1-8:3,10-:0"], "--schedule: tier 10-:0 must start at 9"),
-                       (["--schedule", "1-8:4,9-:0"], "--schedule: depth 4 is deeper"),
+                       (["--schedule", "1-:3"], "--schedule: 1-:3 is one tier"),
                        (["--schedule", "fast"], "--schedule: 'fast' is not a tier"),
                        (["--threshold", "4", "--schedule", SCHEDULE], "--schedule and --threshold are both given"),
                        (["--schedule", SCHEDULE, "--threshold", "auto"], "--schedule and --threshold are both given")):

@@ -154,7 +154,6 @@ def test_a_threshold_is_the_two_tier_schedule(n):
 
 
 @pytest.mark.parametrize("text,why", [
-    ("1-8:4,9-:0", "deeper than the smoke's servers draft"),
     ("1-:3", "one tier, so nothing switches"),
     ("1-8:3,10-:0", "must start at 9"),
     ("1-8:0,9-:0", "never drafts"),
