@@ -81,7 +81,9 @@ class BenchConfig:
             return "plain (A/A twin)" if self.twin else "plain"
         if self.kind == "fixed":
             return "EAGLE-3" if self.steps == LAUNCH_STEPS else f"EAGLE-3 depth {self.steps}"
-        return {"threshold": f"EAGLE-3 + threshold {self.threshold}", "schedule": f"EAGLE-3 + schedule {self.schedule}",
+        learned_depths = f" (depths 0-{self.steps})" if self.learns and self.steps != LAUNCH_STEPS else ""
+        return {"threshold": f"EAGLE-3 + threshold {self.threshold}",
+                "schedule": f"EAGLE-3 + schedule {self.schedule}{learned_depths}",
                 "auto": "EAGLE-3 + auto",
                 "adaptive": "EAGLE-3 adaptive (upstream)"}[self.kind]
 
@@ -95,8 +97,11 @@ class BenchConfig:
 
 
 def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
-           depths: tuple[int, ...] = (), schedules: tuple[str, ...] = ()) -> list[BenchConfig]:
-    """The servers of the named configs, in order (a sweep's in its values' order)."""
+           depths: tuple[int, ...] = (), schedules: tuple[str, ...] = (),
+           auto_depth: int = LAUNCH_STEPS) -> list[BenchConfig]:
+    """The servers of the named configs, in order (a sweep's in its values' order). A schedule
+    server launches at its deepest tier (3 at least); the schedule `auto` at `auto_depth`, the
+    deepest it can learn."""
     out: list[BenchConfig] = []
     for name in configs:
         if name in ("plain", TWIN):
@@ -117,7 +122,8 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out += [BenchConfig(f"eagle3_thr{n}_prefill_graphs", "threshold", LAUNCH_STEPS, threshold=n,
                                 env=(PREFILL_GRAPHS,)) for n in thresholds]
         elif name == "eagle3_sched":
-            out += [BenchConfig(f"eagle3_sched{i}", "schedule", launch_steps(sched, LAUNCH_STEPS), schedule=sched)
+            out += [BenchConfig(f"eagle3_sched{i}", "schedule",
+                                auto_depth if sched == "auto" else launch_steps(sched, LAUNCH_STEPS), schedule=sched)
                     for i, sched in enumerate(schedules, 1)]
         elif name == "eagle3_auto":
             out.append(BenchConfig(name, "auto", LAUNCH_STEPS))

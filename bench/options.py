@@ -17,6 +17,7 @@ from bench.configs import (
     CONFIGS,
     EXTEND_VERIFY,
     HEADWISE_VERIFY,
+    LAUNCH_STEPS,
     METADATA_GLUE,
     PREFILL_GRAPHS,
     TWIN,
@@ -41,6 +42,7 @@ class BenchOptions:
     thresholds: tuple[int, ...] = (16,)  # eagle3_thr: one server per fixed threshold (a sweep)
     depths: tuple[int, ...] = (1, 2)  # eagle3_depth: one always-on EAGLE-3 server per draft depth
     schedules: tuple[str, ...] = (DEPTH_SCHEDULE_EXAMPLE,)  # eagle3_sched: one server per schedule
+    auto_depth: int = LAUNCH_STEPS  # the draft steps eagle3_sched's `auto` launches with (the deepest it learns)
     # the switching servers (a threshold, auto) start without --max-running-requests and a decode
     # graph size, as the README's Serve command does: the plugin keeps a plain server's limits
     switching_defaults: bool = False
@@ -84,7 +86,8 @@ class BenchOptions:
 
 def config_records(opts: BenchOptions) -> dict[str, BenchConfig]:
     """Every server's record (bench.configs), by its name."""
-    return {rec.name: rec for rec in expand(opts.configs, opts.thresholds, opts.depths, opts.schedules)}
+    return {rec.name: rec for rec in expand(opts.configs, opts.thresholds, opts.depths, opts.schedules,
+                                         opts.auto_depth)}
 
 
 def server_names(opts: BenchOptions) -> list[str]:
@@ -116,6 +119,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     ap.add_argument(p + "schedule", default=DEPTH_SCHEDULE_EXAMPLE,
                     help=f"eagle3_sched's draft depth per load (the server's {DEPTH_SCHEDULE_FLAG}); "
                          "several separated by ';' run one server each; `auto`: the server learns it")
+    ap.add_argument(p + "auto-depth", type=int, default=LAUNCH_STEPS,
+                    help="the draft steps a --schedule auto server launches with: it learns a depth "
+                         f"of 0 to this per load (default {LAUNCH_STEPS}, as eagle3)")
     ap.add_argument(p + "switching-defaults", action="store_true",
                     help="start the threshold and auto servers without --max-running-requests and a "
                          "decode graph size, as the README's Serve command does (the others get the "
@@ -193,6 +199,8 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise SystemExit(str(exc)) from None
     if not schedules or len(set(schedules)) < len(schedules):
         raise refuse("schedule", "give one or more distinct schedules separated by ';', e.g. 1-16:3,17-:0")
+    if get("auto-depth") < 1:
+        raise refuse("auto-depth", f"must be >= 1 draft steps (default {LAUNCH_STEPS})")
     if get("pairs") < 0:
         raise refuse("pairs", "must be >= 0 (0: the ramp alone)")
     if not get("window-s") > 0:
@@ -223,6 +231,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     return {"configs": configs, "concurrency": tuple(int(x) for x in conc),
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
             "depths": tuple(sorted(int(x) for x in depths)), "schedules": tuple(schedules),
+            "auto_depth": get("auto-depth"),
             "switching_defaults": get("switching-defaults"), "pairs": get("pairs"),
             "window_s": get("window-s"), "settle_s": get("settle-s"),
             "output_spread": get("output-spread"), "auto_learn_s": get("auto-learn-s"),

@@ -200,6 +200,18 @@ def test_a_learned_schedule_is_a_schedule_server_with_a_learning_pass_and_a_trac
     assert throughput.AUTO_TRACE_ENV in learner.env and throughput.AUTO_TRACE_ENV not in fixed.env
     with pytest.raises(SystemExit, match="--schedule: .*or `auto`"):
         bench_options("--configs", "plain,eagle3_sched", "--schedule", "1-16:3,17-16:0")
+    # --auto-depth K: the learner launches K deep, so it can learn a deeper draft than eagle3's
+    deep = bench_options("--configs", "eagle3,eagle3_sched", "--schedule", "auto;1-16:3,17-:0", "--auto-depth", "5")
+    deep = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), schedules=deep.schedules,
+                                configs=deep.configs, auto_depth=deep.auto_depth)
+    a = throughput.server_config("eagle3_sched1", deep).argv(30000)
+    assert a[a.index("--speculative-num-steps") + 1] == "5" and a[a.index("--speculative-num-draft-tokens") + 1] == "6"
+    for name in ("eagle3", "eagle3_sched2"):
+        a = throughput.server_config(name, deep).argv(30000)
+        assert a[a.index("--speculative-num-steps") + 1] == "3"
+    assert options.config_records(deep)["eagle3_sched1"].label == "EAGLE-3 + schedule auto (depths 0-5)"
+    with pytest.raises(SystemExit, match="--auto-depth 0: must be >= 1 draft steps"):
+        bench_options("--auto-depth", "0")
 
 
 def test_switching_servers_can_start_with_the_servers_own_limits(tmp_path):
