@@ -55,6 +55,12 @@ SPLITKV_VERIFY_LOG_LINE = "EAGLE verify attention: split-KV kernel (top-k 1; {en
 GROUPED_VERIFY_ENV = "SGLANG_IMAGE_GROUPED_VERIFY"
 GROUPED_VERIFY_LOG_LINE = ("EAGLE verify attention: the prefix stage reads each KV head once for its query "
                            "heads ({env}=0 turns it off)")
+# The split-KV verify's second stage with running sums over the splits and the chain
+# (verify_combine_kernel.py): off unless set to 1 (upstream's stage, one warp a request and query
+# head); off until measured on a GPU.
+LOOPED_COMBINE_ENV = "SGLANG_IMAGE_LOOPED_COMBINE"
+LOOPED_COMBINE_LOG_LINE = ("EAGLE verify attention: the split combine runs one split and one verified token at "
+                           "a time ({env}=1)")
 # Not the speculation setting either: 1 makes a prefill in plain mode write the draft's K/V from
 # the plugin's CUDA graphs (prefill_kv.py); off by default until measured on a GPU.
 PREFILL_KV_GRAPHS_ENV = "SGLANG_IMAGE_PREFILL_KV_GRAPHS"

@@ -71,6 +71,9 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._run_prefix_kernel", "around",
              "sglang_image_plugin.verify_attention:grouped_prefix", START,
              "the split-KV verify reads each KV head's prefix once for its query heads"),
+    HookSpec("sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._run_combine_kernel", "around",
+             "sglang_image_plugin.verify_attention:looped_combine", START,
+             "the split-KV verify's combine with running sums, where asked for"),
     # -- every EAGLE server (installed by the worker, whatever its setting)
     HookSpec("sglang.srt.managers.schedule_batch.Req.update_finish_state", "after",
              "sglang_image_plugin.length_cap:cap_finished_output", Group.SPECULATIVE,
@@ -170,6 +173,9 @@ RELIED: tuple[str, ...] = (
     # ... and the scratch and launch settings the grouped prefix stage shares with upstream's.
     "sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV.__init__",
     "sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._alloc",
+    # ... and the combine's launch, whose arguments the looped combine takes in its place
+    # (verify_combine_kernel.py computes what _verify_combine_stage2 computes).
+    "sglang.kernels.ops.attention.verify_splitkv.VerifySplitKV._run_combine_kernel",
     # length_cap.py: an abort marks a running request `to_finish` for one more decode pass, which
     # update_finish_state (the hook's target) takes before its length check.
     "sglang.srt.managers.scheduler.Scheduler.abort_request",

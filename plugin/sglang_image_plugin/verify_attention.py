@@ -32,6 +32,12 @@ MAX_GROUPED_ROWS rows (a wide group or verify: upstream's stage, whose tile is t
 or its grid would have fewer programs than the GPU has multiprocessors (a few requests with long
 prefixes: upstream's stage has `group` times the programs there).
 
+Upstream's second stage, one warp a request and query head, holds every split's partial output
+at once; in a server's CUDA graph the split count is upstream's largest (16), as the graph's
+kv_indices is the whole buffer, and that tile outgrows a warp's registers, twice over from a
+verified width of 5. looped_combine runs the same stage with running sums
+(verify_combine_kernel.py) where SGLANG_IMAGE_LOOPED_COMBINE=1 asks for it; off until measured.
+
 sglang, torch and triton are imported inside the hooks only: they run in a process that has them.
 """
 
@@ -44,7 +50,7 @@ from typing import Any
 
 from sglang_image_plugin import verify_switch
 from sglang_image_plugin.setting import SPLITKV_VERIFY_ENV, SPLITKV_VERIFY_LOG_LINE
-from sglang_image_plugin.verify_switch import env_switch_on, grouped_prefix_on
+from sglang_image_plugin.verify_switch import env_switch_on, grouped_prefix_on, looped_combine_on
 
 logger = logging.getLogger(__name__)
 _logged = False  # one line a process: a server builds a backend per depth state and for the draft
@@ -123,4 +129,16 @@ def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: An
     from sglang_image_plugin import verify_prefix_kernel
 
     verify_prefix_kernel.run(verify, bs, *args)
+    return None
+
+
+def looped_combine(original: Any, verify: Any, bs: int, *args: Any, **kwargs: Any) -> Any:
+    """AROUND VerifySplitKV._run_combine_kernel: the second stage with running sums, one split and
+    one verified token at a time (verify_combine_kernel.py), where SGLANG_IMAGE_LOOPED_COMBINE asks
+    for it; upstream's stage otherwise, and on AMD GPUs."""
+    if kwargs or on_rocm() or not looped_combine_on():
+        return original(verify, bs, *args, **kwargs)
+    from sglang_image_plugin import verify_combine_kernel
+
+    verify_combine_kernel.run(verify, bs, *args)
     return None

@@ -1,11 +1,13 @@
-"""The switch of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix), and
-its tile and least grid where a benchmark sets them.
+"""The switches of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix) and
+its looped combine (verify_attention.looped_combine), and the prefix stage's tile and least grid
+where a benchmark sets them.
 
 SGLANG_IMAGE_GROUPED_VERIFY, read as upstream reads its own switches (EnvBool): unset or true, on;
 "0", "false", "no" or "n", off (upstream's own stage, one program a query head). Read once a
 process, at the first verify, which runs once a layer; `bench verify-kernel` sets it in its own
 process to time both stages, the grouped one at other tiles and where a server's grid rule would
-not run it. Standard library only: the bench imports it where no GPU is.
+not run it. SGLANG_IMAGE_LOOPED_COMBINE is off unless set to a true value ("1", "true", "yes",
+"y"). Standard library only: the bench imports it where no GPU is.
 """
 
 from __future__ import annotations
@@ -14,21 +16,33 @@ import logging
 import os
 from collections.abc import Mapping
 
-from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, GROUPED_VERIFY_LOG_LINE
+from sglang_image_plugin.setting import (
+    GROUPED_VERIFY_ENV,
+    GROUPED_VERIFY_LOG_LINE,
+    LOOPED_COMBINE_ENV,
+    LOOPED_COMBINE_LOG_LINE,
+)
 
 logger = logging.getLogger("sglang_image_plugin.verify_attention")
-FALSE_VALUES = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default, on
+FALSE_VALUES = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default
+TRUE_VALUES = ("true", "1", "yes", "y")
 _grouped: bool | None = None  # None: not yet read
+_looped_combine: bool | None = None  # None: not yet read
 # (BLOCK_N, num_warps) of the grouped stage; None: upstream's stage's own (verify_splitkv.block_config)
 grouped_tile: tuple[int, int] | None = None
 # the fewest programs the grouped stage's grid must have; None: the GPU's multiprocessors
 grouped_min_programs: int | None = None
 
 
-def env_switch_on(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """A switch as upstream's EnvBool reads it (default on): off only for a false value."""
+def env_switch_on(name: str, environ: Mapping[str, str] | None = None, default: bool = True) -> bool:
+    """A switch as upstream's EnvBool reads it: unset, `default`; a false value, off; a true value,
+    on; any other value leaves the default."""
     value = (environ if environ is not None else os.environ).get(name)
-    return value is None or value.lower() not in FALSE_VALUES
+    if value is None:
+        return default
+    if value.lower() in FALSE_VALUES:
+        return False
+    return True if value.lower() in TRUE_VALUES else default
 
 
 def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
@@ -63,3 +77,23 @@ def set_grouped_min_programs(programs: int | None) -> None:
     server would not run it."""
     global grouped_min_programs
     grouped_min_programs = programs
+
+
+def looped_combine_asked_for(environ: Mapping[str, str] | None = None) -> bool:
+    return env_switch_on(LOOPED_COMBINE_ENV, environ, default=False)
+
+
+def set_looped_combine(on: bool | None) -> None:
+    """The looped combine on or off in this process, whatever the environment says (None: read it
+    again), for `bench verify-kernel`, which times both stages."""
+    global _looped_combine
+    _looped_combine = on
+
+
+def looped_combine_on() -> bool:
+    global _looped_combine
+    if _looped_combine is None:
+        _looped_combine = looped_combine_asked_for()
+        if _looped_combine:
+            logger.info(LOOPED_COMBINE_LOG_LINE.format(env=LOOPED_COMBINE_ENV))
+    return _looped_combine

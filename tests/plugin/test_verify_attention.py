@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sglang_image_plugin import verify_attention, verify_switch
-from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, SPLITKV_VERIFY_ENV
+from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, LOOPED_COMBINE_ENV, SPLITKV_VERIFY_ENV
 from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.23"
@@ -274,3 +274,80 @@ def test_the_split_kv_verify_reads_each_kv_head_once_for_its_query_heads(
     assert isinstance(out["fills"], float) and out["fills"] < 1e-4
     assert isinstance(out["upstream"], float) and out["upstream"] < 1e-4
     assert proc.stdout.count("LOG EAGLE verify attention: the prefix stage reads each KV head once") == 1
+
+
+COMBINE_PROBE = textwrap.dedent("""
+    import logging, os, sys
+    import torch
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
+    import sglang.kernels.ops.attention.verify_splitkv as vs
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang_image_plugin import registry, verify_attention, verify_switch
+
+    upstream_combine = vs._verify_combine_stage2
+    class Refused:  # upstream's second stage, made to fail wherever it still runs
+        def __getitem__(self, grid):
+            raise RuntimeError("upstream's combine stage ran")
+
+    def verify(hq, hkv, width, prefix, graph_splits=False, d=16):
+        torch.manual_seed(hq * 100 + width + len(prefix))
+        bs, pool = len(prefix), sum(prefix) + 8
+        kb, vb = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+        kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
+        kv_indices = torch.randperm(pool)[:sum(prefix)].to(torch.int64)
+        if graph_splits:  # a CUDA graph's kv_indices: the whole buffer, so upstream's 16 splits
+            kv_indices = torch.cat([kv_indices, torch.zeros(bs * 8192, dtype=torch.int64)])
+        qo_indptr = torch.arange(0, bs * width + 1, width, dtype=torch.int32)
+        q, k, v = torch.randn(bs * width, hq, d), torch.randn(bs * width, hkv, d), torch.randn(bs * width, hkv, d)
+        vs._VK_CACHE.clear()
+        out = torch.zeros_like(q)
+        try:
+            assert vs.verify_splitkv_fwd(q, k, v, out, kb, vb, qo_indptr, kv_indptr, kv_indices, None, True,
+                                         None, width, 1.0, 1.0, d ** -0.5, max_bs=bs)
+        except RuntimeError as exc:
+            return str(exc)
+        splits = next(iter(vs._VK_CACHE.values())).n_splits
+        err = (out.double() - chain_reference(q, k, v, kb, vb, kv_indptr, kv_indices, width)).abs().max().item()
+        return [err, splits]
+
+    vs._verify_combine_stage2 = Refused()
+    verify_switch.set_looped_combine(None)
+    os.environ.pop("SGLANG_IMAGE_LOOPED_COMBINE", None)
+    default = verify(8, 2, 4, [5, 37, 130])  # off unless asked for
+    os.environ["SGLANG_IMAGE_LOOPED_COMBINE"] = "1"
+    verify_switch.set_looped_combine(None)  # read the environment again
+    # widths 4, 3 (a padded token row), 6 (L_EXT 8) and 2; groups 4, 3 and 1; 4 and 16 splits;
+    # prefixes that skip splits and one that fills them
+    shapes = [(8, 2, 4, [5, 37, 130]), (8, 2, 3, [64, 9]), (8, 2, 6, [40, 100], True), (6, 2, 4, [40, 100]),
+              (2, 2, 2, [33], True), (8, 2, 4, [5, 37, 130], True)]
+    looped = [verify(*s) for s in shapes]
+    verify_switch.set_looped_combine(False)
+    off = verify(8, 2, 4, [5, 37, 130])
+    vs._verify_combine_stage2 = upstream_combine
+    upstream = verify(8, 2, 6, [40, 100], True)
+    emit({"hooked": registry.wraps_hook(vs.VerifySplitKV._run_combine_kernel, verify_attention.looped_combine),
+          "default": default, "looped": looped, "off": off, "upstream": upstream})
+""")
+
+
+def test_the_split_kv_verify_combines_its_splits_with_running_sums_where_asked_for(
+        run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
+        sglang_tree: Callable[[str, bool], Path], plugin_site: Path) -> None:
+    # upstream's second stage is made to fail: with SGLANG_IMAGE_LOOPED_COMBINE=1 the verify still
+    # runs, through the looped stage, and equals chain attention, at 4 and at a CUDA graph's 16
+    # splits and at a width whose padded tile is 8 tokens; unset or off, upstream's stage runs
+    out, proc = run_probe(run_in_tree, sglang_tree, plugin_site, COMBINE_PROBE)
+    assert out["hooked"] is True
+    assert out["default"] == out["off"] == "upstream's combine stage ran"
+    assert all(isinstance(r, list) and r[0] < 1e-4 for r in out["looped"]), out["looped"]
+    assert [r[1] for r in out["looped"]] == [4, 4, 16, 4, 16, 16]
+    assert isinstance(out["upstream"], list) and out["upstream"][0] < 1e-4 and out["upstream"][1] == 16
+    assert proc.stdout.count("LOG EAGLE verify attention: the split combine runs one split") == 1
+
+
+@pytest.mark.parametrize(("value", "asked"), [(None, False), ("1", True), ("true", True), ("Y", True),
+                                              ("0", False), ("no", False), ("maybe", False)])
+def test_only_a_true_value_turns_the_looped_combine_on(value: str | None, asked: bool) -> None:
+    env = {} if value is None else {LOOPED_COMBINE_ENV: value}
+    assert verify_switch.looped_combine_asked_for(env) is asked
