@@ -11,6 +11,8 @@ target-verify attention then runs the Triton backend's prefill "extend" kernel, 
 the plugin's change, so the two compare in the same blocks. `eagle3_headwise_verify` is `eagle3`
 with the split-KV verify's prefix stage back on upstream's own, one program a query head
 (SGLANG_IMAGE_GROUPED_VERIFY=0), where the plugin's reads each KV head once for its query heads.
+`eagle3_looped_combine` is `eagle3` with the split-KV verify's second stage the plugin's, running
+sums over the splits and the chain (SGLANG_IMAGE_LOOPED_COMBINE=1), off by default.
 `eagle3_thr_prefill_graphs` is
 `eagle3_thr` whose prefills in plain mode write the draft's K/V from the plugin's CUDA graphs
 (SGLANG_IMAGE_PREFILL_KV_GRAPHS=1), not eagerly: the two side by side. `eagle3_metadata_glue` is
@@ -23,22 +25,27 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, PREFILL_KV_GRAPHS_ENV
+from sglang_image_plugin.setting import (
+    GROUPED_VERIFY_ENV,
+    LOOPED_COMBINE_ENV,
+    PREFILL_KV_GRAPHS_ENV,
+)
 from smoke.server import EAGLE_STEPS, launch_steps
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
 CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_headwise_verify",
-           "eagle3_metadata_glue", "eagle3_depth",
+           "eagle3_metadata_glue", "eagle3_looped_combine", "eagle3_depth",
            "eagle3_adaptive", "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched", "eagle3_auto")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
 HEADWISE_VERIFY = (GROUPED_VERIFY_ENV, "0")  # the split-KV verify's prefix stage upstream's, per query head
 PREFILL_GRAPHS = (PREFILL_KV_GRAPHS_ENV, "1")  # the plugin's prefill K/V graphs on
+LOOPED_COMBINE = (LOOPED_COMBINE_ENV, "1")  # the split-KV verify's combine with running sums
 METADATA_GLUE = ("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")  # upstream's metadata glue graph on
 # what a server's environment changes, in its label; any other variable is named as it is
 ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", HEADWISE_VERIFY: "per-head verify prefix",
              PREFILL_GRAPHS: "prefill K/V graphs",
-             METADATA_GLUE: "metadata glue graph"}
+             METADATA_GLUE: "metadata glue graph", LOOPED_COMBINE: "looped combine"}
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(HEADWISE_VERIFY,)))
         elif name == "eagle3_metadata_glue":
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(METADATA_GLUE,)))
+        elif name == "eagle3_looped_combine":
+            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(LOOPED_COMBINE,)))
         elif name == "eagle3_depth":
             out += [BenchConfig(f"eagle3_depth{d}", "fixed", d) for d in depths]
         elif name == "eagle3_thr":

@@ -11,7 +11,11 @@ width asked for, the same inputs go through each: each one's time (CUDA events, 
 difference of their outputs. A server runs the plugin's stage only where its grid has a program
 for every multiprocessor, so at a few requests the split-KV column is upstream's stage. With
 --grouped-tiles the plugin's stage runs again at each tile asked for (BLOCK_N x warps; its default
-is upstream's stage's own), whatever the grid, in a table of its own.
+is upstream's stage's own), whatever the grid, in a table of its own. `looped` is the split-KV
+kernel with the plugin's looped combine stage (SGLANG_IMAGE_LOOPED_COMBINE=1 in a server).
+The split count is a server's by default: its verify runs in a CUDA graph whose kv_indices is the
+graph's whole buffer, so upstream derives its largest split count, 16, whatever the context;
+--no-graph-splits derives it from the context, as an eager verify does (rows before 2026-12-07).
 A difference beyond --tolerance fails the command. The shape's defaults are the 8B shape's (32
 query heads, 8 KV heads, head dim 128); the default contexts bracket the benchmark's short
 prompts (about 200 tokens) and a chat's (2,048).
@@ -42,6 +46,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+GRAPH_PREFIX = 8192  # the average prefix at and above which upstream splits a verify 16 ways
+
 
 @dataclass(frozen=True)
 class Case:
@@ -62,6 +68,9 @@ class Timing:
     headwise_ms: float | None = None  # the split-KV kernel with upstream's per-query-head prefix stage
     headwise_diff: float | None = None
     tiles: tuple[tuple[str, float, float], ...] = ()  # --grouped-tiles: (BLOCK_NxWARPS, ms, difference)
+    looped_ms: float | None = None  # the split-KV kernel with the plugin's looped combine stage
+    looped_diff: float | None = None
+    splits: int | None = None  # the split-KV kernel's split count
 
     @property
     def speedup(self) -> float | None:
@@ -103,6 +112,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="also time the plugin's grouped prefix stage at these tiles, BLOCK_NxWARPS "
                          "(e.g. 32x4,64x4,64x8; its default is upstream's stage's own, 32x4 at head dim 128), "
                          "whatever the grid")
+    ap.add_argument("--graph-splits", action=argparse.BooleanOptionalAction, default=True,
+                    help="the split-KV kernel's split count as in a server's CUDA graph (16: the graph's "
+                         "kv_indices is its whole buffer); --no-graph-splits: from the context")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=20)
@@ -154,6 +166,8 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     k_buf, v_buf = randn(pool, a.kv_heads, a.head_dim), randn(pool, a.kv_heads, a.head_dim)
     kv_indptr = torch.arange(0, bs * n + 1, n, dtype=torch.int32, device=dev)
     kv_indices = (torch.randperm(pool - 1, generator=g) + 1).to(torch.int64).to(dev)  # scattered, as in use
+    if a.graph_splits:  # a graph's kv_indices: its whole buffer, past what kv_indptr reaches
+        kv_indices = torch.cat([kv_indices, torch.zeros(bs * GRAPH_PREFIX, dtype=torch.int64, device=dev)])
     qo_indptr = torch.arange(0, bs * w + 1, w, dtype=torch.int32, device=dev)
     q = randn(bs * w, a.heads, a.head_dim)
     k, v = randn(bs * w, a.kv_heads, a.head_dim), randn(bs * w, a.kv_heads, a.head_dim)
@@ -168,8 +182,8 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         return bool(verify_splitkv_fwd(q, k, v, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None,
                                        True, None, w, 1.0, 1.0, scale, max_bs=bs))
 
-    o_head = torch.zeros_like(q)
-    grouped = verify_switch.grouped_prefix_on()
+    o_head, o_looped = torch.zeros_like(q), torch.zeros_like(q)
+    grouped, looped_on = verify_switch.grouped_prefix_on(), verify_switch.looped_combine_on()
 
     def headwise() -> bool:
         verify_switch.set_grouped_prefix(False)
@@ -178,18 +192,26 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         finally:
             verify_switch.set_grouped_prefix(grouped)
 
+    def looped() -> bool:
+        verify_switch.set_looped_combine(True)
+        try:
+            return split(o_looped)
+        finally:
+            verify_switch.set_looped_combine(looped_on)
+
     decode, folded, o_folded = _decode_kernel_paths(case, a, q, k, v, k_buf, v_buf, kv_indptr, kv_indices, scale)
 
     timed = _timer(dev)
     prefill()
     ran = split()  # also the warm-up (Triton compiles on first use)
     headwise()
+    looped()
     decode()
     folded()
     prefill_ms = timed(prefill, a.repeats)
     decode_ms, folded_ms = timed(decode, a.repeats), timed(folded, a.repeats)
     outs = [("prefill", o_prefill), ("folded decode", o_folded)] + (
-        [("split-KV", o_split), ("per-head split-KV", o_head)] if ran else [])
+        [("split-KV", o_split), ("per-head split-KV", o_head), ("looped-combine split-KV", o_looped)] if ran else [])
     for name, out in outs:
         if nans := int(torch.isnan(out).sum()):
             raise RuntimeError(f"the {name} kernel gave NaN in {nans} of {out.numel()} values at {case}")
@@ -199,7 +221,9 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     extra = {"decode_ms": round(decode_ms, 4), "folded_ms": round(folded_ms, 4), "folded_diff": folded_diff}
     if not ran:
         return Timing(case, round(prefill_ms, 4), None, None, **extra)
-    split_ms, headwise_ms = timed(split, a.repeats), timed(headwise, a.repeats)
+    split_ms, headwise_ms, looped_ms = timed(split, a.repeats), timed(headwise, a.repeats), timed(looped, a.repeats)
+    from sglang.kernels.ops.attention.verify_splitkv import choose_n_splits
+    splits = choose_n_splits(kv_indices.shape[0] / bs)  # what verify_splitkv_fwd derived
     diff = (o_prefill.float() - o_split.float()).abs().max().item()
     headwise_diff = round((o_prefill.float() - o_head.float()).abs().max().item(), 6)
     tiles = []
@@ -216,7 +240,9 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         tiles.append((f"{block_n}x{warps}", round(tile_ms, 4),
                       round((o_prefill.float() - o_tile.float()).abs().max().item(), 6)))
     return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), **extra,
-                  headwise_ms=round(headwise_ms, 4), headwise_diff=headwise_diff, tiles=tuple(tiles))
+                  headwise_ms=round(headwise_ms, 4), headwise_diff=headwise_diff, tiles=tuple(tiles),
+                  looped_ms=round(looped_ms, 4),
+                  looped_diff=round((o_prefill.float() - o_looped.float()).abs().max().item(), 6), splits=splits)
 
 
 def _decode_kernel_paths(case: Case, a: argparse.Namespace, q: Any, k: Any, v: Any, k_buf: Any, v_buf: Any,
@@ -307,6 +333,16 @@ def table(rows: list[Timing], layers: int) -> str:
         lines.append(f"| {c.batch} | {c.context} | {c.width} | {r.prefill_ms:.3f} | {r.splitkv_ms:.3f} | "
                      f"{r.speedup:.2f}x | {r.prefill_ms * layers:.2f} / {r.splitkv_ms * layers:.2f} | {r.max_diff:g} |"
                      + head + tail)
+    if any(r.looped_ms is not None for r in rows):
+        lines += ["", ("The split-KV verify with the plugin's looped combine stage (SGLANG_IMAGE_LOOPED_COMBINE=1), "
+                       "ms, against the same kernel with upstream's combine:"), "",
+                  ("| batch | context | width | splits | split-KV ms | looped combine ms | speed-up | "
+                   f"per step, {layers} layers: split-KV / looped ms | its difference |"),
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r.case.batch} | {r.case.context} | {r.case.width} | {r.splits} | {ms(r.splitkv_ms)} | "
+                  f"{ms(r.looped_ms)} | {r.splitkv_ms / r.looped_ms:.2f}x | "
+                  f"{ms(r.splitkv_ms * layers, 2)} / {ms(r.looped_ms * layers, 2)} | {diff(r.looped_diff)} |"
+                  for r in rows if r.looped_ms and r.splitkv_ms]
     if any(r.tiles for r in rows):
         labels = [label for label, _, _ in next(r.tiles for r in rows if r.tiles)]
         lines += ["", "The plugin's grouped prefix stage by tile (BLOCK_N x warps), the whole split-KV verify, ms:", "",
@@ -332,6 +368,7 @@ def main(a: argparse.Namespace) -> int:
             [{**asdict(r.case), **{k: x for k, x in asdict(r).items() if k != "case"}} for r in rows], indent=1) + "\n")
     bad = [(r, name, diff) for r in rows
            for name, diff in (("split-KV", r.max_diff), ("per-head split-KV", r.headwise_diff),
+                              ("looped-combine split-KV", r.looped_diff),
                               ("folded decode", r.folded_diff),
                               *((f"split-KV at tile {label}", d) for label, _, d in r.tiles))
            if diff is not None and diff > a.tolerance]

@@ -134,6 +134,11 @@ def test_headwise_verify_is_eagle3_with_upstream_s_own_prefix_stage(tmp_path):
     assert servers.options_key(headwise, "site") != servers.options_key(eagle3, "site")
     rec = options.config_records(opts)["eagle3_headwise_verify"]
     assert (rec.kind, rec.steps, rec.label) == ("fixed", 3, "EAGLE-3 (per-head verify prefix)")
+    # eagle3_looped_combine: eagle3 with the plugin's looped combine asked for (off by default)
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, configs=("eagle3", "eagle3_looped_combine"))
+    looped = throughput.server_config("eagle3_looped_combine", opts)
+    assert looped.argv(30000) == eagle3.argv(30000) and looped.env == {"SGLANG_IMAGE_LOOPED_COMBINE": "1"}
+    assert options.config_records(opts)["eagle3_looped_combine"].label == "EAGLE-3 (looped combine)"
 
 
 def test_server_env_reaches_every_server_but_a_config_s_own_value_wins(tmp_path):

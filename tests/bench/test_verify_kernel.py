@@ -36,6 +36,11 @@ def test_both_kernels_time_the_same_verify_and_agree(
     assert all(r["prefill_ms"] > 0 and r["splitkv_ms"] > 0 and r["max_diff"] <= 1e-5 for r in rows)
     # the split-KV kernel with upstream's own prefix stage (one program a query head) beside it
     assert all(r["headwise_ms"] > 0 and r["headwise_diff"] <= 1e-5 for r in rows)
+    # and with the plugin's looped combine, at a server's split count (its graph's kv_indices is
+    # the whole buffer: 16 splits, whatever the context)
+    assert all(r["looped_ms"] > 0 and r["looped_diff"] <= 1e-5 and r["splits"] == 16 for r in rows)
+    assert "| batch | context | width | splits | split-KV ms | looped combine ms |" in (
+        tmp_path / "verify_kernel.md").read_text()
     # the plugin's stage again at each tile asked for, each checked as the others
     assert [[(label, diff <= 1e-5) for label, _, diff in r["tiles"]] for r in rows] == [
         [("16x1", True), ("64x2", True)]] * 2
@@ -44,8 +49,12 @@ def test_both_kernels_time_the_same_verify_and_agree(
     # verified tokens folded into the query-head group: the same output as the prefill kernel's
     assert all(r["decode_ms"] > 0 and r["folded_ms"] > 0 and r["folded_diff"] <= 1e-5 for r in rows)
     assert "| 2 | 40 | 3 |" in (tmp_path / "verify_kernel.md").read_text()
-    bad = run("--tolerance", "-1", "--grouped-tiles", "64x2")  # every difference is above it: the command fails, naming the case
+    # every difference is above the tolerance: the command fails, naming the case; the split count
+    # from the context, as an eager verify derives it
+    bad = run("--tolerance", "-1", "--grouped-tiles", "64x2", "--no-graph-splits", "--out", str(tmp_path / "eager"))
     assert bad.returncode == 1
+    assert [r["splits"] for r in json.loads((tmp_path / "eager" / "verify_kernel.json").read_text())] == [4, 4]
+    assert "FAILED: batch 2, context 40, width 3: the looped-combine split-KV and prefill kernels'" in bad.stdout
     assert "FAILED: batch 2, context 40, width 2: the split-KV and prefill kernels' outputs differ" in bad.stdout
     assert "FAILED: batch 2, context 40, width 2: the per-head split-KV and prefill kernels' outputs" in bad.stdout
     assert "FAILED: batch 2, context 40, width 3: the split-KV at tile 64x2 and prefill kernels'" in bad.stdout
