@@ -26,8 +26,6 @@ from sglang_image_plugin.setting import (
 logger = logging.getLogger("sglang_image_plugin.verify_attention")
 FALSE_VALUES = ("false", "0", "no", "n")  # upstream's EnvBool: its other values leave the default
 TRUE_VALUES = ("true", "1", "yes", "y")
-_grouped: bool | None = None  # None: not yet read
-_looped_combine: bool | None = None  # None: not yet read
 # (BLOCK_N, num_warps) of the grouped stage; None: upstream's stage's own (verify_splitkv.block_config)
 grouped_tile: tuple[int, int] | None = None
 # the fewest programs the grouped stage's grid must have; None: the GPU's multiprocessors
@@ -45,23 +43,34 @@ def env_switch_on(name: str, environ: Mapping[str, str] | None = None, default: 
     return True if value.lower() in TRUE_VALUES else default
 
 
-def grouped_asked_for(environ: Mapping[str, str] | None = None) -> bool:
-    return env_switch_on(GROUPED_VERIFY_ENV, environ)
+class ProcessSwitch:
+    """A switch read from the environment once a process, at its first use (one start line where
+    it is on), that a benchmark may set in its own process."""
+
+    def __init__(self, env: str, default: bool, log_line: str) -> None:
+        self.env, self.default, self.log_line = env, default, log_line
+        self.value: bool | None = None  # None: not yet read
+
+    def asked_for(self, environ: Mapping[str, str] | None = None) -> bool:
+        return env_switch_on(self.env, environ, default=self.default)
+
+    def set(self, on: bool | None) -> None:
+        """On or off in this process, whatever the environment says (None: read it again)."""
+        self.value = on
+
+    def on(self) -> bool:
+        if self.value is None:
+            self.value = self.asked_for()
+            if self.value:
+                logger.info(self.log_line.format(env=self.env))
+        return self.value
 
 
-def set_grouped_prefix(on: bool | None) -> None:
-    """On or off in this process, whatever the environment says (None: read it again)."""
-    global _grouped
-    _grouped = on
-
-
-def grouped_prefix_on() -> bool:
-    global _grouped
-    if _grouped is None:
-        _grouped = grouped_asked_for()
-        if _grouped:
-            logger.info(GROUPED_VERIFY_LOG_LINE.format(env=GROUPED_VERIFY_ENV))
-    return _grouped
+GROUPED = ProcessSwitch(GROUPED_VERIFY_ENV, True, GROUPED_VERIFY_LOG_LINE)
+grouped_asked_for, set_grouped_prefix, grouped_prefix_on = GROUPED.asked_for, GROUPED.set, GROUPED.on
+# off until measured on a GPU: on only for a true value
+LOOPED = ProcessSwitch(LOOPED_COMBINE_ENV, False, LOOPED_COMBINE_LOG_LINE)
+looped_combine_asked_for, set_looped_combine, looped_combine_on = LOOPED.asked_for, LOOPED.set, LOOPED.on
 
 
 def set_grouped_tile(tile: tuple[int, int] | None) -> None:
@@ -77,23 +86,3 @@ def set_grouped_min_programs(programs: int | None) -> None:
     server would not run it."""
     global grouped_min_programs
     grouped_min_programs = programs
-
-
-def looped_combine_asked_for(environ: Mapping[str, str] | None = None) -> bool:
-    return env_switch_on(LOOPED_COMBINE_ENV, environ, default=False)
-
-
-def set_looped_combine(on: bool | None) -> None:
-    """The looped combine on or off in this process, whatever the environment says (None: read it
-    again), for `bench verify-kernel`, which times both stages."""
-    global _looped_combine
-    _looped_combine = on
-
-
-def looped_combine_on() -> bool:
-    global _looped_combine
-    if _looped_combine is None:
-        _looped_combine = looped_combine_asked_for()
-        if _looped_combine:
-            logger.info(LOOPED_COMBINE_LOG_LINE.format(env=LOOPED_COMBINE_ENV))
-    return _looped_combine

@@ -72,6 +72,30 @@ REFERENCE = textwrap.dedent("""
                     vals = torch.cat([vb[idx, g], v[b * width:r + 1, g]]).double()
                     ref[r, h] = torch.softmax(keys @ qs[r, h].double() * d ** -0.5, 0) @ vals
         return ref
+
+    def splitkv_verify(hq, hkv, width, prefix, seed, graph_splits=False, d=16):
+        # upstream's split-KV verify on random inputs: [its largest difference from chain_reference,
+        # its split count], or the message of a stage that raised
+        import sglang.kernels.ops.attention.verify_splitkv as vs
+        torch.manual_seed(seed)
+        bs, pool = len(prefix), sum(prefix) + 8
+        kb, vb = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
+        kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
+        kv_indices = torch.randperm(pool)[:sum(prefix)].to(torch.int64)
+        if graph_splits:  # a CUDA graph's kv_indices: the whole buffer, so upstream's 16 splits
+            kv_indices = torch.cat([kv_indices, torch.zeros(bs * 8192, dtype=torch.int64)])
+        qo_indptr = torch.arange(0, bs * width + 1, width, dtype=torch.int32)
+        q, k, v = torch.randn(bs * width, hq, d), torch.randn(bs * width, hkv, d), torch.randn(bs * width, hkv, d)
+        vs._VK_CACHE.clear()
+        out = torch.zeros_like(q)
+        try:
+            assert vs.verify_splitkv_fwd(q, k, v, out, kb, vb, qo_indptr, kv_indptr, kv_indices, None, True,
+                                         None, width, 1.0, 1.0, d ** -0.5, max_bs=bs)
+        except RuntimeError as exc:
+            return str(exc)
+        splits = next(iter(vs._VK_CACHE.values())).n_splits
+        return [(out.double() - chain_reference(q, k, v, kb, vb, kv_indptr, kv_indices, width)).abs().max().item(),
+                splits]
 """)
 
 
@@ -225,22 +249,9 @@ GROUPED_PROBE = textwrap.dedent("""
         def __getitem__(self, grid):
             raise RuntimeError("upstream's per-head prefix stage ran")
 
-    def verify(hq, hkv, width, prefix, d=16):
-        torch.manual_seed(hq * 100 + width)
-        bs, pool = len(prefix), sum(prefix) + 8
-        kb, vb = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
-        kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
-        kv_indices = torch.randperm(pool)[:sum(prefix)].to(torch.int64)
-        qo_indptr = torch.arange(0, bs * width + 1, width, dtype=torch.int32)
-        q, k, v = torch.randn(bs * width, hq, d), torch.randn(bs * width, hkv, d), torch.randn(bs * width, hkv, d)
-        vs._VK_CACHE.clear()
-        out = torch.zeros_like(q)
-        try:
-            assert vs.verify_splitkv_fwd(q, k, v, out, kb, vb, qo_indptr, kv_indptr, kv_indices, None, True,
-                                         None, width, 1.0, 1.0, d ** -0.5, max_bs=bs)
-        except RuntimeError as exc:
-            return str(exc)
-        return (out.double() - chain_reference(q, k, v, kb, vb, kv_indptr, kv_indices, width)).abs().max().item()
+    def verify(hq, hkv, width, prefix):
+        result = splitkv_verify(hq, hkv, width, prefix, seed=hq * 100 + width)
+        return result if isinstance(result, str) else result[0]
 
     vs._verify_prefix_stage1 = Refused()
     # group 4 (the 8B shape's) at widths 4 and 3 (a padded token row); group 3 (padded heads);
@@ -290,26 +301,8 @@ COMBINE_PROBE = textwrap.dedent("""
         def __getitem__(self, grid):
             raise RuntimeError("upstream's combine stage ran")
 
-    def verify(hq, hkv, width, prefix, graph_splits=False, d=16):
-        torch.manual_seed(hq * 100 + width + len(prefix))
-        bs, pool = len(prefix), sum(prefix) + 8
-        kb, vb = torch.randn(pool, hkv, d), torch.randn(pool, hkv, d)
-        kv_indptr = torch.tensor([0, *torch.tensor(prefix).cumsum(0).tolist()], dtype=torch.int32)
-        kv_indices = torch.randperm(pool)[:sum(prefix)].to(torch.int64)
-        if graph_splits:  # a CUDA graph's kv_indices: the whole buffer, so upstream's 16 splits
-            kv_indices = torch.cat([kv_indices, torch.zeros(bs * 8192, dtype=torch.int64)])
-        qo_indptr = torch.arange(0, bs * width + 1, width, dtype=torch.int32)
-        q, k, v = torch.randn(bs * width, hq, d), torch.randn(bs * width, hkv, d), torch.randn(bs * width, hkv, d)
-        vs._VK_CACHE.clear()
-        out = torch.zeros_like(q)
-        try:
-            assert vs.verify_splitkv_fwd(q, k, v, out, kb, vb, qo_indptr, kv_indptr, kv_indices, None, True,
-                                         None, width, 1.0, 1.0, d ** -0.5, max_bs=bs)
-        except RuntimeError as exc:
-            return str(exc)
-        splits = next(iter(vs._VK_CACHE.values())).n_splits
-        err = (out.double() - chain_reference(q, k, v, kb, vb, kv_indptr, kv_indices, width)).abs().max().item()
-        return [err, splits]
+    def verify(hq, hkv, width, prefix, graph_splits=False):
+        return splitkv_verify(hq, hkv, width, prefix, seed=hq * 100 + width + len(prefix), graph_splits=graph_splits)
 
     vs._verify_combine_stage2 = Refused()
     verify_switch.set_looped_combine(None)
