@@ -182,22 +182,18 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         return bool(verify_splitkv_fwd(q, k, v, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None,
                                        True, None, w, 1.0, 1.0, scale, max_bs=bs))
 
+    def split_with(switch: verify_switch.ProcessSwitch, on: bool, out: Any) -> bool:
+        """The split-KV kernel with one of the plugin's verify switches set, then set back."""
+        was = switch.on()
+        switch.set(on)
+        try:
+            return split(out)
+        finally:
+            switch.set(was)
+
     o_head, o_looped = torch.zeros_like(q), torch.zeros_like(q)
-    grouped, looped_on = verify_switch.grouped_prefix_on(), verify_switch.looped_combine_on()
-
-    def headwise() -> bool:
-        verify_switch.set_grouped_prefix(False)
-        try:
-            return split(o_head)
-        finally:
-            verify_switch.set_grouped_prefix(grouped)
-
-    def looped() -> bool:
-        verify_switch.set_looped_combine(True)
-        try:
-            return split(o_looped)
-        finally:
-            verify_switch.set_looped_combine(looped_on)
+    headwise = functools.partial(split_with, verify_switch.GROUPED, False, o_head)  # upstream's prefix stage
+    looped = functools.partial(split_with, verify_switch.LOOPED, True, o_looped)  # the looped combine
 
     decode, folded, o_folded = _decode_kernel_paths(case, a, q, k, v, k_buf, v_buf, kv_indptr, kv_indices, scale)
 
