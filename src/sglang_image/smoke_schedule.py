@@ -5,8 +5,9 @@ a threshold, and the smoke and the feature matrix inside the image run with `--s
 Checked before any container starts, with the rules of the smoke inside the image: the grammar is
 the plugin's contract (sglang_image_plugin.setting.parse_schedule); then what the smoke's servers
 can run (smoke/tiers.py parse_smoke_schedule): a tier that drafts, at least one edge. A tier deeper
-than the smoke's launch depth launches its servers that deep (smoke/server.py launch_steps). `auto` is refused, as the smoke refuses it: the smoke derives its loads from the
-edges of a fixed schedule. Only a flavor with the plugin has the schedule.
+than the smoke's launch depth launches its servers that deep (smoke/server.py launch_steps).
+`auto` is refused, as the smoke refuses it: the smoke derives its loads from the edges of a fixed
+schedule. Only a flavor with the plugin has the schedule.
 """
 from __future__ import annotations
 
