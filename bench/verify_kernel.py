@@ -15,7 +15,7 @@ is upstream's stage's own), whatever the grid, in a table of its own. `looped` i
 kernel with the plugin's looped combine stage (SGLANG_IMAGE_LOOPED_COMBINE=1 in a server).
 The split count is a server's by default: its verify runs in a CUDA graph whose kv_indices is the
 graph's whole buffer, so upstream derives its largest split count, 16, whatever the context;
---no-graph-splits derives it from the context, as an eager verify does (rows before 2026-12-07).
+--no-graph-splits derives it from the context, as an eager verify does (as row 77 and earlier ran).
 A difference beyond --tolerance fails the command. The shape's defaults are the 8B shape's (32
 query heads, 8 KV heads, head dim 128); the default contexts bracket the benchmark's short
 prompts (about 200 tokens) and a chat's (2,048).
