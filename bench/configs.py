@@ -12,7 +12,9 @@ the plugin's change, so the two compare in the same blocks. `eagle3_headwise_ver
 with the split-KV verify's prefix stage back on upstream's own, one program a query head
 (SGLANG_IMAGE_GROUPED_VERIFY=0), where the plugin's reads each KV head once for its query heads.
 `eagle3_looped_combine` is `eagle3` with the split-KV verify's second stage the plugin's, running
-sums over the splits and the chain (SGLANG_IMAGE_LOOPED_COMBINE=1), off by default.
+sums over the splits and the chain (SGLANG_IMAGE_LOOPED_COMBINE=1), off by default;
+`eagle3_sched_looped_combine` is `eagle3_sched` with it, so that a deeper tier's wider verify can be
+measured with either combine in the same blocks.
 `eagle3_thr_prefill_graphs` is
 `eagle3_thr` whose prefills in plain mode write the draft's K/V from the plugin's CUDA graphs
 (SGLANG_IMAGE_PREFILL_KV_GRAPHS=1), not eagerly: the two side by side. `eagle3_metadata_glue` is
@@ -35,7 +37,8 @@ from smoke.server import EAGLE_STEPS, launch_steps
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
 CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_headwise_verify",
            "eagle3_metadata_glue", "eagle3_looped_combine", "eagle3_depth",
-           "eagle3_adaptive", "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched", "eagle3_auto")
+           "eagle3_adaptive", "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched",
+           "eagle3_sched_looped_combine", "eagle3_auto")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
 HEADWISE_VERIFY = (GROUPED_VERIFY_ENV, "0")  # the split-KV verify's prefix stage upstream's, per query head
@@ -130,9 +133,11 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
         elif name == "eagle3_thr_prefill_graphs":
             out += [BenchConfig(f"eagle3_thr{n}_prefill_graphs", "threshold", LAUNCH_STEPS, threshold=n,
                                 env=(PREFILL_GRAPHS,)) for n in thresholds]
-        elif name == "eagle3_sched":
-            out += [BenchConfig(f"eagle3_sched{i}", "schedule",
-                                auto_depth if sched == "auto" else launch_steps(sched, LAUNCH_STEPS), schedule=sched)
+        elif name in ("eagle3_sched", "eagle3_sched_looped_combine"):
+            looped = name == "eagle3_sched_looped_combine"
+            out += [BenchConfig(f"eagle3_sched{i}" + ("_looped_combine" if looped else ""), "schedule",
+                                auto_depth if sched == "auto" else launch_steps(sched, LAUNCH_STEPS), schedule=sched,
+                                env=(LOOPED_COMBINE,) if looped else ())
                     for i, sched in enumerate(schedules, 1)]
         elif name == "eagle3_auto":
             out.append(BenchConfig(name, "auto", LAUNCH_STEPS))
@@ -156,6 +161,6 @@ def from_result(result: dict[str, Any]) -> dict[str, BenchConfig]:
         if name.startswith("eagle3_thr") and n.isdigit():
             legacy[name] = BenchConfig(name, "threshold", LAUNCH_STEPS, threshold=int(n))
         elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr", "eagle3_thr_prefill_graphs",
-                                              "eagle3_sched"):
+                                              "eagle3_sched", "eagle3_sched_looped_combine"):
             legacy[name] = expand((name,))[0]
     return legacy

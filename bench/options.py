@@ -105,7 +105,7 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                          f"off, {'='.join(EXTEND_VERIFY)}; eagle3_headwise_verify: eagle3 with the split-KV "
                          f"verify's prefix stage upstream's, one program a query head, {'='.join(HEADWISE_VERIFY)}; "
                          f"eagle3_looped_combine: eagle3 with the plugin's looped split combine, "
-                         f"{'='.join(LOOPED_COMBINE)}; "
+                         f"{'='.join(LOOPED_COMBINE)} (eagle3_sched_looped_combine: eagle3_sched with it); "
                          f"eagle3_metadata_glue: eagle3 with upstream's metadata glue "
                          f"graph, {'='.join(METADATA_GLUE)}; eagle3_thr_prefill_graphs: eagle3_thr writing a "
                          f"prefill's draft K/V in plain mode from CUDA graphs, {'='.join(PREFILL_GRAPHS)}; eagle3_auto "

@@ -711,3 +711,23 @@ def test_a_server_short_of_its_kv_pool_ends_the_run_before_any_block(lab, monkey
         f"KV pool short of the {asked:,} tokens")
     monkeypatch.setattr(throughput, "kv_pool", lambda srv: asked)  # every pool as given: the run goes on
     assert not throughput.run_bench(lab.options(600, registry=lab.tmp_path / "c.json"), {})["failures"]
+
+
+def test_a_schedule_with_the_looped_combine_is_the_schedule_server_with_the_switch_on(tmp_path):
+    # eagle3_sched_looped_combine: one server per schedule, eagle3_sched's flags (launched at its
+    # deepest tier), started with SGLANG_IMAGE_LOOPED_COMBINE=1, so that a wider verify is measured
+    # with either combine in the same blocks
+    parsed = bench_options("--configs", "eagle3,eagle3_sched,eagle3_sched_looped_combine", "--schedule", "1-96:5,97-:3")
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), schedules=parsed.schedules,
+                                configs=parsed.configs)
+    assert options.server_names(opts) == ["eagle3", "eagle3_sched1", "eagle3_sched1_looped_combine"]
+    upstream, looped = (throughput.server_config(n, opts) for n in ("eagle3_sched1", "eagle3_sched1_looped_combine"))
+    assert looped.argv(30000) == upstream.argv(30000)
+    a = looped.argv(30000)
+    assert a[a.index("--speculative-num-steps") + 1] == "5"
+    assert looped.env == {"SGLANG_IMAGE_LOOPED_COMBINE": "1"} and upstream.env == {}
+    assert servers.options_key(upstream, "site") != servers.options_key(looped, "site")
+    rec = options.config_records(opts)["eagle3_sched1_looped_combine"]
+    assert (rec.kind, rec.steps, rec.schedule, rec.switches) == ("schedule", 5, "1-96:5,97-:3", True)
+    assert rec.label == "EAGLE-3 + schedule 1-96:5,97-:3 (looped combine)"
+    assert configs.BenchConfig.from_dict(json.loads(json.dumps(rec.as_dict()))) == rec
