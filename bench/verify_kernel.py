@@ -28,7 +28,15 @@ whole prefix, so one pass over the prefix's K/V serves all of them), the chain's
 (d + 1) x (d + 1) part in plain torch, and the two merged by their log-sum-exps (upstream's
 `merge_state_triton`): what the verify could cost without a kernel of its own (its torch part
 unfused, so an upper bound). Its output is checked against the prefill kernel's as the split-KV
-kernel's is.
+kernel's is. `folded` runs only with --folded, and only where the folded group (query heads a KV
+head serves x verified tokens) is at most the decode kernel's head tile, 16, or a multiple of it:
+upstream's grouped decode kernel maps a head tile to one KV head, so a group of 24 (width 6 on the
+8B shape) reads the wrong KV head for a third of its rows. At one request and width 4 it differed
+from the prefill kernel by 0.038 on an H100, which is not explained yet; no server runs it.
+
+`splits by load` is the looped combine with the grouped prefix stage cutting each prefix into as
+many parts as the batch's size needs (SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1 in a server), where the
+plugin's stage runs; its column names the parts.
 
 Needs sglang (the image's, or the GPU host's site) and a GPU; with --device cpu and
 TRITON_INTERPRET=1 it runs Triton's interpreter on tiny shapes (float32: the interpreter computes
@@ -47,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 GRAPH_PREFIX = 8192  # the average prefix at and above which upstream splits a verify 16 ways
+DECODE_HEAD_TILE = 16  # decode_attention._GROUPED_BLOCK_H: the query heads one program of the grouped kernel takes
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,9 @@ class Timing:
     looped_ms: float | None = None  # the split-KV kernel with the plugin's looped combine stage
     looped_diff: float | None = None
     splits: int | None = None  # the split-KV kernel's split count
+    by_load_ms: float | None = None  # the looped combine with the prefix cut into by_load_splits parts
+    by_load_diff: float | None = None
+    by_load_splits: int | None = None  # the parts the grouped stage cut a prefix into (None: its stage did not run)
 
     @property
     def speedup(self) -> float | None:
@@ -115,6 +127,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--graph-splits", action=argparse.BooleanOptionalAction, default=True,
                     help="the split-KV kernel's split count as in a server's CUDA graph (16: the graph's "
                          "kv_indices is its whole buffer); --no-graph-splits: from the context")
+    ap.add_argument("--folded", action="store_true",
+                    help="also time the verify through the decode kernel, its queries folded into the "
+                         "query-head group, where the group fits the kernel's head tile (see above)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=20)
@@ -182,18 +197,22 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         return bool(verify_splitkv_fwd(q, k, v, out, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, None,
                                        True, None, w, 1.0, 1.0, scale, max_bs=bs))
 
-    def split_with(switch: verify_switch.ProcessSwitch, on: bool, out: Any) -> bool:
-        """The split-KV kernel with one of the plugin's verify switches set, then set back."""
-        was = switch.on()
-        switch.set(on)
+    def split_with(switches: dict[verify_switch.ProcessSwitch, bool], out: Any) -> bool:
+        """The split-KV kernel with some of the plugin's verify switches set, then set back."""
+        was = {switch: switch.on() for switch in switches}
+        for switch, on in switches.items():
+            switch.set(on)
         try:
             return split(out)
         finally:
-            switch.set(was)
+            for switch, on in was.items():
+                switch.set(on)
 
-    o_head, o_looped = torch.zeros_like(q), torch.zeros_like(q)
-    headwise = functools.partial(split_with, verify_switch.GROUPED, False, o_head)  # upstream's prefix stage
-    looped = functools.partial(split_with, verify_switch.LOOPED, True, o_looped)  # the looped combine
+    o_head, o_looped, o_load = torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(q)
+    # upstream's prefix stage; the looped combine; it with the prefix cut by the batch's size
+    headwise = functools.partial(split_with, {verify_switch.GROUPED: False}, o_head)
+    looped = functools.partial(split_with, {verify_switch.LOOPED: True, verify_switch.SPLITS_BY_LOAD: False}, o_looped)
+    by_load = functools.partial(split_with, {verify_switch.LOOPED: True, verify_switch.SPLITS_BY_LOAD: True}, o_load)
 
     decode, folded, o_folded = _decode_kernel_paths(case, a, q, k, v, k_buf, v_buf, kv_indptr, kv_indices, scale)
 
@@ -202,24 +221,34 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     ran = split()  # also the warm-up (Triton compiles on first use)
     headwise()
     looped()
+    by_load()
     decode()
-    folded()
+    if folded is not None:
+        folded()
     prefill_ms = timed(prefill, a.repeats)
-    decode_ms, folded_ms = timed(decode, a.repeats), timed(folded, a.repeats)
-    outs = [("prefill", o_prefill), ("folded decode", o_folded)] + (
-        [("split-KV", o_split), ("per-head split-KV", o_head), ("looped-combine split-KV", o_looped)] if ran else [])
+    decode_ms = round(timed(decode, a.repeats), 4)
+    folded_ms = None if folded is None else round(timed(folded, a.repeats), 4)
+    outs = [("prefill", o_prefill)] + ([("folded decode", o_folded)] if folded is not None else []) + (
+        [("split-KV", o_split), ("per-head split-KV", o_head), ("looped-combine split-KV", o_looped),
+         ("splits-by-load split-KV", o_load)] if ran else [])
     for name, out in outs:
         if nans := int(torch.isnan(out).sum()):
             raise RuntimeError(f"the {name} kernel gave NaN in {nans} of {out.numel()} values at {case}")
         if not out.abs().max().item() > 0:  # equal outputs must not be two untouched buffers
             raise RuntimeError(f"the {name} kernel wrote no output at {case}")
-    folded_diff = round((o_prefill.float() - o_folded.float()).abs().max().item(), 6)
-    extra = {"decode_ms": round(decode_ms, 4), "folded_ms": round(folded_ms, 4), "folded_diff": folded_diff}
+    folded_diff = None if folded is None else round((o_prefill.float() - o_folded.float()).abs().max().item(), 6)
     if not ran:
-        return Timing(case, round(prefill_ms, 4), None, None, **extra)
+        return Timing(case, round(prefill_ms, 4), None, None, decode_ms=decode_ms, folded_ms=folded_ms,
+                      folded_diff=folded_diff)
     split_ms, headwise_ms, looped_ms = timed(split, a.repeats), timed(headwise, a.repeats), timed(looped, a.repeats)
+    by_load_ms = timed(by_load, a.repeats)
     from sglang.kernels.ops.attention.verify_splitkv import choose_n_splits
+
+    from sglang_image_plugin import verify_attention
     splits = choose_n_splits(kv_indices.shape[0] / bs)  # what verify_splitkv_fwd derived
+    cores = verify_attention.multiprocessors(q.device)
+    by_load_splits = (verify_attention.splits_by_load(bs, a.kv_heads, splits, cores)
+                      if cores and verify_attention.grouped_grid_fills(bs, a.kv_heads, splits, cores) else None)
     diff = (o_prefill.float() - o_split.float()).abs().max().item()
     headwise_diff = round((o_prefill.float() - o_head.float()).abs().max().item(), 6)
     tiles = []
@@ -235,17 +264,29 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
             verify_switch.set_grouped_min_programs(None)
         tiles.append((f"{block_n}x{warps}", round(tile_ms, 4),
                       round((o_prefill.float() - o_tile.float()).abs().max().item(), 6)))
-    return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), **extra,
+    return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), decode_ms=decode_ms,
+                  folded_ms=folded_ms, folded_diff=folded_diff,
                   headwise_ms=round(headwise_ms, 4), headwise_diff=headwise_diff, tiles=tuple(tiles),
                   looped_ms=round(looped_ms, 4),
-                  looped_diff=round((o_prefill.float() - o_looped.float()).abs().max().item(), 6), splits=splits)
+                  looped_diff=round((o_prefill.float() - o_looped.float()).abs().max().item(), 6), splits=splits,
+                  by_load_ms=round(by_load_ms, 4), by_load_splits=by_load_splits,
+                  by_load_diff=round((o_prefill.float() - o_load.float()).abs().max().item(), 6))
+
+
+def foldable(width: int, group: int) -> bool:
+    """Whether upstream's grouped decode kernel computes a verify folded into the query-head group:
+    it maps each tile of DECODE_HEAD_TILE query heads to one KV head, so a folded group (its query
+    heads x verified tokens) must fit one tile or fill whole tiles."""
+    rows = width * group
+    return rows <= DECODE_HEAD_TILE or rows % DECODE_HEAD_TILE == 0
 
 
 def _decode_kernel_paths(case: Case, a: argparse.Namespace, q: Any, k: Any, v: Any, k_buf: Any, v_buf: Any,
                          kv_indptr: Any, kv_indices: Any, scale: float) -> tuple[Callable[[], None],
-                                                                                 Callable[[], None], Any]:
+                                                                                 Callable[[], None] | None, Any]:
     """`decode` (one query a request over the prefix) and `folded` (the verify through the same
-    kernel), and the buffer `folded` writes its output into, laid out as the prefill kernel's."""
+    kernel; None without --folded or where the folded group does not fit the kernel's head tile),
+    and the buffer `folded` writes its output into, laid out as the prefill kernel's."""
     import torch
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
     from sglang.kernels.ops.attention.merge_state import merge_state_triton
@@ -281,6 +322,8 @@ def _decode_kernel_paths(case: Case, a: argparse.Namespace, q: Any, k: Any, v: A
     fold = kernel_args(kv_heads * w * group)
     chain = torch.ones(w, w, dtype=torch.bool, device=dev).tril()
     out = torch.empty_like(q)
+    if not a.folded or not foldable(w, group):
+        return decode, None, out
 
     def folded() -> None:
         fold[2].fill_(-float("inf"))  # splits a request does not reach stay out of the sum
@@ -331,13 +374,18 @@ def table(rows: list[Timing], layers: int) -> str:
                      + head + tail)
     if any(r.looped_ms is not None for r in rows):
         lines += ["", ("The split-KV verify with the plugin's looped combine stage (SGLANG_IMAGE_LOOPED_COMBINE=1), "
-                       "ms, against the same kernel with upstream's combine:"), "",
+                       "ms, against the same kernel with upstream's combine, and with the prefix also cut by "
+                       "the batch's size (SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1; its parts, - where upstream's "
+                       "prefix stage runs):"), "",
                   ("| batch | context | width | splits | split-KV ms | looped combine ms | speed-up | "
-                   f"per step, {layers} layers: split-KV / looped ms | its difference |"),
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                   f"per step, {layers} layers: split-KV / looped ms | its difference | "
+                   "splits by load ms (parts) | per step ms | its difference |"),
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r.case.batch} | {r.case.context} | {r.case.width} | {r.splits} | {ms(r.splitkv_ms)} | "
                   f"{ms(r.looped_ms)} | {r.splitkv_ms / r.looped_ms:.2f}x | "
-                  f"{ms(r.splitkv_ms * layers, 2)} / {ms(r.looped_ms * layers, 2)} | {diff(r.looped_diff)} |"
+                  f"{ms(r.splitkv_ms * layers, 2)} / {ms(r.looped_ms * layers, 2)} | {diff(r.looped_diff)} | "
+                  f"{ms(r.by_load_ms)} ({r.by_load_splits or '-'}) | {ms(r.by_load_ms and r.by_load_ms * layers, 2)} | "
+                  f"{diff(r.by_load_diff)} |"
                   for r in rows if r.looped_ms and r.splitkv_ms]
     if any(r.tiles for r in rows):
         labels = [label for label, _, _ in next(r.tiles for r in rows if r.tiles)]
@@ -365,6 +413,7 @@ def main(a: argparse.Namespace) -> int:
     bad = [(r, name, diff) for r in rows
            for name, diff in (("split-KV", r.max_diff), ("per-head split-KV", r.headwise_diff),
                               ("looped-combine split-KV", r.looped_diff),
+                              ("splits-by-load split-KV", r.by_load_diff),
                               ("folded decode", r.folded_diff),
                               *((f"split-KV at tile {label}", d) for label, _, d in r.tiles))
            if diff is not None and diff > a.tolerance]

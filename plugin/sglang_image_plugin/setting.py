@@ -61,6 +61,12 @@ GROUPED_VERIFY_LOG_LINE = ("EAGLE verify attention: the prefix stage reads each 
 LOOPED_COMBINE_ENV = "SGLANG_IMAGE_LOOPED_COMBINE"
 LOOPED_COMBINE_LOG_LINE = ("EAGLE verify attention: the split combine runs one split and one verified token at "
                            "a time ({env}=1)")
+# The grouped prefix stage splits each request's prefix into as many parts as keep the GPU busy at
+# the batch's size, not always the scratch's 16 (verify_attention.splits_by_load): off unless set
+# to 1; off until measured on a GPU.
+SPLITS_BY_LOAD_ENV = "SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD"
+SPLITS_BY_LOAD_LOG_LINE = ("EAGLE verify attention: the prefix stage splits a request's prefix by the batch's "
+                           "size ({env}=1)")
 # Not the speculation setting either: 1 makes a prefill in plain mode write the draft's K/V from
 # the plugin's CUDA graphs (prefill_kv.py); off by default until measured on a GPU.
 PREFILL_KV_GRAPHS_ENV = "SGLANG_IMAGE_PREFILL_KV_GRAPHS"

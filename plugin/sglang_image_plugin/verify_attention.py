@@ -32,6 +32,17 @@ MAX_GROUPED_ROWS rows (a wide group or verify: upstream's stage, whose tile is t
 or its grid would have fewer programs than the GPU has multiprocessors (a few requests with long
 prefixes: upstream's stage has `group` times the programs there).
 
+Upstream derives the split count from kv_indices' length over the batch size, and in a server's
+CUDA graph kv_indices is the graph's whole buffer, so the count is its largest, 16, at every batch
+size and context. Each split writes a float32 partial output of the verified tokens x head dim per
+query head, which the second stage reads back: at 64 requests and short prefixes that is more
+traffic than the prefix's K/V. splits_by_load, where SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1 asks
+for it, has the grouped stage cut a prefix into only as many parts as keep every multiprocessor
+SPLIT_PROGRAMS_PER_CORE programs busy at the batch's size (16 for a few requests, 1 from 66 requests
+on a GPU of 132 multiprocessors and 8 KV heads): the batch size is fixed in a graph, so the rule is
+safe to capture, and the rest of the splits write only the -inf log-sum-exp that the second stage
+skips. Off until measured.
+
 Upstream's second stage, one warp a request and query head, holds every split's partial output
 at once; in a server's CUDA graph the split count is upstream's largest (16), as the graph's
 kv_indices is the whole buffer, and that tile outgrows a warp's registers, twice over from a
@@ -55,6 +66,7 @@ from sglang_image_plugin.verify_switch import env_switch_on, grouped_prefix_on, 
 logger = logging.getLogger(__name__)
 _logged = False  # one line a process: a server builds a backend per depth state and for the draft
 MAX_GROUPED_ROWS = 64  # query heads x verified tokens (both padded) one program of the grouped stage takes
+SPLIT_PROGRAMS_PER_CORE = 4  # splits_by_load: the grouped stage's programs a multiprocessor is given
 
 
 def asked_for(environ: Mapping[str, str] | None = None) -> bool:
@@ -112,6 +124,14 @@ def grouped_grid_fills(bs: int, kv_heads: int, splits: int, cores: int) -> bool:
     return bs * kv_heads * splits >= cores
 
 
+def splits_by_load(bs: int, kv_heads: int, splits: int, cores: int) -> int:
+    """The parts the grouped stage cuts a request's prefix into: as few as give every
+    multiprocessor SPLIT_PROGRAMS_PER_CORE programs at this batch size, between 1 and the
+    scratch's `splits`."""
+    wanted = -(-SPLIT_PROGRAMS_PER_CORE * cores // max(1, bs * kv_heads))
+    return max(1, min(splits, wanted))
+
+
 def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: Any) -> Any:
     """AROUND VerifySplitKV._run_prefix_kernel: the prefix stage with one program per request, KV
     head and split (see the module's docstring), unless it is turned off, its tile too wide or its
@@ -128,7 +148,10 @@ def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: An
         return original(verify, bs, *args, **kwargs)
     from sglang_image_plugin import verify_prefix_kernel
 
-    verify_prefix_kernel.run(verify, bs, *args)
+    active = None
+    if verify_switch.SPLITS_BY_LOAD.on():
+        active = splits_by_load(bs, verify.h_kv, verify.n_splits, cores or multiprocessors(args[0].device))
+    verify_prefix_kernel.run(verify, bs, *args, active_splits=active)
     return None
 
 

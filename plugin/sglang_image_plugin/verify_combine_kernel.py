@@ -9,7 +9,7 @@ at a verified width of 3-4 (L_EXT 4) and 16,384 at 5-8 (L_EXT 8), far past the r
 has. This stage computes the same output with running sums: the splits' log-sum-exp maximum first,
 then one split's partial output at a time, weighted; the chain's part one key at a time with an
 online softmax; the two merged by their log-sum-exps as upstream merges them. Its largest tile is
-[L_EXT, Dv].
+[L_EXT, Dv]. A split the request's prefix does not reach (its -inf log-sum-exp) is not read at all.
 
 Imported by the hook only (verify_attention.looped_combine): it needs triton and sglang.
 """
@@ -54,8 +54,10 @@ def _verify_combine_looped(
     acc_p = tl.zeros([L_EXT, BLOCK_DV], dtype=tl.float32)
     out_base = Att_Out + cur_batch * stride_ob + cur_head * stride_oh + offs_l[:, None] * stride_ol + offs_dv[None, :]
     for s in tl.static_range(N_SPLITS):
-        w = tl.exp(tl.load(lse_base + s * stride_ls, mask=mask_l, other=float("-inf")) - m_p)  # -inf -> 0
-        ao = tl.load(out_base + s * stride_os, mask=mask_l[:, None] & mask_dv[None, :], other=0.0)
+        lse_s = tl.load(lse_base + s * stride_ls, mask=mask_l, other=float("-inf"))
+        w = tl.exp(lse_s - m_p)  # -inf -> 0
+        reached = mask_l & (lse_s > float("-inf"))  # a split the prefix does not reach: no read
+        ao = tl.load(out_base + s * stride_os, mask=reached[:, None] & mask_dv[None, :], other=0.0)
         acc_p += ao * w[:, None]
         denom_p += w
     o_prefix = acc_p / denom_p[:, None]

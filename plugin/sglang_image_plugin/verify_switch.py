@@ -1,13 +1,14 @@
-"""The switches of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix) and
-its looped combine (verify_attention.looped_combine), and the prefix stage's tile and least grid
-where a benchmark sets them.
+"""The switches of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix), its
+split count by load (verify_attention.splits_by_load) and its looped combine
+(verify_attention.looped_combine), and the prefix stage's tile and least grid where a benchmark sets
+them.
 
 SGLANG_IMAGE_GROUPED_VERIFY, read as upstream reads its own switches (EnvBool): unset or true, on;
 "0", "false", "no" or "n", off (upstream's own stage, one program a query head). Read once a
 process, at the first verify, which runs once a layer; `bench verify-kernel` sets it in its own
 process to time both stages, the grouped one at other tiles and where a server's grid rule would
-not run it. SGLANG_IMAGE_LOOPED_COMBINE is off unless set to a true value ("1", "true", "yes",
-"y"). Standard library only: the bench imports it where no GPU is.
+not run it. SGLANG_IMAGE_LOOPED_COMBINE and SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD are off unless set
+to a true value ("1", "true", "yes", "y"). Standard library only: the bench imports it where no GPU is.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from sglang_image_plugin.setting import (
     GROUPED_VERIFY_LOG_LINE,
     LOOPED_COMBINE_ENV,
     LOOPED_COMBINE_LOG_LINE,
+    SPLITS_BY_LOAD_ENV,
+    SPLITS_BY_LOAD_LOG_LINE,
 )
 
 logger = logging.getLogger("sglang_image_plugin.verify_attention")
@@ -71,6 +74,7 @@ grouped_asked_for, set_grouped_prefix, grouped_prefix_on = GROUPED.asked_for, GR
 # off until measured on a GPU: on only for a true value
 LOOPED = ProcessSwitch(LOOPED_COMBINE_ENV, False, LOOPED_COMBINE_LOG_LINE)
 looped_combine_asked_for, set_looped_combine, looped_combine_on = LOOPED.asked_for, LOOPED.set, LOOPED.on
+SPLITS_BY_LOAD = ProcessSwitch(SPLITS_BY_LOAD_ENV, False, SPLITS_BY_LOAD_LOG_LINE)  # off until measured
 
 
 def set_grouped_tile(tile: tuple[int, int] | None) -> None:

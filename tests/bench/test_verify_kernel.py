@@ -29,7 +29,7 @@ def test_both_kernels_time_the_same_verify_and_agree(
         code = "import sys; from bench.__main__ import main; sys.exit(main(sys.argv[1:]))"
         return run_in_tree(tree, code.replace("sys.argv[1:]", repr(["verify-kernel", *TINY, *extra])), env=env)
 
-    ok = run("--out", str(tmp_path), "--grouped-tiles", "16x1,64x2")
+    ok = run("--out", str(tmp_path), "--grouped-tiles", "16x1,64x2", "--folded")
     assert ok.returncode == 0, ok.stderr[-2000:]
     rows = json.loads((tmp_path / "verify_kernel.json").read_text())
     assert [(r["batch"], r["context"], r["width"]) for r in rows] == [(2, 40, 2), (2, 40, 3)]
@@ -41,6 +41,8 @@ def test_both_kernels_time_the_same_verify_and_agree(
     assert all(r["looped_ms"] > 0 and r["looped_diff"] <= 1e-5 and r["splits"] == 16 for r in rows)
     assert "| batch | context | width | splits | split-KV ms | looped combine ms |" in (
         tmp_path / "verify_kernel.md").read_text()
+    # and with the prefix cut by the batch's size too (no GPU here: the parts are not named)
+    assert all(r["by_load_ms"] > 0 and r["by_load_diff"] <= 1e-5 and r["by_load_splits"] is None for r in rows)
     # the plugin's stage again at each tile asked for, each checked as the others
     assert [[(label, diff <= 1e-5) for label, _, diff in r["tiles"]] for r in rows] == [
         [("16x1", True), ("64x2", True)]] * 2
@@ -51,14 +53,20 @@ def test_both_kernels_time_the_same_verify_and_agree(
     assert "| 2 | 40 | 3 |" in (tmp_path / "verify_kernel.md").read_text()
     # every difference is above the tolerance: the command fails, naming the case; the split count
     # from the context, as an eager verify derives it
-    bad = run("--tolerance", "-1", "--grouped-tiles", "64x2", "--no-graph-splits", "--out", str(tmp_path / "eager"))
+    bad = run("--tolerance", "-1", "--grouped-tiles", "64x2", "--no-graph-splits", "--folded",
+              "--out", str(tmp_path / "eager"))
     assert bad.returncode == 1
     assert [r["splits"] for r in json.loads((tmp_path / "eager" / "verify_kernel.json").read_text())] == [4, 4]
     assert "FAILED: batch 2, context 40, width 3: the looped-combine split-KV and prefill kernels'" in bad.stdout
+    assert "FAILED: batch 2, context 40, width 3: the splits-by-load split-KV and prefill kernels'" in bad.stdout
     assert "FAILED: batch 2, context 40, width 2: the split-KV and prefill kernels' outputs differ" in bad.stdout
     assert "FAILED: batch 2, context 40, width 2: the per-head split-KV and prefill kernels' outputs" in bad.stdout
     assert "FAILED: batch 2, context 40, width 3: the split-KV at tile 64x2 and prefill kernels'" in bad.stdout
     assert "FAILED: batch 2, context 40, width 3: the folded decode and prefill kernels' outputs differ" in bad.stdout
+    # without --folded, or where the folded group passes the decode kernel's head tile, no folded figure
+    plain = run("--out", str(tmp_path / "unfolded"))
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert all(r["folded_ms"] is None for r in json.loads((tmp_path / "unfolded" / "verify_kernel.json").read_text()))
 
 
 def test_the_e2e_kernels_phase_runs_it_and_keeps_the_table_in_its_log(
@@ -81,3 +89,10 @@ def test_a_tile_that_is_not_block_n_x_warps_is_refused_naming_the_form(text: str
     with pytest.raises(argparse.ArgumentTypeError, match="give BLOCK_NxWARPS, BLOCK_N a power of two from 16"):
         verify_kernel._tiles(text)
     assert verify_kernel._tiles("16x1, 64x8") == [(16, 1), (64, 8)]
+
+
+def test_a_folded_group_past_the_decode_kernel_s_head_tile_is_not_folded() -> None:
+    # upstream's grouped decode kernel maps a tile of 16 query heads to one KV head: a folded
+    # group of 24 (group 4 x width 6, the 8B shape at depth 5) would read the wrong KV head
+    assert [verify_kernel.foldable(w, 4) for w in (2, 4, 5, 6, 8)] == [True, True, False, False, True]
+    assert verify_kernel.foldable(3, 2) and verify_kernel.foldable(8, 1)

@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 
 from sglang_image_plugin import verify_attention, verify_switch
-from sglang_image_plugin.setting import GROUPED_VERIFY_ENV, LOOPED_COMBINE_ENV, SPLITKV_VERIFY_ENV
+from sglang_image_plugin.setting import (
+    GROUPED_VERIFY_ENV,
+    LOOPED_COMBINE_ENV,
+    SPLITKV_VERIFY_ENV,
+    SPLITS_BY_LOAD_ENV,
+)
 from tests.probe import probe_result
 
 FLAVOR = "sglang-0.5.23"
@@ -75,7 +80,8 @@ REFERENCE = textwrap.dedent("""
 
     def splitkv_verify(hq, hkv, width, prefix, seed, graph_splits=False, d=16):
         # upstream's split-KV verify on random inputs: [its largest difference from chain_reference,
-        # its split count], or the message of a stage that raised
+        # its split count, the splits its longest request's prefix filled], or the message of a
+        # stage that raised
         import sglang.kernels.ops.attention.verify_splitkv as vs
         torch.manual_seed(seed)
         bs, pool = len(prefix), sum(prefix) + 8
@@ -93,9 +99,10 @@ REFERENCE = textwrap.dedent("""
                                          None, width, 1.0, 1.0, d ** -0.5, max_bs=bs)
         except RuntimeError as exc:
             return str(exc)
-        splits = next(iter(vs._VK_CACHE.values())).n_splits
+        vk = next(iter(vs._VK_CACHE.values()))
+        filled = int(vk.att_lse[max(range(bs), key=lambda i: prefix[i]), 0, :, 0].isfinite().sum())
         return [(out.double() - chain_reference(q, k, v, kb, vb, kv_indptr, kv_indices, width)).abs().max().item(),
-                splits]
+                vk.n_splits, filled]
 """)
 
 
@@ -344,3 +351,56 @@ def test_the_split_kv_verify_combines_its_splits_with_running_sums_where_asked_f
 def test_only_a_true_value_turns_the_looped_combine_on(value: str | None, asked: bool) -> None:
     env = {} if value is None else {LOOPED_COMBINE_ENV: value}
     assert verify_switch.looped_combine_asked_for(env) is asked
+    env = {} if value is None else {SPLITS_BY_LOAD_ENV: value}
+    assert verify_switch.SPLITS_BY_LOAD.asked_for(env) is asked
+
+
+SPLITS_PROBE = textwrap.dedent("""
+    import logging, os, sys
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(message)s")
+    import sglang.kernels.ops.attention.verify_splitkv as vs
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang_image_plugin import verify_switch
+
+    class Refused:  # upstream's prefix stage, made to fail wherever it still runs
+        def __getitem__(self, grid):
+            raise RuntimeError("upstream's per-head prefix stage ran")
+    vs._verify_prefix_stage1 = Refused()
+
+    def verify(width, prefix, cores):
+        # a CUDA graph's kv_indices, so 16 splits of scratch; `cores`: the GPU's multiprocessors
+        verify_switch.set_grouped_min_programs(cores)
+        return splitkv_verify(8, 2, width, prefix, seed=width + len(prefix), graph_splits=True)
+
+    os.environ.pop("SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD", None)
+    default = [verify(4, [40, 1024, 90], 6), verify(6, [384, 33], 6)]  # off unless asked for
+    os.environ["SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD"] = "1"
+    verify_switch.SPLITS_BY_LOAD.set(None)  # read the environment again
+    # 3 requests x 2 KV heads on 6 multiprocessors: 4 splits; 2 requests: 6; on 1: 1 split; all
+    # 16 where one request cannot give 30 multiprocessors 4 programs each
+    by_load = [verify(4, [40, 1024, 90], 6), verify(6, [384, 33], 6), verify(4, [40, 1024, 90], 1),
+               verify(3, [1024], 30)]
+    emit({"default": default, "by_load": by_load})
+""")
+
+
+def test_the_grouped_prefix_stage_splits_a_prefix_by_the_batch_s_size_where_asked_for(
+        run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
+        sglang_tree: Callable[[str, bool], Path], plugin_site: Path) -> None:
+    # a server's graph has 16 splits of scratch at every batch size; with
+    # SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1 the grouped stage cuts the longest prefix into as many
+    # parts as the rule gives for the batch's size, and the verify still equals chain attention
+    # (the splits past them skipped by upstream's combine); unset, all 16
+    out, proc = run_probe(run_in_tree, sglang_tree, plugin_site, SPLITS_PROBE)
+    assert all(isinstance(r, list) and r[0] < 1e-4 for r in out["default"] + out["by_load"]), out
+    assert [r[1:] for r in out["default"]] == [[16, 16], [16, 12]]  # 64 and 32 tokens a split
+    assert [r[1:] for r in out["by_load"]] == [[16, 4], [16, 6], [16, 1], [16, 16]]
+    assert proc.stdout.count("LOG EAGLE verify attention: the prefix stage splits a request's prefix") == 1
+
+
+@pytest.mark.parametrize(("bs", "splits"), [(1, 16), (4, 16), (5, 14), (8, 9), (16, 5), (32, 3), (64, 2),
+                                            (66, 1), (256, 1)])
+def test_a_larger_batch_cuts_a_prefix_into_fewer_splits(bs: int, splits: int) -> None:
+    # 8 KV heads on 132 multiprocessors (an H100): 4 programs a multiprocessor, at most 16 splits
+    assert verify_attention.splits_by_load(bs, 8, 16, 132) == splits
