@@ -11,10 +11,12 @@ target-verify attention then runs the Triton backend's prefill "extend" kernel, 
 the plugin's change, so the two compare in the same blocks. `eagle3_headwise_verify` is `eagle3`
 with the split-KV verify's prefix stage back on upstream's own, one program a query head
 (SGLANG_IMAGE_GROUPED_VERIFY=0), where the plugin's reads each KV head once for its query heads.
-`eagle3_looped_combine` is `eagle3` with the split-KV verify's second stage the plugin's, running
-sums over the splits and the chain (SGLANG_IMAGE_LOOPED_COMBINE=1), off by default;
-`eagle3_sched_looped_combine` is `eagle3_sched` with it, so that a deeper tier's wider verify can be
-measured with either combine in the same blocks.
+`eagle3_upstream_combine` is `eagle3` with the split-KV verify's second stage upstream's, not the
+plugin's running sums over the splits and the chain (SGLANG_IMAGE_LOOPED_COMBINE=0);
+`eagle3_sched_upstream_combine` is `eagle3_sched` with it, so that a deeper tier's wider verify can
+be measured with either combine in the same blocks. `eagle3_splits_by_load` is `eagle3` with the
+grouped prefix stage cutting a prefix by the batch's size (SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1,
+opt-in), not into the graph's 16 splits.
 `eagle3_thr_prefill_graphs` is
 `eagle3_thr` whose prefills in plain mode write the draft's K/V from the plugin's CUDA graphs
 (SGLANG_IMAGE_PREFILL_KV_GRAPHS=1), not eagerly: the two side by side. `eagle3_metadata_glue` is
@@ -31,24 +33,27 @@ from sglang_image_plugin.setting import (
     GROUPED_VERIFY_ENV,
     LOOPED_COMBINE_ENV,
     PREFILL_KV_GRAPHS_ENV,
+    SPLITS_BY_LOAD_ENV,
 )
 from smoke.server import EAGLE_STEPS, launch_steps
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
 CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_headwise_verify",
-           "eagle3_metadata_glue", "eagle3_looped_combine", "eagle3_depth",
+           "eagle3_metadata_glue", "eagle3_upstream_combine", "eagle3_splits_by_load", "eagle3_depth",
            "eagle3_adaptive", "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched",
-           "eagle3_sched_looped_combine", "eagle3_auto")
+           "eagle3_sched_upstream_combine", "eagle3_auto")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
 HEADWISE_VERIFY = (GROUPED_VERIFY_ENV, "0")  # the split-KV verify's prefix stage upstream's, per query head
 PREFILL_GRAPHS = (PREFILL_KV_GRAPHS_ENV, "1")  # the plugin's prefill K/V graphs on
-LOOPED_COMBINE = (LOOPED_COMBINE_ENV, "1")  # the split-KV verify's combine with running sums
+UPSTREAM_COMBINE = (LOOPED_COMBINE_ENV, "0")  # the split-KV verify's combine upstream's, not the plugin's
+SPLITS_BY_LOAD = (SPLITS_BY_LOAD_ENV, "1")  # the verify's prefix cut by the batch's size
 METADATA_GLUE = ("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")  # upstream's metadata glue graph on
 # what a server's environment changes, in its label; any other variable is named as it is
 ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", HEADWISE_VERIFY: "per-head verify prefix",
              PREFILL_GRAPHS: "prefill K/V graphs",
-             METADATA_GLUE: "metadata glue graph", LOOPED_COMBINE: "looped combine"}
+             METADATA_GLUE: "metadata glue graph", UPSTREAM_COMBINE: "upstream combine",
+             SPLITS_BY_LOAD: "splits by load"}
 
 
 @dataclass(frozen=True)
@@ -124,8 +129,10 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(HEADWISE_VERIFY,)))
         elif name == "eagle3_metadata_glue":
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(METADATA_GLUE,)))
-        elif name == "eagle3_looped_combine":
-            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(LOOPED_COMBINE,)))
+        elif name == "eagle3_upstream_combine":
+            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(UPSTREAM_COMBINE,)))
+        elif name == "eagle3_splits_by_load":
+            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(SPLITS_BY_LOAD,)))
         elif name == "eagle3_depth":
             out += [BenchConfig(f"eagle3_depth{d}", "fixed", d) for d in depths]
         elif name == "eagle3_thr":
@@ -133,11 +140,11 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
         elif name == "eagle3_thr_prefill_graphs":
             out += [BenchConfig(f"eagle3_thr{n}_prefill_graphs", "threshold", LAUNCH_STEPS, threshold=n,
                                 env=(PREFILL_GRAPHS,)) for n in thresholds]
-        elif name in ("eagle3_sched", "eagle3_sched_looped_combine"):
-            looped = name == "eagle3_sched_looped_combine"
-            out += [BenchConfig(f"eagle3_sched{i}" + ("_looped_combine" if looped else ""), "schedule",
+        elif name in ("eagle3_sched", "eagle3_sched_upstream_combine"):
+            upstream = name == "eagle3_sched_upstream_combine"
+            out += [BenchConfig(f"eagle3_sched{i}" + ("_upstream_combine" if upstream else ""), "schedule",
                                 auto_depth if sched == "auto" else launch_steps(sched, LAUNCH_STEPS), schedule=sched,
-                                env=(LOOPED_COMBINE,) if looped else ())
+                                env=(UPSTREAM_COMBINE,) if upstream else ())
                     for i, sched in enumerate(schedules, 1)]
         elif name == "eagle3_auto":
             out.append(BenchConfig(name, "auto", LAUNCH_STEPS))
@@ -161,6 +168,6 @@ def from_result(result: dict[str, Any]) -> dict[str, BenchConfig]:
         if name.startswith("eagle3_thr") and n.isdigit():
             legacy[name] = BenchConfig(name, "threshold", LAUNCH_STEPS, threshold=int(n))
         elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr", "eagle3_thr_prefill_graphs",
-                                              "eagle3_sched", "eagle3_sched_looped_combine"):
+                                              "eagle3_sched", "eagle3_sched_upstream_combine"):
             legacy[name] = expand((name,))[0]
     return legacy

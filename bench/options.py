@@ -18,10 +18,11 @@ from bench.configs import (
     EXTEND_VERIFY,
     HEADWISE_VERIFY,
     LAUNCH_STEPS,
-    LOOPED_COMBINE,
     METADATA_GLUE,
     PREFILL_GRAPHS,
+    SPLITS_BY_LOAD,
     TWIN,
+    UPSTREAM_COMBINE,
     BenchConfig,
     expand,
 )
@@ -104,8 +105,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                          "noise floor; eagle3_extend_verify: eagle3 with upstream's split-KV verify kernel "
                          f"off, {'='.join(EXTEND_VERIFY)}; eagle3_headwise_verify: eagle3 with the split-KV "
                          f"verify's prefix stage upstream's, one program a query head, {'='.join(HEADWISE_VERIFY)}; "
-                         f"eagle3_looped_combine: eagle3 with the plugin's looped split combine, "
-                         f"{'='.join(LOOPED_COMBINE)} (eagle3_sched_looped_combine: eagle3_sched with it); "
+                         f"eagle3_upstream_combine: eagle3 with upstream's split combine, not the plugin's "
+                         f"looped one, {'='.join(UPSTREAM_COMBINE)} (eagle3_sched_upstream_combine: eagle3_sched "
+                         "with it); eagle3_splits_by_load: eagle3 with the verify's prefix cut by the batch's "
+                         f"size, {'='.join(SPLITS_BY_LOAD)}; "
                          f"eagle3_metadata_glue: eagle3 with upstream's metadata glue "
                          f"graph, {'='.join(METADATA_GLUE)}; eagle3_thr_prefill_graphs: eagle3_thr writing a "
                          f"prefill's draft K/V in plain mode from CUDA graphs, {'='.join(PREFILL_GRAPHS)}; eagle3_auto "

@@ -12,7 +12,8 @@ difference of their outputs. A server runs the plugin's stage only where its gri
 for every multiprocessor, so at a few requests the split-KV column is upstream's stage. With
 --grouped-tiles the plugin's stage runs again at each tile asked for (BLOCK_N x warps; its default
 is upstream's stage's own), whatever the grid, in a table of its own. `looped` is the split-KV
-kernel with the plugin's looped combine stage (SGLANG_IMAGE_LOOPED_COMBINE=1 in a server).
+kernel with the plugin's looped combine stage (a server's default; SGLANG_IMAGE_LOOPED_COMBINE=0
+turns it off), timed against the same kernel with upstream's combine stage.
 The split count is a server's by default: its verify runs in a CUDA graph whose kv_indices is the
 graph's whole buffer, so upstream derives its largest split count, 16, whatever the context;
 --no-graph-splits derives it from the context, as an eager verify does (as row 77 and earlier ran).
@@ -78,6 +79,8 @@ class Timing:
     headwise_diff: float | None = None
     tiles: tuple[tuple[str, float, float], ...] = ()  # --grouped-tiles: (BLOCK_NxWARPS, ms, difference)
     looped_ms: float | None = None  # the split-KV kernel with the plugin's looped combine stage
+    upstream_combine_ms: float | None = None  # ... with upstream's combine stage instead
+    upstream_combine_diff: float | None = None
     looped_diff: float | None = None
     splits: int | None = None  # the split-KV kernel's split count
     by_load_ms: float | None = None  # the looped combine with the prefix cut into by_load_splits parts
@@ -208,9 +211,11 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
             for switch, on in was.items():
                 switch.set(on)
 
-    o_head, o_looped, o_load = torch.zeros_like(q), torch.zeros_like(q), torch.zeros_like(q)
-    # upstream's prefix stage; the looped combine; it with the prefix cut by the batch's size
+    o_head, o_looped, o_load, o_up = (torch.zeros_like(q) for _ in range(4))
+    # upstream's prefix stage; upstream's combine; the looped combine; it with the prefix cut by
+    # the batch's size
     headwise = functools.partial(split_with, {verify_switch.GROUPED: False}, o_head)
+    upstream_combine = functools.partial(split_with, {verify_switch.LOOPED: False}, o_up)
     looped = functools.partial(split_with, {verify_switch.LOOPED: True, verify_switch.SPLITS_BY_LOAD: False}, o_looped)
     by_load = functools.partial(split_with, {verify_switch.LOOPED: True, verify_switch.SPLITS_BY_LOAD: True}, o_load)
 
@@ -220,6 +225,7 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     prefill()
     ran = split()  # also the warm-up (Triton compiles on first use)
     headwise()
+    upstream_combine()
     looped()
     by_load()
     decode()
@@ -230,7 +236,7 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
     folded_ms = None if folded is None else round(timed(folded, a.repeats), 4)
     outs = [("prefill", o_prefill)] + ([("folded decode", o_folded)] if folded is not None else []) + (
         [("split-KV", o_split), ("per-head split-KV", o_head), ("looped-combine split-KV", o_looped),
-         ("splits-by-load split-KV", o_load)] if ran else [])
+         ("splits-by-load split-KV", o_load), ("upstream-combine split-KV", o_up)] if ran else [])
     for name, out in outs:
         if nans := int(torch.isnan(out).sum()):
             raise RuntimeError(f"the {name} kernel gave NaN in {nans} of {out.numel()} values at {case}")
@@ -241,14 +247,13 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         return Timing(case, round(prefill_ms, 4), None, None, decode_ms=decode_ms, folded_ms=folded_ms,
                       folded_diff=folded_diff)
     split_ms, headwise_ms, looped_ms = timed(split, a.repeats), timed(headwise, a.repeats), timed(looped, a.repeats)
-    by_load_ms = timed(by_load, a.repeats)
+    by_load_ms, upstream_combine_ms = timed(by_load, a.repeats), timed(upstream_combine, a.repeats)
     from sglang.kernels.ops.attention.verify_splitkv import choose_n_splits
 
-    from sglang_image_plugin import verify_attention
     splits = choose_n_splits(kv_indices.shape[0] / bs)  # what verify_splitkv_fwd derived
-    cores = verify_attention.multiprocessors(q.device)
-    by_load_splits = (verify_attention.splits_by_load(bs, a.kv_heads, splits, cores)
-                      if cores and verify_attention.grouped_grid_fills(bs, a.kv_heads, splits, cores) else None)
+    cores = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
+    by_load_splits = (verify_switch.splits_by_load(bs, a.kv_heads, splits, cores)
+                      if cores and verify_switch.grouped_grid_fills(bs, a.kv_heads, splits, cores) else None)
     diff = (o_prefill.float() - o_split.float()).abs().max().item()
     headwise_diff = round((o_prefill.float() - o_head.float()).abs().max().item(), 6)
     tiles = []
@@ -270,6 +275,8 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
                   looped_ms=round(looped_ms, 4),
                   looped_diff=round((o_prefill.float() - o_looped.float()).abs().max().item(), 6), splits=splits,
                   by_load_ms=round(by_load_ms, 4), by_load_splits=by_load_splits,
+                  upstream_combine_ms=round(upstream_combine_ms, 4),
+                  upstream_combine_diff=round((o_prefill.float() - o_up.float()).abs().max().item(), 6),
                   by_load_diff=round((o_prefill.float() - o_load.float()).abs().max().item(), 6))
 
 
@@ -373,20 +380,21 @@ def table(rows: list[Timing], layers: int) -> str:
                      f"{r.speedup:.2f}x | {r.prefill_ms * layers:.2f} / {r.splitkv_ms * layers:.2f} | {r.max_diff:g} |"
                      + head + tail)
     if any(r.looped_ms is not None for r in rows):
-        lines += ["", ("The split-KV verify with the plugin's looped combine stage (SGLANG_IMAGE_LOOPED_COMBINE=1), "
-                       "ms, against the same kernel with upstream's combine, and with the prefix also cut by "
+        lines += ["", ("The split-KV verify with the plugin's looped combine stage (on unless "
+                       "SGLANG_IMAGE_LOOPED_COMBINE=0), ms, against the same kernel with upstream's combine, and "
+                       "with the prefix also cut by "
                        "the batch's size (SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1; its parts, - where upstream's "
                        "prefix stage runs):"), "",
-                  ("| batch | context | width | splits | split-KV ms | looped combine ms | speed-up | "
-                   f"per step, {layers} layers: split-KV / looped ms | its difference | "
+                  ("| batch | context | width | splits | upstream combine ms | looped combine ms | speed-up | "
+                   f"per step, {layers} layers: upstream / looped ms | its difference | "
                    "splits by load ms (parts) | per step ms | its difference |"),
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r.case.batch} | {r.case.context} | {r.case.width} | {r.splits} | {ms(r.splitkv_ms)} | "
-                  f"{ms(r.looped_ms)} | {r.splitkv_ms / r.looped_ms:.2f}x | "
-                  f"{ms(r.splitkv_ms * layers, 2)} / {ms(r.looped_ms * layers, 2)} | {diff(r.looped_diff)} | "
+        lines += [f"| {r.case.batch} | {r.case.context} | {r.case.width} | {r.splits} | {ms(r.upstream_combine_ms)} | "
+                  f"{ms(r.looped_ms)} | {r.upstream_combine_ms / r.looped_ms:.2f}x | "
+                  f"{ms(r.upstream_combine_ms * layers, 2)} / {ms(r.looped_ms * layers, 2)} | {diff(r.looped_diff)} | "
                   f"{ms(r.by_load_ms)} ({r.by_load_splits or '-'}) | {ms(r.by_load_ms and r.by_load_ms * layers, 2)} | "
                   f"{diff(r.by_load_diff)} |"
-                  for r in rows if r.looped_ms and r.splitkv_ms]
+                  for r in rows if r.looped_ms and r.upstream_combine_ms]
     if any(r.tiles for r in rows):
         labels = [label for label, _, _ in next(r.tiles for r in rows if r.tiles)]
         lines += ["", "The plugin's grouped prefix stage by tile (BLOCK_N x warps), the whole split-KV verify, ms:", "",
@@ -414,6 +422,7 @@ def main(a: argparse.Namespace) -> int:
            for name, diff in (("split-KV", r.max_diff), ("per-head split-KV", r.headwise_diff),
                               ("looped-combine split-KV", r.looped_diff),
                               ("splits-by-load split-KV", r.by_load_diff),
+                              ("upstream-combine split-KV", r.upstream_combine_diff),
                               ("folded decode", r.folded_diff),
                               *((f"split-KV at tile {label}", d) for label, _, d in r.tiles))
            if diff is not None and diff > a.tolerance]

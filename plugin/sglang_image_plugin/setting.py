@@ -56,13 +56,12 @@ GROUPED_VERIFY_ENV = "SGLANG_IMAGE_GROUPED_VERIFY"
 GROUPED_VERIFY_LOG_LINE = ("EAGLE verify attention: the prefix stage reads each KV head once for its query "
                            "heads ({env}=0 turns it off)")
 # The split-KV verify's second stage with running sums over the splits and the chain
-# (verify_combine_kernel.py): off unless set to 1 (upstream's stage, one warp a request and query
-# head); off until measured on a GPU.
+# (verify_combine_kernel.py): on unless set to 0 (upstream's stage, one warp a request and query head).
 LOOPED_COMBINE_ENV = "SGLANG_IMAGE_LOOPED_COMBINE"
 LOOPED_COMBINE_LOG_LINE = ("EAGLE verify attention: the split combine runs one split and one verified token at "
-                           "a time ({env}=1)")
+                           "a time ({env}=0 turns it off)")
 # The grouped prefix stage splits each request's prefix into as many parts as keep the GPU busy at
-# the batch's size, not always the scratch's 16 (verify_attention.splits_by_load): off unless set
+# the batch's size, not always the scratch's 16 (verify_switch.splits_by_load): off unless set
 # to 1; off until measured on a GPU.
 SPLITS_BY_LOAD_ENV = "SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD"
 SPLITS_BY_LOAD_LOG_LINE = ("EAGLE verify attention: the prefix stage splits a request's prefix by the batch's "

@@ -36,18 +36,22 @@ Upstream derives the split count from kv_indices' length over the batch size, an
 CUDA graph kv_indices is the graph's whole buffer, so the count is its largest, 16, at every batch
 size and context. Each split writes a float32 partial output of the verified tokens x head dim per
 query head, which the second stage reads back: at 64 requests and short prefixes that is more
-traffic than the prefix's K/V. splits_by_load, where SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1 asks
-for it, has the grouped stage cut a prefix into only as many parts as keep every multiprocessor
-SPLIT_PROGRAMS_PER_CORE programs busy at the batch's size (16 for a few requests, 1 from 66 requests
-on a GPU of 132 multiprocessors and 8 KV heads): the batch size is fixed in a graph, so the rule is
-safe to capture, and the rest of the splits write only the -inf log-sum-exp that the second stage
-skips. Off until measured.
+traffic than the prefix's K/V. verify_switch.splits_by_load, where
+SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1 asks for it, has the grouped stage cut a prefix into only as
+many parts as keep every multiprocessor verify_switch.SPLIT_PROGRAMS_PER_CORE programs busy at the
+batch's size (16 for a few requests, 1 from 66 requests on a GPU of 132 multiprocessors and 8 KV
+heads): the batch size is fixed in a graph, so the rule is safe to capture, and the rest of the
+splits write only the -inf log-sum-exp that the second stage skips. Off unless asked for: on one
+H100 it made a layer's verify at a 512-token prefix 1.08-1.54x faster from 32 requests, but at
+4,096 tokens from 9% slower to 19% faster (docs/validation.md).
 
 Upstream's second stage, one warp a request and query head, holds every split's partial output
 at once; in a server's CUDA graph the split count is upstream's largest (16), as the graph's
 kv_indices is the whole buffer, and that tile outgrows a warp's registers, twice over from a
 verified width of 5. looped_combine runs the same stage with running sums
-(verify_combine_kernel.py) where SGLANG_IMAGE_LOOPED_COMBINE=1 asks for it; off until measured.
+(verify_combine_kernel.py) unless SGLANG_IMAGE_LOOPED_COMBINE is 0. On one H100 it takes a layer's
+verify of 6 tokens a request at 64 requests from 0.46 to 0.20 ms, and always-on EAGLE-3 decodes
+1.01-1.03x faster from 1 to 128 requests (docs/validation.md).
 
 sglang, torch and triton are imported inside the hooks only: they run in a process that has them.
 """
@@ -61,12 +65,17 @@ from typing import Any
 
 from sglang_image_plugin import verify_switch
 from sglang_image_plugin.setting import SPLITKV_VERIFY_ENV, SPLITKV_VERIFY_LOG_LINE
-from sglang_image_plugin.verify_switch import env_switch_on, grouped_prefix_on, looped_combine_on
+from sglang_image_plugin.verify_switch import (
+    env_switch_on,
+    grouped_grid_fills,
+    grouped_prefix_on,
+    looped_combine_on,
+    splits_by_load,
+)
 
 logger = logging.getLogger(__name__)
 _logged = False  # one line a process: a server builds a backend per depth state and for the draft
 MAX_GROUPED_ROWS = 64  # query heads x verified tokens (both padded) one program of the grouped stage takes
-SPLIT_PROGRAMS_PER_CORE = 4  # splits_by_load: the grouped stage's programs a multiprocessor is given
 
 
 def asked_for(environ: Mapping[str, str] | None = None) -> bool:
@@ -117,21 +126,6 @@ def multiprocessors(device: Any) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
-def grouped_grid_fills(bs: int, kv_heads: int, splits: int, cores: int) -> bool:
-    """Whether the grouped stage's grid (a program per request, KV head and split) has a program for
-    every multiprocessor. Where it has not (a few requests with long prefixes), upstream's stage,
-    with `group` times the programs, keeps more of the GPU's memory bandwidth busy."""
-    return bs * kv_heads * splits >= cores
-
-
-def splits_by_load(bs: int, kv_heads: int, splits: int, cores: int) -> int:
-    """The parts the grouped stage cuts a request's prefix into: as few as give every
-    multiprocessor SPLIT_PROGRAMS_PER_CORE programs at this batch size, between 1 and the
-    scratch's `splits`."""
-    wanted = -(-SPLIT_PROGRAMS_PER_CORE * cores // max(1, bs * kv_heads))
-    return max(1, min(splits, wanted))
-
-
 def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: Any) -> Any:
     """AROUND VerifySplitKV._run_prefix_kernel: the prefix stage with one program per request, KV
     head and split (see the module's docstring), unless it is turned off, its tile too wide or its
@@ -157,8 +151,8 @@ def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: An
 
 def looped_combine(original: Any, verify: Any, bs: int, *args: Any, **kwargs: Any) -> Any:
     """AROUND VerifySplitKV._run_combine_kernel: the second stage with running sums, one split and
-    one verified token at a time (verify_combine_kernel.py), where SGLANG_IMAGE_LOOPED_COMBINE asks
-    for it; upstream's stage otherwise, and on AMD GPUs."""
+    one verified token at a time (verify_combine_kernel.py), unless SGLANG_IMAGE_LOOPED_COMBINE
+    turns it off; upstream's stage then, and on AMD GPUs."""
     if kwargs or on_rocm() or not looped_combine_on():
         return original(verify, bs, *args, **kwargs)
     from sglang_image_plugin import verify_combine_kernel

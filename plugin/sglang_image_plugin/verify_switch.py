@@ -1,14 +1,14 @@
 """The switches of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix), its
-split count by load (verify_attention.splits_by_load) and its looped combine
+split count by load (splits_by_load) and its looped combine
 (verify_attention.looped_combine), and the prefix stage's tile and least grid where a benchmark sets
-them.
+them, and the rules for where the grouped stage runs and into how many parts it cuts a prefix.
 
 SGLANG_IMAGE_GROUPED_VERIFY, read as upstream reads its own switches (EnvBool): unset or true, on;
 "0", "false", "no" or "n", off (upstream's own stage, one program a query head). Read once a
 process, at the first verify, which runs once a layer; `bench verify-kernel` sets it in its own
 process to time both stages, the grouped one at other tiles and where a server's grid rule would
-not run it. SGLANG_IMAGE_LOOPED_COMBINE and SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD are off unless set
-to a true value ("1", "true", "yes", "y"). Standard library only: the bench imports it where no GPU is.
+not run it. SGLANG_IMAGE_LOOPED_COMBINE is read the same way (on unless false).
+SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD is off unless set to a true value ("1", "true", "yes", "y"). Standard library only: the bench imports it where no GPU is.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ TRUE_VALUES = ("true", "1", "yes", "y")
 grouped_tile: tuple[int, int] | None = None
 # the fewest programs the grouped stage's grid must have; None: the GPU's multiprocessors
 grouped_min_programs: int | None = None
+SPLIT_PROGRAMS_PER_CORE = 4  # splits_by_load: the grouped stage's programs a multiprocessor is given
 
 
 def env_switch_on(name: str, environ: Mapping[str, str] | None = None, default: bool = True) -> bool:
@@ -71,8 +72,7 @@ class ProcessSwitch:
 
 GROUPED = ProcessSwitch(GROUPED_VERIFY_ENV, True, GROUPED_VERIFY_LOG_LINE)
 grouped_asked_for, set_grouped_prefix, grouped_prefix_on = GROUPED.asked_for, GROUPED.set, GROUPED.on
-# off until measured on a GPU: on only for a true value
-LOOPED = ProcessSwitch(LOOPED_COMBINE_ENV, False, LOOPED_COMBINE_LOG_LINE)
+LOOPED = ProcessSwitch(LOOPED_COMBINE_ENV, True, LOOPED_COMBINE_LOG_LINE)
 looped_combine_asked_for, set_looped_combine, looped_combine_on = LOOPED.asked_for, LOOPED.set, LOOPED.on
 SPLITS_BY_LOAD = ProcessSwitch(SPLITS_BY_LOAD_ENV, False, SPLITS_BY_LOAD_LOG_LINE)  # off until measured
 
@@ -90,3 +90,18 @@ def set_grouped_min_programs(programs: int | None) -> None:
     server would not run it."""
     global grouped_min_programs
     grouped_min_programs = programs
+
+
+def grouped_grid_fills(bs: int, kv_heads: int, splits: int, cores: int) -> bool:
+    """Whether the grouped stage's grid (a program per request, KV head and split) has a program for
+    every multiprocessor. Where it has not (a few requests with long prefixes), upstream's stage,
+    with `group` times the programs, keeps more of the GPU's memory bandwidth busy."""
+    return bs * kv_heads * splits >= cores
+
+
+def splits_by_load(bs: int, kv_heads: int, splits: int, cores: int) -> int:
+    """The parts the grouped stage cuts a request's prefix into: as few as give every
+    multiprocessor SPLIT_PROGRAMS_PER_CORE programs at this batch size, between 1 and the
+    scratch's `splits`."""
+    wanted = -(-SPLIT_PROGRAMS_PER_CORE * cores // max(1, bs * kv_heads))
+    return max(1, min(splits, wanted))

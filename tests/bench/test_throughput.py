@@ -134,11 +134,17 @@ def test_headwise_verify_is_eagle3_with_upstream_s_own_prefix_stage(tmp_path):
     assert servers.options_key(headwise, "site") != servers.options_key(eagle3, "site")
     rec = options.config_records(opts)["eagle3_headwise_verify"]
     assert (rec.kind, rec.steps, rec.label) == ("fixed", 3, "EAGLE-3 (per-head verify prefix)")
-    # eagle3_looped_combine: eagle3 with the plugin's looped combine asked for (off by default)
-    opts = options.BenchOptions(models=tmp_path, out=tmp_path, configs=("eagle3", "eagle3_looped_combine"))
-    looped = throughput.server_config("eagle3_looped_combine", opts)
-    assert looped.argv(30000) == eagle3.argv(30000) and looped.env == {"SGLANG_IMAGE_LOOPED_COMBINE": "1"}
-    assert options.config_records(opts)["eagle3_looped_combine"].label == "EAGLE-3 (looped combine)"
+    # eagle3_upstream_combine: eagle3 with upstream's combine stage, the plugin's looped one off
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, configs=("eagle3", "eagle3_upstream_combine"))
+    upstream = throughput.server_config("eagle3_upstream_combine", opts)
+    assert upstream.argv(30000) == eagle3.argv(30000) and upstream.env == {"SGLANG_IMAGE_LOOPED_COMBINE": "0"}
+    assert options.config_records(opts)["eagle3_upstream_combine"].label == "EAGLE-3 (upstream combine)"
+    # eagle3_splits_by_load: eagle3 with the verify's prefix cut by the batch's size (opt-in)
+    opts = options.BenchOptions(models=tmp_path, out=tmp_path, configs=("eagle3", "eagle3_splits_by_load"))
+    by_load = throughput.server_config("eagle3_splits_by_load", opts)
+    assert by_load.argv(30000) == eagle3.argv(30000)
+    assert by_load.env == {"SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD": "1"}
+    assert options.config_records(opts)["eagle3_splits_by_load"].label == "EAGLE-3 (splits by load)"
 
 
 def test_server_env_reaches_every_server_but_a_config_s_own_value_wins(tmp_path):
@@ -713,21 +719,21 @@ def test_a_server_short_of_its_kv_pool_ends_the_run_before_any_block(lab, monkey
     assert not throughput.run_bench(lab.options(600, registry=lab.tmp_path / "c.json"), {})["failures"]
 
 
-def test_a_schedule_with_the_looped_combine_is_the_schedule_server_with_the_switch_on(tmp_path):
-    # eagle3_sched_looped_combine: one server per schedule, eagle3_sched's flags (launched at its
-    # deepest tier), started with SGLANG_IMAGE_LOOPED_COMBINE=1, so that a wider verify is measured
+def test_a_schedule_with_upstream_s_combine_is_the_schedule_server_with_the_switch_off(tmp_path):
+    # eagle3_sched_upstream_combine: one server per schedule, eagle3_sched's flags (launched at its
+    # deepest tier), started with SGLANG_IMAGE_LOOPED_COMBINE=0, so that a wider verify is measured
     # with either combine in the same blocks
-    parsed = bench_options("--configs", "eagle3,eagle3_sched,eagle3_sched_looped_combine", "--schedule", "1-96:5,97-:3")
+    parsed = bench_options("--configs", "eagle3,eagle3_sched,eagle3_sched_upstream_combine", "--schedule", "1-96:5,97-:3")
     opts = options.BenchOptions(models=tmp_path, out=tmp_path, concurrency=(1, 64), schedules=parsed.schedules,
                                 configs=parsed.configs)
-    assert options.server_names(opts) == ["eagle3", "eagle3_sched1", "eagle3_sched1_looped_combine"]
-    upstream, looped = (throughput.server_config(n, opts) for n in ("eagle3_sched1", "eagle3_sched1_looped_combine"))
+    assert options.server_names(opts) == ["eagle3", "eagle3_sched1", "eagle3_sched1_upstream_combine"]
+    looped, upstream = (throughput.server_config(n, opts) for n in ("eagle3_sched1", "eagle3_sched1_upstream_combine"))
     assert looped.argv(30000) == upstream.argv(30000)
-    a = looped.argv(30000)
+    a = upstream.argv(30000)
     assert a[a.index("--speculative-num-steps") + 1] == "5"
-    assert looped.env == {"SGLANG_IMAGE_LOOPED_COMBINE": "1"} and upstream.env == {}
+    assert upstream.env == {"SGLANG_IMAGE_LOOPED_COMBINE": "0"} and looped.env == {}
     assert servers.options_key(upstream, "site") != servers.options_key(looped, "site")
-    rec = options.config_records(opts)["eagle3_sched1_looped_combine"]
+    rec = options.config_records(opts)["eagle3_sched1_upstream_combine"]
     assert (rec.kind, rec.steps, rec.schedule, rec.switches) == ("schedule", 5, "1-96:5,97-:3", True)
-    assert rec.label == "EAGLE-3 + schedule 1-96:5,97-:3 (looped combine)"
+    assert rec.label == "EAGLE-3 + schedule 1-96:5,97-:3 (upstream combine)"
     assert configs.BenchConfig.from_dict(json.loads(json.dumps(rec.as_dict()))) == rec

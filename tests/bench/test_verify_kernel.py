@@ -39,7 +39,8 @@ def test_both_kernels_time_the_same_verify_and_agree(
     # and with the plugin's looped combine, at a server's split count (its graph's kv_indices is
     # the whole buffer: 16 splits, whatever the context)
     assert all(r["looped_ms"] > 0 and r["looped_diff"] <= 1e-5 and r["splits"] == 16 for r in rows)
-    assert "| batch | context | width | splits | split-KV ms | looped combine ms |" in (
+    assert all(r["upstream_combine_ms"] > 0 and r["upstream_combine_diff"] <= 1e-5 for r in rows)
+    assert "| batch | context | width | splits | upstream combine ms | looped combine ms |" in (
         tmp_path / "verify_kernel.md").read_text()
     # and with the prefix cut by the batch's size too (no GPU here: the parts are not named)
     assert all(r["by_load_ms"] > 0 and r["by_load_diff"] <= 1e-5 and r["by_load_splits"] is None for r in rows)
