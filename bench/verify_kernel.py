@@ -78,6 +78,8 @@ class Timing:
     headwise_ms: float | None = None  # the split-KV kernel with upstream's per-query-head prefix stage
     headwise_diff: float | None = None
     tiles: tuple[tuple[str, float, float], ...] = ()  # --grouped-tiles: (BLOCK_NxWARPS, ms, difference)
+    # --split-programs: (programs a multiprocessor, the parts a prefix was cut into, ms, difference)
+    split_programs: tuple[tuple[int, int | None, float, float], ...] = ()
     looped_ms: float | None = None  # the split-KV kernel with the plugin's looped combine stage
     upstream_combine_ms: float | None = None  # ... with upstream's combine stage instead
     upstream_combine_diff: float | None = None
@@ -127,6 +129,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="also time the plugin's grouped prefix stage at these tiles, BLOCK_NxWARPS "
                          "(e.g. 32x4,64x4,64x8; its default is upstream's stage's own, 32x4 at head dim 128), "
                          "whatever the grid")
+    ap.add_argument("--split-programs", type=_ints, default=[],
+                    help="also time the looped combine with the prefix cut by the batch's size at each of "
+                         "these programs a multiprocessor (the rule of SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1; "
+                         "its default 4), e.g. 4,8,16")
     ap.add_argument("--graph-splits", action=argparse.BooleanOptionalAction, default=True,
                     help="the split-KV kernel's split count as in a server's CUDA graph (16: the graph's "
                          "kv_indices is its whole buffer); --no-graph-splits: from the context")
@@ -269,13 +275,27 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
             verify_switch.set_grouped_min_programs(None)
         tiles.append((f"{block_n}x{warps}", round(tile_ms, 4),
                       round((o_prefill.float() - o_tile.float()).abs().max().item(), 6)))
+    swept = []
+    for per_core in a.split_programs:
+        o_swept = torch.zeros_like(q)
+        verify_switch.set_split_programs(per_core)
+        try:
+            split_with({verify_switch.LOOPED: True, verify_switch.SPLITS_BY_LOAD: True}, o_swept)
+            swept_ms = timed(functools.partial(
+                split_with, {verify_switch.LOOPED: True, verify_switch.SPLITS_BY_LOAD: True}, o_swept), a.repeats)
+            parts = (verify_switch.splits_by_load(bs, a.kv_heads, splits, cores)
+                     if cores and verify_switch.grouped_grid_fills(bs, a.kv_heads, splits, cores) else None)
+        finally:
+            verify_switch.set_split_programs(None)
+        swept.append((per_core, parts, round(swept_ms, 4),
+                      round((o_prefill.float() - o_swept.float()).abs().max().item(), 6)))
     return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), decode_ms=decode_ms,
                   folded_ms=folded_ms, folded_diff=folded_diff,
                   headwise_ms=round(headwise_ms, 4), headwise_diff=headwise_diff, tiles=tuple(tiles),
                   looped_ms=round(looped_ms, 4),
                   looped_diff=round((o_prefill.float() - o_looped.float()).abs().max().item(), 6), splits=splits,
                   by_load_ms=round(by_load_ms, 4), by_load_splits=by_load_splits,
-                  upstream_combine_ms=round(upstream_combine_ms, 4),
+                  upstream_combine_ms=round(upstream_combine_ms, 4), split_programs=tuple(swept),
                   upstream_combine_diff=round((o_prefill.float() - o_up.float()).abs().max().item(), 6),
                   by_load_diff=round((o_prefill.float() - o_load.float()).abs().max().item(), 6))
 
@@ -395,6 +415,15 @@ def table(rows: list[Timing], layers: int) -> str:
                   f"{ms(r.by_load_ms)} ({r.by_load_splits or '-'}) | {ms(r.by_load_ms and r.by_load_ms * layers, 2)} | "
                   f"{diff(r.by_load_diff)} |"
                   for r in rows if r.looped_ms and r.upstream_combine_ms]
+    if any(r.split_programs for r in rows):
+        counts = [p for p, _, _, _ in next(r.split_programs for r in rows if r.split_programs)]
+        lines += ["", ("The looped combine with the prefix cut by the batch's size, at each number of programs a "
+                       "multiprocessor is given (--split-programs), ms (the parts a prefix was cut into):"), "",
+                  "| batch | context | width | 16 splits ms | " + " | ".join(f"{p} a core" for p in counts) + " |",
+                  "|---:|---:|---:|---:|" + "---:|" * len(counts)]
+        lines += [f"| {r.case.batch} | {r.case.context} | {r.case.width} | {ms(r.looped_ms)} | "
+                  + " | ".join(f"{t:.3f} ({parts or '-'})" for _, parts, t, _ in r.split_programs) + " |"
+                  for r in rows if r.split_programs]
     if any(r.tiles for r in rows):
         labels = [label for label, _, _ in next(r.tiles for r in rows if r.tiles)]
         lines += ["", "The plugin's grouped prefix stage by tile (BLOCK_N x warps), the whole split-KV verify, ms:", "",
@@ -424,7 +453,8 @@ def main(a: argparse.Namespace) -> int:
                               ("splits-by-load split-KV", r.by_load_diff),
                               ("upstream-combine split-KV", r.upstream_combine_diff),
                               ("folded decode", r.folded_diff),
-                              *((f"split-KV at tile {label}", d) for label, _, d in r.tiles))
+                              *((f"split-KV at tile {label}", d) for label, _, d in r.tiles),
+                              *((f"splits by load at {p} programs a core", d) for p, _, _, d in r.split_programs))
            if diff is not None and diff > a.tolerance]
     for r, name, diff in bad:
         print(f"FAILED: batch {r.case.batch}, context {r.case.context}, width {r.case.width}: the {name} and "

@@ -34,6 +34,8 @@ grouped_tile: tuple[int, int] | None = None
 # the fewest programs the grouped stage's grid must have; None: the GPU's multiprocessors
 grouped_min_programs: int | None = None
 SPLIT_PROGRAMS_PER_CORE = 4  # splits_by_load: the grouped stage's programs a multiprocessor is given
+# ... where a benchmark sets another (None: SPLIT_PROGRAMS_PER_CORE)
+split_programs: int | None = None
 
 
 def env_switch_on(name: str, environ: Mapping[str, str] | None = None, default: bool = True) -> bool:
@@ -92,6 +94,13 @@ def set_grouped_min_programs(programs: int | None) -> None:
     grouped_min_programs = programs
 
 
+def set_split_programs(programs: int | None) -> None:
+    """The programs a multiprocessor is given by splits_by_load in this process, for `bench
+    verify-kernel`'s sweep (None: SPLIT_PROGRAMS_PER_CORE)."""
+    global split_programs
+    split_programs = programs
+
+
 def grouped_grid_fills(bs: int, kv_heads: int, splits: int, cores: int) -> bool:
     """Whether the grouped stage's grid (a program per request, KV head and split) has a program for
     every multiprocessor. Where it has not (a few requests with long prefixes), upstream's stage,
@@ -101,7 +110,8 @@ def grouped_grid_fills(bs: int, kv_heads: int, splits: int, cores: int) -> bool:
 
 def splits_by_load(bs: int, kv_heads: int, splits: int, cores: int) -> int:
     """The parts the grouped stage cuts a request's prefix into: as few as give every
-    multiprocessor SPLIT_PROGRAMS_PER_CORE programs at this batch size, between 1 and the
-    scratch's `splits`."""
-    wanted = -(-SPLIT_PROGRAMS_PER_CORE * cores // max(1, bs * kv_heads))
+    multiprocessor SPLIT_PROGRAMS_PER_CORE programs (or a benchmark's split_programs) at this batch
+    size, between 1 and the scratch's `splits`."""
+    per_core = SPLIT_PROGRAMS_PER_CORE if split_programs is None else split_programs
+    wanted = -(-per_core * cores // max(1, bs * kv_heads))
     return max(1, min(splits, wanted))

@@ -405,3 +405,12 @@ def test_the_grouped_prefix_stage_splits_a_prefix_by_the_batch_s_size_where_aske
 def test_a_larger_batch_cuts_a_prefix_into_fewer_splits(bs: int, splits: int) -> None:
     # 8 KV heads on 132 multiprocessors (an H100): 4 programs a multiprocessor, at most 16 splits
     assert verify_switch.splits_by_load(bs, 8, 16, 132) == splits
+
+
+def test_a_benchmark_may_give_a_multiprocessor_more_programs_and_so_cut_a_prefix_into_more_parts() -> None:
+    verify_switch.set_split_programs(16)
+    try:
+        assert verify_switch.splits_by_load(64, 8, 16, 132) == 5  # 16 x 132 / (64 x 8) programs
+    finally:
+        verify_switch.set_split_programs(None)
+    assert verify_switch.splits_by_load(64, 8, 16, 132) == 2
