@@ -78,8 +78,8 @@ class Timing:
     headwise_ms: float | None = None  # the split-KV kernel with upstream's per-query-head prefix stage
     headwise_diff: float | None = None
     tiles: tuple[tuple[str, float, float], ...] = ()  # --grouped-tiles: (BLOCK_NxWARPS, ms, difference)
-    # --split-programs: (programs a multiprocessor, the parts a prefix was cut into, ms, difference)
-    split_programs: tuple[tuple[int, int | None, float, float], ...] = ()
+    # --split-programs, --split-tokens: (the rule's setting, the parts a prefix was cut into, ms, difference)
+    split_rules: tuple[tuple[str, int | None, float, float], ...] = ()
     looped_ms: float | None = None  # the split-KV kernel with the plugin's looped combine stage
     upstream_combine_ms: float | None = None  # ... with upstream's combine stage instead
     upstream_combine_diff: float | None = None
@@ -133,6 +133,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="also time the looped combine with the prefix cut by the batch's size at each of "
                          "these programs a multiprocessor (the rule of SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1; "
                          "its default 4), e.g. 4,8,16")
+    ap.add_argument("--split-tokens", type=_ints, default=[],
+                    help="... and at each of these longest parts, in tokens, a prefix is left in (its default "
+                         "1024), e.g. 512,2048,8192")
     ap.add_argument("--graph-splits", action=argparse.BooleanOptionalAction, default=True,
                     help="the split-KV kernel's split count as in a server's CUDA graph (16: the graph's "
                          "kv_indices is its whole buffer); --no-graph-splits: from the context")
@@ -276,18 +279,21 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
         tiles.append((f"{block_n}x{warps}", round(tile_ms, 4),
                       round((o_prefill.float() - o_tile.float()).abs().max().item(), 6)))
     swept = []
-    for per_core in a.split_programs:
+    rules = [(f"{p} a core", p, None) for p in a.split_programs] + [(f"{t} tokens", None, t) for t in a.split_tokens]
+    for label, per_core, tokens in rules:
         o_swept = torch.zeros_like(q)
         verify_switch.set_split_programs(per_core)
+        verify_switch.set_split_tokens(tokens)
         try:
             split_with({verify_switch.LOOPED: True, verify_switch.SPLITS_BY_LOAD: True}, o_swept)
             swept_ms = timed(functools.partial(
                 split_with, {verify_switch.LOOPED: True, verify_switch.SPLITS_BY_LOAD: True}, o_swept), a.repeats)
-            parts = (verify_switch.splits_by_load(bs, a.kv_heads, splits, cores)
+            parts = (verify_switch.prefix_parts(bs, a.kv_heads, splits, cores, n)
                      if cores and verify_switch.grouped_grid_fills(bs, a.kv_heads, splits, cores) else None)
         finally:
             verify_switch.set_split_programs(None)
-        swept.append((per_core, parts, round(swept_ms, 4),
+            verify_switch.set_split_tokens(None)
+        swept.append((label, parts, round(swept_ms, 4),
                       round((o_prefill.float() - o_swept.float()).abs().max().item(), 6)))
     return Timing(case, round(prefill_ms, 4), round(split_ms, 4), round(diff, 6), decode_ms=decode_ms,
                   folded_ms=folded_ms, folded_diff=folded_diff,
@@ -295,7 +301,7 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
                   looped_ms=round(looped_ms, 4),
                   looped_diff=round((o_prefill.float() - o_looped.float()).abs().max().item(), 6), splits=splits,
                   by_load_ms=round(by_load_ms, 4), by_load_splits=by_load_splits,
-                  upstream_combine_ms=round(upstream_combine_ms, 4), split_programs=tuple(swept),
+                  upstream_combine_ms=round(upstream_combine_ms, 4), split_rules=tuple(swept),
                   upstream_combine_diff=round((o_prefill.float() - o_up.float()).abs().max().item(), 6),
                   by_load_diff=round((o_prefill.float() - o_load.float()).abs().max().item(), 6))
 
@@ -415,15 +421,16 @@ def table(rows: list[Timing], layers: int) -> str:
                   f"{ms(r.by_load_ms)} ({r.by_load_splits or '-'}) | {ms(r.by_load_ms and r.by_load_ms * layers, 2)} | "
                   f"{diff(r.by_load_diff)} |"
                   for r in rows if r.looped_ms and r.upstream_combine_ms]
-    if any(r.split_programs for r in rows):
-        counts = [p for p, _, _, _ in next(r.split_programs for r in rows if r.split_programs)]
+    if any(r.split_rules for r in rows):
+        labels = [label for label, _, _, _ in next(r.split_rules for r in rows if r.split_rules)]
         lines += ["", ("The looped combine with the prefix cut by the batch's size, at each number of programs a "
-                       "multiprocessor is given (--split-programs), ms (the parts a prefix was cut into):"), "",
-                  "| batch | context | width | 16 splits ms | " + " | ".join(f"{p} a core" for p in counts) + " |",
-                  "|---:|---:|---:|---:|" + "---:|" * len(counts)]
+                       "multiprocessor is given (--split-programs) and each longest part (--split-tokens), ms "
+                       "(the parts a prefix was cut into; - where upstream's prefix stage runs):"), "",
+                  "| batch | context | width | 16 splits ms | " + " | ".join(labels) + " |",
+                  "|---:|---:|---:|---:|" + "---:|" * len(labels)]
         lines += [f"| {r.case.batch} | {r.case.context} | {r.case.width} | {ms(r.looped_ms)} | "
-                  + " | ".join(f"{t:.3f} ({parts or '-'})" for _, parts, t, _ in r.split_programs) + " |"
-                  for r in rows if r.split_programs]
+                  + " | ".join(f"{t:.3f} ({parts or '-'})" for _, parts, t, _ in r.split_rules) + " |"
+                  for r in rows if r.split_rules]
     if any(r.tiles for r in rows):
         labels = [label for label, _, _ in next(r.tiles for r in rows if r.tiles)]
         lines += ["", "The plugin's grouped prefix stage by tile (BLOCK_N x warps), the whole split-KV verify, ms:", "",
@@ -454,7 +461,7 @@ def main(a: argparse.Namespace) -> int:
                               ("upstream-combine split-KV", r.upstream_combine_diff),
                               ("folded decode", r.folded_diff),
                               *((f"split-KV at tile {label}", d) for label, _, d in r.tiles),
-                              *((f"splits by load at {p} programs a core", d) for p, _, _, d in r.split_programs))
+                              *((f"splits by load at {label}", d) for label, _, _, d in r.split_rules))
            if diff is not None and diff > a.tolerance]
     for r, name, diff in bad:
         print(f"FAILED: batch {r.case.batch}, context {r.case.context}, width {r.case.width}: the {name} and "

@@ -40,10 +40,12 @@ traffic than the prefix's K/V. verify_switch.splits_by_load, where
 SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1 asks for it, has the grouped stage cut a prefix into only as
 many parts as keep every multiprocessor verify_switch.SPLIT_PROGRAMS_PER_CORE programs busy at the
 batch's size (16 for a few requests, 1 from 66 requests on a GPU of 132 multiprocessors and 8 KV
-heads): the batch size is fixed in a graph, so the rule is safe to capture, and the rest of the
-splits write only the -inf log-sum-exp that the second stage skips. Off unless asked for: on one
-H100 it made a layer's verify at a 512-token prefix 1.08-1.54x faster from 32 requests, but at
-4,096 tokens from 9% slower to 19% faster (docs/validation.md).
+heads), and a long prefix into more, none longer than verify_switch.MAX_SPLIT_TOKENS: the batch
+size is fixed in a graph and the prefix's length is read on the GPU, so the rule is safe to
+capture, and the rest of the splits write only the -inf log-sum-exp that the second stage skips.
+Off unless asked for: on one H100, before the cap on a part's length, it made a layer's verify at
+a 512-token prefix 1.08-1.54x faster from 32 requests, but at 4,096 tokens from 9% slower to 19%
+faster (docs/validation.md); the cap has not run on a GPU.
 
 Upstream's second stage, one warp a request and query head, holds every split's partial output
 at once; in a server's CUDA graph the split count is upstream's largest (16), as the graph's
@@ -142,10 +144,12 @@ def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: An
         return original(verify, bs, *args, **kwargs)
     from sglang_image_plugin import verify_prefix_kernel
 
-    active = None
     if verify_switch.SPLITS_BY_LOAD.on():
         active = splits_by_load(bs, verify.h_kv, verify.n_splits, cores or multiprocessors(args[0].device))
-    verify_prefix_kernel.run(verify, bs, *args, active_splits=active)
+        verify_prefix_kernel.run(verify, bs, *args, active_splits=active,
+                                 max_split_len=verify_switch.max_split_tokens())
+    else:
+        verify_prefix_kernel.run(verify, bs, *args)
     return None
 
 

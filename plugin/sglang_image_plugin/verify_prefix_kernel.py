@@ -8,8 +8,9 @@ scratch, one program per request, KV head and split, its query tile the group's 
 verified tokens (16 rows on the 8B shape, a full tensor-core tile); upstream's second stage then
 combines the splits with the chain's own causal part as before. The arithmetic per row is
 upstream's, line for line. `active_splits` (at most the scratch's N_SPLITS) is how many parts a
-request's prefix is cut into; the splits past them write the -inf log-sum-exp of a split the
-request does not reach, as upstream's stage does for a short prefix.
+request's prefix is cut into, more where a part would pass `max_split_len` tokens; the splits past
+them write the -inf log-sum-exp of a split the request does not reach, as upstream's stage does
+for a short prefix.
 
 Imported by the hook only (verify_attention.grouped_prefix): it needs triton and sglang.
 """
@@ -30,6 +31,7 @@ from sglang_image_plugin import verify_switch
 def _verify_prefix_grouped_stage1(
     Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, Att_Out, Att_Lse,
     active_splits,  # the parts a request's prefix is cut into, <= N_SPLITS (a runtime value: no recompiles)
+    max_split_len,  # ... more parts where one would pass this many tokens (at most N_SPLITS)
     stride_qbs, stride_qh, stride_buf_kbs, stride_buf_kh, stride_buf_vbs, stride_buf_vh,
     stride_ob, stride_oh, stride_os, stride_ol, stride_lb, stride_lh, stride_ls,
     GROUP: tl.constexpr,  # query heads a KV head serves
@@ -56,7 +58,8 @@ def _verify_prefix_grouped_stage1(
 
     cur_batch_kv_start_idx = tl.load(kv_indptr + cur_batch)
     cur_batch_seq_len = tl.load(kv_indptr + cur_batch + 1) - cur_batch_kv_start_idx
-    kv_len_per_split = tl.cdiv(tl.cdiv(cur_batch_seq_len, active_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    parts = tl.minimum(tl.maximum(tl.cdiv(cur_batch_seq_len, max_split_len), active_splits), N_SPLITS)
+    kv_len_per_split = tl.cdiv(tl.cdiv(cur_batch_seq_len, parts), MIN_BLOCK_KV) * MIN_BLOCK_KV
     split_kv_start = kv_len_per_split * split_kv_id
     split_kv_end = tl.minimum(split_kv_start + kv_len_per_split, cur_batch_seq_len)
 
@@ -99,16 +102,18 @@ def _verify_prefix_grouped_stage1(
 
 
 def run(vk: Any, bs: int, q_extend: Any, k_buffer: Any, v_buffer: Any, qo_indptr: Any, kv_indptr: Any,
-        kv_indices: Any, sm_scale: float, k_scale: float, v_scale: float, *, active_splits: int | None = None) -> None:
+        kv_indices: Any, sm_scale: float, k_scale: float, v_scale: float, *, active_splits: int | None = None,
+        max_split_len: int = 1 << 30) -> None:
     """What VerifySplitKV._run_prefix_kernel launches, with this stage: the same scratch (vk.att_out,
     vk.att_lse), grid and, unless a benchmark set another (verify_switch.grouped_tile), tile and
-    warps; a prefix cut into `active_splits` parts (None: the scratch's vk.n_splits, as upstream's)."""
+    warps; a prefix cut into `active_splits` parts (None: the scratch's vk.n_splits, as upstream's),
+    or more where a part would pass `max_split_len` tokens."""
     out, lse = vk.att_out, vk.att_lse
     active = vk.n_splits if active_splits is None else max(1, min(active_splits, vk.n_splits))
     block_n, num_warps = verify_switch.grouped_tile or (vk.block_n, vk.num_warps)
     _verify_prefix_grouped_stage1[(bs, vk.h_kv, vk.n_splits)](
         q_extend, k_buffer, v_buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, out, lse,
-        active, q_extend.stride(0), q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        active, max(1, max_split_len), q_extend.stride(0), q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         GROUP=vk.group, GROUP_PAD=triton.next_power_of_2(vk.group), N_SPLITS=vk.n_splits, L_EXT=vk.l_pad,

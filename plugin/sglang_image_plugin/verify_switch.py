@@ -36,6 +36,10 @@ grouped_min_programs: int | None = None
 SPLIT_PROGRAMS_PER_CORE = 4  # splits_by_load: the grouped stage's programs a multiprocessor is given
 # ... where a benchmark sets another (None: SPLIT_PROGRAMS_PER_CORE)
 split_programs: int | None = None
+# splits_by_load: a long prefix gets more parts, none longer than this many tokens (up to the
+# scratch's splits): one part of 4,096 tokens a request at 128 requests was 9% slower than 16
+MAX_SPLIT_TOKENS = 1024
+split_tokens: int | None = None  # ... where a benchmark sets another (None: MAX_SPLIT_TOKENS)
 
 
 def env_switch_on(name: str, environ: Mapping[str, str] | None = None, default: bool = True) -> bool:
@@ -99,6 +103,25 @@ def set_split_programs(programs: int | None) -> None:
     verify-kernel`'s sweep (None: SPLIT_PROGRAMS_PER_CORE)."""
     global split_programs
     split_programs = programs
+
+
+def set_split_tokens(tokens: int | None) -> None:
+    """The longest part splits_by_load leaves a prefix in this process, for `bench verify-kernel`'s
+    sweep (None: MAX_SPLIT_TOKENS)."""
+    global split_tokens
+    split_tokens = tokens
+
+
+def max_split_tokens() -> int:
+    return MAX_SPLIT_TOKENS if split_tokens is None else split_tokens
+
+
+def prefix_parts(bs: int, kv_heads: int, splits: int, cores: int, prefix: int) -> int:
+    """The parts the grouped stage, with the prefix cut by load, cuts a prefix of `prefix` tokens
+    into (what the kernel derives on the GPU): splits_by_load's, or more where a part would pass
+    max_split_tokens(), at most `splits`."""
+    by_length = -(-prefix // max_split_tokens())
+    return min(splits, max(splits_by_load(bs, kv_heads, splits, cores), by_length))
 
 
 def grouped_grid_fills(bs: int, kv_heads: int, splits: int, cores: int) -> bool:

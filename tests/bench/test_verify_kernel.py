@@ -29,7 +29,8 @@ def test_both_kernels_time_the_same_verify_and_agree(
         code = "import sys; from bench.__main__ import main; sys.exit(main(sys.argv[1:]))"
         return run_in_tree(tree, code.replace("sys.argv[1:]", repr(["verify-kernel", *TINY, *extra])), env=env)
 
-    ok = run("--out", str(tmp_path), "--grouped-tiles", "16x1,64x2", "--folded", "--split-programs", "4,16")
+    ok = run("--out", str(tmp_path), "--grouped-tiles", "16x1,64x2", "--folded", "--split-programs", "4,16",
+             "--split-tokens", "16")
     assert ok.returncode == 0, ok.stderr[-2000:]
     rows = json.loads((tmp_path / "verify_kernel.json").read_text())
     assert [(r["batch"], r["context"], r["width"]) for r in rows] == [(2, 40, 2), (2, 40, 3)]
@@ -45,8 +46,10 @@ def test_both_kernels_time_the_same_verify_and_agree(
     # and with the prefix cut by the batch's size too (no GPU here: the parts are not named)
     assert all(r["by_load_ms"] > 0 and r["by_load_diff"] <= 1e-5 and r["by_load_splits"] is None for r in rows)
     # the prefix cut by load at each number of programs a core asked for, each checked as the others
-    assert [[(p, diff <= 1e-5) for p, _, _, diff in r["split_programs"]] for r in rows] == [[(4, True), (16, True)]] * 2
-    assert "| batch | context | width | 16 splits ms | 4 a core | 16 a core |" in (tmp_path / "verify_kernel.md").read_text()
+    assert [[(rule, diff <= 1e-5) for rule, _, _, diff in r["split_rules"]] for r in rows] == [
+        [("4 a core", True), ("16 a core", True), ("16 tokens", True)]] * 2
+    assert "| batch | context | width | 16 splits ms | 4 a core | 16 a core | 16 tokens |" in (
+        tmp_path / "verify_kernel.md").read_text()
     # the plugin's stage again at each tile asked for, each checked as the others
     assert [[(label, diff <= 1e-5) for label, _, diff in r["tiles"]] for r in rows] == [
         [("16x1", True), ("64x2", True)]] * 2

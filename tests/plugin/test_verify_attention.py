@@ -382,7 +382,10 @@ SPLITS_PROBE = textwrap.dedent("""
     # 16 where one request cannot give 30 multiprocessors 4 programs each
     by_load = [verify(4, [40, 1024, 90], 6), verify(6, [384, 33], 6), verify(4, [40, 1024, 90], 1),
                verify(3, [1024], 30)]
-    emit({"default": default, "by_load": by_load})
+    verify_switch.set_split_tokens(256)  # no part longer than 256 tokens: the longest prefix in 4
+    capped = verify(4, [40, 1024, 90], 1)
+    verify_switch.set_split_tokens(None)
+    emit({"default": default, "by_load": by_load, "capped": capped})
 """)
 
 
@@ -397,6 +400,7 @@ def test_the_grouped_prefix_stage_splits_a_prefix_by_the_batch_s_size_where_aske
     assert all(isinstance(r, list) and r[0] < 1e-4 for r in out["default"] + out["by_load"]), out
     assert [r[1:] for r in out["default"]] == [[16, 16], [16, 12]]  # 64 and 32 tokens a split
     assert [r[1:] for r in out["by_load"]] == [[16, 4], [16, 6], [16, 1], [16, 16]]
+    assert out["capped"][0] < 1e-4 and out["capped"][1:] == [16, 4]
     assert proc.stdout.count("LOG EAGLE verify attention: the prefix stage splits a request's prefix") == 1
 
 
@@ -414,3 +418,8 @@ def test_a_benchmark_may_give_a_multiprocessor_more_programs_and_so_cut_a_prefix
     finally:
         verify_switch.set_split_programs(None)
     assert verify_switch.splits_by_load(64, 8, 16, 132) == 2
+    # a long prefix gets parts of at most MAX_SPLIT_TOKENS
+    assert verify_switch.prefix_parts(128, 8, 16, 132, 512) == 1
+    assert verify_switch.prefix_parts(128, 8, 16, 132, 4096) == 4
+    assert verify_switch.prefix_parts(1, 8, 16, 132, 512) == 16
+    assert verify_switch.prefix_parts(128, 8, 16, 132, 1 << 20) == 16
