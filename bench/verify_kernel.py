@@ -36,8 +36,9 @@ upstream's grouped decode kernel maps a head tile to one KV head, so a group of 
 from the prefill kernel by 0.038 on an H100, which is not explained yet; no server runs it.
 
 `splits by load` is the looped combine with the grouped prefix stage cutting each prefix into as
-many parts as the batch's size needs (SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1 in a server), where the
-plugin's stage runs; its column names the parts.
+many parts as the batch's size needs, none longer than 1,024 tokens
+(SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1 in a server), where the plugin's stage runs; its column names
+the parts. --split-programs and --split-tokens time it again at other values of those two constants.
 
 Needs sglang (the image's, or the GPU host's site) and a GPU; with --device cpu and
 TRITON_INTERPRET=1 it runs Triton's interpreter on tiny shapes (float32: the interpreter computes

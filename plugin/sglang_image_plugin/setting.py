@@ -61,8 +61,8 @@ LOOPED_COMBINE_ENV = "SGLANG_IMAGE_LOOPED_COMBINE"
 LOOPED_COMBINE_LOG_LINE = ("EAGLE verify attention: the split combine runs one split and one verified token at "
                            "a time ({env}=0 turns it off)")
 # The grouped prefix stage splits each request's prefix into as many parts as keep the GPU busy at
-# the batch's size, not always the scratch's 16 (verify_switch.splits_by_load): off unless set
-# to 1; off until measured on a GPU.
+# the batch's size, not always the scratch's 16 (verify_switch.prefix_parts): off unless set to 1;
+# timed on kernels only, faster at short prefixes and mixed at long ones (docs/validation.md).
 SPLITS_BY_LOAD_ENV = "SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD"
 SPLITS_BY_LOAD_LOG_LINE = ("EAGLE verify attention: the prefix stage splits a request's prefix by the batch's "
                            "size ({env}=1)")

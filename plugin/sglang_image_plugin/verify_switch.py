@@ -1,14 +1,15 @@
-"""The switches of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix), its
-split count by load (splits_by_load) and its looped combine
-(verify_attention.looped_combine), and the prefix stage's tile and least grid where a benchmark sets
-them, and the rules for where the grouped stage runs and into how many parts it cuts a prefix.
+"""The switches of the split-KV verify's grouped prefix stage (verify_attention.grouped_prefix), of
+its prefix cut by load and of its looped combine (verify_attention.looped_combine); the rules for
+where the grouped stage runs and into how many parts it cuts a prefix (grouped_grid_fills,
+splits_by_load, prefix_parts); and the tile, least grid and rule constants a benchmark may set.
 
 SGLANG_IMAGE_GROUPED_VERIFY, read as upstream reads its own switches (EnvBool): unset or true, on;
 "0", "false", "no" or "n", off (upstream's own stage, one program a query head). Read once a
 process, at the first verify, which runs once a layer; `bench verify-kernel` sets it in its own
 process to time both stages, the grouped one at other tiles and where a server's grid rule would
-not run it. SGLANG_IMAGE_LOOPED_COMBINE is read the same way (on unless false).
-SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD is off unless set to a true value ("1", "true", "yes", "y"). Standard library only: the bench imports it where no GPU is.
+not run it. SGLANG_IMAGE_LOOPED_COMBINE is read the same way (on unless false);
+SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD is off unless set to a true value ("1", "true", "yes", "y").
+Standard library only: the bench imports it where no GPU is.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ grouped_min_programs: int | None = None
 SPLIT_PROGRAMS_PER_CORE = 4  # splits_by_load: the grouped stage's programs a multiprocessor is given
 # ... where a benchmark sets another (None: SPLIT_PROGRAMS_PER_CORE)
 split_programs: int | None = None
-# splits_by_load: a long prefix gets more parts, none longer than this many tokens (up to the
-# scratch's splits): one part of 4,096 tokens a request at 128 requests was 9% slower than 16
+# prefix_parts: a long prefix gets more parts than splits_by_load's, none longer than this many
+# tokens (up to the scratch's splits): one part of 4,096 tokens at 128 requests was 9% slower than 16
 MAX_SPLIT_TOKENS = 1024
 split_tokens: int | None = None  # ... where a benchmark sets another (None: MAX_SPLIT_TOKENS)
 
@@ -80,7 +81,7 @@ GROUPED = ProcessSwitch(GROUPED_VERIFY_ENV, True, GROUPED_VERIFY_LOG_LINE)
 grouped_asked_for, set_grouped_prefix, grouped_prefix_on = GROUPED.asked_for, GROUPED.set, GROUPED.on
 LOOPED = ProcessSwitch(LOOPED_COMBINE_ENV, True, LOOPED_COMBINE_LOG_LINE)
 looped_combine_asked_for, set_looped_combine, looped_combine_on = LOOPED.asked_for, LOOPED.set, LOOPED.on
-SPLITS_BY_LOAD = ProcessSwitch(SPLITS_BY_LOAD_ENV, False, SPLITS_BY_LOAD_LOG_LINE)  # off until measured
+SPLITS_BY_LOAD = ProcessSwitch(SPLITS_BY_LOAD_ENV, False, SPLITS_BY_LOAD_LOG_LINE)  # off: kernels timed only
 
 
 def set_grouped_tile(tile: tuple[int, int] | None) -> None:
