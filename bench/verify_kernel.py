@@ -262,7 +262,7 @@ def measure(case: Case, a: argparse.Namespace) -> Timing:
 
     splits = choose_n_splits(kv_indices.shape[0] / bs)  # what verify_splitkv_fwd derived
     cores = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
-    by_load_splits = (verify_switch.splits_by_load(bs, a.kv_heads, splits, cores)
+    by_load_splits = (verify_switch.prefix_parts(bs, a.kv_heads, splits, cores, n)
                       if cores and verify_switch.grouped_grid_fills(bs, a.kv_heads, splits, cores) else None)
     diff = (o_prefill.float() - o_split.float()).abs().max().item()
     headwise_diff = round((o_prefill.float() - o_head.float()).abs().max().item(), 6)
