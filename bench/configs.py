@@ -49,6 +49,10 @@ PREFILL_GRAPHS = (PREFILL_KV_GRAPHS_ENV, "1")  # the plugin's prefill K/V graphs
 UPSTREAM_COMBINE = (LOOPED_COMBINE_ENV, "0")  # the split-KV verify's combine upstream's, not the plugin's
 SPLITS_BY_LOAD = (SPLITS_BY_LOAD_ENV, "1")  # the verify's prefix cut by the batch's size
 METADATA_GLUE = ("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")  # upstream's metadata glue graph on
+# always-on EAGLE-3 started with one variable set: its config's name and that (variable, value)
+EAGLE3_WITH = {"eagle3_extend_verify": EXTEND_VERIFY, "eagle3_headwise_verify": HEADWISE_VERIFY,
+               "eagle3_metadata_glue": METADATA_GLUE, "eagle3_upstream_combine": UPSTREAM_COMBINE,
+               "eagle3_splits_by_load": SPLITS_BY_LOAD}
 # what a server's environment changes, in its label; any other variable is named as it is
 ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", HEADWISE_VERIFY: "per-head verify prefix",
              PREFILL_GRAPHS: "prefill K/V graphs",
@@ -123,16 +127,8 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out.append(BenchConfig(name, "plain", twin=name == TWIN))
         elif name == "eagle3":
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS))
-        elif name == "eagle3_extend_verify":
-            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(EXTEND_VERIFY,)))
-        elif name == "eagle3_headwise_verify":
-            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(HEADWISE_VERIFY,)))
-        elif name == "eagle3_metadata_glue":
-            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(METADATA_GLUE,)))
-        elif name == "eagle3_upstream_combine":
-            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(UPSTREAM_COMBINE,)))
-        elif name == "eagle3_splits_by_load":
-            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(SPLITS_BY_LOAD,)))
+        elif name in EAGLE3_WITH:
+            out.append(BenchConfig(name, "fixed", LAUNCH_STEPS, env=(EAGLE3_WITH[name],)))
         elif name == "eagle3_depth":
             out += [BenchConfig(f"eagle3_depth{d}", "fixed", d) for d in depths]
         elif name == "eagle3_thr":
