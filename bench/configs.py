@@ -13,8 +13,9 @@ with the split-KV verify's prefix stage back on upstream's own, one program a qu
 (SGLANG_IMAGE_GROUPED_VERIFY=0), where the plugin's reads each KV head once for its query heads.
 `eagle3_upstream_combine` is `eagle3` with the split-KV verify's second stage upstream's, not the
 plugin's running sums over the splits and the chain (SGLANG_IMAGE_LOOPED_COMBINE=0);
-`eagle3_sched_upstream_combine` is `eagle3_sched` with it, so that a deeper tier's wider verify can
-be measured with either combine in the same blocks. `eagle3_splits_by_load` is `eagle3` with the
+`eagle3_sched_upstream_combine` is `eagle3_sched` with it: with --server-env
+SGLANG_IMAGE_LOOPED_COMBINE=1 on the others (a record's own value wins), a deeper tier's wider
+verify is measured with either combine in the same blocks. `eagle3_splits_by_load` is `eagle3` with the
 grouped prefix stage cutting a prefix by the batch's size (SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1,
 opt-in), not into the graph's 16 splits.
 `eagle3_thr_prefill_graphs` is

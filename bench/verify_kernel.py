@@ -12,8 +12,8 @@ difference of their outputs. A server runs the plugin's stage only where its gri
 for every multiprocessor, so at a few requests the split-KV column is upstream's stage. With
 --grouped-tiles the plugin's stage runs again at each tile asked for (BLOCK_N x warps; its default
 is upstream's stage's own), whatever the grid, in a table of its own. `looped` is the split-KV
-kernel with the plugin's looped combine stage (a server's default; SGLANG_IMAGE_LOOPED_COMBINE=0
-turns it off), timed against the same kernel with upstream's combine stage.
+kernel with the plugin's looped combine stage (SGLANG_IMAGE_LOOPED_COMBINE=1 in a server), timed
+against the same kernel with upstream's combine stage.
 The split count is a server's by default: its verify runs in a CUDA graph whose kv_indices is the
 graph's whole buffer, so upstream derives its largest split count, 16, whatever the context;
 --no-graph-splits derives it from the context, as an eager verify does (as row 77 and earlier ran).
@@ -407,8 +407,8 @@ def table(rows: list[Timing], layers: int) -> str:
                      f"{r.speedup:.2f}x | {r.prefill_ms * layers:.2f} / {r.splitkv_ms * layers:.2f} | {r.max_diff:g} |"
                      + head + tail)
     if any(r.looped_ms is not None for r in rows):
-        lines += ["", ("The split-KV verify with the plugin's looped combine stage (on unless "
-                       "SGLANG_IMAGE_LOOPED_COMBINE=0), ms, against the same kernel with upstream's combine, and "
+        lines += ["", ("The split-KV verify with the plugin's looped combine stage "
+                       "(SGLANG_IMAGE_LOOPED_COMBINE=1), ms, against the same kernel with upstream's combine, and "
                        "with the prefix also cut by "
                        "the batch's size (SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD=1; its parts, - where upstream's "
                        "prefix stage runs):"), "",

@@ -56,10 +56,11 @@ GROUPED_VERIFY_ENV = "SGLANG_IMAGE_GROUPED_VERIFY"
 GROUPED_VERIFY_LOG_LINE = ("EAGLE verify attention: the prefix stage reads each KV head once for its query "
                            "heads ({env}=0 turns it off)")
 # The split-KV verify's second stage with running sums over the splits and the chain
-# (verify_combine_kernel.py): on unless set to 0 (upstream's stage, one warp a request and query head).
+# (verify_combine_kernel.py): off unless set to 1 (upstream's stage, one warp a request and query
+# head); measured up to 128 requests on the overlap scheduler only, so not yet the default.
 LOOPED_COMBINE_ENV = "SGLANG_IMAGE_LOOPED_COMBINE"
 LOOPED_COMBINE_LOG_LINE = ("EAGLE verify attention: the split combine runs one split and one verified token at "
-                           "a time ({env}=0 turns it off)")
+                           "a time ({env}=1)")
 # The grouped prefix stage splits each request's prefix into as many parts as keep the GPU busy at
 # the batch's size, not always the scratch's 16 (verify_switch.prefix_parts): off unless set to 1;
 # timed on kernels only, faster at short prefixes and mixed at long ones (docs/validation.md).

@@ -51,9 +51,10 @@ Upstream's second stage, one warp a request and query head, holds every split's 
 at once; in a server's CUDA graph the split count is upstream's largest (16), as the graph's
 kv_indices is the whole buffer, and that tile outgrows a warp's registers, twice over from a
 verified width of 5. looped_combine runs the same stage with running sums
-(verify_combine_kernel.py) unless SGLANG_IMAGE_LOOPED_COMBINE is 0. On one H100 it takes a layer's
-verify of 6 tokens a request at 64 requests from 0.46 to 0.20 ms, and always-on EAGLE-3 decodes
-1.01-1.03x faster from 1 to 128 requests (docs/validation.md).
+(verify_combine_kernel.py) where SGLANG_IMAGE_LOOPED_COMBINE=1 asks for it. On one H100 it takes a
+layer's verify of 6 tokens a request at 64 requests from 0.46 to 0.20 ms, and always-on EAGLE-3
+decodes 1.01-1.03x faster from 1 to 128 requests (docs/validation.md); off until proven at 256
+requests on both schedulers.
 
 sglang, torch and triton are imported inside the hooks only: they run in a process that has them.
 """
@@ -155,8 +156,8 @@ def grouped_prefix(original: Any, verify: Any, bs: int, *args: Any, **kwargs: An
 
 def looped_combine(original: Any, verify: Any, bs: int, *args: Any, **kwargs: Any) -> Any:
     """AROUND VerifySplitKV._run_combine_kernel: the second stage with running sums, one split and
-    one verified token at a time (verify_combine_kernel.py), unless SGLANG_IMAGE_LOOPED_COMBINE
-    turns it off; upstream's stage then, and on AMD GPUs."""
+    one verified token at a time (verify_combine_kernel.py), where SGLANG_IMAGE_LOOPED_COMBINE asks
+    for it; upstream's stage otherwise, and on AMD GPUs."""
     if kwargs or on_rocm() or not looped_combine_on():
         return original(verify, bs, *args, **kwargs)
     from sglang_image_plugin import verify_combine_kernel

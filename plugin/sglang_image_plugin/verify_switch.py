@@ -7,8 +7,8 @@ SGLANG_IMAGE_GROUPED_VERIFY, read as upstream reads its own switches (EnvBool): 
 "0", "false", "no" or "n", off (upstream's own stage, one program a query head). Read once a
 process, at the first verify, which runs once a layer; `bench verify-kernel` sets it in its own
 process to time both stages, the grouped one at other tiles and where a server's grid rule would
-not run it. SGLANG_IMAGE_LOOPED_COMBINE is read the same way (on unless false);
-SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD is off unless set to a true value ("1", "true", "yes", "y").
+not run it. SGLANG_IMAGE_LOOPED_COMBINE and SGLANG_IMAGE_VERIFY_SPLITS_BY_LOAD are off unless set
+to a true value ("1", "true", "yes", "y").
 Standard library only: the bench imports it where no GPU is.
 """
 
@@ -79,7 +79,8 @@ class ProcessSwitch:
 
 GROUPED = ProcessSwitch(GROUPED_VERIFY_ENV, True, GROUPED_VERIFY_LOG_LINE)
 grouped_asked_for, set_grouped_prefix, grouped_prefix_on = GROUPED.asked_for, GROUPED.set, GROUPED.on
-LOOPED = ProcessSwitch(LOOPED_COMBINE_ENV, True, LOOPED_COMBINE_LOG_LINE)
+# off until proven in servers at 256 requests, on both schedulers, beside an A/A floor
+LOOPED = ProcessSwitch(LOOPED_COMBINE_ENV, False, LOOPED_COMBINE_LOG_LINE)
 looped_combine_asked_for, set_looped_combine, looped_combine_on = LOOPED.asked_for, LOOPED.set, LOOPED.on
 SPLITS_BY_LOAD = ProcessSwitch(SPLITS_BY_LOAD_ENV, False, SPLITS_BY_LOAD_LOG_LINE)  # off: kernels timed only
 

@@ -313,9 +313,9 @@ COMBINE_PROBE = textwrap.dedent("""
 
     vs._verify_combine_stage2 = Refused()
     verify_switch.set_looped_combine(None)
-    os.environ["SGLANG_IMAGE_LOOPED_COMBINE"] = "0"
-    off_by_env = verify(8, 2, 4, [5, 37, 130])  # on unless turned off
-    os.environ.pop("SGLANG_IMAGE_LOOPED_COMBINE")
+    os.environ.pop("SGLANG_IMAGE_LOOPED_COMBINE", None)
+    default = verify(8, 2, 4, [5, 37, 130])  # off unless asked for
+    os.environ["SGLANG_IMAGE_LOOPED_COMBINE"] = "1"
     verify_switch.set_looped_combine(None)  # read the environment again
     # widths 4, 3 (a padded token row), 6 (L_EXT 8) and 2; groups 4, 3 and 1; 4 and 16 splits;
     # prefixes that skip splits and one that fills them
@@ -327,19 +327,19 @@ COMBINE_PROBE = textwrap.dedent("""
     vs._verify_combine_stage2 = upstream_combine
     upstream = verify(8, 2, 6, [40, 100], True)
     emit({"hooked": registry.wraps_hook(vs.VerifySplitKV._run_combine_kernel, verify_attention.looped_combine),
-          "off_by_env": off_by_env, "looped": looped, "off": off, "upstream": upstream})
+          "default": default, "looped": looped, "off": off, "upstream": upstream})
 """)
 
 
-def test_the_split_kv_verify_combines_its_splits_with_running_sums_unless_turned_off(
+def test_the_split_kv_verify_combines_its_splits_with_running_sums_where_asked_for(
         run_in_tree: Callable[..., subprocess.CompletedProcess[str]],
         sglang_tree: Callable[[str, bool], Path], plugin_site: Path) -> None:
-    # upstream's second stage is made to fail: with SGLANG_IMAGE_LOOPED_COMBINE unset the verify
-    # still runs, through the looped stage, and equals chain attention, at 4 and at a CUDA graph's
-    # 16 splits and at a width whose padded tile is 8 tokens; set to 0, upstream's stage runs
+    # upstream's second stage is made to fail: with SGLANG_IMAGE_LOOPED_COMBINE=1 the verify still
+    # runs, through the looped stage, and equals chain attention, at 4 and at a CUDA graph's 16
+    # splits and at a width whose padded tile is 8 tokens; unset or off, upstream's stage runs
     out, proc = run_probe(run_in_tree, sglang_tree, plugin_site, COMBINE_PROBE)
     assert out["hooked"] is True
-    assert out["off_by_env"] == out["off"] == "upstream's combine stage ran"
+    assert out["default"] == out["off"] == "upstream's combine stage ran"
     assert all(isinstance(r, list) and r[0] < 1e-4 for r in out["looped"]), out["looped"]
     assert [r[1] for r in out["looped"]] == [4, 4, 16, 4, 16, 16]
     assert isinstance(out["upstream"], list) and out["upstream"][0] < 1e-4 and out["upstream"][1] == 16
@@ -348,12 +348,12 @@ def test_the_split_kv_verify_combines_its_splits_with_running_sums_unless_turned
 
 @pytest.mark.parametrize(("value", "asked"), [(None, False), ("1", True), ("true", True), ("Y", True),
                                               ("0", False), ("no", False), ("maybe", False)])
-def test_only_a_true_value_turns_the_splits_by_load_on_and_only_a_false_one_the_looped_combine_off(
+def test_only_a_true_value_turns_the_looped_combine_or_the_splits_by_load_on(
         value: str | None, asked: bool) -> None:
+    env = {} if value is None else {LOOPED_COMBINE_ENV: value}
+    assert verify_switch.looped_combine_asked_for(env) is asked
     env = {} if value is None else {SPLITS_BY_LOAD_ENV: value}
     assert verify_switch.SPLITS_BY_LOAD.asked_for(env) is asked
-    env = {} if value is None else {LOOPED_COMBINE_ENV: value}
-    assert verify_switch.looped_combine_asked_for(env) is (value not in ("0", "no"))
 
 
 SPLITS_PROBE = textwrap.dedent("""
