@@ -43,28 +43,41 @@ class NotExercised(CaseFailure):
     """The load did not move the mode as the run needed (timing): tried again, then a failure."""
 
 
+def slot_tokens(slot: int, slots: int, longest: int) -> int:
+    """The length of a rolling filler slot's requests: spread evenly from half `longest` to
+    `longest`. Sent together with one length, they would all end in the same step, and the batch
+    would fall out of the tier it holds while they come back (GPU, a 5/4/3 schedule: a grammar
+    case that ran as long as they did saw depth 5 in its tier of depth 4)."""
+    if slots <= 1:
+        return longest
+    return longest - (longest // 2) * slot // (slots - 1)
+
+
 class Filler:
     """4N greedy requests that keep the threshold server's batch above the threshold. `rolling`: each
-    slot sends its next request when one ends, until stop(); else each slot sends one. No request
-    outlives the deadline's margin, and none starts past it."""
+    slot sends its next request when one ends, until stop(), its requests of its own length
+    (slot_tokens, at most `max_new`); else each slot sends one of `max_new` tokens, all ending
+    together. No request outlives the deadline's margin, and none starts past it."""
 
     def __init__(self, base: str, prompts: list[list[int]], max_new: int, tag: str, deadline: Deadline,
                  rolling: bool):
         self.base, self.max_new, self.tag, self.deadline, self.rolling = base, max_new, tag, deadline, rolling
         self.stopping = False
         self.current: dict[int, str] = {}
+        self.slots = len(prompts)
         self.pool = ThreadPoolExecutor(max_workers=len(prompts))
         self.futures = [self.pool.submit(self._slot, i, p) for i, p in enumerate(prompts)]
 
     def _slot(self, i: int, ids: list[int]) -> str | None:
         k = 0
+        new_tokens = slot_tokens(i, self.slots, self.max_new) if self.rolling else self.max_new
         while not self.stopping:
             timeout = self.deadline.request_budget(REQUEST_CAP_S)
             if timeout is None:
                 return None  # the case's own requests say that the deadline stopped the run
             rid = self.current[i] = f"{self.tag}-{i}-{k}"
             payload = {"input_ids": ids, "rid": rid, "sampling_params": {
-                "temperature": 0, "max_new_tokens": self.max_new, "ignore_eos": True}}
+                "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
             try:
                 client.post_json(self.base + "/generate", payload, timeout)
             except client.HTTPFailure as exc:
