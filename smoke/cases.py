@@ -4,6 +4,7 @@ verdict that judges it and the load modes it runs under. No case needs a tokeniz
 are token ids, the stops are taken from the plain server's own output."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -77,6 +78,9 @@ def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int =
     # a temperature at which the first and second choice of the model are about 2:1 (the models'
     # top-1/top-2 margin is many logits, so temperature 1 would sample the greedy token every time)
     temperature = max(1.0, float(expected.get("mean_top1_top2_margin", 1.0)) / math.log(2))
+    # the model's largest logit sets how coarsely bf16 rounds a logprob (smoke.verdicts); 0 for
+    # models built before it was recorded
+    logit_scale = float(expected.get("max_top_logit", 0.0))
     schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                           "n": {"type": "integer"}},
                          "required": ["name", "n"]})
@@ -84,7 +88,8 @@ def make_cases(expected: dict[str, Any], threshold: int, model: str, seed: int =
     cases = [
         Case("greedy", tuple(generate(ids(24)) for _ in range(2)), equal_tokens, conc),
         Case("logprobs", tuple(generate(ids(24), logprobs=5) for _ in range(2)),
-             close_logprobs, conc),
+             functools.partial(close_logprobs, logit_scale=logit_scale), conc,
+             note=f"logit scale {logit_scale:g}" if logit_scale else ""),
         Case("sampling", tuple(generate(ids(16), logprobs=0, temperature=round(temperature, 3), top_p=1.0,
                                        max_new_tokens=48) for _ in range(SAMPLES)),
              same_distribution, conc, note=f"temperature {temperature:.2f}; statistical check"),

@@ -325,12 +325,13 @@ def build(out_dir: Path, *, size: str = "tiny", draft: str = "first", accept: fl
     ref = model_cls.from_pretrained(tdir, dtype=torch.float32).eval().to(dev)
     ids = tok(PROMPT, add_special_tokens=False)["input_ids"]
     seq = list(ids)
-    margins = []
+    margins, tops = [], []
     with torch.no_grad():
         for _ in range(gen_len):
             logits = ref(torch.tensor([seq], device=dev)).logits[0, -1].float().cpu()
             top2 = torch.topk(logits, 2)
             margins.append(float(top2.values[0] - top2.values[1]))
+            tops.append(float(top2.values[0]))
             seq.append(int(top2.indices[0]))
     cont = seq[len(ids):]
     f_cpu = f.cpu()
@@ -349,6 +350,7 @@ def build(out_dir: Path, *, size: str = "tiny", draft: str = "first", accept: fl
         "draft_accept": accept if draft == "chain" else None,
         "prompt": PROMPT, "prompt_ids": ids, "greedy_ids": cont, "greedy_text": tok.decode(cont),
         "min_top1_top2_margin": min(margins), "mean_top1_top2_margin": sum(margins) / len(margins),
+        "max_top_logit": max(tops),
         "steps_following_designed_chain": follows, "vocab_size": V,
         "draft_vocab_size": sz.draft_vocab, "hot_ids": hot.cpu().tolist(),
         "eagle_aux_hidden_state_layer_ids": aux_ids, "spec_steps": steps,

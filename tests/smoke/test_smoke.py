@@ -62,6 +62,11 @@ def test_models_load_with_transformers_and_give_the_recorded_continuation(tiny_m
     # the greedy choice does not depend on kernel rounding: a wide top-1/top-2 gap everywhere
     assert exp["min_top1_top2_margin"] > 3.0
     assert exp["steps_following_designed_chain"] == len(exp["greedy_ids"])
+    # the logprobs check's logit scale: the largest top logit along that continuation
+    with torch.no_grad():
+        logits = model(torch.tensor([exp["prompt_ids"] + exp["greedy_ids"][:-1]])).logits[0]
+    tops = logits[len(exp["prompt_ids"]) - 1:].max(-1).values
+    assert exp["max_top_logit"] == pytest.approx(float(tops.max()), abs=1e-3)
 
 
 def test_draft_files_are_in_the_eagle3_format_sglang_loads(tiny_models):

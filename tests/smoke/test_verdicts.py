@@ -21,8 +21,10 @@ from smoke.verdicts import (
     equal_tokens,
     equal_until_tie,
     first_difference,
+    logprob_tolerance,
     same_distribution,
 )
+from tests.smoke.matrix_fakes import EXPECTED
 
 
 def outcome(ids: list[int], finish: object = None, lps: list[float] | None = None,
@@ -280,3 +282,33 @@ def test_the_constrained_cases_check_real_outputs_of_the_generated_models(tmp_pa
                           logprobs=[plain.logprobs[0][:at] + [dict(plain.top[0][at])[far]]], top=[[]])
         with pytest.raises(CaseFailure, match="not a tie"):
             case.check([plain], [wrong])
+
+
+def test_a_top_logprob_may_move_by_the_rounding_of_its_logit_and_of_the_top_logit():
+    # seen on a GPU (0.5.23, a 5/4/3 schedule): one step of a logit near 13 (0.0625) and one of
+    # the top logit (16-32: 0.125) apart; the value's own magnitude (4-8) allows 0.175
+    ref = [outcome([1], lps=[-0.01], top=[[(1, -0.01), (1179, -6.8168)]])]
+    seen = [outcome([1], lps=[-0.01], top=[[(1, -0.01), (1179, -7.0037)]])]
+    with pytest.raises(CaseFailure, match="tolerance 0.1750"):
+        close_logprobs(ref, seen)  # a model of unknown logit scale: the value's magnitude alone
+    assert close_logprobs(ref, seen, logit_scale=20.0)["max_logprob_diff"] == pytest.approx(0.1869)
+    assert logprob_tolerance(-6.8168, logit_scale=20.0) == pytest.approx(0.05 + 2 * 0.125)
+    # more than both roundings fails, at that scale too
+    shifted = [outcome([1], lps=[-0.01], top=[[(1, -0.01), (1179, -7.2)]])]
+    with pytest.raises(CaseFailure, match="token 1179 -7.2000"):
+        close_logprobs(ref, shifted, logit_scale=20.0)
+    # the top token's own logit and the log-sum-exp round together: no allowance for it
+    top_moved = [outcome([1], lps=[-0.01], top=[[(1, -0.2), (1179, -6.8168)]])]
+    with pytest.raises(CaseFailure, match="token 1 -0.2000"):
+        close_logprobs(ref, top_moved, logit_scale=20.0)
+
+
+def test_the_logprobs_case_checks_at_the_models_logit_scale():
+    case = next(c for c in make_cases({**EXPECTED, "max_top_logit": 20.0}, 16, "m") if c.name == "logprobs")
+    ref = [outcome([1], lps=[-0.01], top=[[(1, -0.01), (1179, -6.8168)]])] * 2
+    seen = [outcome([1], lps=[-0.01], top=[[(1, -0.01), (1179, -7.0037)]])] * 2
+    assert case.check(ref, seen)["max_logprob_diff"] == pytest.approx(0.1869)
+    assert case.note == "logit scale 20"
+    old_model = next(c for c in make_cases(EXPECTED, 16, "m") if c.name == "logprobs")
+    with pytest.raises(CaseFailure, match="tolerance 0.1750"):
+        old_model.check(ref, seen)
