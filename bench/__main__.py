@@ -1,10 +1,20 @@
-"""python -m bench {run,e2e,comm,merge,auto-trace,pyspy-diff,verify-kernel} ... (see each module's docstring)."""
+"""python -m bench {run,e2e,comm,merge,schedule,auto-trace,pyspy-diff,verify-kernel} ... (see each module's docstring)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench import autotrace, comm, e2e, merge, options, pyspy, throughput, verify_kernel
+from bench import (
+    autotrace,
+    comm,
+    depth_choice,
+    e2e,
+    merge,
+    options,
+    pyspy,
+    throughput,
+    verify_kernel,
+)
 
 
 def _add_comm_arguments(ap: argparse.ArgumentParser) -> None:
@@ -25,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
              "2-GPU all-reduce proof: e2e's install,patch,models,comm"),
             ("merge", merge.__doc__, merge.add_arguments, merge.main,
              "several calls' bench.json as one report (the concurrencies one card could not hold at once)"),
+            ("schedule", depth_choice.__doc__, depth_choice.add_arguments, depth_choice.main,
+             "the draft depth per load a bench of fixed depths measured best, as a depth schedule"),
             ("auto-trace", autotrace.__doc__, autotrace.add_arguments, autotrace.main,
              "an auto server's step trace, per batch-size bucket and mode"),
             ("pyspy-diff", pyspy.main.__doc__, pyspy.add_arguments, pyspy.main,

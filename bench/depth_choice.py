@@ -1,0 +1,192 @@
+"""The draft depth per load that a bench of fixed depths measured best, as a depth schedule.
+
+    python -m bench schedule BENCH_JSON
+
+BENCH_JSON is the bench.json of a call (or of `python -m bench merge`) that ran servers of one
+draft depth each side by side: plain (depth 0), eagle3 (3) and eagle3_depth (`--depth 1,5,7`).
+At each concurrency the servers are ranked within each block; the depth kept at a load is the one
+whose tokens/s over the block's best has the highest median, under one rule: a larger load never
+gets a deeper draft (the plugin's schedules and `auto` keep it). Among the depth sequences that
+keep it, the one with the largest sum of log ratios wins; where the best depth at each load
+already keeps it, that is the answer.
+
+An edge between two loads measured with different depths lies at their geometric middle (loads are
+swept on a log scale): the edge is a guess between two measurements, and the table says so.
+Servers of another kind (threshold, schedule, auto) and fixed ones started with an environment
+of their own (e.g. eagle3_upstream_combine) are not depths and are left out, named.
+
+Prints the table (per load: each depth's tokens/s, the one kept, its ratio to the best there
+and the best over the runner-up, with its 95% interval) and the flags that launch the schedule.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import configs, pairing
+from sglang_image_plugin.setting import DEPTH_SCHEDULE_FLAG, parse_schedule
+
+
+class NoDepths(Exception):
+    """A result this cannot choose from: the message names the cause and the fix."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """One concurrency: each depth's median tokens/s, the one kept, and how it compares."""
+    concurrency: int
+    tok_per_s: dict[int, float]
+    best: int  # the depth with the highest median ratio to its block's best
+    kept: int  # the depth the schedule runs here (best, unless a lighter load kept a shallower one)
+    kept_over_best: float  # median over the blocks of kept / best (1.0 where they are one)
+    best_over_next: pairing.Ratio | None  # the best over the runner-up depth, within blocks
+
+
+def depth_servers(result: dict[str, Any]) -> tuple[dict[int, str], list[str]]:
+    """The servers that are one draft depth each, by depth; the names left out."""
+    by_depth: dict[int, str] = {}
+    left_out = []
+    for name, rec in configs.from_result(result).items():
+        if rec.twin:
+            continue
+        depth = 0 if rec.kind == "plain" else rec.steps if rec.kind == "fixed" and not rec.env else None
+        if depth is None:
+            left_out.append(name)
+        elif depth in by_depth:
+            raise NoDepths(f"{by_depth[depth]} and {name} both run depth {depth}: keep one of them "
+                           "(a merge of calls that ran the same depth twice, or a --depth list with a repeat)")
+        else:
+            by_depth[depth] = name
+    if len(by_depth) < 2:
+        raise NoDepths(f"servers of {len(by_depth)} draft depth(s) ({', '.join(by_depth.values()) or 'none'}); "
+                       "run at least two side by side, e.g. --configs plain,eagle3,eagle3_depth --depth 1,5")
+    return by_depth, left_out
+
+
+def block_shares(blocks: Sequence[dict[str, Any]], by_depth: dict[int, str]) -> dict[int, list[float]]:
+    """Per depth, its tokens/s over the block's best, in each block where every depth ran clean."""
+    shares: dict[int, list[float]] = {d: [] for d in by_depth}
+    for block in blocks:
+        rates = {d: pairing.rate(block, name) for d, name in by_depth.items()}
+        if any(r is None for r in rates.values()):
+            continue
+        top = max(r for r in rates.values() if r is not None)
+        for d, r in rates.items():
+            if r is not None:
+                shares[d].append(r / top)
+    return shares
+
+
+def monotone_depths(scores: list[dict[int, float]]) -> list[int]:
+    """One depth per load, in load order, never deeper than the one before, with the largest sum of
+    scores (log ratios); ties go to the deeper depth at the lighter load."""
+    depths = sorted({d for s in scores for d in s}, reverse=True)
+    # best[d]: the best total of the loads so far with the last one at depth d, and its path
+    best: dict[int, tuple[float, list[int]]] = {d: (scores[0].get(d, -math.inf), [d]) for d in depths}
+    for s in scores[1:]:
+        nxt: dict[int, tuple[float, list[int]]] = {}
+        for d in depths:
+            prev = max((best[p] for p in depths if p >= d), key=lambda t: t[0])
+            nxt[d] = (prev[0] + s.get(d, -math.inf), [*prev[1], d])
+        best = nxt
+    return max(best.values(), key=lambda t: t[0])[1]
+
+
+def choose(result: dict[str, Any]) -> tuple[list[Load], list[str]]:
+    """Per measured concurrency, the depths' figures and the one kept; the servers left out."""
+    by_depth, left_out = depth_servers(result)
+    loads: list[tuple[int, dict[int, list[float]], list[dict[str, Any]]]] = []
+    for key in sorted(result.get("blocks", {}), key=int):
+        blocks = result["blocks"][key]
+        shares = block_shares(blocks, by_depth)
+        if all(shares[d] for d in by_depth):
+            loads.append((int(key), shares, blocks))
+    if not loads:
+        raise NoDepths("no concurrency where every depth ran a clean window in one block: "
+                       "run the bench again (its report lists the errors)")
+    scores = [{d: math.log(statistics.median(s)) for d, s in shares.items()} for _, shares, _ in loads]
+    kept = monotone_depths(scores)
+    out = []
+    for (c, shares, blocks), k, score in zip(loads, kept, scores, strict=True):
+        best = max(score, key=lambda d: (score[d], d))
+        others = [by_depth[d] for d in by_depth if d != best]
+        runner_up = max(others, key=lambda n: statistics.median(pairing.block_ratios(blocks, n, [by_depth[best]])))
+        rates = {d: statistics.median(r for b in blocks if (r := pairing.rate(b, n)) is not None)
+                 for d, n in by_depth.items()}
+        out.append(Load(c, rates, best, k, statistics.median(pairing.block_ratios(blocks, by_depth[k], [by_depth[best]])),
+                        pairing.compare(blocks, by_depth[best], [runner_up])))
+    return out, left_out
+
+
+def schedule_text(loads: Sequence[Load]) -> str:
+    """The kept depths as tiers: an edge at the geometric middle of two loads that differ."""
+    tiers: list[tuple[int, int]] = []  # (tier's last batch size, depth); the last tier is open
+    for here, there in itertools.pairwise(loads):
+        if there.kept != here.kept:
+            edge = max(here.concurrency, min(there.concurrency - 1,
+                                             math.isqrt(here.concurrency * there.concurrency)))
+            tiers.append((edge, here.kept))
+    parts, low = [], 1
+    for high, depth in tiers:
+        parts.append(f"{low}-{high}:{depth}")
+        low = high + 1
+    parts.append(f"{low}-:{loads[-1].kept}")
+    text = ",".join(parts)
+    parse_schedule(text, source="bench schedule")  # the plugin's own parser: a bug here, not the user's
+    return text
+
+
+def render(loads: Sequence[Load], left_out: Sequence[str]) -> list[str]:
+    depths = sorted(loads[0].tok_per_s, reverse=True)
+    lines = ["| concurrency | " + " | ".join(f"depth {d} tok/s" for d in depths)
+             + " | best | kept | kept / best | best / runner-up |",
+             "|---:|" + "---:|" * len(depths) + "---:|---:|---:|---|"]
+    for ld in loads:
+        cells = [f"{ld.tok_per_s[d]:,.0f}" for d in depths]
+        versus = ld.best_over_next.text() if ld.best_over_next else "-"
+        lines.append(f"| {ld.concurrency} | " + " | ".join(cells)
+                     + f" | {ld.best} | {ld.kept} | {ld.kept_over_best:.2f}x | {versus} |")
+    undecided = [ld.concurrency for ld in loads if ld.best_over_next and ld.best_over_next.low <= 1.0]
+    if undecided:
+        lines.append(f"\nUndecided (the best's interval over the runner-up holds 1.00): at "
+                     f"{', '.join(map(str, undecided))} requests; more blocks there (--pairs) decide it.")
+    if left_out:
+        lines.append(f"Left out (not one depth each): {', '.join(left_out)}.")
+    return lines
+
+
+def launch_flags(loads: Sequence[Load]) -> str:
+    """What starts a server with the kept schedule (launched at its deepest tier)."""
+    deepest = max(ld.kept for ld in loads)
+    if len({ld.kept for ld in loads}) == 1:
+        return (f"one depth at every load measured ({deepest}): no schedule"
+                + ("; plain decoding" if deepest == 0 else f"; --speculative-num-steps {deepest}"))
+    return (f"--speculative-num-steps {deepest} --speculative-num-draft-tokens {deepest + 1} "
+            f"{DEPTH_SCHEDULE_FLAG} {schedule_text(loads)}  (edges: the geometric middle of the loads "
+            "measured on either side)")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("result", type=Path, help="bench.json of servers of one draft depth each")
+
+
+def main(a: argparse.Namespace) -> int:
+    try:
+        result = json.loads(a.result.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{a.result}: not a bench result ({exc}); give a bench.json of `python -m bench run`, "
+                         "`e2e` or `merge`") from exc
+    try:
+        loads, left_out = choose(result)
+    except NoDepths as exc:
+        raise SystemExit(f"{a.result}: {exc}") from exc
+    print("\n".join(render(loads, left_out)))
+    print(f"\n{launch_flags(loads)}")
+    return 0
