@@ -312,6 +312,43 @@ def ran_plain(row: dict[str, Any]) -> bool | None:
     return None if accept is None else accept < PLAIN_ACCEPT
 
 
+def fixed_servers(result: dict[str, Any]) -> list[str]:
+    """The servers whose depth at a load is fixed before it comes: plain, always-on EAGLE-3 of any
+    depth (without an environment of its own) and the written schedules (not `auto`)."""
+    out = []
+    for name, rec in configs.from_result(result).items():
+        if name not in result.get("configs", []) or rec.twin:
+            continue
+        if rec.kind == "plain" or (rec.kind == "fixed" and not rec.env) or (
+                rec.kind == "schedule" and rec.schedule not in (None, "auto")):
+            out.append(name)
+    return out
+
+
+def learned_schedule_comparison(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per concurrency and `--speculative-depth-schedule auto` server: its tokens/s over the fixed
+    server (fixed_servers) with the highest median there, within each block (the issue of a learned
+    schedule: within a few percent of the best fixed one at every load); which one that was."""
+    records = configs.from_result(result)
+    learners = [n for n in result.get("configs", []) if (rec := records.get(n))
+                and rec.kind == "schedule" and rec.schedule == "auto"]
+    fixed = fixed_servers(result)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    if not learners or not fixed:
+        return out
+    table = level_table(result)
+    for c in levels(result):
+        ran = [n for n in fixed if n in table.get(c, {})]
+        if not ran:
+            continue
+        best = max(ran, key=lambda n: table[c][n]["tok_per_s"])
+        row = {n: {"best_fixed": best, **vs.as_dict()} for n in learners
+               if (vs := pairing.compare(blocks_at(result, c), n, [best])) is not None}
+        if row:
+            out[c] = row
+    return out
+
+
 def auto_comparison(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per concurrency, auto against the alternatives a user has, each ratio taken within a block:
     the better of plain and always-on EAGLE-3, and the fixed threshold with the highest median
@@ -485,6 +522,15 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {c} | {interval(a.get('vs_better_of_plain_eagle3'))} | {a.get('best_fixed', '-')} | "
                          f"{interval(a.get('vs_best_fixed'))} | {same} |")
         lines += ["", *through_plain_note(a.get("vs_better_of_plain_eagle3") for a in auto.values())]
+    learned = learned_schedule_comparison(result)
+    if learned:
+        lines += [("A learned depth schedule (`auto`) over the fixed server with the highest median tokens/s at "
+                   "each load (plain, EAGLE-3 of any depth, a written schedule), within each block:"), "",
+                  "| concurrency | server | over the best fixed | the best fixed |", "|---:|---|---:|---|"]
+        for c in sorted(learned, key=int):
+            for n, cell in learned[c].items():
+                lines.append(f"| {c} | {label(result, n)} | {interval(cell)} | {label(result, cell['best_fixed'])} |")
+        lines.append("")
     steps = step_table(result)
     if steps:
         timed = any("gpu_ms" in cell for row in steps.values() for cell in row.values())

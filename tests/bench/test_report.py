@@ -366,3 +366,34 @@ def test_the_better_mode_is_compared_through_plain_where_no_block_holds_all_thre
     assert "via" not in direct and direct["ratios"] == [1.0]
     # without EAGLE-3 beside plain anywhere there is nothing to compare through
     assert bench_report.better_table(without_plain(("eagle3", "eagle3_auto"))) == {}
+
+
+def test_a_learned_schedule_is_set_against_the_best_fixed_server_at_each_load():
+    recs = configs.expand(("plain", "plain_twin", "eagle3", "eagle3_sched", "eagle3_upstream_combine"),
+                          schedules=("1-40:5,41-96:4,97-:3", "auto"), auto_depth=5)
+    assert [r.name for r in recs][3:5] == ["eagle3_sched1", "eagle3_sched2"]
+    # over plain per load: the written schedule leads at 32, EAGLE-3 at 128; auto 0.97x and 0.99x of
+    # the leader; the twin and the server with an environment of its own are no fixed alternative
+    over_plain = {"32": {"eagle3": 1.9, "eagle3_sched1": 2.0, "eagle3_sched2": 1.94, "plain_twin": 2.5,
+                         "eagle3_upstream_combine": 2.5},
+                  "128": {"eagle3": 1.35, "eagle3_sched1": 1.33, "eagle3_sched2": 1.3365, "plain_twin": 1.0,
+                          "eagle3_upstream_combine": 1.4}}
+    window = {"errors": 0, "output_tokens": 3000, "seconds": 3.0, "steps": 300, "accept_length": 3.0}
+    result = {"configs": [r.name for r in recs], "config_records": {r.name: r.as_dict() for r in recs}, "pairs": 3,
+              "blocks": {c: [{"block": k + 1, "order": [], "windows": {
+                  "plain": {**window, "tok_per_s": 1000.0 * drift},
+                  **{n: {**window, "tok_per_s": 1000.0 * drift * r} for n, r in ratios.items()}}}
+                  for k, drift in enumerate((1.0, 0.8, 1.2))] for c, ratios in over_plain.items()}}
+    assert bench_report.fixed_servers(result) == ["plain", "eagle3", "eagle3_sched1"]
+    learned = bench_report.learned_schedule_comparison(result)
+    assert learned["32"]["eagle3_sched2"]["best_fixed"] == "eagle3_sched1"
+    assert learned["32"]["eagle3_sched2"]["median"] == pytest.approx(0.97)
+    assert learned["128"]["eagle3_sched2"]["best_fixed"] == "eagle3"
+    assert learned["128"]["eagle3_sched2"]["median"] == pytest.approx(0.99)
+    md = bench_report.markdown(result)
+    assert "A learned depth schedule (`auto`) over the fixed server with the highest median" in md
+    assert f"| 128 | {bench_report.label(result, 'eagle3_sched2')} | 0.99x [0.99-0.99] | EAGLE-3 |" in md
+    # without a learning server there is nothing to set against
+    del result["config_records"]["eagle3_sched2"]
+    result["configs"].remove("eagle3_sched2")
+    assert bench_report.learned_schedule_comparison(result) == {}
