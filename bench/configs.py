@@ -91,6 +91,14 @@ class BenchConfig:
         return self.kind == "auto" or (self.kind == "schedule" and self.schedule == "auto")
 
     @property
+    def one_depth(self) -> int | None:
+        """The draft depth it runs at every load: plain 0 (not the twin), always-on EAGLE-3 its
+        steps (not one started with an environment of its own: a variant, not a depth); else None."""
+        if self.kind == "plain" and not self.twin:
+            return 0
+        return self.steps if self.kind == "fixed" and not self.env else None
+
+    @property
     def label(self) -> str:
         notes = [ENV_NOTES.get(pair, "=".join(pair)) for pair in self.env]
         return self.base_label + (f" ({', '.join(notes)})" if notes else "")

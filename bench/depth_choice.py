@@ -54,11 +54,12 @@ def depth_servers(result: dict[str, Any]) -> tuple[dict[int, str], list[str]]:
     by_depth: dict[int, str] = {}
     left_out = []
     for name, rec in configs.from_result(result).items():
-        if rec.twin:
+        if name not in result.get("configs", []):  # configured, but it did not run (not_run)
             continue
-        depth = 0 if rec.kind == "plain" else rec.steps if rec.kind == "fixed" and not rec.env else None
+        depth = rec.one_depth
         if depth is None:
-            left_out.append(name)
+            if not rec.twin:
+                left_out.append(name)
         elif depth in by_depth:
             raise NoDepths(f"{by_depth[depth]} and {name} both run depth {depth}: keep one of them "
                            "(a merge of calls that ran the same depth twice, or a --depth list with a repeat)")

@@ -317,10 +317,8 @@ def fixed_servers(result: dict[str, Any]) -> list[str]:
     depth (without an environment of its own) and the written schedules (not `auto`)."""
     out = []
     for name, rec in configs.from_result(result).items():
-        if name not in result.get("configs", []) or rec.twin:
-            continue
-        if rec.kind == "plain" or (rec.kind == "fixed" and not rec.env) or (
-                rec.kind == "schedule" and rec.schedule not in (None, "auto")):
+        if name in result.get("configs", []) and (
+                rec.one_depth is not None or (rec.kind == "schedule" and rec.schedule not in (None, "auto"))):
             out.append(name)
     return out
 
