@@ -82,3 +82,13 @@ def test_the_command_prints_the_table_and_the_flags(tmp_path: Path, capsys: pyte
     path.write_text("{}")
     with pytest.raises(SystemExit, match="servers of 0 draft depth"):
         main(["schedule", str(path)])
+
+
+def test_a_server_that_did_not_start_is_no_depth_to_choose_from():
+    res = result()
+    res["configs"].remove("eagle3_depth7")  # configured, but it never started (not_run)
+    for blocks in res["blocks"].values():
+        for block in blocks:
+            del block["windows"]["eagle3_depth7"]
+    loads, left_out = depth_choice.choose(res)
+    assert [ld.kept for ld in loads] == [5, 5, 5, 3, 3, 0] and left_out == []
