@@ -24,10 +24,20 @@ opt-in), not into the graph's 16 splits.
 `eagle3` with upstream's experimental metadata glue graph on (SGLANG_ENABLE_METADATA_GLUE_GRAPH=1):
 the target runner's out-of-graph attention metadata, captured per batch size where a batch needs no
 padding, so that the host's share of a speculative step can be compared in the same blocks.
+
+A config ending in `_prefill_delayer` (`plain_prefill_delayer`, `eagle3_prefill_delayer`,
+`eagle3_sched_prefill_delayer`) is its base started with upstream's prefill delayer on its queue
+trigger (PREFILL_DELAYER): a prefill waits, a bounded number of passes, until the waiting queue
+holds an eighth of the running requests. A closed loop of short prompts refills each ended request
+with a prefill of its own, and a prefill of a few tokens costs a whole forward of the target (its
+weights read once): the same per output token in every mode, but a larger share of the time of a
+server that decodes faster. With the delayer beside the same server without it, that share is
+measured in the same blocks. The delayer needs the overlap scheduler (upstream asserts it).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import shlex
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from sglang_image_plugin.setting import (
@@ -42,7 +52,8 @@ LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
 CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_headwise_verify",
            "eagle3_metadata_glue", "eagle3_upstream_combine", "eagle3_splits_by_load", "eagle3_depth",
            "eagle3_adaptive", "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched",
-           "eagle3_sched_upstream_combine", "eagle3_auto")
+           "eagle3_sched_upstream_combine", "eagle3_auto", "plain_prefill_delayer", "eagle3_prefill_delayer",
+           "eagle3_sched_prefill_delayer")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
 HEADWISE_VERIFY = (GROUPED_VERIFY_ENV, "0")  # the split-KV verify's prefix stage upstream's, per query head
@@ -54,6 +65,15 @@ METADATA_GLUE = ("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")  # upstream's metadat
 EAGLE3_WITH = {"eagle3_extend_verify": EXTEND_VERIFY, "eagle3_headwise_verify": HEADWISE_VERIFY,
                "eagle3_metadata_glue": METADATA_GLUE, "eagle3_upstream_combine": UPSTREAM_COMBINE,
                "eagle3_splits_by_load": SPLITS_BY_LOAD}
+# upstream's prefill delayer, queue trigger: hold a prefill while fewer than running / 8 requests
+# wait (at most its 30 passes, 5 s): the successors of requests that end one by one prefill together
+PREFILL_DELAYER = ("--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", "0.125")
+# a config started with flags of its own: its name and (the config it is, the flags); a sweep's
+# records each get them (eagle3_sched1_prefill_delayer, ...)
+WITH_FLAGS = {"plain_prefill_delayer": ("plain", PREFILL_DELAYER),
+              "eagle3_prefill_delayer": ("eagle3", PREFILL_DELAYER),
+              "eagle3_sched_prefill_delayer": ("eagle3_sched", PREFILL_DELAYER)}
+FLAG_NOTES: dict[tuple[str, ...], str] = {PREFILL_DELAYER: "prefill delayer"}
 # what a server's environment changes, in its label; any other variable is named as it is
 ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", HEADWISE_VERIFY: "per-head verify prefix",
              PREFILL_GRAPHS: "prefill K/V graphs",
@@ -74,6 +94,7 @@ class BenchConfig:
     schedule: str | None = None  # the depth schedule (LOW-HIGH:DEPTH,...)
     twin: bool = False  # the A/A twin of plain
     env: tuple[tuple[str, str], ...] = ()  # (variable, value) pairs the server is started with
+    args: tuple[str, ...] = ()  # server flags of its own, after the bench's (WITH_FLAGS)
 
     @property
     def draft(self) -> bool:
@@ -91,16 +112,25 @@ class BenchConfig:
         return self.kind == "auto" or (self.kind == "schedule" and self.schedule == "auto")
 
     @property
+    def variant(self) -> bool:
+        """Started with an environment or flags of its own: another build of its kind's server."""
+        return bool(self.env or self.args)
+
+    @property
     def one_depth(self) -> int | None:
         """The draft depth it runs at every load: plain 0 (not the twin), always-on EAGLE-3 its
-        steps (not one started with an environment of its own: a variant, not a depth); else None."""
-        if self.kind == "plain" and not self.twin:
-            return 0
-        return self.steps if self.kind == "fixed" and not self.env else None
+        steps (not a variant: a variant is not a depth); else None."""
+        if self.variant:
+            return None
+        if self.kind == "plain":
+            return None if self.twin else 0
+        return self.steps if self.kind == "fixed" else None
 
     @property
     def label(self) -> str:
         notes = [ENV_NOTES.get(pair, "=".join(pair)) for pair in self.env]
+        if self.args:
+            notes.append(FLAG_NOTES.get(self.args, shlex.join(self.args)))
         return self.base_label + (f" ({', '.join(notes)})" if notes else "")
 
     @property
@@ -121,7 +151,8 @@ class BenchConfig:
     @classmethod
     def from_dict(cls, rec: dict[str, Any]) -> BenchConfig:
         """A record as as_dict() wrote it, read back from JSON (its env pairs come back as lists)."""
-        return cls(**{**rec, "env": tuple((str(k), str(v)) for k, v in rec.get("env") or ())})
+        return cls(**{**rec, "env": tuple((str(k), str(v)) for k, v in rec.get("env") or ()),
+                      "args": tuple(str(a) for a in rec.get("args") or ())})
 
 
 def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
@@ -155,6 +186,11 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out.append(BenchConfig(name, "auto", LAUNCH_STEPS))
         elif name == "eagle3_adaptive":
             out.append(BenchConfig(name, "adaptive", LAUNCH_STEPS))
+        elif name in WITH_FLAGS:
+            base, flags = WITH_FLAGS[name]
+            suffix = name.removeprefix(base)
+            out += [replace(rec, name=rec.name + suffix, args=flags)
+                    for rec in expand((base,), thresholds, depths, schedules, auto_depth)]
         else:
             raise ValueError(f"unknown bench config {name!r}: one of {', '.join(CONFIGS)}")
     return out
@@ -173,6 +209,7 @@ def from_result(result: dict[str, Any]) -> dict[str, BenchConfig]:
         if name.startswith("eagle3_thr") and n.isdigit():
             legacy[name] = BenchConfig(name, "threshold", LAUNCH_STEPS, threshold=int(n))
         elif name in CONFIGS and name not in ("eagle3_depth", "eagle3_thr", "eagle3_thr_prefill_graphs",
-                                              "eagle3_sched", "eagle3_sched_upstream_combine"):
+                                              "eagle3_sched", "eagle3_sched_upstream_combine",
+                                              "eagle3_sched_prefill_delayer"):
             legacy[name] = expand((name,))[0]
     return legacy

@@ -168,7 +168,7 @@ def config_order(names: list[str], records: dict[str, BenchConfig]) -> list[str]
         rec = records.get(name)
         if rec is None or rec.kind not in KIND_ORDER:
             return len(KIND_ORDER), False, 0, 0, 0, met
-        return KIND_ORDER.index(rec.kind), rec.twin, -rec.steps, len(rec.env), rec.threshold or 0, met
+        return KIND_ORDER.index(rec.kind), rec.twin, -rec.steps, len(rec.env) + len(rec.args), rec.threshold or 0, met
 
     return [name for _, name in sorted(enumerate(names), key=key)]
 

@@ -19,10 +19,12 @@ from bench.configs import (
     HEADWISE_VERIFY,
     LAUNCH_STEPS,
     METADATA_GLUE,
+    PREFILL_DELAYER,
     PREFILL_GRAPHS,
     SPLITS_BY_LOAD,
     TWIN,
     UPSTREAM_COMBINE,
+    WITH_FLAGS,
     BenchConfig,
     expand,
 )
@@ -111,8 +113,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                          f"size, {'='.join(SPLITS_BY_LOAD)}; "
                          f"eagle3_metadata_glue: eagle3 with upstream's metadata glue "
                          f"graph, {'='.join(METADATA_GLUE)}; eagle3_thr_prefill_graphs: eagle3_thr writing a "
-                         f"prefill's draft K/V in plain mode from CUDA graphs, {'='.join(PREFILL_GRAPHS)}; eagle3_auto "
-                         "runs only where the server has it)")
+                         f"prefill's draft K/V in plain mode from CUDA graphs, {'='.join(PREFILL_GRAPHS)}; "
+                         f"plain_prefill_delayer, eagle3_prefill_delayer, eagle3_sched_prefill_delayer: the "
+                         f"config started with upstream's prefill delayer, {' '.join(PREFILL_DELAYER)} (overlap "
+                         "scheduler only); eagle3_auto runs only where the server has it)")
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),
                     help="comma list of closed-loop loads, measured in the order given (a switching "
                          "server carries what one load taught it into the next: 256,192 shows a "
@@ -228,6 +232,12 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("max-total-tokens", "must be >= 0 (0: sized for the top concurrency)")
     if get("cpus-per-server") < 0:
         raise refuse("cpus-per-server", "must be >= 0 (0: no pinning)")
+    server_args = tuple(shlex.split(get("server-args")))
+    delayed = [c for c in configs if c in WITH_FLAGS and "--enable-prefill-delayer" in WITH_FLAGS[c][1]]
+    if delayed and "--disable-overlap-schedule" in server_args:
+        raise refuse("server-args", f"{', '.join(delayed)} start upstream's prefill delayer, which runs only "
+                                    f"on the overlap scheduler: drop them from --{prefix}configs, or drop "
+                                    "--disable-overlap-schedule")
     server_env = []
     for item in shlex.split(get("server-env")):
         name, eq, value = item.partition("=")
@@ -245,7 +255,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             "ramp_cycles": get("ramp-cycles"), "ramp_hold_s": get("ramp-hold"),
             "mem_share": get("mem-share"), "max_total_tokens": get("max-total-tokens"),
             "cpus_per_server": get("cpus-per-server"),
-            "server_args": tuple(shlex.split(get("server-args"))), "server_env": tuple(server_env),
+            "server_args": server_args, "server_env": tuple(server_env),
             "diagnose": get("diagnose"),
             "device_timer": get("device-timer"), "launch_only": get("launch-only")}
 

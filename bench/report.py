@@ -314,11 +314,13 @@ def ran_plain(row: dict[str, Any]) -> bool | None:
 
 def fixed_servers(result: dict[str, Any]) -> list[str]:
     """The servers whose depth at a load is fixed before it comes: plain, always-on EAGLE-3 of any
-    depth (without an environment of its own) and the written schedules (not `auto`)."""
+    depth (without an environment of its own) and the written schedules (not `auto`, nor one
+    started with flags of its own: those schedule the server's prefills otherwise)."""
     out = []
     for name, rec in configs.from_result(result).items():
         if name in result.get("configs", []) and (
-                rec.one_depth is not None or (rec.kind == "schedule" and rec.schedule not in (None, "auto"))):
+                rec.one_depth is not None
+                or (rec.kind == "schedule" and rec.schedule not in (None, "auto") and not rec.args)):
             out.append(name)
     return out
 

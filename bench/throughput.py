@@ -135,7 +135,7 @@ def server_config(name: str, opts: BenchOptions) -> ServerConfig:
         extra += ["--speculative-adaptive", "--speculative-adaptive-config", str(opts.out / "adaptive_config.json")]
     if opts.diagnose or opts.device_timer:
         cfg.env.update(diagnose.SERVER_ENV)
-    cfg.extra = (*extra, *opts.server_args)
+    cfg.extra = (*extra, *rec.args, *opts.server_args)  # --server-args last: a caller's flag wins
     return cfg
 
 

@@ -737,3 +737,33 @@ def test_a_schedule_with_upstream_s_combine_is_the_schedule_server_with_the_swit
     assert (rec.kind, rec.steps, rec.schedule, rec.switches) == ("schedule", 5, "1-96:5,97-:3", True)
     assert rec.label == "EAGLE-3 + schedule 1-96:5,97-:3 (upstream combine)"
     assert configs.BenchConfig.from_dict(json.loads(json.dumps(rec.as_dict()))) == rec
+
+
+def test_a_prefill_delayer_config_is_its_base_with_upstream_s_delayer_flags(tmp_path):
+    # plain_prefill_delayer, eagle3_prefill_delayer, eagle3_sched_prefill_delayer: the base's flags,
+    # then upstream's prefill delayer on its queue trigger, then --server-args (a caller's flag
+    # last); each is a variant, not a depth, and no fixed schedule for `auto` to be set against
+    parsed = bench_options("--configs", "plain,plain_prefill_delayer,eagle3,eagle3_prefill_delayer,eagle3_sched,"
+                           "eagle3_sched_prefill_delayer", "--schedule", "1-40:5,41-:3", "--server-args", "--x 1")
+    opts = dataclasses.replace(parsed, models=tmp_path, out=tmp_path)
+    assert options.server_names(opts) == ["plain", "plain_prefill_delayer", "eagle3", "eagle3_prefill_delayer",
+                                          "eagle3_sched1", "eagle3_sched1_prefill_delayer"]
+    for base in ("plain", "eagle3", "eagle3_sched1"):
+        cfg, delayed = (throughput.server_config(n, opts) for n in (base, f"{base}_prefill_delayer"))
+        plain_argv, argv = cfg.argv(30000), delayed.argv(30000)
+        assert argv == plain_argv[:-2] + list(configs.PREFILL_DELAYER) + ["--x", "1"]
+        assert delayed.env == cfg.env
+        assert servers.options_key(delayed, "site") != servers.options_key(cfg, "site")
+    records = options.config_records(opts)
+    rec = records["eagle3_sched1_prefill_delayer"]
+    assert (rec.kind, rec.steps, rec.schedule, rec.args) == ("schedule", 5, "1-40:5,41-:3", configs.PREFILL_DELAYER)
+    assert rec.label == "EAGLE-3 + schedule 1-40:5,41-:3 (prefill delayer)"
+    assert records["plain_prefill_delayer"].label == "plain (prefill delayer)"
+    assert configs.BenchConfig.from_dict(json.loads(json.dumps(rec.as_dict()))) == rec
+    assert [n for n, r in records.items() if r.one_depth is not None] == ["plain", "eagle3"]
+    result = {"configs": list(records), "config_records": {n: r.as_dict() for n, r in records.items()}}
+    assert bench_report.fixed_servers(result) == ["plain", "eagle3", "eagle3_sched1"]
+    # upstream asserts the overlap scheduler under the delayer: refused before any server starts
+    with pytest.raises(SystemExit, match=r"eagle3_prefill_delayer start upstream's prefill delayer, which runs "
+                                         r"only on the overlap scheduler: drop them from --configs"):
+        bench_options("--configs", "eagle3,eagle3_prefill_delayer", "--server-args=--disable-overlap-schedule")

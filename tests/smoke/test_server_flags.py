@@ -81,6 +81,11 @@ def configurations(models: Path, release: tuple[int, ...], auto: bool) -> dict[s
             draft=True)
         deep_opts = dataclasses.replace(bench_opts, configs=("eagle3_sched",), schedules=(str(deep),))
         configs["bench_eagle3_sched_deep"] = throughput.server_config("eagle3_sched1", deep_opts)
+        # upstream's prefill delayer beside a server (0.5.23's flags; bench.configs.PREFILL_DELAYER)
+        delayed_opts = dataclasses.replace(bench_opts, configs=("eagle3_sched_prefill_delayer",),
+                                           schedules=(str(deep),))
+        configs["bench_eagle3_sched_prefill_delayer"] = throughput.server_config(
+            "eagle3_sched1_prefill_delayer", delayed_opts)
     out = {}
     for name, cfg in configs.items():
         cfg.release = release
