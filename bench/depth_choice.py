@@ -10,6 +10,11 @@ gets a deeper draft (the plugin's schedules and `auto` keep it). Among the depth
 keep it, the one with the largest sum of log ratios wins; where the best depth at each load
 already keeps it, that is the answer.
 
+One card holds only so many servers, so the depths may come from several calls merged (`python -m
+bench merge`), each beside one server they share (e.g. eagle3 in both). Where no block holds every
+depth, each depth is compared with that shared server within its own blocks and the ratios are
+compared through it (pairing.compare_through); the table marks such a load.
+
 An edge between two loads measured with different depths lies at their geometric middle (loads are
 swept on a log scale): the edge is a guess between two measurements, and the table says so.
 Servers of another kind (threshold, schedule, auto) and fixed ones started with an environment
@@ -28,7 +33,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench import configs, pairing
 from sglang_image_plugin.setting import DEPTH_SCHEDULE_FLAG, parse_schedule
@@ -47,6 +52,16 @@ class Load:
     kept: int  # the depth the schedule runs here (best, unless a lighter load kept a shallower one)
     kept_over_best: float  # median over the blocks of kept / best (1.0 where they are one)
     best_over_next: pairing.Ratio | None  # the best over the runner-up depth, within blocks
+    via: str | None = None  # the server the depths were compared through (no block held them all)
+
+
+class Choice(NamedTuple):
+    """What a bench of fixed depths says: the loads compared, in order; the servers that are no
+    depth; the loads where the depths could not be compared (neither in one block nor through one
+    server that ran beside each of them)."""
+    loads: list[Load]
+    left_out: list[str]
+    not_compared: list[int]
 
 
 def depth_servers(result: dict[str, Any]) -> tuple[dict[int, str], list[str]]:
@@ -100,30 +115,58 @@ def monotone_depths(scores: list[dict[int, float]]) -> list[int]:
     return max(best.values(), key=lambda t: t[0])[1]
 
 
-def choose(result: dict[str, Any]) -> tuple[list[Load], list[str]]:
-    """Per measured concurrency, the depths' figures and the one kept; the servers left out."""
+def load_scores(blocks: Sequence[dict[str, Any]], by_depth: dict[int, str]) -> tuple[dict[int, float], str | None] | None:
+    """Per depth at one load, the log of its median tokens/s over a common yardstick, and the server
+    compared through (None: within whole blocks); None where the depths cannot be compared. Where
+    blocks hold every depth, the yardstick is the block's best; else one server that ran beside each
+    other depth in some block (the one in most blocks), each ratio taken within its own blocks."""
+    shares = block_shares(blocks, by_depth)
+    if all(shares[d] for d in by_depth):
+        return {d: math.log(statistics.median(s)) for d, s in shares.items()}, None
+    ratios = {(d, p): pairing.block_ratios(blocks, by_depth[d], [by_depth[p]]) for d in by_depth for p in by_depth}
+    pivots = [p for p in by_depth if all(ratios[(d, p)] for d in by_depth if d != p)]
+    if not pivots:
+        return None
+    pivot = max(pivots, key=lambda p: (sum(pairing.rate(b, by_depth[p]) is not None for b in blocks), p))
+    return ({d: 0.0 if d == pivot else math.log(statistics.median(ratios[(d, pivot)])) for d in by_depth},
+            by_depth[pivot])
+
+
+def versus(blocks: Sequence[dict[str, Any]], name: str, other: str, via: str | None) -> pairing.Ratio | None:
+    """`name` over `other` within the blocks that hold both, else through `via`."""
+    direct = pairing.compare(blocks, name, [other])
+    if direct is not None or via is None:
+        return direct
+    return pairing.compare_through(blocks, name, other, via)
+
+
+def choose(result: dict[str, Any]) -> Choice:
+    """Per measured concurrency, the depths' figures and the one kept; the servers left out; the
+    loads whose depths could not be compared."""
     by_depth, left_out = depth_servers(result)
-    loads: list[tuple[int, dict[int, list[float]], list[dict[str, Any]]]] = []
+    measured: list[tuple[int, dict[int, float], str | None, list[dict[str, Any]]]] = []
+    not_compared = []
     for key in sorted(result.get("blocks", {}), key=int):
         blocks = result["blocks"][key]
-        shares = block_shares(blocks, by_depth)
-        if all(shares[d] for d in by_depth):
-            loads.append((int(key), shares, blocks))
-    if not loads:
-        raise NoDepths("no concurrency where every depth ran a clean window in one block: "
-                       "run the bench again (its report lists the errors)")
-    scores = [{d: math.log(statistics.median(s)) for d, s in shares.items()} for _, shares, _ in loads]
-    kept = monotone_depths(scores)
-    out = []
-    for (c, shares, blocks), k, score in zip(loads, kept, scores, strict=True):
+        scored = load_scores(blocks, by_depth)
+        if scored is None:
+            not_compared.append(int(key))
+        else:
+            measured.append((int(key), scored[0], scored[1], blocks))
+    if not measured:
+        raise NoDepths("no concurrency where every depth ran a clean window beside the others (in one block, "
+                       "or each beside one server they share): run the bench again (its report lists the errors)")
+    kept = monotone_depths([score for _, score, _, _ in measured])
+    loads = []
+    for (c, score, via, blocks), k in zip(measured, kept, strict=True):
         best = max(score, key=lambda d: (score[d], d))
-        others = [by_depth[d] for d in by_depth if d != best]
-        runner_up = max(others, key=lambda n: statistics.median(pairing.block_ratios(blocks, n, [by_depth[best]])))
+        runner_up = max((d for d in score if d != best), key=lambda d: (score[d], d))
         rates = {d: statistics.median(r for b in blocks if (r := pairing.rate(b, n)) is not None)
                  for d, n in by_depth.items()}
-        out.append(Load(c, rates, best, k, statistics.median(pairing.block_ratios(blocks, by_depth[k], [by_depth[best]])),
-                        pairing.compare(blocks, by_depth[best], [runner_up])))
-    return out, left_out
+        kept_over_best = versus(blocks, by_depth[k], by_depth[best], via) if k != best else None
+        loads.append(Load(c, rates, best, k, kept_over_best.median if kept_over_best else 1.0,
+                          versus(blocks, by_depth[best], by_depth[runner_up], via), via))
+    return Choice(loads, left_out, not_compared)
 
 
 def schedule_text(loads: Sequence[Load]) -> str:
@@ -144,22 +187,31 @@ def schedule_text(loads: Sequence[Load]) -> str:
     return text
 
 
-def render(loads: Sequence[Load], left_out: Sequence[str]) -> list[str]:
+def render(loads: Sequence[Load], left_out: Sequence[str], not_compared: Sequence[int] = ()) -> list[str]:
     depths = sorted(loads[0].tok_per_s, reverse=True)
     lines = ["| concurrency | " + " | ".join(f"depth {d} tok/s" for d in depths)
              + " | best | kept | kept / best | best / runner-up |",
              "|---:|" + "---:|" * len(depths) + "---:|---:|---:|---|"]
     for ld in loads:
         cells = [f"{ld.tok_per_s[d]:,.0f}" for d in depths]
-        versus = ld.best_over_next.text() if ld.best_over_next else "-"
+        mark = "+" if ld.via else ""
+        vs_next = ld.best_over_next.text() + mark if ld.best_over_next else "-"
         lines.append(f"| {ld.concurrency} | " + " | ".join(cells)
-                     + f" | {ld.best} | {ld.kept} | {ld.kept_over_best:.2f}x | {versus} |")
+                     + f" | {ld.best} | {ld.kept} | {ld.kept_over_best:.2f}x{mark if ld.kept != ld.best else ''} "
+                     f"| {vs_next} |")
+    through = sorted({ld.via for ld in loads if ld.via})
+    if through:
+        lines.append(f"\n+: no block held every depth (merged calls): each depth over {' and '.join(through)} "
+                     "within its own blocks, compared through it; the interval resamples both sides.")
     undecided = [ld.concurrency for ld in loads if ld.best_over_next and ld.best_over_next.low <= 1.0]
     if undecided:
         lines.append(f"\nUndecided (the best's interval over the runner-up holds 1.00): at "
                      f"{', '.join(map(str, undecided))} requests; more blocks there (--pairs) decide it.")
     if left_out:
         lines.append(f"Left out (not one depth each): {', '.join(left_out)}.")
+    if not_compared:
+        lines.append(f"Not compared (a depth that ran neither beside the others nor beside one server they "
+                     f"share): at {', '.join(map(str, not_compared))} requests.")
     return lines
 
 
@@ -185,9 +237,9 @@ def main(a: argparse.Namespace) -> int:
         raise SystemExit(f"{a.result}: not a bench result ({exc}); give a bench.json of `python -m bench run`, "
                          "`e2e` or `merge`") from exc
     try:
-        loads, left_out = choose(result)
+        choice = choose(result)
     except NoDepths as exc:
         raise SystemExit(f"{a.result}: {exc}") from exc
-    print("\n".join(render(loads, left_out)))
-    print(f"\n{launch_flags(loads)}")
+    print("\n".join(render(*choice)))
+    print(f"\n{launch_flags(choice.loads)}")
     return 0

@@ -94,24 +94,32 @@ def compare(blocks: Sequence[dict[str, Any]], name: str, against: Sequence[str])
     return Ratio.of(block_ratios(blocks, name, against))
 
 
-def compare_to_better_through(blocks: Sequence[dict[str, Any]], name: str, other: str,
-                              reference: str) -> Ratio | None:
-    """`name` over the better of `reference` and `other` where no block holds both `name` and
-    `other` (two calls, each beside `reference`): `name` / `reference` and `other` / `reference`,
-    each taken within its own blocks, and the quotient of their medians, median(name / ref) /
-    max(1, median(other / ref)). The interval resamples both sets of ratios independently; the
-    per-block ratios kept are name / ref over that same divisor. None without both sets."""
+def compare_through(blocks: Sequence[dict[str, Any]], name: str, other: str, reference: str,
+                    floor: float = 0.0) -> Ratio | None:
+    """`name` over `other` where no block holds both (two calls, each beside `reference`):
+    `name` / `reference` and `other` / `reference`, each taken within its own blocks, and the
+    quotient of their medians, median(name / ref) / max(floor, median(other / ref)). The interval
+    resamples both sets of ratios independently; the per-block ratios kept are name / ref over
+    that same divisor. None without both sets."""
     mine = block_ratios(blocks, name, [reference])
     theirs = block_ratios(blocks, other, [reference])
     if not mine or not theirs:
         return None
 
     def stat(a: Sequence[float], b: Sequence[float]) -> float:
-        return statistics.median(a) / max(1.0, statistics.median(b))
+        return statistics.median(a) / max(floor, statistics.median(b))
 
     rnd = random.Random(BOOTSTRAP_SEED)
     low, high = percentiles([stat([mine[rnd.randrange(len(mine))] for _ in mine],
                                   [theirs[rnd.randrange(len(theirs))] for _ in theirs])
                              for _ in range(BOOTSTRAP_RESAMPLES)])
-    divisor = max(1.0, statistics.median(theirs))
+    divisor = max(floor, statistics.median(theirs))
     return Ratio(tuple(r / divisor for r in mine), stat(mine, theirs), low, high)
+
+
+def compare_to_better_through(blocks: Sequence[dict[str, Any]], name: str, other: str,
+                              reference: str) -> Ratio | None:
+    """`name` over the better of `reference` and `other` where no block holds both `name` and
+    `other`: compare_through with `other` / `reference` floored at 1 (`reference` itself is the
+    better where `other` is slower)."""
+    return compare_through(blocks, name, other, reference, floor=1.0)

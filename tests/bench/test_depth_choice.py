@@ -40,9 +40,9 @@ def result(speed: dict[int, dict[int, float]] = SPEED,
 
 
 def test_the_best_depth_at_each_load_becomes_tiers_with_edges_between_the_loads():
-    loads, left_out = depth_choice.choose(result())
+    loads, left_out, not_compared = depth_choice.choose(result())
     assert [ld.best for ld in loads] == [ld.kept for ld in loads] == [7, 7, 5, 3, 3, 0]
-    assert all(ld.kept_over_best == 1.0 for ld in loads) and left_out == []
+    assert all(ld.kept_over_best == 1.0 and ld.via is None for ld in loads) and left_out == not_compared == []
     assert loads[2].best_over_next is not None and loads[2].best_over_next.median == pytest.approx(2.0 / 1.95)
     text = depth_choice.schedule_text(loads)
     assert text == "1-22:7,23-45:5,46-181:3,182-:0"  # isqrt(16*32) = 22, (32*64) 45, (128*256) 181
@@ -55,7 +55,7 @@ def test_a_larger_load_never_gets_a_deeper_draft_than_a_smaller_one():
     # at 64 depth 5 measured a hair ahead of 3 though 32 had 3 best: the schedule keeps 3 at both
     # sides or 5 at both, whichever loses less in all (here 3 at 32 and 64, 5 at 64 given up)
     speed = {**SPEED, 32: {0: 1.0, 3: 2.0, 5: 1.8, 7: 1.7}, 64: {0: 1.0, 3: 1.60, 5: 1.62, 7: 1.3}}
-    loads, _ = depth_choice.choose(result(speed))
+    loads, _, _ = depth_choice.choose(result(speed))
     assert [ld.best for ld in loads] == [7, 7, 3, 5, 3, 0]
     assert [ld.kept for ld in loads] == [7, 7, 3, 3, 3, 0]
     assert loads[3].kept_over_best == pytest.approx(1.60 / 1.62)
@@ -64,7 +64,7 @@ def test_a_larger_load_never_gets_a_deeper_draft_than_a_smaller_one():
 
 
 def test_only_servers_of_one_depth_each_count_and_fewer_than_two_are_refused():
-    loads, left_out = depth_choice.choose(result(configs=("plain", "eagle3", "eagle3_depth",
+    loads, left_out, _ = depth_choice.choose(result(configs=("plain", "eagle3", "eagle3_depth",
                                                           "eagle3_upstream_combine")))
     assert left_out == ["eagle3_upstream_combine"] and [ld.kept for ld in loads] == [7, 7, 5, 3, 3, 0]
     with pytest.raises(depth_choice.NoDepths, match=r"servers of 1 draft depth\(s\) \(eagle3\)"):
@@ -90,5 +90,48 @@ def test_a_server_that_did_not_start_is_no_depth_to_choose_from():
     for blocks in res["blocks"].values():
         for block in blocks:
             del block["windows"]["eagle3_depth7"]
-    loads, left_out = depth_choice.choose(res)
+    loads, left_out, _ = depth_choice.choose(res)
     assert [ld.kept for ld in loads] == [5, 5, 5, 3, 3, 0] and left_out == []
+
+
+def test_depths_of_two_calls_are_compared_through_the_server_both_ran():
+    # one card holds three 8B servers: plain, eagle3 and depth 5 in one call, eagle3 and depth 7 in
+    # another, on a host 30% slower; merged, no block holds every depth, and each depth is set
+    # against eagle3 within its own blocks
+    first, second = result(configs=("plain", "eagle3", "eagle3_depth")), result(configs=("plain", "eagle3", "eagle3_depth"))
+    for c, blocks in first["blocks"].items():
+        for block, other in zip(blocks, second["blocks"][c], strict=True):
+            del block["windows"]["eagle3_depth7"]
+            other["windows"] = {n: {**w, "tok_per_s": 0.7 * w["tok_per_s"]} for n, w in other["windows"].items()
+                                if n in ("eagle3", "eagle3_depth7")}
+    merged = {**first, "blocks": {c: blocks + second["blocks"][c] for c, blocks in first["blocks"].items()}}
+    loads, left_out, not_compared = depth_choice.choose(merged)
+    assert [ld.best for ld in loads] == [ld.kept for ld in loads] == [7, 7, 5, 3, 3, 0]
+    assert {ld.via for ld in loads} == {"eagle3"} and left_out == not_compared == []
+    # at 32 depth 5 (2.0x plain) over depth 7 (1.95x), each over eagle3 (1.9x) in its own blocks
+    assert loads[2].best_over_next is not None and loads[2].best_over_next.median == pytest.approx(2.0 / 1.95)
+    md = "\n".join(depth_choice.render(*depth_choice.choose(merged)))
+    assert "| 1.03x [1.03-1.03]+ |" in md and "+: no block held every depth (merged calls): each depth over eagle3" in md
+    # plain in a call of its own beside eagle3: the load is compared through eagle3, and a depth
+    # kept below the best (64 keeps 3 though 5 led there) is priced within the blocks holding both
+    speed = {**SPEED, 32: {0: 1.0, 3: 2.0, 5: 1.8, 7: 1.7}, 64: {0: 1.0, 3: 1.60, 5: 1.62, 7: 1.3}}
+    slow = result(speed)
+    for blocks in slow["blocks"].values():
+        for block in blocks:
+            del block["windows"]["plain"]
+    plain_call = result(speed)
+    for blocks in plain_call["blocks"].values():
+        for block in blocks:
+            block["windows"] = {n: w for n, w in block["windows"].items() if n in ("plain", "eagle3")}
+    both = {**slow, "blocks": {c: b + plain_call["blocks"][c] for c, b in slow["blocks"].items()}}
+    loads, _, _ = depth_choice.choose(both)
+    assert (loads[3].kept, loads[3].best, loads[3].via) == (3, 5, "eagle3")
+    assert loads[3].kept_over_best == pytest.approx(1.60 / 1.62)
+    # a depth that ran beside no server the others share cannot be placed: that load is named
+    alone = {c: [{"block": 9, "order": [], "windows": {n: w for n, w in b["windows"].items() if n == "eagle3_depth7"}}
+                 for b in second["blocks"][c]] if c == "64" else second["blocks"][c] for c in second["blocks"]}
+    lone = {**first, "blocks": {c: blocks + alone[c] for c, blocks in first["blocks"].items()}}
+    loads, _, not_compared = depth_choice.choose(lone)
+    assert [ld.concurrency for ld in loads] == [1, 16, 32, 128, 256] and not_compared == [64]
+    assert "Not compared (a depth that ran neither beside the others nor beside one server they share): " \
+           "at 64 requests." in depth_choice.render(loads, [], not_compared)
