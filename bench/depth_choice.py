@@ -226,6 +226,20 @@ def launch_flags(loads: Sequence[Load]) -> str:
             "measured on either side)")
 
 
+def schedule_of(path: Path) -> str:
+    """The schedule that `bench schedule PATH` prints, for a bench to run (`--schedule from:PATH`):
+    NoDepths names what is missing."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise NoDepths(f"{path}: not a bench result ({exc}); give a bench.json of `python -m bench run`, "
+                       "`e2e` or `merge` that ran servers of one depth each") from exc
+    loads = choose(result).loads
+    if all(ld.kept == 0 for ld in loads):
+        raise NoDepths(f"{path}: plain decoding made the most at every load measured: no schedule drafts")
+    return schedule_text(loads)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("result", type=Path, help="bench.json of servers of one draft depth each")
 

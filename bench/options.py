@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import depth_choice
 from bench.configs import (
     CONFIGS,
     EXTEND_VERIFY,
@@ -99,6 +100,17 @@ def server_names(opts: BenchOptions) -> list[str]:
     return list(config_records(opts))
 
 
+FROM_BENCH = "from:"  # --schedule from:BENCH_JSON: the schedule `bench schedule BENCH_JSON` prints
+
+
+def resolved_schedule(text: str, source: str) -> str:
+    """A --schedule value as the server takes it: `auto`, a schedule, or the one a bench of fixed
+    depths measured (from:BENCH_JSON, read when the options are, so the record holds the tiers)."""
+    if text.startswith(FROM_BENCH):
+        return depth_choice.schedule_of(Path(text.removeprefix(FROM_BENCH)))
+    return str(parse_schedule_or_auto(text, source=source))
+
+
 def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     """What to measure and how: shared by `bench run` and `bench e2e` (there as --bench-*)."""
     p = "--" + prefix
@@ -128,7 +140,9 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                          "drafting d steps and verifying d + 1 tokens a request (eagle3 itself drafts 3)")
     ap.add_argument(p + "schedule", default=DEPTH_SCHEDULE_EXAMPLE,
                     help=f"eagle3_sched's draft depth per load (the server's {DEPTH_SCHEDULE_FLAG}); "
-                         "several separated by ';' run one server each; `auto`: the server learns it")
+                         "several separated by ';' run one server each; `auto`: the server learns it; "
+                         f"{FROM_BENCH}BENCH_JSON: the one `bench schedule BENCH_JSON` reads off a bench of "
+                         "fixed depths (a call before this one)")
     ap.add_argument(p + "auto-depth", type=int, default=LAUNCH_STEPS,
                     help="the draft steps a --schedule auto server launches with: it learns a depth "
                          f"of 0 to this per load (default {LAUNCH_STEPS}, as eagle3)")
@@ -204,9 +218,11 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("depth", "give distinct draft depths >= 1, e.g. 1,2")
     schedules = [x.strip() for x in str(get("schedule")).split(";") if x.strip()]
     try:
-        schedules = [str(parse_schedule_or_auto(x, source=f"--{prefix}schedule")) for x in schedules]
+        schedules = [resolved_schedule(x, f"--{prefix}schedule") for x in schedules]
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    except depth_choice.NoDepths as exc:
+        raise refuse("schedule", f"{exc}") from None
     if not schedules or len(set(schedules)) < len(schedules):
         raise refuse("schedule", "give one or more distinct schedules separated by ';', e.g. 1-16:3,17-:0")
     if get("auto-depth") < 1:

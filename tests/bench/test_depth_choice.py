@@ -11,6 +11,7 @@ import pytest
 from bench import depth_choice, options, pairing, throughput
 from bench.__main__ import main
 from sglang_image_plugin.setting import parse_schedule
+from tests.bench.conftest import bench_options
 from tests.bench.test_merge import MODEL
 
 LEVELS = (1, 16, 32, 64, 128, 256)
@@ -135,3 +136,20 @@ def test_depths_of_two_calls_are_compared_through_the_server_both_ran():
     assert [ld.concurrency for ld in loads] == [1, 16, 32, 128, 256] and not_compared == [64]
     assert "Not compared (a depth that ran neither beside the others nor beside one server they share): " \
            "at 64 requests." in depth_choice.render(loads, [], not_compared)
+
+
+def test_a_bench_runs_the_schedule_a_bench_of_fixed_depths_measured(tmp_path: Path):
+    # --schedule from:BENCH_JSON: read when the options are, so that one call's depths give the
+    # next call's schedule server without a round trip, and its record holds the tiers themselves
+    path = tmp_path / "depths.json"
+    path.write_text(json.dumps(result()))
+    opts = bench_options("--configs", "plain,eagle3,eagle3_sched", "--schedule", f"from:{path};1-16:3,17-:0")
+    assert opts.schedules == ("1-22:7,23-45:5,46-181:3,182-:0", "1-16:3,17-:0")
+    rec = options.config_records(opts)["eagle3_sched1"]
+    assert (rec.steps, rec.schedule) == (7, "1-22:7,23-45:5,46-181:3,182-:0")
+    with pytest.raises(SystemExit, match=r"--schedule 'from:.*missing.json': .*missing.json: not a bench result"):
+        bench_options("--configs", "eagle3_sched", "--schedule", f"from:{tmp_path / 'missing.json'}")
+    plain_best = {c: {0: 2.0, 3: 1.0, 5: 0.9, 7: 0.8} for c in LEVELS}
+    path.write_text(json.dumps(result(plain_best)))
+    with pytest.raises(SystemExit, match="plain decoding made the most at every load measured: no schedule drafts"):
+        bench_options("--configs", "eagle3_sched", "--schedule", f"from:{path}")
