@@ -226,15 +226,22 @@ def launch_flags(loads: Sequence[Load]) -> str:
             "measured on either side)")
 
 
+def read_result(path: Path) -> dict[str, Any]:
+    try:
+        result: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise NoDepths(f"not a bench result ({exc}); give a bench.json of `python -m bench run`, `e2e` or "
+                       "`merge` that ran servers of one depth each") from exc
+    return result
+
+
 def schedule_of(path: Path) -> str:
     """The schedule that `bench schedule PATH` prints, for a bench to run (`--schedule from:PATH`):
-    NoDepths names what is missing."""
+    NoDepths names the file and what is missing."""
     try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise NoDepths(f"{path}: not a bench result ({exc}); give a bench.json of `python -m bench run`, "
-                       "`e2e` or `merge` that ran servers of one depth each") from exc
-    loads = choose(result).loads
+        loads = choose(read_result(path)).loads
+    except NoDepths as exc:
+        raise NoDepths(f"{path}: {exc}") from None
     if all(ld.kept == 0 for ld in loads):
         raise NoDepths(f"{path}: plain decoding made the most at every load measured: no schedule drafts")
     return schedule_text(loads)
@@ -246,12 +253,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def main(a: argparse.Namespace) -> int:
     try:
-        result = json.loads(a.result.read_text())
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"{a.result}: not a bench result ({exc}); give a bench.json of `python -m bench run`, "
-                         "`e2e` or `merge`") from exc
-    try:
-        choice = choose(result)
+        choice = choose(read_result(a.result))
     except NoDepths as exc:
         raise SystemExit(f"{a.result}: {exc}") from exc
     print("\n".join(render(*choice)))

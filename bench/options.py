@@ -222,7 +222,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     except depth_choice.NoDepths as exc:
-        raise refuse("schedule", f"{exc}") from None
+        raise refuse("schedule", str(exc)) from None
     if not schedules or len(set(schedules)) < len(schedules):
         raise refuse("schedule", "give one or more distinct schedules separated by ';', e.g. 1-16:3,17-:0")
     if get("auto-depth") < 1:
