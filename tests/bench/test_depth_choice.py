@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import depth_choice, options, pairing, throughput
-from bench.__main__ import main
+from bench.__main__ import build_parser, main
 from sglang_image_plugin.setting import parse_schedule
 from tests.bench.conftest import bench_options
 from tests.bench.test_merge import MODEL
@@ -149,6 +149,11 @@ def test_a_bench_runs_the_schedule_a_bench_of_fixed_depths_measured(tmp_path: Pa
     assert (rec.steps, rec.schedule) == (7, "1-22:7,23-45:5,46-181:3,182-:0")
     with pytest.raises(SystemExit, match=r"--schedule 'from:.*missing.json': .*missing.json: not a bench result"):
         bench_options("--configs", "eagle3_sched", "--schedule", f"from:{tmp_path / 'missing.json'}")
+    # e2e on the GPU host takes it as --bench-schedule, refused before any work
+    e2e = build_parser().parse_args(["e2e", "--bench-configs", "eagle3_sched", "--bench-schedule",
+                                     f"from:{tmp_path / 'missing.json'}"])
+    with pytest.raises(SystemExit, match=r"^--bench-schedule 'from:.*missing.json': .*not a bench result"):
+        options.tuning_options(e2e, "bench-")
     plain_best = {c: {0: 2.0, 3: 1.0, 5: 0.9, 7: 0.8} for c in LEVELS}
     path.write_text(json.dumps(result(plain_best)))
     with pytest.raises(SystemExit, match="plain decoding made the most at every load measured: no schedule drafts"):
