@@ -1,12 +1,12 @@
 """One window of the paired benchmark: a closed loop of clients on one server, the output tokens of
 a counted span, then every request in flight aborted; with the server's decode steps, GPU seconds
-and host counters read at the span's ends."""
+and host counters read at the span's ends, and the time to first token of the requests it sent."""
 from __future__ import annotations
 
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from bench import diagnose, hostinfo, servers
@@ -14,6 +14,9 @@ from smoke import client
 from smoke.client import Prompt
 
 WINDOW_END_S = 1.5  # a window's end: the abort, the requests coming back, the next cache flush
+# sglang's meta_info with --enable-metrics (0.5.23): the scheduler's end of the request's prefill
+# minus its arrival at the tokenizer, in seconds
+FIRST_TOKEN_KEY = "first_token_latency"
 
 
 def flush_cache(base: str) -> None:
@@ -41,6 +44,37 @@ def tokens_between(requests: list[tuple[float, float, int]], lo: float, hi: floa
                for start, end, n in requests if end > start)
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0 to 1) of `values`, linear between the two nearest ranks."""
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    below = int(at)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (at - below)
+
+
+def first_token_ms(requests: Iterable[tuple[float, dict[str, Any], bool]], lo: float, hi: float,
+                   aborted_at: float) -> dict[str, Any] | None:
+    """Time to first token of the requests started in [lo, hi], each (start, meta_info, whether it
+    got a token): p50 and p90 in ms over `n` requests, from the server's own stamp (FIRST_TOKEN_KEY).
+    A request cut short before its first token counts its age at the abort, a lower bound
+    (`censored`: how many): the server's stamp (the abort's arrival) where it sent one, else the
+    client's. None where no such request carries the key (a server that does not send it)."""
+    started = [(start, meta, got) for start, meta, got in requests if lo <= start <= hi]
+    if not any(FIRST_TOKEN_KEY in meta for _, meta, _ in started):
+        return None
+    seconds: list[float] = []
+    censored = 0
+    for start, meta, got_token in started:
+        if not got_token:
+            seconds.append(float(meta.get(FIRST_TOKEN_KEY, aborted_at - start)))
+            censored += 1
+        elif FIRST_TOKEN_KEY in meta:
+            seconds.append(float(meta[FIRST_TOKEN_KEY]))
+    return {"p50": round(1000 * percentile(seconds, 0.5), 1), "p90": round(1000 * percentile(seconds, 0.9), 1),
+            "n": len(seconds), "censored": censored}
+
+
 def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, settle_s: float, window_s: float,
             timeout: float, stop_at: float, scrape: Callable[[str], dict[str, float]] | None = None,
             counters: Callable[[], dict[str, float]] | None = None) -> dict[str, Any]:
@@ -48,7 +82,8 @@ def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, set
     ends; the tokens of [settle_s, settle_s + window_s] are counted; then sending stops and every
     request in flight is aborted (kept as a prefix). A window that would end past `stop_at` (the
     call's deadline) is not started ("cut"). `counters` (the server's host counters) are read at
-    the counted span's ends, as `scrape` is; `span` is that span (time.time())."""
+    the counted span's ends, as `scrape` is; `span` is that span (time.time()). `ttft_ms`: the time
+    to first token of the requests started in the span (first_token_ms), where the server sends it."""
     t0 = time.time()
     lo_at, hi_at = t0 + settle_s, t0 + settle_s + window_s
     if hi_at + WINDOW_END_S > stop_at:
@@ -113,6 +148,9 @@ def measure(base: str, prompt_at: Callable[[int], Prompt], concurrency: int, set
         "prefixes": {r.key: r.output_ids for _, _, r in cut_short if r.output_ids},
         "abort_reasons": {r.key: r.meta.get("finish_reason") for _, _, r in cut_short if r.output_ids},
         "aborted_over_max": over_max, "aborted_empty": empty}
+    ttft = first_token_ms([(s, r.meta, bool(r.output_ids)) for s, _, r in complete + cut_short], lo, hi, aborted_at)
+    if ttft:
+        m["ttft_ms"] = ttft
     gpu = diagnose.gpu_seconds(before, after) if scrape else {}
     if gpu:
         m["gpu_s"] = gpu

@@ -20,6 +20,36 @@ def test_tokens_are_counted_in_the_window_only():
     assert window.tokens_between([(1.0, 1.0, 9)], 0.0, 2.0) == 0  # no lifetime: nothing to spread
 
 
+def test_time_to_first_token_of_the_requests_started_in_the_span():
+    # (start, meta_info, got a token); the span 10-20 s, the abort at 21 s
+    stamp = window.FIRST_TOKEN_KEY
+    requests = [(9.0, {stamp: 5.0}, True),  # started before the span: not counted
+                (10.0, {stamp: 0.010}, True), (11.0, {stamp: 0.020}, True), (12.0, {stamp: 0.030}, True),
+                (13.0, {}, True),  # no stamp on it: nothing to count
+                (20.5, {stamp: 0.001}, True)]  # started after the span: not counted
+    assert window.first_token_ms(requests, 10.0, 20.0, 21.0) == {"p50": 20.0, "p90": 28.0, "n": 3, "censored": 0}
+    # cut short before a first token: its age at the abort, a lower bound; the server's stamp (the
+    # abort's arrival) where it sent one, else the client's
+    cut = [(19.5, {stamp: 0.4}, False), (20.0, {}, False)]
+    assert window.first_token_ms(requests + cut, 10.0, 20.0, 21.0) == {
+        "p50": 30.0, "p90": 760.0, "n": 5, "censored": 2}
+
+
+def test_no_time_to_first_token_where_the_server_sends_none():
+    # an older sglang, or one without --enable-metrics: no stamp on any request, no figure (and a
+    # stamp only outside the span says nothing of the span)
+    assert window.first_token_ms([(10.0, {}, True), (11.0, {}, False)], 10.0, 20.0, 21.0) is None
+    assert window.first_token_ms([(9.0, {window.FIRST_TOKEN_KEY: 0.01}, True), (11.0, {}, False)],
+                                 10.0, 20.0, 21.0) is None
+    assert window.first_token_ms([], 10.0, 20.0, 21.0) is None
+
+
+def test_percentiles_run_linearly_between_ranks():
+    assert window.percentile([0.3], 0.9) == 0.3
+    assert window.percentile([4.0, 1.0, 3.0, 2.0], 0.5) == pytest.approx(2.5)
+    assert window.percentile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0], 0.9) == pytest.approx(10.0)
+
+
 def test_decode_steps_come_from_the_servers_own_counter():
     def scrape(graph: float, eager: float, prefill: float) -> dict[str, float]:
         return client.parse_prometheus(
@@ -34,9 +64,13 @@ class FakeGenerate:
     """client.generate replaced: `per_token` s a token; an abort_all cuts what is in flight short."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, per_token: float = 0.002, fail: str | None = None,
-                 cut: Callable[[client.Prompt, list[int]], list[int]] | None = None):
+                 cut: Callable[[client.Prompt, list[int]], list[int]] | None = None,
+                 first_token_s: float | None = None):
         self.per_token, self.fail = per_token, fail
         self.cut = cut  # what an aborted request returns, from its prompt and its tokens (None: them)
+        # the server's time-to-first-token stamp of every request that got a token (None: as an
+        # older sglang, or one without metrics, it sends none)
+        self.first_token_s = first_token_s
         self.aborted_at: float | None = None
         self.rids: list[str | None] = []
         monkeypatch.setattr(client, "generate", self.generate)
@@ -59,10 +93,11 @@ class FakeGenerate:
                 break
             time.sleep(self.per_token)
             ids.append(j)
+        stamp = {window.FIRST_TOKEN_KEY: self.first_token_s} if self.first_token_s is not None and ids else {}
         if len(ids) < p.max_new_tokens:  # aborted: as sglang answers an abort_all
             return client.Result(p.key, self.cut(p, ids) if self.cut else ids,
-                                 {"finish_reason": {"type": "abort", "message": "Abort all requests"}})
-        return client.Result(p.key, ids, {"spec_accept_length": 2.0})
+                                 {"finish_reason": {"type": "abort", "message": "Abort all requests"}, **stamp})
+        return client.Result(p.key, ids, {"spec_accept_length": 2.0, **stamp})
 
 
 def test_a_window_counts_its_seconds_then_aborts_what_is_in_flight(monkeypatch):
@@ -81,6 +116,7 @@ def test_a_window_counts_its_seconds_then_aborts_what_is_in_flight(monkeypatch):
     # two clients, a token each 5 ms: about 400 tokens/s (sleeps only run longer on a busy host)
     assert 150 < m["tok_per_s"] <= 410 and m["accept_length"] == 2.0 and m["errors"] == 0
     assert len({r.rsplit("-", 1)[0] for r in fake.rids}) == 1  # named, so that they could be aborted one by one
+    assert "ttft_ms" not in m  # a server that sends no time to first token: none recorded
     assert window.measure("b", prompt_at, 2, 5.0, 4, 10, time.time() + 3)["cut"]  # past the deadline: not started
 
 
@@ -97,6 +133,17 @@ def test_a_window_says_which_aborted_outputs_are_too_long_or_empty_and_keeps_why
     assert m["aborted"] == 3 and m["aborted_over_max"] == 1 and m["aborted_empty"] == 1
     assert sorted(m["prefixes"]) == sorted(m["abort_reasons"]) == ["c3-0", "c3-2"]
     assert m["abort_reasons"]["c3-0"] == {"type": "abort", "message": "Abort all requests"}
+
+
+def test_a_window_keeps_the_server_s_time_to_first_token(monkeypatch):
+    # the server stamps 25 ms on every request that got a token; a window of 20-token requests
+    # (0.2 s each) on 2 clients starts about 10 of them in its counted second
+    FakeGenerate(monkeypatch, per_token=0.01, first_token_s=0.025)
+    prompt_at = functools.partial(workload.window_prompt, 3000, 2, 20, 100)
+    m = window.measure("b", prompt_at, 2, 0.3, 1.0, 10, time.time() + 60)
+    ttft = m["ttft_ms"]
+    assert ttft["p50"] == 25.0 and 4 <= ttft["n"] <= 12 and ttft["censored"] <= 2
+    assert set(ttft) == {"p50", "p90", "n", "censored"}
 
 
 def test_a_failed_request_is_an_error_not_an_abort(monkeypatch):
