@@ -163,6 +163,26 @@ def step_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]
     return out
 
 
+def first_token_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per concurrency and config, over the blocks' windows that recorded a time to first token
+    (bench.window.first_token_ms): the median of their p50 and of their p90 (ms), and the requests
+    counted (`requests`) and those of them cut short before a first token (`censored`, a lower
+    bound), summed."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for c in levels(result):
+        row: dict[str, dict[str, float]] = {}
+        for name in result.get("configs", []):
+            ttfts = [t for b in blocks_at(result, c) if (w := b["windows"].get(name)) and (t := w.get("ttft_ms"))]
+            if not ttfts:
+                continue
+            row[name] = {"p50": round(statistics.median(t["p50"] for t in ttfts), 1),
+                         "p90": round(statistics.median(t["p90"] for t in ttfts), 1),
+                         "requests": sum(t["n"] for t in ttfts), "censored": sum(t["censored"] for t in ttfts)}
+        if row:
+            out[c] = row
+    return out
+
+
 def window_host(w: dict[str, Any]) -> dict[str, float]:
     """A window's host figures where the server's counters were read (bench.hostinfo): per decode
     step, its wall ms and its scheduler thread's ms on a CPU and waiting for one; the rest of the
@@ -551,6 +571,24 @@ def markdown(result: dict[str, Any]) -> str:
                     cells.append(f"{cell['wall_ms']:.2f} ({cell['tokens_per_step']:.0f})")
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("")
+    first = first_token_table(result)
+    if first:
+        lines += [("Time to first token, ms (the server's own stamps on the requests started in the counted span; "
+                   "median over the blocks of each window's p50 / p90; censored: cut short by the window's end "
+                   "before a first token and counted at their age then, a lower bound):"), "",
+                  "| concurrency | " + " | ".join(label(result, n) for n in names) + " |",
+                  "|---:|" + "---:|" * len(names)]
+        for c in sorted(first, key=int):
+            cells = []
+            for n in names:
+                cell = first[c].get(n)
+                if cell is None:
+                    cells.append("-")
+                    continue
+                censored = f" ({cell['censored']:.0f} of {cell['requests']:.0f} censored)" if cell["censored"] else ""
+                cells.append(f"{cell['p50']:.1f} / {cell['p90']:.1f}{censored}")
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines.append("")
     lines += report_steps.lines(result, lambda n: label(result, n))
     lines += attribution_lines(result)
     ramp = ramp_summary(result)
@@ -665,9 +703,9 @@ def mixed_calls_note(result: dict[str, Any]) -> str:
                 "within its own block.")
     return (f"Merged from {n} calls. At {', '.join(mixed)} requests several calls measured the level (marked): "
             "a tokens/s median marked * pools the windows of several calls, minutes or days apart, each with "
-            "its own servers, and so do the accept-length and per-step medians below; each ratio is still "
-            f"taken within its own block (windows seconds apart), against that block's {ref} window, and only "
-            "those per-block ratios are pooled.")
+            "its own servers, and so do the accept-length, per-step and first-token medians below; each ratio "
+            f"is still taken within its own block (windows seconds apart), against that block's {ref} window, "
+            "and only those per-block ratios are pooled.")
 
 
 def source_lines(result: dict[str, Any]) -> list[str]:

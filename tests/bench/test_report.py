@@ -116,6 +116,34 @@ def test_without_plain_the_ratios_are_to_the_first_config_named():
     assert bench_report.better_table(result) == {} and bench_report.floor_table(result) == {}
 
 
+def test_the_report_gives_each_server_s_time_to_first_token():
+    """Each window's p50 / p90 (bench.window.first_token_ms): the table gives their medians over the
+    blocks per concurrency and server, and how many requests were cut short before a first token
+    (lower bounds); windows that recorded none (an older sglang, an older bench.json) give none."""
+    result = without_plain(("eagle3", "eagle3_prefill_delayer"))
+    p50s = {"eagle3": (20.0, 30.0, 22.0), "eagle3_prefill_delayer": (60.0, 55.0, 90.0)}
+    for k, b in enumerate(result["blocks"]["64"]):
+        for name, p50 in p50s.items():
+            b["windows"][name]["ttft_ms"] = {"p50": p50[k], "p90": 2 * p50[k], "n": 40,
+                                             "censored": int(name == "eagle3_prefill_delayer" and k < 2)}
+    assert bench_report.first_token_table(result) == {"64": {
+        "eagle3": {"p50": 22.0, "p90": 44.0, "requests": 120, "censored": 0},
+        "eagle3_prefill_delayer": {"p50": 60.0, "p90": 120.0, "requests": 120, "censored": 2}}}
+    md = bench_report.markdown(result)
+    table = md.split("Time to first token, ms", 1)[1].split("\n\n", 2)[1]
+    assert table.splitlines() == ["| concurrency | EAGLE-3 | EAGLE-3 (prefill delayer) |", "|---:|---:|---:|",
+                                  "| 64 | 22.0 / 44.0 | 60.0 / 120.0 (2 of 120 censored) |"]
+    # a server whose windows recorded none: "-"; none at all: no table
+    for b in result["blocks"]["64"]:
+        del b["windows"]["eagle3"]["ttft_ms"]
+    assert "| 64 | - | 60.0 / 120.0 (2 of 120 censored) |" in bench_report.markdown(result)
+    for b in result["blocks"]["64"]:
+        del b["windows"]["eagle3_prefill_delayer"]["ttft_ms"]
+    assert bench_report.first_token_table(result) == {}
+    assert "Time to first token" not in bench_report.markdown(result)
+    assert "Time to first token" not in bench_report.markdown(json.loads(RESULT.read_text()))
+
+
 def test_a_merged_result_says_which_window_its_ratios_are_against():
     result = without_plain(("eagle3_thr", "eagle3_thr_prefill_graphs"))
     result["sources"] = [{"configs": result["configs"], "pairs": 2}, {"configs": result["configs"], "pairs": 1}]
