@@ -76,6 +76,20 @@ PHASES = ("install", "patch", "check", "models", "kernels", "smoke", "features",
 RUN_PHASES = ("smoke", "features", "bench", "comm", "router")  # marked done in the state once complete
 
 
+
+def bench_label(key: str, bench: dict[str, Any], this_call: str | None) -> str:
+    """A bench of the state as its reader knows it: its servers and loads, and whether an earlier
+    call ran it (the state keeps every bench's failures, so a failed bench stays in RESULT after a
+    call with other options ran and passed: the line must say which one failed)."""
+    parts = [",".join(bench.get("configs", []))]
+    if bench.get("concurrency"):
+        parts.append("at " + ",".join(str(c) for c in bench["concurrency"]) + " requests")
+    if key != this_call:
+        parts.append("an earlier call's options")
+    what = ", ".join(p for p in (" ".join(q for q in parts[:2] if q), *parts[2:]) if p)
+    return f"bench {key} ({what})" if what else f"bench {key}"
+
+
 class E2E:
     """The selected phases in order, each skipped where the state says it is done, and OUT written
     after each: the site's (bench.site), the models and the phases that run servers
@@ -199,8 +213,9 @@ class E2E:
         feats = self.call.state.get("features_report") or {}
         out += [f"features {f['variant']} {f['case']} {f['mode']}: {f['cause']}"
                 for f in feats.get("failures", [])]
+        this_call = self.runs.bench_key if "bench" in self.phases else None
         for key, bench in self.call.state.get("bench_reports", {}).items():
-            out += [f"bench {key}: {f.splitlines()[0]}" for f in bench.get("failures", [])]
+            out += [f"{bench_label(key, bench, this_call)}: {f.splitlines()[0]}" for f in bench.get("failures", [])]
         out += [f"router: {f.splitlines()[0]}" for f in (self.call.state.get("router_report") or {}).get("failures", [])]
         comm = self.call.state.get("comm_report") or {}
         out += [f"{f['variant']}: {f['cause']}" for f in comm.get("failures", [])]

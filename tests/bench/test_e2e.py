@@ -101,6 +101,40 @@ def test_an_e2e_bench_that_failed_runs_again_on_the_next_call(lab, tmp_path, mon
     assert "measured anew" in (tmp_path / "out" / "e2e.log").read_text()
 
 
+
+def test_a_failed_bench_of_an_earlier_call_is_named_as_such_in_the_result(lab, tmp_path, monkeypatch):
+    """A GPU run of 2026-12-07: a bench failed (its servers' KV pools did not fit at 128 requests), the
+    next call, with the lower top concurrency the message asked for, passed, and its RESULT repeated
+    the first bench's failure as "bench 8b-<key>: ...", as if the second had failed too."""
+    from bench import e2e
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # run() exports the servers' environment
+    models = tmp_path / "state" / "models" / "1b"
+    models.mkdir(parents=True)
+    (models / "expected.json").write_text(json.dumps({"vocab_size": 3072, "size": "1b"}))
+
+    def driver(loads: str) -> e2e.E2E:
+        drv = e2e.E2E(build_parser().parse_args([
+            "e2e", "--bundle", str(tmp_path / "bundle"), "--state", str(tmp_path / "state"), "--out",
+            str(tmp_path / "out"), "--phases", "bench", "--bench-configs", "plain,eagle3", "--bench-concurrency", loads,
+            "--bench-pairs", "1", "--bench-window-s", "20"]))
+        drv.call.deadline.at = time.time() + 600
+        return drv
+
+    monkeypatch.setattr(throughput, "server_checks",
+                        lambda name, srv, top, switching: ({"kv_used_after_flush": 7}, [f"{name}: 7 KV tokens in use"]))
+    first = driver("1,4")
+    assert first.run() == 1
+    assert any(f.startswith(f"bench {first.runs.bench_key} (plain,eagle3 at 1,4 requests): plain: 7 KV")
+               for f in first.all_failures())
+    monkeypatch.setattr(throughput, "server_checks", lambda name, srv, top, switching: ({"kv_used_after_flush": 0}, []))
+    second = driver("1")
+    assert second.run() == 1  # the state keeps every bench's failures: the first one's still counts
+    failures = second.all_failures()
+    assert failures and all(f.startswith(f"bench {first.runs.bench_key} (plain,eagle3 at 1,4 requests, "
+                                         "an earlier call's options): ") for f in failures)
+    assert "an earlier call's options" in (tmp_path / "out" / "summary.txt").read_text()
+
 def test_bench_model_shapes():
     """The parameter counts of the real transformers models the bench shapes build (on the meta
     device: no memory): 1b ~1.0e9, 8b ~7e9 (Llama-3-8B's layers, small vocab)."""
