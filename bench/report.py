@@ -9,7 +9,7 @@ import json
 import shlex
 import statistics
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +182,29 @@ def first_token_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, f
             out[c] = row
     return out
 
+
+
+def server_columns(result: dict[str, Any], names: list[str], table: dict[str, dict[str, dict[str, Any]]],
+                   cell_text: Callable[[dict[str, Any]], str]) -> list[str]:
+    """A markdown table of one row per concurrency and one column per server ("-": none there)."""
+    lines = ["| concurrency | " + " | ".join(label(result, n) for n in names) + " |", "|---:|" + "---:|" * len(names)]
+    for c in sorted(table, key=int):
+        cells = [cell_text(cell) if (cell := table[c].get(n)) is not None else "-" for n in names]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def step_cell(cell: dict[str, Any]) -> str:
+    """A step_table cell: wall / GPU / host ms where the device timer ran, and tokens per step."""
+    if "gpu_ms" in cell:
+        return f"{cell['wall_ms']:.2f} / {cell['gpu_ms']:.2f} / {cell['host_ms']:.2f} ({cell['tokens_per_step']:.0f})"
+    return f"{cell['wall_ms']:.2f} ({cell['tokens_per_step']:.0f})"
+
+
+def first_token_cell(cell: dict[str, Any]) -> str:
+    """A first_token_table cell: p50 / p90 ms, and the censored requests where there were any."""
+    censored = f" ({cell['censored']:.0f} of {cell['requests']:.0f} censored)" if cell["censored"] else ""
+    return f"{cell['p50']:.1f} / {cell['p90']:.1f}{censored}"
 
 def window_host(w: dict[str, Any]) -> dict[str, float]:
     """A window's host figures where the server's counters were read (bench.hostinfo): per decode
@@ -557,38 +580,13 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [("Per decode step (steps counted by each server; medians over the blocks): "
                    + ("wall / GPU busy / host ms (host: the GPU waiting for the host), tokens per step:" if timed
                       else "wall ms, tokens per step (GPU and host time need --device-timer):")), "",
-                  "| concurrency | " + " | ".join(label(result, n) for n in names) + " |", "|---:|" + "---:|" * len(names)]
-        for c in sorted(steps, key=int):
-            cells = []
-            for n in names:
-                cell = steps[c].get(n)
-                if cell is None:
-                    cells.append("-")
-                elif "gpu_ms" in cell:
-                    cells.append(f"{cell['wall_ms']:.2f} / {cell['gpu_ms']:.2f} / {cell['host_ms']:.2f} "
-                                 f"({cell['tokens_per_step']:.0f})")
-                else:
-                    cells.append(f"{cell['wall_ms']:.2f} ({cell['tokens_per_step']:.0f})")
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
-        lines.append("")
+                  *server_columns(result, names, steps, step_cell)]
     first = first_token_table(result)
     if first:
         lines += [("Time to first token, ms (the server's own stamps on the requests started in the counted span; "
                    "median over the blocks of each window's p50 / p90; censored: cut short by the window's end "
                    "before a first token and counted at their age then, a lower bound):"), "",
-                  "| concurrency | " + " | ".join(label(result, n) for n in names) + " |",
-                  "|---:|" + "---:|" * len(names)]
-        for c in sorted(first, key=int):
-            cells = []
-            for n in names:
-                cell = first[c].get(n)
-                if cell is None:
-                    cells.append("-")
-                    continue
-                censored = f" ({cell['censored']:.0f} of {cell['requests']:.0f} censored)" if cell["censored"] else ""
-                cells.append(f"{cell['p50']:.1f} / {cell['p90']:.1f}{censored}")
-            lines.append(f"| {c} | " + " | ".join(cells) + " |")
-        lines.append("")
+                  *server_columns(result, names, first, first_token_cell)]
     lines += report_steps.lines(result, lambda n: label(result, n))
     lines += attribution_lines(result)
     ramp = ramp_summary(result)
