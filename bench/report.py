@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import autotrace, configs, diagnose, hostinfo, pairing, pyspy, report_steps
-from bench.configs import TWIN
+from bench.configs import LAUNCH_STEPS, TWIN
 
 FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
 
@@ -104,15 +104,39 @@ def floor_table(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def versus_better(blocks: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
-    """`name`'s tokens/s over the better of plain and always-on EAGLE-3: within each block that
-    holds all three; where none does (a merge of calls, each beside plain: three 8B-shaped servers
-    may not fit one GPU), through plain (pairing.compare_to_better_through), marked `via`."""
-    direct = pairing.compare(blocks, name, list(FIXED_MODES))
+def versus_better(blocks: list[dict[str, Any]], name: str,
+                   modes: tuple[str, str] = FIXED_MODES) -> dict[str, Any] | None:
+    """`name`'s tokens/s over the better of plain and always-on EAGLE-3 (`modes`: their servers):
+    within each block that holds all three; where none does (a merge of calls, each beside plain:
+    three 8B-shaped servers may not fit one GPU), through plain (pairing.compare_to_better_through),
+    marked `via`."""
+    plain, eagle3 = modes
+    direct = pairing.compare(blocks, name, [plain, eagle3])
     if direct:
         return direct.as_dict()
-    through = pairing.compare_to_better_through(blocks, name, "eagle3", "plain")
-    return {**through.as_dict(), "via": "plain"} if through else None
+    through = pairing.compare_to_better_through(blocks, name, eagle3, plain)
+    return {**through.as_dict(), "via": plain} if through else None
+
+
+def modes_of(result: dict[str, Any], name: str) -> tuple[str, str]:
+    """The plain and always-on EAGLE-3 servers `name` is held against: those started with the same
+    flags and environment as `name` where both ran (a schedule with the prefill delayer against
+    plain and EAGLE-3 with it: what a flag gives every mode is not the schedule's gain), else the
+    stock two. A server that is itself one of its flags' two modes is held against the stock two."""
+    records = configs.from_result(result)
+    rec = records.get(name)
+    if rec is None or not rec.variant or rec.kind == "plain" or (rec.kind == "fixed" and rec.steps == LAUNCH_STEPS):
+        return FIXED_MODES
+
+    def alike(n: str, kind: str) -> bool:
+        r = records.get(n)
+        return (r is not None and r.kind == kind and not r.twin and r.args == rec.args and r.env == rec.env
+                and (kind == "plain" or r.steps == LAUNCH_STEPS))
+
+    ran = result.get("configs", [])
+    plain = next((n for n in ran if alike(n, "plain")), None)
+    eagle3 = next((n for n in ran if alike(n, "fixed")), None)
+    return (plain, eagle3) if plain and eagle3 else FIXED_MODES
 
 
 def through_plain_note(cells: Iterable[dict[str, Any] | None]) -> list[str]:
@@ -125,15 +149,15 @@ def through_plain_note(cells: Iterable[dict[str, Any] | None]) -> list[str]:
 
 def better_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per concurrency and switching config (a threshold, auto, adaptive): its tokens/s over the
-    better of plain and always-on EAGLE-3 (the product's promise; versus_better), median and
-    interval; empty unless both plain and EAGLE-3 ran."""
+    better of plain and always-on EAGLE-3 (the product's promise; versus_better), those started
+    with its own flags where they ran (modes_of), median and interval; a config is left out where
+    its two did not both run."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     names = result.get("configs", [])
-    if not all(n in names for n in FIXED_MODES):
-        return out
+    held = {name: modes_of(result, name) for name in names}
     for c in levels(result):
-        row = {name: ratio for name in names if name not in (*FIXED_MODES, TWIN)
-               if (ratio := versus_better(blocks_at(result, c), name))}
+        row = {name: ratio for name in names if name not in (*FIXED_MODES, TWIN) and all(m in names for m in held[name])
+               if (ratio := versus_better(blocks_at(result, c), name, held[name]))}
         if row:
             out[c] = row
     return out
@@ -537,8 +561,9 @@ def markdown(result: dict[str, Any]) -> str:
     better = better_table(result)
     if better:
         switching = [n for n in names if any(n in row for row in better.values())]
-        lines += [("Each other server over the better of plain and always-on EAGLE-3 in the same block, "
-                   "with the A/A floor (the plain twin over plain: the noise of the procedure itself):"), "",
+        lines += [("Each other server over the better of plain and always-on EAGLE-3 in the same block (those "
+                   "started with the server's own flags where both ran), with the A/A floor (the plain twin over "
+                   "plain: the noise of the procedure itself):"), "",
                   "| concurrency | " + " | ".join(label(result, n) for n in switching) + " | A/A floor |",
                   "|---:|" + "---:|" * (len(switching) + 1)]
         for c in sorted(better, key=int):

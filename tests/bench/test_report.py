@@ -425,3 +425,34 @@ def test_a_learned_schedule_is_set_against_the_best_fixed_server_at_each_load():
     del result["config_records"]["eagle3_sched2"]
     result["configs"].remove("eagle3_sched2")
     assert bench_report.learned_schedule_comparison(result) == {}
+
+
+def test_a_server_with_flags_is_held_against_plain_and_eagle3_with_the_same_flags():
+    """A schedule started with the prefill delayer is held against plain and EAGLE-3 with the
+    delayer where both ran, not against the stock two: what the flag gives every mode is not the
+    schedule's (row 93: the delayer alone made EAGLE-3 1.27x at 64 requests). Before, the table
+    needed servers named plain and eagle3 and, with them, credited the flag's gain to the schedule;
+    without them it was not drawn at all."""
+    recs = configs.expand(("plain", "eagle3", "plain_prefill_delayer", "eagle3_prefill_delayer",
+                           "eagle3_sched_prefill_delayer"), schedules=("1-40:5,41-:3",))
+    tok = {"plain": 500.0, "eagle3": 1000.0, "plain_prefill_delayer": 600.0, "eagle3_prefill_delayer": 1300.0,
+           "eagle3_sched1_prefill_delayer": 1365.0}
+    window = {"errors": 0, "output_tokens": 3000, "seconds": 3.0, "steps": 300, "accept_length": 3.0}
+
+    def result_of(names: tuple[str, ...]) -> dict[str, Any]:
+        return json.loads(json.dumps({
+            "configs": list(names), "config_records": {r.name: r.as_dict() for r in recs if r.name in names},
+            "pairs": 2, "blocks": {"64": [{"block": k + 1, "order": [], "windows": {
+                n: {**window, "tok_per_s": tok[n] * (1 + k / 100)} for n in names}} for k in range(2)]}}))
+
+    every = bench_report.better_table(result_of(tuple(tok)))["64"]
+    assert every["eagle3_sched1_prefill_delayer"]["median"] == pytest.approx(1.05)  # over EAGLE-3 with the delayer
+    assert every["eagle3_prefill_delayer"]["median"] == pytest.approx(1.3)  # a mode of its flags: over the stock two
+    assert every["plain_prefill_delayer"]["median"] == pytest.approx(0.6)
+    only_delayer = ("plain_prefill_delayer", "eagle3_prefill_delayer", "eagle3_sched1_prefill_delayer")
+    row = bench_report.better_table(result_of(only_delayer))["64"]
+    assert set(row) == {"eagle3_sched1_prefill_delayer"} and row["eagle3_sched1_prefill_delayer"]["median"] == pytest.approx(1.05)
+    assert "those started with the server's own flags" in bench_report.markdown(result_of(only_delayer))
+    # without plain with the delayer, the stock two are the reference (as before)
+    stock = bench_report.better_table(result_of(("plain", "eagle3", "eagle3_sched1_prefill_delayer")))["64"]
+    assert stock["eagle3_sched1_prefill_delayer"]["median"] == pytest.approx(1.365)
