@@ -76,17 +76,16 @@ PHASES = ("install", "patch", "check", "models", "kernels", "smoke", "features",
 RUN_PHASES = ("smoke", "features", "bench", "comm", "router")  # marked done in the state once complete
 
 
-
 def bench_label(key: str, bench: dict[str, Any], this_call: str | None) -> str:
     """A bench of the state as its reader knows it: its servers and loads, and whether an earlier
     call ran it (the state keeps every bench's failures, so a failed bench stays in RESULT after a
     call with other options ran and passed: the line must say which one failed)."""
-    parts = [",".join(bench.get("configs", []))]
+    what = ",".join(bench.get("configs", []))
     if bench.get("concurrency"):
-        parts.append("at " + ",".join(str(c) for c in bench["concurrency"]) + " requests")
+        what += f" at {','.join(str(c) for c in bench['concurrency'])} requests"
     if key != this_call:
-        parts.append("an earlier call's options")
-    what = ", ".join(p for p in (" ".join(q for q in parts[:2] if q), *parts[2:]) if p)
+        what += ", an earlier call's options"
+    what = what.strip(", ")
     return f"bench {key} ({what})" if what else f"bench {key}"
 
 

@@ -207,7 +207,6 @@ def first_token_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, f
     return out
 
 
-
 def server_columns(result: dict[str, Any], names: list[str], table: dict[str, dict[str, dict[str, Any]]],
                    cell_text: Callable[[dict[str, Any]], str]) -> list[str]:
     """A markdown table of one row per concurrency and one column per server ("-": none there)."""
@@ -229,6 +228,7 @@ def first_token_cell(cell: dict[str, Any]) -> str:
     """A first_token_table cell: p50 / p90 ms, and the censored requests where there were any."""
     censored = f" ({cell['censored']:.0f} of {cell['requests']:.0f} censored)" if cell["censored"] else ""
     return f"{cell['p50']:.1f} / {cell['p90']:.1f}{censored}"
+
 
 def window_host(w: dict[str, Any]) -> dict[str, float]:
     """A window's host figures where the server's counters were read (bench.hostinfo): per decode
