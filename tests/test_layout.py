@@ -145,7 +145,7 @@ LAYERS = {f"sglang_image_plugin.{module}": layer for layer, modules in {
     "hook": ("__init__", "registry", "flags", "worker", "observe", "layout", "plain_target",
              "draft_extend", "tp", "verify_attention", "length_cap"),
     "mechanism": ("policy", "plain_step", "draft_kv", "deferred_kv", "prefill_kv", "gpu_memory", "acceptance",
-                  "auto_threshold", "verify_prefix_kernel", "verify_combine_kernel",
+                  "state_graphs", "auto_threshold", "verify_prefix_kernel", "verify_combine_kernel",
                   "auto_config", "auto_estimate", "auto_policy", "auto_accept", "auto_depth",
                   "auto_depth_policy"),
     "state": ("state",),

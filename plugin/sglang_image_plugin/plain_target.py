@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from sglang_image_plugin import deferred_kv, gpu_memory, state
+from sglang_image_plugin import deferred_kv, gpu_memory, state, state_graphs
 from sglang_image_plugin.state import WorkerState
 from sglang_image_plugin.tp import log_on_rank0
 
@@ -67,16 +67,19 @@ def build_runtime_state(original: Callable[..., Any], worker: Any, speculative_n
     own = state.peek(worker, WorkerState)
     step = own.plain_step if own is not None else None
     held_before = gpu_memory.held_bytes()
-    if speculative_num_steps != 0 or step is None:
-        built = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
-    else:
-        deferred = deferred_kv.install(worker, runner_class()) if step.deferred else None
-        with _decode_runner_for_capture():
+    with state_graphs.capture_at(worker, speculative_num_steps, kwargs.get("cuda_graph_bs")) as sizes:
+        if sizes is not None:
+            kwargs["cuda_graph_bs"] = sizes
+        if speculative_num_steps != 0 or step is None:
             built = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
-        if deferred is not None:
-            deferred.reset()  # the capture's runs fed dummy rows
+        else:
+            deferred = deferred_kv.install(worker, runner_class()) if step.deferred else None
+            with _decode_runner_for_capture():
+                built = original(worker, speculative_num_steps, speculative_num_draft_tokens, *args, **kwargs)
+            if deferred is not None:
+                deferred.reset()  # the capture's runs fed dummy rows
     if own is not None:
-        _count_state_memory(own, speculative_num_steps, held_before, kwargs.get("cuda_graph_bs"))
+        _count_state_memory(own, speculative_num_steps, held_before, sizes)
     return built
 
 
@@ -88,7 +91,10 @@ def _count_state_memory(own: WorkerState, depth: int, held_before: int | None, g
         return
     own.state_memory[depth] = taken
     sizes = sorted(int(b) for b in graph_sizes or ())
-    graphs = f"graphs at {len(sizes)} batch sizes up to {sizes[-1]}" if sizes else "no graphs"
+    if sizes:
+        graphs = f"graphs at {len(sizes)} batch sizes up to {sizes[-1]}"
+    else:
+        graphs = "no graphs" if state_graphs.decode_graph_config() is None else "graphs at the launch's batch sizes"
     log_on_rank0(f"Speculation state depth {depth}: {own.state_memory[depth] / 2**30:.2f} GiB ({graphs}); "
                  f"the extra depth states take {sum(own.state_memory.values()) / 2**30:.2f} GiB "
                  "beside the launch depth's")

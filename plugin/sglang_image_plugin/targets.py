@@ -192,6 +192,7 @@ RELIED: tuple[str, ...] = (
     # decode graphs sized before it (memory settings) and capped by the limit afterwards.
     "sglang.srt.arg_groups.speculative_hook._handle_eagle_family",
     "sglang.srt.arg_groups.memory_hook.handle_gpu_memory_settings",
+    # (it also reads the sizes each depth state captures at: state_graphs.py sets them)
     "sglang.srt.model_executor.runner.base_cuda_graph_runner.get_batch_sizes_to_capture",
     # auto's step clock: decode steps, and the idle loop between bursts.
     "sglang.srt.managers.scheduler.Scheduler.event_loop_overlap",

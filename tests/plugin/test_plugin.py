@@ -624,6 +624,45 @@ def test_worker_walks_a_depth_schedule_through_upstream_s_controller(run_in_tree
     assert out["depth_gauge"] == 0.0  # the step at 50 requests, once the metrics were attached
 
 
+def test_each_extra_depth_state_captures_graphs_only_at_its_own_batch_sizes(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
+    # 0.5.23's init_cuda_graphs hands init_states the legacy --cuda-graph-bs-decode (None unless
+    # set), and its state build overrides only that legacy field, while the graph runners capture
+    # at cuda_graph_config.decode.bs: every depth state captured graphs at every size. Through
+    # upstream's controller as 0.5.23 calls it and the plugin's hook around the state build, the
+    # capture (a stand-in for upstream's) sees each depth's own sizes where the runners read them,
+    # and the launch's sizes are back after each build.
+    head = (f"MODEL = {str(model_dir)!r}\nARGS = ['--speculative-depth-schedule', '1-8:3,9-32:2,33-:0']\n"
+            "HF_CONFIG = {}\n")
+    body = """
+        hook(None, worker)
+        from sglang.srt.model_executor.cuda_graph_config import Backend
+        from sglang.srt.runtime_context import get_exec, publish
+        from sglang_image_plugin import plain_target
+        publish(sa, role="test")  # as the scheduler's process does before its worker starts
+        decode = get_exec().graph.cuda_graph_config.decode  # a CPU server has graphs off
+        decode.backend, decode.bs = Backend.FULL, [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]
+        seen = []
+        def capture(worker_, steps, tokens, cuda_graph_bs=None):  # upstream's capture, faked
+            seen.append([steps, list(get_exec().graph.cuda_graph_config.decode.bs), cuda_graph_bs])
+            return ("state", steps, tokens)
+        def build(speculative_num_steps, speculative_num_draft_tokens, cuda_graph_bs=None):
+            return plain_target.build_runtime_state(capture, worker, speculative_num_steps,
+                                                    speculative_num_draft_tokens, cuda_graph_bs=cuda_graph_bs)
+        worker.build_adaptive_runtime_state = build  # the hooked method, around the fake capture
+        worker.apply_runtime_state = lambda state: None
+        graphs_hook(worker)
+        legacy = get_exec().graph.cuda_graph_bs_decode
+        worker.adaptive_controller.register(("state", 3, 4), steps=3)
+        worker.adaptive_controller.init_states(cuda_graph_bs=legacy)  # as 0.5.23's init_cuda_graphs
+        emit({"legacy": legacy, "seen": sorted(seen), "after": list(decode.bs)})
+    """
+    out = _probe(run_in_tree, tree, plugin_site, LAUNCHER, head, WORKER, body)
+    assert out["legacy"] is None
+    # depth 2 runs at 8 (hysteresis 1 under 8) to 32, plain from 29 (32 - 4) up
+    assert out["seen"] == [[0, [32, 40, 48, 64], [32, 40, 48, 64]], [2, [8, 16, 24, 32], [8, 16, 24, 32]]]
+    assert out["after"] == [1, 2, 4, 8, 16, 24, 32, 40, 48, 64]
+
+
 def test_worker_reports_the_accept_length_before_and_after_a_plain_phase(run_in_tree, tree, plugin_site, model_dir) -> None:  # type: ignore[no-untyped-def]
     # Through upstream's own worker methods, as the overlap scheduler calls them: a decode
     # batch's step count is chosen (activate_step_by_batch), then the batch before it verifies
