@@ -466,6 +466,26 @@ def ramp_summary(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def switching_note(state: dict[str, Any]) -> str:
+    """What a switching server did (its server info): a schedule's steps per depth and its changes,
+    a threshold's modes; the GPU memory of each depth state beside the launch depth's; the accept
+    length around plain phases."""
+    if "schedule" in state:
+        learned = f" (learned {state['learned']})" if state.get("learned") else ""
+        steps = ", ".join(f"{n} at depth {d}" for d, n in (state.get("steps_by_depth") or {}).items())
+        text = (f"schedule {state['schedule']}{learned}, steps {steps or 'none'}, "
+                f"{state.get('depth_changes')} depth changes")
+    else:
+        crossover = f", crossover {state['crossover']}" if "crossover" in state else ""
+        text = (f"threshold {state.get('threshold')}{crossover}, {state.get('speculative_steps')} speculative / "
+                f"{state.get('plain_steps')} plain steps, {state.get('mode_changes')} mode changes")
+    memory = state.get("state_memory_gib") or {}
+    if memory:
+        text += ("; GPU memory of the depth states beside the launch depth's: "
+                 + ", ".join(f"depth {d} {float(g):.2f} GiB" for d, g in memory.items()))
+    return text + acceptance_note(state)
+
+
 def acceptance_note(state: dict[str, Any]) -> str:
     """The plugin's accept length before and after plain phases (server info), where measured."""
     acc = state.get("acceptance_around_plain") or {}
@@ -657,10 +677,7 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{info.get('running_limit')}" + plain_step_note(info.get("speculative_disable")))
         st = info.get("speculative_disable")
         if st:
-            crossover = f", crossover {st['crossover']}" if "crossover" in st else ""
-            lines.append(f"- {label(result, name)}: threshold {st.get('threshold')}{crossover}, "
-                         f"{st.get('speculative_steps')} speculative / {st.get('plain_steps')} plain steps, "
-                         f"{st.get('mode_changes')} mode changes" + acceptance_note(st))
+            lines.append(f"- {label(result, name)}: {switching_note(st)}")
             if st.get("estimates"):  # auto: what it measured, per batch-size bucket
                 lines.append(f"- {label(result, name)}: per bucket, speculative / plain: {st['estimates']}")
         if info.get("step_trace"):  # auto: its steps' times, as its estimate and the traffic read them

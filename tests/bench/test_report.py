@@ -275,6 +275,25 @@ def test_the_report_shows_what_auto_measured_per_bucket():
     assert "threshold 16: per bucket" not in md  # a fixed threshold measures nothing
 
 
+def test_the_report_says_what_a_schedule_server_ran_at_each_depth_and_what_its_states_cost():
+    # Row 92's report called a schedule server "threshold None, 3290 speculative / 0 plain steps,
+    # 0 mode changes": not the depths it ran, nor what each extra depth state took of the GPU.
+    result = json.loads(RESULT.read_text())
+    result["servers"]["eagle3_auto"] = {"kv_used_after_flush": 0, "running_limit": 128, "speculative_disable": {
+        "schedule": "1-22:7,23-90:5,91-:3", "depth": 3, "mode": "speculative",
+        "steps_by_depth": {"3": 600, "5": 1900, "7": 790}, "speculative_steps": 3290, "plain_steps": 0,
+        "depth_changes": 5, "mode_changes": 0, "state_memory_gib": {"3": 0.37, "5": 0.625}}}
+    md = bench_report.markdown(result)
+    assert ("EAGLE-3 + auto: schedule 1-22:7,23-90:5,91-:3, steps 600 at depth 3, 1900 at depth 5, "
+            "790 at depth 7, 5 depth changes; GPU memory of the depth states beside the launch depth's: "
+            "depth 3 0.37 GiB, depth 5 0.62 GiB") in md
+    assert "threshold None" not in md
+    result["servers"]["eagle3_auto"]["speculative_disable"] = {
+        "threshold": 16, "speculative_steps": 10, "plain_steps": 5, "mode_changes": 2}
+    assert "EAGLE-3 + auto: threshold 16, 10 speculative / 5 plain steps, 2 mode changes" in \
+        bench_report.markdown(result)
+
+
 def test_the_report_says_where_the_host_time_went():
     """Each window of plain and its twin at 256 requests with its scheduler's counters and the
     probe's work: the report gives, per server, the wall, on-CPU and waiting ms per step, and
