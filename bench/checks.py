@@ -108,14 +108,15 @@ def server_checks(name: str, srv: Server, top: int, switching: bool) -> tuple[di
     return info, problems
 
 
-def mismatches(outputs: dict[str, dict[str, Any]], where: str) -> list[str]:
-    """Every config's outputs against plain's for the same prompts (greedy: they must be equal)."""
-    ref = outputs.get("plain", {})
+def mismatches(outputs: dict[str, dict[str, Any]], where: str, reference: str = "plain") -> list[str]:
+    """Every config's outputs against plain decoding's (`reference`: the server that decoded plain)
+    for the same prompts (greedy: they must be equal)."""
+    ref = outputs.get(reference, {})
     problems = []
     for name, got in outputs.items():
-        bad = [k for k, v in got.items() if name != "plain" and v is not None and ref.get(k) not in (None, v)]
+        bad = [k for k, v in got.items() if name != reference and v is not None and ref.get(k) not in (None, v)]
         if bad:
-            problems.append(f"{where} {name}: {len(bad)} output(s) differ from plain (e.g. {bad[0]})")
+            problems.append(f"{where} {name}: {len(bad)} output(s) differ from {reference} (e.g. {bad[0]})")
     return problems
 
 
@@ -149,15 +150,16 @@ def detail_text(d: dict[str, Any]) -> str:
 
 
 def compared_outputs(outputs: dict[str, dict[str, Any]], prefixes: dict[str, dict[str, Any]], where: str,
-                     reasons: dict[str, dict[str, Any]] | None = None) -> tuple[list[str], list[dict[str, Any]]]:
+                     reasons: dict[str, dict[str, Any]] | None = None,
+                     reference: str = "plain") -> tuple[list[str], list[dict[str, Any]]]:
     """mismatches() of the complete outputs, and every aborted output a prefix of plain's; with,
     per server that has aborted outputs that are not, the first PREFIX_EXAMPLES of them described
     (prefix_detail; `reasons`: server -> key -> finish_reason of its aborted outputs)."""
-    problems = mismatches(outputs, where)
+    problems = mismatches(outputs, where, reference)
     details: list[dict[str, Any]] = []
-    ref = outputs.get("plain", {})
+    ref = outputs.get(reference, {})
     for name, got in prefixes.items():
-        if name == "plain":
+        if name == reference:
             continue
         # plain's complete output ran to max_new_tokens: one that starts with all of it and goes on
         # ran past its length, which over_max() reports from every window (plain's or not)
@@ -167,7 +169,7 @@ def compared_outputs(outputs: dict[str, dict[str, Any]], prefixes: dict[str, dic
             why = (reasons or {}).get(name, {})
             examples = [prefix_detail(k, got[k], ref[k], why.get(k)) for k in bad[:PREFIX_EXAMPLES]]
             details.append({"where": where, "server": name, "bad": len(bad), "examples": examples})
-            problems.append(f"{where} {name}: {len(bad)} aborted output(s) not a prefix of plain's "
+            problems.append(f"{where} {name}: {len(bad)} aborted output(s) not a prefix of {reference}'s "
                             f"(e.g. {detail_text(examples[0])})")
     return problems, details
 

@@ -37,6 +37,7 @@ measured in the same blocks. The delayer needs the overlap scheduler (upstream a
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -194,6 +195,16 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
         else:
             raise ValueError(f"unknown bench config {name!r}: one of {', '.join(CONFIGS)}")
     return out
+
+
+def output_reference(records: Mapping[str, BenchConfig]) -> str | None:
+    """The server whose greedy outputs every other's are held to: plain where it ran, else another
+    that decodes plain (one started with flags of its own, such as the prefill delayer, before the
+    A/A twin); None where none did."""
+    if "plain" in records:
+        return "plain"
+    plain = [name for name, rec in records.items() if rec.kind == "plain"]
+    return next((name for name in plain if not records[name].twin), plain[0] if plain else None)
 
 
 def from_result(result: dict[str, Any]) -> dict[str, BenchConfig]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import autotrace, configs, diagnose, hostinfo, pairing, pyspy, report_steps
-from bench.configs import LAUNCH_STEPS, TWIN
+from bench.configs import LAUNCH_STEPS, TWIN, output_reference
 
 FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
 
@@ -688,10 +688,16 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"- not measured: {s}" for s in result.get("not_measured", [])]
     lines += [f"- FAILED: {f.splitlines()[0]}" for f in result.get("failures", [])]
     if not result.get("failures") and (result.get("blocks") or result.get("ramp")):
-        # a merged result: every call must have had its plain server to compare with
-        compared = all("plain" in s.get("configs", ()) for s in sources) if sources else "plain" in result.get("configs", ())
-        lines.append("- every output equal to plain decoding's (aborted ones a prefix of it); 0 request errors"
-                     if compared else "- outputs NOT compared (no plain server in this run); 0 request errors")
+        # a merged result: every call must have had a server decoding plain to compare with
+        held_to = [output_reference(configs.from_result(s)) for s in sources] if sources else \
+            [output_reference(configs.from_result(result))]
+        if all(held_to):
+            to = "" if set(held_to) == {"plain"} else \
+                f" ({', '.join(sorted({label(result, str(n)) for n in held_to}))})"
+            lines.append(f"- every output equal to plain decoding's{to} (aborted ones a prefix of it); "
+                         "0 request errors")
+        else:
+            lines.append("- outputs NOT compared (no server decoding plain in this run); 0 request errors")
     diagnosed = result.get("diagnose", {})
     for name, diag in diagnosed.items():
         lines += ["", *diagnose.render(name, diag)]

@@ -68,6 +68,7 @@ from bench.checks import (
     server_checks,
     trial_of,
 )
+from bench.configs import from_result, output_reference
 from bench.options import (
     BenchOptions,
     config_records,
@@ -459,7 +460,8 @@ class Bench:
             reasons[name] = m.pop("abort_reasons")
             got[name] = m
         self.result["blocks"].setdefault(str(c), []).append({"block": k + 1, "order": order, "windows": got})
-        problems, details = compared_outputs(outputs, prefixes, f"block {k + 1} c={c}", reasons)
+        reference = output_reference(config_records(opts)) or "plain"
+        problems, details = compared_outputs(outputs, prefixes, f"block {k + 1} c={c}", reasons, reference)
         self.result["window_mismatches"] += problems + over_max(got, f"block {k + 1} c={c}")
         # what the aborted outputs that are not a prefix of plain's hold (a state of an older bench has none)
         self.result.setdefault("prefix_mismatches", []).extend(details)
@@ -526,7 +528,7 @@ def finish(result: dict[str, Any], st: dict[str, Any], notes: list[str], names: 
     """The result as the report shows it: outputs compared, failures gathered, what remains."""
     digests = st.get("ramp_digests", {})
     result["mismatches"] = result["window_mismatches"] + mismatches(
-        {n: digests[n] for n in names if n in digests}, "ramp")
+        {n: digests[n] for n in names if n in digests}, "ramp", output_reference(from_result(result)) or "plain")
     result["failures"] = (result["checks"] + result.get("start_failures", []) + result["mismatches"]
                           + errors(result))
     left = remaining(result, st, names)

@@ -104,7 +104,7 @@ def test_without_plain_the_ratios_are_to_the_first_config_named():
     assert "ratio to plain" not in md
     assert "| concurrency | EAGLE-3 + threshold 16 | EAGLE-3 + threshold 16 (prefill K/V graphs) |" in md
     assert "| 64 | 1000 | 1050 (1.05x [1.00-1.10]) |" in md
-    assert "- outputs NOT compared (no plain server in this run)" in md  # still: outputs need plain
+    assert "- outputs NOT compared (no server decoding plain in this run)" in md  # still: outputs need plain
     # the first named is the reference, whichever it is (--bench-configs eagle3_auto,eagle3)
     result = without_plain(("eagle3_auto", "eagle3"), ratios=(0.9, 0.9, 0.9))
     assert bench_report.reference(result) == "eagle3_auto"
@@ -245,14 +245,25 @@ def test_a_server_s_environment_comes_back_from_bench_json_and_is_in_its_label()
 
 
 def test_a_run_without_plain_does_not_claim_equal_outputs():
-    # the outputs are compared with the plain server's of the same run: without one, nothing is
+    # the outputs are compared with those of a server of the same run that decodes plain: without
+    # one, nothing is; with plain started with flags of its own (row 94: the prefill delayer on
+    # every server), with that one's, and the report names it
     result = json.loads(RESULT.read_text())
-    assert "every output equal to plain decoding's" in bench_report.markdown(result)
-    result["configs"] = [c for c in result["configs"] if c != "plain"]
-    result["servers"].pop("plain", None)
+    assert "- every output equal to plain decoding's (aborted ones a prefix of it)" in bench_report.markdown(result)
+    records = configs.from_result(result)
+    for name in ("plain", "plain_twin"):
+        result["configs"] = [c for c in result["configs"] if c != name]
+        result["servers"].pop(name, None)
+        records.pop(name, None)
+    result["config_records"] = {n: r.as_dict() for n, r in records.items()}
     md = bench_report.markdown(result)
     assert "every output equal" not in md
-    assert "- outputs NOT compared (no plain server in this run); 0 request errors" in md
+    assert "- outputs NOT compared (no server decoding plain in this run); 0 request errors" in md
+    delayed = configs.expand(("plain_prefill_delayer",))[0]
+    result["config_records"]["plain_prefill_delayer"] = delayed.as_dict()
+    result["configs"].append("plain_prefill_delayer")
+    assert ("- every output equal to plain decoding's (plain (prefill delayer)) (aborted ones a prefix of it)"
+            in bench_report.markdown(result))
 
 
 def test_render_flag_draws_a_saved_result_without_servers(tmp_path):

@@ -354,6 +354,26 @@ def test_an_aborted_output_not_a_prefix_of_plain_s_is_described_in_bench_json(la
     assert saved["prefix_mismatches"] == result["prefix_mismatches"]
 
 
+def test_without_plain_the_outputs_are_held_to_plain_started_with_flags(lab, monkeypatch):
+    """Row 94 ran plain, EAGLE-3 and the schedule all with the prefill delayer: no server named
+    plain, and no output was compared. Plain with the delayer decodes plain: the others' outputs,
+    complete and aborted, and the ramp's are held to its."""
+    fake = lab.measure
+
+    def measure(base: str, prompt_at: Any, c: int, *a: Any, **kw: Any) -> dict[str, Any]:
+        m = fake(base, prompt_at, c, *a, **kw)
+        if base.endswith("eagle3_prefill_delayer"):
+            m["outputs"][prompt_at(1).key] = [9]
+        return m
+
+    monkeypatch.setattr(throughput, "measure", measure)
+    opts = lab.options(400, configs=("plain_prefill_delayer", "eagle3_prefill_delayer"), concurrency=(4,),
+                       pairs=1, ramp_cycles=0)
+    result = throughput.run_bench(opts, {})
+    assert result["failures"] == [("block 1 c=4 eagle3_prefill_delayer: 1 output(s) differ from "
+                                   "plain_prefill_delayer (e.g. c4-1)")]
+
+
 @pytest.mark.parametrize("seconds", range(10, 700, 30))
 def test_a_call_finishes_whole_units_within_its_deadline(lab, seconds):
     """Whatever the time a call has: it ends within it; every block it keeps was measured on every
