@@ -28,10 +28,11 @@ padding, so that the host's share of a speculative step can be compared in the s
 A config ending in `_prefill_delayer` (`plain_prefill_delayer`, `eagle3_prefill_delayer`,
 `eagle3_sched_prefill_delayer`) is its base started with upstream's prefill delayer on its queue
 trigger (PREFILL_DELAYER): a prefill waits, a bounded number of passes, until the waiting queue
-holds an eighth of the running requests. A closed loop of short prompts refills each ended request
-with a prefill of its own, and a prefill of a few tokens costs a whole forward of the target (its
-weights read once): the same per output token in every mode, but a larger share of the time of a
-server that decodes faster. With the delayer beside the same server without it, that share is
+holds an eighth of the running requests (`--delayer-ratio`: another share, the same for every such
+config of a call; at 1/16 it waits only from 32 running requests up). A closed loop of short
+prompts refills each ended request with a prefill of its own, and a prefill of a few tokens costs
+a whole forward of the target (its weights read once): the same per output token in every mode,
+but a larger share of the time of a server that decodes faster. With the delayer beside the same server without it, that share is
 measured in the same blocks. The delayer needs the overlap scheduler (upstream asserts it).
 """
 from __future__ import annotations
@@ -68,7 +69,15 @@ EAGLE3_WITH = {"eagle3_extend_verify": EXTEND_VERIFY, "eagle3_headwise_verify": 
                "eagle3_splits_by_load": SPLITS_BY_LOAD}
 # upstream's prefill delayer, queue trigger: hold a prefill while fewer than running / 8 requests
 # wait (at most its 30 passes, 5 s): the successors of requests that end one by one prefill together
-PREFILL_DELAYER = ("--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", "0.125")
+DELAYER_RATIO = 0.125  # the queue trigger's share of the running requests (upstream's typical 0.1-0.5)
+
+
+def prefill_delayer(ratio: float = DELAYER_RATIO) -> tuple[str, ...]:
+    """Upstream's prefill delayer on its queue trigger: a prefill waits until running x ratio wait."""
+    return ("--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", f"{ratio:g}")
+
+
+PREFILL_DELAYER = prefill_delayer()
 # a config started with flags of its own: its name and (the config it is, the flags); a sweep's
 # records each get them (eagle3_sched1_prefill_delayer, ...)
 WITH_FLAGS = {"plain_prefill_delayer": ("plain", PREFILL_DELAYER),
@@ -80,6 +89,15 @@ ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", HEADWISE_VERIFY: "per-head v
              PREFILL_GRAPHS: "prefill K/V graphs",
              METADATA_GLUE: "metadata glue graph", UPSTREAM_COMBINE: "upstream combine",
              SPLITS_BY_LOAD: "splits by load"}
+
+
+def flags_note(args: tuple[str, ...]) -> str:
+    """A server's own flags in its label: the delayer by name (its ratio where not the default)."""
+    if args in FLAG_NOTES:
+        return FLAG_NOTES[args]
+    if args[:2] == PREFILL_DELAYER[:2] and len(args) == 3:
+        return f"prefill delayer, queue ratio {args[2]}"
+    return shlex.join(args)
 
 
 @dataclass(frozen=True)
@@ -131,7 +149,7 @@ class BenchConfig:
     def label(self) -> str:
         notes = [ENV_NOTES.get(pair, "=".join(pair)) for pair in self.env]
         if self.args:
-            notes.append(FLAG_NOTES.get(self.args, shlex.join(self.args)))
+            notes.append(flags_note(self.args))
         return self.base_label + (f" ({', '.join(notes)})" if notes else "")
 
     @property
@@ -158,7 +176,7 @@ class BenchConfig:
 
 def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
            depths: tuple[int, ...] = (), schedules: tuple[str, ...] = (),
-           auto_depth: int = LAUNCH_STEPS) -> list[BenchConfig]:
+           auto_depth: int = LAUNCH_STEPS, delayer_ratio: float = DELAYER_RATIO) -> list[BenchConfig]:
     """The servers of the named configs, in order (a sweep's in its values' order). A schedule
     server launches at its deepest tier (3 at least); the schedule `auto` at `auto_depth`, the
     deepest it can learn."""
@@ -189,6 +207,7 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out.append(BenchConfig(name, "adaptive", LAUNCH_STEPS))
         elif name in WITH_FLAGS:
             base, flags = WITH_FLAGS[name]
+            flags = prefill_delayer(delayer_ratio) if flags == PREFILL_DELAYER else flags
             suffix = name.removeprefix(base)
             out += [replace(rec, name=rec.name + suffix, args=flags)
                     for rec in expand((base,), thresholds, depths, schedules, auto_depth)]

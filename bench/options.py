@@ -16,6 +16,7 @@ from typing import Any
 from bench import depth_choice
 from bench.configs import (
     CONFIGS,
+    DELAYER_RATIO,
     EXTEND_VERIFY,
     HEADWISE_VERIFY,
     LAUNCH_STEPS,
@@ -48,6 +49,7 @@ class BenchOptions:
     depths: tuple[int, ...] = (1, 2)  # eagle3_depth: one always-on EAGLE-3 server per draft depth
     schedules: tuple[str, ...] = (DEPTH_SCHEDULE_EXAMPLE,)  # eagle3_sched: one server per schedule
     auto_depth: int = LAUNCH_STEPS  # the draft steps eagle3_sched's `auto` launches with (the deepest it learns)
+    delayer_ratio: float = DELAYER_RATIO  # the *_prefill_delayer configs' queue trigger
     # the switching servers (a threshold, auto) start without --max-running-requests and a decode
     # graph size, as the README's Serve command does: the plugin keeps a plain server's limits
     switching_defaults: bool = False
@@ -92,7 +94,7 @@ class BenchOptions:
 def config_records(opts: BenchOptions) -> dict[str, BenchConfig]:
     """Every server's record (bench.configs), by its name."""
     return {rec.name: rec for rec in expand(opts.configs, opts.thresholds, opts.depths, opts.schedules,
-                                         opts.auto_depth)}
+                                         opts.auto_depth, opts.delayer_ratio)}
 
 
 def server_names(opts: BenchOptions) -> list[str]:
@@ -129,6 +131,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                          f"plain_prefill_delayer, eagle3_prefill_delayer, eagle3_sched_prefill_delayer: the "
                          f"config started with upstream's prefill delayer, {' '.join(PREFILL_DELAYER)} (overlap "
                          "scheduler only); eagle3_auto runs only where the server has it)")
+    ap.add_argument(p + "delayer-ratio", type=float, default=DELAYER_RATIO,
+                    help="the *_prefill_delayer configs' queue trigger: a prefill waits until the running "
+                         "requests times RATIO wait (upstream's --prefill-delayer-queue-min-ratio; "
+                         f"default {DELAYER_RATIO:g}: from 16 running requests up, 0.0625: from 32)")
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),
                     help="comma list of closed-loop loads, measured in the order given (a switching "
                          "server carries what one load taught it into the next: 256,192 shows a "
@@ -227,6 +233,9 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
         raise refuse("schedule", "give one or more distinct schedules separated by ';', e.g. 1-16:3,17-:0")
     if get("auto-depth") < 1:
         raise refuse("auto-depth", f"must be >= 1 draft steps (default {LAUNCH_STEPS})")
+    if not 0 < get("delayer-ratio") <= 1:
+        raise refuse("delayer-ratio", "must be in (0, 1]: the share of the running requests that must wait "
+                                      f"before a prefill runs (default {DELAYER_RATIO:g})")
     if get("pairs") < 0:
         raise refuse("pairs", "must be >= 0 (0: the ramp alone)")
     if not get("window-s") > 0:
@@ -263,7 +272,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     return {"configs": configs, "concurrency": tuple(int(x) for x in conc),
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
             "depths": tuple(sorted(int(x) for x in depths)), "schedules": tuple(schedules),
-            "auto_depth": get("auto-depth"),
+            "auto_depth": get("auto-depth"), "delayer_ratio": get("delayer-ratio"),
             "switching_defaults": get("switching-defaults"), "pairs": get("pairs"),
             "window_s": get("window-s"), "settle_s": get("settle-s"),
             "output_spread": get("output-spread"), "auto_learn_s": get("auto-learn-s"),

@@ -759,6 +759,26 @@ def test_a_schedule_with_upstream_s_combine_is_the_schedule_server_with_the_swit
     assert configs.BenchConfig.from_dict(json.loads(json.dumps(rec.as_dict()))) == rec
 
 
+def test_the_delayer_s_queue_ratio_is_one_option_for_every_delayer_config_of_a_call(tmp_path):
+    # Row 93: the delayer at 1/8 cost EAGLE-3 15% at 16 requests (a refill waits for a second one)
+    # and row 94 doubled the time to first token at 64. --delayer-ratio 0.0625 waits only from 32
+    # running requests up, on every *_prefill_delayer server of the call, named in its label.
+    parsed = bench_options("--configs", "eagle3,eagle3_prefill_delayer,plain_prefill_delayer",
+                           "--delayer-ratio", "0.0625")
+    opts = dataclasses.replace(parsed, models=tmp_path, out=tmp_path)
+    late = ("--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", "0.0625")
+    records = options.config_records(opts)
+    assert {n: r.args for n, r in records.items()} == {"eagle3": (), "eagle3_prefill_delayer": late,
+                                                       "plain_prefill_delayer": late}
+    assert throughput.server_config("eagle3_prefill_delayer", opts).argv(30000)[-3:] == list(late)
+    assert records["eagle3_prefill_delayer"].label == "EAGLE-3 (prefill delayer, queue ratio 0.0625)"
+    default = dataclasses.replace(bench_options("--configs", "eagle3_prefill_delayer"), models=tmp_path, out=tmp_path)
+    assert options.config_records(default)["eagle3_prefill_delayer"].args == configs.PREFILL_DELAYER
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(SystemExit, match=r"--delayer-ratio .*must be in \(0, 1\]"):
+            bench_options("--configs", "eagle3_prefill_delayer", "--delayer-ratio", bad)
+
+
 def test_a_prefill_delayer_config_is_its_base_with_upstream_s_delayer_flags(tmp_path):
     # plain_prefill_delayer, eagle3_prefill_delayer, eagle3_sched_prefill_delayer: the base's flags,
     # then upstream's prefill delayer on its queue trigger, then --server-args (a caller's flag
