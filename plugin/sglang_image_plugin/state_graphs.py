@@ -34,17 +34,13 @@ def decode_graph_config() -> Any | None:
 
 
 def pruned_sizes(worker: Any, steps: int, captured: list[int]) -> list[int] | None:
-    """The sizes the policy gives a depth out of `captured` (None: its policy does not prune).
-    A depth that no captured size reaches keeps the largest one, not none: its batches are larger
-    than any graph and run eagerly, and an empty list would fail the runners' capture."""
+    """The sizes the policy gives a depth out of `captured` (None: its policy does not prune)."""
     policy: Any = getattr(getattr(worker, "adaptive_controller", None), "params", None)
     if not hasattr(policy, "cuda_graph_bs_for_step") or not hasattr(policy, "set_cuda_graph_bs"):
         return None
     policy.set_cuda_graph_bs(list(captured))
-    sizes = policy.cuda_graph_bs_for_step(steps)
-    if sizes is None:
-        return None
-    return sorted(sizes) or [max(captured)]
+    sizes: list[int] | None = policy.cuda_graph_bs_for_step(steps)
+    return sizes
 
 
 @contextlib.contextmanager
@@ -57,10 +53,13 @@ def capture_at(worker: Any, steps: int, given: list[int] | None) -> Iterator[lis
         yield given
         return
     captured = list(decode.bs)
-    sizes = pruned_sizes(worker, steps, captured) if given is None else (sorted(given) or [max(captured)])
+    sizes = pruned_sizes(worker, steps, captured) if given is None else given
     if sizes is None:
         yield given
         return
+    # a depth no captured size reaches keeps the largest one, not none: its batches are larger than
+    # any graph and run eagerly, and an empty list would fail the runners' capture
+    sizes = sorted(sizes) or [max(captured)]
     saved = decode.bs
     decode.bs = sizes
     try:
