@@ -70,11 +70,14 @@ EAGLE3_WITH = {"eagle3_extend_verify": EXTEND_VERIFY, "eagle3_headwise_verify": 
 # upstream's prefill delayer, queue trigger: hold a prefill while fewer than running / 8 requests
 # wait (at most its 30 passes, 5 s): the successors of requests that end one by one prefill together
 DELAYER_RATIO = 0.125  # the queue trigger's share of the running requests (upstream's typical 0.1-0.5)
+DELAYER_PASSES = 30  # upstream's cap on the scheduler passes one prefill may be held (its default)
 
 
-def prefill_delayer(ratio: float = DELAYER_RATIO) -> tuple[str, ...]:
-    """Upstream's prefill delayer on its queue trigger: a prefill waits until running x ratio wait."""
-    return ("--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", f"{ratio:g}")
+def prefill_delayer(ratio: float = DELAYER_RATIO, max_passes: int = DELAYER_PASSES) -> tuple[str, ...]:
+    """Upstream's prefill delayer on its queue trigger: a prefill waits until running x ratio wait,
+    for at most `max_passes` scheduler passes (named only where not upstream's default)."""
+    flags = ("--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", f"{ratio:g}")
+    return flags if max_passes == DELAYER_PASSES else (*flags, "--prefill-delayer-max-delay-passes", str(max_passes))
 
 
 PREFILL_DELAYER = prefill_delayer()
@@ -95,8 +98,9 @@ def flags_note(args: tuple[str, ...]) -> str:
     """A server's own flags in its label: the delayer by name (its ratio where not the default)."""
     if args in FLAG_NOTES:
         return FLAG_NOTES[args]
-    if args[:2] == PREFILL_DELAYER[:2] and len(args) == 3:
-        return f"prefill delayer, queue ratio {args[2]}"
+    if args[:2] == PREFILL_DELAYER[:2] and len(args) in (3, 5):
+        note = "prefill delayer" + ("" if args[2] == PREFILL_DELAYER[2] else f", queue ratio {args[2]}")
+        return note + (f", at most {args[4]} passes" if len(args) == 5 else "")
     return shlex.join(args)
 
 
@@ -176,7 +180,8 @@ class BenchConfig:
 
 def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
            depths: tuple[int, ...] = (), schedules: tuple[str, ...] = (),
-           auto_depth: int = LAUNCH_STEPS, delayer_ratio: float = DELAYER_RATIO) -> list[BenchConfig]:
+           auto_depth: int = LAUNCH_STEPS, delayer_ratio: float = DELAYER_RATIO,
+           delayer_passes: int = DELAYER_PASSES) -> list[BenchConfig]:
     """The servers of the named configs, in order (a sweep's in its values' order). A schedule
     server launches at its deepest tier (3 at least); the schedule `auto` at `auto_depth`, the
     deepest it can learn."""
@@ -207,7 +212,7 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
             out.append(BenchConfig(name, "adaptive", LAUNCH_STEPS))
         elif name in WITH_FLAGS:
             base, flags = WITH_FLAGS[name]
-            flags = prefill_delayer(delayer_ratio) if flags == PREFILL_DELAYER else flags
+            flags = prefill_delayer(delayer_ratio, delayer_passes) if flags == PREFILL_DELAYER else flags
             suffix = name.removeprefix(base)
             out += [replace(rec, name=rec.name + suffix, args=flags)
                     for rec in expand((base,), thresholds, depths, schedules, auto_depth)]

@@ -16,6 +16,7 @@ from typing import Any
 from bench import depth_choice
 from bench.configs import (
     CONFIGS,
+    DELAYER_PASSES,
     DELAYER_RATIO,
     EXTEND_VERIFY,
     HEADWISE_VERIFY,
@@ -50,6 +51,7 @@ class BenchOptions:
     schedules: tuple[str, ...] = (DEPTH_SCHEDULE_EXAMPLE,)  # eagle3_sched: one server per schedule
     auto_depth: int = LAUNCH_STEPS  # the draft steps eagle3_sched's `auto` launches with (the deepest it learns)
     delayer_ratio: float = DELAYER_RATIO  # the *_prefill_delayer configs' queue trigger
+    delayer_passes: int = DELAYER_PASSES  # and the most scheduler passes they hold a prefill
     # the switching servers (a threshold, auto) start without --max-running-requests and a decode
     # graph size, as the README's Serve command does: the plugin keeps a plain server's limits
     switching_defaults: bool = False
@@ -94,7 +96,7 @@ class BenchOptions:
 def config_records(opts: BenchOptions) -> dict[str, BenchConfig]:
     """Every server's record (bench.configs), by its name."""
     return {rec.name: rec for rec in expand(opts.configs, opts.thresholds, opts.depths, opts.schedules,
-                                         opts.auto_depth, opts.delayer_ratio)}
+                                         opts.auto_depth, opts.delayer_ratio, opts.delayer_passes)}
 
 
 def server_names(opts: BenchOptions) -> list[str]:
@@ -135,6 +137,10 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
                     help="the *_prefill_delayer configs' queue trigger: a prefill waits until the running "
                          "requests times RATIO wait (upstream's --prefill-delayer-queue-min-ratio; "
                          f"default {DELAYER_RATIO:g}: from 16 running requests up, 0.0625: from 32)")
+    ap.add_argument(p + "delayer-passes", type=int, default=DELAYER_PASSES,
+                    help="the *_prefill_delayer configs hold a prefill for at most N scheduler passes "
+                         "(decode steps), which bounds what the delayer adds to the time to first token "
+                         f"(upstream's --prefill-delayer-max-delay-passes; default {DELAYER_PASSES})")
     ap.add_argument(p + "concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),
                     help="comma list of closed-loop loads, measured in the order given (a switching "
                          "server carries what one load taught it into the next: 256,192 shows a "
@@ -236,6 +242,9 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     if not 0 < get("delayer-ratio") <= 1:
         raise refuse("delayer-ratio", "must be in (0, 1]: the share of the running requests that must wait "
                                       f"before a prefill runs (default {DELAYER_RATIO:g})")
+    if get("delayer-passes") < 1:
+        raise refuse("delayer-passes", "must be >= 1 scheduler passes (1: a prefill is never held; "
+                                       f"default {DELAYER_PASSES})")
     if get("pairs") < 0:
         raise refuse("pairs", "must be >= 0 (0: the ramp alone)")
     if not get("window-s") > 0:
@@ -273,6 +282,7 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
             "thresholds": tuple(sorted(int(x) for x in thresholds)),
             "depths": tuple(sorted(int(x) for x in depths)), "schedules": tuple(schedules),
             "auto_depth": get("auto-depth"), "delayer_ratio": get("delayer-ratio"),
+            "delayer_passes": get("delayer-passes"),
             "switching_defaults": get("switching-defaults"), "pairs": get("pairs"),
             "window_s": get("window-s"), "settle_s": get("settle-s"),
             "output_spread": get("output-spread"), "auto_learn_s": get("auto-learn-s"),

@@ -779,6 +779,32 @@ def test_the_delayer_s_queue_ratio_is_one_option_for_every_delayer_config_of_a_c
             bench_options("--configs", "eagle3_prefill_delayer", "--delayer-ratio", bad)
 
 
+def test_the_delayer_s_hold_is_capped_in_passes_for_every_delayer_config_of_a_call(tmp_path):
+    # Row 94: with upstream's cap of 30 passes the delayer took EAGLE-3's time to first token at 64
+    # requests from 35.6 / 54.8 ms (p50 / p90) to 66.2 / 138.6. --delayer-passes N bounds a held
+    # prefill to N scheduler passes (decode steps), on every *_prefill_delayer server of the call.
+    parsed = bench_options("--configs", "eagle3,eagle3_prefill_delayer,eagle3_sched_prefill_delayer",
+                           "--schedule", "1-40:5,41-:3", "--delayer-passes", "4")
+    opts = dataclasses.replace(parsed, models=tmp_path, out=tmp_path)
+    capped = (*configs.PREFILL_DELAYER, "--prefill-delayer-max-delay-passes", "4")
+    records = options.config_records(opts)
+    assert {n: r.args for n, r in records.items()} == {"eagle3": (), "eagle3_prefill_delayer": capped,
+                                                       "eagle3_sched1_prefill_delayer": capped}
+    assert throughput.server_config("eagle3_prefill_delayer", opts).argv(30000)[-5:] == list(capped)
+    assert records["eagle3_prefill_delayer"].label == "EAGLE-3 (prefill delayer, at most 4 passes)"
+    both = dataclasses.replace(bench_options("--configs", "eagle3_prefill_delayer", "--delayer-ratio", "0.0625",
+                                             "--delayer-passes", "3"), models=tmp_path, out=tmp_path)
+    assert options.config_records(both)["eagle3_prefill_delayer"].label == (
+        "EAGLE-3 (prefill delayer, queue ratio 0.0625, at most 3 passes)")
+    # upstream's own cap names no flag: the servers of earlier calls keep their options key
+    default = dataclasses.replace(bench_options("--configs", "eagle3_prefill_delayer", "--delayer-passes", "30"),
+                                  models=tmp_path, out=tmp_path)
+    assert options.config_records(default)["eagle3_prefill_delayer"].args == configs.PREFILL_DELAYER
+    for bad in ("0", "-2"):
+        with pytest.raises(SystemExit, match=r"--delayer-passes .*must be >= 1"):
+            bench_options("--configs", "eagle3_prefill_delayer", "--delayer-passes", bad)
+
+
 def test_a_prefill_delayer_config_is_its_base_with_upstream_s_delayer_flags(tmp_path):
     # plain_prefill_delayer, eagle3_prefill_delayer, eagle3_sched_prefill_delayer: the base's flags,
     # then upstream's prefill delayer on its queue trigger, then --server-args (a caller's flag
