@@ -95,7 +95,8 @@ ENV_NOTES = {EXTEND_VERIFY: "extend-kernel verify", HEADWISE_VERIFY: "per-head v
 
 
 def flags_note(args: tuple[str, ...]) -> str:
-    """A server's own flags in its label: the delayer by name (its ratio where not the default)."""
+    """A server's own flags in its label: the delayer by name (its ratio and its cap where not the
+    defaults)."""
     if args in FLAG_NOTES:
         return FLAG_NOTES[args]
     if args[:2] == PREFILL_DELAYER[:2] and len(args) in (3, 5):
