@@ -53,6 +53,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -178,12 +179,20 @@ def short_pool_check(pools: dict[str, int], opts: BenchOptions) -> None:
             "server a smaller pool (--max-total-tokens)")
 
 
-def warm_up(base: str, opts: BenchOptions) -> None:
-    """Short requests at every concurrency outside the measurement: lazy JIT and autotuning per
-    batch shape and per mode."""
+WARM_OUTPUT_LEN = 32  # a warm-up request's mean output length (spread as the windows' are)
+WARM_SEED = 1  # the warm-up's prompt stream: no window's (50, 100 + block, 7)
+
+
+def warm_up(base: str, opts: BenchOptions, vocab: int) -> None:
+    """Requests at every concurrency outside the measurement: lazy JIT and autotuning per batch
+    shape, per mode and per draft depth. Two waves of prompts shaped like the windows' (their
+    lengths, their output spread): the first wave's prefills run together, the second's one by one
+    beside running decodes, as a window's refills do; a kernel first met there would otherwise
+    compile inside a counted window (a GPU run of 2026-12-08: 1.38 s in one block)."""
     for c in opts.concurrency:
-        client.run_concurrent(base, [Prompt(f"w{c}-{i}", (5 + i % 50, 6, 7, 8), 32) for i in range(max(2, c))],
-                              c, opts.deadline.request_timeout(240))
+        prompts = workload(vocab, c, WARM_OUTPUT_LEN, WARM_SEED, 2 * max(1, c), opts.output_spread)
+        client.run_concurrent(base, [replace(p, key=f"w{p.key}") for p in prompts], c,
+                              opts.deadline.request_timeout(240))
 
 
 @contextlib.contextmanager
@@ -314,7 +323,7 @@ class Bench:
         # them while the others share the GPU (four warming up side by side made its steps 4x slower).
         for name in [n for n in self.names if not self.pool.warmed(n)]:
             t0 = time.time()
-            warm_up(self.servers[name].base, self.opts)
+            warm_up(self.servers[name].base, self.opts, self.vocab)
             self.learn(name)
             self.pool.mark_warmed(name)
             self.result["warm_s"][name] = round(time.time() - t0, 1)

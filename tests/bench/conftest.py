@@ -165,7 +165,7 @@ class FakeLab:
 
         monkeypatch.setattr(throughput, "server_config", server_config)
         monkeypatch.setattr(throughput, "kv_pool", lambda srv: self.pool)
-        monkeypatch.setattr(throughput, "warm_up", lambda base, opts: self.spend(10))
+        monkeypatch.setattr(throughput, "warm_up", lambda base, opts, vocab: self.spend(10))
         monkeypatch.setattr(throughput, "flush_cache", lambda base: None)
         monkeypatch.setattr(throughput, "measure", self.measure)
         monkeypatch.setattr(throughput, "run_ramp", self.run_ramp)

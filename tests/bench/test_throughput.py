@@ -9,13 +9,15 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench import configs, diagnose, hostinfo, options, servers, throughput
+from bench import configs, diagnose, hostinfo, options, servers, throughput, workload
 from bench import report as bench_report
 from bench.__main__ import build_parser
+from smoke.client import Prompt
 from smoke.deadline import Deadline
 from smoke.server import ServerConfig, SmokeError, group_running
 from tests.bench.conftest import FakeServer, bench_options, free_port_base, titled
@@ -272,7 +274,7 @@ def test_servers_warm_up_one_after_the_other(lab, monkeypatch):
     active: list[str] = []
     seen: list[tuple[str, int]] = []
 
-    def warm_up(base: str, opts: options.BenchOptions) -> None:
+    def warm_up(base: str, opts: options.BenchOptions, vocab: int) -> None:
         active.append(base)
         seen.append((base.removeprefix("http://"), len(active)))
         time.sleep(0.02)  # long enough for a second thread to enter, were there one
@@ -282,6 +284,30 @@ def test_servers_warm_up_one_after_the_other(lab, monkeypatch):
     monkeypatch.setattr(throughput, "warm_up", warm_up)
     throughput.run_bench(lab.options(400, configs=("plain", "eagle3", "plain_twin")), {})
     assert seen == [("plain", 1), ("eagle3", 1), ("plain_twin", 1)]
+
+
+def test_the_warm_up_sends_prompts_shaped_like_the_windows_in_two_waves(monkeypatch):
+    """A kernel first met in a counted window compiles there (1.38 s in one block of a GPU run):
+    the warm-up's prompts have the windows' lengths and output spread, and each load sends two
+    waves of them (its prefills together, then one by one beside running decodes), at every
+    concurrency, in a stream no window sends."""
+    sent: list[tuple[int, list[Prompt]]] = []
+    monkeypatch.setattr(throughput.client, "run_concurrent",
+                        lambda base, prompts, c, timeout: sent.append((c, list(prompts))) or [])
+    opts = options.BenchOptions(models=Path("m"), out=Path("o"), concurrency=(1, 16, 64))
+    throughput.warm_up("http://x", opts, 1000)
+    assert [c for c, _ in sent] == [1, 16, 64]
+    window = {len(workload.window_prompt(1000, 64, opts.output_len, 50, i, opts.output_spread).input_ids)
+              for i in range(200)}
+    for c, prompts in sent:
+        assert len(prompts) == 2 * c
+        lengths = {len(p.input_ids) for p in prompts}
+        assert lengths <= window and (c == 1 or max(lengths) - min(lengths) >= 16)
+        assert len({p.max_new_tokens for p in prompts}) > (c > 1)
+        assert all(p.key.startswith("w") for p in prompts)
+    first = {p.input_ids for p in sent[-1][1]}
+    assert not first & {workload.window_prompt(1000, 64, opts.output_len, 50, i, opts.output_spread).input_ids
+                        for i in range(128)}
 
 
 def test_a_resumed_run_goes_on_with_the_servers_of_the_last_call(lab):
