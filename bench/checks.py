@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,18 @@ def running_limit(base: str) -> int | None:
         return None
 
 
+# sglang 0.5.23's line for a Triton kernel compiled while the server served requests: a stall of
+# that long in whatever window held it
+SERVING_COMPILE = re.compile(r"^\[([\d-]+ [\d:]+)\] Triton kernel '(\w+)' took ([\d.]+) s to compile after "
+                             r"serving started", re.MULTILINE)
+
+
+def serving_compiles(log_text: str) -> list[dict[str, Any]]:
+    """The Triton kernels a server's log says it compiled while serving: when, which, how long."""
+    return [{"at": m.group(1), "kernel": m.group(2), "seconds": float(m.group(3))}
+            for m in SERVING_COMPILE.finditer(log_text)]
+
+
 def server_checks(name: str, srv: Server, top: int, switching: bool) -> tuple[dict[str, Any], list[str]]:
     """After a server's load: its KV pool back to empty, its running-request limit, its mode
     counters (a server `switching` between modes itself), its log clean. Every figure is kept, whichever check fails (the failures listed)."""
@@ -101,8 +114,12 @@ def server_checks(name: str, srv: Server, top: int, switching: bool) -> tuple[di
     trace = srv.cfg.env.get(AUTO_TRACE_ENV)
     if trace and Path(trace).is_file():  # auto's steps, written out as the server went idle after the load
         info["step_trace"] = [r.as_dict() for r in autotrace.summarize(autotrace.read(Path(trace)))]
+    log_text = srv.log_text()
+    compiles = serving_compiles(log_text)
+    if compiles:
+        info["serving_compiles"] = compiles
     try:
-        check_log_clean(srv.log_text())
+        check_log_clean(log_text)
     except SmokeError as exc:
         problems.append(f"{name}: {exc.cause} ({srv.log_path.name})")
     return info, problems

@@ -680,6 +680,10 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(f"- {label(result, name)}: {switching_note(st)}")
             if st.get("estimates"):  # auto: what it measured, per batch-size bucket
                 lines.append(f"- {label(result, name)}: per bucket, speculative / plain: {st['estimates']}")
+        if info.get("serving_compiles"):  # a stall in whichever window held it: read that block with care
+            lines.append(f"- {label(result, name)}: Triton kernels compiled while serving (the warm-up did not "
+                         "meet their shapes; a window that held one counts the stall): " + "; ".join(
+                             f"{c['kernel']} {c['seconds']:.2f} s at {c['at']}" for c in info["serving_compiles"]))
         if info.get("step_trace"):  # auto: its steps' times, as its estimate and the traffic read them
             lines += [f"- {label(result, name)} steps: {line}" for line in autotrace.render(info["step_trace"])]
     lines += [f"- server: {e}" for e in result.get("server_events", [])]

@@ -105,3 +105,22 @@ def test_server_checks_keep_every_figure_whichever_check_fails(monkeypatch, tmp_
     assert problems == [] and [r["kind"] for r in info["step_trace"]] == ["plain", "speculative"]
     md = bench_report.markdown({"configs": ["eagle3_auto"], "servers": {"eagle3_auto": info}})
     assert "- EAGLE-3 + auto steps: 5-8 speculative / plain: 3.000x by the medians, 3.000x by the sums" in md
+
+
+def test_a_kernel_compiled_while_serving_is_kept_and_reported(monkeypatch, tmp_path):
+    """A Triton compile inside a counted window stalls it (1.38 s in one block of a GPU run): the
+    server's checks keep each such line of its log and the report names it beside the server."""
+    log = tmp_path / "server_bench_eagle3_sched1.1.log"
+    log.write_text("[2026-12-08 00:33:16] Prefill batch, #new-seq: 2\n"
+                   "[2026-12-08 00:34:49] Triton kernel '_fwd_kernel' took 1.38 s to compile after serving "
+                   "started. Serving-time compilation can stall the engine; pre-compile it during engine init.\n")
+    monkeypatch.setattr(checks, "kv_used_after_flush", lambda base: 0)
+    monkeypatch.setattr(checks, "running_limit", lambda base: 64)
+    info, problems = checks.server_checks("eagle3", ChecksServer(log), 64, False)
+    assert problems == []
+    assert info["serving_compiles"] == [{"at": "2026-12-08 00:34:49", "kernel": "_fwd_kernel", "seconds": 1.38}]
+    md = bench_report.markdown({"configs": ["eagle3"], "servers": {"eagle3": info}})
+    assert "- EAGLE-3: Triton kernels compiled while serving" in md
+    assert "_fwd_kernel 1.38 s at 2026-12-08 00:34:49" in md
+    log.write_text("[2026-12-08 00:33:16] Prefill batch, #new-seq: 2\n")
+    assert "serving_compiles" not in checks.server_checks("eagle3", ChecksServer(log), 64, False)[0]
