@@ -65,6 +65,7 @@ ROUTER_ENV = {"NVIDIA_VISIBLE_DEVICES": "void"}
 # Kernels compiled at run time (FlashInfer's JIT, Triton, TorchInductor) land under the home
 # folder: a volume there outlives a container restart (a liveness restart compiles nothing again).
 CACHE_MOUNT = "/home/sglang/.cache"
+# The image sets the same two (images/Dockerfile); a manifest names them for an image built before.
 CACHE_ENV = {"TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
              "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor"}
 # The API key every server (and the router) then requires: from Compose's env file

@@ -445,6 +445,10 @@ def test_light_image_labels_layers_and_sbom(light_image: build.BuildResult,
         assert got[f"io.sglang-image.patch.{patch_file.name}"] == f"sha256:{digest}"
     config = image.attrs["Config"]
     assert config["User"] == "1000:1000"
+    # every kernel compiled at run time lands under ~/.cache, which one volume keeps
+    env = dict(e.split("=", 1) for e in config["Env"])
+    assert env["TRITON_CACHE_DIR"] == "/home/sglang/.cache/triton"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == "/home/sglang/.cache/torchinductor"
     assert config["Entrypoint"] == ["/opt/sglang-image/tool/entrypoint.sh"]
     assert "healthcheck.py" in " ".join(config["Healthcheck"]["Test"])
     assert image.attrs["Created"].startswith(got["org.opencontainers.image.created"][:19])
