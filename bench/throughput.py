@@ -190,7 +190,7 @@ def warm_up(base: str, opts: BenchOptions, vocab: int) -> None:
     beside running decodes, as a window's refills do; a kernel first met there would otherwise
     compile inside a counted window (a GPU run of 2026-12-08: 1.38 s in one block)."""
     for c in opts.concurrency:
-        prompts = workload(vocab, c, WARM_OUTPUT_LEN, WARM_SEED, 2 * max(1, c), opts.output_spread)
+        prompts = workload(vocab, c, WARM_OUTPUT_LEN, WARM_SEED, 2 * c, opts.output_spread)
         client.run_concurrent(base, [replace(p, key=f"w{p.key}") for p in prompts], c,
                               opts.deadline.request_timeout(240))
 
