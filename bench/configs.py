@@ -1,6 +1,9 @@
 """What each benchmarked server is, as data: the bench starts it from its record, the report labels
 and groups it by its record, and bench.json keeps the records (nothing decodes a server's name).
 
+`plain_twin` and `eagle3_twin` are A/A twins (TWINS): a second server identical to plain or to
+always-on EAGLE-3, whose ratio to it within a block is the noise floor of the procedure there.
+
 A config named on the command line becomes one record, or one per value of a sweep: `eagle3_thr`
 one per --threshold N, `eagle3_depth` one per --depth d (always-on EAGLE-3 drafting d steps and
 verifying d + 1 tokens a request; `eagle3` is the launch depth, 3), `eagle3_sched` one per
@@ -51,12 +54,16 @@ from sglang_image_plugin.setting import (
 from smoke.server import EAGLE_STEPS, launch_steps
 
 LAUNCH_STEPS = EAGLE_STEPS  # what `eagle3` and the switching servers draft
-CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_extend_verify", "eagle3_headwise_verify",
+CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_twin", "eagle3_extend_verify", "eagle3_headwise_verify",
            "eagle3_metadata_glue", "eagle3_upstream_combine", "eagle3_splits_by_load", "eagle3_depth",
            "eagle3_adaptive", "eagle3_thr", "eagle3_thr_prefill_graphs", "eagle3_sched",
            "eagle3_sched_upstream_combine", "eagle3_auto", "plain_prefill_delayer", "eagle3_prefill_delayer",
            "eagle3_sched_prefill_delayer")
 TWIN = "plain_twin"  # the A/A config: a second plain server
+# each A/A config and the server it repeats: its ratio to that server within a block is the noise of
+# the procedure at that server's load (a speculative server's host-bound step moves with the CPU
+# more than a plain one's; EAGLE-3's twin fits one card beside EAGLE-3 and one more server)
+TWINS = {TWIN: "plain", "eagle3_twin": "eagle3"}
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
 HEADWISE_VERIFY = (GROUPED_VERIFY_ENV, "0")  # the split-KV verify's prefix stage upstream's, per query head
 PREFILL_GRAPHS = (PREFILL_KV_GRAPHS_ENV, "1")  # the plugin's prefill K/V graphs on
@@ -116,7 +123,7 @@ class BenchConfig:
     steps: int = 0  # draft steps a speculative step runs (0: plain)
     threshold: int | None = None
     schedule: str | None = None  # the depth schedule (LOW-HIGH:DEPTH,...)
-    twin: bool = False  # the A/A twin of plain
+    twin: bool = False  # an A/A twin: a second server identical to its kind's stock one (TWINS)
     env: tuple[tuple[str, str], ...] = ()  # (variable, value) pairs the server is started with
     args: tuple[str, ...] = ()  # server flags of its own, after the bench's (WITH_FLAGS)
 
@@ -143,11 +150,11 @@ class BenchConfig:
     @property
     def one_depth(self) -> int | None:
         """The draft depth it runs at every load: plain 0 (not the twin), always-on EAGLE-3 its
-        steps (not a variant: a variant is not a depth); else None."""
-        if self.variant:
+        steps (not a variant: a variant is not a depth; not a twin: its server is one); else None."""
+        if self.variant or self.twin:
             return None
         if self.kind == "plain":
-            return None if self.twin else 0
+            return 0
         return self.steps if self.kind == "fixed" else None
 
     @property
@@ -162,7 +169,8 @@ class BenchConfig:
         if self.kind == "plain":
             return "plain (A/A twin)" if self.twin else "plain"
         if self.kind == "fixed":
-            return "EAGLE-3" if self.steps == LAUNCH_STEPS else f"EAGLE-3 depth {self.steps}"
+            name = "EAGLE-3" if self.steps == LAUNCH_STEPS else f"EAGLE-3 depth {self.steps}"
+            return f"{name} (A/A twin)" if self.twin else name
         learned_depths = f" (depths 0-{self.steps})" if self.learns and self.steps != LAUNCH_STEPS else ""
         return {"threshold": f"EAGLE-3 + threshold {self.threshold}",
                 "schedule": f"EAGLE-3 + schedule {self.schedule}{learned_depths}",
@@ -188,8 +196,10 @@ def expand(configs: tuple[str, ...], thresholds: tuple[int, ...] = (16,),
     deepest it can learn."""
     out: list[BenchConfig] = []
     for name in configs:
-        if name in ("plain", TWIN):
-            out.append(BenchConfig(name, "plain", twin=name == TWIN))
+        if name == "plain":
+            out.append(BenchConfig(name, "plain"))
+        elif name in TWINS:
+            out.append(replace(expand((TWINS[name],))[0], name=name, twin=True))
         elif name == "eagle3":
             out.append(BenchConfig(name, "fixed", LAUNCH_STEPS))
         elif name in EAGLE3_WITH:

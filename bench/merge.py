@@ -160,15 +160,15 @@ def record_text(rec: BenchConfig | None) -> str:
 
 
 def config_order(names: list[str], records: dict[str, BenchConfig]) -> list[str]:
-    """The configs as the report shows them: plain first (then its twin), always-on EAGLE-3 from
-    the launch depth down (its extend-kernel twin beside it), upstream's adaptive, the thresholds
+    """The configs as the report shows them: plain first (then its A/A twin), always-on EAGLE-3
+    from the deepest down (at the launch depth its A/A twin, then its variants), upstream's adaptive, the thresholds
     from the lowest, the schedules, auto; a name without a record last; else in the order met."""
-    def key(item: tuple[int, str]) -> tuple[int, bool, int, int, int, int]:
+    def key(item: tuple[int, str]) -> tuple[int, int, int, bool, int, int]:
         met, name = item
         rec = records.get(name)
         if rec is None or rec.kind not in KIND_ORDER:
-            return len(KIND_ORDER), False, 0, 0, 0, met
-        return KIND_ORDER.index(rec.kind), rec.twin, -rec.steps, len(rec.env) + len(rec.args), rec.threshold or 0, met
+            return len(KIND_ORDER), 0, 0, False, 0, met
+        return KIND_ORDER.index(rec.kind), -rec.steps, len(rec.env) + len(rec.args), rec.twin, rec.threshold or 0, met
 
     return [name for _, name in sorted(enumerate(names), key=key)]
 

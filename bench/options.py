@@ -26,6 +26,7 @@ from bench.configs import (
     PREFILL_GRAPHS,
     SPLITS_BY_LOAD,
     TWIN,
+    TWINS,
     UPSTREAM_COMBINE,
     WITH_FLAGS,
     BenchConfig,
@@ -120,7 +121,8 @@ def add_tuning_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
     p = "--" + prefix
     ap.add_argument(p + "configs", default=",".join(DEFAULT_CONFIGS),
                     help=f"comma list of {','.join(CONFIGS)} ({TWIN}: a second plain server, the A/A "
-                         "noise floor; eagle3_extend_verify: eagle3 with upstream's split-KV verify kernel "
+                         "noise floor; eagle3_twin: a second always-on EAGLE-3 server, the floor where EAGLE-3 "
+                         "is the better mode; eagle3_extend_verify: eagle3 with upstream's split-KV verify kernel "
                          f"off, {'='.join(EXTEND_VERIFY)}; eagle3_headwise_verify: eagle3 with the split-KV "
                          f"verify's prefix stage upstream's, one program a query head, {'='.join(HEADWISE_VERIFY)}; "
                          f"eagle3_upstream_combine: eagle3 with upstream's split combine, not the plugin's "
@@ -217,8 +219,9 @@ def tuning_options(a: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     configs = tuple(x.strip() for x in get("configs").split(",") if x.strip())
     if not configs or any(c not in CONFIGS for c in configs) or len(set(configs)) < len(configs):
         raise refuse("configs", f"give distinct names among {','.join(CONFIGS)}")
-    if TWIN in configs and "plain" not in configs:
-        raise refuse("configs", f"{TWIN} is measured against plain: add plain")
+    for twin, base in TWINS.items():
+        if twin in configs and base not in configs:
+            raise refuse("configs", f"{twin} is measured against {base}: add {base}")
     conc = [x.strip() for x in get("concurrency").split(",") if x.strip()]
     if not conc or not all(x.isdigit() and int(x) >= 1 for x in conc) or len(set(conc)) < len(conc):
         raise refuse("concurrency", "give distinct whole numbers >= 1, e.g. 1,2,4,8")

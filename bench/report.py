@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import autotrace, configs, diagnose, hostinfo, pairing, pyspy, report_steps
-from bench.configs import LAUNCH_STEPS, TWIN, output_reference
+from bench.configs import LAUNCH_STEPS, TWINS, output_reference
 
 FIXED_MODES = ("plain", "eagle3")  # the two a threshold chooses between
 
@@ -91,17 +91,30 @@ def level_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
-def floor_table(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per concurrency: the A/A floor, the plain twin over plain within each block (median and
-    interval); empty without the twin."""
-    out: dict[str, dict[str, Any]] = {}
-    if TWIN not in result.get("configs", []):
-        return out
-    for c in levels(result):
-        ratio = pairing.compare(blocks_at(result, c), TWIN, ["plain"])
-        if ratio:
-            out[c] = ratio.as_dict()
+def twin_floors(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per server with its A/A twin in the result (configs.TWINS: plain, EAGLE-3), per concurrency:
+    the twin over it within each block (median and interval), the noise of the procedure at that
+    server's load; empty without a twin."""
+    names = result.get("configs", [])
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for twin, base in TWINS.items():
+        if twin in names and base in names:
+            per_c = {c: ratio.as_dict() for c in levels(result)
+                     if (ratio := pairing.compare(blocks_at(result, c), twin, [base]))}
+            if per_c:
+                out[base] = per_c
     return out
+
+
+def floor_table(result: dict[str, Any], base: str = "plain") -> dict[str, dict[str, Any]]:
+    """Per concurrency: the A/A floor at `base` (its twin over it within each block: median and
+    interval); empty without that twin."""
+    return twin_floors(result).get(base, {})
+
+
+def floors_text(result: dict[str, Any], bases: Iterable[str]) -> str:
+    """The twins behind the floors, in words."""
+    return " and ".join(f"{label(result, b)}'s twin over {label(result, b)}" for b in bases)
 
 
 def versus_better(blocks: list[dict[str, Any]], name: str,
@@ -154,9 +167,12 @@ def better_table(result: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]
     its two did not both run."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     names = result.get("configs", [])
+    records = configs.from_result(result)
     held = {name: modes_of(result, name) for name in names}
     for c in levels(result):
-        row = {name: ratio for name in names if name not in (*FIXED_MODES, TWIN) and all(m in names for m in held[name])
+        row = {name: ratio for name in names
+               if name not in FIXED_MODES and not (name in records and records[name].twin)
+               and all(m in names for m in held[name])
                if (ratio := versus_better(blocks_at(result, c), name, held[name]))}
         if row:
             out[c] = row
@@ -543,7 +559,7 @@ def markdown(result: dict[str, Any]) -> str:
                  else f"; measured over {result['calls']} calls." if (result.get("calls") or 0) > 1 else ".")), "",
              server_setting_text(result), ""]
     table = level_table(result)
-    floor = floor_table(result)
+    floors = twin_floors(result)
     if table:
         lines += [(f"Output tokens/s (median over the blocks) and the ratio to {label(result, reference(result))} "
                    "within a block:"), "",
@@ -581,22 +597,26 @@ def markdown(result: dict[str, Any]) -> str:
     better = better_table(result)
     if better:
         switching = [n for n in names if any(n in row for row in better.values())]
+        floor_heads = [f"A/A floor, {label(result, b)}" for b in floors] or ["A/A floor"]
         lines += [("Each other server over the better of plain and always-on EAGLE-3 in the same block (those "
-                   "started with the server's own flags where both ran), with the A/A floor (the plain twin over "
-                   "plain: the noise of the procedure itself):"), "",
-                  "| concurrency | " + " | ".join(label(result, n) for n in switching) + " | A/A floor |",
-                  "|---:|" + "---:|" * (len(switching) + 1)]
+                   "started with the server's own flags where both ran), with the A/A floor ("
+                   + (floors_text(result, floors) if floors else "a twin over its server, not measured here")
+                   + ": the noise of the procedure itself):"), "",
+                  "| concurrency | " + " | ".join([*(label(result, n) for n in switching), *floor_heads]) + " |",
+                  "|---:|" + "---:|" * (len(switching) + len(floor_heads))]
         for c in sorted(better, key=int):
             cells = [interval(better[c].get(n)) for n in switching]
-            lines.append(f"| {c} | " + " | ".join(cells) + f" | {interval(floor.get(c)) if floor else 'not measured'} |")
+            cells += [interval(floors[b].get(c)) for b in floors] or ["not measured"]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines += ["", *through_plain_note(cell for row in better.values() for cell in row.values())]
-    elif floor:
-        lines += [("A/A floor: the plain twin over plain within a block, the same procedure as every comparison "
-                   "(a perfect bench: 1.00x with a narrow interval):"), "",
-                  "| concurrency | twin / plain | per-block ratios |", "|---:|---:|---|"]
-        for c in sorted(floor, key=int):
-            lines.append(f"| {c} | {interval(floor[c])} | {', '.join(f'{r:.3f}' for r in floor[c]['ratios'])} |")
-        lines.append("")
+    elif floors:
+        for server, floor in floors.items():
+            lines += [(f"A/A floor: {floors_text(result, [server])} within a block, the same procedure as every "
+                       "comparison (a perfect bench: 1.00x with a narrow interval):"), "",
+                      f"| concurrency | twin / {label(result, server)} | per-block ratios |", "|---:|---:|---|"]
+            for c in sorted(floor, key=int):
+                lines.append(f"| {c} | {interval(floor[c])} | {', '.join(f'{r:.3f}' for r in floor[c]['ratios'])} |")
+            lines.append("")
     auto = auto_comparison(result)
     if auto:
         lines += ["`auto` against the alternatives (ratios within a block, median [95% interval]):", "",
@@ -785,15 +805,16 @@ def fmt(x: float | None) -> str:
 def plot_concurrency(result: dict[str, Any], path: Path) -> None:
     """Tokens/s against concurrency, one line per config; below, each config's ratio to the reference
     (reference(): plain where it ran) within a block (median, bars: the 95% interval), with the A/A
-    floor's interval as a grey band."""
+    floor's interval (the reference's twin over it) as a grey band; a twin has no line there."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     table = level_table(result)
-    floor = floor_table(result)
     ref = reference(result)
+    floor = floor_table(result, ref)  # the noise of a ratio to the reference: its twin's band
+    records = configs.from_result(result)
     xs_all = sorted((int(c) for c in table), key=int)
     fig, (ax, ratio) = plt.subplots(2, 1, sharex=True, figsize=(7, 6.5), gridspec_kw={"height_ratios": [3, 2]})
     if floor:
@@ -807,7 +828,7 @@ def plot_concurrency(result: dict[str, Any], path: Path) -> None:
         if pooled:  # a merged result: a median over several calls' windows, drawn hollow
             ax.plot(pooled, [table[str(c)][name]["tok_per_s"] for c in pooled], marker="o", linestyle="none",
                     color=line.get_color(), markerfacecolor="white", zorder=3)
-        if name in (ref, TWIN):  # the twin's ratio is the floor's band
+        if name == ref or (name in records and records[name].twin):  # a twin's ratio: a floor, not a server
             continue
         rs = [(c, table[str(c)][name]["vs_reference"]) for c in xs if table[str(c)][name]["vs_reference"]]
         if rs:

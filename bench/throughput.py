@@ -20,6 +20,7 @@ DIR holds a target and an EAGLE-3 draft (`python -m smoke models DIR --size 1b -
   interval.
 - A/A floor: `plain_twin` is a second plain server, identical to the first; its ratio to plain,
   measured by the same procedure, is the noise floor printed beside every comparison.
+  `eagle3_twin` is the same for always-on EAGLE-3, the better mode up to the crossover.
 - Host time per decode step (device timer, --device-timer): per server and c, wall and GPU-busy
   time per decode step (steps counted by the server's metrics); the host's share is the rest.
 - Where the host time went (bench.hostinfo), read in every window: the scheduler thread's time on

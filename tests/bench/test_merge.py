@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench import merge, options, pairing, throughput
+from bench import configs, merge, options, pairing, throughput
 from bench import report as bench_report
 from bench.__main__ import build_parser
 from tests.bench.conftest import png_size
@@ -205,3 +205,14 @@ def test_one_call_alone_or_twice_is_refused(tmp_path):
     copy = saved(tmp_path, "copy", json.loads(low.read_text()))
     with pytest.raises(merge.Refused, match="hold the same blocks .*give each call once"):
         merged_of([low, copy])
+
+
+def test_each_twin_sits_beside_the_server_it_repeats():
+    names = ["eagle3_extend_verify", "eagle3_twin", "eagle3_thr16", "plain_prefill_delayer", "plain_twin",
+             "eagle3", "eagle3_depth5", "plain"]
+    records = {r.name: r for r in configs.expand(
+        ("eagle3_extend_verify", "eagle3_twin", "eagle3_thr", "plain_prefill_delayer", "plain_twin", "eagle3",
+         "eagle3_depth", "plain"), depths=(5,))}
+    assert merge.config_order(names, records) == [
+        "plain", "plain_twin", "plain_prefill_delayer", "eagle3_depth5", "eagle3", "eagle3_twin",
+        "eagle3_extend_verify", "eagle3_thr16"]

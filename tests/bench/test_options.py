@@ -46,6 +46,7 @@ def test_options_and_refused_values():
     assert o.registry == Path("st.json.servers.json")
     for flags, word in ((("--configs", "plain,nope"), "--configs"), (("--configs", "plain,plain"), "--configs"),
                         (("--configs", "plain_twin,eagle3"), "add plain"),
+                        (("--configs", "plain,eagle3_twin"), "eagle3_twin is measured against eagle3: add eagle3"),
                         (("--concurrency", "1,0"), "--concurrency"), (("--concurrency", "1,x"), "--concurrency"),
                         (("--threshold", "0"), "--threshold"), (("--threshold", "8,8"), "--threshold"),
                         (("--threshold", "auto"), "--threshold"), (("--pairs", "-1"), "--pairs"),

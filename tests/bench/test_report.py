@@ -486,3 +486,64 @@ def test_a_server_with_flags_is_held_against_plain_and_eagle3_with_the_same_flag
     # without plain with the delayer, the stock two are the reference (as before)
     stock = bench_report.better_table(result_of(("plain", "eagle3", "eagle3_sched1_prefill_delayer")))["64"]
     assert stock["eagle3_sched1_prefill_delayer"]["median"] == pytest.approx(1.365)
+
+
+def blocks_of(names: tuple[str, ...], shares: dict[str, tuple[float, ...]], c: str = "64") -> dict[str, Any]:
+    """A call of these configs, one block per share: the first config's tokens/s drifts with the host
+    (1.0, 0.8, 1.2, ...), each other's is its share of the first's in that block."""
+    recs = configs.expand(names, schedules=("1-40:5,41-:3",))
+    first = recs[0].name
+    window = {"errors": 0, "output_tokens": 3000, "seconds": 3.0, "steps": 300, "accept_length": 2.8}
+    drifts = (1.0, 0.8, 1.2, 0.9, 1.1)
+    blocks = [{"block": k + 1, "order": [], "windows": {
+        r.name: {**window, "tok_per_s": 1000.0 * drift * (1.0 if r.name == first else shares[r.name][k])}
+        for r in recs}} for k, drift in enumerate(drifts[:len(next(iter(shares.values())))])]
+    return {"configs": [r.name for r in recs], "config_records": {r.name: r.as_dict() for r in recs},
+            "blocks": {c: blocks}, "pairs": len(blocks)}
+
+
+def test_eagle3_s_twin_gives_the_floor_where_eagle3_is_the_better_mode(tmp_path, monkeypatch):
+    # --bench-configs eagle3,eagle3_twin,eagle3_sched: three servers on one card, no plain. The floor
+    # is EAGLE-3's twin over EAGLE-3 in each block, the ratio the schedule's is read against.
+    result = blocks_of(("eagle3", "eagle3_twin", "eagle3_sched"),
+                       {"eagle3_twin": (0.97, 1.02, 1.0), "eagle3_sched1": (1.06, 1.04, 1.08)})
+    twin = configs.expand(("eagle3_twin",))[0]
+    assert twin.twin and twin.kind == "fixed" and twin.steps == configs.LAUNCH_STEPS and twin.one_depth is None
+    assert twin.label == "EAGLE-3 (A/A twin)"
+    floors = bench_report.twin_floors(result)
+    assert list(floors) == ["eagle3"] and floors["eagle3"]["64"]["ratios"] == [0.97, 1.02, 1.0]
+    assert bench_report.floor_table(result) == {}  # no plain twin here
+    md = bench_report.markdown(result)
+    assert "A/A floor: EAGLE-3's twin over EAGLE-3 within a block" in md
+    assert "| concurrency | twin / EAGLE-3 | per-block ratios |" in md
+    assert "| 64 | 1.00x [0.97-1.02] | 0.970, 1.020, 1.000 |" in md
+    # a twin is no depth of its own: `bench schedule` does not see two servers at depth 3
+    assert bench_report.fixed_servers(result) == ["eagle3", "eagle3_sched1"]
+    # with plain and both twins, the promise's table carries both floors
+    result = blocks_of(("plain", "plain_twin", "eagle3", "eagle3_twin", "eagle3_thr"),
+                       {"plain_twin": (1.0, 0.99, 1.01), "eagle3": (1.6, 1.6, 1.6),
+                        "eagle3_twin": (1.6 * 0.95, 1.6 * 1.05, 1.6), "eagle3_thr16": (1.6, 1.6, 1.6)})
+    assert set(bench_report.better_table(result)["64"]) == {"eagle3_thr16"}  # no twin in it
+    md = bench_report.markdown(result)
+    assert ("with the A/A floor (plain's twin over plain and EAGLE-3's twin over EAGLE-3: the noise of the "
+            "procedure itself)") in md
+    assert "| concurrency | EAGLE-3 + threshold 16 | A/A floor, plain | A/A floor, EAGLE-3 |" in md
+    assert "| 64 | 1.00x [1.00-1.00] | 1.00x [0.99-1.01] | 1.00x [0.95-1.05] |" in md
+    # the plot: the band is the reference's own floor, and no twin draws a ratio of its own
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    close, figures = plt.close, []
+    monkeypatch.setattr(plt, "close", figures.append)
+    try:
+        bench_report.plot_concurrency(blocks_of(("eagle3", "eagle3_twin", "eagle3_sched"),
+                                                {"eagle3_twin": (0.97, 1.02, 1.0),
+                                                 "eagle3_sched1": (1.06, 1.04, 1.08)}), tmp_path / "c.png")
+        (_, ratio), = (fig.axes for fig in figures)
+        assert [list(bar.lines[0].get_ydata()) for bar in ratio.containers] == [[1.06]]  # the schedule's only
+        band = ratio.collections[0].get_paths()[0].vertices[:, 1]
+        assert min(band) == pytest.approx(0.97) and max(band) == pytest.approx(1.02)
+    finally:
+        for fig in figures:
+            close(fig)

@@ -25,12 +25,15 @@ from tests.bench.conftest import FakeServer, bench_options, free_port_base, titl
 
 def test_configs_map_to_server_flags(tmp_path):
     opts = options.BenchOptions(models=tmp_path, out=tmp_path, thresholds=(16, 64), concurrency=(1, 256),
-                                configs=("plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr", "eagle3_auto"),
+                                configs=("plain", "plain_twin", "eagle3", "eagle3_twin", "eagle3_adaptive", "eagle3_thr",
+                                         "eagle3_auto"),
                                 server_args=("--gc-threshold", "50000"), mem_share=0.8, max_total_tokens=1000)
     names = options.server_names(opts)
-    assert names == ["plain", "plain_twin", "eagle3", "eagle3_adaptive", "eagle3_thr16", "eagle3_thr64", "eagle3_auto"]
+    assert names == ["plain", "plain_twin", "eagle3", "eagle3_twin", "eagle3_adaptive", "eagle3_thr16", "eagle3_thr64",
+                     "eagle3_auto"]
     argv = {name: throughput.server_config(name, opts).argv(30000) for name in names}
     assert "--speculative-algorithm" not in argv["plain"] and argv["plain_twin"] == argv["plain"]  # A/A: identical
+    assert "--speculative-algorithm" in argv["eagle3"] and argv["eagle3_twin"] == argv["eagle3"]
     assert all("--speculative-adaptive" not in a for n, a in argv.items() if n != "eagle3_adaptive")
     ad = argv["eagle3_adaptive"]
     assert ad[ad.index("--speculative-adaptive-config") + 1] == str(tmp_path / "adaptive_config.json")
