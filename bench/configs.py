@@ -61,8 +61,8 @@ CONFIGS = ("plain", "plain_twin", "eagle3", "eagle3_twin", "eagle3_extend_verify
            "eagle3_sched_prefill_delayer")
 TWIN = "plain_twin"  # the A/A config: a second plain server
 # each A/A config and the server it repeats: its ratio to that server within a block is the noise of
-# the procedure at that server's load (a speculative server's host-bound step moves with the CPU
-# more than a plain one's; EAGLE-3's twin fits one card beside EAGLE-3 and one more server)
+# the procedure at that server's load (where EAGLE-3 is the better mode a server is read against it;
+# its twin fits one card beside EAGLE-3 and one more server, where plain's needs a fourth)
 TWINS = {TWIN: "plain", "eagle3_twin": "eagle3"}
 EXTEND_VERIFY = ("SGLANG_ENABLE_SPLITKV_VERIFY", "0")  # upstream's switch off: verify on the extend kernel
 HEADWISE_VERIFY = (GROUPED_VERIFY_ENV, "0")  # the split-KV verify's prefix stage upstream's, per query head

@@ -161,8 +161,9 @@ def record_text(rec: BenchConfig | None) -> str:
 
 def config_order(names: list[str], records: dict[str, BenchConfig]) -> list[str]:
     """The configs as the report shows them: plain first (then its A/A twin), always-on EAGLE-3
-    from the deepest down (at the launch depth its A/A twin, then its variants), upstream's adaptive, the thresholds
-    from the lowest, the schedules, auto; a name without a record last; else in the order met."""
+    from the deepest down (at the launch depth its A/A twin, then its variants), upstream's
+    adaptive, the thresholds from the lowest, the schedules, auto; a name without a record last;
+    else in the order met."""
     def key(item: tuple[int, str]) -> tuple[int, int, int, bool, int, int]:
         met, name = item
         rec = records.get(name)
